@@ -1,0 +1,226 @@
+"""split / merge and model utilities over any Equinox pytree.
+
+EasyDeL keeps a model as ``graphdef + graphstate + graphother``. In edl the model *is* the
+pytree, and::
+
+    params, other = edl.split(model)          # trainable arrays | everything else
+    model = edl.merge(params, other)          # exact inverse
+
+Both halves have the model's structure with ``None`` in the other half's places, and share
+the model's leaves (nothing is copied), so freezing most of a large model costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import PyTree
+
+from edl import tree as edl_tree
+
+__all__ = [
+    "Trainable",
+    "abstract",
+    "count_params",
+    "is_inexact_array_like",
+    "merge",
+    "nbytes",
+    "split",
+    "summary",
+    "to_bfloat16",
+    "to_dtype",
+    "to_float",
+    "to_half",
+    "trainable_mask",
+]
+
+Trainable: TypeAlias = None | Callable[[Any], bool] | str | re.Pattern[str] | PyTree[bool]
+"""What may be trained: ``None`` (every inexact array), a leaf predicate, a regex searched in
+path strings, or a bool pytree that is a prefix of the model. Whatever is given is narrowed to
+inexact (floating/complex) arrays: nothing else can carry a gradient."""
+
+
+def is_inexact_array_like(x: Any) -> bool:
+    """True for floating/complex arrays and ``ShapeDtypeStruct``s (abstract models split too)."""
+    return edl_tree.is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def trainable_mask(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> PyTree[bool]:
+    """A bool for every leaf of ``model``: True where the leaf is trainable (see :data:`Trainable`)."""
+    if trainable is None:
+        return jax.tree.map(is_inexact_array_like, model)
+    if isinstance(trainable, str | re.Pattern):
+        pattern = edl_tree.compile_pattern(trainable)
+        return edl_tree.named_map(
+            lambda p, x: is_inexact_array_like(x) and pattern.search(p) is not None, model, sep=sep
+        )
+    if callable(trainable) and not isinstance(trainable, eqx.Module):
+        return jax.tree.map(lambda x: is_inexact_array_like(x) and bool(trainable(x)), model)
+    return _broadcast_bool_prefix(trainable, model, sep)
+
+
+def _broadcast_bool_prefix(mask: PyTree[bool], model: PyTree, sep: str) -> PyTree[bool]:
+    def check(path: str, b: Any) -> bool:
+        if not isinstance(b, bool | np.bool_):
+            raise TypeError(
+                f"trainable mask: leaf {path!r} is {type(b).__name__}; a bool pytree must hold "
+                "only Python bools"
+            )
+        return bool(b)
+
+    mask = edl_tree.named_map(check, mask, sep=sep)
+    try:
+        return jax.tree.map(
+            lambda b, sub: jax.tree.map(lambda x: b and is_inexact_array_like(x), sub), mask, model
+        )
+    except ValueError as e:
+        raise ValueError(f"trainable mask is not a prefix of the model's structure: {e}") from e
+
+
+def split(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> tuple[PyTree, PyTree]:
+    """Split ``model`` into ``(params, other)``: the trainable arrays and everything else.
+
+    Both have ``model``'s structure with ``None`` holes where the other holds a value; the
+    leaves are ``model``'s own objects (no copies). ``merge(params, other)`` is the inverse.
+
+    Args:
+        model: any pytree, typically an ``eqx.Module``.
+        trainable: see :data:`Trainable`; default: every inexact array.
+    """
+    return eqx.partition(model, trainable_mask(model, trainable, sep=sep))
+
+
+def merge(params: PyTree, other: PyTree) -> PyTree:
+    """Put ``split``'s halves back together (EasyDeL's ``merge_module``).
+
+    Raises ``ValueError`` naming the first path where the two halves' structures differ, or
+    where both hold a value (they would silently shadow each other).
+    """
+    diff = edl_tree.structure_difference(params, other, names=("params", "other"), none_is_leaf=True)
+    if diff is not None:
+        raise ValueError(f"merge: params and other differ in structure: {diff}")
+    both = [
+        kp
+        for (kp, p), o in zip(
+            jtu.tree_flatten_with_path(params, is_leaf=edl_tree.is_none)[0],
+            jax.tree.leaves(other, is_leaf=edl_tree.is_none),
+            strict=True,
+        )
+        if p is not None and o is not None
+    ]
+    if both:
+        raise ValueError(
+            f"merge: params and other both hold a value at {edl_tree.path_str(both[0])!r} "
+            f"({len(both)} such paths); merge takes the two halves returned by split"
+        )
+    return eqx.combine(params, other)
+
+
+def to_dtype(tree: PyTree, dtype: jnp.dtype | type) -> PyTree:
+    """Cast every floating leaf (arrays and ShapeDtypeStructs) to ``dtype``; others are kept."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if not (edl_tree.is_array_like(x) and jnp.issubdtype(x.dtype, jnp.floating)):
+            return x
+        if x.dtype == dtype:
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding)
+        return x.astype(dtype)
+
+    return jax.tree.map(cast, tree)
+
+
+def to_float(tree: PyTree) -> PyTree:
+    """Floating leaves to float32 (torch's ``.float()``)."""
+    return to_dtype(tree, jnp.float32)
+
+
+def to_half(tree: PyTree) -> PyTree:
+    """Floating leaves to float16 (torch's ``.half()``)."""
+    return to_dtype(tree, jnp.float16)
+
+
+def to_bfloat16(tree: PyTree) -> PyTree:
+    """Floating leaves to bfloat16."""
+    return to_dtype(tree, jnp.bfloat16)
+
+
+def _array_leaves(tree: PyTree) -> list[Any]:
+    return [x for x in jax.tree.leaves(tree) if edl_tree.is_array_like(x)]
+
+
+def count_params(tree: PyTree) -> int:
+    """Number of array elements in ``tree`` (``count_params(split(m)[0])`` counts trainables)."""
+    return sum(math.prod(x.shape) for x in _array_leaves(tree))
+
+
+def _bits(dtype: np.dtype) -> int:
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return np.dtype(dtype).itemsize * 8
+
+
+def nbytes(tree: PyTree) -> int:
+    """Bytes held by the arrays of ``tree`` (sub-byte dtypes such as int4 count their bits)."""
+    return sum(-(-math.prod(x.shape) * _bits(x.dtype) // 8) for x in _array_leaves(tree))
+
+
+def abstract(model_init: Callable[..., PyTree], *args: Any, **kwargs: Any) -> PyTree:
+    """Shape-only init: ``model_init(*args, **kwargs)`` with ``jax.ShapeDtypeStruct`` leaves.
+
+    Nothing is allocated; use it with ``edl.tree.load_into`` to load weights, or to plan
+    shardings. Non-array arguments (config, ints) pass through as static.
+    """
+    return eqx.filter_eval_shape(model_init, *args, **kwargs)
+
+
+def _human(n: float, unit: str = "") -> str:
+    for suffix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or suffix == "T":
+            return f"{n:.0f}{suffix}{unit}" if suffix == "" else f"{n:.2f}{suffix}{unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def summary(model: PyTree, trainable: Trainable = None, *, sep: str = ".", max_rows: int | None = None) -> str:
+    """A table of the model's arrays: path, shape, dtype, element count, trainable, and totals.
+
+    ``max_rows`` keeps the first and last rows of very long tables.
+    """
+    mask = edl_tree.flatten(trainable_mask(model, trainable, sep=sep), sep)
+    rows = [
+        (p, str(tuple(x.shape)), str(x.dtype), f"{math.prod(x.shape):,}", "yes" if mask[p] else "")
+        for p, x in edl_tree.flatten(model, sep).items()
+        if edl_tree.is_array_like(x)
+    ]
+    header = ("path", "shape", "dtype", "params", "trainable")
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+
+    def fmt(r: tuple[str, ...]) -> str:
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
+        return "  ".join([*cells, r[3].rjust(widths[3]), r[4]]).rstrip()
+
+    shown = [fmt(r) for r in rows]
+    if max_rows is not None and len(shown) > max_rows:
+        head, tail = (max_rows + 1) // 2, max_rows // 2
+        shown = [*shown[:head], f"... {len(rows) - head - tail} more rows ...", *shown[len(shown) - tail :]]
+    params, _ = split(model, trainable, sep=sep)
+    total, n_train = count_params(model), count_params(params)
+    rule = "-" * len(fmt(header))
+    footer = (
+        f"total: {total:,} params ({_human(total)}), trainable: {n_train:,} ({_human(n_train)}), "
+        f"{_human(nbytes(model), 'B')}"
+    )
+    return "\n".join([fmt(header), rule, *shown, rule, footer])

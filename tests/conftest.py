@@ -1,0 +1,27 @@
+"""Test configuration: strict promotion, 8 host devices, runtime-checked annotations."""
+
+import os
+
+# Must precede the first jax import: 8 CPU devices so sharding is exercised on CPU.
+_flag = "--xla_force_host_platform_device_count=8"
+if _flag not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
+
+import jax  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from jaxtyping import install_import_hook  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Every edl function's jaxtyping/typing annotations are checked by beartype under test.
+with install_import_hook("edl", "beartype.beartype"):
+    import edl  # noqa: F401
+
+# First calls compile, so wall-clock deadlines would only measure XLA; CI replays examples
+# deterministically so a failure there is reproducible from the log.
+settings.register_profile(
+    "edl", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("ci", parent=settings.get_profile("edl"), derandomize=True)
+settings.load_profile("ci" if os.environ.get("CI") else "edl")
