@@ -42,10 +42,12 @@ __all__ = [
     "trainable_mask",
 ]
 
-Trainable: TypeAlias = None | Callable[[Any], bool] | str | re.Pattern[str] | PyTree[bool]
+# The last member is meant as PyTree[bool]; it is typed loosely so that a bad mask reaches
+# edl's own check, which names the offending leaf.
+Trainable: TypeAlias = Callable[[Any], bool] | str | re.Pattern[str] | PyTree | None
 """What may be trained: ``None`` (every inexact array), a leaf predicate, a regex searched in
-path strings, or a bool pytree that is a prefix of the model. Whatever is given is narrowed to
-inexact (floating/complex) arrays: nothing else can carry a gradient."""
+path strings, or a pytree of Python bools that is a prefix of the model. Whatever is given is
+narrowed to inexact (floating/complex) arrays: nothing else can carry a gradient."""
 
 
 def is_inexact_array_like(x: Any) -> bool:
@@ -54,7 +56,7 @@ def is_inexact_array_like(x: Any) -> bool:
 
 
 def trainable_mask(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> PyTree[bool]:
-    """A bool for every leaf of ``model``: True where the leaf is trainable (see :data:`Trainable`)."""
+    """A bool per leaf of ``model``: True where the leaf is trainable (see :data:`Trainable`)."""
     if trainable is None:
         return jax.tree.map(is_inexact_array_like, model)
     if isinstance(trainable, str | re.Pattern):
@@ -67,7 +69,7 @@ def trainable_mask(model: PyTree, trainable: Trainable = None, *, sep: str = "."
     return _broadcast_bool_prefix(trainable, model, sep)
 
 
-def _broadcast_bool_prefix(mask: PyTree[bool], model: PyTree, sep: str) -> PyTree[bool]:
+def _broadcast_bool_prefix(mask: PyTree, model: PyTree, sep: str) -> PyTree[bool]:
     def check(path: str, b: Any) -> bool:
         if not isinstance(b, bool | np.bool_):
             raise TypeError(
@@ -104,7 +106,9 @@ def merge(params: PyTree, other: PyTree) -> PyTree:
     Raises ``ValueError`` naming the first path where the two halves' structures differ, or
     where both hold a value (they would silently shadow each other).
     """
-    diff = edl_tree.structure_difference(params, other, names=("params", "other"), none_is_leaf=True)
+    diff = edl_tree.structure_difference(
+        params, other, names=("params", "other"), none_is_leaf=True
+    )
     if diff is not None:
         raise ValueError(f"merge: params and other differ in structure: {diff}")
     both = [
@@ -186,7 +190,7 @@ def abstract(model_init: Callable[..., PyTree], *args: Any, **kwargs: Any) -> Py
     return eqx.filter_eval_shape(model_init, *args, **kwargs)
 
 
-def _human(n: float, unit: str = "") -> str:
+def _human(n: int | float, unit: str = "") -> str:
     for suffix in ("", "K", "M", "G", "T"):
         if abs(n) < 1000 or suffix == "T":
             return f"{n:.0f}{suffix}{unit}" if suffix == "" else f"{n:.2f}{suffix}{unit}"
@@ -194,7 +198,9 @@ def _human(n: float, unit: str = "") -> str:
     raise AssertionError("unreachable")
 
 
-def summary(model: PyTree, trainable: Trainable = None, *, sep: str = ".", max_rows: int | None = None) -> str:
+def summary(
+    model: PyTree, trainable: Trainable = None, *, sep: str = ".", max_rows: int | None = None
+) -> str:
     """A table of the model's arrays: path, shape, dtype, element count, trainable, and totals.
 
     ``max_rows`` keeps the first and last rows of very long tables.
@@ -215,7 +221,11 @@ def summary(model: PyTree, trainable: Trainable = None, *, sep: str = ".", max_r
     shown = [fmt(r) for r in rows]
     if max_rows is not None and len(shown) > max_rows:
         head, tail = (max_rows + 1) // 2, max_rows // 2
-        shown = [*shown[:head], f"... {len(rows) - head - tail} more rows ...", *shown[len(shown) - tail :]]
+        shown = [
+            *shown[:head],
+            f"... {len(rows) - head - tail} more rows ...",
+            *shown[len(shown) - tail :],
+        ]
     params, _ = split(model, trainable, sep=sep)
     total, n_train = count_params(model), count_params(params)
     rule = "-" * len(fmt(header))

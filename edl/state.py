@@ -16,7 +16,8 @@ static callables) gets neither gradients nor optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -135,7 +136,7 @@ class TrainState:
         return children, self._meta
 
     @classmethod
-    def tree_unflatten(cls, meta: tuple[Any, ...], children: list[Any]) -> TrainState:
+    def tree_unflatten(cls, meta: tuple[Any, ...], children: Sequence[Any]) -> TrainState:
         step, *rest = children
         leaves, start = [], 0
         for treedef, _ in meta:
@@ -156,10 +157,19 @@ class TrainState:
         return f"TrainState(step={self.step!r}, {fields})"
 
 
+def _optax_promotion() -> contextlib.AbstractContextManager[None]:
+    """optax is written for standard dtype promotion (Adam's bias correction computes
+    ``decay**count`` with an int32 count); scope it to the optimizer so that users who enable
+    ``jax_numpy_dtype_promotion="strict"`` for their own code can still use it."""
+    return jax.numpy_dtype_promotion("standard")
+
+
 def _as_step(step: int | jax.Array) -> Int[Array, ""]:
     step = jnp.asarray(step)
     if step.shape != () or not jnp.issubdtype(step.dtype, jnp.integer):
-        raise ValueError(f"step must be an integer scalar, got shape {step.shape} dtype {step.dtype}")
+        raise ValueError(
+            f"step must be an integer scalar, got shape {step.shape} dtype {step.dtype}"
+        )
     return step.astype(jnp.int32)
 
 
@@ -181,7 +191,9 @@ def create(
 
 def init_tx(state: TrainState, tx: optax.GradientTransformation) -> TrainState:
     """A state whose ``opt_state`` is ``tx.init(state.params)`` (replacing any previous one)."""
-    return replace(state, opt_state=tx.init(state.params))
+    with _optax_promotion():
+        opt_state = tx.init(state.params)
+    return replace(state, opt_state=opt_state)
 
 
 def _check_grads(grads: PyTree, params: PyTree) -> None:
@@ -194,7 +206,9 @@ def _check_grads(grads: PyTree, params: PyTree) -> None:
     shapes = edl_tree.validate(grads, params, check_dtype=False).shape_mismatches
     if shapes:
         path, want, got = shapes[0]
-        raise ValueError(f"apply_gradients: the gradient at {path!r} has shape {got}, params {want}")
+        raise ValueError(
+            f"apply_gradients: the gradient at {path!r} has shape {got}, params {want}"
+        )
 
 
 def apply_gradients(
@@ -212,8 +226,9 @@ def apply_gradients(
             "edl.state.create(model, tx) or edl.state.init_tx(state, tx)"
         )
     _check_grads(grads, state.params)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with _optax_promotion():
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     return TrainState(step=state.step + 1, params=params, other=state.other, opt_state=opt_state)
 
 

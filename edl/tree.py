@@ -29,9 +29,9 @@ from jaxtyping import PyTree
 __all__ = [
     "PathKey",
     "ValidationResult",
+    "compile_pattern",
     "flatten",
     "is_array_like",
-    "compile_pattern",
     "is_flat",
     "is_none",
     "load_into",
@@ -194,7 +194,9 @@ def unflatten(
         msg = "\n".join(
             s
             for s in (
-                _format_paths("paths missing from the flat dict", (p for p in want if p not in flat)),
+                _format_paths(
+                    "paths missing from the flat dict", (p for p in want if p not in flat)
+                ),
                 _format_paths("unexpected paths", (p for p in flat if p not in wanted)),
             )
             if s
@@ -240,7 +242,9 @@ def tree_apply(
     have = set(paths(tree, sep, is_leaf=is_leaf))
     unknown = [p for p in fns if p not in have]
     if unknown:
-        raise ValueError("tree_apply: " + _format_paths("paths are not leaves of the tree", unknown))
+        raise ValueError(
+            "tree_apply: " + _format_paths("paths are not leaves of the tree", unknown)
+        )
     return named_map(lambda p, x: fns[p](x) if p in fns else x, tree, sep=sep, is_leaf=is_leaf)
 
 
@@ -267,7 +271,9 @@ class ValidationResult:
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.shape_mismatches or self.dtype_mismatches)
+        return not (
+            self.missing or self.unexpected or self.shape_mismatches or self.dtype_mismatches
+        )
 
     def message(self) -> str:
         parts = [
@@ -343,9 +349,9 @@ def load_into(
         abstract_missing = tuple(
             p for p in report.missing if isinstance(targets[p], jax.ShapeDtypeStruct)
         )
-        dataclasses.replace(
-            report, missing=abstract_missing, unexpected=()
-        ).raise_if_invalid("load_into: the flat dict")
+        dataclasses.replace(report, missing=abstract_missing, unexpected=()).raise_if_invalid(
+            "load_into: the flat dict"
+        )
         if report.missing or report.unexpected:
             logger.warning(
                 "load_into(strict=False): %s",
@@ -370,7 +376,9 @@ def named_sharding(specs: PyTree, mesh: Mesh) -> PyTree[NamedSharding]:
 
     def one(path: str, spec: Any) -> NamedSharding:
         if not isinstance(spec, PartitionSpec):
-            raise TypeError(f"named_sharding: {path!r} holds {type(spec).__name__}, not a PartitionSpec")
+            raise TypeError(
+                f"named_sharding: {path!r} holds {type(spec).__name__}, not a PartitionSpec"
+            )
         try:
             return NamedSharding(mesh, spec)
         except (ValueError, TypeError) as e:

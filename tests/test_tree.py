@@ -61,12 +61,22 @@ def test_flatten_unflatten_round_trip_is_exact(t):
     assert tree.paths(t) == list(flat)
 
 
-@given(st.dictionaries(_keys, st.recursive(_leaf_arrays, lambda c: st.dictionaries(_keys, c, min_size=1, max_size=3), max_leaves=8), max_size=4))
+@given(
+    st.dictionaries(
+        _keys,
+        st.recursive(
+            _leaf_arrays, lambda c: st.dictionaries(_keys, c, min_size=1, max_size=3), max_leaves=8
+        ),
+        max_size=4,
+    )
+)
 def test_unflatten_without_like_nests_dicts(t):
     nested = tree.unflatten(tree.flatten(t))
     # Empty dicts have no leaves, so compare through flatten.
     assert tree.flatten(nested).keys() == tree.flatten(t).keys()
-    assert all(a is b for a, b in zip(tree.flatten(nested).values(), tree.flatten(t).values(), strict=True))
+    assert all(
+        a is b for a, b in zip(tree.flatten(nested).values(), tree.flatten(t).values(), strict=True)
+    )
 
 
 def test_flatten_paths_of_module_list_dict_and_optax_state():
@@ -150,18 +160,26 @@ def test_validate_reports_every_kind_of_difference():
     with pytest.raises(ValueError, match=r"w: \(2, 3\) vs \(3, 2\)") as e:
         r.raise_if_invalid("checkpoint")
     assert str(e.value).startswith("checkpoint does not match")
-    ok = tree.validate(like, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x, like))
+    ok = tree.validate(
+        like,
+        jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x,
+            like,
+        ),
+    )
     assert ok.ok and ok.message() == "trees match"
 
 
-def _model(key=jax.random.key(0)):
-    return eqx.nn.MLP(3, 2, 4, 1, key=key)
+def _model(seed=0):
+    return eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(seed))
 
 
 def test_load_into_strict_round_trips_and_casts():
-    src = _model(jax.random.key(1))
-    dst = _model(jax.random.key(2))
-    flat = {p: np.asarray(x, np.float64) for p, x in tree.flatten(src).items() if tree.is_array_like(x)}
+    src = _model(1)
+    dst = _model(2)
+    flat = {
+        p: np.asarray(x, np.float64) for p, x in tree.flatten(src).items() if tree.is_array_like(x)
+    }
     out = tree.load_into(dst, flat)
     for p, x in tree.flatten(out).items():
         if tree.is_array_like(x):
@@ -176,13 +194,22 @@ def test_load_into_strict_error_names_every_bad_key():
     del flat["layers.0.bias"], flat["layers.1.weight"]
     flat["layers.0.weight"] = np.zeros((9, 9), np.float32)
     flat["layers.2.weight"] = np.zeros(1, np.float32)
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(ValueError, match="load_into: the flat dict does not match") as e:
         tree.load_into(dst, flat)
     msg = str(e.value)
-    for key in ("layers.0.bias", "layers.1.weight", "layers.2.weight", "layers.0.weight: (4, 3) vs (9, 9)"):
+    for key in (
+        "layers.0.bias",
+        "layers.1.weight",
+        "layers.2.weight",
+        "layers.0.weight: (4, 3) vs (9, 9)",
+    ):
         assert key in msg
     with pytest.raises(ValueError, match=r"layers\.1\.bias: float32 vs int32"):
-        tree.load_into(dst, {**tree.flatten(eqx.filter(dst, eqx.is_array)), "layers.1.bias": np.zeros(2, np.int32)}, cast=False)
+        tree.load_into(
+            dst,
+            {**tree.flatten(eqx.filter(dst, eqx.is_array)), "layers.1.bias": np.zeros(2, np.int32)},
+            cast=False,
+        )
 
 
 def test_load_into_non_strict_keeps_missing_ignores_unexpected_and_logs(caplog):
@@ -199,12 +226,14 @@ def test_load_into_non_strict_keeps_missing_ignores_unexpected_and_logs(caplog):
 
 def test_load_into_abstract_model_and_sharding():
     abstract = eqx.filter_eval_shape(_model)
-    src = _model(jax.random.key(3))
+    src = _model(3)
     flat = tree.flatten(eqx.filter(src, eqx.is_array))
     loaded = tree.load_into(abstract, flat)
     assert isinstance(loaded.layers[0].weight, jax.Array)
     with pytest.raises(ValueError, match=r"missing paths:\n  layers\.0\.bias"):
-        tree.load_into(abstract, {k: v for k, v in flat.items() if k != "layers.0.bias"}, strict=False)
+        tree.load_into(
+            abstract, {k: v for k, v in flat.items() if k != "layers.0.bias"}, strict=False
+        )
 
     mesh = jax.make_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
@@ -231,9 +260,14 @@ def test_structure_difference_names_paths():
     a = {"x": jnp.ones(1), "y": None}
     b = {"x": None, "y": jnp.ones(1)}
     assert tree.structure_difference(a, b, none_is_leaf=True) is None
-    assert tree.structure_difference(a, b, names=("g", "p")) == "path 'x' is in the g but not in the p"
+    assert (
+        tree.structure_difference(a, b, names=("g", "p")) == "path 'x' is in the g but not in the p"
+    )
     assert "'y' is in the second" in tree.structure_difference({"x": 1}, {"x": 1, "y": 2})
-    assert tree.structure_difference(Pair(1, 2), (1, 2)) == "path 'a' is in the first but not in the second"
+    assert (
+        tree.structure_difference(Pair(1, 2), (1, 2))
+        == "path 'a' is in the first but not in the second"
+    )
     same_paths = tree.structure_difference(Pair(1, 2), Pair(1, 2, tag="other"))
     assert same_paths.startswith("same paths, different node types:\n  first: ")
 

@@ -1,0 +1,19 @@
+"""The README's tour runs as written, and CI runs the README's test command."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_readme_tour_runs():
+    tour = re.findall(r"```python\n(.*?)```", README, flags=re.S)[0]
+    exec(compile(tour, "README.md", "exec"), {})
+
+
+def test_ci_runs_the_readme_test_command():
+    block = re.search(r"<!-- test-command -->\n```bash\n(.*?)\n```\n<!-- /test-command -->", README)
+    assert block is not None
+    assert "pytest" in block.group(1)
+    assert "test-command" in (ROOT / ".ci" / "run").read_text()
