@@ -48,17 +48,17 @@ class _Static:
 
     def __init__(self, tree: PyTree, field: str) -> None:
         leaves, treedef = jax.tree.flatten(tree)
-        for path, leaf in edl_tree.flatten(tree).items():
-            try:
-                hash(leaf)
-            except TypeError as e:
-                raise TypeError(
-                    f"TrainState: {field}.{path} holds an unhashable {type(leaf).__name__}; a "
-                    "non-array leaf must be hashable (it is static under jit). Store it as an "
-                    "array or in a static eqx field."
-                ) from e
         self.tree = tree
         self._key = (treedef, tuple(leaves))
+        try:
+            hash(self._key)
+        except TypeError:
+            path, leaf = next((p, x) for p, x in edl_tree.flatten(tree).items() if not _hashable(x))
+            raise TypeError(
+                f"TrainState: {field}.{path} holds an unhashable {type(leaf).__name__}; a "
+                "non-array leaf must be hashable (it is static under jit). Store it as an "
+                "array or in a static eqx field."
+            ) from None
 
     def __hash__(self) -> int:
         return hash(self._key)
@@ -67,7 +67,22 @@ class _Static:
         return isinstance(other, _Static) and self._key == other._key
 
 
+def _hashable(x: Any) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
 _FIELDS = ("params", "other", "opt_state")
+
+
+def _split_field(name: str, tree: PyTree) -> tuple[tuple[Any, ...], tuple[Any, _Static]]:
+    """A field's array leaves, and its metadata: the arrays' treedef and the static rest."""
+    dynamic, static = eqx.partition(tree, edl_tree.is_array_like)
+    leaves, treedef = jax.tree.flatten(dynamic)
+    return tuple(leaves), (treedef, _Static(static, name))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -95,13 +110,10 @@ class TrainState:
     def __init__(
         self, step: Int[Array, ""], params: PyTree, other: PyTree, opt_state: PyTree | None = None
     ) -> None:
-        leaves, meta = [], []
-        for name, tree in zip(_FIELDS, (params, other, opt_state), strict=True):
-            dynamic, static = eqx.partition(tree, edl_tree.is_array_like)
-            field_leaves, treedef = jax.tree.flatten(dynamic)
-            leaves.append(tuple(field_leaves))
-            meta.append((treedef, _Static(static, name)))
-        self._init(step, tuple(leaves), tuple(meta))
+        parts = [
+            _split_field(n, t) for n, t in zip(_FIELDS, (params, other, opt_state), strict=True)
+        ]
+        self._init(step, tuple(p[0] for p in parts), tuple(p[1] for p in parts))
 
     def _init(self, step: Any, leaves: tuple[tuple[Any, ...], ...], meta: tuple[Any, ...]) -> None:
         object.__setattr__(self, "step", step)
@@ -146,14 +158,24 @@ class TrainState:
         state._init(step, tuple(leaves), meta)
         return state
 
+    def _replace(self, step: Any, **trees: PyTree) -> TrainState:
+        """A new state; fields not in ``trees`` keep their leaves and metadata as they are."""
+        parts = [
+            _split_field(n, trees[n]) if n in trees else (self._leaves[i], self._meta[i])
+            for i, n in enumerate(_FIELDS)
+        ]
+        state = object.__new__(type(self))
+        state._init(step, tuple(p[0] for p in parts), tuple(p[1] for p in parts))
+        return state
+
     def __repr__(self) -> str:
-        def describe(i: int) -> str:
-            if self._meta[i][0].num_nodes == 1 and self._meta[i][0].num_leaves == 0:
+        def describe(i: int, name: str) -> str:
+            if getattr(self, name) is None:
                 return "None"
             arrays = [x for x in self._leaves[i] if edl_tree.is_array_like(x)]
             return f"<{len(arrays)} arrays, {edl_module.count_params(arrays):,} elements>"
 
-        fields = ", ".join(f"{n}={describe(i)}" for i, n in enumerate(_FIELDS))
+        fields = ", ".join(f"{n}={describe(i, n)}" for i, n in enumerate(_FIELDS))
         return f"TrainState(step={self.step!r}, {fields})"
 
 
@@ -229,7 +251,7 @@ def apply_gradients(
     with _optax_promotion():
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-    return TrainState(step=state.step + 1, params=params, other=state.other, opt_state=opt_state)
+    return state._replace(state.step + 1, params=params, opt_state=opt_state)
 
 
 def model(state: TrainState) -> PyTree:
@@ -243,9 +265,8 @@ def replace(state: TrainState, **fields: Any) -> TrainState:
     unknown = sorted(set(fields) - set(known))
     if unknown:
         raise TypeError(f"replace: TrainState has no field(s) {unknown}; fields are {list(known)}")
-    if "step" in fields:
-        fields["step"] = _as_step(fields["step"])
-    return TrainState(**{name: fields.get(name, getattr(state, name)) for name in known})
+    step = _as_step(fields.pop("step")) if "step" in fields else state.step
+    return state._replace(step, **fields)
 
 
 def size(state: TrainState) -> int:

@@ -191,17 +191,10 @@ def unflatten(
     want = [p for p, _ in named]
     if len(want) != len(flat) or any(p not in flat for p in want):
         wanted = set(want)
-        msg = "\n".join(
-            s
-            for s in (
-                _format_paths(
-                    "paths missing from the flat dict", (p for p in want if p not in flat)
-                ),
-                _format_paths("unexpected paths", (p for p in flat if p not in wanted)),
-            )
-            if s
-        )
-        raise ValueError(f"unflatten: the flat dict does not match the target structure.\n{msg}")
+        ValidationResult(
+            missing=tuple(p for p in want if p not in flat),
+            unexpected=tuple(p for p in flat if p not in wanted),
+        ).raise_if_invalid("unflatten: the flat dict")
     return jtu.tree_unflatten(treedef, [flat[p] for p in want])
 
 
@@ -361,9 +354,13 @@ def load_into(
     def place(path: str, leaf: Any) -> Any:
         if path not in targets or path not in flat:
             return leaf
-        value = jnp.asarray(flat[path], dtype=leaf.dtype if cast else None)
+        value = flat[path]
+        value = value if is_array_like(value) else np.asarray(value)
+        if cast and value.dtype != leaf.dtype:
+            value = value.astype(leaf.dtype)
+        # Host data goes straight to its target sharding: each device receives only its shard.
         sharding = getattr(leaf, "sharding", None)
-        return value if sharding is None else jax.device_put(value, sharding)
+        return jnp.asarray(value) if sharding is None else jax.device_put(value, sharding)
 
     return named_map(place, model, sep=sep)
 

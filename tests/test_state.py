@@ -96,6 +96,15 @@ def test_apply_gradients_errors_name_the_path():
         st.apply_gradients(s, wrong, tx)
 
 
+def test_apply_gradients_passes_frozen_arrays_through_untouched():
+    tx = optax.sgd(0.1)
+    s = st.create(_mlp(), tx, trainable=TRAINABLE)
+    s2 = st.apply_gradients(s, jax.tree.map(jnp.ones_like, s.params), tx)
+    assert s2.other.layers[0].weight is s.other.layers[0].weight
+    assert s2.other.activation is jax.nn.relu
+    np.testing.assert_allclose(s2.params.layers[2].bias, s.params.layers[2].bias - 0.1)
+
+
 def test_state_is_frozen_and_replace_checks_fields():
     s = st.create(_mlp())
     with pytest.raises(AttributeError, match="frozen"):

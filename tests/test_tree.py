@@ -113,7 +113,7 @@ def test_flatten_rejects_colliding_paths():
 
 def test_unflatten_names_missing_and_unexpected_paths():
     like = {"w": jnp.zeros(2), "b": jnp.zeros(1)}
-    with pytest.raises(ValueError, match=r"1 paths missing from the flat dict:\n  b") as e:
+    with pytest.raises(ValueError, match=r"1 missing paths:\n  b") as e:
         tree.unflatten({"w": 1, "extra.x": 2}, like)
     assert "unexpected paths:\n  extra.x" in str(e.value)
     with pytest.raises(ValueError, match="both a leaf and a prefix"):

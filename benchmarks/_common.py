@@ -1,0 +1,61 @@
+"""Shared benchmark plumbing: timing, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def time_call(
+    fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 7, number: int = 20
+) -> float:
+    """Median seconds per call of ``fn`` (blocked until ready) over ``repeats`` x ``number``."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(number):
+            out = fn()
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / number)
+    return statistics.median(samples)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [
+        [str(h) for h in header],
+        *[[f"{c:.4g}" if isinstance(c, float) else str(c) for c in r] for r in rows],
+    ]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(name: str, rows: list[dict[str, Any]], **meta: Any) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    payload = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()][:1],
+        "machine": platform.machine(),
+        **meta,
+        "rows": rows,
+    }
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2))
+    tmp.replace(path)
+    return path
