@@ -206,10 +206,10 @@ def summary(
     ``max_rows`` keeps the first and last rows of very long tables.
     """
     mask = edl_tree.flatten(trainable_mask(model, trainable, sep=sep), sep)
+    arrays = {p: x for p, x in edl_tree.flatten(model, sep).items() if edl_tree.is_array_like(x)}
     rows = [
         (p, str(tuple(x.shape)), str(x.dtype), f"{math.prod(x.shape):,}", "yes" if mask[p] else "")
-        for p, x in edl_tree.flatten(model, sep).items()
-        if edl_tree.is_array_like(x)
+        for p, x in arrays.items()
     ]
     header = ("path", "shape", "dtype", "params", "trainable")
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
@@ -226,8 +226,8 @@ def summary(
             f"... {len(rows) - head - tail} more rows ...",
             *shown[len(shown) - tail :],
         ]
-    params, _ = split(model, trainable, sep=sep)
-    total, n_train = count_params(model), count_params(params)
+    total = count_params(list(arrays.values()))
+    n_train = count_params([x for p, x in arrays.items() if mask[p]])
     rule = "-" * len(fmt(header))
     footer = (
         f"total: {total:,} params ({_human(total)}), trainable: {n_train:,} ({_human(n_train)}), "
