@@ -1,0 +1,132 @@
+"""The one attention entry point, ``attention(q, k, v, ...)``, and its plain-jnp reference.
+
+Layout as ``jax.nn.dot_product_attention``: q ``(batch, q_len, heads, head_dim)``, k/v
+``(batch, kv_len, kv_heads, head_dim)``. GQA/MQA group query heads over their shared K/V head
+(no repeated K/V is materialised). When ``q_len < kv_len`` the causal diagonal is aligned to
+the end, as in HF (the queries are the last ``q_len`` positions).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+__all__ = ["attention", "attention_mask", "reference_attention"]
+
+Impl = Literal["auto", "reference"]
+SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
+
+
+def _segment_pair(segment_ids: SegmentIds | None, q_len: int, kv_len: int):
+    if segment_ids is None:
+        return None, None
+    q_ids, kv_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    if q_ids.shape[-1] != q_len or kv_ids.shape[-1] != kv_len:
+        raise ValueError(
+            f"segment_ids lengths {q_ids.shape[-1]}/{kv_ids.shape[-1]} do not match q_len "
+            f"{q_len} / kv_len {kv_len}; pass a (q_ids, kv_ids) pair when they differ"
+        )
+    return q_ids, kv_ids
+
+
+def attention_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    segment_ids: SegmentIds | None = None,
+) -> Bool[Array, "batch_or_1 q_len kv_len"]:
+    """Which keys each query may attend to, ``(batch or 1, q_len, kv_len)``.
+
+    ``window`` is a left window as in Mistral: query ``i`` sees keys ``j`` with
+    ``0 <= i - j < window`` (``i`` in kv coordinates; implies ``causal``).
+    """
+    q_pos = jnp.arange(q_len)[:, None] + (kv_len - q_len)
+    k_pos = jnp.arange(kv_len)[None, :]
+    mask = jnp.ones((q_len, kv_len), jnp.bool_)
+    if causal or window is not None:
+        mask &= k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
+    if q_ids is None:
+        return mask[None]
+    return mask[None] & (q_ids[:, :, None] == kv_ids[:, None, :])
+
+
+def reference_attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads head_dim"],
+    v: Float[Array, "batch kv_len kv_heads head_dim"],
+    *,
+    causal: bool = False,
+    segment_ids: SegmentIds | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Plain-jnp attention with float32 logits and softmax; rows with no visible key give 0."""
+    b, q_len, heads, d = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+    mask = mask[:, None, None]  # (batch|1, 1, 1, q, kv)
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
+    weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = weights / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum(
+        "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, q_len, heads, d).astype(q.dtype)
+
+
+def attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads head_dim"],
+    v: Float[Array, "batch kv_len kv_heads head_dim"],
+    *,
+    causal: bool = False,
+    segment_ids: SegmentIds | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    impl: Impl = "auto",
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Multi-head attention; the single entry point every model calls.
+
+    Args:
+        q, k, v: see the module docstring; ``heads`` must be a multiple of ``kv_heads``.
+        causal: mask future keys (diagonal aligned to the end when ``q_len < kv_len``).
+        segment_ids: ``(batch, len)`` ids, or a ``(q_ids, kv_ids)`` pair; a query only sees
+            keys of its own segment (packed sequences; id 0 can mark padding).
+        window: left sliding window (Mistral); implies causal.
+        softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
+        scale: logit scale, default ``1/sqrt(head_dim)``.
+        impl: ``"reference"`` (plain jnp) or ``"auto"``. The Pallas kernels arrive with the
+            kernel issue; until then ``auto`` is the reference.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"attention: {q.shape[2]} query heads is not a multiple of {k.shape[2]} kv heads"
+        )
+    if window is not None and window <= 0:
+        raise ValueError(f"attention: window must be positive, got {window}")
+    if impl not in ("auto", "reference"):
+        raise ValueError(f"attention: unknown impl {impl!r}; available: 'auto', 'reference'")
+    return reference_attention(
+        q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap, scale=scale
+    )
