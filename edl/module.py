@@ -191,11 +191,13 @@ def abstract(model_init: Callable[..., PyTree], *args: Any, **kwargs: Any) -> Py
 
 
 def _human(n: int | float, unit: str = "") -> str:
-    for suffix in ("", "K", "M", "G", "T"):
-        if abs(n) < 1000 or suffix == "T":
-            return f"{n:.0f}{suffix}{unit}" if suffix == "" else f"{n:.2f}{suffix}{unit}"
+    if abs(n) < 1000:
+        return f"{n:.0f}{unit}"
+    for suffix in ("K", "M", "G"):
         n /= 1000
-    raise AssertionError("unreachable")
+        if abs(n) < 1000:
+            return f"{n:.2f}{suffix}{unit}"
+    return f"{n / 1000:.2f}T{unit}"
 
 
 def summary(
