@@ -6,6 +6,7 @@ over ``"layers.3.self_attn.q_proj.weight"``-style key paths (``edl.tree``).
 """
 
 from edl import module, state, tree
+from edl.io.hf import from_pretrained, from_state_dict, push_to_hub, save_pretrained, to_torch
 from edl.module import (
     Trainable,
     abstract,
@@ -35,12 +36,16 @@ __all__ = [
     "count_params",
     "create_state",
     "flatten",
+    "from_pretrained",
+    "from_state_dict",
     "init_tx",
     "load_into",
     "merge",
     "module",
     "named_map",
     "nbytes",
+    "push_to_hub",
+    "save_pretrained",
     "split",
     "state",
     "summary",
@@ -48,6 +53,7 @@ __all__ = [
     "to_dtype",
     "to_float",
     "to_half",
+    "to_torch",
     "trainable_mask",
     "tree",
     "unflatten",

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 from edl import tree as edl_tree
@@ -128,7 +129,7 @@ def merge(params: PyTree, other: PyTree) -> PyTree:
     return eqx.combine(params, other)
 
 
-def to_dtype(tree: PyTree, dtype: jnp.dtype | type) -> PyTree:
+def to_dtype(tree: PyTree, dtype: DTypeLike | type) -> PyTree:
     """Cast every floating leaf (arrays and ShapeDtypeStructs) to ``dtype``; others are kept."""
     dtype = jnp.dtype(dtype)
 

@@ -1,5 +1,17 @@
 """Equinox layers (HF weight layouts), built with ``Module.init(..., key=...)``."""
 
+from edl.nn.attention import Attention
 from edl.nn.layers import Embedding, Linear, RMSNorm
+from edl.nn.mlp import GatedMLP
+from edl.nn.stack import REMAT_POLICIES, run_stack, stack
 
-__all__ = ["Embedding", "Linear", "RMSNorm"]
+__all__ = [
+    "REMAT_POLICIES",
+    "Attention",
+    "Embedding",
+    "GatedMLP",
+    "Linear",
+    "RMSNorm",
+    "run_stack",
+    "stack",
+]

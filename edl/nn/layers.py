@@ -10,6 +10,7 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.ops.norms import rms_norm
@@ -31,7 +32,7 @@ class Linear(eqx.Module):
         *,
         use_bias: bool = False,
         std: float = 0.02,
-        dtype: jnp.dtype = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ) -> Linear:
         """Weights ~ N(0, std) (HF's ``initializer_range``), bias zero."""
@@ -61,7 +62,7 @@ class Embedding(eqx.Module):
         dim: int,
         *,
         std: float = 0.02,
-        dtype: jnp.dtype = jnp.float32,
+        dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ) -> Embedding:
         return cls(std * jax.random.normal(key, (vocab_size, dim), dtype))
@@ -83,7 +84,7 @@ class RMSNorm(eqx.Module):
 
     @classmethod
     def init(
-        cls, dim: int, *, eps: float = 1e-6, offset: float = 0.0, dtype: jnp.dtype = jnp.float32
+        cls, dim: int, *, eps: float = 1e-6, offset: float = 0.0, dtype: DTypeLike = jnp.float32
     ) -> RMSNorm:
         """Scale initialised so the layer starts as a plain normalisation."""
         return cls(jnp.full((dim,), 1.0 - offset, dtype), eps=eps, offset=offset)

@@ -100,7 +100,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
-    impl: Impl = "auto",
+    impl: str = "auto",
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Multi-head attention; the single entry point every model calls.
 

@@ -10,7 +10,7 @@ __all__ = ["rms_norm"]
 
 
 def rms_norm(
-    x: Float[Array, "*batch dim"], weight: Float[Array, " dim"], eps: float, *, offset: float = 0.0
+    x: Float[Array, "*batch dim"], weight: Float[Array, " wdim"], eps: float, *, offset: float = 0.0
 ) -> Float[Array, "*batch dim"]:
     """``(offset + weight) * x / sqrt(mean(x**2) + eps)``, normalised in float32.
 

@@ -63,6 +63,11 @@ class RopeConfig:
         rope_type = merged.get("rope_type", merged.get("type", "default"))
         theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
         partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if rope_type not in ("default", "linear", "dynamic", "llama3"):
+            raise ValueError(
+                f"unsupported rope type {rope_type!r}; edl implements default, linear, "
+                "dynamic and llama3"
+            )
         original = merged.get("original_max_position_embeddings")
         if rope_type == "dynamic" and original is None:
             original = config.get("max_position_embeddings")

@@ -1,0 +1,160 @@
+"""Llama forward, train step and compile time: edl (jax.jit) vs transformers + torch.
+
+The issue's config: hidden 256, intermediate 688, 8 heads / 4 kv heads, vocab 1024,
+batch 4 x seq 256, float32, at 4, 16 and 32 layers. Both sides get the same weights
+(edl.to_torch) and batch, run in this process one after the other, and the table reports
+edl / torch ratios. The train step is AdamW on the causal-LM loss (edl: chunked loss,
+never forming float32 logits; torch: HF's loss on full logits). Compile time is the
+train step's trace + lower + compile; scan keeps it flat in depth.
+
+    python -m benchmarks.model [--quick] [--layers 4 16 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import edl
+from benchmarks._common import table, time_call, write_json
+from edl.models import LlamaConfig, LlamaForCausalLM
+
+
+def _config(layers: int, quick: bool) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256 if not quick else 64,
+        intermediate_size=688 if not quick else 172,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+    )
+
+
+def _edl_fns(model, tx):
+    state = edl.create_state(model, tx)
+
+    def loss_fn(model, ids):
+        return model.compute_loss(ids)[0]
+
+    def step(state, ids):
+        loss, grads = edl.value_and_grad(loss_fn)(state, ids)
+        return edl.apply_gradients(state, grads, tx), loss
+
+    forward = jax.jit(lambda model, ids: model(ids).logits)
+    return state, jax.jit(step, donate_argnums=0), forward
+
+
+def _measure_edl(model, ids, reps):
+    tx = optax.adamw(1e-4)
+    state, step, forward = _edl_fns(model, tx)
+    start = time.perf_counter()
+    compiled = step.lower(state, ids).compile()
+    compile_s = time.perf_counter() - start
+    fwd = time_call(lambda: forward(model, ids), **reps)
+    box = [state]
+
+    def train():
+        box[0], loss = compiled(box[0], ids)
+        return loss
+
+    return fwd, time_call(train, **reps), compile_s
+
+
+def _measure_torch(model, ids_np, reps):
+    import torch
+
+    torch_model = edl.to_torch(model)
+    ids = torch.from_numpy(np.asarray(ids_np, np.int64))
+    opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
+
+    def forward():
+        with torch.no_grad():
+            return torch_model(ids).logits
+
+    def train():
+        loss = torch_model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    # time_call blocks on jax outputs only; torch CPU ops are synchronous anyway.
+    return time_call(forward, **reps), time_call(train, **reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small widths, 2 and 4 layers")
+    parser.add_argument("--layers", type=int, nargs="+", default=None)
+    args = parser.parse_args()
+    layer_counts = args.layers or ([2, 4] if args.quick else [4, 16, 32])
+    batch, seq = (2, 64) if args.quick else (4, 256)
+    reps = {"warmup": 1, "repeats": 3 if args.quick else 5, "number": 1}
+
+    import torch
+
+    torch.manual_seed(0)
+    rows = []
+    for layers in layer_counts:
+        config = _config(layers, args.quick)
+        model = LlamaForCausalLM.init(config, key=jax.random.key(layers))
+        ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, config.vocab_size)
+        # torch first: the edl train step donates (deletes) the model's arrays.
+        torch_fwd, torch_train = _measure_torch(model, np.asarray(ids), reps)
+        edl_fwd, edl_train, compile_s = _measure_edl(model, ids, reps)
+        rows.append(
+            {
+                "layers": layers,
+                "params": edl.count_params(model),
+                "edl_forward_s": edl_fwd,
+                "torch_forward_s": torch_fwd,
+                "forward_ratio": edl_fwd / torch_fwd,
+                "edl_train_step_s": edl_train,
+                "torch_train_step_s": torch_train,
+                "train_ratio": edl_train / torch_train,
+                "edl_compile_s": compile_s,
+            }
+        )
+        print(f"{layers} layers done", flush=True)
+    base_compile = rows[0]["edl_compile_s"]
+    for row in rows:
+        row["compile_vs_first"] = row["edl_compile_s"] / base_compile
+    header = ["layers", "params", "fwd edl/torch", "train edl/torch", "compile s", "compile/first"]
+    print(
+        table(
+            header,
+            [
+                [
+                    r["layers"],
+                    r["params"],
+                    r["forward_ratio"],
+                    r["train_ratio"],
+                    r["edl_compile_s"],
+                    r["compile_vs_first"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+    path = write_json(
+        "model",
+        rows,
+        batch=batch,
+        seq=seq,
+        quick=args.quick,
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    jnp.zeros(())  # initialise the backend before timing anything
+    main()

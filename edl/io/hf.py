@@ -1,0 +1,442 @@
+"""Hugging Face interop: ``from_pretrained`` / ``save_pretrained`` / ``push_to_hub``,
+``from_state_dict`` and ``to_torch``.
+
+Names map through the family's declarative key table (``edl.models.keymap``) in both
+directions. Loading checks the whole checkpoint against the model first (missing,
+unexpected and mis-shaped keys in one error), then streams tensor by tensor into one
+preallocated host buffer per edl array (a stacked layer array receives every layer's
+tensor), sending each buffer to the device before the next is filled: peak host memory is
+one array, not the checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
+from edl.models import registry
+from edl.models.keymap import KeyTable
+from edl.tree import flatten, is_array_like, named_map
+
+__all__ = [
+    "CONFIG_NAME",
+    "export_state_dict",
+    "from_pretrained",
+    "from_state_dict",
+    "load_config",
+    "push_to_hub",
+    "resolve_directory",
+    "save_pretrained",
+    "to_torch",
+]
+
+CONFIG_NAME = "config.json"
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """Named tensors readable one at a time (a checkpoint reader or an in-memory mapping)."""
+
+    def keys(self) -> list[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def dtype(self, name: str) -> np.dtype: ...
+    def read_into(self, name: str, out: np.ndarray) -> None: ...
+
+
+class _ReaderSource:
+    def __init__(self, reader: CheckpointReader) -> None:
+        self.reader = reader
+
+    def keys(self) -> list[str]:
+        return list(self.reader.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.reader.info(name).shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.reader.info(name).dtype)
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        self.reader.read_into(name, out)
+
+
+def _to_numpy(value: Any) -> np.ndarray:
+    """numpy view of an array-like, torch tensors included (bf16 too) without importing torch."""
+    if type(value).__module__.startswith("torch"):
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            return value.view(dtype=_torch_int16(value)).numpy().view(jnp.bfloat16)
+        return value.numpy()
+    return np.asarray(value)
+
+
+def _torch_int16(tensor: Any) -> Any:
+    import torch  # only reached with a torch tensor in hand
+
+    return torch.int16
+
+
+class _MappingSource:
+    def __init__(self, mapping: Mapping[str, Any]) -> None:
+        self.mapping = mapping
+        self._meta = {k: (tuple(v.shape), _dtype_of(v)) for k, v in mapping.items()}
+
+    def keys(self) -> list[str]:
+        return list(self.mapping)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._meta[name][0]
+
+    def dtype(self, name: str) -> np.dtype:
+        return self._meta[name][1]
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        out[...] = _to_numpy(self.mapping[name]).astype(out.dtype, copy=False)
+
+
+def _dtype_of(value: Any) -> np.dtype:
+    if type(value).__module__.startswith("torch"):
+        name = str(value.dtype).removeprefix("torch.")
+        return np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name)
+    return np.dtype(value.dtype)
+
+
+# -- resolving files ----------------------------------------------------------------------
+
+
+def resolve_directory(
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    token: str | None = None,
+) -> Path:
+    """A local directory as is; otherwise a hub repo id, fetched (config + safetensors only)
+    through ``huggingface_hub``, which serves the local HF cache when offline."""
+    path = Path(path_or_repo_id)
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ValueError(f"{path} is a file; pass the checkpoint directory")
+    from huggingface_hub import snapshot_download
+
+    return Path(
+        snapshot_download(
+            str(path_or_repo_id),
+            revision=revision,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            token=token,
+            allow_patterns=["*.json", "*.safetensors"],
+        )
+    )
+
+
+def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The ``config.json`` dict of a checkpoint directory."""
+    file = Path(directory) / CONFIG_NAME
+    if not file.is_file():
+        raise FileNotFoundError(f"{directory}: no {CONFIG_NAME}")
+    with open(file) as f:
+        return json.load(f)
+
+
+# -- loading ------------------------------------------------------------------------------
+
+
+def _plan(
+    table: KeyTable,
+    targets: Mapping[str, jax.ShapeDtypeStruct],
+    source: TensorSource,
+    *,
+    skip: frozenset[str],
+) -> dict[str, list[str]]:
+    """HF keys feeding each edl path (per layer for stacked paths); one error for every
+    missing, unexpected or mis-shaped key."""  # fmt: skip
+    plan: dict[str, list[str | None]] = {
+        p: [None] * t.shape[0] if table.is_stacked(p) else [None] for p, t in targets.items()
+    }
+    unexpected, mismatched = [], []
+    for key in list(source.keys()):
+        if key in skip or table.ignored(key):
+            continue
+        try:
+            path, layer = table.to_edl(key)
+        except KeyError:
+            unexpected.append(key)
+            continue
+        slots = plan.get(path)
+        index = 0 if layer is None else layer
+        if slots is None or index >= len(slots):
+            unexpected.append(key)
+            continue
+        target = targets[path]
+        want = tuple(target.shape[1:] if layer is not None else target.shape)
+        if source.shape(key) != want:
+            mismatched.append(f"{key}: checkpoint {source.shape(key)}, model expects {want}")
+        elif not np.issubdtype(source.dtype(key), np.floating) and jnp.issubdtype(
+            target.dtype, jnp.inexact
+        ):
+            mismatched.append(f"{key}: checkpoint dtype {source.dtype(key)} is not floating")
+        slots[index] = key
+    missing = [
+        table.to_hf(p, i if table.is_stacked(p) else None)
+        for p, slots in plan.items()
+        for i, k in enumerate(slots)
+        if k is None
+    ]
+    if missing or unexpected or mismatched:
+        lines = []
+        for title, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("shape/dtype mismatch", mismatched),
+        ):
+            if names:
+                shown = "\n  ".join(sorted(names)[:50])
+                more = f"\n  ... and {len(names) - 50} more" if len(names) > 50 else ""
+                lines.append(f"{len(names)} {title} keys:\n  {shown}{more}")
+        raise ValueError("checkpoint does not match the model:\n" + "\n".join(lines))
+    return plan  # type: ignore[return-value]
+
+
+def _load(
+    model_cls: type,
+    config: Any,
+    source: TensorSource,
+    table: KeyTable,
+    *,
+    dtype: Any = None,
+    sharding: Any = None,
+) -> Any:
+    abstract = eqx.filter_eval_shape(model_cls.init, config, key=jax.random.key(0))
+    targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
+    tied = getattr(config, "tie_word_embeddings", False)
+    # Tied heads share the embedding; some checkpoints store the copy anyway.
+    skip = (
+        frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
+    )
+    plan = _plan(table, targets, source, skip=skip)
+    shardings = flatten(sharding) if isinstance(sharding, Mapping) else {}
+    leaves: dict[str, jax.Array] = {}
+    for path, keys in tqdm(plan.items(), desc="loading", unit="array", disable=None, leave=False):
+        target = targets[path]
+        stored = source.dtype(keys[0])
+        want = dtype if dtype is not None and jnp.issubdtype(target.dtype, jnp.inexact) else stored
+        buffer = np.empty(target.shape, np.dtype(want))
+        if table.is_stacked(path):
+            for i, key in enumerate(keys):
+                source.read_into(key, buffer[i])
+        else:
+            source.read_into(keys[0], buffer)
+        leaf_sharding = shardings.get(path, sharding if not shardings else None)
+        # Wait for the transfer so this buffer is freed before the next is filled.
+        leaves[path] = jax.block_until_ready(jax.device_put(buffer, leaf_sharding))
+        del buffer
+    # Every array leaf is in the plan, so no abstract leaf survives.
+    return named_map(lambda path, leaf: leaves.get(path, leaf), abstract)
+
+
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike[str],
+    *,
+    dtype: Any = None,
+    revision: str | None = None,
+    task: str | None = None,
+    sharding: Any = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    token: str | None = None,
+    **config_overrides: Any,
+) -> Any:
+    """Load a HF checkpoint (local directory, HF cache or hub repo id) as an edl model.
+
+    Args:
+        dtype: cast floating weights to this dtype; ``None`` keeps the stored dtypes.
+        revision: hub branch, tag or commit.
+        task: ``"causal_lm"``, ``"sequence_classification"`` or ``"base"``; default from
+            ``architectures`` in ``config.json``.
+        sharding: a ``jax.sharding.Sharding`` for every array, or a nested/flat mapping of
+            edl paths to shardings; each array goes straight to its devices.
+        cache_dir, local_files_only, token: passed to ``huggingface_hub.snapshot_download``
+            for repo ids (``local_files_only=True``, or ``HF_HUB_OFFLINE=1``, reads only the
+            local HF cache).
+        config_overrides: edl config fields such as ``remat="full"`` or ``scan_layers=False``.
+    """
+    directory = resolve_directory(
+        path_or_repo_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        token=token,
+    )
+    family, config, model_cls = registry.resolve(load_config(directory), task)
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    with CheckpointReader.open(directory) as reader:
+        return _load(
+            model_cls, config, _ReaderSource(reader), family.key_table, dtype=dtype,
+            sharding=sharding,
+        )  # fmt: skip
+
+
+def from_state_dict(
+    config: Any,
+    mapping: Mapping[str, Any],
+    *,
+    task: str = "causal_lm",
+    dtype: Any = None,
+    sharding: Any = None,
+) -> Any:
+    """Build a model from HF-named arrays (numpy, jax, or a torch ``state_dict``).
+
+    ``config`` is an edl config or a HF ``config.json`` dict (EasyDeL's ``transform_fn``).
+    """
+    if isinstance(config, Mapping):
+        family, config, model_cls = registry.resolve(config, task)
+    else:
+        family, _, model_cls = registry.resolve(config.to_hf(), task)
+    return _load(
+        model_cls, config, _MappingSource(mapping), family.key_table, dtype=dtype,
+        sharding=sharding,
+    )  # fmt: skip
+
+
+# -- saving -------------------------------------------------------------------------------
+
+
+def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]:
+    """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
+    layer). Nothing is copied to the host until a tensor is loaded."""
+    family, _ = registry.family_of(model)
+    table = family.key_table
+    out: dict[str, LazyTensor] = {}
+    for path, leaf in flatten(model).items():
+        if not is_array_like(leaf):
+            continue
+        cast = dtype if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.inexact) else None
+        out_dtype = np.dtype(cast or leaf.dtype)
+
+        def load(leaf: Any = leaf, i: int | None = None, cast: Any = cast) -> np.ndarray:
+            x = leaf if i is None else leaf[i]
+            return np.asarray(x if cast is None else x.astype(cast))
+
+        if table.is_stacked(path):
+            for i in range(leaf.shape[0]):
+                out[table.to_hf(path, i)] = LazyTensor(
+                    tuple(leaf.shape[1:]), out_dtype, lambda i=i, load=load: load(i=i)
+                )
+        else:
+            out[table.to_hf(path)] = LazyTensor(tuple(leaf.shape), out_dtype, load)
+    return out
+
+
+def _stored_dtype_name(tensors: Mapping[str, LazyTensor]) -> str | None:
+    floats = {np.dtype(t.dtype).name for t in tensors.values() if t.dtype.kind == "f"}
+    floats |= {"bfloat16" for t in tensors.values() if np.dtype(t.dtype) == jnp.bfloat16}
+    floats.discard("void")
+    return floats.pop() if len(floats) == 1 else None
+
+
+def _write_json_atomic(data: Mapping[str, Any], file: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, file)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def save_pretrained(
+    model: Any,
+    directory: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "2GB",
+    dtype: Any = None,
+) -> Path:
+    """Write ``model`` in HF layout (``config.json`` + safetensors, sharded with
+    ``model.safetensors.index.json`` beyond ``max_shard_size``), loadable by transformers.
+
+    ``dtype`` casts floating weights on the way out (one layer at a time). Tied heads are
+    not written, as transformers does. Each file is written atomically.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = export_state_dict(model, dtype=dtype)
+    config = model.config.to_hf(architectures=[registry.architecture(model)])
+    stored = _stored_dtype_name(tensors)
+    if stored is not None:
+        config["torch_dtype"] = config["dtype"] = stored  # transformers 4 / 5 spellings
+    save_tensors(tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"})
+    _write_json_atomic(config, directory / CONFIG_NAME)
+    return directory
+
+
+def push_to_hub(
+    model: Any,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    commit_message: str = "Upload model with edl",
+    max_shard_size: int | str = "2GB",
+    dtype: Any = None,
+) -> Any:
+    """``save_pretrained`` into a temporary directory, then upload it as one commit through
+    ``huggingface_hub`` (creating the repo if needed). Returns the commit info."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="edl-push-") as tmp:
+        save_pretrained(model, tmp, max_shard_size=max_shard_size, dtype=dtype)
+        return api.upload_folder(
+            repo_id=repo_id, folder_path=tmp, revision=revision, commit_message=commit_message
+        )
+
+
+def to_torch(model: Any) -> Any:
+    """The equivalent ``transformers`` model (torch, eval mode) with ``model``'s weights.
+
+    Needs ``torch`` and ``transformers`` (not dependencies of edl)."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("to_torch needs torch and transformers installed") from e
+    arch = registry.architecture(model)
+    hf_config = transformers.AutoConfig.for_model(**model.config.to_hf(architectures=[arch]))
+    torch_model = getattr(transformers, arch)(hf_config).eval()
+    state = {}
+    for key, tensor in export_state_dict(model).items():
+        array = tensor.load()
+        if array.dtype == jnp.bfloat16:
+            state[key] = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        else:
+            state[key] = torch.from_numpy(np.array(array))  # writeable copy for torch
+    missing, unexpected = torch_model.load_state_dict(state, strict=False)
+    if model.config.tie_word_embeddings:  # the head is the embedding, not a stored tensor
+        missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"to_torch: missing {missing}, unexpected {unexpected}")
+    if model.config.tie_word_embeddings:
+        torch_model.tie_weights()
+    return torch_model

@@ -1,0 +1,110 @@
+"""Which edl classes build which Hugging Face checkpoints.
+
+A ``Family`` bundles a config class, its declarative HF key table and one model class per
+task; ``register`` files it under the HF ``model_type``s it covers. ``resolve`` turns a
+``config.json`` dict (and optionally a task) into the family, config and class to build, and
+``architecture`` names the HF class to write back into ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from edl.models import llama
+from edl.models.keymap import KeyTable
+
+__all__ = ["TASKS", "Family", "architecture", "family_of", "register", "resolve"]
+
+# task name -> HF architecture suffix
+TASKS = {
+    "causal_lm": "ForCausalLM",
+    "sequence_classification": "ForSequenceClassification",
+    "base": "Model",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """``config_cls.from_hf(dict)`` reads configs; ``tasks`` maps task -> model class;
+    ``hf_names`` maps each covered ``model_type`` to its HF class prefix ("Llama")."""
+
+    name: str
+    config_cls: type
+    key_table: KeyTable
+    tasks: Mapping[str, type]
+    hf_names: Mapping[str, str]
+
+
+_BY_MODEL_TYPE: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """File ``family`` under each of its model types (a later registration wins)."""
+    unknown = set(family.tasks) - set(TASKS)
+    if unknown:
+        raise ValueError(f"family {family.name!r}: unknown tasks {sorted(unknown)}")
+    for model_type in family.hf_names:
+        _BY_MODEL_TYPE[model_type] = family
+    return family
+
+
+def _task_of_architecture(arch: str) -> str | None:
+    # Longest suffix first: "ForCausalLM" before "Model".
+    for task, suffix in sorted(TASKS.items(), key=lambda kv: -len(kv[1])):
+        if arch.endswith(suffix):
+            return task
+    return None
+
+
+def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Family, Any, type]:
+    """``(family, config, model_class)`` for a HF ``config.json`` dict.
+
+    ``task`` defaults to the one named by ``architectures[0]`` (else ``"causal_lm"``).
+    """
+    model_type = hf_config.get("model_type")
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"config.json: unsupported model_type {model_type!r}; edl builds "
+            f"{sorted(_BY_MODEL_TYPE)}"
+        )
+    family = _BY_MODEL_TYPE[model_type]
+    if task is None:
+        archs = hf_config.get("architectures") or []
+        task = (_task_of_architecture(archs[0]) if archs else None) or "causal_lm"
+    if task not in family.tasks:
+        raise ValueError(
+            f"{model_type!r} models have no task {task!r}; available: {sorted(family.tasks)}"
+        )
+    return family, family.config_cls.from_hf(hf_config), family.tasks[task]
+
+
+def family_of(model: Any) -> tuple[Family, str]:
+    """``(family, task)`` of a model instance."""
+    for family in {id(f): f for f in _BY_MODEL_TYPE.values()}.values():
+        for task, cls in family.tasks.items():
+            if type(model) is cls:
+                return family, task
+    raise TypeError(f"{type(model).__name__} is not a registered edl model class")
+
+
+def architecture(model: Any) -> str:
+    """The HF architecture name (``"Qwen2ForCausalLM"``) of a model instance."""
+    family, task = family_of(model)
+    return family.hf_names[model.config.model_type] + TASKS[task]
+
+
+LLAMA = register(
+    Family(
+        name="llama",
+        config_cls=llama.LlamaConfig,
+        key_table=llama.HF_KEYS,
+        tasks={
+            "causal_lm": llama.LlamaForCausalLM,
+            "sequence_classification": llama.LlamaForSequenceClassification,
+            "base": llama.LlamaModel,
+        },
+        hf_names={"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"},
+    )
+)

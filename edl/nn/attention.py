@@ -1,0 +1,88 @@
+"""Grouped-query self-attention with RoPE (HF layout), calling ``edl.ops.attention``."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from edl.nn.layers import Linear, RMSNorm
+from edl.ops.attention import SegmentIds, attention
+from edl.ops.rope import apply_rope
+
+__all__ = ["Attention"]
+
+
+class Attention(eqx.Module):
+    """Causal GQA self-attention: ``q/k/v_proj`` -> (optional q/k RMSNorm) -> RoPE ->
+    ``edl.ops.attention`` -> ``o_proj``.
+
+    ``q_norm``/``k_norm`` (Qwen3) normalise each head over ``head_dim`` before RoPE.
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    @classmethod
+    def init(
+        cls,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        std: float = 0.02,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ) -> Attention:
+        """``qk_norm_eps`` not None adds Qwen3's per-head q/k RMSNorm with that epsilon."""
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        lin = {"std": std, "dtype": dtype}
+        norm = None if qk_norm_eps is None else RMSNorm.init(head_dim, eps=qk_norm_eps, dtype=dtype)
+        return cls(
+            Linear.init(dim, num_heads * head_dim, use_bias=qkv_bias, key=kq, **lin),
+            Linear.init(dim, num_kv_heads * head_dim, use_bias=qkv_bias, key=kk, **lin),
+            Linear.init(dim, num_kv_heads * head_dim, use_bias=qkv_bias, key=kv, **lin),
+            Linear.init(num_heads * head_dim, dim, use_bias=o_bias, key=ko, **lin),
+            norm,
+            norm,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq dim"],
+        cos: Float[Array, "batch seq rope_dim"],
+        sin: Float[Array, "batch seq rope_dim"],
+        segment_ids: SegmentIds | None = None,
+        *,
+        window: int | None = None,
+        impl: str = "auto",
+    ) -> Float[Array, "batch seq dim"]:
+        """``window``: Mistral-style left sliding window; ``impl``: see ``edl.ops.attention``.
+        Both are call arguments so that layers of one stack may differ in them."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(q, k, v, causal=True, segment_ids=segment_ids, window=window, impl=impl)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))

@@ -1,0 +1,66 @@
+"""Gated MLP (SwiGLU and friends): ``down(act(gate(x)) * up(x))``, HF layout."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from edl.nn.layers import Linear
+
+__all__ = ["ACTIVATIONS", "GatedMLP", "activation"]
+
+# HF ``hidden_act`` names -> functions with the same numerics as transformers' ACT2FN.
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str) -> Callable[[Array], Array]:
+    """The activation for a HF ``hidden_act`` name; unknown names raise ``ValueError``."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported hidden_act {name!r}; edl supports {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class GatedMLP(eqx.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``; with ``act="silu"`` this is SwiGLU."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+    act: str = eqx.field(static=True, default="silu")
+
+    @classmethod
+    def init(
+        cls,
+        dim: int,
+        hidden: int,
+        *,
+        act: str = "silu",
+        use_bias: bool = False,
+        std: float = 0.02,
+        dtype: DTypeLike = jnp.float32,
+        key: PRNGKeyArray,
+    ) -> GatedMLP:
+        activation(act)  # fail at construction, not at the first call
+        kg, ku, kd = jax.random.split(key, 3)
+        kw = {"use_bias": use_bias, "std": std, "dtype": dtype}
+        return cls(
+            Linear.init(dim, hidden, key=kg, **kw),
+            Linear.init(dim, hidden, key=ku, **kw),
+            Linear.init(hidden, dim, key=kd, **kw),
+            act=act,
+        )
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))

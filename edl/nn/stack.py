@@ -1,0 +1,118 @@
+"""Stacked layers: one module whose array leaves carry a leading layer axis, run by
+``jax.lax.scan`` (compile time flat in depth) or unrolled (identical outputs).
+
+``stack(make_layer, keys)`` builds the stack with ``eqx.filter_vmap``; ``run_stack`` applies
+it to a carry. Layers with different static settings (e.g. Qwen2's sliding-window layers
+after full-attention ones) are handled by scanning each run of equal settings in turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+from jaxtyping import Array, Key, PRNGKeyArray, PyTree
+
+__all__ = ["REMAT_POLICIES", "RematPolicy", "num_layers", "remat_policy", "run_stack", "stack"]
+
+RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+
+# "none": keep every activation; "full": recompute the whole layer in the backward pass;
+# "dots": save matmul outputs only; "dots_no_batch": save only matmuls without batch dims
+# (weight-stationary projections), recompute attention.
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def remat_policy(name: str) -> Callable[..., bool] | None:
+    """The ``jax.checkpoint`` policy called ``name`` (``None`` for ``"none"``: no remat)."""
+    if name not in REMAT_POLICIES:
+        raise ValueError(f"unknown remat policy {name!r}; choose from {sorted(REMAT_POLICIES)}")
+    return REMAT_POLICIES[name]
+
+
+def stack(
+    make_layer: Callable[[PRNGKeyArray], eqx.Module], keys: Key[Array, " layers"]
+) -> eqx.Module:
+    """``make_layer(key)`` for each key, stacked along a new leading axis of every array."""
+    return eqx.filter_vmap(make_layer)(keys)
+
+
+def num_layers(layers: PyTree) -> int:
+    """Length of the leading (layer) axis shared by every array leaf of a stack."""
+    sizes = {x.shape[0] for x in jax.tree.leaves(layers) if eqx.is_array_like(x) and x.ndim}
+    if len(sizes) != 1:
+        raise ValueError(f"not a layer stack: leading axes {sorted(sizes)} differ")
+    return sizes.pop()
+
+
+def _runs(settings: Sequence[Any]) -> list[tuple[int, int]]:
+    """``[start, end)`` spans of consecutive equal entries."""
+    spans, start = [], 0
+    for i in range(1, len(settings) + 1):
+        if i == len(settings) or settings[i] != settings[start]:
+            spans.append((start, i))
+            start = i
+    return spans
+
+
+def run_stack(
+    layers: PyTree,
+    carry: Array,
+    apply: Callable[[Any, Array, Any], Array],
+    *,
+    settings: Sequence[Any] | None = None,
+    scan: bool = True,
+    remat: str = "none",
+    collect: bool = False,
+) -> tuple[Array, Array | None]:
+    """Run ``carry = apply(layer, carry, setting)`` through every layer of ``layers``.
+
+    Args:
+        layers: a stack from ``stack`` (array leaves ``(num_layers, ...)``).
+        carry: the running activation (e.g. hidden states ``(batch, seq, dim)``).
+        apply: ``(layer, carry, setting) -> carry`` for one unstacked layer; anything it
+            closes over (RoPE tables, masks) is shared by all layers.
+        settings: per-layer static values passed to ``apply`` (e.g. sliding windows); runs of
+            equal settings are scanned together. Default: ``None`` for every layer.
+        scan: ``lax.scan`` over layers; ``False`` unrolls a Python loop (same numerics).
+        remat: a ``REMAT_POLICIES`` name applied to each layer.
+        collect: also return every layer's output, stacked ``(num_layers, *carry.shape)``.
+
+    Returns:
+        ``(carry, outputs)``; ``outputs`` is ``None`` unless ``collect``.
+    """
+    n = num_layers(layers)
+    settings = [None] * n if settings is None else list(settings)
+    if len(settings) != n:
+        raise ValueError(f"run_stack: {len(settings)} settings for {n} layers")
+    policy = remat_policy(remat)
+    dynamic, static = eqx.partition(layers, eqx.is_array)
+    outputs = []
+    for start, end in _runs(settings):
+        setting = settings[start]
+
+        def body(h: Array, params: PyTree, setting: Any = setting) -> tuple[Array, Array | None]:
+            h = apply(eqx.combine(params, static), h, setting)
+            return h, (h if collect else None)
+
+        if remat != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
+        span = slice(start, end)
+        part = dynamic if (start, end) == (0, n) else jax.tree.map(lambda x, s=span: x[s], dynamic)
+        if scan:
+            carry, ys = jax.lax.scan(body, carry, part)
+            outputs.append(ys)
+        else:
+            for i in range(end - start):
+                carry, y = body(carry, jax.tree.map(lambda x, i=i: x[i], part))
+                outputs.append(None if y is None else y[None])
+    if not collect:
+        return carry, None
+    return carry, jax.numpy.concatenate(outputs, axis=0)

@@ -1,0 +1,314 @@
+"""Training losses with transformers' semantics: causal-LM cross entropy (chunked), plain cross
+entropy, and the sequence-classification losses.
+
+``causal_lm_loss`` takes the final hidden states and the output-projection weight instead of
+logits: it scans over chunks of the flattened tokens with a rematerialised body, so neither the
+forward pass nor the gradient ever holds the ``(batch, seq, vocab)`` float32 logits, only one
+``(chunk, vocab)`` block at a time. ``causal_lm_loss_from_logits`` is the plain path for
+callers that already have logits (and the reference the chunked one is tested against).
+
+Every loss returns ``(loss, metrics)``: a float32 scalar and a dict of scalars (the loss again,
+plus accuracy / counts) ready for logging. Cross entropy is the mean over the counted targets
+(HF's ``reduction="mean"``), 0.0 rather than NaN when nothing is counted; ``metrics["tokens"]``
+lets a caller renormalise over gradient-accumulation steps as HF's ``num_items_in_batch`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int, Shaped
+
+__all__ = [
+    "causal_lm_loss",
+    "causal_lm_loss_from_logits",
+    "cross_entropy",
+    "sequence_classification_loss",
+]
+
+Mask = Bool[Array, "batch seq"] | Int[Array, "batch seq"]
+
+
+def _check_integer(name: str, what: str, x: Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}: {what} must be integer, got dtype {x.dtype}")
+
+
+def _softcap(
+    logits: Float[Array, "*batch vocab"], softcap: float | None
+) -> Float[Array, "*batch vocab"]:
+    if softcap is None:
+        return logits
+    if softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return softcap * jnp.tanh(logits / softcap)
+
+
+def _token_stats(
+    logits: Float[Array, "*batch vocab"],
+    targets: Int[Array, "*batch"],
+    valid: Bool[Array, "*batch"],
+) -> tuple[Float[Array, "*batch"], Bool[Array, "*batch"]]:
+    """Per-token negative log-likelihood (0 where not ``valid``) and argmax correctness."""
+    safe = jnp.where(valid, targets, 0)
+    # Out-of-range labels (other than the ignored ones) read NaN instead of wrapping around.
+    label_logit = jnp.take_along_axis(
+        logits, safe[..., None], axis=-1, wrap_negative_indices=False
+    )[..., 0]
+    nll = jnp.where(valid, jax.nn.logsumexp(logits, axis=-1) - label_logit, 0.0)
+    correct = valid & (jnp.argmax(logits, axis=-1).astype(jnp.int32) == safe)
+    return nll, correct
+
+
+def _metrics(
+    loss_sum: Float[Array, ""], correct: Int[Array, ""], count: Int[Array, ""]
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    denom = jnp.maximum(count, 1).astype(jnp.float32)  # nothing counted: 0.0, not NaN
+    loss = loss_sum / denom
+    return loss, {"loss": loss, "accuracy": correct.astype(jnp.float32) / denom, "tokens": count}
+
+
+def _lm_targets(
+    name: str,
+    labels: Array,
+    attention_mask: Array | None,
+    ignore_index: int,
+    shift: bool,
+    token_shape: tuple[int, ...],
+) -> tuple[Int[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    """The target of each position and whether it is counted, both ``(batch, seq)``."""
+    if labels.ndim != 2 or labels.shape != token_shape:
+        raise ValueError(
+            f"{name}: labels must be (batch, seq) = {token_shape}, got shape {labels.shape}"
+        )
+    _check_integer(name, "labels", labels)
+    labels = labels.astype(jnp.int32)
+    valid = labels != ignore_index
+    if attention_mask is not None:
+        if attention_mask.shape != labels.shape:
+            raise ValueError(
+                f"{name}: attention_mask must be (batch, seq) = {labels.shape}, got shape "
+                f"{attention_mask.shape}"
+            )
+        valid &= attention_mask.astype(jnp.bool_)  # a padded position is never a target
+    if shift:  # position t predicts t + 1; the last position has no target
+        labels = jnp.concatenate([labels[:, 1:], jnp.zeros_like(labels[:, :1])], axis=1)
+        valid = jnp.concatenate([valid[:, 1:], jnp.zeros_like(valid[:, :1])], axis=1)
+    return labels, valid
+
+
+def cross_entropy(
+    logits: Float[Array, "*batch vocab"],
+    labels: Int[Array, "*batch"],
+    *,
+    ignore_index: int = -100,
+    where: Bool[Array, "*batch"] | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Mean cross entropy of ``logits (..., vocab)`` against integer ``labels (...)``, in float32.
+
+    Labels equal to ``ignore_index``, and those where ``where`` is False, are not counted. Labels
+    outside ``[0, vocab)`` (other than ``ignore_index``) give a NaN loss.
+
+    Returns:
+        ``(loss, {"loss", "accuracy", "tokens"})``: the mean over counted labels (0.0 when
+        there are none), the fraction of counted labels that are the logits' argmax, and the
+        int32 number of counted labels.
+    """
+    if logits.ndim < 1 or labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"cross_entropy: labels must have logits' leading shape {logits.shape[:-1]}, got "
+            f"{labels.shape}"
+        )
+    _check_integer("cross_entropy", "labels", labels)
+    labels = labels.astype(jnp.int32)
+    valid = labels != ignore_index
+    if where is not None:
+        if where.shape != labels.shape:
+            raise ValueError(
+                f"cross_entropy: where must have labels' shape {labels.shape}, got {where.shape}"
+            )
+        valid &= where
+    nll, correct = _token_stats(logits.astype(jnp.float32), labels, valid)
+    return _metrics(
+        jnp.sum(nll), jnp.sum(correct.astype(jnp.int32)), jnp.sum(valid.astype(jnp.int32))
+    )
+
+
+def causal_lm_loss_from_logits(
+    logits: Float[Array, "batch seq vocab"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Mask | None = None,
+    ignore_index: int = -100,
+    shift: bool = True,
+    softcap: float | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """``causal_lm_loss`` on already-computed logits ``(batch, seq, vocab)`` (unchunked).
+
+    Holds the float32 logits (and, under ``jax.grad``, their cotangent) in full; prefer
+    ``causal_lm_loss`` for training with a large vocabulary.
+    """
+    if logits.ndim != 3:
+        raise ValueError(f"causal_lm_loss_from_logits: logits must be 3-d, got {logits.shape}")
+    targets, valid = _lm_targets(
+        "causal_lm_loss_from_logits", labels, attention_mask, ignore_index, shift, logits.shape[:2]
+    )
+    logits = _softcap(logits.astype(jnp.float32), softcap)
+    return cross_entropy(logits, targets, ignore_index=ignore_index, where=valid)
+
+
+def causal_lm_loss(
+    hidden: Float[Array, "batch seq dim"],
+    head: Float[Array, "vocab dim"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Mask | None = None,
+    ignore_index: int = -100,
+    shift: bool = True,
+    chunk_size: int = 2048,
+    softcap: float | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Next-token cross entropy from final hidden states, chunked over tokens (HF's
+    ``ForCausalLMLoss`` semantics).
+
+    Args:
+        hidden: ``(batch, seq, dim)`` final hidden states (after the final norm), any float
+            dtype.
+        head: ``(vocab, dim)`` output projection in torch layout: an untied ``lm_head.weight``
+            or the tied embedding table. ``logits = hidden @ head.T``, accumulated in float32.
+        labels: ``(batch, seq)`` token ids; usually the input ids themselves.
+        attention_mask: optional ``(batch, seq)`` 0/1 or bool; a target whose own position is
+            masked is not counted (as when a collator sets padded labels to ``ignore_index``).
+        ignore_index: label value that is not counted.
+        shift: with True, position ``t`` predicts ``labels[:, t + 1]`` and the last position
+            predicts nothing; with False, ``labels`` are already aligned with ``hidden``.
+        chunk_size: tokens per chunk: memory holds ``(chunk_size, vocab)`` float32 logits at a
+            time. Larger than ``batch * seq`` means a single chunk.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+
+    Returns:
+        ``(loss, {"loss", "accuracy", "tokens"})``: the float32 mean over counted targets (0.0
+        when there are none), the fraction of them that are the argmax of the logits, and their
+        int32 count. Gradients flow to ``hidden`` and ``head``; the chunk logits are recomputed
+        in the backward pass, and the head's gradient is summed over chunks in its dtype.
+    """
+    name = "causal_lm_loss"
+    if hidden.ndim != 3:
+        raise ValueError(f"{name}: hidden must be (batch, seq, dim), got shape {hidden.shape}")
+    batch, seq, dim = hidden.shape
+    if head.ndim != 2 or head.shape[1] != dim:
+        raise ValueError(
+            f"{name}: head must be (vocab, dim) with hidden's dim {dim}, got shape {head.shape}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"{name}: chunk_size must be positive, got {chunk_size}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"{name}: softcap must be positive, got {softcap}")
+    targets, valid = _lm_targets(name, labels, attention_mask, ignore_index, shift, (batch, seq))
+
+    n = batch * seq
+    chunk = max(1, min(chunk_size, n))
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n  # padded tokens are never counted
+    dtype = jnp.promote_types(hidden.dtype, head.dtype)
+    x = jnp.pad(hidden.astype(dtype).reshape(n, dim), ((0, pad), (0, 0)))
+    t = jnp.pad(targets.reshape(n), (0, pad))
+    v = jnp.pad(valid.reshape(n), (0, pad))
+    w = head.astype(dtype)
+
+    # Rematerialised: the backward pass recomputes this chunk's logits rather than saving them.
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_stats(w, x, t, v):
+        logits = jnp.einsum("cd,vd->cv", x, w, preferred_element_type=jnp.float32)
+        nll, correct = _token_stats(_softcap(logits, softcap), t, v)
+        return jnp.sum(nll), jnp.sum(correct.astype(jnp.int32))
+
+    def body(carry, xs):
+        loss_sum, correct = carry
+        chunk_loss, chunk_correct = chunk_stats(w, *xs)
+        return (loss_sum + chunk_loss, correct + chunk_correct), None
+
+    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    xs = (x.reshape(n_chunks, chunk, dim), t.reshape(n_chunks, chunk), v.reshape(n_chunks, chunk))
+    (loss_sum, correct), _ = jax.lax.scan(body, init, xs)
+    return _metrics(loss_sum, correct, jnp.sum(valid.astype(jnp.int32)))
+
+
+def sequence_classification_loss(
+    logits: Float[Array, "batch num_labels"],
+    labels: Shaped[Array, "*label_shape"],
+    *,
+    problem_type: str | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """HF's ``ForSequenceClassificationLoss`` on pooled ``logits (batch, num_labels)``.
+
+    ``problem_type`` None is inferred as transformers does: ``num_labels == 1`` is
+    ``"regression"``, integer labels ``"single_label_classification"``, anything else
+    ``"multi_label_classification"``.
+
+    - regression: mean squared error in float32; labels ``(batch, num_labels)``, or
+      ``(batch,)`` when ``num_labels == 1``.
+    - single label: mean cross entropy; integer labels ``(batch,)`` (or ``(batch, 1)``);
+      labels equal to -100 are not counted, as in HF.
+    - multi label: binary cross entropy with logits (stable form), mean over all elements;
+      labels ``(batch, num_labels)`` in ``[0, 1]``.
+
+    Returns:
+        ``(loss, metrics)`` with ``"loss"``, ``"count"`` (int32 examples in the loss: the batch
+        size, less single-label examples labelled -100) and, for the classification types,
+        ``"accuracy"`` (multi label: elementwise, ``logits > 0`` against ``labels > 0.5``).
+    """
+    name = "sequence_classification_loss"
+    if logits.ndim != 2:
+        raise ValueError(f"{name}: logits must be (batch, num_labels), got {logits.shape}")
+    batch, num_labels = logits.shape
+    if problem_type is None:
+        if num_labels == 1:
+            problem_type = "regression"
+        elif jnp.issubdtype(labels.dtype, jnp.integer):
+            problem_type = "single_label_classification"
+        else:
+            problem_type = "multi_label_classification"
+    logits32 = logits.astype(jnp.float32)
+    count = jnp.asarray(batch, jnp.int32)
+
+    if problem_type == "regression":
+        allowed = [(batch, num_labels)] + ([(batch,)] if num_labels == 1 else [])
+        if labels.shape not in allowed:
+            raise ValueError(
+                f"{name}: regression labels must be {' or '.join(map(str, allowed))}, got "
+                f"{labels.shape}"
+            )
+        err = logits32 - labels.astype(jnp.float32).reshape(batch, num_labels)
+        loss = jnp.mean(err * err)
+        return loss, {"loss": loss, "count": count}
+
+    if problem_type == "single_label_classification":
+        if labels.shape not in ((batch,), (batch, 1)):
+            raise ValueError(
+                f"{name}: single-label labels must be ({batch},) for logits {logits.shape}, got "
+                f"{labels.shape}"
+            )
+        _check_integer(name, "single-label labels", labels)
+        loss, metrics = cross_entropy(logits32, labels.reshape(batch))
+        return loss, {"loss": loss, "accuracy": metrics["accuracy"], "count": metrics["tokens"]}
+
+    if problem_type == "multi_label_classification":
+        if labels.shape != logits.shape:
+            raise ValueError(
+                f"{name}: multi-label labels must have logits' shape {logits.shape}, got "
+                f"{labels.shape}"
+            )
+        y = labels.astype(jnp.float32)
+        # max(x, 0) - x*y + log(1 + exp(-|x|)) == -[y log σ(x) + (1 - y) log(1 - σ(x))]
+        bce = jnp.maximum(logits32, 0.0) - logits32 * y + jnp.log1p(jnp.exp(-jnp.abs(logits32)))
+        loss = jnp.mean(bce)
+        accuracy = jnp.mean(((logits32 > 0) == (y > 0.5)).astype(jnp.float32))
+        return loss, {"loss": loss, "accuracy": accuracy, "count": count}
+
+    raise ValueError(
+        f"{name}: unknown problem_type {problem_type!r}; expected 'regression', "
+        "'single_label_classification' or 'multi_label_classification'"
+    )

@@ -1,0 +1,227 @@
+"""edl.io.hf: clear errors on bad checkpoints, HF cache / hub plumbing, config round trips."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import edl
+from edl.io import hf
+from edl.io.safetensors import CheckpointError, load_file, save_file
+from edl.models import LlamaConfig, LlamaForCausalLM, llama
+
+CONFIG = LlamaConfig(
+    model_type="qwen2", vocab_size=40, hidden_size=16, intermediate_size=24,
+    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, qkv_bias=True,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ckpt")
+    model = LlamaForCausalLM.init(CONFIG, key=jax.random.key(0))
+    edl.save_pretrained(model, directory)
+    return model, directory
+
+
+def _copy(saved, tmp_path):
+    shutil.copytree(saved[1], tmp_path / "m")
+    return tmp_path / "m"
+
+
+def _rewrite(directory, change):
+    tensors = load_file(directory / "model.safetensors")
+    change(tensors)
+    save_file(tensors, directory / "model.safetensors")
+
+
+def test_round_trip_is_exact(saved):
+    model, directory = saved
+    again = edl.from_pretrained(directory)
+    for (p, x), (q, y) in zip(edl.flatten(model).items(), edl.flatten(again).items(), strict=True):
+        assert p == q
+        np.testing.assert_array_equal(x, y)
+    assert again.config == model.config
+
+
+def test_missing_unexpected_and_mismatched_keys_in_one_error(saved, tmp_path):
+    directory = _copy(saved, tmp_path)
+
+    def damage(t):
+        del t["model.layers.1.mlp.up_proj.weight"]
+        t["model.layers.7.mlp.up_proj.weight"] = np.zeros((24, 16), np.float32)  # layer 7 of 2
+        t["model.extra.weight"] = np.zeros(3, np.float32)
+        t["model.norm.weight"] = np.zeros(17, np.float32)
+
+    _rewrite(directory, damage)
+    with pytest.raises(ValueError, match="does not match the model") as err:
+        edl.from_pretrained(directory)
+    message = str(err.value)
+    for expected in (
+        "1 missing keys:\n  model.layers.1.mlp.up_proj.weight",
+        "model.layers.7.mlp.up_proj.weight",
+        "model.extra.weight",
+        "model.norm.weight: checkpoint (17,), model expects (16,)",
+    ):
+        assert expected in message
+
+
+def test_truncated_file_is_reported_before_loading(saved, tmp_path):
+    directory = _copy(saved, tmp_path)
+    file = directory / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-5])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
+        edl.from_pretrained(directory)
+
+
+def test_unsupported_model_type_and_options(saved, tmp_path):
+    directory = _copy(saved, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
+        edl.from_pretrained(directory)
+    bad_rope = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    bad_rope.pop("rope_parameters")
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        LlamaConfig.from_hf(bad_rope)
+    with pytest.raises(ValueError, match="hidden_act"):
+        LlamaConfig.from_hf({**config, "hidden_act": "mish"})
+    with pytest.raises(ValueError, match="layer_types"):
+        LlamaConfig.from_hf({**config, "layer_types": ["full_attention", "chunked_attention"]})
+    with pytest.raises(ValueError, match="no task 'token_classification'"):
+        edl.from_pretrained(saved[1], task="token_classification")
+
+
+def test_config_round_trips_through_transformers():
+    transformers = pytest.importorskip("transformers")
+    configs = [
+        CONFIG,
+        CONFIG.replace(layer_windows=(None, 8)),
+        CONFIG.replace(model_type="mistral", qkv_bias=False, sliding_window=8,
+                       layer_windows=None),
+        CONFIG.replace(model_type="qwen3", qkv_bias=False, qk_norm=True, head_dim=12),
+        CONFIG.replace(model_type="llama", qkv_bias=False, tie_word_embeddings=True),
+    ]  # fmt: skip
+    for config in configs:
+        assert config.replace() == config  # nothing derived changes by itself
+        hf_dict = config.to_hf(architectures=["X"])
+        assert LlamaConfig.from_hf(hf_dict) == config
+        # transformers reads the same architecture back.
+        hf_config = transformers.AutoConfig.for_model(**hf_dict)
+        assert LlamaConfig.from_hf(hf_config.to_dict()).replace(hf_extra=()) == config.replace(
+            hf_extra=()
+        )
+
+
+def test_config_replace_rederives_defaults():
+    wider = CONFIG.replace(hidden_size=32, num_hidden_layers=3)
+    assert (wider.head_dim, wider.rope.dim, wider.layer_windows) == (16, 16, (None,) * 3)
+    explicit = CONFIG.replace(head_dim=12)
+    assert explicit.replace(hidden_size=64).head_dim == 12  # an explicit head_dim stays
+
+
+def test_config_keeps_unknown_hf_keys():
+    config = LlamaConfig.from_hf({**CONFIG.to_hf(), "bos_token_id": 7, "my_field": [1, 2]})
+    assert config.to_hf()["my_field"] == [1, 2]
+    assert config.to_hf()["bos_token_id"] == 7
+
+
+def test_from_pretrained_reads_the_local_hf_cache_offline(saved, tmp_path):
+    """A repo id resolves through huggingface_hub's cache layout without any network."""
+    _, directory = saved
+    commit = "0" * 40
+    repo = tmp_path / "models--edl-test--tiny"
+    shutil.copytree(directory, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    model = edl.from_pretrained("edl-test/tiny", cache_dir=tmp_path, local_files_only=True)
+    assert model.config == saved[0].config
+
+
+def test_push_to_hub_uploads_a_loadable_folder(saved, tmp_path, monkeypatch):
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls["create"] = (repo_id, private, exist_ok)
+
+        def upload_folder(self, *, repo_id, folder_path, revision, commit_message):
+            shutil.copytree(folder_path, tmp_path / "uploaded")  # the folder dies afterwards
+            calls["upload"] = (repo_id, commit_message)
+            return "commit-info"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    model = saved[0]
+    assert edl.push_to_hub(model, "me/tiny", private=True, token="t") == "commit-info"
+    assert calls["create"] == ("me/tiny", True, True) and calls["token"] == "t"
+    again = edl.from_pretrained(tmp_path / "uploaded")
+    np.testing.assert_array_equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_from_state_dict_checks_like_from_pretrained():
+    model = LlamaForCausalLM.init(CONFIG, key=jax.random.key(0))
+    state = {k: t.load() for k, t in hf.export_state_dict(model).items()}
+    rebuilt = edl.from_state_dict(CONFIG, state, dtype=jnp.bfloat16)
+    assert rebuilt.model.embed_tokens.weight.dtype == jnp.bfloat16
+    del state["lm_head.weight"]
+    with pytest.raises(ValueError, match=r"missing keys:\n  lm_head\.weight"):
+        edl.from_state_dict(CONFIG, state)
+
+
+def test_key_table_both_ways():
+    table = llama.HF_KEYS
+    assert table.to_edl("model.layers.12.self_attn.q_proj.bias") == (
+        "model.layers.self_attn.q_proj.bias",
+        12,
+    )
+    assert table.to_edl("lm_head.weight") == ("lm_head.weight", None)
+    assert (
+        table.to_hf("model.layers.mlp.down_proj.weight", 3) == "model.layers.3.mlp.down_proj.weight"
+    )
+    assert table.to_hf("layers.mlp.down_proj.weight", 0) == "layers.0.mlp.down_proj.weight"
+    with pytest.raises(ValueError, match="stacked"):
+        table.to_hf("model.layers.mlp.down_proj.weight")
+    assert table.ignored("model.layers.0.self_attn.rotary_emb.inv_freq")
+
+
+def test_loading_streams_one_array_at_a_time(tmp_path, monkeypatch):
+    """Host memory while loading peaks near the largest (stacked) array, not the checkpoint.
+
+    tracemalloc sees numpy's host buffers, not XLA's device buffers, so a loader that read
+    the whole checkpoint before placing it would peak at its full size. On CPU, device_put
+    may alias a numpy buffer instead of copying it; copying here makes the CPU behave like
+    an accelerator, whose memory tracemalloc does not see.
+    """
+    import tracemalloc
+
+    device_put = jax.device_put
+    monkeypatch.setattr(
+        hf.jax, "device_put", lambda x, sharding=None: device_put(x, sharding).copy()
+    )
+
+    config = CONFIG.replace(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    model = LlamaForCausalLM.init(config, key=jax.random.key(0))
+    edl.save_pretrained(model, tmp_path, max_shard_size="1MB")
+    total = edl.nbytes(model)
+    largest = max(x.nbytes for x in jax.tree.leaves(model))
+    edl.from_pretrained(tmp_path)  # warm jax's caches: tracing allocates Python memory too
+    tracemalloc.start()
+    try:
+        loaded = edl.from_pretrained(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert total > 4 * largest  # the test means something only if arrays are many
+    # One buffer being filled plus one the runtime releases a moment after its transfer.
+    assert peak < 2.5 * largest, f"peak {peak} B while loading; largest array {largest} B"
+    np.testing.assert_array_equal(
+        loaded.model.layers.mlp.up_proj.weight, model.model.layers.mlp.up_proj.weight
+    )

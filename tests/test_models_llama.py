@@ -1,0 +1,265 @@
+"""Llama-family parity with transformers (torch, float32) through real HF files.
+
+Each model type gets a small random config exercising its features; weights go
+HF -> save_pretrained -> edl.from_pretrained and back, and logits must agree to 1e-4
+(float32 matmuls over dims <= 64 accumulate ~1e-6 relative error; 1e-4 leaves room for the
+different summation orders of torch and XLA without hiding a wrong mask or RoPE).
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import edl
+from edl.io import hf
+from edl.io.safetensors import load_file
+from edl.models import LlamaConfig, LlamaForCausalLM, configure, flops_per_token
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+TOL = 1e-4
+
+
+def _hf_configs():
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=0)
+    return {
+        # GQA, tied head, llama3 RoPE scaling with positions past the original context.
+        "llama": transformers.LlamaConfig(
+            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+        ),
+        # MQA and a sliding window shorter than the sequence; head_dim != hidden / heads.
+        "mistral": transformers.MistralConfig(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, sliding_window=5,
+        ),
+        # q/k/v bias; full-attention first layer then sliding-window layers.
+        "qwen2": transformers.Qwen2Config(
+            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        ),
+        # q/k RMSNorm, untied head, linear RoPE scaling.
+        "qwen3": transformers.Qwen3Config(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, tie_word_embeddings=False,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    }  # fmt: skip
+
+
+def _hf_model(model_type, task="causal_lm", **overrides):
+    config = _hf_configs()[model_type]
+    for k, v in overrides.items():
+        setattr(config, k, v)
+    torch.manual_seed(0)
+    auto = {
+        "causal_lm": transformers.AutoModelForCausalLM,
+        "sequence_classification": transformers.AutoModelForSequenceClassification,
+    }[task]
+    model = auto.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in model.parameters():  # beyond HF's tiny init, so every weight matters
+            p.normal_(0.0, 0.2)
+    return model
+
+
+def _batch(seq=11, batch=3, seed=0):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, VOCAB, (batch, seq))
+    mask = np.ones((batch, seq), np.int64)
+    mask[1, :3] = 0  # left padding
+    mask[2, -4:] = 0  # right padding
+    ids[mask == 0] = 0
+    return ids, mask
+
+
+def _hf_logits(model, ids, mask):
+    with torch.no_grad():
+        return model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+def _assert_close_on_real_tokens(edl_logits, hf_logits, mask):
+    real = mask.astype(bool)
+    diff = np.abs(np.asarray(edl_logits, np.float32) - hf_logits)[real]
+    assert diff.max() <= TOL, f"max |edl - hf| = {diff.max():.2e} on real tokens"
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_causal_lm_parity_round_trip(model_type, tmp_path):
+    hf_model = _hf_model(model_type)
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = edl.from_pretrained(tmp_path / "hf")
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.config.model_type == model_type
+
+    ids, mask = _batch()
+    ref = _hf_logits(hf_model, ids, mask)
+    logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits
+    _assert_close_on_real_tokens(logits, ref, mask)
+
+    # Loss: HF ignores -100 labels; edl also takes the mask. The first real token after left
+    # padding is not a target (edl never predicts from a padded position).
+    labels = np.where(mask == 1, ids, -100)
+    labels[1, 3] = -100
+    with torch.no_grad():
+        hf_loss = hf_model(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)
+        ).loss.item()
+    loss, metrics = model.compute_loss(
+        jnp.asarray(ids), jnp.asarray(labels), attention_mask=jnp.asarray(mask), chunk_size=8
+    )
+    np.testing.assert_allclose(float(loss), hf_loss, rtol=1e-5)
+    assert int(metrics["tokens"]) == int((labels[:, 1:] != -100).sum())
+
+    # edl -> HF: same keys as transformers writes, and transformers reproduces the logits.
+    edl.save_pretrained(model, tmp_path / "edl", max_shard_size="20KB")
+    hf_keys = set(load_file(tmp_path / "hf" / "model.safetensors"))
+    edl_keys = set(json.loads((tmp_path / "edl" / "model.safetensors.index.json").read_text())[
+        "weight_map"
+    ])  # fmt: skip
+    assert edl_keys == hf_keys
+    tied = {"lm_head.weight"} if hf_model.config.tie_word_embeddings else set()
+    assert edl_keys == set(hf_model.state_dict()) - tied
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "edl", attn_implementation="eager"
+    ).eval()
+    assert type(reloaded) is type(hf_model)
+    np.testing.assert_allclose(_hf_logits(reloaded, ids, mask), ref, atol=0, rtol=0)
+
+
+def test_sequence_classification_parity(tmp_path):
+    hf_model = _hf_model("qwen2", "sequence_classification", num_labels=3)
+    hf_model.save_pretrained(tmp_path)
+    model = edl.from_pretrained(tmp_path)
+    assert type(model).__name__ == "LlamaForSequenceClassification"
+    ids, mask = _batch()
+    labels = np.array([0, 2, 1])
+    with torch.no_grad():
+        out = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
+                       labels=torch.tensor(labels))  # fmt: skip
+    logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits
+    np.testing.assert_allclose(logits, out.logits.numpy(), atol=TOL)
+    loss, _ = model.compute_loss(jnp.asarray(ids), jnp.asarray(labels),
+                                 attention_mask=jnp.asarray(mask))  # fmt: skip
+    np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
+    edl.save_pretrained(model, tmp_path / "edl")
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "edl")
+    assert type(again) is type(hf_model)
+
+
+def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
+    hf_model = _hf_model("llama")
+    model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    ids, _ = _batch(seed=1)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor(ids), output_hidden_states=True).hidden_states
+    out = model(jnp.asarray(ids), output_hidden_states=True)
+    n = model.config.num_hidden_layers
+    assert out.hidden_states.shape == (n + 1, *ids.shape, 32)
+    # HF: embeddings, each layer's output, except the last entry is after the final norm.
+    for i in range(n):
+        np.testing.assert_allclose(out.hidden_states[i], ref[i].numpy(), atol=TOL)
+    by_embeds = model(inputs_embeds=model.model.embed_tokens(jnp.asarray(ids))).logits
+    np.testing.assert_array_equal(by_embeds, out.logits)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+def test_scan_unrolled_and_remat_agree(model_type):
+    model = hf.from_state_dict(*_state(model_type))
+    ids, mask = (jnp.asarray(x) for x in _batch())
+
+    def loss(m):
+        return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
+
+    base_loss, base_grads = jax.value_and_grad(loss)(model)
+    for changes in ({"scan_layers": False}, {"remat": "full"}, {"remat": "dots"}):
+        variant = configure(model, **changes)
+        v_loss, v_grads = jax.value_and_grad(loss)(variant)
+        np.testing.assert_allclose(v_loss, base_loss, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(v_grads), jax.tree.leaves(base_grads), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def _state(model_type):
+    hf_model = _hf_model(model_type)
+    return hf_model.config.to_dict(), hf_model.state_dict()
+
+
+def test_packed_segments_equal_separate_sequences():
+    model = hf.from_state_dict(*_state("mistral"))
+    rng = np.random.default_rng(3)
+    a, b = rng.integers(1, VOCAB, (1, 7)), rng.integers(1, VOCAB, (1, 6))
+    packed = jnp.asarray(np.concatenate([a, b], axis=1))
+    segments = jnp.asarray([[1] * 7 + [2] * 6])
+    logits = model(packed, segment_ids=segments).logits
+    np.testing.assert_allclose(logits[:, :7], model(jnp.asarray(a)).logits, atol=1e-5)
+    np.testing.assert_allclose(logits[:, 7:], model(jnp.asarray(b)).logits, atol=1e-5)
+    # The loss never asks the last token of `a` to predict the first of `b`.
+    _, metrics = model.compute_loss(packed, segment_ids=segments)
+    assert int(metrics["tokens"]) == 6 + 5
+
+
+def test_sharded_checkpoint_equals_single_file(tmp_path):
+    hf_model = _hf_model("qwen3")
+    hf_model.save_pretrained(tmp_path / "one")
+    hf_model.save_pretrained(tmp_path / "many", max_shard_size="10KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    one, many = edl.from_pretrained(tmp_path / "one"), edl.from_pretrained(tmp_path / "many")
+    for (p, x), (q, y) in zip(edl.flatten(one).items(), edl.flatten(many).items(), strict=True):
+        assert p == q
+        np.testing.assert_array_equal(x, y)
+
+
+def test_dtype_on_load_and_save(tmp_path):
+    hf_model = _hf_model("llama")
+    hf_model.save_pretrained(tmp_path / "hf")
+    model = edl.from_pretrained(tmp_path / "hf", dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+    edl.save_pretrained(model, tmp_path / "bf16")
+    config = json.loads((tmp_path / "bf16" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert again.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def _random_model(model_type):
+    config = LlamaConfig.from_hf(_hf_configs()[model_type].to_dict())
+    return LlamaForCausalLM.init(config, key=jax.random.key(1))
+
+
+def test_to_torch():
+    model = _random_model("qwen3")
+    ids, mask = _batch()
+    torch_model = hf.to_torch(model)
+    ref = _hf_logits(torch_model, ids, mask)
+    _assert_close_on_real_tokens(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits,
+                                 ref, mask)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "llama"])
+def test_flops_per_token(model_type):
+    model = _random_model(model_type)
+    # flops_per_token against a count from the model itself: 2 flops per weight of every
+    # projection (the stacked Linear weights and the head) plus q.k and p.v over the keys
+    # each query really sees, counted from the attention masks.
+    c = model.config
+    matmul_weights = (
+        sum(x.size for p, x in edl.flatten(model).items() if p.endswith("proj.weight"))
+        + model.head_weight.size
+    )
+    for seq in (4, 9):
+        visible = sum(
+            int(edl.ops.attention_mask(seq, seq, causal=True, window=w).sum())
+            for w in c.layer_windows
+        )
+        attn = 2 * 2 * c.num_attention_heads * c.head_dim * visible / seq
+        expected = 2 * matmul_weights + attn
+        assert flops_per_token(c, seq, training=False) == pytest.approx(expected)
+        assert flops_per_token(c, seq) == pytest.approx(3 * expected)
