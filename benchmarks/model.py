@@ -89,6 +89,19 @@ def _measure_torch(model, ids_np, reps):
     return time_call(forward, **reps), time_call(train, **reps)
 
 
+def _gemm_ratio(tokens: int, dim: int, hidden: int, reps) -> float:
+    """edl/torch time of one MLP projection GEMM alone: the backends' matmul floor."""
+    import torch
+
+    x = np.random.default_rng(0).normal(size=(tokens, dim)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(hidden, dim)).astype(np.float32)
+    xj, wj, xt, wt = jnp.asarray(x), jnp.asarray(w), torch.from_numpy(x), torch.from_numpy(w)
+    mm = jax.jit(lambda x, w: jnp.einsum("ti,oi->to", x, w))
+    gemm_reps = {**reps, "number": 20}
+    edl_s = time_call(lambda: mm(xj, wj), **gemm_reps)
+    return edl_s / time_call(lambda: torch.nn.functional.linear(xt, wt), **gemm_reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small widths, 2 and 4 layers")
@@ -96,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
     layer_counts = args.layers or ([2, 4] if args.quick else [4, 16, 32])
     batch, seq = (2, 64) if args.quick else (4, 256)
-    reps = {"warmup": 1, "repeats": 3 if args.quick else 5, "number": 1}
+    reps = {"warmup": 2, "repeats": 3 if args.quick else 5, "number": 1}
 
     import torch
 
@@ -123,6 +136,9 @@ def main() -> None:
             }
         )
         print(f"{layers} layers done", flush=True)
+    config = _config(layer_counts[0], args.quick)
+    gemm = _gemm_ratio(batch * seq, config.hidden_size, config.intermediate_size, reps)
+    print(f"one MLP GEMM alone, XLA/torch time: {gemm:.3g}")
     base_compile = rows[0]["edl_compile_s"]
     for row in rows:
         row["compile_vs_first"] = row["edl_compile_s"] / base_compile
@@ -149,6 +165,7 @@ def main() -> None:
         batch=batch,
         seq=seq,
         quick=args.quick,
+        gemm_ratio=gemm,
         torch=torch.__version__,
         torch_threads=torch.get_num_threads(),
     )

@@ -238,6 +238,9 @@ def test_to_torch():
     model = _random_model("qwen3")
     ids, mask = _batch()
     torch_model = hf.to_torch(model)
+    assert edl.count_params(model) == sum(p.numel() for p in torch_model.parameters())
+    text = edl.summary(model)
+    assert "model.layers.self_attn.q_norm.weight" in text and "(2, 16)" in text
     ref = _hf_logits(torch_model, ids, mask)
     _assert_close_on_real_tokens(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits,
                                  ref, mask)  # fmt: skip

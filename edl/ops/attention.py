@@ -8,14 +8,14 @@ the end, as in HF (the queries are the last ``q_len`` positions).
 
 from __future__ import annotations
 
-from typing import Literal
-
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl.ops.attention_xla import xla_attention
+
 __all__ = ["attention", "attention_mask", "reference_attention"]
 
-Impl = Literal["auto", "reference"]
+IMPLS = ("auto", "xla", "reference")
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
 
 
@@ -112,8 +112,9 @@ def attention(
         window: left sliding window (Mistral); implies causal.
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
-        impl: ``"reference"`` (plain jnp) or ``"auto"``. The Pallas kernels arrive with the
-            kernel issue; until then ``auto`` is the reference.
+        impl: ``"reference"`` (the plain-jnp definition tests compare against), ``"xla"``
+            (the same maths with a hand-written backward pass, faster) or ``"auto"``. The
+            Pallas kernels arrive with the kernel issue; until then ``auto`` is ``"xla"``.
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
@@ -125,8 +126,14 @@ def attention(
         )
     if window is not None and window <= 0:
         raise ValueError(f"attention: window must be positive, got {window}")
-    if impl not in ("auto", "reference"):
-        raise ValueError(f"attention: unknown impl {impl!r}; available: 'auto', 'reference'")
-    return reference_attention(
-        q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap, scale=scale
-    )
+    if impl not in IMPLS:
+        raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
+    if impl == "reference":
+        return reference_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
+            scale=scale,
+        )  # fmt: skip
+    q_len, kv_len = q.shape[1], k.shape[1]
+    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return xla_attention(q, k, v, mask, scale=scale, softcap=softcap)
