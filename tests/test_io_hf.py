@@ -225,3 +225,18 @@ def test_loading_streams_one_array_at_a_time(tmp_path, monkeypatch):
     np.testing.assert_array_equal(
         loaded.model.layers.mlp.up_proj.weight, model.model.layers.mlp.up_proj.weight
     )
+
+
+def test_from_pretrained_places_arrays_with_the_given_shardings(saved):
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    model, directory = saved
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    by_vocab = NamedSharding(mesh, PartitionSpec("x", None))  # vocab 40 over 4 devices
+    loaded = edl.from_pretrained(directory, sharding={"lm_head.weight": by_vocab})
+    assert loaded.lm_head.weight.sharding == by_vocab
+    assert len(loaded.lm_head.weight.addressable_shards) == 4
+    np.testing.assert_array_equal(loaded.lm_head.weight, model.lm_head.weight)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    everywhere = edl.from_pretrained(directory, sharding=replicated)
+    assert all(x.sharding == replicated for x in jax.tree.leaves(everywhere))

@@ -65,7 +65,7 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def to_torch(arr: np.ndarray) -> torch.Tensor:
-    code = sf._CODES[arr.dtype.name]
+    code = sf.format._CODES[arr.dtype.name]
     if code in TORCH_DTYPES:
         ints = arr.view(np.uint16 if arr.dtype.itemsize == 2 else np.uint8)
         return torch.from_numpy(ints.copy()).view(TORCH_DTYPES[code])
