@@ -227,6 +227,9 @@ def test_dtype_on_load_and_save(tmp_path):
     assert config["torch_dtype"] == "bfloat16"
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert again.model.embed_tokens.weight.dtype == torch.bfloat16
+    stored = edl.from_pretrained(tmp_path / "bf16")  # dtype=None keeps the stored bf16
+    assert stored.model.embed_tokens.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(stored.model.norm.weight, model.model.norm.weight)
 
 
 def _random_model(model_type):
@@ -266,3 +269,12 @@ def test_flops_per_token(model_type):
         expected = 2 * matmul_weights + attn
         assert flops_per_token(c, seq, training=False) == pytest.approx(expected)
         assert flops_per_token(c, seq) == pytest.approx(3 * expected)
+
+
+def test_from_state_dict_takes_a_bf16_torch_state_dict():
+    hf_model = _hf_model("qwen3").to(torch.bfloat16)
+    model = edl.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    weight = model.model.layers.mlp.up_proj.weight
+    assert weight.dtype == jnp.bfloat16
+    expected = hf_model.model.layers[1].mlp.up_proj.weight.float().detach().numpy()
+    np.testing.assert_array_equal(np.asarray(weight[1], np.float32), expected)

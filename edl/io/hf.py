@@ -73,19 +73,16 @@ class _ReaderSource:
 
 
 def _to_numpy(value: Any) -> np.ndarray:
-    """numpy view of an array-like, torch tensors included (bf16 too) without importing torch."""
+    """numpy view of an array-like, torch tensors included (bf16 too); torch is imported only
+    when handed a torch tensor."""
     if type(value).__module__.startswith("torch"):
+        import torch
+
         value = value.detach().cpu()
-        if str(value.dtype) == "torch.bfloat16":
-            return value.view(dtype=_torch_int16(value)).numpy().view(jnp.bfloat16)
+        if value.dtype == torch.bfloat16:
+            return value.view(torch.int16).numpy().view(jnp.bfloat16)
         return value.numpy()
     return np.asarray(value)
-
-
-def _torch_int16(tensor: Any) -> Any:
-    import torch  # only reached with a torch tensor in hand
-
-    return torch.int16
 
 
 class _MappingSource:
@@ -187,7 +184,7 @@ def _plan(
         want = tuple(target.shape[1:] if layer is not None else target.shape)
         if source.shape(key) != want:
             mismatched.append(f"{key}: checkpoint {source.shape(key)}, model expects {want}")
-        elif not np.issubdtype(source.dtype(key), np.floating) and jnp.issubdtype(
+        elif not jnp.issubdtype(source.dtype(key), jnp.floating) and jnp.issubdtype(
             target.dtype, jnp.inexact
         ):
             mismatched.append(f"{key}: checkpoint dtype {source.dtype(key)} is not floating")
@@ -345,9 +342,8 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
 
 
 def _stored_dtype_name(tensors: Mapping[str, LazyTensor]) -> str | None:
-    floats = {np.dtype(t.dtype).name for t in tensors.values() if t.dtype.kind == "f"}
-    floats |= {"bfloat16" for t in tensors.values() if np.dtype(t.dtype) == jnp.bfloat16}
-    floats.discard("void")
+    """The one floating dtype of the written weights (``config.json``'s ``torch_dtype``)."""
+    floats = {t.dtype.name for t in tensors.values() if jnp.issubdtype(t.dtype, jnp.floating)}
     return floats.pop() if len(floats) == 1 else None
 
 
