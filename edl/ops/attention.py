@@ -8,14 +8,20 @@ the end, as in HF (the queries are the last ``q_len`` positions).
 
 from __future__ import annotations
 
+import warnings
+
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl.kernels import flash_attention
+from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
 
-__all__ = ["attention", "attention_mask", "reference_attention"]
+__all__ = ["IMPLS", "attention", "attention_mask", "pallas_unsupported", "reference_attention"]
 
-IMPLS = ("auto", "xla", "reference")
+IMPLS = ("auto", "pallas", "xla", "reference", "cudnn")
+_warned: set[str] = set()  # fallback reasons already reported
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
 
 
@@ -90,6 +96,35 @@ def reference_attention(
     return out.reshape(b, q_len, heads, d).astype(q.dtype)
 
 
+def pallas_unsupported(q: jax.Array, k: jax.Array) -> str | None:
+    """Why the Pallas kernel cannot run on these inputs here, or None when it can."""
+    backend = jax.default_backend()
+    if backend not in ("cpu", "gpu"):
+        return f"edl's Pallas attention kernel has no lowering for backend {backend!r}"
+    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype:
+        return f"the Pallas kernel takes float32/bfloat16/float16 inputs, got {q.dtype}/{k.dtype}"
+    if backend == "gpu" and q.shape[-1] > 256:
+        return f"head_dim {q.shape[-1]} > 256 does not fit the GPU kernel's shared memory"
+    return None
+
+
+def _cudnn_attention(q, k, v, *, causal, segment_ids, window, softcap, scale):
+    """``jax.nn.dot_product_attention(implementation="cudnn")``: a GPU baseline."""
+    if jax.default_backend() != "gpu":
+        raise ValueError("attention: impl='cudnn' needs an NVIDIA GPU (cuDNN)")
+    if softcap is not None:
+        raise ValueError("attention: impl='cudnn' does not support softcap")
+    q_len, kv_len = q.shape[1], k.shape[1]
+    if segment_ids is None and window is None and q_len == kv_len:
+        mask, is_causal = None, causal  # cuDNN's own causal mask: the fast path
+    else:  # explicit mask: end-aligned diagonal, windows and segments as edl defines them
+        mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+        mask, is_causal = mask[:, None], False
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation="cudnn"
+    )
+
+
 def attention(
     q: Float[Array, "batch q_len heads head_dim"],
     k: Float[Array, "batch kv_len kv_heads head_dim"],
@@ -112,9 +147,12 @@ def attention(
         window: left sliding window (Mistral); implies causal.
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
-        impl: ``"reference"`` (the plain-jnp definition tests compare against), ``"xla"``
-            (the same maths with a hand-written backward pass, faster) or ``"auto"``. The
-            Pallas kernels arrive with the kernel issue; until then ``auto`` is ``"xla"``.
+        impl: ``"pallas"`` (``edl.kernels.flash_attention``: Triton on GPU, interpreted on
+            CPU), ``"reference"`` (the plain-jnp definition tests compare against),
+            ``"xla"`` (the reference's maths with a memory-saving hand-written backward),
+            ``"cudnn"`` (``jax.nn.dot_product_attention``'s cuDNN kernel, GPU only, no
+            softcap) or ``"auto"``: Pallas wherever it can run, otherwise ``"xla"`` with a
+            one-time warning saying why (see :func:`pallas_unsupported`).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
@@ -128,12 +166,31 @@ def attention(
         raise ValueError(f"attention: window must be positive, got {window}")
     if impl not in IMPLS:
         raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
+    q_len, kv_len = q.shape[1], k.shape[1]
+    q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
+    if impl in ("auto", "pallas"):
+        reason = pallas_unsupported(q, k)
+        if reason is None:
+            return flash_attention(
+                q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+                window=window, softcap=softcap, scale=scale,
+            )  # fmt: skip
+        if impl == "pallas":
+            raise ValueError(f"attention: impl='pallas' cannot run: {reason}")
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(f"edl attention: {reason}; using impl='xla'", stacklevel=2)
+        impl = "xla"
     if impl == "reference":
         return reference_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
             scale=scale,
         )  # fmt: skip
-    q_len, kv_len = q.shape[1], k.shape[1]
-    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if impl == "cudnn":
+        return _cudnn_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
+            scale=scale,
+        )  # fmt: skip
+    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
     return xla_attention(q, k, v, mask, scale=scale, softcap=softcap)

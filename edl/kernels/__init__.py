@@ -1,0 +1,9 @@
+"""Pallas kernels: flash attention (forward + backward) and decode attention.
+
+Each kernel lowers through Triton on NVIDIA GPUs and runs with ``interpret=True`` on CPU;
+``edl.ops.attention`` is the entry point models use.
+"""
+
+from edl.kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
+
+__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]

@@ -1,0 +1,112 @@
+"""Pieces shared by edl's Pallas kernels: where they run, block sizes, padding and masks.
+
+Kernels run through Pallas' Triton lowering on NVIDIA GPUs and with ``interpret=True``
+elsewhere (CPU), where Pallas turns the kernel body into an ordinary jitted XLA loop over
+the grid. Both see the same kernel code; only the block sizes differ. Triton wants every
+in-kernel array to have power-of-two dimensions, with matrix-multiply operands of at least
+16 in each, so on GPU head dims are zero-padded to a power of two (zeros add nothing to
+``q @ k.T`` and give zero output columns that are sliced off) and sequence blocks are
+powers of two; in interpret mode any block size works.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pl_triton
+
+LOG2E = math.log2(math.e)
+KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def resolve_interpret(interpret: bool | None) -> bool:
+    """``interpret`` as given, else True unless the default backend is a GPU."""
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def seq_block(requested: int, length: int, interpret: bool) -> int:
+    """The block actually used along a sequence of ``length``: no larger than needed.
+
+    In interpret mode a block spanning the whole (short) sequence is best: each grid step
+    costs a loop iteration, so fewer, larger steps win. On GPU a power of two >= 16.
+    """
+    if interpret:
+        return max(1, min(requested, length))
+    return max(16, min(requested, next_pow2(length)))
+
+
+def padded_head_dim(head_dim: int, interpret: bool) -> int:
+    return head_dim if interpret else max(16, next_pow2(head_dim))
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: float | int = 0) -> jax.Array:
+    """Pad ``x`` at the end of ``axis`` to ``size`` (no-op when already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def compiler_params(num_warps: int | None, num_stages: int | None):
+    return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def visible(
+    q_pos: jax.Array,
+    k_pos: jax.Array,
+    *,
+    causal: bool,
+    window: int | None,
+    kv_len: int | jax.Array | None,
+    kv_start: jax.Array | None = None,
+    q_seg: jax.Array | None = None,
+    kv_seg: jax.Array | None = None,
+) -> jax.Array | None:
+    """``(len(q_pos), len(k_pos))`` mask of visible keys, or None when all are visible.
+
+    Positions are in kv coordinates (a query at ``q_pos`` sees keys ``k_pos <= q_pos`` when
+    causal). ``kv_len`` masks padding keys at ``k_pos >= kv_len``; ``kv_start`` keys before
+    it (left padding in a cache).
+    """
+    q_col, k_row = q_pos[:, None], k_pos[None, :]
+    terms = []
+    if kv_len is not None:
+        terms.append(k_row < kv_len)
+    if kv_start is not None:
+        terms.append(k_row >= kv_start)
+    if causal or window is not None:
+        terms.append(k_row <= q_col)
+    if window is not None:
+        terms.append(q_col - k_row < window)
+    if q_seg is not None:
+        terms.append(q_seg[:, None] == kv_seg[None, :])
+    if not terms:
+        return None
+    mask = terms[0]
+    for term in terms[1:]:
+        mask = mask & term
+    return mask
+
+
+def scores(q, k, *, scale: float, softcap: float | None):
+    """``(rows, keys)`` float32 logits ``q @ k.T * scale``, soft-capped when asked, and the
+    ``tanh`` value the soft-cap gradient needs (None without soft-capping)."""
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+    ) * jnp.float32(scale)
+    if softcap is None:
+        return s, None
+    t = jnp.tanh(s / jnp.float32(softcap))
+    return t * jnp.float32(softcap), t

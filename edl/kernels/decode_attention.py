@@ -1,0 +1,237 @@
+"""Decode-time attention in Pallas: a few new query tokens against a long KV cache.
+
+Each program owns one ``(batch row, kv head, split)``: the query rows of every query head
+sharing that kv head (``new_tokens * group`` rows, so GQA reads each cached K/V block once)
+against one contiguous split of the cache, visiting only blocks below the row's valid length.
+Splitting the cache (flash-decoding) keeps the GPU busy at batch 1; the per-split results are
+merged by their log-sum-exp in plain jnp, which is cheap because they are tiny.
+
+The cache is never copied or padded: its length must be a multiple of the key block, which
+the block choice guarantees on CPU and which on GPU needs a cache length that is a multiple
+of 16 (``edl.generate`` allocates caches that way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from edl.kernels._common import (
+    KERNEL_DTYPES,
+    LOG2E,
+    cdiv,
+    compiler_params,
+    next_pow2,
+    pad_axis,
+    padded_head_dim,
+    resolve_interpret,
+    scores,
+    visible,
+)
+
+__all__ = ["decode_attention"]
+
+_GPU_PROGRAMS = 264  # ~2 waves on a 132-SM H100; splits are chosen to reach this
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    new_tokens: int
+    group: int
+    window: int | None
+    softcap: float | None
+    scale: float
+    block_k: int
+    blocks_per_split: int
+    has_start: bool
+
+
+def _cache_block(cache_len: int, requested: int, interpret: bool) -> int:
+    """The largest key block <= ``requested`` that divides ``cache_len`` (a power of two
+    >= 16 on GPU, where Triton needs one)."""
+    if interpret:
+        return max(b for b in range(1, min(requested, cache_len) + 1) if cache_len % b == 0)
+    block = min(next_pow2(requested), next_pow2(cache_len))
+    while block >= 16 and cache_len % block:
+        block //= 2
+    if block < 16:
+        raise ValueError(
+            f"decode_attention: on GPU the cache length ({cache_len}) must be a multiple of 16"
+        )
+    return block
+
+
+def _decode_kernel(*refs, plan: _Plan):
+    if plan.has_start:
+        len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        start = start_ref[()]
+    else:
+        len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+        start = jnp.int32(0)
+    length = len_ref[()]
+    split = pl.program_id(2)
+    block_k, rows = plan.block_k, q_ref.shape[0]
+    q = q_ref[...]
+    # Row r holds new token r // group; the new tokens are the last ones before `length`.
+    q_pos = length - plan.new_tokens + jax.lax.div(jnp.arange(rows), jnp.int32(plan.group))
+    first_key = start
+    if plan.window is not None:
+        first_key = jnp.maximum(first_key, length - plan.new_tokens - plan.window + 1)
+    lo = jnp.maximum(split * plan.blocks_per_split, jax.lax.div(first_key, jnp.int32(block_k)))
+    hi = jnp.minimum(
+        (split + 1) * plan.blocks_per_split,
+        jax.lax.div(length + block_k - 1, jnp.int32(block_k)),
+    )
+
+    def body(j, carry):
+        acc, row_max, row_sum = carry
+        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        v = v_ref[keys, :]
+        s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
+        mask = visible(
+            q_pos, j * block_k + jnp.arange(block_k), causal=True, window=plan.window,
+            kv_len=length, kv_start=start if plan.has_start else None,
+        )  # fmt: skip
+        s = jnp.where(mask, s * LOG2E, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        correction = jnp.exp2(row_max - safe_max)
+        p = jnp.exp2(s - safe_max[:, None])
+        row_sum = row_sum * correction + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * correction[:, None] + pv, new_max, row_sum
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, body, init)
+    seen = row_sum > 0
+    o_ref[...] = acc / jnp.where(seen, row_sum, 1.0)[:, None]
+    lse_ref[...] = jnp.where(seen, row_max + jnp.log2(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+
+
+def _merge_splits(out, lse):
+    """Combine per-split normalised outputs ``(..., splits, rows, d)`` by their base-2
+    log-sum-exp ``(..., splits, rows)``; rows no split saw give zeros."""
+    top = jnp.max(lse, axis=-2, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # empty splits: 0
+    total = jnp.sum(weight, axis=-2)
+    merged = jnp.sum(out * weight[..., None], axis=-3)
+    return merged / jnp.where(total == 0, 1.0, total)[..., None]
+
+
+def decode_attention(
+    q: Float[Array, "batch new_tokens heads head_dim"],
+    k_cache: Float[Array, "batch cache_len kv_heads head_dim"],
+    v_cache: Float[Array, "batch cache_len kv_heads head_dim"],
+    lengths: Int[Array, " batch"],
+    *,
+    kv_start: Int[Array, " batch"] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = 4,
+    num_stages: int | None = 2,
+    interpret: bool | None = None,
+) -> Float[Array, "batch new_tokens heads head_dim"]:
+    """Attention of ``new_tokens`` queries per row over a KV cache with per-row lengths.
+
+    Row ``b`` holds valid keys at cache positions ``[kv_start[b], lengths[b])`` (``kv_start``
+    masks left padding; default 0) and its queries are the last ``new_tokens`` of them, at
+    positions ``lengths[b] - new_tokens + i``; they attend causally. Rows with no visible key
+    give zeros. float32 accumulation whatever the input dtype.
+
+    Args:
+        window: left sliding window (Mistral), as in ``flash_attention``.
+        softcap, scale: as in ``flash_attention``.
+        block_k: cached keys per block (default 512 on CPU, 64 on GPU; always a divisor of
+            ``cache_len``).
+        num_splits: cache splits processed in parallel (default: enough programs to fill a
+            GPU; 1 in interpret mode).
+        num_warps, num_stages: Triton launch settings (GPU only).
+        interpret: as in ``flash_attention``.
+    """
+    batch, new_tokens, heads, head_dim = q.shape
+    cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"decode_attention: incompatible q {q.shape}, k_cache {k_cache.shape}, "
+            f"v_cache {v_cache.shape}"
+        )
+    if heads % kv_heads:
+        raise ValueError(f"decode_attention: {heads} heads not a multiple of {kv_heads} kv heads")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"decode_attention: q/k_cache/v_cache must share one of float32/bfloat16/float16, "
+            f"got {q.dtype}/{k_cache.dtype}/{v_cache.dtype}"
+        )
+    for name, arr in (("lengths", lengths), ("kv_start", kv_start)):
+        if arr is not None and (
+            arr.shape != (batch,) or not jnp.issubdtype(arr.dtype, jnp.integer)
+        ):
+            raise ValueError(
+                f"decode_attention: {name} must be integers of shape ({batch},), "
+                f"got {arr.dtype}{arr.shape}"
+            )
+    interpret = resolve_interpret(interpret)
+    group = heads // kv_heads
+    block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
+    num_blocks = cache_len // block
+    if num_splits is None:
+        num_splits = 1 if interpret else cdiv(_GPU_PROGRAMS, batch * kv_heads)
+    num_splits = max(1, min(num_splits, num_blocks))
+    plan = _Plan(
+        new_tokens=new_tokens, group=group, window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=head_dim**-0.5 if scale is None else float(scale), block_k=block,
+        blocks_per_split=cdiv(num_blocks, num_splits), has_start=kv_start is not None,
+    )  # fmt: skip
+
+    # (batch, new, kv_heads, group, d) -> (batch, kv_heads, new * group, d): one tile per head.
+    rows = new_tokens * group
+    padded_rows = rows if interpret else max(16, next_pow2(rows))
+    dim = padded_head_dim(head_dim, interpret)
+    q_rows = q.reshape(batch, new_tokens, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = pad_axis(
+        pad_axis(q_rows.reshape(batch, kv_heads, rows, head_dim), 2, padded_rows), 3, dim
+    )
+    k_cache, v_cache = pad_axis(k_cache, 3, dim), pad_axis(v_cache, 3, dim)
+
+    scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
+    cache_spec = pl.BlockSpec((None, cache_len, None, dim), lambda b, h, s: (b, 0, h, 0))
+    scalars = [lengths.astype(jnp.int32)]
+    if kv_start is not None:
+        scalars.append(kv_start.astype(jnp.int32))
+    out, lse = pl.pallas_call(
+        functools.partial(_decode_kernel, plan=plan),
+        grid=(batch, kv_heads, num_splits),
+        in_specs=[
+            *[scalar] * len(scalars),
+            pl.BlockSpec((None, None, padded_rows, dim), lambda b, h, s: (b, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, padded_rows, dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, padded_rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows, dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="edl_decode_attention",
+    )(*scalars, q_rows, k_cache, v_cache)
+    merged = _merge_splits(out, lse)[:, :, :rows, :head_dim]  # (batch, kv_heads, rows, d)
+    merged = merged.reshape(batch, kv_heads, new_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
+    return merged.reshape(batch, new_tokens, heads, head_dim).astype(q.dtype)

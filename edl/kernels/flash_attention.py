@@ -1,0 +1,441 @@
+"""Flash attention in Pallas: forward, and a backward pass of dq and dk/dv kernels.
+
+Layout as ``jax.nn.dot_product_attention``: q ``(batch, q_len, heads, head_dim)``, k/v
+``(batch, kv_len, kv_heads, head_dim)``. Each forward program owns one ``(batch, head,
+q-block)`` and streams K/V blocks of its kv head through an online softmax (FlashAttention-2),
+in base 2 (``exp2``) with float32 accumulation, writing the output and the per-row
+log-sum-exp. Query heads index their shared K/V head through the BlockSpec, so GQA/MQA never
+materialise repeated K/V; the dk/dv program of a kv head loops over its query heads.
+
+Only the K/V (resp. Q) blocks that the causal diagonal and the sliding window leave visible
+are visited. Queries are the last ``q_len`` of ``kv_len`` positions (HF's alignment when
+``q_len < kv_len``). Sequences are zero-padded to whole blocks and padded keys masked; rows
+that see no key produce zeros (and zero gradients), never NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from edl.kernels._common import (
+    KERNEL_DTYPES,
+    LOG2E,
+    cdiv,
+    compiler_params,
+    pad_axis,
+    padded_head_dim,
+    resolve_interpret,
+    scores,
+    seq_block,
+    visible,
+)
+
+__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes and Triton launch settings of the forward and backward kernels.
+
+    ``block_q``/``block_k`` tile the forward pass; ``block_q_bwd``/``block_k_bwd`` both
+    backward kernels. ``num_warps``/``num_stages`` only matter on GPU (None: Triton's own
+    default).
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+    num_warps: int | None = None
+    num_stages: int | None = None
+    num_warps_bwd: int | None = None
+    num_stages_bwd: int | None = None
+
+
+def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
+    """Block sizes for ``head_dim``/``dtype`` on the current kind of device.
+
+    Interpret mode (CPU) wants few, large blocks: every grid step and K/V block is one
+    iteration of an XLA loop, and the per-iteration cost dwarfs the arithmetic of a small
+    tile. On GPU the tiles must fit shared memory: 128x64 forward tiles up to head_dim 128
+    in 16-bit types, halved for head_dim 256 or float32.
+    """
+    if interpret:
+        return BlockSizes(block_q=512, block_k=512, block_q_bwd=512, block_k_bwd=512)
+    wide = head_dim > 128 or jnp.dtype(dtype).itemsize > 2
+    if wide:
+        return BlockSizes(64, 32, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4,
+                          num_stages_bwd=2)  # fmt: skip
+    return BlockSizes(128, 64, 64, 64, num_warps=4 if head_dim <= 64 else 8, num_stages=3,
+                      num_warps_bwd=4, num_stages_bwd=2)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one call: hashable, so it can key ``custom_vjp``."""
+
+    causal: bool
+    window: int | None
+    softcap: float | None
+    scale: float
+    q_len: int  # true (unpadded) lengths
+    kv_len: int
+    padded_q: int  # lengths padded to whole blocks of both passes
+    padded_kv: int
+    block_q: int
+    block_k: int
+    block_q_bwd: int
+    block_k_bwd: int
+    blocks: BlockSizes
+    interpret: bool
+
+    @property
+    def offset(self) -> int:
+        """kv position of query 0: the causal diagonal is aligned to the end."""
+        return self.kv_len - self.q_len
+
+    @property
+    def key_padding(self) -> int | None:
+        """Keys at or beyond this position are padding (None: there are none)."""
+        return self.kv_len if self.padded_kv > self.kv_len else None
+
+
+def _div(a, b: int):
+    """Integer division of a non-negative traced int32 scalar by a static ``b``."""
+    return jax.lax.div(a, jnp.int32(b))
+
+
+def _kv_block_range(first_q, last_q, plan: _Plan, block_k: int, num_k_blocks: int):
+    """K/V blocks ``[lo, hi)`` holding any key visible to queries at kv positions
+    ``first_q..last_q`` (traced scalars)."""
+    lo, hi = 0, num_k_blocks
+    if plan.causal or plan.window is not None:
+        hi = jnp.minimum(hi, _div(jnp.maximum(last_q + 1, 0) + block_k - 1, block_k))
+    if plan.window is not None:
+        lo = _div(jnp.maximum(first_q - plan.window + 1, 0), block_k)
+    return lo, hi
+
+
+def _q_block_range(first_k, last_k, plan: _Plan, block_q: int, num_q_blocks: int):
+    """Query blocks ``[lo, hi)`` holding any query that sees a key at kv positions
+    ``first_k..last_k`` (traced scalars; query ``i`` sits at position ``i + offset``)."""
+    lo, hi = 0, num_q_blocks
+    if plan.causal or plan.window is not None:
+        lo = _div(jnp.maximum(first_k - plan.offset, 0), block_q)
+    if plan.window is not None:
+        last_q = last_k + plan.window - 1 - plan.offset  # last query index that sees last_k
+        hi = jnp.minimum(hi, _div(jnp.maximum(last_q + 1, 0) + block_q - 1, block_q))
+    return lo, hi
+
+
+def _unpack(refs, n_in: int, has_segments: bool):
+    """Split kernel refs into (inputs, q_seg_ref, kv_seg_ref, outputs)."""
+    inputs, rest = refs[:n_in], refs[n_in:]
+    if has_segments:
+        return inputs, rest[0], rest[1], rest[2:]
+    return inputs, None, None, rest
+
+
+def _forward_kernel(*refs, plan: _Plan, has_segments: bool):
+    (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _unpack(refs, 3, has_segments)
+    block_q, block_k = plan.block_q, plan.block_k
+    padded_kv = k_ref.shape[0]
+    i = pl.program_id(2)
+    q = q_ref[...]
+    q_pos = i * block_q + jnp.arange(block_q) + plan.offset
+    q_seg = None if qs_ref is None else qs_ref[...]
+    lo, hi = _kv_block_range(
+        i * block_q + plan.offset, i * block_q + block_q - 1 + plan.offset, plan, block_k,
+        padded_kv // block_k,
+    )  # fmt: skip
+
+    def body(j, carry):
+        acc, row_max, row_sum = carry
+        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        v = v_ref[keys, :]
+        s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
+        s = s * LOG2E
+        mask = visible(
+            q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
+            kv_len=plan.key_padding, q_seg=q_seg,
+            kv_seg=None if ks_ref is None else ks_ref[keys],
+        )  # fmt: skip
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with nothing seen yet
+        correction = jnp.exp2(row_max - safe_max)
+        p = jnp.exp2(s - safe_max[:, None])
+        row_sum = row_sum * correction + jnp.sum(p, axis=1)
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * correction[:, None] + pv, new_max, row_sum
+
+    init = (
+        jnp.zeros(q.shape, jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, body, init)
+    seen = row_sum > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, row_sum, 1.0), 0.0)
+    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
+    # Base-2 log-sum-exp; 0 for rows that saw nothing (their keys are all masked in bwd).
+    lse_ref[...] = jnp.where(seen, row_max + jnp.log2(jnp.where(seen, row_sum, 1.0)), 0.0)
+
+
+def _probs_and_dscores(q, k, v, do, lse, delta, mask, plan: _Plan):
+    """Recompute ``P`` from the saved log-sum-exp and the gradient w.r.t. the pre-scale
+    logits ``dS`` (through the soft-cap); the caller applies ``scale``."""
+    s, tanh = scores(q, k, scale=plan.scale, softcap=plan.softcap)
+    p = jnp.exp2(s * LOG2E - lse[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[:, None])
+    if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)  # d/dx c*tanh(x/c) = 1 - tanh^2
+    return p, ds
+
+
+def _dq_kernel(*refs, plan: _Plan, has_segments: bool):
+    inputs, qs_ref, ks_ref, (dq_ref,) = _unpack(refs, 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
+    block_q, block_k = plan.block_q_bwd, plan.block_k_bwd
+    padded_kv = k_ref.shape[0]
+    i = pl.program_id(2)
+    q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    q_pos = i * block_q + jnp.arange(block_q) + plan.offset
+    q_seg = None if qs_ref is None else qs_ref[...]
+    lo, hi = _kv_block_range(
+        i * block_q + plan.offset, i * block_q + block_q - 1 + plan.offset, plan, block_k,
+        padded_kv // block_k,
+    )  # fmt: skip
+
+    def body(j, dq):
+        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        k = k_ref[keys, :]
+        mask = visible(
+            q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
+            kv_len=plan.key_padding, q_seg=q_seg,
+            kv_seg=None if ks_ref is None else ks_ref[keys],
+        )  # fmt: skip
+        _, ds = _probs_and_dscores(q, k, v_ref[keys, :], do, lse, delta, mask, plan)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+
+    dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(*refs, plan: _Plan, has_segments: bool):
+    inputs, qs_ref, ks_ref, (dk_ref, dv_ref) = _unpack(refs, 6, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs  # q/do/lse/delta: whole group
+    block_q, block_k = plan.block_q_bwd, plan.block_k_bwd
+    group, padded_q = q_ref.shape[1], q_ref.shape[0]
+    j = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = j * block_k + jnp.arange(block_k)
+    kv_seg = None if ks_ref is None else ks_ref[...]
+    lo, hi = _q_block_range(j * block_k, j * block_k + block_k - 1, plan, block_q,
+                            padded_q // block_q)  # fmt: skip
+    contract_rows = (((0,), (0,)), ((), ()))
+
+    # Padded query rows need no mask: their dO (hence dS and P^T dO) is zero.
+    def q_block(i, carry, g):
+        dk, dv = carry
+        rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
+        q, do = q_ref[rows, g, :], do_ref[rows, g, :]
+        mask = visible(
+            i * block_q + jnp.arange(block_q) + plan.offset, k_pos, causal=plan.causal,
+            window=plan.window, kv_len=plan.key_padding,
+            q_seg=None if qs_ref is None else qs_ref[rows], kv_seg=kv_seg,
+        )  # fmt: skip
+        p, ds = _probs_and_dscores(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, plan)
+        dv = dv + jax.lax.dot_general(
+            p.astype(do.dtype), do, contract_rows, preferred_element_type=jnp.float32
+        )
+        dk = dk + jax.lax.dot_general(
+            ds.astype(q.dtype), q, contract_rows, preferred_element_type=jnp.float32
+        )
+        return dk, dv
+
+    def head(g, carry):
+        return jax.lax.fori_loop(lo, hi, functools.partial(q_block, g=g), carry)
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = jax.lax.fori_loop(0, group, head, (zeros, zeros))
+    dk_ref[...] = (dk * plan.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _segment_spec(length: int, *, blocked: bool) -> pl.BlockSpec:
+    """Segment ids ``(batch, len)``: one block per grid step, or the whole row."""
+    if blocked:
+        return pl.BlockSpec((None, length), lambda b, h, i: (b, i))
+    return pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
+
+
+def _forward(q, k, v, q_seg, kv_seg, plan: _Plan):
+    batch, padded_q, heads, dim = q.shape
+    padded_kv, kv_heads = k.shape[1], k.shape[2]
+    group, bq = heads // kv_heads, plan.block_q
+    seg_args, seg_specs = [], []
+    if q_seg is not None:
+        seg_args = [q_seg, kv_seg]
+        seg_specs = [_segment_spec(bq, blocked=True), _segment_spec(padded_kv, blocked=False)]
+    q_spec = pl.BlockSpec((None, bq, None, dim), lambda b, h, i: (b, i, h, 0))
+    kv_spec = pl.BlockSpec((None, padded_kv, None, dim), lambda b, h, i: (b, 0, h // group, 0))
+    return pl.pallas_call(
+        functools.partial(_forward_kernel, plan=plan, has_segments=q_seg is not None),
+        grid=(batch, heads, padded_q // bq),
+        in_specs=[q_spec, kv_spec, kv_spec, *seg_specs],
+        out_specs=[q_spec, pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, padded_q), jnp.float32),
+        ],
+        compiler_params=compiler_params(plan.blocks.num_warps, plan.blocks.num_stages),
+        interpret=plan.interpret,
+        name="edl_flash_attention_fwd",
+    )(q, k, v, *seg_args)
+
+
+def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _Plan):
+    batch, padded_q, heads, dim = q.shape
+    padded_kv, kv_heads = k.shape[1], k.shape[2]
+    group, bq, bk = heads // kv_heads, plan.block_q_bwd, plan.block_k_bwd
+    # delta_i = rowsum(dO_i * O_i): one cheap elementwise pass, (batch, heads, q_len).
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    params = compiler_params(plan.blocks.num_warps_bwd, plan.blocks.num_stages_bwd)
+    has_segments = q_seg is not None
+
+    q_spec = pl.BlockSpec((None, bq, None, dim), lambda b, h, i: (b, i, h, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    kv_full = pl.BlockSpec((None, padded_kv, None, dim), lambda b, h, i: (b, 0, h // group, 0))
+    seg_args = [] if q_seg is None else [q_seg, kv_seg]
+    seg_specs = []
+    if has_segments:
+        seg_specs = [_segment_spec(bq, blocked=True), _segment_spec(padded_kv, blocked=False)]
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan, has_segments=has_segments),
+        grid=(batch, heads, padded_q // bq),
+        in_specs=[q_spec, kv_full, kv_full, q_spec, row_spec, row_spec, *seg_specs],
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=params,
+        interpret=plan.interpret,
+        name="edl_flash_attention_dq",
+    )(q, k, v, d_out, lse, delta, *seg_args)
+
+    group_spec = pl.BlockSpec((None, padded_q, group, dim), lambda b, h, j: (b, 0, h, 0))
+    group_rows = pl.BlockSpec((None, group, padded_q), lambda b, h, j: (b, h, 0))
+    kv_block = pl.BlockSpec((None, bk, None, dim), lambda b, h, j: (b, j, h, 0))
+    if has_segments:
+        seg_specs = [_segment_spec(padded_q, blocked=False), _segment_spec(bk, blocked=True)]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkdv_kernel, plan=plan, has_segments=has_segments),
+        grid=(batch, kv_heads, padded_kv // bk),
+        in_specs=[group_spec, kv_block, kv_block, group_spec, group_rows, group_rows, *seg_specs],
+        out_specs=[kv_block, kv_block],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=params,
+        interpret=plan.interpret,
+        name="edl_flash_attention_dkdv",
+    )(q, k, v, d_out, lse, delta, *seg_args)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_seg, kv_seg, plan):
+    return _forward(q, k, v, q_seg, kv_seg, plan)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, plan):
+    out, lse = _forward(q, k, v, q_seg, kv_seg, plan)
+    return out, (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(plan, residuals, d_out):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads head_dim"],
+    v: Float[Array, "batch kv_len kv_heads head_dim"],
+    *,
+    causal: bool = False,
+    q_segment_ids: Int[Array, "batch q_len"] | None = None,
+    kv_segment_ids: Int[Array, "batch kv_len"] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Flash attention (Pallas) with a Pallas backward pass; see the module docstring.
+
+    Args:
+        q, k, v: float32/bfloat16/float16, all one dtype; ``heads % kv_heads == 0``.
+        causal: mask future keys (diagonal aligned to the end when ``q_len != kv_len``).
+        q_segment_ids, kv_segment_ids: packed sequences, a query sees only keys with its id.
+        window: left sliding window (query at ``i`` sees keys ``i - window < j <= i``);
+            implies causal.
+        softcap: logits become ``softcap * tanh(logits / softcap)`` (after ``scale``).
+        scale: logit scale, default ``1/sqrt(head_dim)``.
+        block_sizes: tiles and Triton settings; default :func:`default_block_sizes`.
+        interpret: run the kernels with ``interpret=True``; default: unless on a GPU.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"flash_attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}")
+    if heads % kv_heads:
+        raise ValueError(f"flash_attention: {heads} heads not a multiple of {kv_heads} kv heads")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"flash_attention: q/k/v must share one of float32/bfloat16/float16, got "
+            f"{q.dtype}/{k.dtype}/{v.dtype}"
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids or neither")
+    if window is not None and window <= 0:
+        raise ValueError(f"flash_attention: window must be positive, got {window}")
+    interpret = resolve_interpret(interpret)
+    blocks = block_sizes or default_block_sizes(head_dim, q.dtype, interpret=interpret)
+    bq, bk = (
+        seq_block(blocks.block_q, q_len, interpret),
+        seq_block(blocks.block_k, kv_len, interpret),
+    )
+    bq_bwd = seq_block(blocks.block_q_bwd, q_len, interpret)
+    bk_bwd = seq_block(blocks.block_k_bwd, kv_len, interpret)
+    padded_q = cdiv(q_len, math.lcm(bq, bq_bwd)) * math.lcm(bq, bq_bwd)
+    padded_kv = cdiv(kv_len, math.lcm(bk, bk_bwd)) * math.lcm(bk, bk_bwd)
+    plan = _Plan(
+        causal=causal or window is not None, window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=head_dim**-0.5 if scale is None else float(scale), q_len=q_len, kv_len=kv_len,
+        padded_q=padded_q, padded_kv=padded_kv, block_q=bq, block_k=bk, block_q_bwd=bq_bwd,
+        block_k_bwd=bk_bwd, blocks=blocks, interpret=interpret,
+    )  # fmt: skip
+    dim = padded_head_dim(head_dim, interpret)
+    q_p = pad_axis(pad_axis(q, 1, padded_q), 3, dim)
+    k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, dim)
+    v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, dim)
+    q_seg = kv_seg = None
+    if q_segment_ids is not None:
+        q_seg = pad_axis(q_segment_ids.astype(jnp.int32), 1, padded_q)
+        kv_seg = pad_axis(kv_segment_ids.astype(jnp.int32), 1, padded_kv)
+    out = _flash(q_p, k_p, v_p, q_seg, kv_seg, plan)
+    return out[:, :q_len, :, :head_dim]
