@@ -278,3 +278,20 @@ def test_from_state_dict_takes_a_bf16_torch_state_dict():
     assert weight.dtype == jnp.bfloat16
     expected = hf_model.model.layers[1].mlp.up_proj.weight.float().detach().numpy()
     np.testing.assert_array_equal(np.asarray(weight[1], np.float32), expected)
+
+
+def test_default_attention_path_is_the_pallas_kernel():
+    """Models use impl="auto", which is the Pallas kernel (interpreted on CPU), in the forward
+    pass and in the gradient; attention_impl="xla" computes the same loss without it."""
+    model = hf.from_state_dict(*_state("qwen2"))
+    ids, mask = (jnp.asarray(x) for x in _batch())
+
+    def loss(m):
+        return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
+
+    names = {"edl_flash_attention_fwd", "edl_flash_attention_dq", "edl_flash_attention_dkdv"}
+    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss))(model))
+    assert "pallas_call" in jaxpr and all(name in jaxpr for name in names)
+    xla = configure(model, attention_impl="xla")
+    assert "pallas_call" not in str(jax.make_jaxpr(loss)(xla))
+    np.testing.assert_allclose(loss(xla), loss(model), rtol=1e-6)

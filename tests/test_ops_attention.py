@@ -64,8 +64,8 @@ def cases(draw):
     }
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
-@settings(max_examples=30)  # each example compiles new shapes
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@settings(max_examples=20)  # each example compiles new shapes
 @given(cases())
 def test_attention_matches_float64_reference(impl, c):
     rng = np.random.default_rng(c["seed"])
@@ -90,7 +90,7 @@ def test_attention_matches_float64_reference(impl, c):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=30)
+@settings(max_examples=20)
 @given(cases())
 def test_xla_backward_matches_autodiff_of_the_reference(c):
     """The hand-written backward pass of impl="xla" against jax.grad of the plain reference
@@ -122,7 +122,7 @@ def test_xla_backward_matches_autodiff_of_the_reference(c):
         np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
 def test_fully_masked_rows_are_zero_not_nan(impl):
     q = jnp.ones((1, 3, 2, 4))
     kv = jnp.ones((1, 3, 2, 4))
@@ -136,7 +136,7 @@ def test_fully_masked_rows_are_zero_not_nan(impl):
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
-@pytest.mark.parametrize("impl", ["reference", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
 def test_bf16_inputs_accumulate_in_float32(impl):
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(2, 16, 4, 8)).astype(np.float32) for _ in range(3))
@@ -159,3 +159,31 @@ def test_attention_errors_name_the_problem():
         ops.attention(kv, kv, kv, window=0)
     with pytest.raises(ValueError, match=r"pass a \(q_ids, kv_ids\) pair"):
         ops.attention(kv[:, :2], kv, kv, segment_ids=jnp.ones((1, 4), jnp.int32))
+
+
+def test_auto_dispatches_to_the_pallas_kernel():
+    q = jnp.ones((1, 8, 2, 8))
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.attention(q, q, q, causal=True))(q))
+    assert "pallas_call" in jaxpr
+
+
+def test_auto_falls_back_with_one_warning_where_pallas_cannot_run(recwarn):
+    """float64 inputs (no kernel dtype): auto warns once, then computes with impl="xla";
+    an explicit impl="pallas" refuses with the same reason."""
+    with jax.enable_x64(True):
+        q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, 2, 4)))
+        with pytest.warns(UserWarning, match="float32/bfloat16/float16 inputs, got float64"):
+            out = ops.attention(q, q, q, causal=True)
+        again = ops.attention(q, q, q, causal=True)
+        assert not [w for w in recwarn if "edl attention" in str(w.message)]
+        ref = ops.attention(q, q, q, causal=True, impl="reference")
+        np.testing.assert_allclose(out, ref, rtol=1e-6)  # both: float32 logits
+        np.testing.assert_array_equal(out, again)
+        with pytest.raises(ValueError, match="impl='pallas' cannot run: .*float64"):
+            ops.attention(q, q, q, impl="pallas")
+
+
+def test_cudnn_needs_a_gpu():
+    kv = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="impl='cudnn' needs an NVIDIA GPU"):
+        ops.attention(kv, kv, kv, impl="cudnn")

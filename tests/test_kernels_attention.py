@@ -1,0 +1,297 @@
+"""edl.kernels (flash and decode attention, interpret mode on CPU) against float64 references.
+
+Forward outputs and all three gradients are compared with jax autodiff of the plain
+reference evaluated in float64; decode attention with an explicit float64 numpy loop.
+Tolerances: errors are measured relative to max(1, max |expected|). float32 kernels
+accumulate in float32 over at most ~100 keys here, so 2e-5 leaves a margin of ~10x over the
+errors seen (~1e-6); 16-bit inputs are compared on the same rounded inputs, and the kernel
+rounds P to the input dtype before ``P @ V`` (as every flash kernel does), so the bound is a
+few units of bf16's 2^-8 resolution: 3e-2.
+"""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from edl import ops
+from edl.kernels import BlockSizes, flash_attention
+from edl.kernels.decode_attention import decode_attention
+from edl.kernels.flash_attention import _backward, _forward, _Plan
+
+
+def _rel_err(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(
+        np.max(np.abs(actual - expected), initial=0.0) / max(1.0, np.abs(expected).max(initial=0.0))
+    )
+
+
+def _inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):
+    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
+    d_out = jax.random.normal(kd, q.shape, jnp.float32).astype(dtype)
+    return q, k, v, d_out
+
+
+def _segments(seed, batch, q_len, kv_len):
+    """Sorted ids in {0, 1, 2} drawn separately for q and kv: some queries see no key."""
+    kq, kk = jax.random.split(jax.random.key(seed + 1))
+    q_ids = jnp.sort(jax.random.randint(kq, (batch, q_len), 0, 3), axis=1)
+    kv_ids = jnp.sort(jax.random.randint(kk, (batch, kv_len), 0, 3), axis=1)
+    return q_ids, kv_ids
+
+
+def _float64_reference(q, k, v, d_out, **kw):
+    """Output and (dq, dk, dv) of the plain reference by autodiff in float64."""
+    with jax.enable_x64(True):
+        args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v)]
+        out, vjp = jax.vjp(functools.partial(ops.reference_attention, **kw), *args)
+        grads = vjp(jnp.asarray(np.asarray(d_out, np.float64)))
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _kernel(q, k, v, d_out, *, segment_ids=None, block_sizes=None, **kw):
+    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+
+    def run(q, k, v):
+        return flash_attention(
+            q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=block_sizes, **kw
+        )
+
+    out, vjp = jax.vjp(jax.jit(run), q, k, v)
+    return out, vjp(d_out)
+
+
+def _assert_close(q, k, v, d_out, tol, segment_ids=None, block_sizes=None, **kw):
+    out, grads = _kernel(q, k, v, d_out, segment_ids=segment_ids, block_sizes=block_sizes, **kw)
+    ref_out, ref_grads = _float64_reference(q, k, v, d_out, segment_ids=segment_ids, **kw)
+    assert not any(bool(jnp.isnan(x).any()) for x in (out, *grads))
+    for name, actual, expected in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True
+    ):
+        assert actual.dtype == q.dtype, name
+        err = _rel_err(actual, expected)
+        assert err < tol, f"{name}: relative error {err:.2e} >= {tol:.0e} ({kw})"
+
+
+@st.composite
+def flash_cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return {
+        "batch": draw(st.integers(1, 2)),
+        "q_len": draw(st.integers(1, 40)),
+        "kv_len": draw(st.integers(1, 40)),
+        "heads": kv_heads * draw(st.sampled_from([1, 2, 3])),
+        "kv_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([4, 8, 16])),
+        "causal": draw(st.booleans()),
+        "window": draw(st.none() | st.integers(1, 20)),
+        "softcap": draw(st.none() | st.floats(1.0, 5.0)),
+        "scale": draw(st.none() | st.floats(0.1, 1.0)),
+        "segments": draw(st.booleans()),
+        # Small, unequal blocks: several blocks per sequence, lengths rarely a multiple.
+        "blocks": BlockSizes(*(draw(st.sampled_from([4, 8, 16])) for _ in range(4))),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@settings(max_examples=20)  # every example compiles three kernels for new shapes
+@given(flash_cases())
+def test_flash_attention_forward_and_gradients_match_float64(c):
+    shape = {k: c[k] for k in ("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim")}
+    q, k, v, d_out = _inputs(c["seed"], **shape)
+    segments = _segments(c["seed"], c["batch"], c["q_len"], c["kv_len"]) if c["segments"] else None
+    _assert_close(
+        q, k, v, d_out, 2e-5, segment_ids=segments, block_sizes=c["blocks"], causal=c["causal"],
+        window=c["window"], softcap=c["softcap"], scale=c["scale"],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_flash_attention_head_dims(head_dim):
+    q, k, v, d_out = _inputs(0, 1, 33, 50, 4, 2, head_dim)
+    _assert_close(q, k, v, d_out, 2e-5, block_sizes=BlockSizes(16, 16, 16, 16), causal=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_flash_attention_16bit_inputs_accumulate_in_float32(dtype):
+    q, k, v, d_out = _inputs(1, 2, 70, 70, 4, 1, 32, dtype)
+    _assert_close(q, k, v, d_out, 3e-2, block_sizes=BlockSizes(32, 16, 16, 32), causal=True)
+
+
+def test_fully_masked_rows_are_zero_with_zero_gradients():
+    q, k, v, d_out = _inputs(2, 1, 8, 8, 2, 1, 8)
+    q_ids = jnp.array([[1, 1, 1, 1, 2, 2, 3, 3]])
+    kv_ids = jnp.array([[1, 1, 2, 2, 2, 2, 2, 2]])  # queries of segment 3 see nothing
+    out, (dq, _, _) = _kernel(q, k, v, d_out, segment_ids=(q_ids, kv_ids), causal=True)
+    assert not bool(jnp.isnan(out).any() | jnp.isnan(dq).any())
+    np.testing.assert_array_equal(out[0, 6:], 0.0)
+    np.testing.assert_array_equal(dq[0, 6:], 0.0)
+    assert bool(jnp.all(jnp.any(out[0, :6] != 0, axis=(-1, -2))))
+
+
+def test_interpret_mode_poisons_unwritten_outputs():
+    """The premise of the next test: Pallas' interpreter starts outputs as NaN."""
+    from jax.experimental import pallas as pl
+
+    def writes_nothing(x_ref, o_ref):
+        del x_ref, o_ref
+
+    x = jnp.zeros((8, 8), jnp.float32)
+    out = pl.pallas_call(writes_nothing, out_shape=x, interpret=True)(x)
+    assert bool(jnp.isnan(out).all())
+
+
+def test_every_output_element_is_written():
+    """Run the padded kernels directly: every element of every output (padding rows, the
+    log-sum-exp, dq, dk, dv) must be finite, so no block was skipped unwritten, including
+    K/V blocks no query sees under a sliding window."""
+    q, k, v, d_out = _inputs(3, 2, 24, 40, 4, 2, 8)
+    plan = _Plan(
+        causal=True, window=5, softcap=None, scale=0.3, q_len=21, kv_len=37, padded_q=24,
+        padded_kv=40, block_q=8, block_k=8, block_q_bwd=8, block_k_bwd=8,
+        blocks=BlockSizes(8, 8, 8, 8), interpret=True,
+    )  # fmt: skip
+    q_ids, kv_ids = _segments(3, 2, 24, 40)
+    out, lse = _forward(q, k, v, q_ids, kv_ids, plan)
+    grads = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, plan)
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), strict=True):
+        assert bool(jnp.isfinite(x).all()), name
+
+
+def _numpy_decode(q, k, v, lengths, kv_start, window, softcap, scale):
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    batch, new, heads, _ = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros_like(q)
+    keys = np.arange(k.shape[1])
+    for b in range(batch):
+        for t in range(new):
+            pos = lengths[b] - new + t
+            seen = (keys <= pos) & (keys < lengths[b]) & (keys >= kv_start[b])
+            if window is not None:
+                seen &= pos - keys < window
+            if not seen.any():
+                continue
+            for h in range(heads):
+                s = k[b, :, h // group] @ q[b, t, h] * scale
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(np.where(seen, s, -np.inf) - s[seen].max())
+                out[b, t, h] = p @ v[b, :, h // group] / p.sum()
+    return out
+
+
+@st.composite
+def decode_cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    cache_len = draw(st.sampled_from([16, 24, 40, 64]))
+    new = draw(st.integers(1, 4))
+    batch = draw(st.integers(1, 3))
+    lengths = [draw(st.integers(new, cache_len)) for _ in range(batch)]
+    return {
+        "batch": batch,
+        "new": new,
+        "heads": kv_heads * draw(st.sampled_from([1, 2, 4])),
+        "kv_heads": kv_heads,
+        "cache_len": cache_len,
+        "lengths": lengths,
+        "kv_start": [draw(st.integers(0, n)) for n in lengths] if draw(st.booleans()) else None,
+        "window": draw(st.none() | st.integers(1, 12)),
+        "softcap": draw(st.none() | st.floats(1.0, 5.0)),
+        "block_k": draw(st.sampled_from([None, 4, 8])),
+        "num_splits": draw(st.sampled_from([None, 1, 2, 3])),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@settings(max_examples=25)
+@given(decode_cases())
+def test_decode_attention_matches_float64(c):
+    q, k, v, _ = _inputs(
+        c["seed"], c["batch"], c["new"], c["cache_len"], c["heads"], c["kv_heads"], 8
+    )
+    lengths = jnp.asarray(c["lengths"], jnp.int32)
+    start = None if c["kv_start"] is None else jnp.asarray(c["kv_start"], jnp.int32)
+    out = decode_attention(
+        q, k, v, lengths, kv_start=start, window=c["window"], softcap=c["softcap"],
+        block_k=c["block_k"], num_splits=c["num_splits"],
+    )  # fmt: skip
+    expected = _numpy_decode(
+        q, k, v, c["lengths"], c["kv_start"] or [0] * c["batch"], c["window"], c["softcap"],
+        8**-0.5,
+    )  # fmt: skip
+    assert not bool(jnp.isnan(out).any())
+    assert _rel_err(out, expected) < 2e-5
+
+
+def test_decode_attention_equals_flash_attention_on_the_valid_prefix():
+    """One row whose cache holds exactly ``length`` keys: the last ``new`` queries of a full
+    causal pass are what decode computes."""
+    q, k, v, _ = _inputs(5, 1, 3, 48, 8, 2, 16)
+    cache = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    k_cache, v_cache = cache.at[:, :48].set(k), cache.at[:, :48].set(v)
+    out = decode_attention(q, k_cache, v_cache, jnp.array([48]), block_k=16, num_splits=2)
+    np.testing.assert_allclose(out, flash_attention(q, k, v, causal=True), atol=2e-6)
+
+
+def test_decode_attention_errors_name_the_problem():
+    q = jnp.zeros((2, 1, 4, 8))
+    cache = jnp.zeros((2, 100, 2, 8))
+    with pytest.raises(ValueError, match=r"lengths must be integers of shape \(2,\)"):
+        decode_attention(q, cache, cache, jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="cache length \\(100\\) must be a multiple of 16"):
+        decode_attention(q, cache, cache, jnp.array([1, 2]), interpret=False)
+    with pytest.raises(TypeError, match="float32/bfloat16/float16"):
+        decode_attention(q, cache.astype(jnp.bfloat16), cache, jnp.array([1, 2]))
+
+
+def test_flash_attention_errors_name_the_problem():
+    q = jnp.zeros((1, 4, 4, 8))
+    with pytest.raises(ValueError, match="4 heads not a multiple of 3 kv heads"):
+        flash_attention(q, jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 3, 8)))
+    with pytest.raises(ValueError, match="both q_segment_ids and kv_segment_ids"):
+        flash_attention(q, q, q, q_segment_ids=jnp.zeros((1, 4), jnp.int32))
+
+
+def _lower_for_gpu(fn, *shapes):
+    """Lower ``fn`` for CUDA from this CPU-only machine: Pallas emits the Triton IR here."""
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "group", "kw"),
+    [
+        (64, jnp.bfloat16, 1, {"causal": False}),
+        (128, jnp.bfloat16, 4, {"causal": True, "window": 256, "softcap": 30.0}),
+        (256, jnp.float16, 3, {"causal": True}),
+        (80, jnp.float32, 2, {"causal": False}),  # head_dim padded to 128 for Triton
+    ],
+)
+def test_flash_attention_lowers_to_triton(head_dim, dtype, group, kw):
+    def loss(q, k, v, ids):
+        out = flash_attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids, interpret=False, **kw)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((2, 300, 2 * group, head_dim), dtype)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, head_dim), dtype)
+    ids = jax.ShapeDtypeStruct((2, 300), jnp.int32)
+    text = _lower_for_gpu(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, ids)
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
+
+
+def test_decode_attention_lowers_to_triton():
+    def run(q, k, v, lengths, start):
+        return decode_attention(q, k, v, lengths, kv_start=start, window=128, interpret=False)
+
+    q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 4096, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    assert _lower_for_gpu(run, q, cache, cache, lengths, lengths).count("__gpu$xla.gpu.triton") == 1
