@@ -16,7 +16,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Every edl function's jaxtyping/typing annotations are checked by beartype under test.
 with install_import_hook("edl", "beartype.beartype"):
-    import edl  # noqa: F401
+    import edl.cli
+    import edl.train  # noqa: F401
 
 # First calls compile, so wall-clock deadlines would only measure XLA; CI replays examples
 # deterministically so a failure there is reproducible from the log.

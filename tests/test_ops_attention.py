@@ -179,7 +179,7 @@ def test_auto_falls_back_with_one_warning_where_pallas_cannot_run(recwarn):
         ref = ops.attention(q, q, q, causal=True, impl="reference")
         np.testing.assert_allclose(out, ref, rtol=1e-6)  # both: float32 logits
         np.testing.assert_array_equal(out, again)
-        with pytest.raises(ValueError, match="impl='pallas' cannot run: .*float64"):
+        with pytest.raises(ValueError, match=r"impl='pallas' cannot run: .*float64"):
             ops.attention(q, q, q, impl="pallas")
 
 

@@ -154,9 +154,13 @@ def test_causal_lm_loss_matches_transformers_and_float64(c):
     np.testing.assert_allclose(loss, np_loss, **LOSS_TOL)
     np.testing.assert_allclose(ref_loss, np_loss, **LOSS_TOL)
     assert int(metrics["tokens"]) == int(ref_metrics["tokens"]) == np_count
-    # Argmax over float32 vs float64 logits agrees unless two logits tie to ~1e-6.
-    np.testing.assert_allclose(metrics["accuracy"], np_acc, rtol=1e-6)
-    np.testing.assert_allclose(ref_metrics["accuracy"], np_acc, rtol=1e-6)
+    # Argmax over float32 vs float64 logits agrees unless two logits tie to ~1e-6 (a small
+    # softcap saturates logits into near-ties): each such token may flip one prediction.
+    top2 = np.sort(np_logits.reshape(-1, np_logits.shape[-1]), axis=-1)[:, -2:]
+    near_ties = int(np.sum(top2[:, 1] - top2[:, 0] < 1e-5))
+    slack = near_ties / max(np_count, 1) + 1e-6
+    np.testing.assert_allclose(metrics["accuracy"], np_acc, rtol=0, atol=slack)
+    np.testing.assert_allclose(ref_metrics["accuracy"], np_acc, rtol=0, atol=slack)
     hf = hf_lm(np_logits, labels, mask, ignore_index=c["ignore_index"], shift=c["shift"])
     if np_count:
         np.testing.assert_allclose(hf, np_loss, **LOSS_TOL)

@@ -1,6 +1,6 @@
 """Files on disk: Hugging Face safetensors checkpoints, configs and the hub."""
 
-from edl.io import hf, safetensors
+from edl.io import checkpoint, hf, safetensors
 from edl.io.hf import (
     export_state_dict,
     from_pretrained,
@@ -11,6 +11,7 @@ from edl.io.hf import (
 )
 
 __all__ = [
+    "checkpoint",
     "export_state_dict",
     "from_pretrained",
     "from_state_dict",

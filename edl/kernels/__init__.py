@@ -4,6 +4,7 @@ Each kernel lowers through Triton on NVIDIA GPUs and runs with ``interpret=True`
 ``edl.ops.attention`` is the entry point models use.
 """
 
+from edl.kernels.decode_attention import decode_attention
 from edl.kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
 
-__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
+__all__ = ["BlockSizes", "decode_attention", "default_block_sizes", "flash_attention"]

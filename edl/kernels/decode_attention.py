@@ -127,13 +127,41 @@ def _merge_splits(out, lse):
     return merged / jnp.where(total == 0, 1.0, total)[..., None]
 
 
+def _decode_call(scalars, q_rows, k_cache, v_cache, *, plan: _Plan, num_splits, params, interpret):
+    batch, kv_heads, padded_rows, dim = q_rows.shape
+    cache_len = k_cache.shape[1]
+    scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
+    cache_spec = pl.BlockSpec((None, cache_len, None, dim), lambda b, h, s: (b, 0, h, 0))
+    return pl.pallas_call(
+        functools.partial(_decode_kernel, plan=plan),
+        grid=(batch, kv_heads, num_splits),
+        in_specs=[
+            *[scalar] * len(scalars),
+            pl.BlockSpec((None, None, padded_rows, dim), lambda b, h, s: (b, h, 0, 0)),
+            cache_spec,
+            cache_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, padded_rows, dim), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, padded_rows), lambda b, h, s: (b, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows, dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows), jnp.float32),
+        ],
+        compiler_params=params,
+        interpret=interpret,
+        name="edl_decode_attention",
+    )(*scalars, q_rows, k_cache, v_cache)
+
+
 def decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
     k_cache: Float[Array, "batch cache_len kv_heads head_dim"],
     v_cache: Float[Array, "batch cache_len kv_heads head_dim"],
-    lengths: Int[Array, " batch"],
+    lengths: Int[Array, " _batch"],  # _: edl checks it and names the problem
     *,
-    kv_start: Int[Array, " batch"] | None = None,
+    kv_start: Int[Array, " _batch"] | None = None,
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -206,32 +234,27 @@ def decode_attention(
     )
     k_cache, v_cache = pad_axis(k_cache, 3, dim), pad_axis(v_cache, 3, dim)
 
-    scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
-    cache_spec = pl.BlockSpec((None, cache_len, None, dim), lambda b, h, s: (b, 0, h, 0))
     scalars = [lengths.astype(jnp.int32)]
     if kv_start is not None:
         scalars.append(kv_start.astype(jnp.int32))
-    out, lse = pl.pallas_call(
-        functools.partial(_decode_kernel, plan=plan),
-        grid=(batch, kv_heads, num_splits),
-        in_specs=[
-            *[scalar] * len(scalars),
-            pl.BlockSpec((None, None, padded_rows, dim), lambda b, h, s: (b, h, 0, 0)),
-            cache_spec,
-            cache_spec,
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, None, padded_rows, dim), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, padded_rows), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows, dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, num_splits, padded_rows), jnp.float32),
-        ],
-        compiler_params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
-        name="edl_decode_attention",
-    )(*scalars, q_rows, k_cache, v_cache)
+    call = functools.partial(
+        _decode_call, plan=plan, num_splits=num_splits,
+        params=compiler_params(num_warps, num_stages), interpret=interpret,
+    )  # fmt: skip
+    if interpret and batch * kv_heads > 1:
+        # As in flash_attention: Pallas' interpreter copies every input (here the whole
+        # cache) on every grid step, so run one call per (row, kv head) instead.
+        n = batch * kv_heads
+        per_head = (
+            [jnp.repeat(x, kv_heads)[:, None] for x in scalars],
+            q_rows.reshape(n, 1, 1, padded_rows, dim),
+            *(c.transpose(0, 2, 1, 3).reshape(n, 1, cache_len, 1, dim) for c in (k_cache, v_cache)),
+        )
+        out, lse = jax.lax.map(lambda xs: call(*xs), per_head)
+        out = out.reshape(batch, kv_heads, num_splits, padded_rows, dim)
+        lse = lse.reshape(batch, kv_heads, num_splits, padded_rows)
+    else:
+        out, lse = call(scalars, q_rows, k_cache, v_cache)
     merged = _merge_splits(out, lse)[:, :, :rows, :head_dim]  # (batch, kv_heads, rows, d)
     merged = merged.reshape(batch, kv_heads, new_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
     return merged.reshape(batch, new_tokens, heads, head_dim).astype(q.dtype)

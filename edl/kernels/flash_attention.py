@@ -281,7 +281,7 @@ def _segment_spec(length: int, *, blocked: bool) -> pl.BlockSpec:
     return pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
 
 
-def _forward(q, k, v, q_seg, kv_seg, plan: _Plan):
+def _forward_call(q, k, v, q_seg, kv_seg, plan: _Plan):
     batch, padded_q, heads, dim = q.shape
     padded_kv, kv_heads = k.shape[1], k.shape[2]
     group, bq = heads // kv_heads, plan.block_q
@@ -306,48 +306,96 @@ def _forward(q, k, v, q_seg, kv_seg, plan: _Plan):
     )(q, k, v, *seg_args)
 
 
-def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _Plan):
+def _dq_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
     batch, padded_q, heads, dim = q.shape
     padded_kv, kv_heads = k.shape[1], k.shape[2]
-    group, bq, bk = heads // kv_heads, plan.block_q_bwd, plan.block_k_bwd
-    # delta_i = rowsum(dO_i * O_i): one cheap elementwise pass, (batch, heads, q_len).
-    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    params = compiler_params(plan.blocks.num_warps_bwd, plan.blocks.num_stages_bwd)
-    has_segments = q_seg is not None
-
+    group, bq = heads // kv_heads, plan.block_q_bwd
     q_spec = pl.BlockSpec((None, bq, None, dim), lambda b, h, i: (b, i, h, 0))
     row_spec = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
     kv_full = pl.BlockSpec((None, padded_kv, None, dim), lambda b, h, i: (b, 0, h // group, 0))
-    seg_args = [] if q_seg is None else [q_seg, kv_seg]
-    seg_specs = []
-    if has_segments:
+    seg_args, seg_specs = [], []
+    if q_seg is not None:
+        seg_args = [q_seg, kv_seg]
         seg_specs = [_segment_spec(bq, blocked=True), _segment_spec(padded_kv, blocked=False)]
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan, has_segments=has_segments),
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan, has_segments=q_seg is not None),
         grid=(batch, heads, padded_q // bq),
         in_specs=[q_spec, kv_full, kv_full, q_spec, row_spec, row_spec, *seg_specs],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=params,
+        compiler_params=compiler_params(plan.blocks.num_warps_bwd, plan.blocks.num_stages_bwd),
         interpret=plan.interpret,
         name="edl_flash_attention_dq",
     )(q, k, v, d_out, lse, delta, *seg_args)
 
+
+def _dkdv_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
+    batch, padded_q, heads, dim = q.shape
+    padded_kv, kv_heads = k.shape[1], k.shape[2]
+    group, bk = heads // kv_heads, plan.block_k_bwd
     group_spec = pl.BlockSpec((None, padded_q, group, dim), lambda b, h, j: (b, 0, h, 0))
     group_rows = pl.BlockSpec((None, group, padded_q), lambda b, h, j: (b, h, 0))
     kv_block = pl.BlockSpec((None, bk, None, dim), lambda b, h, j: (b, j, h, 0))
-    if has_segments:
+    seg_args, seg_specs = [], []
+    if q_seg is not None:
+        seg_args = [q_seg, kv_seg]
         seg_specs = [_segment_spec(padded_q, blocked=False), _segment_spec(bk, blocked=True)]
-    dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, plan=plan, has_segments=has_segments),
+    return pl.pallas_call(
+        functools.partial(_dkdv_kernel, plan=plan, has_segments=q_seg is not None),
         grid=(batch, kv_heads, padded_kv // bk),
         in_specs=[group_spec, kv_block, kv_block, group_spec, group_rows, group_rows, *seg_specs],
         out_specs=[kv_block, kv_block],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        compiler_params=params,
+        compiler_params=compiler_params(plan.blocks.num_warps_bwd, plan.blocks.num_stages_bwd),
         interpret=plan.interpret,
         name="edl_flash_attention_dkdv",
     )(q, k, v, d_out, lse, delta, *seg_args)
+
+
+def _launch(call, plan: _Plan, kv_heads: int, *args):
+    """``call(*args, plan)``; in interpret mode once per (batch row, kv head) via ``lax.map``.
+
+    Pallas' interpreter carries every input through its loop over the grid and copies each
+    whole input array on every grid step, so one call over the full batch costs
+    O(grid steps x array size). Per-kv-head calls keep both factors small; the arrays are
+    regrouped to ``(batch * kv_heads, 1, ...)`` and back (one transpose each).
+    """
+    batch = args[0].shape[0]
+    if not plan.interpret or batch * kv_heads == 1:
+        return call(*args, plan)
+
+    def split(x):
+        if x is None:
+            return None
+        if x.ndim == 4:  # (b, s, heads, d), heads = kv_heads * g
+            b, s, h, d = x.shape
+            x = x.reshape(b, s, kv_heads, h // kv_heads, d).transpose(0, 2, 1, 3, 4)
+            return x.reshape(b * kv_heads, 1, s, h // kv_heads, d)
+        if x.ndim == 3:  # per-row statistics (b, heads, s)
+            return x.reshape(batch * kv_heads, 1, x.shape[1] // kv_heads, x.shape[2])
+        return jnp.repeat(x, kv_heads, axis=0)[:, None]  # segment ids (b, s)
+
+    def merge(x):
+        if x.ndim == 5:
+            _, _, s, g, d = x.shape
+            x = x.reshape(batch, kv_heads, s, g, d).transpose(0, 2, 1, 3, 4)
+            return x.reshape(batch, s, kv_heads * g, d)
+        return x.reshape(batch, kv_heads * x.shape[2], x.shape[3])
+
+    outs = jax.lax.map(lambda xs: call(*xs, plan), tuple(split(a) for a in args))
+    return jax.tree.map(merge, outs)
+
+
+def _forward(q, k, v, q_seg, kv_seg, plan: _Plan):
+    return _launch(_forward_call, plan, k.shape[2], q, k, v, q_seg, kv_seg)
+
+
+def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _Plan):
+    # delta_i = rowsum(dO_i * O_i): one cheap elementwise pass, (batch, heads, q_len).
+    delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    args = (q, k, v, d_out, lse, delta, q_seg, kv_seg)
+    dq = _launch(_dq_call, plan, k.shape[2], *args)
+    dk, dv = _launch(_dkdv_call, plan, k.shape[2], *args)
     return dq, dk, dv
 
 

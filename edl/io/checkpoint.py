@@ -1,0 +1,470 @@
+"""Training checkpoints: ``save_state`` / ``load_state`` / ``latest_checkpoint``.
+
+One directory per step, written atomically::
+
+    directory/
+      checkpoint-00000100/
+        config.json + model*.safetensors  # registered HF families: HF layout, so
+                                          # edl.from_pretrained / transformers load it as is
+        model*.safetensors                # any other pytree: arrays keyed by edl.tree paths
+        optimizer*.safetensors            # opt_state arrays keyed by edl.tree paths
+        state.json                        # step, versions, user metadata; written last
+      .tmp-checkpoint-00000200-<hex>/     # a save in progress, or one that was killed
+
+A save writes everything into a ``.tmp-checkpoint-*`` sibling (each file fsync'd, then
+``state.json``), renames it to ``checkpoint-{step:08d}`` and prunes old checkpoints. A
+checkpoint counts as complete only if its ``state.json`` parses, so a killed writer never
+shadows the previous good checkpoint; its leftovers are deleted by the next save. Everything
+is safetensors and JSON (no pickle). One process writes to a directory at a time, and arrays
+must be fully addressable from it (single host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+from jaxtyping import PyTree
+
+from edl import state as edl_state
+from edl import tree as edl_tree
+from edl.io import hf
+from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
+from edl.models import registry
+from edl.state import TrainState
+
+__all__ = [
+    "FORMAT",
+    "STATE_NAME",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_state",
+    "save_state",
+]
+
+logger = logging.getLogger("edl")
+
+FORMAT = 1
+"""Version of the checkpoint layout, stored as ``state.json``'s ``"format"``."""
+STATE_NAME = "state.json"
+"""The file that marks a checkpoint complete (written last)."""
+
+_NAME = re.compile(r"checkpoint-(\d+)")
+_TMP = ".tmp-checkpoint-"
+_MODEL, _OPTIMIZER = "model", "optimizer"
+
+
+# -- small file-system helpers -------------------------------------------------------------
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk (directories: where the OS can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+
+
+def _write_state_file(file: Path, text: str) -> None:
+    with open(file, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _remove(path: Path) -> None:
+    """Delete ``path``; a checkpoint is first renamed away so it is never seen half-deleted."""
+    try:
+        if path.is_dir() and not path.name.startswith(_TMP):
+            doomed = path.with_name(f"{_TMP}{path.name}-{uuid.uuid4().hex[:8]}-old")
+            os.replace(path, doomed)
+            path = doomed
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except OSError as e:
+        logger.warning("checkpoint: could not delete %s: %s", path, e)
+
+
+def _read_info(checkpoint: Path) -> dict[str, Any] | None:
+    """``state.json`` of ``checkpoint`` if it exists and parses, else ``None``."""
+    try:
+        info = json.loads((checkpoint / STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(info, dict) and isinstance(info.get("step"), int) and "format" in info
+    return info if ok else None
+
+
+def _step_of(path: Path) -> int:
+    m = _NAME.fullmatch(path.name)
+    assert m is not None
+    return int(m.group(1))
+
+
+def _named_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
+
+
+# -- public: finding checkpoints -----------------------------------------------------------
+
+
+def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """The complete ``checkpoint-*`` directories under ``directory``, oldest (lowest step)
+    first. Temporary directories and checkpoints without a readable ``state.json`` are
+    skipped; a missing ``directory`` gives ``[]``."""
+    found = [p for p in _named_dirs(Path(directory)) if _read_info(p) is not None]
+    return sorted(found, key=lambda p: (_step_of(p), p.name))
+
+
+def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (highest step), or ``None``."""
+    found = list_checkpoints(directory)
+    return found[-1] if found else None
+
+
+# -- saving --------------------------------------------------------------------------------
+
+
+def _is_hf(model: Any) -> bool:
+    try:
+        registry.family_of(model)
+    except TypeError:
+        return False
+    return True
+
+
+def _arrays(tree: PyTree, what: str) -> dict[str, Any]:
+    """Array leaves by path, refusing what safetensors cannot hold."""
+    out = {}
+    for path, leaf in edl_tree.flatten(tree).items():
+        if not edl_tree.is_array_like(leaf):
+            continue
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ValueError(f"save_state: {what}.{path} is abstract (a ShapeDtypeStruct)")
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"save_state: {what}.{path} is a typed PRNG key array; store "
+                "jax.random.key_data(key) instead (or pass it in metadata)"
+            )
+        out[path] = leaf
+    return out
+
+
+def _host_tensors(arrays: Mapping[str, Any], dtype: DTypeLike | None) -> dict[str, LazyTensor]:
+    """Tensors copied to the host one at a time while written, floats cast to ``dtype``."""
+    out = {}
+    for path, x in arrays.items():
+        cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
+        want = np.dtype(dtype if cast else x.dtype)
+
+        def load(x: Any = x, want: np.dtype = want, cast: bool = cast) -> np.ndarray:
+            return np.asarray(x.astype(want) if cast else x)
+
+        out[path] = LazyTensor(tuple(x.shape), want, load)
+    return out
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.ndarray | np.generic | jax.Array):
+        return x.tolist()
+    if isinstance(x, os.PathLike):
+        return os.fspath(x)
+    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+
+def _version() -> str | None:
+    import edl
+
+    version = getattr(edl, "__version__", None)
+    if version is None:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            version = importlib.metadata.version("edl")
+    return version
+
+
+def save_state(
+    state: TrainState,
+    directory: str | os.PathLike[str],
+    *,
+    save_optimizer: bool = True,
+    float_dtype: DTypeLike | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    keep: int | None = 3,
+) -> Path:
+    """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
+
+    Args:
+        state: the training state; its model is ``edl.state.model(state)``.
+        directory: the parent of the ``checkpoint-*`` directories (created if needed).
+        save_optimizer: also write ``state.opt_state`` (never cast).
+        float_dtype: cast floating model weights to this dtype on the way out (e.g.
+            ``jnp.bfloat16``); ``None`` stores them exactly.
+        metadata: JSON-serialisable data returned by :func:`load_state` (data-iterator
+            position, RNG key data, ...); numpy/jax arrays are stored as nested lists.
+        keep: how many complete checkpoints to keep, newest first (the one just written always
+            stays); ``None`` keeps all.
+
+    Re-saving a step replaces the old checkpoint of that step. After the save, incomplete
+    ``checkpoint-*`` directories and ``.tmp-checkpoint-*`` leftovers of killed writers are
+    deleted.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"save_state: keep must be >= 1 or None, got {keep}")
+    step = int(state.step)
+    if step < 0:
+        raise ValueError(f"save_state: step must be non-negative, got {step}")
+    try:
+        meta_text = json.dumps(dict(metadata or {}), default=_json_default)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"save_state: metadata is not JSON-serialisable: {e}") from e
+
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"checkpoint-{step:08d}"
+    tmp = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    aside = None
+    try:
+        model = edl_state.model(state)
+        if _is_hf(model):
+            hf.save_pretrained(model, tmp, dtype=float_dtype)
+            model_format = "hf"
+        else:
+            tensors = _host_tensors(_arrays(model, "model"), float_dtype)
+            save_tensors(tensors, tmp, prefix=_MODEL)
+            model_format = "tree"
+        has_optimizer = save_optimizer and state.opt_state is not None
+        if has_optimizer:
+            tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
+            save_tensors(tensors, tmp, prefix=_OPTIMIZER)
+        info = {
+            "step": step,
+            "format": FORMAT,
+            "edl_version": _version(),
+            "model_format": model_format,
+            "has_optimizer": has_optimizer,
+            "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
+            "metadata": json.loads(meta_text),
+        }
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        _write_state_file(tmp / STATE_NAME, json.dumps(info, indent=2, sort_keys=True) + "\n")
+        _fsync(tmp)
+        if final.exists() or final.is_symlink():
+            aside = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}-old"
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync(root)
+    except BaseException:
+        if aside is not None and not final.exists():
+            with contextlib.suppress(OSError):
+                os.replace(aside, final)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if aside is not None:
+        _remove(aside)
+    _prune(root, final, keep)
+    return final
+
+
+def _prune(root: Path, current: Path, keep: int | None) -> None:
+    complete = []
+    for path in _named_dirs(root):
+        if path == current:
+            continue
+        if _read_info(path) is None:
+            logger.warning("checkpoint: deleting incomplete checkpoint %s", path)
+            _remove(path)
+        else:
+            complete.append(path)
+    for path in root.iterdir():
+        if path.name.startswith(_TMP):
+            _remove(path)
+    if keep is not None:
+        complete.sort(key=_step_of, reverse=True)
+        for path in complete[keep - 1 :]:
+            _remove(path)
+    _fsync(root)
+
+
+# -- loading -------------------------------------------------------------------------------
+
+
+def _targets(tree: PyTree) -> dict[str, Any]:
+    return {p: x for p, x in edl_tree.flatten(tree).items() if edl_tree.is_array_like(x)}
+
+
+def _place(host: np.ndarray, like: Any) -> jax.Array:
+    sharding = getattr(like, "sharding", None)
+    out = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
+    return jax.block_until_ready(out)  # so the host buffer can go before the next is read
+
+
+def _check_kinds(where: str, stored: Mapping[str, np.dtype], targets: Mapping[str, Any]) -> None:
+    bad = [
+        f"  {p}: expected {np.dtype(t.dtype)} vs stored {stored[p]}"
+        for p, t in targets.items()
+        if jnp.issubdtype(stored[p], jnp.inexact) != jnp.issubdtype(t.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} tensors cannot be cast between floating and integer "
+            "(expected vs actual):\n" + "\n".join(bad)
+        )
+
+
+def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Tensors keyed by edl path, checked against ``targets`` before any data is read."""
+    with CheckpointReader(checkpoint, prefix=prefix) as reader:
+        infos = {k: reader.info(k) for k in reader}
+        stored = {k: jax.ShapeDtypeStruct(i.shape, i.dtype) for k, i in infos.items()}
+        edl_tree.validate(stored, targets, check_dtype=False).raise_if_invalid(
+            f"checkpoint {reader.path}"
+        )
+        _check_kinds(str(reader.path), {k: i.dtype for k, i in infos.items()}, targets)
+        out = {}
+        for path, target in targets.items():
+            buffer = np.empty(target.shape, target.dtype)
+            reader.read_into(path, buffer)  # casts to the target's dtype if they differ
+            out[path] = _place(buffer, target)
+            del buffer
+        return out
+
+
+def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Tensors of a HF-layout checkpoint, keyed by ``model``'s edl paths."""
+    family, _ = registry.family_of(model)
+    table = family.key_table
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    skip = (
+        frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
+    )
+    abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}
+    with CheckpointReader(checkpoint, prefix=_MODEL) as reader:
+        try:
+            plan = hf._plan(table, abstract, hf._ReaderSource(reader), skip=skip)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {reader.path}: {e}") from None
+        out = {}
+        for path, keys in plan.items():
+            target = targets[path]
+            buffer = np.empty(target.shape, target.dtype)
+            if table.is_stacked(path):
+                for i, key in enumerate(keys):
+                    reader.read_into(key, buffer[i])
+            else:
+                reader.read_into(keys[0], buffer)
+            out[path] = _place(buffer, target)
+            del buffer
+        return out
+
+
+def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
+    return edl_tree.named_map(
+        lambda p, x: loaded[p] if p in loaded and edl_tree.is_array_like(x) else x, tree
+    )
+
+
+def _resolve(directory: Path) -> Path:
+    if (directory / STATE_NAME).exists():
+        return directory
+    found = latest_checkpoint(directory)
+    if found is None:
+        what = "does not exist" if not directory.exists() else "holds no complete checkpoint"
+        raise FileNotFoundError(
+            f"load_state: {directory} {what} (a complete checkpoint is a checkpoint-* "
+            f"directory with a readable {STATE_NAME})"
+        )
+    return found
+
+
+def load_state(
+    directory: str | os.PathLike[str],
+    like: TrainState,
+    *,
+    allow_missing_optimizer: bool = False,
+) -> tuple[TrainState, dict[str, Any]]:
+    """Load a checkpoint into the structure of ``like``; return ``(state, metadata)``.
+
+    ``directory`` is a checkpoint directory, or a parent of ``checkpoint-*`` directories
+    (then the newest complete one is loaded). ``like`` (concrete or abstract, e.g. from
+    ``jax.eval_shape``) gives the structure, dtypes and placement: every array is checked
+    against it before data is read (missing, unexpected and mis-shaped paths raise one
+    ``ValueError``), cast to its dtype and, where the leaf has a sharding, put there.
+
+    The optimizer state is loaded when ``like.opt_state`` is not ``None``. If the checkpoint
+    has none but ``like.opt_state`` holds arrays, this raises unless
+    ``allow_missing_optimizer=True``, which keeps ``like.opt_state`` (a fresh optimizer).
+    ``metadata`` is what :func:`save_state` was given (``{}`` if nothing).
+    """
+    checkpoint = _resolve(Path(directory))
+    info = _read_info(checkpoint)
+    if info is None:
+        raise ValueError(f"load_state: {checkpoint / STATE_NAME} is unreadable or incomplete")
+    if info["format"] != FORMAT:
+        raise ValueError(
+            f"load_state: {checkpoint} has checkpoint format {info['format']!r}; this edl "
+            f"reads format {FORMAT}"
+        )
+
+    model = edl_state.model(like)
+    targets = _targets(model)
+    model_format = info.get("model_format")
+    if model_format == "hf":
+        if not _is_hf(model):
+            raise ValueError(
+                f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
+                f"is a {type(model).__name__}, not a registered edl model class"
+            )
+        loaded = _read_hf(checkpoint, model, targets)
+    elif model_format == "tree":
+        loaded = _read_tree(checkpoint, _MODEL, targets)
+    else:
+        raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
+
+    opt_state = like.opt_state
+    if like.opt_state is not None:
+        opt_targets = _targets(like.opt_state)
+        if info.get("has_optimizer"):
+            opt_state = _fill(like.opt_state, _read_tree(checkpoint, _OPTIMIZER, opt_targets))
+        elif opt_targets and not allow_missing_optimizer:
+            raise ValueError(
+                f"load_state: {checkpoint} has no optimizer state (saved with "
+                f"save_optimizer=False) but like.opt_state holds {len(opt_targets)} arrays "
+                f"(e.g. {next(iter(opt_targets))!r}); pass allow_missing_optimizer=True to "
+                "start from like.opt_state"
+            )
+
+    step = _place(np.asarray(info["step"], np.dtype(like.step.dtype)), like.step)
+    state = edl_state.replace(
+        like,
+        step=step,
+        params=_fill(like.params, loaded),
+        other=_fill(like.other, loaded),
+        opt_state=opt_state,
+    )
+    metadata = info.get("metadata")
+    return state, dict(metadata) if isinstance(metadata, dict) else {}

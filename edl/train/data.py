@@ -1,0 +1,457 @@
+"""Collators and batch iterators for causal-LM training: pure numpy, deterministic.
+
+Every batch is a dict of ``int32`` arrays of shape ``(rows, max_length)``:
+
+- ``input_ids``: token ids, ``pad_id`` at padding;
+- ``attention_mask``: 1 at real tokens, 0 at padding;
+- ``labels``: ``input_ids`` with ``-100`` at padding. Labels are *not* shifted: the model
+  predicts ``labels[:, t + 1]`` from position ``t`` (Hugging Face convention), and edl's
+  ``compute_loss`` also skips the first token of each packed segment;
+- ``position_ids``: 0, 1, ... over each row's real tokens (per segment when packed), 0 at pads;
+- ``segment_ids`` (packed batches): 1, 2, ... per document within a row, 0 at padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from edl.train.text import ByteTokenizer, Tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "TokenBatches",
+    "batches_from_iterable",
+    "pack_sequences",
+    "pad_batch",
+]
+
+IGNORE_INDEX = -100
+"""Label value that the loss skips."""
+
+TokenSeq = Sequence[int] | np.ndarray
+Document = TokenSeq | str | Mapping[str, Any]
+Batch = dict[str, np.ndarray]
+Truncation = Literal["keep_end", "keep_start"]
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# Fields of `TokenBatches.position` that must equal the iterator's own on `restore`.
+_CONFIG_FIELDS = ("seed", "batch_size", "max_length", "pack", "shuffle", "num_documents")
+
+
+def _as_tokens(seq: Any, what: str) -> np.ndarray:
+    """``seq`` as a 1-D ``int32`` array of token ids; errors name ``what``."""
+    array = np.asarray(seq)
+    if array.ndim != 1:
+        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
+    if array.size == 0:
+        return np.zeros(0, np.int32)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integer token ids, got dtype {array.dtype}")
+    if array.min() < 0 or array.max() > _INT32_MAX:
+        bad = array.min() if array.min() < 0 else array.max()
+        raise ValueError(f"{what} holds token id {int(bad)}, outside [0, 2**31)")
+    return array.astype(np.int32, copy=False)
+
+
+def _check(where: str, **values: Any) -> None:
+    """Validate the shared arguments by name (only those passed)."""
+    for name in ("max_length", "batch_size"):
+        if name in values and values[name] < 1:
+            raise ValueError(f"{where}: {name} must be >= 1, got {values[name]}")
+    if "pad_id" in values and not 0 <= values["pad_id"] <= _INT32_MAX:
+        raise ValueError(f"{where}: pad_id must be in [0, 2**31), got {values['pad_id']}")
+    if "truncation" in values and values["truncation"] not in ("keep_end", "keep_start"):
+        raise ValueError(
+            f"{where}: truncation must be 'keep_end' or 'keep_start', got {values['truncation']!r}"
+        )
+    if "padding_side" in values and values["padding_side"] not in ("right", "left"):
+        raise ValueError(
+            f"{where}: padding_side must be 'right' or 'left', got {values['padding_side']!r}"
+        )
+
+
+def pad_batch(
+    sequences: Sequence[TokenSeq] | np.ndarray,
+    max_length: int,
+    *,
+    pad_id: int,
+    truncation: Truncation = "keep_end",
+    padding_side: Literal["right", "left"] = "right",
+) -> Batch:
+    """One row per sequence, truncated and padded to ``max_length``.
+
+    ``truncation="keep_end"`` keeps each sequence's last ``max_length`` tokens, ``"keep_start"``
+    its first. Returns ``input_ids``, ``attention_mask``, ``labels`` (``-100`` at padding) and
+    ``position_ids`` (0.. from the first real token, 0 at padding), each ``int32 (B, max_length)``
+    with ``B = len(sequences)``. An empty sequence gives an all-padding row.
+    """
+    _check(
+        "pad_batch",
+        max_length=max_length,
+        pad_id=pad_id,
+        truncation=truncation,
+        padding_side=padding_side,
+    )
+    if len(sequences) == 0:
+        raise ValueError("pad_batch: sequences is an empty batch (need at least one sequence)")
+    shape = (len(sequences), max_length)
+    input_ids = np.full(shape, pad_id, np.int32)
+    attention_mask = np.zeros(shape, np.int32)
+    position_ids = np.zeros(shape, np.int32)
+    for row, seq in enumerate(sequences):
+        tokens = _as_tokens(seq, f"pad_batch: sequences[{row}]")
+        tokens = tokens[-max_length:] if truncation == "keep_end" else tokens[:max_length]
+        start = 0 if padding_side == "right" else max_length - len(tokens)
+        real = slice(start, start + len(tokens))
+        input_ids[row, real] = tokens
+        attention_mask[row, real] = 1
+        position_ids[row, real] = np.arange(len(tokens), dtype=np.int32)
+    labels = np.where(attention_mask == 1, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "labels": labels,
+        "position_ids": position_ids,
+    }
+
+
+def _assemble(rows: Sequence[Sequence[np.ndarray]], max_length: int, pad_id: int) -> Batch:
+    """Packed arrays from ``rows``: each row a list of token pieces, each piece a segment."""
+    shape = (len(rows), max_length)
+    input_ids = np.full(shape, pad_id, np.int32)
+    segment_ids = np.zeros(shape, np.int32)
+    position_ids = np.zeros(shape, np.int32)
+    for r, pieces in enumerate(rows):
+        start = 0
+        for s, piece in enumerate(pieces):
+            span = slice(start, start + len(piece))
+            input_ids[r, span] = piece
+            segment_ids[r, span] = s + 1
+            position_ids[r, span] = np.arange(len(piece), dtype=np.int32)
+            start += len(piece)
+    real = segment_ids > 0
+    return {
+        "input_ids": input_ids,
+        "attention_mask": real.astype(np.int32),
+        "labels": np.where(real, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32),
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+    }
+
+
+def pack_sequences(
+    sequences: Sequence[TokenSeq] | np.ndarray, max_length: int, *, pad_id: int
+) -> Batch:
+    """Pack sequences into rows of ``max_length`` tokens, greedy first-fit in input order.
+
+    Each sequence goes into the first row with room for it (else a new row). A sequence
+    longer than ``max_length`` is split into ``max_length``-token chunks, each its own
+    segment, placed the same way; empty sequences are skipped. Returns ``input_ids``,
+    ``segment_ids`` (1, 2, ... per sequence within a row, 0 at padding), ``position_ids``
+    (restarting at 0 for each segment), ``labels`` (``-100`` at padding) and
+    ``attention_mask`` (``segment_ids > 0``), each ``int32 (R, max_length)``; ``R`` is the
+    number of rows used (0 when every sequence is empty).
+    """
+    _check("pack_sequences", max_length=max_length, pad_id=pad_id)
+    rows: list[list[np.ndarray]] = []
+    room: list[int] = []
+    for i, seq in enumerate(sequences):
+        tokens = _as_tokens(seq, f"pack_sequences: sequences[{i}]")
+        for start in range(0, len(tokens), max_length):
+            chunk = tokens[start : start + max_length]
+            r = next((r for r, free in enumerate(room) if free >= len(chunk)), len(rows))
+            if r == len(rows):
+                rows.append([])
+                room.append(max_length)
+            rows[r].append(chunk)
+            room[r] -= len(chunk)
+    return _assemble(rows, max_length, pad_id)
+
+
+def _document_tokens(
+    doc: Any, index: int, tokenizer: Tokenizer, add_bos: bool, add_eos: bool
+) -> np.ndarray:
+    """Token ids of one document (text is encoded, token lists are taken as they are)."""
+    what = f"documents[{index}]"
+    if isinstance(doc, Mapping):
+        if "input_ids" in doc:
+            return _as_tokens(doc["input_ids"], f"{what}['input_ids']")
+        if "text" not in doc:
+            raise ValueError(f"{what} is a dict with neither 'input_ids' nor 'text': {list(doc)}")
+        doc = doc["text"]
+    if isinstance(doc, str):
+        return _as_tokens(tokenizer.encode(doc, add_bos=add_bos, add_eos=add_eos), what)
+    return _as_tokens(doc, what)
+
+
+class _Cursor:
+    """A position in a document stream: ``_current()`` tokens and ``offset`` into them.
+
+    ``_current`` skips exhausted and empty documents and returns ``None`` at the end of the
+    stream; ``_advance`` moves to the next document.
+    """
+
+    offset: int = 0
+
+    def _current(self) -> np.ndarray | None:
+        raise NotImplementedError
+
+    def _advance(self) -> None:
+        raise NotImplementedError
+
+
+def _packed_batch(cursor: _Cursor, batch_size: int, max_length: int, pad_id: int) -> Batch | None:
+    """The next ``batch_size`` packed rows of the stream; ``None`` if it holds no more tokens."""
+    rows: list[list[np.ndarray]] = []
+    for _ in range(batch_size):
+        pieces: list[np.ndarray] = []
+        room = max_length
+        while room > 0 and (tokens := cursor._current()) is not None:
+            piece = tokens[cursor.offset : cursor.offset + room]
+            pieces.append(piece)
+            room -= len(piece)
+            cursor.offset += len(piece)
+            if cursor.offset >= len(tokens):
+                cursor._advance()
+        rows.append(pieces)
+    return _assemble(rows, max_length, pad_id) if rows[0] else None
+
+
+def _padded_batch(
+    cursor: _Cursor, batch_size: int, max_length: int, pad_id: int, truncation: Truncation
+) -> Batch | None:
+    """The next ``batch_size`` documents, one per row; ``None`` if the stream is done."""
+    docs: list[np.ndarray] = []
+    while len(docs) < batch_size and (tokens := cursor._current()) is not None:
+        docs.append(tokens)
+        cursor._advance()
+    if not docs:
+        return None
+    docs += [np.zeros(0, np.int32)] * (batch_size - len(docs))
+    batch = pad_batch(docs, max_length, pad_id=pad_id, truncation=truncation)
+    batch["segment_ids"] = batch["attention_mask"].copy()
+    return batch
+
+
+class TokenBatches(_Cursor):
+    """Deterministic, resumable iterator of ``(batch_size, max_length)`` training batches.
+
+    ``documents`` are token-id sequences, strings (encoded with ``tokenizer``, default
+    :class:`ByteTokenizer`, with ``add_bos`` / ``add_eos``) or dicts with ``"input_ids"`` or
+    ``"text"``; they are tokenized lazily. Token documents are used as given (no BOS/EOS).
+    Documents with no tokens (after BOS/EOS) are skipped. ``pad_id`` defaults to the tokenizer's.
+
+    Epoch ``e`` visits the documents in the order
+    ``np.random.default_rng((seed, e)).permutation(n)`` (input order if not ``shuffle``).
+    With ``pack`` the epochs form one token stream cut into rows of exactly ``max_length``
+    tokens: a document that does not fit continues in the next row as a new segment (its
+    positions restart at 0). Without ``pack`` each row is one document, via :func:`pad_batch`
+    with ``truncation``. Every batch holds ``input_ids``, ``attention_mask``, ``labels``,
+    ``position_ids`` and ``segment_ids`` (``attention_mask`` when not packed), each
+    ``int32 (batch_size, max_length)``.
+
+    ``repeat=False`` stops after epoch 0: the last batch is padded to full shape (padding
+    rows: all ``pad_id``, mask 0, labels ``-100``), so no token is dropped; then
+    ``StopIteration``.
+
+    ``position`` is a JSON-serialisable dict (``epoch``, ``index`` of the next document in
+    that epoch's order, ``offset`` = tokens of that document already emitted: the whole
+    leftover buffer, as the buffer is a view of the stream, plus config fields); after
+    ``restore(position)``, ``next()`` yields exactly the batch that followed when it was saved.
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[Document],
+        *,
+        batch_size: int,
+        max_length: int,
+        tokenizer: Tokenizer | None = None,
+        pack: bool = True,
+        shuffle: bool = True,
+        seed: int = 0,
+        pad_id: int | None = None,
+        truncation: Truncation = "keep_end",
+        add_bos: bool = False,
+        add_eos: bool = True,
+        repeat: bool = True,
+    ) -> None:
+        self.tokenizer: Tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+        self.pad_id = int(self.tokenizer.pad_id if pad_id is None else pad_id)
+        _check(
+            "TokenBatches",
+            batch_size=batch_size,
+            max_length=max_length,
+            pad_id=self.pad_id,
+            truncation=truncation,
+        )
+        if len(documents) == 0:
+            raise ValueError("TokenBatches: documents is empty")
+        if seed < 0:
+            raise ValueError(f"TokenBatches: seed must be >= 0, got {seed}")
+        self.documents = documents
+        self.batch_size, self.max_length, self.pack = batch_size, max_length, pack
+        self.shuffle, self.seed, self.truncation = shuffle, seed, truncation
+        self.add_bos, self.add_eos, self.repeat = add_bos, add_eos, repeat
+        self.epoch, self.index, self.offset = 0, 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+        self._tokens: tuple[int, np.ndarray] | None = None
+
+    def _doc_id(self, epoch: int, index: int) -> int:
+        if not self.shuffle:
+            return index
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng((self.seed, epoch))
+            self._order = (epoch, rng.permutation(len(self.documents)))
+        return int(self._order[1][index])
+
+    def _current(self) -> np.ndarray | None:
+        """Tokens of the document at the cursor (skipping empty ones); ``None`` when done."""
+        for _ in range(len(self.documents) + 1):
+            if not self.repeat and self.epoch >= 1:
+                return None
+            doc_id = self._doc_id(self.epoch, self.index)
+            if self._tokens is None or self._tokens[0] != doc_id:
+                doc = self.documents[doc_id]
+                tokens = _document_tokens(doc, doc_id, self.tokenizer, self.add_bos, self.add_eos)
+                self._tokens = (doc_id, tokens)
+            if len(self._tokens[1]) > self.offset:
+                return self._tokens[1]
+            self._advance()
+        raise ValueError(f"TokenBatches: all {len(self.documents)} documents are empty")
+
+    def _advance(self) -> None:
+        """Move the cursor to the start of the next document (rolling over to a new epoch)."""
+        self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.documents):
+            self.epoch, self.index = self.epoch + 1, 0
+
+    def __iter__(self) -> TokenBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        saved = (self.epoch, self.index, self.offset)
+        try:
+            if self.pack:
+                batch = _packed_batch(self, self.batch_size, self.max_length, self.pad_id)
+            else:
+                batch = _padded_batch(
+                    self, self.batch_size, self.max_length, self.pad_id, self.truncation
+                )
+        except BaseException:
+            self.epoch, self.index, self.offset = saved  # a failed batch consumes nothing
+            raise
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """The cursor and the config it depends on, as a JSON-serialisable dict."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "offset": self.offset,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "max_length": self.max_length,
+            "pack": self.pack,
+            "shuffle": self.shuffle,
+            "num_documents": len(self.documents),
+        }
+
+    def restore(self, position: Mapping[str, Any]) -> None:
+        """Continue from ``position`` (from :attr:`position`, possibly via JSON).
+
+        Raises ``ValueError`` naming the field when a config field differs from this
+        iterator's or a cursor field is missing or out of range.
+        """
+        mine = self.position
+        for field in (*_CONFIG_FIELDS, "epoch", "index", "offset"):
+            if field not in position:
+                raise ValueError(f"TokenBatches.restore: position has no {field!r} field")
+        for field in _CONFIG_FIELDS:
+            if position[field] != mine[field]:
+                raise ValueError(
+                    f"TokenBatches.restore: position field {field!r} is {position[field]!r} "
+                    f"but this iterator has {mine[field]!r}"
+                )
+        limits = {"epoch": None, "index": len(self.documents) - 1, "offset": None}
+        for field, high in limits.items():
+            value = position[field]
+            if not isinstance(value, int) or value < 0 or (high is not None and value > high):
+                raise ValueError(
+                    f"TokenBatches.restore: position field {field!r} must be an int in "
+                    f"[0, {'inf' if high is None else high}], got {value!r}"
+                )
+        self.epoch, self.index, self.offset = (position[f] for f in ("epoch", "index", "offset"))
+
+
+class _IterableCursor(_Cursor):
+    def __init__(self, iterable: Iterable[Any], encode: Callable[[Any, int], np.ndarray]):
+        self._iterator, self._encode = iter(iterable), encode
+        self._tokens: np.ndarray | None = None
+        self._count = 0
+
+    def _current(self) -> np.ndarray | None:
+        while self._tokens is None or len(self._tokens) <= self.offset:
+            doc = next(self._iterator, _DONE)
+            if doc is _DONE:
+                return None
+            self._tokens, self.offset = self._encode(doc, self._count), 0
+            self._count += 1
+        return self._tokens
+
+    def _advance(self) -> None:
+        self._tokens, self.offset = None, 0
+
+
+_DONE = object()
+
+
+def batches_from_iterable(
+    iterable: Iterable[Document],
+    *,
+    batch_size: int,
+    max_length: int,
+    tokenizer: Tokenizer | None = None,
+    pack: bool = True,
+    pad_id: int | None = None,
+    truncation: Truncation = "keep_end",
+    add_bos: bool = False,
+    add_eos: bool = True,
+) -> Iterator[Batch]:
+    """Batches from one pass over any iterable (e.g. a stream), in its order.
+
+    Same documents, rows and batch dicts as :class:`TokenBatches` (no shuffling, one pass,
+    last batch padded to full shape), but *not resumable*: the position of an arbitrary
+    iterator cannot be saved. Arguments are checked here, not at the first ``next``.
+    """
+    tok: Tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+    pad = int(tok.pad_id if pad_id is None else pad_id)
+    _check(
+        "batches_from_iterable",
+        batch_size=batch_size,
+        max_length=max_length,
+        pad_id=pad,
+        truncation=truncation,
+    )
+
+    def encode(doc: Any, index: int) -> np.ndarray:
+        return _document_tokens(doc, index, tok, add_bos, add_eos)
+
+    def generate() -> Iterator[Batch]:
+        cursor = _IterableCursor(iterable, encode)
+        while True:
+            if pack:
+                batch = _packed_batch(cursor, batch_size, max_length, pad)
+            else:
+                batch = _padded_batch(cursor, batch_size, max_length, pad, truncation)
+            if batch is None:
+                return
+            yield batch
+
+    return generate()

@@ -1,0 +1,229 @@
+"""Composable train / eval steps: pure ``step(state, batch) -> (state, metrics)`` functions.
+
+``loss_fn(model, batch) -> (loss, metrics)`` is the one thing a user writes (every edl task
+head's ``compute_loss`` already has that shape). ``make_train_step`` adds gradient
+accumulation (``lax.scan`` over micro-batches, weighted by token counts so the accumulated
+gradient equals the full-batch one), global-norm clipping, the optimizer update, optional
+skipping of non-finite steps, and the standard metrics. Optimizers and schedules are optax's,
+built from a small :class:`OptimizerConfig`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import PyTree
+
+from edl import state as edl_state
+from edl.state import TrainState
+
+__all__ = [
+    "OptimizerConfig",
+    "global_norm",
+    "make_eval_step",
+    "make_optimizer",
+    "make_schedule",
+    "make_train_step",
+]
+
+LossFn = Callable[[Any, Any], tuple[jax.Array, Mapping[str, jax.Array]]]
+Batch = Mapping[str, jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """An optax optimizer and learning-rate schedule, by name.
+
+    ``schedule``: ``"cosine"`` (warmup then cosine decay to ``min_lr_ratio * learning_rate``
+    at ``total_steps``), ``"linear"`` (warmup then linear decay to the same floor) or
+    ``"constant"`` (warmup then flat). ``weight_decay`` applies to AdamW and Lion.
+    """
+
+    name: Literal["adamw", "adafactor", "lion", "sgd"] = "adamw"
+    learning_rate: float = 3e-4
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    momentum: float = 0.9
+
+    def __post_init__(self):
+        if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(
+                f"OptimizerConfig: need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps "
+                f"({self.total_steps}) and total_steps >= 1"
+            )
+
+
+def make_schedule(config: OptimizerConfig) -> optax.Schedule:
+    """The learning rate as a function of the optimizer step."""
+    peak, floor = config.learning_rate, config.learning_rate * config.min_lr_ratio
+    decay_steps = max(1, config.total_steps - config.warmup_steps)
+    if config.schedule == "cosine":
+        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
+    elif config.schedule == "linear":
+        main = optax.linear_schedule(peak, floor, decay_steps)
+    elif config.schedule == "constant":
+        main = optax.constant_schedule(peak)
+    else:
+        raise ValueError(f"OptimizerConfig.schedule: unknown {config.schedule!r}")
+    if config.warmup_steps == 0:
+        return main
+    warmup = optax.linear_schedule(0.0, peak, config.warmup_steps)
+    return optax.join_schedules([warmup, main], [config.warmup_steps])
+
+
+def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """``(tx, schedule)`` for ``config``; clipping is done by ``make_train_step``."""
+    lr = make_schedule(config)
+    if config.name == "adamw":
+        tx = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps,
+                         weight_decay=config.weight_decay)  # fmt: skip
+    elif config.name == "adafactor":
+        tx = optax.adafactor(lr)
+    elif config.name == "lion":
+        tx = optax.lion(lr, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay)
+    elif config.name == "sgd":
+        tx = optax.sgd(lr, momentum=config.momentum)
+    else:
+        raise ValueError(f"OptimizerConfig.name: unknown optimizer {config.name!r}")
+    return tx, lr
+
+
+def global_norm(tree: PyTree) -> jax.Array:
+    """sqrt of the sum of squares of every inexact array leaf, in float32."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves:
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves))
+
+
+def _micro_batches(batch: Batch, steps: int) -> Batch:
+    def split(path, x):
+        if x.shape[0] % steps:
+            raise ValueError(
+                f"make_train_step: batch{jax.tree_util.keystr(path)} has leading size "
+                f"{x.shape[0]}, not divisible by grad_accum_steps={steps}"
+            )
+        return x.reshape(steps, x.shape[0] // steps, *x.shape[1:])
+
+    return jax.tree_util.tree_map_with_path(split, batch)
+
+
+def _weight(metrics: Mapping[str, jax.Array]) -> jax.Array:
+    """A micro-batch's share: its token (or example) count when the loss reports one."""
+    for key in ("tokens", "count"):
+        if key in metrics:
+            return jnp.asarray(metrics[key], jnp.float32)
+    return jnp.ones((), jnp.float32)
+
+
+def _combine(metrics: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
+    """Per-micro-batch metrics ``(steps, ...)`` -> one: counts sum, the rest weighted means."""
+    total = jnp.sum(weights)
+    safe_total = jnp.where(total > 0, total, 1.0)
+    out = {}
+    for key, value in metrics.items():
+        value = jnp.asarray(value)
+        if key in ("tokens", "count"):
+            out[key] = jnp.sum(value, axis=0)
+        else:
+            out[key] = jnp.sum(value.astype(jnp.float32) * weights, axis=0) / safe_total
+    return out
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    tx: optax.GradientTransformation,
+    *,
+    grad_accum_steps: int = 1,
+    clip_norm: float | None = None,
+    schedule: optax.Schedule | None = None,
+    skip_nonfinite: bool = False,
+    donate: bool = True,
+    jit: bool = True,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """Build ``step(state, batch) -> (state, metrics)``.
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> (scalar loss, metrics dict)``; a ``"tokens"`` or
+            ``"count"`` metric weights micro-batches (exact full-batch gradients).
+        tx: the optimizer (``make_optimizer``, or any optax transformation).
+        grad_accum_steps: split every batch array's leading axis into this many micro-batches,
+            run by ``lax.scan`` (activation memory of one micro-batch).
+        clip_norm: clip the global gradient norm to this value (None: no clipping).
+        schedule: the learning-rate schedule, only to report ``learning_rate``.
+        skip_nonfinite: a step whose loss or gradient norm is NaN/Inf leaves the state
+            unchanged (``metrics["skipped"] == 1``) instead of poisoning it.
+        donate: donate the input state's buffers to the output (jit only): the state passed
+            in, and the model it was created from, are invalid after the call.
+        jit: return ``jax.jit(step)``; False returns the pure function.
+
+    Metrics: the loss function's (``loss``, ``accuracy``, ``tokens``, ...), ``grad_norm``
+    (before clipping), ``learning_rate`` (with ``schedule``), ``skipped``.
+    """
+    if grad_accum_steps < 1:
+        raise ValueError(f"make_train_step: grad_accum_steps must be >= 1, got {grad_accum_steps}")
+    grad_fn = edl_state.value_and_grad(loss_fn, has_aux=True)
+
+    def gradients(state: TrainState, batch: Batch):
+        if grad_accum_steps == 1:
+            (_, metrics), grads = grad_fn(state, batch)
+            return grads, dict(metrics)
+
+        def micro(carry, micro_batch):
+            (_, metrics), grads = grad_fn(state, micro_batch)
+            w = _weight(metrics)
+            carry = jax.tree.map(lambda acc, g: acc + w * g.astype(jnp.float32), carry, grads)
+            return carry, (metrics, w)
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        total, (metrics, weights) = jax.lax.scan(
+            micro, zeros, _micro_batches(batch, grad_accum_steps)
+        )
+        denom = jnp.sum(weights)
+        denom = jnp.where(denom > 0, denom, 1.0)
+        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), total, state.params)
+        return grads, _combine(metrics, weights)
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        grads, metrics = gradients(state, batch)
+        norm = global_norm(grads)
+        if clip_norm is not None:
+            factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
+            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+        new_state = edl_state.apply_gradients(state, grads, tx)
+        metrics["grad_norm"] = norm
+        if schedule is not None:
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
+                metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(norm)
+        if skip_nonfinite:
+            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+        metrics["skipped"] = (~finite).astype(jnp.int32) if skip_nonfinite else jnp.int32(0)
+        return new_state, metrics
+
+    if not jit:
+        return step
+    return jax.jit(step, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(
+    loss_fn: LossFn, *, jit: bool = True
+) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
+    """``eval_step(state, batch) -> metrics`` of ``loss_fn`` on the state's model."""
+
+    def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        _, metrics = loss_fn(edl_state.model(state), batch)
+        return dict(metrics)
+
+    return jax.jit(eval_step) if jit else eval_step
