@@ -240,6 +240,26 @@ def test_cli_train_with_toml_and_flags(tmp_path, capsys):
     assert "--- sample" in out
     main(["info", str(tmp_path / "run")])
     assert "checkpoint-00000004" in capsys.readouterr().out
+    main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path / "run"),
+            "--prompt",
+            "import",
+            "--max-new-tokens",
+            "5",
+        ]
+    )
+    assert capsys.readouterr().out.startswith("import")
     config.write_text("nope = 1\n")
     with pytest.raises(SystemExit, match="unknown keys \\['nope'\\]"):
         main(["train", "--config", str(config)])
+
+
+def test_loss_curve_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    _, summary = _run(tmp_path, steps=3)
+    assert (
+        summary["loss_png"] == str(tmp_path / "loss.png") and (tmp_path / "loss.png").stat().st_size
+    )
