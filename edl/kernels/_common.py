@@ -110,3 +110,39 @@ def scores(q, k, *, scale: float, softcap: float | None):
         return s, None
     t = jnp.tanh(s / jnp.float32(softcap))
     return t * jnp.float32(softcap), t
+
+
+def online_softmax_step(carry, s, v):
+    """Fold one block of base-2 logits ``s (rows, keys)`` (``-inf`` where masked) and its
+    values ``v (keys, d)`` into the running ``(acc, row_max, row_sum)`` of an online softmax.
+
+    Rows that have seen no visible key yet keep ``row_max = -inf`` and contribute nothing
+    (their exponent is taken against 0 instead of ``-inf``, so no ``inf - inf`` NaN).
+    """
+    acc, row_max, row_sum = carry
+    new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = jnp.exp2(row_max - safe_max)
+    p = jnp.exp2(s - safe_max[:, None])
+    row_sum = row_sum * correction + jnp.sum(p, axis=1)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return acc * correction[:, None] + pv, new_max, row_sum
+
+
+def online_softmax_init(rows: int, dim: int):
+    """The empty ``(acc, row_max, row_sum)`` carry of :func:`online_softmax_step`."""
+    return (
+        jnp.zeros((rows, dim), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def online_softmax_finish(carry, empty_lse: float):
+    """``(normalised output, base-2 log-sum-exp)``; rows that saw no key give zeros and
+    ``empty_lse``."""
+    acc, row_max, row_sum = carry
+    seen = row_sum > 0
+    safe_sum = jnp.where(seen, row_sum, 1.0)
+    out = jnp.where(seen[:, None], acc / safe_sum[:, None], 0.0)
+    return out, jnp.where(seen, row_max + jnp.log2(safe_sum), empty_lse)

@@ -27,6 +27,9 @@ from edl.kernels._common import (
     cdiv,
     compiler_params,
     next_pow2,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
     pad_axis,
     padded_head_dim,
     resolve_interpret,
@@ -89,32 +92,17 @@ def _decode_kernel(*refs, plan: _Plan):
     )
 
     def body(j, carry):
-        acc, row_max, row_sum = carry
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        v = v_ref[keys, :]
         s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
         mask = visible(
             q_pos, j * block_k + jnp.arange(block_k), causal=True, window=plan.window,
             kv_len=length, kv_start=start if plan.has_start else None,
         )  # fmt: skip
-        s = jnp.where(mask, s * LOG2E, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        correction = jnp.exp2(row_max - safe_max)
-        p = jnp.exp2(s - safe_max[:, None])
-        row_sum = row_sum * correction + jnp.sum(p, axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * correction[:, None] + pv, new_max, row_sum
+        return online_softmax_step(carry, jnp.where(mask, s * LOG2E, -jnp.inf), v_ref[keys, :])
 
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.full((rows,), -jnp.inf, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
-    )
-    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, body, init)
-    seen = row_sum > 0
-    o_ref[...] = acc / jnp.where(seen, row_sum, 1.0)[:, None]
-    lse_ref[...] = jnp.where(seen, row_max + jnp.log2(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+    carry = jax.lax.fori_loop(lo, hi, body, online_softmax_init(rows, q.shape[1]))
+    # An empty split has lse -inf, so it weighs nothing when the splits are merged.
+    o_ref[...], lse_ref[...] = online_softmax_finish(carry, empty_lse=-jnp.inf)
 
 
 def _merge_splits(out, lse):

@@ -29,6 +29,9 @@ from edl.kernels._common import (
     LOG2E,
     cdiv,
     compiler_params,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
     pad_axis,
     padded_head_dim,
     resolve_interpret,
@@ -157,37 +160,21 @@ def _forward_kernel(*refs, plan: _Plan, has_segments: bool):
     )  # fmt: skip
 
     def body(j, carry):
-        acc, row_max, row_sum = carry
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-        v = v_ref[keys, :]
         s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
-        s = s * LOG2E
         mask = visible(
             q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
             kv_len=plan.key_padding, q_seg=q_seg,
             kv_seg=None if ks_ref is None else ks_ref[keys],
         )  # fmt: skip
-        if mask is not None:
-            s = jnp.where(mask, s, -jnp.inf)
-        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-        safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)  # rows with nothing seen yet
-        correction = jnp.exp2(row_max - safe_max)
-        p = jnp.exp2(s - safe_max[:, None])
-        row_sum = row_sum * correction + jnp.sum(p, axis=1)
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * correction[:, None] + pv, new_max, row_sum
+        s = s * LOG2E if mask is None else jnp.where(mask, s * LOG2E, -jnp.inf)
+        return online_softmax_step(carry, s, v_ref[keys, :])
 
-    init = (
-        jnp.zeros(q.shape, jnp.float32),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
-    acc, row_max, row_sum = jax.lax.fori_loop(lo, hi, body, init)
-    seen = row_sum > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, row_sum, 1.0), 0.0)
-    o_ref[...] = (acc * inv[:, None]).astype(o_ref.dtype)
-    # Base-2 log-sum-exp; 0 for rows that saw nothing (their keys are all masked in bwd).
-    lse_ref[...] = jnp.where(seen, row_max + jnp.log2(jnp.where(seen, row_sum, 1.0)), 0.0)
+    carry = jax.lax.fori_loop(lo, hi, body, online_softmax_init(block_q, q.shape[1]))
+    # Rows that saw nothing get lse 0: the backward pass masks all their keys anyway.
+    out, lse = online_softmax_finish(carry, empty_lse=0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+    lse_ref[...] = lse
 
 
 def _probs_and_dscores(q, k, v, do, lse, delta, mask, plan: _Plan):
