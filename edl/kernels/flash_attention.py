@@ -146,27 +146,35 @@ def _unpack(refs, n_in: int, has_segments: bool):
     return inputs, None, None, rest
 
 
+def _query_block(plan: _Plan, qs_ref, block_q: int, block_k: int):
+    """This program's query block: kv positions, segment ids, and the K/V blocks to visit."""
+    i = pl.program_id(2)
+    first = i * block_q + plan.offset
+    q_pos = first + jnp.arange(block_q)
+    q_seg = None if qs_ref is None else qs_ref[...]
+    lo, hi = _kv_block_range(first, first + block_q - 1, plan, block_k, plan.padded_kv // block_k)
+    return q_pos, q_seg, lo, hi
+
+
+def _key_block_mask(plan: _Plan, q_pos, q_seg, ks_ref, j, block_k: int):
+    """Visibility of K/V block ``j`` (keys) to the query block at ``q_pos``."""
+    keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    mask = visible(
+        q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
+        kv_len=plan.key_padding, q_seg=q_seg, kv_seg=None if ks_ref is None else ks_ref[keys],
+    )  # fmt: skip
+    return keys, mask
+
+
 def _forward_kernel(*refs, plan: _Plan, has_segments: bool):
     (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _unpack(refs, 3, has_segments)
     block_q, block_k = plan.block_q, plan.block_k
-    padded_kv = k_ref.shape[0]
-    i = pl.program_id(2)
     q = q_ref[...]
-    q_pos = i * block_q + jnp.arange(block_q) + plan.offset
-    q_seg = None if qs_ref is None else qs_ref[...]
-    lo, hi = _kv_block_range(
-        i * block_q + plan.offset, i * block_q + block_q - 1 + plan.offset, plan, block_k,
-        padded_kv // block_k,
-    )  # fmt: skip
+    q_pos, q_seg, lo, hi = _query_block(plan, qs_ref, block_q, block_k)
 
     def body(j, carry):
-        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        keys, mask = _key_block_mask(plan, q_pos, q_seg, ks_ref, j, block_k)
         s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
-        mask = visible(
-            q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
-            kv_len=plan.key_padding, q_seg=q_seg,
-            kv_seg=None if ks_ref is None else ks_ref[keys],
-        )  # fmt: skip
         s = s * LOG2E if mask is None else jnp.where(mask, s * LOG2E, -jnp.inf)
         return online_softmax_step(carry, s, v_ref[keys, :])
 
@@ -195,24 +203,12 @@ def _dq_kernel(*refs, plan: _Plan, has_segments: bool):
     inputs, qs_ref, ks_ref, (dq_ref,) = _unpack(refs, 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     block_q, block_k = plan.block_q_bwd, plan.block_k_bwd
-    padded_kv = k_ref.shape[0]
-    i = pl.program_id(2)
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
-    q_pos = i * block_q + jnp.arange(block_q) + plan.offset
-    q_seg = None if qs_ref is None else qs_ref[...]
-    lo, hi = _kv_block_range(
-        i * block_q + plan.offset, i * block_q + block_q - 1 + plan.offset, plan, block_k,
-        padded_kv // block_k,
-    )  # fmt: skip
+    q_pos, q_seg, lo, hi = _query_block(plan, qs_ref, block_q, block_k)
 
     def body(j, dq):
-        keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+        keys, mask = _key_block_mask(plan, q_pos, q_seg, ks_ref, j, block_k)
         k = k_ref[keys, :]
-        mask = visible(
-            q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
-            kv_len=plan.key_padding, q_seg=q_seg,
-            kv_seg=None if ks_ref is None else ks_ref[keys],
-        )  # fmt: skip
         _, ds = _probs_and_dscores(q, k, v_ref[keys, :], do, lse, delta, mask, plan)
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
