@@ -1,4 +1,4 @@
-"""Pallas kernels: flash attention (forward + backward) and decode attention.
+"""Pallas kernels: flash attention (forward + backward), decode and paged decode attention.
 
 Each kernel lowers through Triton on NVIDIA GPUs and runs with ``interpret=True`` on CPU;
 ``edl.ops.attention`` is the entry point models use.
@@ -6,5 +6,13 @@ Each kernel lowers through Triton on NVIDIA GPUs and runs with ``interpret=True`
 
 from edl.kernels.decode_attention import decode_attention
 from edl.kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
+from edl.kernels.paged_attention import gather_pages, paged_decode_attention
 
-__all__ = ["BlockSizes", "decode_attention", "default_block_sizes", "flash_attention"]
+__all__ = [
+    "BlockSizes",
+    "decode_attention",
+    "default_block_sizes",
+    "flash_attention",
+    "gather_pages",
+    "paged_decode_attention",
+]

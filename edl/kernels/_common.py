@@ -146,3 +146,46 @@ def online_softmax_finish(carry, empty_lse: float):
     safe_sum = jnp.where(seen, row_sum, 1.0)
     out = jnp.where(seen[:, None], acc / safe_sum[:, None], 0.0)
     return out, jnp.where(seen, row_max + jnp.log2(safe_sum), empty_lse)
+
+
+GPU_PROGRAMS = 264  # ~2 waves on a 132-SM H100; decode kernels pick splits to reach this
+
+
+def decode_splits(requested: int | None, programs: int, num_blocks: int, interpret: bool) -> int:
+    """Flash-decoding splits of ``num_blocks`` key blocks: ``requested``, else 1 in interpret
+    mode and enough to give a GPU ``GPU_PROGRAMS`` programs besides ``programs``."""
+    if requested is None:
+        requested = 1 if interpret else cdiv(GPU_PROGRAMS, programs)
+    return max(1, min(requested, num_blocks))
+
+
+def query_rows(q: jax.Array, kv_heads: int, interpret: bool) -> jax.Array:
+    """``(batch, new, heads, d) -> (batch, kv_heads, rows, dim)``: the ``new * group`` query
+    rows sharing each kv head as one tile (row ``r`` is new token ``r // group``), padded on
+    GPU to a power of two >= 16 rows and to :func:`padded_head_dim` columns."""
+    batch, new_tokens, heads, head_dim = q.shape
+    group, rows = heads // kv_heads, new_tokens * (heads // kv_heads)
+    q_rows = q.reshape(batch, new_tokens, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+    q_rows = q_rows.reshape(batch, kv_heads, rows, head_dim)
+    padded_rows = rows if interpret else max(16, next_pow2(rows))
+    return pad_axis(pad_axis(q_rows, 2, padded_rows), 3, padded_head_dim(head_dim, interpret))
+
+
+def merge_query_rows(out: jax.Array, lse: jax.Array, q: jax.Array) -> jax.Array:
+    """Inverse of :func:`query_rows` after merging flash-decoding splits: per-split
+    normalised outputs ``(batch, kv_heads, splits, rows, dim)`` and their base-2
+    log-sum-exp ``(batch, kv_heads, splits, rows)`` -> ``q``'s shape and dtype.
+
+    Splits are weighted by their log-sum-exp (an empty split has ``-inf``, weight 0); rows no
+    split saw give zeros.
+    """
+    batch, new_tokens, heads, head_dim = q.shape
+    kv_heads = out.shape[1]
+    top = jnp.max(lse, axis=-2, keepdims=True)
+    weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
+    total = jnp.sum(weight, axis=-2)
+    merged = jnp.sum(out * weight[..., None], axis=-3)
+    merged = merged / jnp.where(total == 0, 1.0, total)[..., None]
+    merged = merged[:, :, : new_tokens * (heads // kv_heads), :head_dim]
+    merged = merged.reshape(batch, kv_heads, new_tokens, heads // kv_heads, head_dim)
+    return merged.transpose(0, 2, 1, 3, 4).reshape(q.shape).astype(q.dtype)

@@ -26,20 +26,20 @@ from edl.kernels._common import (
     LOG2E,
     cdiv,
     compiler_params,
+    decode_splits,
+    merge_query_rows,
     next_pow2,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
     pad_axis,
-    padded_head_dim,
+    query_rows,
     resolve_interpret,
     scores,
     visible,
 )
 
 __all__ = ["decode_attention"]
-
-_GPU_PROGRAMS = 264  # ~2 waves on a 132-SM H100; splits are chosen to reach this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,16 +103,6 @@ def _decode_kernel(*refs, plan: _Plan):
     carry = jax.lax.fori_loop(lo, hi, body, online_softmax_init(rows, q.shape[1]))
     # An empty split has lse -inf, so it weighs nothing when the splits are merged.
     o_ref[...], lse_ref[...] = online_softmax_finish(carry, empty_lse=-jnp.inf)
-
-
-def _merge_splits(out, lse):
-    """Combine per-split normalised outputs ``(..., splits, rows, d)`` by their base-2
-    log-sum-exp ``(..., splits, rows)``; rows no split saw give zeros."""
-    top = jnp.max(lse, axis=-2, keepdims=True)
-    weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))  # empty splits: 0
-    total = jnp.sum(weight, axis=-2)
-    merged = jnp.sum(out * weight[..., None], axis=-3)
-    return merged / jnp.where(total == 0, 1.0, total)[..., None]
 
 
 def _decode_call(scalars, q_rows, k_cache, v_cache, *, plan: _Plan, num_splits, params, interpret):
@@ -202,9 +192,7 @@ def decode_attention(
     group = heads // kv_heads
     block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
     num_blocks = cache_len // block
-    if num_splits is None:
-        num_splits = 1 if interpret else cdiv(_GPU_PROGRAMS, batch * kv_heads)
-    num_splits = max(1, min(num_splits, num_blocks))
+    num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
     plan = _Plan(
         new_tokens=new_tokens, group=group, window=window,
         softcap=None if softcap is None else float(softcap),
@@ -212,14 +200,8 @@ def decode_attention(
         blocks_per_split=cdiv(num_blocks, num_splits), has_start=kv_start is not None,
     )  # fmt: skip
 
-    # (batch, new, kv_heads, group, d) -> (batch, kv_heads, new * group, d): one tile per head.
-    rows = new_tokens * group
-    padded_rows = rows if interpret else max(16, next_pow2(rows))
-    dim = padded_head_dim(head_dim, interpret)
-    q_rows = q.reshape(batch, new_tokens, kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-    q_rows = pad_axis(
-        pad_axis(q_rows.reshape(batch, kv_heads, rows, head_dim), 2, padded_rows), 3, dim
-    )
+    q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
+    padded_rows, dim = q_rows.shape[2:]
     k_cache, v_cache = pad_axis(k_cache, 3, dim), pad_axis(v_cache, 3, dim)
 
     scalars = [lengths.astype(jnp.int32)]
@@ -243,6 +225,4 @@ def decode_attention(
         lse = lse.reshape(batch, kv_heads, num_splits, padded_rows)
     else:
         out, lse = call(scalars, q_rows, k_cache, v_cache)
-    merged = _merge_splits(out, lse)[:, :, :rows, :head_dim]  # (batch, kv_heads, rows, d)
-    merged = merged.reshape(batch, kv_heads, new_tokens, group, head_dim).transpose(0, 2, 1, 3, 4)
-    return merged.reshape(batch, new_tokens, heads, head_dim).astype(q.dtype)
+    return merge_query_rows(out, lse, q)
