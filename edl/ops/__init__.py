@@ -1,4 +1,4 @@
-"""Pure array functions: attention dispatch + reference, RoPE, norms, losses."""
+"""Pure array functions: attention dispatch + reference, RoPE, norms, losses, sampling."""
 
 from edl.ops.attention import attention, attention_mask, reference_attention
 from edl.ops.losses import (
@@ -9,18 +9,42 @@ from edl.ops.losses import (
 )
 from edl.ops.norms import rms_norm
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
+from edl.ops.sampling import (
+    LogitsProcessor,
+    compose,
+    greedy,
+    min_p,
+    processors_for,
+    repetition_penalty,
+    sample,
+    suppress_tokens,
+    temperature,
+    top_k,
+    top_p,
+)
 
 __all__ = [
+    "LogitsProcessor",
     "RopeConfig",
     "apply_rope",
     "attention",
     "attention_mask",
     "causal_lm_loss",
     "causal_lm_loss_from_logits",
+    "compose",
     "cross_entropy",
+    "greedy",
     "inv_frequencies",
+    "min_p",
+    "processors_for",
     "reference_attention",
+    "repetition_penalty",
     "rms_norm",
     "rope_tables",
+    "sample",
     "sequence_classification_loss",
+    "suppress_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
 ]

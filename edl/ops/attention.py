@@ -18,7 +18,14 @@ from edl.kernels import flash_attention
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
 
-__all__ = ["IMPLS", "attention", "attention_mask", "pallas_unsupported", "reference_attention"]
+__all__ = [
+    "IMPLS",
+    "attention",
+    "attention_mask",
+    "masked_attention",
+    "pallas_unsupported",
+    "reference_attention",
+]
 
 IMPLS = ("auto", "pallas", "xla", "reference", "cudnn")
 _warned: set[str] = set()  # fallback reasons already reported
@@ -75,14 +82,30 @@ def reference_attention(
     scale: float | None = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Plain-jnp attention with float32 logits and softmax; rows with no visible key give 0."""
+    mask = attention_mask(
+        q.shape[1], k.shape[1], causal=causal, window=window, segment_ids=segment_ids
+    )
+    return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
+
+
+def masked_attention(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads head_dim"],
+    v: Float[Array, "batch kv_len kv_heads head_dim"],
+    mask: Bool[Array, "batch_or_1 q_len kv_len"],
+    *,
+    softcap: float | None = None,
+    scale: float | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """Plain-jnp attention under an explicit ``mask`` (True = visible): float32 logits and
+    softmax, rows with no visible key give 0. The definition every kernel is tested against."""
     b, q_len, heads, d = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
+    kv_heads = k.shape[2]
     scale = d**-0.5 if scale is None else scale
     qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
-    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
     mask = mask[:, None, None]  # (batch|1, 1, 1, q, kv)
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=-1, keepdims=True)

@@ -1,0 +1,300 @@
+"""edl.ops.sampling against transformers' logits processors (torch), plus sampling statistics."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers.generation import logits_process as hf
+
+from edl.ops import sampling
+
+BATCH, VOCAB, SEQ = 4, 50, 12
+SEEDS = [0, 1, 2]
+
+
+def random_logits(seed, scale=3.0, batch=BATCH, vocab=VOCAB, masked=True):
+    """float32 logits, some already ``-inf`` (as after an earlier filter) when ``masked``."""
+    rng = np.random.default_rng(seed)
+    logits = (scale * rng.standard_normal((batch, vocab))).astype(np.float32)
+    if masked:
+        logits[rng.random((batch, vocab)) < 0.1] = -np.inf
+    return logits
+
+
+def random_tokens(seed, vocab=VOCAB):
+    return np.random.default_rng(seed + 100).integers(0, vocab, (BATCH, SEQ), dtype=np.int32)
+
+
+def edl_apply(processor, logits, tokens=None, valid=None):
+    tokens = np.zeros((logits.shape[0], SEQ), np.int32) if tokens is None else tokens
+    valid = np.ones(tokens.shape, bool) if valid is None else valid
+    out = processor(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(valid))
+    assert out.dtype == jnp.float32
+    assert out.shape == logits.shape
+    return np.asarray(out)
+
+
+def hf_apply(processors, logits, tokens=None):
+    tokens = np.zeros((logits.shape[0], SEQ), np.int64) if tokens is None else tokens
+    scores, ids = torch.from_numpy(logits.copy()), torch.from_numpy(tokens.astype(np.int64))
+    for processor in processors:
+        scores = processor(ids, scores)
+    return scores.numpy()
+
+
+def assert_same(ours, theirs):
+    """Identical ``-inf`` pattern; finite values equal to float32 rounding."""
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(theirs))
+    finite = np.isfinite(theirs)
+    np.testing.assert_allclose(ours[finite], theirs[finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("t", [0.3, 0.7, 1.0, 1.5, 4.0])
+def test_temperature_matches_hf(seed, t):
+    logits = random_logits(seed)
+    assert_same(
+        edl_apply(sampling.temperature(t), logits),
+        hf_apply([hf.TemperatureLogitsWarper(t)], logits),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("k", "keep"), [(1, 1), (3, 1), (10, 1), (2, 5), (49, 1), (50, 1), (80, 1)]
+)
+def test_top_k_matches_hf(seed, k, keep):
+    logits = random_logits(seed)
+    assert_same(
+        edl_apply(sampling.top_k(k, keep), logits),
+        hf_apply([hf.TopKLogitsWarper(k, min_tokens_to_keep=keep)], logits),
+    )
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 7])
+def test_top_k_keeps_ties_like_hf(k):
+    """Coarsely rounded logits tie at the k-th value: HF and edl both keep every tied token."""
+    logits = np.round(random_logits(3, masked=False)).astype(np.float32)
+    ours = edl_apply(sampling.top_k(k), logits)
+    assert_same(ours, hf_apply([hf.TopKLogitsWarper(k)], logits))
+    assert (np.isfinite(ours).sum(-1) >= k).all()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("p", "keep"), [(0.0, 1), (0.1, 1), (0.5, 1), (0.9, 1), (0.95, 3), (0.3, 4), (1.0, 1)]
+)
+def test_top_p_matches_hf(seed, p, keep):
+    logits = random_logits(seed)
+    assert_same(
+        edl_apply(sampling.top_p(p, keep), logits),
+        hf_apply([hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)], logits),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("p", "keep"), [(0.0, 1), (0.05, 1), (0.2, 1), (0.5, 2), (0.9, 3), (1.0, 1)]
+)
+def test_min_p_matches_hf(seed, p, keep):
+    logits = random_logits(seed)
+    assert_same(
+        edl_apply(sampling.min_p(p, keep), logits),
+        hf_apply([hf.MinPLogitsWarper(p, min_tokens_to_keep=keep)], logits),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("penalty", [0.5, 0.9, 1.0, 1.3, 2.0])
+def test_repetition_penalty_matches_hf(seed, penalty):
+    logits, tokens = random_logits(seed), random_tokens(seed)
+    assert_same(
+        edl_apply(sampling.repetition_penalty(penalty), logits, tokens),
+        hf_apply([hf.RepetitionPenaltyLogitsProcessor(penalty)], logits, tokens),
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_repetition_penalty_only_counts_valid_tokens(seed):
+    """Row by row, edl with a ``valid`` mask equals HF on just that row's valid ids."""
+    logits, tokens = random_logits(seed), random_tokens(seed)
+    rng = np.random.default_rng(seed + 7)
+    valid = rng.random(tokens.shape) < 0.5
+    valid[0] = False  # a row with no history is left untouched
+    tokens[~valid & (rng.random(tokens.shape) < 0.5)] = VOCAB + 3  # garbage in empty slots
+    ours = edl_apply(sampling.repetition_penalty(1.7), logits, tokens, valid)
+    for row in range(BATCH):
+        ids = tokens[row][valid[row]][None]
+        expected = hf_apply([hf.RepetitionPenaltyLogitsProcessor(1.7)], logits[row : row + 1], ids)
+        assert_same(ours[row : row + 1], expected)
+    assert_same(ours[0], logits[0])
+
+
+def test_suppress_tokens_matches_hf():
+    logits, ids = random_logits(0), [0, 7, 49, 60]  # 60 is beyond the vocab: ignored by both
+    assert_same(
+        edl_apply(sampling.suppress_tokens(ids), logits),
+        hf_apply([hf.SuppressTokensLogitsProcessor(ids)], logits),
+    )
+
+
+def hf_chain(temperature=None, top_k=None, top_p=None, min_p=None, repetition_penalty=None):
+    """The sampling processors transformers' _get_logits_processor builds, in its order."""
+    chain = []
+    if repetition_penalty is not None and repetition_penalty != 1.0:
+        chain.append(hf.RepetitionPenaltyLogitsProcessor(repetition_penalty))
+    if temperature is not None and temperature != 1.0:
+        chain.append(hf.TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k != 0:
+        chain.append(hf.TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        chain.append(hf.TopPLogitsWarper(top_p))
+    if min_p is not None:
+        chain.append(hf.MinPLogitsWarper(min_p))
+    return chain
+
+
+CHAINS = [
+    {},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0},
+    {"temperature": 0.7, "top_k": 20, "top_p": 0.9},
+    {"temperature": 1.3, "top_k": 5, "top_p": 0.5, "repetition_penalty": 1.2},
+    {"temperature": 0.5, "min_p": 0.1, "repetition_penalty": 0.8},
+    {"top_p": 0.8, "min_p": 0.05},
+    {"temperature": 2.0, "top_k": 30, "top_p": 0.95, "min_p": 0.02, "repetition_penalty": 1.5},
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kwargs", CHAINS)
+def test_processors_for_matches_hf_chain(seed, kwargs):
+    logits, tokens = random_logits(seed), random_tokens(seed)
+    assert_same(
+        edl_apply(sampling.processors_for(**kwargs), logits, tokens),
+        hf_apply(hf_chain(**kwargs), logits, tokens),
+    )
+
+
+def test_no_op_values_give_the_identity():
+    logits = random_logits(0)
+    identity = sampling.processors_for(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
+    np.testing.assert_array_equal(edl_apply(identity, logits), logits)
+    np.testing.assert_array_equal(edl_apply(sampling.compose(), logits), logits)
+
+
+def test_compose_is_left_to_right():
+    logits = random_logits(1, masked=False)
+    # top-p renormalises over what survives, so the two orders keep different sets.
+    a, b = sampling.top_p(0.5), sampling.top_k(3)
+    ab = edl_apply(sampling.compose(a, b), logits)
+    assert_same(ab, edl_apply(b, edl_apply(a, logits)))
+    assert not np.array_equal(
+        np.isfinite(ab), np.isfinite(edl_apply(sampling.compose(b, a), logits))
+    )
+    assert_same(edl_apply(sampling.compose(b, a), logits), edl_apply(a, edl_apply(b, logits)))
+
+
+def test_processors_are_jittable():
+    kwargs = CHAINS[-1]
+    processor = sampling.processors_for(**kwargs)
+    logits, tokens = random_logits(4), random_tokens(4)
+    valid = np.ones(tokens.shape, bool)
+    jitted = jax.jit(processor)(jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(valid))
+    assert_same(np.asarray(jitted), hf_apply(hf_chain(**kwargs), logits, tokens))
+
+    @jax.jit
+    def step(logits, tokens, valid, key):
+        return sampling.sample(processor(logits, tokens, valid), key), sampling.greedy(logits)
+
+    drawn, best = step(
+        jnp.asarray(logits), jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(0)
+    )
+    assert drawn.dtype == best.dtype == jnp.int32
+    assert np.isfinite(np.asarray(jitted)[np.arange(BATCH), np.asarray(drawn)]).all()
+
+
+def test_greedy_matches_torch_argmax_with_ties():
+    logits = np.round(random_logits(5, scale=1.0)).astype(np.float32)  # many ties
+    ours = np.asarray(sampling.greedy(jnp.asarray(logits)))
+    np.testing.assert_array_equal(ours, torch.argmax(torch.from_numpy(logits), dim=-1).numpy())
+    assert ours.dtype == np.int32
+
+
+def test_sample_is_reproducible():
+    logits = jnp.asarray(random_logits(6))
+    keys = jax.random.split(jax.random.key(42), 16)
+    draws = jax.vmap(sampling.sample, in_axes=(None, 0))(logits, keys)
+    again = jax.vmap(sampling.sample, in_axes=(None, 0))(logits, keys)
+    np.testing.assert_array_equal(draws, again)
+    assert draws.shape == (16, BATCH)
+    assert draws.dtype == jnp.int32
+    assert len(np.unique(np.asarray(draws))) > 1  # different keys give different tokens
+
+
+DRAWS = 20_000
+
+
+def softmax64(x):
+    z = np.exp(x.astype(np.float64) - x.max())
+    return z / z.sum()
+
+
+@pytest.mark.parametrize(
+    "processor",
+    [
+        sampling.top_k(6),
+        sampling.top_p(0.8),
+        sampling.processors_for(temperature=0.8, top_k=9, top_p=0.95),
+    ],
+)
+def test_sample_frequencies_match_softmax(processor):
+    """Chi-square goodness of fit of 20000 seeded draws against softmax(processed logits)."""
+    vocab = 12
+    logits = random_logits(7, scale=1.0, batch=1, vocab=vocab, masked=False)
+    processed = edl_apply(processor, logits)
+    kept = np.isfinite(processed[0])
+    assert 2 <= kept.sum() < vocab
+    rows = jnp.broadcast_to(jnp.asarray(processed), (DRAWS, vocab))  # independent draws per row
+    draws = np.asarray(sampling.sample(rows, jax.random.key(1234)))
+    counts = np.bincount(draws, minlength=vocab)
+    assert counts[~kept].sum() == 0  # filtered tokens are never drawn
+    expected = DRAWS * softmax64(processed[0][kept])
+    assert expected.min() > 5  # the chi-square approximation holds
+    # Fixed key, so the p-value is deterministic; 1e-3 leaves a wide margin for a correct sampler.
+    assert stats.chisquare(counts[kept], expected).pvalue > 1e-3
+    # ... and the test has power: the unprocessed (or wrongly tempered) distribution is rejected.
+    wrong = DRAWS * softmax64(processed[0][kept] / 0.7)
+    assert stats.chisquare(counts[kept], wrong).pvalue < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: sampling.temperature(0.0), "temperature must be a finite float > 0.*got 0.0"),
+        (lambda: sampling.temperature(-1.0), "temperature.*got -1.0"),
+        (lambda: sampling.temperature(float("nan")), "temperature.*got nan"),
+        (lambda: sampling.temperature(float("inf")), "temperature.*got inf"),
+        (lambda: sampling.top_k(0), "top_k must be a positive integer, got 0"),
+        (lambda: sampling.top_k(-3), "top_k.*got -3"),
+        (lambda: sampling.top_k(5, 0), "min_tokens_to_keep.*got 0"),
+        (lambda: sampling.top_p(-0.1), r"top_p must be a float in \[0, 1\], got -0.1"),
+        (lambda: sampling.top_p(1.5), "top_p.*got 1.5"),
+        (lambda: sampling.top_p(0.5, 0), "min_tokens_to_keep.*got 0"),
+        (lambda: sampling.min_p(1.01), "min_p.*got 1.01"),
+        (lambda: sampling.min_p(-0.5), "min_p.*got -0.5"),
+        (
+            lambda: sampling.repetition_penalty(0.0),
+            "repetition_penalty must be a float > 0, got 0.0",
+        ),
+        (lambda: sampling.suppress_tokens([3, -1]), "suppress_tokens.*got -1"),
+        (lambda: sampling.processors_for(top_k=-1), "top_k.*got -1"),
+        (lambda: sampling.processors_for(top_p=1.5), "top_p.*got 1.5"),
+        (lambda: sampling.processors_for(temperature=0.0), "temperature.*got 0.0"),
+        (lambda: sampling.processors_for(repetition_penalty=-2.0), "repetition_penalty.*-2.0"),
+    ],
+)
+def test_bad_arguments_raise(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
