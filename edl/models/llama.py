@@ -24,7 +24,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.models.keymap import KeyTable
 from edl.models.llama_config import MODEL_TYPES, LlamaConfig
-from edl.nn.attention import Attention
+from edl.nn.attention import Attention, KVCacheLike
 from edl.nn.layers import Embedding, Linear, RMSNorm
 from edl.nn.mlp import GatedMLP
 from edl.nn.stack import run_stack, stack
@@ -66,11 +66,13 @@ class ModelOutput(eqx.Module):
 
     last_hidden_state: Float[Array, "batch seq dim"]
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
+    cache: KVCacheLike | None = None
 
 
 class CausalLMOutput(eqx.Module):
     logits: Float[Array, "batch seq vocab"]
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
+    cache: KVCacheLike | None = None
 
 
 class SequenceClassifierOutput(eqx.Module):
@@ -130,7 +132,26 @@ class DecoderLayer(eqx.Module):
         attn = self.self_attn(
             self.input_layernorm(h), cos, sin, segment_ids, window=window, impl=impl
         )
-        h = h + attn.astype(h.dtype)
+        return self._residual_mlp(h + attn.astype(h.dtype))
+
+    def decode(
+        self,
+        h: Float[Array, "batch seq dim"],
+        cos: Float[Array, "batch seq rope_dim"],
+        sin: Float[Array, "batch seq rope_dim"],
+        cache: KVCacheLike,
+        layer: Int[Array, ""] | int,
+        *,
+        window: int | None = None,
+        impl: str = "auto",
+    ) -> tuple[Float[Array, "batch seq dim"], KVCacheLike]:
+        """The block on new tokens through a KV cache (see ``Attention.decode``)."""
+        attn, cache = self.self_attn.decode(
+            self.input_layernorm(h), cos, sin, cache, layer, window=window, impl=impl
+        )
+        return self._residual_mlp(h + attn.astype(h.dtype)), cache
+
+    def _residual_mlp(self, h: jax.Array) -> jax.Array:
         return h + self.mlp(self.post_attention_layernorm(h)).astype(h.dtype)
 
 
@@ -201,6 +222,7 @@ class LlamaModel(eqx.Module):
         position_ids: Int[Array, "batch_or_1 seq"] | None = None,
         segment_ids: Ids | None = None,
         output_hidden_states: bool = False,
+        cache: KVCacheLike | None = None,
     ) -> ModelOutput:
         """Run the trunk on ``input_ids`` or ``inputs_embeds`` (exactly one).
 
@@ -211,6 +233,12 @@ class LlamaModel(eqx.Module):
                 when ``segment_ids`` is given.
             segment_ids: ``(batch, seq)`` ids of packed sequences: a token attends only to
                 earlier tokens of its own segment.
+            cache: a KV cache (``edl.generate.init_cache``): the tokens are new ones that
+                follow each row's cached ``lengths`` (positions default to
+                ``lengths[b] + i``), are written into the cache and attend to it; the
+                updated cache is returned in the output. With a cache, ``attention_mask``
+                must be right-padded (ones, then zeros: the row's valid new tokens), and
+                ``segment_ids`` / ``output_hidden_states`` are not supported.
         """
         c = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -221,19 +249,20 @@ class LlamaModel(eqx.Module):
             raise ValueError(f"inputs_embeds must be (batch, seq, {c.hidden_size}), got {h.shape}")
         _check_2d("attention_mask", attention_mask, batch, seq)
         _check_2d("segment_ids", segment_ids, batch, seq)
+        if cache is not None:
+            return self._decode(h, attention_mask, position_ids, cache, segment_ids,
+                                output_hidden_states)  # fmt: skip
         if position_ids is None:
             position_ids = (
                 _positions_from_segments(segment_ids)
                 if segment_ids is not None
                 else jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
             )
-        elif position_ids.shape[0] == 1 and batch > 1:
-            position_ids = jnp.broadcast_to(position_ids, (batch, seq))
-        _check_2d("position_ids", position_ids, batch, seq)
+        position_ids = _broadcast_positions(position_ids, batch, seq)
         cos, sin = rope_tables(position_ids, c.rope)
         segments = _attention_segments(batch, seq, attention_mask, segment_ids)
 
-        def apply(layer: DecoderLayer, h: jax.Array, window: int | None) -> jax.Array:
+        def apply(layer: DecoderLayer, h: jax.Array, window: int | None, _) -> jax.Array:
             return layer(h, cos, sin, segments, window=window, impl=c.attention_impl)
 
         h0 = h
@@ -250,6 +279,39 @@ class LlamaModel(eqx.Module):
         if per_layer is not None:
             hidden_states = jnp.concatenate([h0[None], per_layer], axis=0)
         return ModelOutput(self.norm(h), hidden_states)
+
+    def _decode(self, h, attention_mask, position_ids, cache, segment_ids, output_hidden_states):
+        """``__call__`` with a KV cache: new tokens through every layer's cache."""
+        c = self.config
+        if segment_ids is not None or output_hidden_states:
+            raise ValueError("with a cache, segment_ids and output_hidden_states are not supported")
+        batch, seq = h.shape[:2]
+        if position_ids is None:
+            position_ids = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]
+        position_ids = _broadcast_positions(position_ids, batch, seq)
+        num_new = (
+            jnp.full((batch,), seq, jnp.int32)
+            if attention_mask is None
+            else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
+        )
+        cos, sin = rope_tables(position_ids, c.rope)
+
+        def apply(layer: DecoderLayer, carry, window: int | None, index):
+            h, cache = carry
+            return layer.decode(h, cos, sin, cache, index, window=window, impl=c.attention_impl)
+
+        carry = (h, cache.reserve(num_new))
+        (h, cache), _ = run_stack(
+            self.layers, carry, apply, settings=c.layer_windows, scan=c.scan_layers
+        )
+        return ModelOutput(self.norm(h), cache=cache.advance(num_new))
+
+
+def _broadcast_positions(position_ids: jax.Array, batch: int, seq: int) -> Ids:
+    if position_ids.shape[0] == 1 and batch > 1:
+        position_ids = jnp.broadcast_to(position_ids, (batch, seq))
+    _check_2d("position_ids", position_ids, batch, seq)
+    return position_ids
 
 
 class LlamaForCausalLM(eqx.Module):
@@ -292,8 +354,10 @@ class LlamaForCausalLM(eqx.Module):
         position_ids: Int[Array, "batch_or_1 seq"] | None = None,
         segment_ids: Ids | None = None,
         output_hidden_states: bool = False,
+        cache: KVCacheLike | None = None,
     ) -> CausalLMOutput:
-        """Logits ``(batch, seq, vocab)`` in the activation dtype; inputs as ``LlamaModel``."""
+        """Logits ``(batch, seq, vocab)`` in the activation dtype; inputs as ``LlamaModel``
+        (with a ``cache``, the updated cache is returned too)."""
         out = self.model(
             input_ids,
             inputs_embeds=inputs_embeds,
@@ -301,10 +365,13 @@ class LlamaForCausalLM(eqx.Module):
             position_ids=position_ids,
             segment_ids=segment_ids,
             output_hidden_states=output_hidden_states,
+            cache=cache,
         )
-        h = out.last_hidden_state
-        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
-        return CausalLMOutput(logits, out.hidden_states)
+        return CausalLMOutput(self.lm_logits(out.last_hidden_state), out.hidden_states, out.cache)
+
+    def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]:
+        """The LM head on final hidden states (generation applies it to last tokens only)."""
+        return self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
 
     def compute_loss(
         self,

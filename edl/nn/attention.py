@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear, RMSNorm
 from edl.ops.attention import SegmentIds, attention
 from edl.ops.rope import apply_rope
 
-__all__ = ["Attention"]
+__all__ = ["Attention", "KVCacheLike"]
+
+
+@runtime_checkable
+class KVCacheLike(Protocol):
+    """What a model needs of a KV cache (``edl.generate.KVCache`` / ``PagedKVCache``; see
+    ``edl.generate.cache`` for the call order). Pure: every method returns a new cache."""
+
+    lengths: jax.Array  # (batch,) valid tokens per row
+
+    def reserve(self, num_new: jax.Array) -> KVCacheLike: ...
+
+    def advance(self, num_new: jax.Array) -> KVCacheLike: ...
+
+    def update(self, layer: jax.Array | int, k: jax.Array, v: jax.Array) -> KVCacheLike: ...
+
+    def attend(
+        self,
+        layer: jax.Array | int,
+        q: jax.Array,
+        k: jax.Array,
+        v: jax.Array,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        impl: str = "auto",
+    ) -> jax.Array: ...
 
 
 class Attention(eqx.Module):
@@ -78,11 +106,36 @@ class Attention(eqx.Module):
         """``window``: Mistral-style left sliding window; ``impl``: see ``edl.ops.attention``.
         Both are call arguments so that layers of one stack may differ in them."""
         b, s, _ = x.shape
+        q, k, v = self._project(x, cos, sin)
+        out = attention(q, k, v, causal=True, segment_ids=segment_ids, window=window, impl=impl)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+
+    def decode(
+        self,
+        x: Float[Array, "batch seq dim"],
+        cos: Float[Array, "batch seq rope_dim"],
+        sin: Float[Array, "batch seq rope_dim"],
+        cache: KVCacheLike,
+        layer: Int[Array, ""] | int,
+        *,
+        window: int | None = None,
+        impl: str = "auto",
+    ) -> tuple[Float[Array, "batch seq dim"], KVCacheLike]:
+        """Attention of new tokens through a KV cache: their keys/values are written into
+        ``cache`` at ``layer``, then they attend to everything cached. Returns the output
+        and the updated cache."""
+        b, s, _ = x.shape
+        q, k, v = self._project(x, cos, sin)
+        cache = cache.update(layer, k, v)
+        out = cache.attend(layer, q, k, v, window=window, impl=impl)
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache
+
+    def _project(self, x, cos, sin):
+        """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated."""
+        b, s, _ = x.shape
         q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention(q, k, v, causal=True, segment_ids=segment_ids, window=window, impl=impl)
-        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

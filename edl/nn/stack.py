@@ -64,26 +64,28 @@ def _runs(settings: Sequence[Any]) -> list[tuple[int, int]]:
 
 def run_stack(
     layers: PyTree,
-    carry: Array,
-    apply: Callable[[Any, Array, Any], Array],
+    carry: PyTree,
+    apply: Callable[[Any, PyTree, Any, Array], PyTree],
     *,
     settings: Sequence[Any] | None = None,
     scan: bool = True,
     remat: str = "none",
     collect: bool = False,
-) -> tuple[Array, Array | None]:
-    """Run ``carry = apply(layer, carry, setting)`` through every layer of ``layers``.
+) -> tuple[PyTree, PyTree | None]:
+    """Run ``carry = apply(layer, carry, setting, index)`` through every layer of ``layers``.
 
     Args:
         layers: a stack from ``stack`` (array leaves ``(num_layers, ...)``).
-        carry: the running activation (e.g. hidden states ``(batch, seq, dim)``).
-        apply: ``(layer, carry, setting) -> carry`` for one unstacked layer; anything it
+        carry: the running state, any pytree: hidden states ``(batch, seq, dim)``, or those
+            plus a KV cache that each layer updates at its ``index``.
+        apply: ``(layer, carry, setting, index) -> carry`` for one unstacked layer; ``index``
+            is the layer's position in the stack (an int32 scalar). Anything ``apply``
             closes over (RoPE tables, masks) is shared by all layers.
         settings: per-layer static values passed to ``apply`` (e.g. sliding windows); runs of
             equal settings are scanned together. Default: ``None`` for every layer.
         scan: ``lax.scan`` over layers; ``False`` unrolls a Python loop (same numerics).
         remat: a ``REMAT_POLICIES`` name applied to each layer.
-        collect: also return every layer's output, stacked ``(num_layers, *carry.shape)``.
+        collect: also return every layer's output carry, stacked ``(num_layers, ...)``.
 
     Returns:
         ``(carry, outputs)``; ``outputs`` is ``None`` unless ``collect``.
@@ -94,25 +96,28 @@ def run_stack(
         raise ValueError(f"run_stack: {len(settings)} settings for {n} layers")
     policy = remat_policy(remat)
     dynamic, static = eqx.partition(layers, eqx.is_array)
+    indices = jax.numpy.arange(n, dtype=jax.numpy.int32)
     outputs = []
     for start, end in _runs(settings):
         setting = settings[start]
 
-        def body(h: Array, params: PyTree, setting: Any = setting) -> tuple[Array, Array | None]:
-            h = apply(eqx.combine(params, static), h, setting)
-            return h, (h if collect else None)
+        def body(c: PyTree, xs: tuple[PyTree, Array], setting: Any = setting):
+            params, index = xs
+            c = apply(eqx.combine(params, static), c, setting, index)
+            return c, (c if collect else None)
 
         if remat != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
         span = slice(start, end)
         part = dynamic if (start, end) == (0, n) else jax.tree.map(lambda x, s=span: x[s], dynamic)
+        part = (part, indices[span])
         if scan:
             carry, ys = jax.lax.scan(body, carry, part)
             outputs.append(ys)
         else:
             for i in range(end - start):
                 carry, y = body(carry, jax.tree.map(lambda x, i=i: x[i], part))
-                outputs.append(None if y is None else y[None])
+                outputs.append(None if y is None else jax.tree.map(lambda a: a[None], y))
     if not collect:
         return carry, None
-    return carry, jax.numpy.concatenate(outputs, axis=0)
+    return carry, jax.tree.map(lambda *ys: jax.numpy.concatenate(ys, axis=0), *outputs)

@@ -1,0 +1,30 @@
+"""Generation: KV caches and a compiled decode loop (greedy, sampling, beam search).
+
+out = edl.generate.generate(model, input_ids, attention_mask=mask, max_new_tokens=32)
+"""
+
+from edl.generate.cache import KVCache, init_cache
+from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.decode import generate, generate_stream, logits_processor_for
+from edl.generate.paged import (
+    PagedCacheConfig,
+    PagedKVCache,
+    free_rows,
+    init_paged_cache,
+    paged_cache_config,
+)
+
+__all__ = [
+    "GenerateOutput",
+    "GenerationConfig",
+    "KVCache",
+    "PagedCacheConfig",
+    "PagedKVCache",
+    "free_rows",
+    "generate",
+    "generate_stream",
+    "init_cache",
+    "init_paged_cache",
+    "logits_processor_for",
+    "paged_cache_config",
+]

@@ -1,0 +1,142 @@
+"""KV caches as pytrees: a preallocated contiguous cache and a paged one.
+
+Both hold every layer's keys and values (a leading layer axis, like the model's stacked
+layers) and each row's number of valid tokens. A model run on ``n`` new tokens per row calls,
+in this order::
+
+    cache = cache.reserve(num_new)            # paged: allocate pages for the new tokens
+    cache = cache.update(layer, k, v)         # per layer: write the new keys/values
+    out = cache.attend(layer, q, k, v, ...)   # per layer: the new queries attend
+    cache = cache.advance(num_new)            # after the last layer: lengths += num_new
+
+Row ``b``'s new tokens go to positions ``lengths[b] + i``. Rows may have fewer valid new
+tokens than the array holds (right padding, as generation's prefill has): positions past a
+row's ``lengths[b] + num_new[b]`` are written but never read, and writes past the cache's
+end are dropped.
+
+A cache straight from ``init_cache`` is ``fresh`` (a static flag, so prefill and decode are
+separate compiled programs): its new tokens attend only to each other, through the
+training-time ``edl.ops.attention`` (the flash kernel), which is how a whole prompt is
+prefilled efficiently. Later calls use the decode kernel over the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int
+
+from edl.ops.attention import attention
+from edl.ops.cached_attention import cached_attention
+
+__all__ = ["KVCache", "cache_dims", "init_cache"]
+
+CACHE_MULTIPLE = 16  # cache lengths are rounded up to this (the GPU decode kernel's block)
+
+
+def cache_dims(config: Any) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a model config (HF field names)."""
+    try:
+        return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+    except AttributeError as e:
+        raise TypeError(f"init_cache: {type(config).__name__} lacks a field: {e}") from None
+
+
+def _new_positions(lengths: Int[Array, " batch"], new: int) -> Int[Array, "batch new"]:
+    return lengths[:, None] + jnp.arange(new, dtype=lengths.dtype)[None]
+
+
+class KVCache(eqx.Module):
+    """Contiguous cache: keys/values ``(layers, batch, max_len, kv_heads, head_dim)``."""
+
+    k: Float[Array, "layers batch max_len kv_heads head_dim"]
+    v: Float[Array, "layers batch max_len kv_heads head_dim"]
+    lengths: Int[Array, " batch"]
+    fresh: bool = eqx.field(static=True, default=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, num_new: Int[Array, " batch"]) -> KVCache:
+        """Nothing to allocate: every row owns ``max_len`` slots."""
+        del num_new
+        return self
+
+    def update(
+        self,
+        layer: Int[Array, ""] | int,
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+    ) -> KVCache:
+        """Write ``layer``'s new keys/values at positions ``lengths[b] + i``."""
+        new = k.shape[1]
+        k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
+        if self.fresh:  # every row starts at 0: one contiguous write
+            if new > self.max_len:
+                raise ValueError(
+                    f"KVCache: {new} new tokens exceed the cache length {self.max_len}"
+                )
+            start = (layer, 0, 0, 0, 0)
+            return dataclasses.replace(
+                self,
+                k=jax.lax.dynamic_update_slice(self.k, k[None], start),
+                v=jax.lax.dynamic_update_slice(self.v, v[None], start),
+            )
+        rows = jnp.arange(k.shape[0])[:, None]
+        pos = _new_positions(self.lengths, new)
+        return dataclasses.replace(
+            self,
+            k=self.k.at[layer, rows, pos].set(k, mode="drop"),
+            v=self.v.at[layer, rows, pos].set(v, mode="drop"),
+        )
+
+    def attend(
+        self,
+        layer: Int[Array, ""] | int,
+        q: Float[Array, "batch new heads head_dim"],
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        impl: str = "auto",
+    ) -> Float[Array, "batch new heads head_dim"]:
+        """The new queries attend to the cache (after ``update`` of this layer)."""
+        if self.fresh:
+            return attention(q, k, v, causal=True, window=window, softcap=softcap, impl=impl)
+        out = cached_attention(
+            q.astype(self.k.dtype), self.k[layer], self.v[layer], self.lengths + q.shape[1],
+            window=window, softcap=softcap, impl=impl,
+        )  # fmt: skip
+        return out.astype(q.dtype)
+
+    def select_rows(self, rows: Int[Array, " new_batch"]) -> KVCache:
+        """The cache of rows ``rows`` (repeat a prompt for beams, reorder beams)."""
+        return dataclasses.replace(
+            self,
+            k=jnp.take(self.k, rows, axis=1),
+            v=jnp.take(self.v, rows, axis=1),
+            lengths=jnp.take(self.lengths, rows, axis=0),
+        )
+
+    def advance(self, num_new: Int[Array, " batch"]) -> KVCache:
+        """``lengths += num_new`` once every layer has been updated."""
+        return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
+
+
+def init_cache(config: Any, batch: int, max_len: int, dtype: DTypeLike = jnp.float32) -> KVCache:
+    """An empty (``fresh``) cache for ``batch`` rows of up to ``max_len`` tokens (rounded up
+    to a multiple of 16) for a model with this config (HF field names: ``num_hidden_layers``,
+    ``num_key_value_heads``, ``head_dim``)."""
+    if batch < 1 or max_len < 1:
+        raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
+    layers, kv_heads, head_dim = cache_dims(config)
+    max_len = -(-max_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    zeros = jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype)
+    return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32), fresh=True)

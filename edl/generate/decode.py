@@ -1,0 +1,246 @@
+"""``generate``: greedy, sampling and beam search as one compiled program per setting.
+
+    out = edl.generate.generate(model, input_ids, attention_mask=mask, max_new_tokens=32)
+    text_ids = out.sequences[:, input_ids.shape[1]:]
+
+Prompts are left-padded as in HF (any padding works: real tokens are compacted to the front
+of the KV cache). The prompt is prefilled once with the flash kernel, then a
+``lax.while_loop`` decodes one token per row per iteration through the decode kernel until
+every row has hit EOS or ``max_new_tokens`` is reached. ``generate_stream`` runs the same step
+function from Python and yields each step's tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, PRNGKeyArray
+
+from edl.generate import steps
+from edl.generate.beam import beam_search
+from edl.generate.cache import init_cache
+from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.paged import init_paged_cache
+from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
+
+__all__ = ["generate", "generate_stream", "logits_processor_for"]
+
+
+@functools.lru_cache(maxsize=128)
+def logits_processor_for(
+    config: GenerationConfig, user: LogitsProcessor | None = None
+) -> LogitsProcessor:
+    """The processors ``config`` asks for, in HF's order (repetition penalty; then, when
+    sampling, temperature, top-k, top-p, min-p), followed by the user's own. Memoised:
+    the same arguments give the same function, so the compiled decode loop is reused."""
+    chain = [processors_for(repetition_penalty=config.repetition_penalty)]
+    if config.do_sample:
+        chain.append(
+            processors_for(
+                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                min_p=config.min_p,
+            )
+        )  # fmt: skip
+    if user is not None:
+        chain.append(user)
+    return compose(*chain)
+
+
+def _new_cache(model, rows: int, max_len: int, page_size: int | None):
+    """A contiguous cache, or (``page_size``) a paged one whose pool fits every row."""
+    dtype = model.model.embed_tokens.weight.dtype
+    if page_size is None:
+        return init_cache(model.config, rows, max_len, dtype)
+    pages = rows * -(-max_len // page_size)
+    return init_paged_cache(
+        model.config, pages, page_size, batch=rows, max_model_length=max_len, dtype=dtype
+    )
+
+
+def _setup(model, input_ids, attention_mask, max_new, page_size):
+    """Compaction, a fresh cache and the prefill: ``(logits, cache, prompt, mask)``."""
+    ids, mask, lengths = steps.compact_prompts(input_ids, attention_mask)
+    cache = _new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
+    logits, cache = steps.prefill(model, ids, mask, lengths, cache)
+    return logits, cache, ids, mask
+
+
+def _sample_step(model, state, *, prompt, mask, key, config, processor):
+    """Choose each row's next token from ``state``'s logits, then run it through the model."""
+    step, logits, cache, generated, done = state
+    tokens, valid = steps.history(prompt, mask, generated, step)
+    scores = processor(logits, tokens, valid)
+    token = sample(scores, steps.fold_step(key, step)) if config.do_sample else greedy(scores)
+    token = jnp.where(done, config.pad_id, token)
+    generated = generated.at[:, step].set(token)
+    done = done | steps.is_eos(token, config.eos_ids)
+    logits, cache = steps.decode_step(model, token, cache)
+    return (step + 1, logits, cache, generated, done), token
+
+
+@functools.partial(jax.jit, static_argnames=("config", "processor", "max_new", "page_size"))
+def _generate_compiled(
+    model, input_ids, attention_mask, key, *, config, processor, max_new, page_size=None
+):
+    if config.num_beams > 1:
+        return beam_search(model, input_ids, attention_mask, key, config=config,
+                           processor=processor, max_new=max_new)  # fmt: skip
+    logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
+    rows = input_ids.shape[0]
+    generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
+    state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+    body = functools.partial(
+        _sample_step, model, prompt=prompt, mask=mask, key=key, config=config,
+        processor=processor,
+    )  # fmt: skip
+
+    def running(state):
+        step, *_, done = state
+        return (step < max_new) & ~jnp.all(done)
+
+    step, _, _, generated, _ = jax.lax.while_loop(running, lambda s: body(s)[0], state)
+    return GenerateOutput(
+        jnp.concatenate([input_ids, generated], axis=1), _num_new(generated, step, config)
+    )
+
+
+def _num_new(generated, steps_run, config):
+    """Tokens generated per row, up to and including its first EOS."""
+    eos = steps.is_eos(generated, config.eos_ids)
+    first = jnp.argmax(eos, axis=1).astype(jnp.int32)
+    return jnp.where(jnp.any(eos, axis=1), first + 1, steps_run)
+
+
+def _check_inputs(model, input_ids, attention_mask, key, config, page_size=None):
+    """Eager checks with messages that name the problem (before anything compiles)."""
+    if page_size is not None and (page_size < 1 or config.num_beams > 1):
+        raise ValueError(f"generate: page_size {page_size} needs >= 1 and num_beams 1")
+    if not hasattr(model, "lm_logits") or not hasattr(model, "model"):
+        raise TypeError(
+            f"generate needs a causal LM (model + lm_logits), got {type(model).__name__}"
+        )
+    ids = np.asarray(input_ids)
+    if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be integers (batch, seq>0), got {ids.dtype}{ids.shape}")
+    vocab = model.config.vocab_size
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"input_ids must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
+    if attention_mask is None:
+        mask = np.ones(ids.shape, bool)
+    else:
+        mask = np.asarray(attention_mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {mask.shape} must match input_ids {ids.shape}")
+        if not (np.issubdtype(mask.dtype, np.integer) or mask.dtype == np.bool_):
+            raise ValueError(f"attention_mask must be 0/1 integers or bools, got {mask.dtype}")
+        mask = mask.astype(bool)
+    empty = np.flatnonzero(~mask.any(axis=1))
+    if empty.size:
+        raise ValueError(f"prompt rows {empty.tolist()} have no tokens (attention_mask all 0)")
+    if config.do_sample and key is None:
+        raise ValueError("generate: do_sample=True needs a PRNG key (key=jax.random.key(0))")
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
+
+
+def _resolve(config, max_new_tokens, overrides):
+    config = config or GenerationConfig()
+    if max_new_tokens is not None:
+        if max_new_tokens <= 0:
+            raise ValueError(f"generate: max_new_tokens must be positive, got {max_new_tokens}")
+        overrides = {**overrides, "max_new_tokens": max_new_tokens}
+    return config.replace(**overrides) if overrides else config
+
+
+def generate(
+    model: Any,
+    input_ids: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | None = None,
+    max_new_tokens: int | None = None,
+    key: PRNGKeyArray | None = None,
+    config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessor | None = None,
+    page_size: int | None = None,
+    **overrides: Any,
+) -> GenerateOutput:
+    """Generate continuations of a batch of prompts (one compiled program per setting).
+
+    Args:
+        model: a causal LM such as ``edl.models.LlamaForCausalLM``.
+        input_ids: prompts, left-padded as HF expects (``attention_mask`` 0 on padding).
+        max_new_tokens: overrides ``config.max_new_tokens``.
+        key: PRNG key for sampling (required with ``do_sample``).
+        config: decoding settings; keyword ``overrides`` replace its fields
+            (``generate(m, ids, max_new_tokens=8, do_sample=True, top_p=0.9, key=k)``).
+        logits_processor: ``(logits, tokens, valid) -> logits``, applied after the
+            config's processors. It is a static argument: pass the same function object
+            to reuse the compiled program.
+        page_size: decode through a ``PagedKVCache`` with pages of this many tokens
+            (default: the contiguous ``KVCache``). Not with beam search.
+
+    Returns:
+        ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
+    """
+    config = _resolve(config, max_new_tokens, overrides)
+    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    max_new = config.new_tokens(ids.shape[1])
+    processor = logits_processor_for(config, logits_processor)
+    key = jax.random.key(0) if key is None else key
+    return _generate_compiled(
+        model, ids, mask, key, config=config, processor=processor, max_new=max_new,
+        page_size=page_size,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size"))
+def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size):
+    logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
+    rows = input_ids.shape[0]
+    generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
+    return (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_)), prompt, mask
+
+
+@functools.partial(jax.jit, static_argnames=("config", "processor"), donate_argnums=(1,))
+def _stream_step(model, state, prompt, mask, key, *, config, processor):
+    return _sample_step(
+        model, state, prompt=prompt, mask=mask, key=key, config=config, processor=processor
+    )
+
+
+def generate_stream(
+    model: Any,
+    input_ids: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | None = None,
+    max_new_tokens: int | None = None,
+    key: PRNGKeyArray | None = None,
+    config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessor | None = None,
+    page_size: int | None = None,
+    **overrides: Any,
+) -> Iterator[np.ndarray]:
+    """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
+    soon as they exist (``pad_id`` for finished rows), for interactive use. With the same
+    key it produces exactly ``generate``'s tokens. Beam search is not streamed."""
+    config = _resolve(config, max_new_tokens, overrides)
+    if config.num_beams > 1:
+        raise ValueError("generate_stream: beam search cannot be streamed; use generate")
+    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    max_new = config.new_tokens(ids.shape[1])
+    processor = logits_processor_for(config, logits_processor)
+    key = jax.random.key(0) if key is None else key
+    state, prompt, mask = _stream_setup(
+        model, ids, mask, config=config, max_new=max_new, page_size=page_size
+    )
+    for _ in range(max_new):
+        state, token = _stream_step(
+            model, state, prompt, mask, key, config=config, processor=processor
+        )
+        yield np.asarray(token)
+        if bool(jnp.all(state[-1])):
+            return

@@ -1,0 +1,237 @@
+"""A paged KV cache: one pool of fixed-size pages shared by every sequence.
+
+Each row (sequence) owns the pages its ``page_table`` row lists, in order; position ``p``
+of row ``b`` lives in page ``page_table[b, p // page_size]`` at slot ``p % page_size``.
+Pages are taken from the pool as rows grow (``reserve``, called by the model before it
+writes) and given back by ``free_rows``, so sequences of very different lengths share memory
+instead of each holding ``max_len`` slots. Allocation is a pure function of the cache (the
+lowest-numbered free pages go to rows in row order), so it runs inside the compiled decode
+loop. Running out of pages is a checked runtime error (``equinox.error_if``).
+
+Size the pool from the device's free memory with ``paged_cache_config``, then build it with
+``init_paged_cache``. The interface is ``edl.generate.KVCache``'s (see ``edl.generate.cache``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+from jaxtyping import Array, Bool, Float, Int
+
+from edl.generate.cache import cache_dims
+from edl.ops.attention import attention
+from edl.ops.cached_attention import paged_attention
+
+__all__ = [
+    "PagedCacheConfig",
+    "PagedKVCache",
+    "free_rows",
+    "init_paged_cache",
+    "paged_cache_config",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedCacheConfig:
+    """Pool geometry: ``num_pages`` pages of ``page_size`` tokens; one sequence may grow to
+    ``max_model_length`` tokens (``pages_per_seq`` pages)."""
+
+    num_pages: int
+    page_size: int
+    max_model_length: int
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_model_length // self.page_size)
+
+
+def _page_bytes(config: Any, page_size: int, dtype: DTypeLike) -> int:
+    layers, kv_heads, head_dim = cache_dims(config)
+    return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+
+
+def _free_device_bytes(device: jax.Device) -> int:
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    # CPU devices report no stats: the host's available physical memory.
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def paged_cache_config(
+    config: Any,
+    *,
+    page_size: int = 16,
+    max_model_length: int,
+    memory_fraction: float = 0.9,
+    dtype: DTypeLike = jnp.float32,
+    device: jax.Device | None = None,
+) -> PagedCacheConfig:
+    """As many pages as ``memory_fraction`` of ``device``'s free memory holds (EasyDeL's
+    ``create_paged_metadata(hbm_utilization, ...)``), for a model with this config.
+
+    Call it after the model's weights are on the device, so they are not counted as free.
+    """
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if page_size < 1 or max_model_length < 1:
+        raise ValueError(
+            f"page_size/max_model_length must be >= 1: {page_size}, {max_model_length}"
+        )
+    free = _free_device_bytes(device or jax.devices()[0])
+    per_page = _page_bytes(config, page_size, dtype)
+    geometry = PagedCacheConfig(
+        int(free * memory_fraction) // per_page, page_size, max_model_length
+    )
+    if geometry.num_pages < geometry.pages_per_seq:
+        raise ValueError(
+            f"paged_cache_config: {memory_fraction:.0%} of {free / 2**30:.2f} GiB free holds "
+            f"{geometry.num_pages} pages of {per_page} bytes, fewer than one sequence of "
+            f"{max_model_length} tokens needs ({geometry.pages_per_seq})"
+        )
+    return geometry
+
+
+class PagedKVCache(eqx.Module):
+    """Pages ``(layers, num_pages, page_size, kv_heads, head_dim)``, each row's
+    ``page_table`` (``-1`` = no page), its ``lengths``, and which pages are ``free``."""
+
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
+    page_table: Int[Array, "batch pages_per_seq"]
+    lengths: Int[Array, " batch"]
+    free: Bool[Array, " num_pages"]
+    fresh: bool = eqx.field(static=True, default=False)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    def reserve(self, num_new: Int[Array, " batch"]) -> PagedKVCache:
+        """Give every row the pages it needs for ``lengths + num_new`` tokens."""
+        table, page_size = self.page_table, self.page_size
+        pages_per_seq = table.shape[1]
+        needed = (self.lengths + num_new + page_size - 1) // page_size
+        have = jnp.sum(table >= 0, axis=1, dtype=jnp.int32)
+        slot = jnp.arange(pages_per_seq, dtype=jnp.int32)[None]
+        wanted = (slot >= have[:, None]) & (slot < needed[:, None])
+        rank = jnp.cumsum(wanted.reshape(-1), dtype=jnp.int32).reshape(wanted.shape) - 1
+        free_ids = jnp.nonzero(self.free, size=self.num_pages, fill_value=self.num_pages)[0]
+        short = jnp.sum(wanted) > jnp.sum(self.free)
+        too_long = jnp.any(needed > pages_per_seq)
+        table = eqx.error_if(table, short, "PagedKVCache: out of free pages")
+        table = eqx.error_if(table, too_long, "PagedKVCache: a row outgrew pages_per_seq")
+        new_pages = jnp.take(free_ids, rank, mode="clip").astype(jnp.int32)
+        table = jnp.where(wanted, new_pages, table)
+        taken = jnp.where(wanted, new_pages, self.num_pages).reshape(-1)
+        return dataclasses.replace(
+            self, page_table=table, free=self.free.at[taken].set(False, mode="drop")
+        )
+
+    def _slots(self, new: int) -> tuple[Int[Array, "batch new"], Int[Array, "batch new"]]:
+        """Page and in-page slot of each new token (page ``num_pages`` = drop the write)."""
+        pos = self.lengths[:, None] + jnp.arange(new, dtype=jnp.int32)[None]
+        index = pos // self.page_size
+        page = jnp.take_along_axis(self.page_table, index, axis=1, mode="fill", fill_value=-1)
+        page = jnp.where(page < 0, self.num_pages, page)
+        return page, pos % self.page_size
+
+    def update(
+        self,
+        layer: Int[Array, ""] | int,
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+    ) -> PagedKVCache:
+        """Write ``layer``'s new keys/values into their rows' pages."""
+        page, slot = self._slots(k.shape[1])
+        k, v = k.astype(self.k_pages.dtype), v.astype(self.v_pages.dtype)
+        return dataclasses.replace(
+            self,
+            k_pages=self.k_pages.at[layer, page, slot].set(k, mode="drop"),
+            v_pages=self.v_pages.at[layer, page, slot].set(v, mode="drop"),
+        )
+
+    def attend(
+        self,
+        layer: Int[Array, ""] | int,
+        q: Float[Array, "batch new heads head_dim"],
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        impl: str = "auto",
+    ) -> Float[Array, "batch new heads head_dim"]:
+        """The new queries attend to their rows' pages (after ``update`` of this layer)."""
+        if self.fresh:
+            return attention(q, k, v, causal=True, window=window, softcap=softcap, impl=impl)
+        out = paged_attention(
+            q.astype(self.k_pages.dtype), self.k_pages[layer], self.v_pages[layer],
+            self.page_table, self.lengths + q.shape[1], window=window, softcap=softcap, impl=impl,
+        )  # fmt: skip
+        return out.astype(q.dtype)
+
+    def advance(self, num_new: Int[Array, " batch"]) -> PagedKVCache:
+        return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
+
+    def select_rows(self, rows: Int[Array, " new_batch"]) -> PagedKVCache:
+        raise NotImplementedError(
+            "PagedKVCache cannot copy rows (beam search); use the contiguous KVCache"
+        )
+
+
+def free_rows(cache: PagedKVCache, rows: Bool[Array, " batch"]) -> PagedKVCache:
+    """Return the pages of ``rows`` to the pool and empty those rows (finished sequences),
+    so new sequences can take their place."""
+    owned = cache.page_table >= 0
+    released = jnp.where(rows[:, None] & owned, cache.page_table, cache.num_pages).reshape(-1)
+    return dataclasses.replace(
+        cache,
+        page_table=jnp.where(rows[:, None], -1, cache.page_table),
+        lengths=jnp.where(rows, 0, cache.lengths),
+        free=cache.free.at[released].set(True, mode="drop"),
+    )
+
+
+def init_paged_cache(
+    config: Any,
+    num_pages: int,
+    page_size: int,
+    *,
+    batch: int,
+    max_model_length: int,
+    dtype: DTypeLike = jnp.float32,
+) -> PagedKVCache:
+    """An empty (``fresh``) paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
+    ``batch`` rows of up to ``max_model_length`` tokens each (no page assigned yet)."""
+    geometry = PagedCacheConfig(num_pages, page_size, max_model_length)
+    if num_pages < 1 or page_size < 1 or batch < 1:
+        raise ValueError(
+            f"init_paged_cache: num_pages, page_size and batch must be >= 1, got "
+            f"{num_pages}, {page_size}, {batch}"
+        )
+    layers, kv_heads, head_dim = cache_dims(config)
+    pages = jnp.zeros((layers, num_pages, page_size, kv_heads, head_dim), dtype)
+    return PagedKVCache(
+        pages, pages,
+        jnp.full((batch, geometry.pages_per_seq), -1, jnp.int32),
+        jnp.zeros((batch,), jnp.int32),
+        jnp.ones((num_pages,), jnp.bool_),
+        fresh=True,
+    )  # fmt: skip
+
+
+def pages_in_use(cache: PagedKVCache) -> int:
+    """How many pages rows hold (host-side, for monitoring)."""
+    return int(np.sum(~np.asarray(cache.free)))

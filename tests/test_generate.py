@@ -1,0 +1,336 @@
+"""Generation: KV-cache forward = full forward, greedy and beam search token-for-token equal
+to transformers' ``generate``, sampling reproducible and distributed as the processed
+softmax, streaming = compiled, clear errors before compiling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from edl.generate import (
+    GenerationConfig,
+    free_rows,
+    generate,
+    generate_stream,
+    init_cache,
+    init_paged_cache,
+    paged_cache_config,
+)
+from edl.generate import decode as decode_module
+from edl.io.hf import from_state_dict
+from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.ops.cached_attention import cached_attention
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+PAD = 0
+
+
+def _hf_model(model_type: str, seed: int = 0):
+    common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=PAD)
+    config = {
+        "llama": transformers.LlamaConfig(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+        ),
+        "qwen2": transformers.Qwen2Config(  # a sliding window shorter than the output
+            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            use_sliding_window=True, sliding_window=4, max_window_layers=1,
+        ),
+        "qwen3": transformers.Qwen3Config(
+            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            head_dim=16, tie_word_embeddings=False,
+        ),
+    }[model_type]  # fmt: skip
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # peaked logits: argmax far from ties
+            p.normal_(0.0, 0.25)
+    return hf, from_state_dict(config.to_dict(), hf.state_dict())
+
+
+def _prompts(batch=3, seq=7, seed=0):
+    """Left-padded prompts of different lengths (ids >= 2, so 0/1 can be pad/EOS)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(2, VOCAB, (batch, seq))
+    mask = np.ones_like(ids)
+    for row in range(1, batch):
+        mask[row, : min(seq - 1, 2 * row + 1)] = 0
+    ids[mask == 0] = PAD
+    return ids, mask
+
+
+def _hf_generate(hf, ids, mask, **kwargs):
+    with torch.no_grad():
+        return hf.generate(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), pad_token_id=PAD, **kwargs
+        )
+
+
+def _assert_same_tokens(hf_sequences, ours, pad=PAD):
+    """HF trims columns every row left empty; edl keeps ``max_new_tokens`` columns."""
+    hf_sequences = np.asarray(hf_sequences)
+    ours = np.asarray(ours)
+    np.testing.assert_array_equal(ours[:, : hf_sequences.shape[1]], hf_sequences)
+    assert np.all(ours[:, hf_sequences.shape[1] :] == pad)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers(model_type):
+    hf, model = _hf_model(model_type)
+    ids, mask = _prompts()
+    new = 12
+    ref = _hf_generate(hf, ids, mask, do_sample=False, max_new_tokens=new).numpy()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, pad_token_id=PAD)
+    _assert_same_tokens(ref, out.sequences)
+    np.testing.assert_array_equal(out.num_new, [new] * 3)
+
+    # Stop tokens: two ids the unconstrained run produced early in different rows.
+    eos = (int(ref[0, ids.shape[1] + 2]), int(ref[2, ids.shape[1] + 4]))
+    ref = _hf_generate(hf, ids, mask, do_sample=False, max_new_tokens=new, eos_token_id=list(eos))
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos,
+                   pad_token_id=PAD)  # fmt: skip
+    _assert_same_tokens(ref.numpy(), out.sequences)
+    generated = np.asarray(out.sequences)[:, ids.shape[1] :]
+    for row, n in enumerate(np.asarray(out.num_new)):
+        assert n == new or generated[row, n - 1] in eos
+        assert np.all(generated[row, n:] == PAD)
+
+
+@pytest.mark.parametrize(
+    ("early_stopping", "length_penalty"), [(False, 1.0), (True, 0.5), ("never", 2.0)]
+)
+def test_beam_search_matches_transformers(early_stopping, length_penalty):
+    hf, model = _hf_model("qwen2", seed=1)
+    ids, mask = _prompts(seed=1)
+    new = 10
+    # An EOS the model emits inside some beams, so beams finish at different lengths.
+    probe = _hf_generate(hf, ids, mask, do_sample=False, max_new_tokens=new).numpy()
+    eos = int(probe[1, ids.shape[1] + 3])
+    kwargs = dict(num_beams=4, max_new_tokens=new, eos_token_id=eos,
+                  early_stopping=early_stopping, length_penalty=length_penalty)  # fmt: skip
+    ref = _hf_generate(hf, ids, mask, do_sample=False, num_return_sequences=2,
+                       output_scores=True, return_dict_in_generate=True, **kwargs)  # fmt: skip
+    out = generate(model, ids, attention_mask=mask, num_return_sequences=2, pad_token_id=PAD,
+                   **kwargs)  # fmt: skip
+    # HF fills finished beams with `pad_token_id or eos` (so EOS when pad is 0): compare the
+    # tokens up to each beam's end, and edl's padding after it.
+    hf_seqs, ours = ref.sequences.numpy(), np.asarray(out.sequences)
+    ends = ids.shape[1] + np.asarray(out.num_new)
+    for row, end in enumerate(ends):
+        np.testing.assert_array_equal(ours[row, :end], hf_seqs[row, :end])
+        assert np.all(ours[row, end:] == PAD)
+        assert end == hf_seqs.shape[1] or set(hf_seqs[row, end:]) <= {PAD, eos}
+    assert hf_seqs.shape[1] == ends.max()
+    np.testing.assert_allclose(out.scores, ref.sequences_scores.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _tiny_model(vocab=VOCAB, seed=0, **changes):
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, **changes,
+    )  # fmt: skip
+    return LlamaForCausalLM.init(config, key=jax.random.key(seed))
+
+
+@pytest.mark.parametrize("impl", ["auto", "reference"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_cached_forward_equals_full_forward(impl, scan):
+    """Prefill + token-by-token decode + a multi-token chunk reproduce the full forward,
+    with a sliding-window layer."""
+    model = _tiny_model(attention_impl=impl, scan_layers=scan, layer_windows=(None, 3))
+    ids = jax.random.randint(jax.random.key(1), (2, 11), 0, VOCAB)
+    full = model(ids).logits
+    out = model(ids[:, :5], cache=init_cache(model.config, 2, 11))
+    np.testing.assert_allclose(out.logits, full[:, :5], atol=1e-5)
+    cache = out.cache
+    for t in range(5, 8):
+        out = model(ids[:, t : t + 1], cache=cache)
+        cache = out.cache
+        np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
+    out = model(ids[:, 8:], cache=cache)  # several new tokens through a filled cache
+    np.testing.assert_allclose(out.logits, full[:, 8:], atol=1e-5)
+    np.testing.assert_array_equal(out.cache.lengths, [11, 11])
+
+
+def test_cached_attention_kernel_matches_reference():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(3, 2, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(3, 32, 2, 16)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([2, 17, 32], jnp.int32)
+    for window in (None, 5):
+        ref = cached_attention(q, k, v, lengths, window=window, impl="reference")
+        out = cached_attention(q, k, v, lengths, window=window, impl="pallas")
+        np.testing.assert_allclose(out, ref, atol=1e-5)
+
+
+def test_sampling_is_reproducible_and_streams_identically():
+    model = _tiny_model()
+    ids, mask = _prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=True, top_p=0.9, temperature=0.8)
+    a = generate(model, ids, key=jax.random.key(3), **kw)
+    b = generate(model, ids, key=jax.random.key(3), **kw)
+    c = generate(model, ids, key=jax.random.key(4), **kw)
+    np.testing.assert_array_equal(a.sequences, b.sequences)
+    assert not np.array_equal(a.sequences, c.sequences)
+    streamed = np.stack(list(generate_stream(model, ids, key=jax.random.key(3), **kw)), axis=1)
+    np.testing.assert_array_equal(np.asarray(a.sequences)[:, ids.shape[1] :], streamed)
+
+
+def test_first_sampled_token_follows_processed_softmax():
+    """Chi-square: 4000 rows of one prompt sample their first token (independent draws per
+    row) from softmax(logits / 0.7) restricted to the top 6 tokens."""
+    model = _tiny_model(vocab=16, seed=2)
+    rows, prompt = 4000, np.array([[3, 7, 1, 12]])
+    out = generate(model, np.repeat(prompt, rows, 0), max_new_tokens=1, do_sample=True,
+                   temperature=0.7, top_k=6, key=jax.random.key(0))  # fmt: skip
+    drawn = np.asarray(out.sequences)[:, -1]
+    logits = np.asarray(model(jnp.asarray(prompt)).logits[0, -1], np.float64) / 0.7
+    kept = np.argsort(logits)[-6:]
+    probs = np.exp(logits[kept] - logits[kept].max())
+    probs /= probs.sum()
+    assert set(np.unique(drawn)) <= set(kept.tolist())
+    counts = np.array([(drawn == t).sum() for t in kept])
+    chi2 = np.sum((counts - rows * probs) ** 2 / (rows * probs))
+    assert chi2 < 20.5  # the 0.999 quantile of chi-square with 5 degrees of freedom
+
+
+def test_decode_loop_is_one_compiled_program():
+    model = _tiny_model()
+    ids, mask = _prompts()
+    config = GenerationConfig(max_new_tokens=4)
+    processor = decode_module.logits_processor_for(config)
+    jaxpr = jax.make_jaxpr(
+        lambda m, i, a: decode_module._generate_compiled(
+            m, i, a, jax.random.key(0), config=config, processor=processor, max_new=4
+        )
+    )(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.bool_))
+    assert "while" in str(jaxpr)
+    assert "edl_decode_attention" in str(jaxpr)  # decode steps use the Pallas kernel
+    before = decode_module._generate_compiled._cache_size()
+    generate(model, ids, attention_mask=mask, config=config)
+    generate(model, ids + 1, attention_mask=mask, config=config)
+    assert decode_module._generate_compiled._cache_size() == before + 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be positive"),
+        ({"max_length": 5}, ValueError, "leaves no room after the prompt"),
+        ({}, ValueError, "set max_new_tokens or max_length"),
+        ({"max_new_tokens": 2, "do_sample": True}, ValueError, "needs a PRNG key"),
+        ({"max_new_tokens": 2, "attention_mask": np.ones((3, 6))}, ValueError, "must match"),
+        (
+            {"max_new_tokens": 2, "num_beams": 2, "num_return_sequences": 3},
+            ValueError,
+            "num_return",
+        ),
+    ],
+)
+def test_bad_arguments_fail_before_compiling(kwargs, error, match, monkeypatch):
+    model = _tiny_model()
+    ids, mask = _prompts()
+    kwargs = {"attention_mask": mask, **kwargs}
+
+    def no_compile(*args, **kw):
+        raise AssertionError("compiled before validating")
+
+    monkeypatch.setattr(decode_module, "_generate_compiled", no_compile)
+    with pytest.raises(error, match=match):
+        generate(model, ids, **kwargs)
+
+
+def test_bad_inputs_are_named(monkeypatch):
+    model = _tiny_model()
+    ids, mask = _prompts()
+    with pytest.raises(ValueError, match="input_ids must be integers"):
+        generate(model, ids.astype(np.float32), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
+        generate(model, ids + VOCAB, max_new_tokens=2)
+    mask[1] = 0
+    with pytest.raises(ValueError, match=r"prompt rows \[1\] have no tokens"):
+        generate(model, ids, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(ValueError, match="beam search cannot be streamed"):
+        next(generate_stream(model, ids, max_new_tokens=2, num_beams=2))
+
+
+def test_generation_config_from_hf():
+    config = GenerationConfig.from_hf(
+        {"eos_token_id": [1, 2], "pad_token_id": None, "do_sample": True, "top_p": 0.9,
+         "transformers_version": "5.0", "max_length": 64}
+    )  # fmt: skip
+    assert config.eos_ids == (1, 2) and config.pad_id == 1 and config.top_k == 50
+    assert config.new_tokens(10) == 54
+
+
+def test_paged_cache_forward_allocation_and_free():
+    """Prefill + decode through a paged cache equal the full forward; pages are taken as
+    rows grow and returned by free_rows."""
+    model = _tiny_model(layer_windows=(None, 3))
+    ids = jax.random.randint(jax.random.key(1), (2, 11), 0, VOCAB)
+    full = model(ids).logits
+    cache = init_paged_cache(model.config, 7, 4, batch=2, max_model_length=12)
+    out = model(ids[:, :5], cache=cache)  # 5 tokens -> 2 pages per row
+    np.testing.assert_allclose(out.logits, full[:, :5], atol=1e-5)
+    np.testing.assert_array_equal(out.cache.page_table, [[0, 1, -1], [2, 3, -1]])
+    cache = out.cache
+    for t in range(5, 11):
+        out = model(ids[:, t : t + 1], cache=cache)
+        cache = out.cache
+        np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
+    np.testing.assert_array_equal(cache.page_table, [[0, 1, 4], [2, 3, 5]])
+    assert int(np.sum(~np.asarray(cache.free))) == 6
+    cache = free_rows(cache, jnp.array([True, False]))
+    np.testing.assert_array_equal(cache.page_table[0], [-1, -1, -1])
+    np.testing.assert_array_equal(cache.lengths, [0, 11])
+    np.testing.assert_array_equal(np.flatnonzero(~np.asarray(cache.free)), [2, 3, 5])
+    # The freed pages serve a new sequence in row 0.
+    out = model(ids[:1, :3].repeat(2, 0), attention_mask=jnp.array([[1, 1, 1], [0, 0, 0]]),
+                cache=cache)  # fmt: skip
+    np.testing.assert_array_equal(out.cache.page_table[0], [0, -1, -1])
+    np.testing.assert_allclose(out.logits[0], full[0, :3], atol=1e-5)
+
+
+def test_paged_cache_runs_out_of_pages_loudly():
+    model = _tiny_model()
+    cache = init_paged_cache(model.config, 3, 4, batch=2, max_model_length=12)
+    ids = jnp.ones((2, 7), jnp.int32)  # needs 4 pages
+    with pytest.raises(Exception, match="out of free pages"):
+        jax.block_until_ready(model(ids, cache=cache).logits)
+
+
+def test_paged_generation_equals_contiguous():
+    model = _tiny_model(layer_windows=(None, 4))
+    ids, mask = _prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=True, key=jax.random.key(1))
+    a = generate(model, ids, **kw)
+    b = generate(model, ids, page_size=4, **kw)
+    np.testing.assert_array_equal(a.sequences, b.sequences)
+    streamed = np.stack(list(generate_stream(model, ids, page_size=4, **kw)), axis=1)
+    np.testing.assert_array_equal(np.asarray(a.sequences)[:, ids.shape[1] :], streamed)
+    with pytest.raises(ValueError, match="num_beams 1"):
+        generate(model, ids, max_new_tokens=2, num_beams=2, page_size=4)
+
+
+def test_paged_cache_config_sizes_the_pool_from_free_memory(monkeypatch):
+    from edl.generate import paged
+
+    model = _tiny_model()
+    real_free = paged._free_device_bytes(jax.devices()[0])
+    assert real_free > 2**20  # the host's available memory on CPU
+    monkeypatch.setattr(paged, "_free_device_bytes", lambda device: 2**20)
+    geometry = paged_cache_config(model.config, page_size=16, max_model_length=256,
+                                  memory_fraction=0.5)  # fmt: skip
+    per_page = 2 * 2 * 16 * 2 * 8 * 4  # k+v, layers, page, kv heads, head_dim, fp32 bytes
+    assert geometry.num_pages == 2**19 // per_page
+    assert geometry.pages_per_seq == 16
+    with pytest.raises(ValueError, match="fewer than one sequence"):
+        paged_cache_config(model.config, max_model_length=2**20, memory_fraction=0.5)
