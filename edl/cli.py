@@ -55,30 +55,19 @@ class TrainConfig:
 
 def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: float = 0.0):
     """Extend ``prompt_ids`` (a list of ints) by ``max_new_tokens`` tokens, greedily
-    (``temperature=0``) or by sampling; one compiled loop that re-runs the full causal
-    forward over a fixed buffer (no KV cache: the generation module brings one)."""
+    (``temperature=0``) or by plain temperature sampling, with ``edl.generate`` (KV cache,
+    one compiled decode loop)."""
     import jax
     import jax.numpy as jnp
 
-    n = len(prompt_ids)
-    buffer = jnp.zeros((1, n + max_new_tokens), jnp.int32).at[0, :n].set(jnp.asarray(prompt_ids))
-    key = jax.random.key(0) if key is None else key
+    from edl.generate import generate
 
-    @jax.jit
-    def run(buffer, key):
-        def body(t, carry):
-            buffer, key = carry
-            logits = model(buffer).logits[0, t - 1].astype(jnp.float32)
-            key, sub = jax.random.split(key)
-            if temperature > 0:
-                token = jax.random.categorical(sub, logits / temperature)
-            else:
-                token = jnp.argmax(logits)
-            return buffer.at[0, t].set(token.astype(jnp.int32)), key
-
-        return jax.lax.fori_loop(n, n + max_new_tokens, body, (buffer, key))[0]
-
-    return [int(t) for t in run(buffer, key)[0]]
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": None}
+    out = generate(
+        model, jnp.asarray([prompt_ids], jnp.int32), max_new_tokens=max_new_tokens,
+        key=jax.random.key(0) if key is None else key, **(sampling if temperature > 0 else {}),
+    )  # fmt: skip
+    return [int(t) for t in out.sequences[0]]
 
 
 def _train(config: TrainConfig) -> dict[str, Any]:
