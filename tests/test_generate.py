@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import edl
 from edl.generate import (
     GenerationConfig,
     free_rows,
@@ -102,6 +103,28 @@ def test_greedy_matches_transformers(model_type):
     for row, n in enumerate(np.asarray(out.num_new)):
         assert n == new or generated[row, n - 1] in eos
         assert np.all(generated[row, n:] == PAD)
+
+
+def test_repetition_penalty_matches_transformers():
+    """HF penalises the prompt without its left padding, and every generated token."""
+    hf, model = _hf_model("llama", seed=2)
+    ids, mask = _prompts(seed=2)
+    kw = dict(max_new_tokens=10, repetition_penalty=1.5)
+    ref = _hf_generate(hf, ids, mask, do_sample=False, **kw).numpy()
+    out = generate(model, ids, attention_mask=mask, pad_token_id=PAD, **kw)
+    _assert_same_tokens(ref, out.sequences)
+    plain = generate(model, ids, attention_mask=mask, max_new_tokens=10, pad_token_id=PAD)
+    assert not np.array_equal(plain.sequences, out.sequences)  # the penalty mattered
+
+
+def test_bfloat16_model_generates():
+    model = edl.to_dtype(_tiny_model(), jnp.bfloat16)
+    ids, mask = _prompts()
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=5)
+    new = np.asarray(out.sequences)[:, ids.shape[1] :]
+    assert new.shape == (3, 5) and new.min() >= 0 and new.max() < VOCAB
+    paged = generate(model, ids, attention_mask=mask, max_new_tokens=5, page_size=16)
+    np.testing.assert_array_equal(paged.sequences, out.sequences)
 
 
 @pytest.mark.parametrize(
