@@ -19,6 +19,7 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
@@ -30,10 +31,12 @@ from edl.nn.mlp import GatedMLP
 from edl.nn.stack import run_stack, stack
 from edl.ops.losses import causal_lm_loss, sequence_classification_loss
 from edl.ops.rope import rope_tables
+from edl.sharding import BATCH, constrain
 
 __all__ = [
     "HF_KEYS",
     "MODEL_TYPES",
+    "PARTITION_RULES",
     "CausalLMOutput",
     "DecoderLayer",
     "LlamaConfig",
@@ -55,6 +58,21 @@ HF_KEYS = KeyTable(
     # Buffers some older checkpoints saved; edl computes RoPE tables in the forward pass.
     ignore_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",),
 )
+
+# Tensor-parallel column splits (q/k/v, gate/up: output features over tp) and row splits
+# (o, down: input features over tp), FSDP over the other dimension; the stacked layer axis is
+# never split. Norms and the classification head are replicated (the catch-all).
+PARTITION_RULES = (
+    # The embedding table splits its features: a vocab split would make the token gather
+    # all-gather the table (XLA warns "involuntary full rematerialization").
+    (r"embed_tokens\.weight$", P(None, ("tp", "fsdp"))),
+    (r"lm_head\.weight$", P("tp", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", P(None, "tp", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", P(None, "tp")),
+    (r"(o_proj|down_proj)\.weight$", P(None, "fsdp", "tp")),
+    (r".*", P()),
+)
+HIDDEN = P(BATCH, "sp", None)  # activations (batch, seq, dim)
 
 Ids = Int[Array, "batch seq"]
 Mask = Int[Array, "batch seq"] | jax.Array  # 0/1 ints or bools
@@ -244,6 +262,7 @@ class LlamaModel(eqx.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        h = constrain(h, HIDDEN)
         batch, seq = h.shape[:2]
         if h.ndim != 3 or h.shape[2] != c.hidden_size:
             raise ValueError(f"inputs_embeds must be (batch, seq, {c.hidden_size}), got {h.shape}")
@@ -263,7 +282,8 @@ class LlamaModel(eqx.Module):
         segments = _attention_segments(batch, seq, attention_mask, segment_ids)
 
         def apply(layer: DecoderLayer, h: jax.Array, window: int | None, _) -> jax.Array:
-            return layer(h, cos, sin, segments, window=window, impl=c.attention_impl)
+            h = layer(h, cos, sin, segments, window=window, impl=c.attention_impl)
+            return constrain(h, HIDDEN)
 
         h0 = h
         h, per_layer = run_stack(

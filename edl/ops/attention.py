@@ -8,15 +8,18 @@ the end, as in HF (the queries are the last ``q_len`` positions).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import flash_attention
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
+from edl.sharding import BATCH, fit_spec
 
 __all__ = [
     "IMPLS",
@@ -119,6 +122,28 @@ def masked_attention(
     return out.reshape(b, q_len, heads, d).astype(q.dtype)
 
 
+def _per_shard(kernel, q, k, v, q_ids, kv_ids):
+    """Run the Pallas kernel once per shard under the current mesh (``jax.set_mesh``):
+    batch split over dp/fsdp and heads over tp (when tp divides the kv heads), sequences
+    whole. XLA cannot partition a kernel's custom call itself; without a mesh, one call."""
+
+    def call(q, k, v, q_ids=None, kv_ids=None):
+        return kernel(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return call(q, k, v, q_ids, kv_ids)
+    heads = "tp" if k.shape[2] % dict(mesh.shape).get("tp", 1) == 0 else None
+    head_spec = fit_spec(P(BATCH, None, heads, None), q.shape, mesh.shape, unknown_axes="drop")
+    kv_spec = fit_spec(P(*head_spec), k.shape, mesh.shape, unknown_axes="drop")
+    ids = [] if q_ids is None else [q_ids, kv_ids]
+    id_spec = P(head_spec[0], None)
+    return jax.shard_map(
+        call, in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
+        out_specs=head_spec, check_vma=False,
+    )(q, k, v, *ids)  # fmt: skip
+
+
 def pallas_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     """Why the Pallas kernel cannot run on these inputs here, or None when it can."""
     backend = jax.default_backend()
@@ -194,10 +219,10 @@ def attention(
     if impl in ("auto", "pallas"):
         reason = pallas_unsupported(q, k)
         if reason is None:
-            return flash_attention(
-                q, k, v, causal=causal, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                window=window, softcap=softcap, scale=scale,
-            )  # fmt: skip
+            kernel = functools.partial(
+                flash_attention, causal=causal, window=window, softcap=softcap, scale=scale
+            )
+            return _per_shard(kernel, q, k, v, q_ids, kv_ids)
         if impl == "pallas":
             raise ValueError(f"attention: impl='pallas' cannot run: {reason}")
         if reason not in _warned:

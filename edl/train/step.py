@@ -17,9 +17,11 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from edl import state as edl_state
+from edl.sharding import Rules, batch_spec, state_shardings
 from edl.state import TrainState
 
 __all__ = [
@@ -151,6 +153,8 @@ def make_train_step(
     skip_nonfinite: bool = False,
     donate: bool = True,
     jit: bool = True,
+    mesh: Mesh | None = None,
+    rules: Rules | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Build ``step(state, batch) -> (state, metrics)``.
 
@@ -167,6 +171,11 @@ def make_train_step(
         donate: donate the input state's buffers to the output (jit only): the state passed
             in, and the model it was created from, are invalid after the call.
         jit: return ``jax.jit(step)``; False returns the pure function.
+        mesh, rules: run SPMD on ``mesh`` (``edl.sharding.make_mesh``): the state is placed by
+            ``edl.sharding.state_shardings(state, rules, mesh)`` (optimizer state following
+            its parameters), every batch array split over ``dp``/``fsdp`` on its leading
+            axis, metrics replicated; traced under ``jax.set_mesh(mesh)`` so the models'
+            activation constraints apply. The result is a :class:`ShardedStep`.
 
     Metrics: the loss function's (``loss``, ``accuracy``, ``tokens``, ...), ``grad_norm``
     (before clipping), ``learning_rate`` (with ``schedule``), ``skipped``.
@@ -212,18 +221,71 @@ def make_train_step(
         metrics["skipped"] = (~finite).astype(jnp.int32) if skip_nonfinite else jnp.int32(0)
         return new_state, metrics
 
+    if mesh is not None:
+        if not jit:
+            raise ValueError("make_train_step: mesh= needs jit=True")
+        return ShardedStep(step, mesh, rules or (), donate=donate)
     if not jit:
         return step
     return jax.jit(step, donate_argnums=(0,) if donate else ())
 
 
+class ShardedStep:
+    """A step function jitted for a mesh, with in/out shardings derived from the first
+    state and batch it sees (one compiled program per state/batch structure). Call it like
+    the function, or ``lower(state, batch).compile()`` ahead of time."""
+
+    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules, *, donate: bool = True):
+        self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
+        self._jitted: dict[Any, Any] = {}
+
+    def shardings(self, state: TrainState, batch: Batch) -> tuple[Any, Any]:
+        """``(state shardings, batch shardings)`` this step uses."""
+        batch_shardings = jax.tree.map(
+            lambda x: NamedSharding(self.mesh, batch_spec(x.shape, self.mesh)), batch
+        )
+        return state_shardings(state, self.rules, self.mesh), batch_shardings
+
+    def _jit(self, state: TrainState, batch: Batch):
+        key = (jax.tree.structure(state), jax.tree.structure(batch))
+        if key not in self._jitted:
+            state_sh, batch_sh = self.shardings(state, batch)
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            self._jitted[key] = jax.jit(
+                self.fn,
+                in_shardings=(state_sh, batch_sh),
+                out_shardings=(state_sh, replicated),
+                donate_argnums=(0,) if self.donate else (),
+            )
+        return self._jitted[key]
+
+    def __call__(self, state: TrainState, batch: Batch):
+        with jax.set_mesh(self.mesh):
+            return self._jit(state, batch)(state, batch)
+
+    def lower(self, state: TrainState, batch: Batch):
+        with jax.set_mesh(self.mesh):
+            return self._jit(state, batch).lower(state, batch)
+
+
 def make_eval_step(
-    loss_fn: LossFn, *, jit: bool = True
+    loss_fn: LossFn, *, jit: bool = True, mesh: Mesh | None = None
 ) -> Callable[[TrainState, Batch], dict[str, jax.Array]]:
-    """``eval_step(state, batch) -> metrics`` of ``loss_fn`` on the state's model."""
+    """``eval_step(state, batch) -> metrics`` of ``loss_fn`` on the state's model (with
+    ``mesh``: traced under ``jax.set_mesh``, inputs used where they are)."""
 
     def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
         _, metrics = loss_fn(edl_state.model(state), batch)
         return dict(metrics)
 
-    return jax.jit(eval_step) if jit else eval_step
+    if not jit:
+        return eval_step
+    jitted = jax.jit(eval_step)
+    if mesh is None:
+        return jitted
+
+    def on_mesh(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+        with jax.set_mesh(mesh):
+            return jitted(state, batch)
+
+    return on_mesh

@@ -1,0 +1,273 @@
+"""Meshes, partition rules over key paths, and shard / gather of models and train states.
+
+edl shards with JAX's own SPMD: arrays carry ``NamedSharding``s on a 4-axis mesh
+``("dp", "fsdp", "tp", "sp")`` (data, fully-sharded data, tensor and sequence parallel), and
+``jax.jit`` inserts the collectives. Parameters get their specs from **rules**: ``(regex,
+PartitionSpec)`` pairs matched (``re.search``, first match wins) against ``edl.tree`` path
+strings such as ``"model.layers.self_attn.q_proj.weight"``; unmatched arrays are replicated.
+
+    mesh = make_mesh((1, -1, 1, 1))                        # all devices on fsdp
+    rules = edl.models.llama.partition_rules()
+    state = shard_state(state, rules, mesh)                # optimizer state follows params
+    with jax.set_mesh(mesh):                               # activation constraints apply
+        state, metrics = step(state, shard_batch(batch, mesh))
+
+A mesh axis that does not divide an array dimension is dropped from that dimension's spec
+(replicated there) with a debug log, never an error: one rule set serves every mesh shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jaxtyping import PyTree
+
+from edl.tree import compile_pattern, flatten, named_map
+
+__all__ = [
+    "AXES",
+    "BATCH",
+    "Rules",
+    "batch_spec",
+    "constrain",
+    "fit_spec",
+    "gather",
+    "gather_state",
+    "make_mesh",
+    "partition_specs",
+    "shard",
+    "shard_batch",
+    "shard_state",
+    "shard_with_shape",
+    "state_shardings",
+]
+
+log = logging.getLogger(__name__)
+
+AXES = ("dp", "fsdp", "tp", "sp")
+BATCH = ("dp", "fsdp")  # the batch dimension is split over both data axes
+Rules = Sequence[tuple[str, PartitionSpec]]
+
+
+def make_mesh(
+    axis_dims: Sequence[int] = (1, -1, 1, 1),
+    axis_names: Sequence[str] = AXES,
+    *,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh over ``devices`` (default: all, every process's) with one ``-1`` dimension
+    taking the remaining devices. Axes are ``Auto`` (GSPMD propagation, as jit expects)."""
+    devices = list(jax.devices() if devices is None else devices)
+    dims = list(axis_dims)
+    if len(dims) != len(axis_names):
+        raise ValueError(f"make_mesh: {len(dims)} axis_dims for axis_names {tuple(axis_names)}")
+    if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
+        raise ValueError(f"make_mesh: axis_dims {tuple(dims)} need positive sizes and one -1")
+    known = int(np.prod([d for d in dims if d != -1]))
+    if len(devices) % known:
+        raise ValueError(
+            f"make_mesh: axis_dims {tuple(axis_dims)} (product {known}) do not divide the "
+            f"{len(devices)} devices"
+        )
+    dims = [len(devices) // known if d == -1 else d for d in dims]
+    if int(np.prod(dims)) != len(devices):
+        raise ValueError(
+            f"make_mesh: axis_dims {tuple(axis_dims)} cover {int(np.prod(dims))} devices, "
+            f"there are {len(devices)}; use -1 for one axis"
+        )
+    return jax.make_mesh(
+        tuple(dims), tuple(axis_names), axis_types=(AxisType.Auto,) * len(dims), devices=devices
+    )
+
+
+def fit_spec(
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    axis_sizes: Any,
+    path: str = "array",
+    *,
+    unknown_axes: str = "raise",
+) -> PartitionSpec:
+    """``spec`` padded to ``len(shape)``, keeping per dimension only the mesh axes whose
+    (cumulative) size divides it; ``axis_sizes`` is ``mesh.shape`` (``None``: keep all).
+    Axes the mesh lacks raise, or are dropped with ``unknown_axes="drop"``."""
+    entries = list(spec)
+    if len(entries) > len(shape):
+        raise ValueError(f"partition spec {spec} has more entries than {path!r} {shape}")
+    entries += [None] * (len(shape) - len(entries))
+    if axis_sizes is None:
+        return PartitionSpec(*entries)
+    fitted = []
+    for dim, entry in zip(shape, entries, strict=True):
+        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        kept, size = [], 1
+        for axis in axes:
+            if axis not in axis_sizes:
+                if unknown_axes == "raise":
+                    raise ValueError(
+                        f"partition spec for {path!r} names axis {axis!r}, not in mesh"
+                    )
+                continue
+            if dim % (size * axis_sizes[axis]):
+                log.debug("%s: mesh axis %r (%d) does not divide dim %d; replicated there",
+                          path, axis, axis_sizes[axis], dim)  # fmt: skip
+                continue
+            kept.append(axis)
+            size *= axis_sizes[axis]
+        fitted.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return PartitionSpec(*fitted)
+
+
+def partition_specs(tree: PyTree, rules: Rules, *, mesh: Mesh | None = None) -> PyTree:
+    """A ``PartitionSpec`` per array of ``tree`` from the first rule whose regex matches its
+    path (``P()`` when none does). With ``mesh``, axes that do not divide a dimension are
+    dropped there. Works on arrays and ``jax.ShapeDtypeStruct``s alike."""
+    compiled = [(compile_pattern(p), spec) for p, spec in rules]
+
+    def one(path: str, x: Any) -> PartitionSpec | None:
+        if not hasattr(x, "shape"):
+            return None
+        spec = next((s for pattern, s in compiled if pattern.search(path)), PartitionSpec())
+        return fit_spec(spec, tuple(x.shape), None if mesh is None else mesh.shape, path)
+
+    return named_map(one, tree)
+
+
+def _shardings(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:
+    specs = partition_specs(tree, rules, mesh=mesh)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def shard(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:
+    """Put every array of ``tree`` on ``mesh`` as ``rules`` say (non-arrays unchanged)."""
+    return jax.device_put(tree, _shardings(tree, rules, mesh))
+
+
+def gather(tree: PyTree) -> PyTree:
+    """Every array as one host ``numpy`` array (from any mesh, any process: arrays other
+    processes hold are all-gathered)."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
+
+
+def _param_spec_lookup(param_specs: dict[str, PartitionSpec], shapes: dict[str, tuple]):
+    """Spec of the parameter whose path ends an optimizer-state path (same shape), else P()."""
+    by_length = sorted(param_specs, key=len, reverse=True)
+
+    def lookup(path: str, shape: tuple[int, ...]) -> PartitionSpec:
+        for param in by_length:
+            if (path == param or path.endswith("." + param)) and shapes[param] == shape:
+                return param_specs[param]
+        return PartitionSpec()
+
+    return lookup
+
+
+def state_shardings(state: Any, rules: Rules, mesh: Mesh) -> Any:
+    """``NamedSharding``s for an ``edl.TrainState`` (same structure): params and frozen
+    arrays by ``rules``; each optimizer-state array like the parameter it tracks (matched
+    by path suffix and shape: Adam's ``mu``/``nu``), scalars (step, counts) replicated."""
+    params = {**flatten(state.params), **flatten(state.other)}
+    specs = {p: s for p, s in flatten(partition_specs(params, rules, mesh=mesh)).items()}
+    lookup = _param_spec_lookup(specs, {p: tuple(x.shape) for p, x in params.items()})
+
+    def one(path: str, x: Any) -> NamedSharding | None:
+        if not hasattr(x, "shape"):
+            return None
+        for prefix in ("params.", "other."):
+            if path.startswith(prefix):
+                return NamedSharding(mesh, specs[path[len(prefix) :]])
+        return NamedSharding(mesh, lookup(path, tuple(x.shape)))
+
+    return named_map(one, state)
+
+
+def shard_state(state: Any, rules: Rules, mesh: Mesh) -> Any:
+    """``state`` placed by ``state_shardings``."""
+    return jax.device_put(state, state_shardings(state, rules, mesh))
+
+
+def gather_state(state: Any) -> Any:
+    """``gather`` for a train state: every array on the host."""
+    return gather(state)
+
+
+def shard_with_shape(fn: Callable[..., PyTree], rules: Rules, mesh: Mesh) -> Callable[..., PyTree]:
+    """``fn`` (e.g. ``lambda key: Model.init(config, key=key)``) jitted so that its outputs
+    are created already sharded: no device ever holds the whole model (EasyDeL's
+    ``shard_with_shape`` / lazy init). Shapes come from ``jax.eval_shape``."""
+
+    def sharded(*args: Any, **kwargs: Any) -> PyTree:
+        shapes = jax.eval_shape(lambda: fn(*args, **kwargs))
+        arrays, static = _split_arrays(shapes)
+        out_shardings = _shardings(arrays, rules, mesh)
+        make = jax.jit(lambda: _split_arrays(fn(*args, **kwargs))[0], out_shardings=out_shardings)
+        return _merge_arrays(make(), static)
+
+    return sharded
+
+
+def _split_arrays(tree: PyTree) -> tuple[PyTree, PyTree]:
+    import equinox as eqx
+
+    return eqx.partition(tree, lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
+def _merge_arrays(arrays: PyTree, static: PyTree) -> PyTree:
+    import equinox as eqx
+
+    return eqx.combine(arrays, static)
+
+
+def batch_spec(shape: tuple[int, ...], mesh: Mesh, *, seq_axis: bool = False) -> PartitionSpec:
+    """The spec of a batch array: leading axis over ``dp`` and ``fsdp`` (and the second over
+    ``sp`` with ``seq_axis``), each axis only where it divides the dimension."""
+    if not shape:
+        return PartitionSpec()
+    spec = PartitionSpec(BATCH, "sp" if seq_axis and len(shape) > 1 else None)
+    return fit_spec(PartitionSpec(*list(spec)[: len(shape)]), shape, mesh.shape, "batch")
+
+
+def shard_batch(batch: PyTree, mesh: Mesh, *, seq_axis: bool = False) -> PyTree:
+    """Place every array of ``batch`` by ``batch_spec``. With several processes each passes
+    its own rows (its share of the global batch, in process order) and the global array is
+    assembled with ``jax.make_array_from_process_local_data``."""
+
+    def one(x: Any) -> Any:
+        if not hasattr(x, "shape"):
+            return x
+        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:]) if x.ndim else ()
+        sharding = NamedSharding(mesh, batch_spec(global_shape, mesh, seq_axis=seq_axis))
+        if jax.process_count() == 1:
+            return jax.device_put(x, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
+
+    return jax.tree.map(one, batch)
+
+
+def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
+    """``with_sharding_constraint(x, spec)`` when a mesh is set (``jax.set_mesh``), with
+    axes the mesh lacks or that do not divide ``x`` dropped; a no-op without a mesh, so
+    models call it unconditionally (activation sharding: batch over dp+fsdp, heads over tp,
+    sequence over sp)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    spec = fit_spec(spec, x.shape, mesh.shape, "activation", unknown_axes="drop")
+    return jax.lax.with_sharding_constraint(x, spec)

@@ -1,0 +1,134 @@
+"""One process of a multi-process (multi-controller) CPU training run of a small Llama.
+
+Used by tests/test_sharding_multiprocess.py.
+
+Every process runs this same script with its own ``--process-id``; they meet at the
+coordinator (process 0 listens on ``--port``), see one global device list (every process's
+forced host devices) and train the same small Llama for ``--steps`` steps on each mesh in
+``--mesh``, each process feeding only its own rows of the global batch. Cross-process CPU
+collectives are gloo over TCP (``jax_cpu_collectives_implementation``). Process 0 writes
+``{"losses": {"dp,fsdp,tp,sp": [loss per step]}}`` as JSON to ``--output``.
+
+By hand, two processes of four devices each (eight global devices), in two shells or
+backgrounded, from the repository root::
+
+    export XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu
+    python tests/sharding_worker.py --process-id 0 --num-processes 2 --port 12355 \\
+        --output losses.json &
+    python tests/sharding_worker.py --process-id 1 --num-processes 2 --port 12355
+    cat losses.json
+
+With N processes of D devices each, ``--mesh`` dims must multiply to N * D and the global
+batch (``--batch``) must divide by N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+
+BATCH, SEQ, VOCAB = 8, 16, 64
+MESHES = ("2,2,2,1", "1,8,1,1")
+
+
+def config():
+    from edl.models import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+
+
+def global_batch(batch: int = BATCH, seq: int = SEQ) -> np.ndarray:
+    """The deterministic global batch of token ids every process slices its rows from."""
+    return np.random.default_rng(0).integers(0, VOCAB, size=(batch, seq), dtype=np.int32)
+
+
+def setup():
+    """``(state, step)``: the small Llama (init key 0) under AdamW, and its train step."""
+    import edl
+    from edl.models import LlamaForCausalLM
+    from edl.train import make_train_step
+
+    model = LlamaForCausalLM.init(config(), key=jax.random.key(0))
+    tx = optax.adamw(1e-2)
+
+    def loss_fn(model, batch):
+        return model.compute_loss(batch["ids"])
+
+    return edl.create_state(model, tx), make_train_step(loss_fn, tx, donate=False)
+
+
+def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int) -> list[float]:
+    """Losses of ``steps`` train steps on a mesh of ``dims``; ``ids`` are this process's rows."""
+    from edl.models.llama import PARTITION_RULES
+    from edl.sharding import gather, make_mesh, shard_batch, shard_state
+
+    mesh = make_mesh(dims)
+    state, step = setup()
+    state = shard_state(state, PARTITION_RULES, mesh)
+    batch = shard_batch({"ids": ids}, mesh)
+    assert batch["ids"].shape == (ids.shape[0] * jax.process_count(), ids.shape[1])
+    losses = []
+    with jax.set_mesh(mesh):
+        for _ in range(steps):
+            state, metrics = step(state, batch)
+            losses.append(float(gather(metrics["loss"])))
+    return losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--process-id", type=int, required=True)
+    parser.add_argument("--num-processes", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True, help="coordinator port on 127.0.0.1")
+    parser.add_argument("--output", default=None, help="JSON losses (process 0 writes)")
+    parser.add_argument("--mesh", nargs="+", default=list(MESHES), help="e.g. 2,2,2,1")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=BATCH, help="global batch rows")
+    args = parser.parse_args()
+
+    # Before the backend starts (in initialize): CPU, 4 host devices unless told otherwise.
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+        ).strip()
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # gloo is the default
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{args.port}",
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+        initialization_timeout=120,
+    )
+    assert jax.process_count() == args.num_processes, jax.process_count()
+    rows = args.batch // args.num_processes
+    local = global_batch(args.batch)[args.process_id * rows : (args.process_id + 1) * rows]
+    losses = {}
+    for spec in args.mesh:
+        start = time.perf_counter()
+        losses[spec] = train_on_mesh(tuple(int(d) for d in spec.split(",")), local, args.steps)
+        print(f"process {args.process_id}: mesh {spec} losses {losses[spec]} "
+              f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+    if args.process_id == 0 and args.output:
+        payload = {
+            "losses": losses,
+            "process_count": jax.process_count(),
+            "global_devices": jax.device_count(),
+            "local_devices": jax.local_device_count(),
+        }
+        with open(args.output, "w") as f:
+            json.dump(payload, f)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Sharding on the 8 forced host devices: meshes, rules over key paths, train steps on
+every mesh layout equal to one device, really split arrays, checkpoints across meshes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import edl
+from edl.io.checkpoint import load_state, save_state
+from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.models.llama import PARTITION_RULES
+from edl.sharding import (
+    constrain,
+    gather,
+    make_mesh,
+    partition_specs,
+    shard,
+    shard_batch,
+    shard_state,
+    shard_with_shape,
+    state_shardings,
+)
+from edl.train import make_eval_step, make_train_step
+
+MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 4, 2, 1), (2, 2, 2, 1), (1, 2, 2, 2)]
+CONFIG = LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2,
+)  # fmt: skip
+
+
+def _model():
+    return LlamaForCausalLM.init(CONFIG, key=jax.random.key(0))
+
+
+def _batch():
+    return {"ids": jax.random.randint(jax.random.key(1), (8, 16), 0, CONFIG.vocab_size)}
+
+
+def _loss(model, batch):
+    return model.compute_loss(batch["ids"])
+
+
+def _run(tx, mesh=None, steps=3, **kw):
+    state = edl.create_state(_model(), tx)
+    step = make_train_step(_loss, tx, donate=False, mesh=mesh, rules=PARTITION_RULES, **kw)
+    losses = []
+    for _ in range(steps):
+        state, metrics = step(state, _batch())
+        losses.append(float(metrics["loss"]))
+    return np.array(losses), state
+
+
+@functools.cache
+def _reference(optimizer: str, grad_accum_steps: int = 1):
+    """The single-device run, computed once per setting for all meshes."""
+    return _run(_OPTIMIZERS[optimizer](), grad_accum_steps=grad_accum_steps)
+
+
+_OPTIMIZERS = {"sgd": lambda: optax.sgd(0.5), "adamw": lambda: optax.adamw(1e-2)}
+
+
+def _max_relative(a, b):
+    return max(
+        float(jnp.max(jnp.abs(x - y)) / jnp.max(jnp.abs(y)))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def test_make_mesh_fills_minus_one_and_names_bad_shapes():
+    mesh = make_mesh()
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "tp": 1, "sp": 1}
+    assert dict(make_mesh((2, -1, 2, 1)).shape)["fsdp"] == 2
+    with pytest.raises(ValueError, match=r"product 3\) do not divide the 8 devices"):
+        make_mesh((3, -1, 1, 1))
+    with pytest.raises(ValueError, match="one -1"):
+        make_mesh((-1, -1, 1, 1))
+    with pytest.raises(ValueError, match="cover 4 devices"):
+        make_mesh((2, 2, 1, 1))
+    with pytest.raises(ValueError, match="axis_dims for axis_names"):
+        make_mesh((8, 1))
+
+
+def test_partition_specs_follow_rules_and_fall_back_to_replication():
+    model = _model()
+    specs = edl.tree.flatten(partition_specs(model, PARTITION_RULES))
+    assert specs["model.layers.self_attn.q_proj.weight"] == P(None, "tp", "fsdp")
+    assert specs["model.layers.mlp.down_proj.weight"] == P(None, "fsdp", "tp")
+    assert specs["model.embed_tokens.weight"] == P(None, ("tp", "fsdp"))
+    assert specs["lm_head.weight"] == P("tp", "fsdp")
+    assert specs["model.norm.weight"] == P(None)
+    mesh = make_mesh((1, 1, 8, 1))
+    odd = LlamaForCausalLM.init(CONFIG.replace(vocab_size=60), key=jax.random.key(0))
+    odd_specs = edl.tree.flatten(partition_specs(odd, PARTITION_RULES, mesh=mesh))
+    assert odd_specs["lm_head.weight"] == P(None, "fsdp")  # tp=8 does not divide 60
+    assert odd_specs["model.layers.self_attn.q_proj.weight"] == P(None, "tp", "fsdp")
+    with pytest.raises(ValueError, match=r"'model.norm.weight'.*axis 'model'"):
+        partition_specs(model, [(r"^model\.norm", P("model"))], mesh=mesh)
+    with pytest.raises(ValueError, match=r"more entries than 'model\.norm\.weight'"):
+        partition_specs(model, [(r"^model\.norm", P(None, None))])
+
+
+@pytest.mark.parametrize("dims", MESHES)
+def test_train_steps_on_every_mesh_equal_one_device(dims):
+    """SGD keeps parameters a linear function of the gradients, so they are compared to
+    1e-5 relative; AdamW divides by sqrt(v) + 1e-8 and amplifies reduction-order noise in
+    near-zero gradients to ~1e-3, so its losses (and placement) are checked instead."""
+    mesh = make_mesh(dims)
+    ref_losses, ref = _reference("sgd")
+    losses, state = _run(_OPTIMIZERS["sgd"](), mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert _max_relative(state.params, ref.params) <= 1e-5
+
+    adam_ref, _ = _reference("adamw")
+    adam_losses, adam_state = _run(_OPTIMIZERS["adamw"](), mesh)
+    np.testing.assert_allclose(adam_losses, adam_ref, rtol=1e-5)
+
+    # Parameters and their Adam moments are really split.
+    fsdp, tp = mesh.shape["fsdp"], mesh.shape["tp"]
+    q = adam_state.params.model.layers.self_attn.q_proj.weight  # (2, 32, 32)
+    assert q.addressable_shards[0].data.shape == (2, 32 // tp, 32 // fsdp)
+    mu = adam_state.opt_state[0].mu.model.layers.self_attn.q_proj.weight
+    assert mu.sharding.spec == q.sharding.spec
+    assert mu.addressable_shards[0].data.shape == q.addressable_shards[0].data.shape
+
+
+def test_grad_accumulation_and_eval_on_a_mesh():
+    mesh = make_mesh((2, 2, 2, 1))
+    ref_losses, ref = _reference("sgd", grad_accum_steps=2)
+    losses, state = _run(_OPTIMIZERS["sgd"](), mesh, grad_accum_steps=2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert _max_relative(state.params, ref.params) <= 1e-5
+    evaluate = make_eval_step(_loss, mesh=mesh)
+    np.testing.assert_allclose(
+        float(evaluate(state, shard_batch(_batch(), mesh))["loss"]),
+        float(make_eval_step(_loss)(ref, _batch())["loss"]),
+        rtol=1e-5,
+    )
+
+
+def test_activations_are_constrained_and_attention_runs_per_shard():
+    model, ids = _model(), _batch()["ids"]
+    assert constrain(ids, P("dp")) is ids  # no mesh: a no-op
+    mesh = make_mesh((2, 2, 2, 1))
+    with jax.set_mesh(mesh):
+        jaxpr = str(jax.make_jaxpr(lambda m, i: m(i).logits)(model, ids))
+    assert "sharding_constraint" in jaxpr
+    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+
+
+def test_checkpoints_move_between_meshes(tmp_path):
+    tx = optax.adamw(1e-2)
+    _, trained = _run(tx, make_mesh((1, 8, 1, 1)), steps=2)
+    save_state(trained, tmp_path / "ckpt")
+    fresh = edl.create_state(_model(), tx)
+    target_mesh = make_mesh((2, 2, 2, 1))
+    like = shard_state(fresh, PARTITION_RULES, target_mesh)
+    loaded, _ = load_state(tmp_path / "ckpt", like)
+    host = gather(trained)
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    q = loaded.params.model.layers.self_attn.q_proj.weight
+    assert q.sharding == like.params.model.layers.self_attn.q_proj.weight.sharding
+    single, _ = load_state(tmp_path / "ckpt", fresh)  # and onto one device
+    for got, want in zip(jax.tree.leaves(single), jax.tree.leaves(host), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert len(single.params.model.layers.self_attn.q_proj.weight.devices()) == 1
+
+
+def test_shard_with_shape_creates_sharded_arrays():
+    mesh = make_mesh((1, 4, 2, 1))
+    init = shard_with_shape(lambda key: LlamaForCausalLM.init(CONFIG, key=key),
+                            PARTITION_RULES, mesh)  # fmt: skip
+    model = init(jax.random.key(0))
+    q = model.model.layers.self_attn.q_proj.weight
+    assert q.sharding.spec == P(None, "tp", "fsdp")
+    assert q.addressable_shards[0].data.shape == (2, 16, 8)
+    for got, want in zip(jax.tree.leaves(gather(model)), jax.tree.leaves(_model()), strict=True):
+        np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6)  # jit vs eager: 1 ulp
+
+
+def test_state_shardings_and_shard_batch():
+    mesh = make_mesh((2, 4, 1, 1))
+    state = edl.create_state(_model(), optax.adamw(1e-2))
+    shardings = state_shardings(state, PARTITION_RULES, mesh)
+    assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
+    assert shardings.step.spec == P()
+    batch = shard_batch(_batch(), mesh)
+    assert batch["ids"].sharding.spec == P(("dp", "fsdp"), None)
+    assert batch["ids"].addressable_shards[0].data.shape == (1, 16)
+    odd = shard_batch({"ids": jnp.zeros((6, 4), jnp.int32)}, mesh)  # 8 does not divide 6
+    assert odd["ids"].sharding.spec == P("dp", None)
+    placed = shard(_model(), PARTITION_RULES, mesh)
+    assert placed.lm_head.weight.sharding.spec == P("tp", "fsdp")
+    assert placed.lm_head.weight.addressable_shards[0].data.shape == (64, 8)

@@ -1,0 +1,109 @@
+"""Multi-process (multi-controller) training on one machine matches a single-device run.
+
+Two worker processes (tests/sharding_worker.py) of four forced host devices each join through
+``jax.distributed.initialize`` into one eight-device system (gloo CPU collectives), shard a
+small Llama over meshes spanning both processes, each feed only their own half of the batch
+rows through ``shard_batch`` (``make_array_from_process_local_data``), and train 3 steps. The
+losses must equal those of the same model trained here on one device, without a mesh.
+"""
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+WORKER = Path(__file__).with_name("sharding_worker.py")
+NUM_PROCESSES, DEVICES_PER_PROCESS, STEPS, TIMEOUT_S = 2, 4, 3, 240
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("sharding_worker", WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_workers(tmp: Path) -> list[subprocess.Popen]:
+    """The workers, logging to files (pipes could fill and stall one while we wait on the
+    other, which would stall both at their next collective)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    port = _free_port()
+    procs = []
+    for i in range(NUM_PROCESSES):
+        with open(tmp / f"worker{i}.out", "w") as out, open(tmp / f"worker{i}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
+                 str(NUM_PROCESSES), "--port", str(port), "--output", str(tmp / "losses.json"),
+                 "--steps", str(STEPS)],
+                env=env, stdout=out, stderr=err, text=True,
+            ))  # fmt: skip
+    return procs
+
+
+def _finish_workers(procs: list[subprocess.Popen], tmp: Path) -> dict:
+    """Wait (TIMEOUT_S in all) for the workers; their output and exit codes on failure."""
+    deadline, timed_out = time.monotonic() + TIMEOUT_S, False
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    report = "\n".join(
+        f"--- worker {i} (exit {proc.returncode}) stdout:\n"
+        f"{(tmp / f'worker{i}.out').read_text()}\n"
+        f"--- worker {i} stderr:\n{(tmp / f'worker{i}.err').read_text()}"
+        for i, proc in enumerate(procs)
+    )
+    if timed_out:
+        raise AssertionError(f"workers timed out after {TIMEOUT_S} s\n{report}")
+    if any(proc.returncode != 0 for proc in procs) or not (tmp / "losses.json").exists():
+        raise AssertionError(f"a worker failed\n{report}")
+    return json.loads((tmp / "losses.json").read_text())
+
+
+def _reference_losses(worker) -> list[float]:
+    """The same model, optimizer and global batch on this process's first device."""
+    state, step = worker.setup()
+    batch = {"ids": jnp.asarray(worker.global_batch())}
+    losses = []
+    for _ in range(STEPS):
+        state, metrics = step(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses
+
+
+def test_two_processes_match_single_device(tmp_path):
+    worker = _worker_module()
+    procs = _start_workers(tmp_path)
+    try:
+        expected = _reference_losses(worker)  # while the workers compile
+    finally:
+        result = _finish_workers(procs, tmp_path)
+    assert result["process_count"] == NUM_PROCESSES
+    assert result["global_devices"] == NUM_PROCESSES * DEVICES_PER_PROCESS
+    assert result["local_devices"] == DEVICES_PER_PROCESS
+    assert len(set(expected)) == STEPS  # training moves the loss
+    assert set(result["losses"]) == set(worker.MESHES)
+    for mesh, losses in result["losses"].items():
+        np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=f"mesh {mesh}")
