@@ -89,7 +89,7 @@ def test_make_mesh_fills_minus_one_and_names_bad_shapes():
         make_mesh((8, 1))
 
 
-def test_partition_specs_follow_rules_and_fall_back_to_replication():
+def test_partition_specs_follow_rules_and_fall_back_to_replication(caplog):
     model = _model()
     specs = edl.tree.flatten(partition_specs(model, PARTITION_RULES))
     assert specs["model.layers.self_attn.q_proj.weight"] == P(None, "tp", "fsdp")
@@ -99,7 +99,9 @@ def test_partition_specs_follow_rules_and_fall_back_to_replication():
     assert specs["model.norm.weight"] == P(None)
     mesh = make_mesh((1, 1, 8, 1))
     odd = LlamaForCausalLM.init(CONFIG.replace(vocab_size=60), key=jax.random.key(0))
-    odd_specs = edl.tree.flatten(partition_specs(odd, PARTITION_RULES, mesh=mesh))
+    with caplog.at_level("DEBUG", logger="edl.sharding"):
+        odd_specs = edl.tree.flatten(partition_specs(odd, PARTITION_RULES, mesh=mesh))
+    assert "lm_head.weight: mesh axis 'tp' (8) does not divide dim 60" in caplog.text
     assert odd_specs["lm_head.weight"] == P(None, "fsdp")  # tp=8 does not divide 60
     assert odd_specs["model.layers.self_attn.q_proj.weight"] == P(None, "tp", "fsdp")
     with pytest.raises(ValueError, match=r"'model.norm.weight'.*axis 'model'"):
@@ -201,3 +203,27 @@ def test_state_shardings_and_shard_batch():
     placed = shard(_model(), PARTITION_RULES, mesh)
     assert placed.lm_head.weight.sharding.spec == P("tp", "fsdp")
     assert placed.lm_head.weight.addressable_shards[0].data.shape == (64, 8)
+
+
+def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
+    """``train`` with ``make_train_step(mesh=...)``: an unplaced state and host batches are
+    placed by the step; the run's checkpoint resumes on a different mesh."""
+    from edl.train import TokenBatches, train
+
+    docs = [np.random.default_rng(i).integers(0, 64, 40).tolist() for i in range(16)]
+
+    def run(dims, steps):
+        tx = optax.adamw(1e-2)
+        step = make_train_step(lambda m, b: m.compute_loss(jnp.asarray(b["input_ids"])), tx,
+                               mesh=make_mesh(dims), rules=PARTITION_RULES)  # fmt: skip
+        data = TokenBatches(docs, batch_size=8, max_length=16, pad_id=0)
+        return train(edl.create_state(_model(), tx), step, data, steps=steps, save_every=2,
+                     output_dir=tmp_path, progress=False)  # fmt: skip
+
+    state, summary = run((1, 8, 1, 1), 2)
+    up = state.params.model.layers.mlp.up_proj.weight  # (2, 64, 32)
+    assert up.addressable_shards[0].data.shape == (2, 64, 4)
+    state, summary = run((2, 2, 2, 1), 4)  # resumes from step 2 on a new mesh
+    assert int(state.step) == 4 and np.isfinite(summary["final_loss"])
+    up = state.params.model.layers.mlp.up_proj.weight
+    assert up.addressable_shards[0].data.shape == (2, 32, 16)

@@ -191,6 +191,8 @@ def train(
             return state, _finish(state, summary, history, out, config, t_begin)
         first = next(data)
         t0 = time.perf_counter()
+        if hasattr(step_fn, "place"):  # a ShardedStep: put the (loaded) state on its mesh
+            state = step_fn.place(state)
         compiled = step_fn.lower(state, first).compile() if hasattr(step_fn, "lower") else step_fn
         summary["compile_seconds"] = time.perf_counter() - t0
         bar = tqdm(total=steps, initial=start, disable=not progress, dynamic_ncols=True)

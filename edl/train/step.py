@@ -233,20 +233,21 @@ def make_train_step(
 class ShardedStep:
     """A step function jitted for a mesh, with in/out shardings derived from the first
     state and batch it sees (one compiled program per state/batch structure). Call it like
-    the function, or ``lower(state, batch).compile()`` ahead of time."""
+    the function (it places the state first), or ``lower(state, batch).compile()`` ahead of
+    time and call the result on ``place(state)`` (``edl.train.train`` does)."""
 
     def __init__(self, fn: Callable, mesh: Mesh, rules: Rules, *, donate: bool = True):
         self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
         self._jitted: dict[Any, Any] = {}
 
-    def shardings(self, state: TrainState, batch: Batch) -> tuple[Any, Any]:
+    def shardings(self, state: TrainState, batch: PyTree) -> tuple[Any, Any]:
         """``(state shardings, batch shardings)`` this step uses."""
         batch_shardings = jax.tree.map(
             lambda x: NamedSharding(self.mesh, batch_spec(x.shape, self.mesh)), batch
         )
         return state_shardings(state, self.rules, self.mesh), batch_shardings
 
-    def _jit(self, state: TrainState, batch: Batch):
+    def _jit(self, state: TrainState, batch: PyTree):
         key = (jax.tree.structure(state), jax.tree.structure(batch))
         if key not in self._jitted:
             state_sh, batch_sh = self.shardings(state, batch)
@@ -259,11 +260,16 @@ class ShardedStep:
             )
         return self._jitted[key]
 
-    def __call__(self, state: TrainState, batch: Batch):
+    def place(self, state: TrainState) -> TrainState:
+        """``state`` on this step's mesh (a no-op for arrays already placed there)."""
+        return jax.device_put(state, state_shardings(state, self.rules, self.mesh))
+
+    def __call__(self, state: TrainState, batch: PyTree):
+        state = self.place(state)
         with jax.set_mesh(self.mesh):
             return self._jit(state, batch)(state, batch)
 
-    def lower(self, state: TrainState, batch: Batch):
+    def lower(self, state: TrainState, batch: PyTree):
         with jax.set_mesh(self.mesh):
             return self._jit(state, batch).lower(state, batch)
 
@@ -274,7 +280,7 @@ def make_eval_step(
     """``eval_step(state, batch) -> metrics`` of ``loss_fn`` on the state's model (with
     ``mesh``: traced under ``jax.set_mesh``, inputs used where they are)."""
 
-    def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    def eval_step(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
         _, metrics = loss_fn(edl_state.model(state), batch)
         return dict(metrics)
 
@@ -284,7 +290,7 @@ def make_eval_step(
     if mesh is None:
         return jitted
 
-    def on_mesh(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    def on_mesh(state: TrainState, batch: PyTree) -> dict[str, jax.Array]:
         with jax.set_mesh(mesh):
             return jitted(state, batch)
 
