@@ -3,15 +3,18 @@
 from edl.nn.attention import Attention
 from edl.nn.layers import Embedding, Linear, RMSNorm
 from edl.nn.mlp import GatedMLP
+from edl.nn.moe import Experts, SparseMoE
 from edl.nn.stack import REMAT_POLICIES, run_stack, stack
 
 __all__ = [
     "REMAT_POLICIES",
     "Attention",
     "Embedding",
+    "Experts",
     "GatedMLP",
     "Linear",
     "RMSNorm",
+    "SparseMoE",
     "run_stack",
     "stack",
 ]

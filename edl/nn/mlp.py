@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,25 +9,9 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.nn.layers import Linear
+from edl.ops.activations import ACTIVATIONS, activation
 
 __all__ = ["ACTIVATIONS", "GatedMLP", "activation"]
-
-# HF ``hidden_act`` names -> functions with the same numerics as transformers' ACT2FN.
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-}
-
-
-def activation(name: str) -> Callable[[Array], Array]:
-    """The activation for a HF ``hidden_act`` name; unknown names raise ``ValueError``."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"unsupported hidden_act {name!r}; edl supports {sorted(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
 
 
 class GatedMLP(eqx.Module):

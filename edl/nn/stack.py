@@ -2,20 +2,33 @@
 ``jax.lax.scan`` (compile time flat in depth) or unrolled (identical outputs).
 
 ``stack(make_layer, keys)`` builds the stack with ``eqx.filter_vmap``; ``run_stack`` applies
-it to a carry. Layers with different static settings (e.g. Qwen2's sliding-window layers
-after full-attention ones) are handled by scanning each run of equal settings in turn.
+it to a carry. Layers may differ in static per-layer *settings* (a sliding window) and, in
+models with several kinds of layer, in structure (one stack per kind, a *group*; e.g.
+Qwen3-MoE's dense layers among MoE layers). ``run_stack`` finds the schedule's period: a
+pattern that repeats (Gemma 2's sliding / global alternation, an MoE layer every other
+layer) is one scan over blocks of a period's layers; a schedule without one (Qwen2's full
+layers, then sliding ones) scans each run of equal layers in turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Key, PRNGKeyArray, PyTree
 
-__all__ = ["REMAT_POLICIES", "RematPolicy", "num_layers", "remat_policy", "run_stack", "stack"]
+__all__ = [
+    "REMAT_POLICIES",
+    "RematPolicy",
+    "num_layers",
+    "remat_policy",
+    "run_stack",
+    "schedule_period",
+    "stack",
+]
 
 RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
 
@@ -52,72 +65,144 @@ def num_layers(layers: PyTree) -> int:
     return sizes.pop()
 
 
-def _runs(settings: Sequence[Any]) -> list[tuple[int, int]]:
-    """``[start, end)`` spans of consecutive equal entries."""
-    spans, start = [], 0
-    for i in range(1, len(settings) + 1):
-        if i == len(settings) or settings[i] != settings[start]:
-            spans.append((start, i))
-            start = i
+def schedule_period(schedule: Sequence[Hashable]) -> int:
+    """The smallest ``p <= len // 2`` with ``schedule[i] == schedule[i % p]`` for every ``i``
+    (a repeating pattern, possibly cut short at the end), else ``len(schedule)``."""
+    n = len(schedule)
+    for p in range(1, n // 2 + 1):
+        if all(schedule[i] == schedule[i % p] for i in range(n)):
+            return p
+    return n
+
+
+def _runs(schedule: Sequence[Hashable], start: int, end: int) -> list[tuple[int, int]]:
+    """``[a, b)`` spans of consecutive equal entries within ``[start, end)``."""
+    spans, a = [], start
+    for i in range(start + 1, end + 1):
+        if i == end or schedule[i] != schedule[a]:
+            spans.append((a, i))
+            a = i
     return spans
 
 
 def run_stack(
-    layers: PyTree,
+    layers: PyTree | Mapping[str, PyTree],
     carry: PyTree,
     apply: Callable[[Any, PyTree, Any, Array], PyTree],
     *,
     settings: Sequence[Any] | None = None,
+    groups: Sequence[str] | None = None,
     scan: bool = True,
     remat: str = "none",
     collect: bool = False,
 ) -> tuple[PyTree, PyTree | None]:
-    """Run ``carry = apply(layer, carry, setting, index)`` through every layer of ``layers``.
+    """Run ``carry = apply(layer, carry, setting, index)`` through every layer, in order.
 
     Args:
-        layers: a stack from ``stack`` (array leaves ``(num_layers, ...)``).
+        layers: a stack from ``stack`` (array leaves ``(num_layers, ...)``), or with
+            ``groups`` a mapping ``group -> stack``.
         carry: the running state, any pytree: hidden states ``(batch, seq, dim)``, or those
             plus a KV cache that each layer updates at its ``index``.
         apply: ``(layer, carry, setting, index) -> carry`` for one unstacked layer; ``index``
-            is the layer's position in the stack (an int32 scalar). Anything ``apply``
+            is the layer's position in the whole model (an int32 scalar). Anything ``apply``
             closes over (RoPE tables, masks) is shared by all layers.
-        settings: per-layer static values passed to ``apply`` (e.g. sliding windows); runs of
-            equal settings are scanned together. Default: ``None`` for every layer.
-        scan: ``lax.scan`` over layers; ``False`` unrolls a Python loop (same numerics).
+        settings: per-layer static values passed to ``apply`` (e.g. sliding windows).
+            Default: ``None`` for every layer.
+        groups: the group of each layer: layer ``i`` is the next unused layer of
+            ``layers[groups[i]]``. Default: one stack.
+        scan: ``lax.scan`` over layers (over blocks of a repeating schedule, else over runs
+            of equal layers); ``False`` unrolls a Python loop (same numerics).
         remat: a ``REMAT_POLICIES`` name applied to each layer.
         collect: also return every layer's output carry, stacked ``(num_layers, ...)``.
 
     Returns:
         ``(carry, outputs)``; ``outputs`` is ``None`` unless ``collect``.
     """
-    n = num_layers(layers)
+    if groups is None:
+        stacks, n = {"": layers}, num_layers(layers)
+        groups = [""] * n
+    else:
+        stacks, n, groups = dict(layers), len(groups), list(groups)
+        for g, s in stacks.items():
+            if num_layers(s) != groups.count(g):
+                raise ValueError(
+                    f"run_stack: group {g!r} stacks {num_layers(s)} layers, the schedule "
+                    f"names it {groups.count(g)} times"
+                )
     settings = [None] * n if settings is None else list(settings)
     if len(settings) != n:
         raise ValueError(f"run_stack: {len(settings)} settings for {n} layers")
+    schedule = list(zip(groups, settings, strict=True))
+    local = [groups[:i].count(groups[i]) for i in range(n)]  # position within its group
+    split = {g: eqx.partition(s, eqx.is_array) for g, s in stacks.items()}
     policy = remat_policy(remat)
-    dynamic, static = eqx.partition(layers, eqx.is_array)
-    indices = jax.numpy.arange(n, dtype=jax.numpy.int32)
-    outputs = []
-    for start, end in _runs(settings):
-        setting = settings[start]
 
-        def body(c: PyTree, xs: tuple[PyTree, Array], setting: Any = setting):
-            params, index = xs
-            c = apply(eqx.combine(params, static), c, setting, index)
+    def layer_fn(group: str, setting: Any) -> Callable[[PyTree, PyTree, Array], PyTree]:
+        static = split[group][1]
+
+        def one(c: PyTree, params: PyTree, index: Array) -> PyTree:
+            return apply(eqx.combine(params, static), c, setting, index)
+
+        if remat == "none":
+            return one
+        return jax.checkpoint(one, policy=policy, prevent_cse=not scan)
+
+    def params_of(group: str, start: int, end: int) -> PyTree:
+        return jax.tree.map(lambda x: x[start:end], split[group][0])
+
+    indices = jnp.arange(n, dtype=jnp.int32)
+    outputs: list[PyTree] = []
+
+    def keep(y: PyTree) -> None:
+        if collect:
+            outputs.append(y)
+
+    if not scan:
+        for i in range(n):
+            params = jax.tree.map(lambda x, j=local[i]: x[j], split[groups[i]][0])
+            carry = layer_fn(*schedule[i])(carry, params, indices[i])
+            keep(jax.tree.map(lambda a: a[None], carry))
+        return carry, _concat(outputs) if collect else None
+
+    period = schedule_period(schedule)
+    blocks = n // period if period < n else 0
+    if blocks:
+        pattern = schedule[:period]
+        per_block = {g: groups[:period].count(g) for g in stacks}
+        xs = {
+            g: jax.tree.map(
+                lambda x, c=c: x[: blocks * c].reshape(blocks, c, *x.shape[1:]), split[g][0]
+            )
+            for g, c in per_block.items()
+            if c
+        }
+        fns = [layer_fn(*key) for key in pattern]
+
+        def block(c: PyTree, xs_and_index: tuple[dict[str, PyTree], Array]):
+            params, first = xs_and_index
+            ys = []
+            for k, (g, _) in enumerate(pattern):
+                j = groups[:k].count(g)
+                c = fns[k](c, jax.tree.map(lambda x, j=j: x[j], params[g]), first + k)
+                ys.append(c if collect else None)
+            return c, (jax.tree.map(lambda *y: jnp.stack(y), *ys) if collect else None)
+
+        carry, ys = jax.lax.scan(block, carry, (xs, indices[: blocks * period : period]))
+        if collect:
+            keep(jax.tree.map(lambda y: y.reshape(blocks * period, *y.shape[2:]), ys))
+    for start, end in _runs(schedule, blocks * period, n):
+        g, setting = schedule[start]
+        fn = layer_fn(g, setting)
+
+        def body(c: PyTree, xs: tuple[PyTree, Array], fn=fn):
+            c = fn(c, *xs)
             return c, (c if collect else None)
 
-        if remat != "none":
-            body = jax.checkpoint(body, policy=policy, prevent_cse=not scan)
-        span = slice(start, end)
-        part = dynamic if (start, end) == (0, n) else jax.tree.map(lambda x, s=span: x[s], dynamic)
-        part = (part, indices[span])
-        if scan:
-            carry, ys = jax.lax.scan(body, carry, part)
-            outputs.append(ys)
-        else:
-            for i in range(end - start):
-                carry, y = body(carry, jax.tree.map(lambda x, i=i: x[i], part))
-                outputs.append(None if y is None else jax.tree.map(lambda a: a[None], y))
-    if not collect:
-        return carry, None
-    return carry, jax.tree.map(lambda *ys: jax.numpy.concatenate(ys, axis=0), *outputs)
+        part = params_of(g, local[start], local[start] + end - start)
+        carry, ys = jax.lax.scan(body, carry, (part, indices[start:end]))
+        keep(ys)
+    return carry, _concat(outputs) if collect else None
+
+
+def _concat(outputs: list[PyTree]) -> PyTree:
+    return jax.tree.map(lambda *ys: jnp.concatenate(ys, axis=0), *outputs)
