@@ -1,13 +1,16 @@
-"""Llama forward, train step and compile time: edl (jax.jit) vs transformers + torch.
+"""Llama (and Mixtral) forward, train step and compile time: edl (jax.jit) vs transformers +
+torch.
 
 The issue's config: hidden 256, intermediate 688, 8 heads / 4 kv heads, vocab 1024,
-batch 4 x seq 256, float32, at 4, 16 and 32 layers. Both sides get the same weights
+batch 4 x seq 256, float32, at 4, 16 and 32 layers; plus a Mixtral-style row of the same
+widths with 8 experts, top-2, in every layer (edl: sorted, blocked expert dispatch; HF: its
+loop over the experts hit). Both sides get the same weights
 (edl.to_torch) and batch, run in this process one after the other, and the table reports
 edl / torch ratios. The train step is AdamW on the causal-LM loss (edl: chunked loss,
 never forming float32 logits; torch: HF's loss on full logits). Compile time is the
 train step's trace + lower + compile; scan keeps it flat in depth.
 
-    python -m benchmarks.model [--quick] [--layers 4 16 32]
+    python -m benchmarks.model [--quick] [--layers 4 16 32] [--moe-layers 4]
 """
 
 from __future__ import annotations
@@ -22,11 +25,17 @@ import optax
 
 import edl
 from benchmarks._common import table, time_call, write_json
-from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.models import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mixtral": (MixtralConfig, MixtralForCausalLM),
+}
 
 
-def _config(layers: int, quick: bool) -> LlamaConfig:
-    return LlamaConfig(
+def _config(family: str, layers: int, quick: bool):
+    extra = {"num_experts": 8, "num_experts_per_tok": 2} if family == "mixtral" else {}
+    return FAMILIES[family][0](
         vocab_size=1024,
         hidden_size=256 if not quick else 64,
         intermediate_size=688 if not quick else 172,
@@ -34,6 +43,7 @@ def _config(layers: int, quick: bool) -> LlamaConfig:
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=2048,
+        **extra,
     )
 
 
@@ -106,8 +116,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small widths, 2 and 4 layers")
     parser.add_argument("--layers", type=int, nargs="+", default=None)
+    parser.add_argument("--moe-layers", type=int, nargs="*", default=None,
+                        help="Mixtral-style rows (8 experts, top-2); none to skip")  # fmt: skip
     args = parser.parse_args()
     layer_counts = args.layers or ([2, 4] if args.quick else [4, 16, 32])
+    moe_counts = [2] if args.quick else [4]
+    moe_counts = moe_counts if args.moe_layers is None else args.moe_layers
     batch, seq = (2, 64) if args.quick else (4, 256)
     reps = {"warmup": 2, "repeats": 3 if args.quick else 5, "number": 1}
 
@@ -115,15 +129,17 @@ def main() -> None:
 
     torch.manual_seed(0)
     rows = []
-    for layers in layer_counts:
-        config = _config(layers, args.quick)
-        model = LlamaForCausalLM.init(config, key=jax.random.key(layers))
+    runs = [("llama", n) for n in layer_counts] + [("mixtral", n) for n in moe_counts]
+    for family, layers in runs:
+        config = _config(family, layers, args.quick)
+        model = FAMILIES[family][1].init(config, key=jax.random.key(layers))
         ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, config.vocab_size)
         # torch first: the edl train step donates (deletes) the model's arrays.
         torch_fwd, torch_train = _measure_torch(model, np.asarray(ids), reps)
         edl_fwd, edl_train, compile_s = _measure_edl(model, ids, reps)
         rows.append(
             {
+                "model": family,
                 "layers": layers,
                 "params": edl.count_params(model),
                 "edl_forward_s": edl_fwd,
@@ -135,19 +151,21 @@ def main() -> None:
                 "edl_compile_s": compile_s,
             }
         )
-        print(f"{layers} layers done", flush=True)
-    config = _config(layer_counts[0], args.quick)
+        print(f"{family} {layers} layers done", flush=True)
+    config = _config("llama", layer_counts[0], args.quick)
     gemm = _gemm_ratio(batch * seq, config.hidden_size, config.intermediate_size, reps)
     print(f"one MLP GEMM alone, XLA/torch time: {gemm:.3g}")
     base_compile = rows[0]["edl_compile_s"]
     for row in rows:
         row["compile_vs_first"] = row["edl_compile_s"] / base_compile
-    header = ["layers", "params", "fwd edl/torch", "train edl/torch", "compile s", "compile/first"]
+    header = ["model", "layers", "params", "fwd edl/torch", "train edl/torch", "compile s",
+              "compile/first"]  # fmt: skip
     print(
         table(
             header,
             [
                 [
+                    r["model"],
                     r["layers"],
                     r["params"],
                     r["forward_ratio"],

@@ -11,7 +11,8 @@ import pytest
 import edl
 from edl.io import hf
 from edl.io.safetensors import CheckpointError, load_file, save_file
-from edl.models import LlamaConfig, LlamaForCausalLM, llama
+from edl.models import LlamaConfig, LlamaForCausalLM, llama, mixtral, qwen3_moe
+from edl.models.keymap import KeyRule, Placement
 
 CONFIG = LlamaConfig(
     model_type="qwen2", vocab_size=40, hidden_size=16, intermediate_size=24,
@@ -178,17 +179,72 @@ def test_from_state_dict_checks_like_from_pretrained():
 def test_key_table_both_ways():
     table = llama.HF_KEYS
     assert table.to_edl("model.layers.12.self_attn.q_proj.bias") == (
-        "model.layers.self_attn.q_proj.bias",
-        12,
+        Placement("model.layers.self_attn.q_proj.bias", (12,)),
     )
-    assert table.to_edl("lm_head.weight") == ("lm_head.weight", None)
+    assert table.to_edl("lm_head.weight") == (Placement("lm_head.weight"),)
     assert (
         table.to_hf("model.layers.mlp.down_proj.weight", 3) == "model.layers.3.mlp.down_proj.weight"
     )
     assert table.to_hf("layers.mlp.down_proj.weight", 0) == "layers.0.mlp.down_proj.weight"
-    with pytest.raises(ValueError, match="stacked"):
+    with pytest.raises(ValueError, match="stacked over"):
         table.to_hf("model.layers.mlp.down_proj.weight")
     assert table.ignored("model.layers.0.self_attn.rotary_emb.inv_freq")
+
+
+def test_key_table_stacks_experts_splits_fused_tensors_and_groups_layers():
+    table = mixtral.HF_KEYS
+    w3 = "model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    assert table.to_edl(w3) == (Placement("model.layers.mlp.experts.up_proj", (1, 5)),)
+    assert table.stack_depth("model.layers.mlp.experts.up_proj") == 2
+    assert table.to_hf("model.layers.mlp.experts.up_proj", (1, 5)) == w3
+    assert table.to_hf("layers.mlp.gate.weight", 2) == "layers.2.block_sparse_moe.gate.weight"
+    # transformers 5's fused tensor: one HF key, two edl arrays, halves along axis 1.
+    assert table.to_edl("model.layers.0.mlp.experts.gate_up_proj") == (
+        Placement("model.layers.mlp.experts.gate_proj", (0,), (1, 0, 2)),
+        Placement("model.layers.mlp.experts.up_proj", (0,), (1, 1, 2)),
+    )
+    # Dense layers 1 and 3 of 4 live in their own stack.
+    grouped = qwen3_moe.HF_KEYS.with_layer_groups(
+        ("layers", "dense_layers", "layers", "dense_layers")
+    )
+    assert grouped.to_edl("model.layers.3.mlp.up_proj.weight") == (
+        Placement("model.dense_layers.mlp.up_proj.weight", (1,)),
+    )
+    assert grouped.to_edl("model.layers.2.mlp.experts.7.up_proj.weight") == (
+        Placement("model.layers.mlp.experts.up_proj", (1, 7)),
+    )
+    assert grouped.to_hf("model.dense_layers.input_layernorm.weight", 1) == (
+        "model.layers.3.input_layernorm.weight"
+    )
+    with pytest.raises(ValueError, match="only the HF template"):
+        KeyRule("a.{layer}", "b.{layer}")
+    with pytest.raises(ValueError, match="split axis"):
+        KeyRule("a", ("b", "c"))
+
+
+def test_duplicate_and_partial_expert_keys_are_named():
+    """A checkpoint holding an expert both fused and per expert, or missing one expert,
+    fails naming the keys."""
+    config = {**_tiny_mixtral_hf(), "num_hidden_layers": 1}
+    _, cfg, cls = edl.models.registry.resolve(config)
+    model = cls.init(cfg, key=jax.random.key(0))
+    state = {k: t.load() for k, t in hf.export_state_dict(model).items()}
+    gate = np.asarray(model.model.layers.mlp.experts.gate_proj[0])
+    up = np.asarray(model.model.layers.mlp.experts.up_proj[0])
+    fused = {**state, "model.layers.0.mlp.experts.gate_up_proj": np.concatenate([gate, up], 1)}
+    with pytest.raises(ValueError, match=r"duplicated keys:\n  model\.layers\.0\.mlp\.experts"):
+        edl.from_state_dict(config, fused)
+    del state["model.layers.0.block_sparse_moe.experts.1.w2.weight"]
+    missing = r"1 missing keys:\n  model\.layers\.0\.block_sparse_moe\.experts\.1\.w2"
+    with pytest.raises(ValueError, match=missing):
+        edl.from_state_dict(config, state)
+
+
+def _tiny_mixtral_hf():
+    return edl.models.MixtralConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=3,
+    ).to_hf()  # fmt: skip
 
 
 def test_loading_streams_one_array_at_a_time(tmp_path, monkeypatch):

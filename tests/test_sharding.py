@@ -227,3 +227,37 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
     assert int(state.step) == 4 and np.isfinite(summary["final_loss"])
     up = state.params.model.layers.mlp.up_proj.weight
     assert up.addressable_shards[0].data.shape == (2, 32, 16)
+
+
+def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
+    """Expert weights ``(layers, experts, inter, hidden)`` split experts over fsdp and their
+    width over tp; SGD steps of a Mixtral-style model equal the single-device run."""
+    from edl.models import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        output_router_logits=True,
+    )  # fmt: skip
+    model = MixtralForCausalLM.init(config, key=jax.random.key(0))
+    tx = optax.sgd(0.5)
+
+    def run(mesh):
+        state = edl.create_state(model, tx)
+        step = make_train_step(_loss, tx, donate=False, mesh=mesh, rules=PARTITION_RULES)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, _batch())
+            losses.append(float(metrics["loss"]))
+        return np.array(losses), state
+
+    ref_losses, ref = run(None)
+    mesh = make_mesh((1, 4, 2, 1))
+    losses, state = run(mesh)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert _max_relative(state.params, ref.params) <= 1e-5
+    gate = state.params.model.layers.mlp.experts.gate_proj  # (2, 4, 48, 32)
+    assert gate.sharding.spec == P(None, "fsdp", "tp", None)
+    assert gate.addressable_shards[0].data.shape == (2, 1, 24, 32)
+    down = state.params.model.layers.mlp.experts.down_proj  # (2, 4, 32, 48)
+    assert down.addressable_shards[0].data.shape == (2, 1, 32, 24)

@@ -105,14 +105,18 @@ class KVCache(eqx.Module):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        scale: float | None = None,
         impl: str = "auto",
     ) -> Float[Array, "batch new heads head_dim"]:
         """The new queries attend to the cache (after ``update`` of this layer)."""
         if self.fresh:
-            return attention(q, k, v, causal=True, window=window, softcap=softcap, impl=impl)
+            return attention(
+                q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
+            )
         out = cached_attention(
             q.astype(self.k.dtype), self.k[layer], self.v[layer], self.lengths + q.shape[1],
-            window=window, softcap=softcap, impl=impl,
+            window=window, softcap=softcap, scale=scale,
+            impl=impl,
         )  # fmt: skip
         return out.astype(q.dtype)
 

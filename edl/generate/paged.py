@@ -171,14 +171,18 @@ class PagedKVCache(eqx.Module):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        scale: float | None = None,
         impl: str = "auto",
     ) -> Float[Array, "batch new heads head_dim"]:
         """The new queries attend to their rows' pages (after ``update`` of this layer)."""
         if self.fresh:
-            return attention(q, k, v, causal=True, window=window, softcap=softcap, impl=impl)
+            return attention(
+                q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
+            )
         out = paged_attention(
             q.astype(self.k_pages.dtype), self.k_pages[layer], self.v_pages[layer],
-            self.page_table, self.lengths + q.shape[1], window=window, softcap=softcap, impl=impl,
+            self.page_table, self.lengths + q.shape[1], window=window, softcap=softcap, scale=scale,
+            impl=impl,
         )  # fmt: skip
         return out.astype(q.dtype)
 

@@ -42,6 +42,7 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
+from edl.io.plan import ReaderSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.state import TrainState
@@ -357,7 +358,7 @@ def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dic
 def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
     """Tensors of a HF-layout checkpoint, keyed by ``model``'s edl paths."""
     family, _ = registry.family_of(model)
-    table = family.key_table
+    table = family.key_table_for(model.config)
     tied = getattr(model.config, "tie_word_embeddings", False)
     skip = (
         frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
@@ -365,18 +366,14 @@ def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[s
     abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}
     with CheckpointReader(checkpoint, prefix=_MODEL) as reader:
         try:
-            plan = hf._plan(table, abstract, hf._ReaderSource(reader), skip=skip)
+            plan = plan_load(table, abstract, ReaderSource(reader), skip=skip)
         except ValueError as e:
             raise ValueError(f"checkpoint {reader.path}: {e}") from None
         out = {}
-        for path, keys in plan.items():
+        for path in plan.fills:
             target = targets[path]
             buffer = np.empty(target.shape, target.dtype)
-            if table.is_stacked(path):
-                for i, key in enumerate(keys):
-                    reader.read_into(key, buffer[i])
-            else:
-                reader.read_into(keys[0], buffer)
+            plan.read(path, buffer)
             out[path] = _place(buffer, target)
             del buffer
         return out

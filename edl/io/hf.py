@@ -17,7 +17,7 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.models.keymap import KeyTable
@@ -43,71 +44,6 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
-
-
-@runtime_checkable
-class TensorSource(Protocol):
-    """Named tensors readable one at a time (a checkpoint reader or an in-memory mapping)."""
-
-    def keys(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dtype(self, name: str) -> np.dtype: ...
-    def read_into(self, name: str, out: np.ndarray) -> None: ...
-
-
-class _ReaderSource:
-    def __init__(self, reader: CheckpointReader) -> None:
-        self.reader = reader
-
-    def keys(self) -> list[str]:
-        return list(self.reader.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.reader.info(name).shape)
-
-    def dtype(self, name: str) -> np.dtype:
-        return np.dtype(self.reader.info(name).dtype)
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        self.reader.read_into(name, out)
-
-
-def _to_numpy(value: Any) -> np.ndarray:
-    """numpy view of an array-like, torch tensors included (bf16 too); torch is imported only
-    when handed a torch tensor."""
-    if type(value).__module__.startswith("torch"):
-        import torch
-
-        value = value.detach().cpu()
-        if value.dtype == torch.bfloat16:
-            return value.view(torch.int16).numpy().view(jnp.bfloat16)
-        return value.numpy()
-    return np.asarray(value)
-
-
-class _MappingSource:
-    def __init__(self, mapping: Mapping[str, Any]) -> None:
-        self.mapping = mapping
-        self._meta = {k: (tuple(v.shape), _dtype_of(v)) for k, v in mapping.items()}
-
-    def keys(self) -> list[str]:
-        return list(self.mapping)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._meta[name][0]
-
-    def dtype(self, name: str) -> np.dtype:
-        return self._meta[name][1]
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        out[...] = _to_numpy(self.mapping[name]).astype(out.dtype, copy=False)
-
-
-def _dtype_of(value: Any) -> np.dtype:
-    if type(value).__module__.startswith("torch"):
-        name = str(value.dtype).removeprefix("torch.")
-        return np.dtype(jnp.bfloat16) if name == "bfloat16" else np.dtype(name)
-    return np.dtype(value.dtype)
 
 
 # -- resolving files ----------------------------------------------------------------------
@@ -154,62 +90,6 @@ def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 # -- loading ------------------------------------------------------------------------------
 
 
-def _plan(
-    table: KeyTable,
-    targets: Mapping[str, jax.ShapeDtypeStruct],
-    source: TensorSource,
-    *,
-    skip: frozenset[str],
-) -> dict[str, list[str]]:
-    """HF keys feeding each edl path (per layer for stacked paths); one error for every
-    missing, unexpected or mis-shaped key."""  # fmt: skip
-    plan: dict[str, list[str | None]] = {
-        p: [None] * t.shape[0] if table.is_stacked(p) else [None] for p, t in targets.items()
-    }
-    unexpected, mismatched = [], []
-    for key in list(source.keys()):
-        if key in skip or table.ignored(key):
-            continue
-        try:
-            path, layer = table.to_edl(key)
-        except KeyError:
-            unexpected.append(key)
-            continue
-        slots = plan.get(path)
-        index = 0 if layer is None else layer
-        if slots is None or index >= len(slots):
-            unexpected.append(key)
-            continue
-        target = targets[path]
-        want = tuple(target.shape[1:] if layer is not None else target.shape)
-        if source.shape(key) != want:
-            mismatched.append(f"{key}: checkpoint {source.shape(key)}, model expects {want}")
-        elif not jnp.issubdtype(source.dtype(key), jnp.floating) and jnp.issubdtype(
-            target.dtype, jnp.inexact
-        ):
-            mismatched.append(f"{key}: checkpoint dtype {source.dtype(key)} is not floating")
-        slots[index] = key
-    missing = [
-        table.to_hf(p, i if table.is_stacked(p) else None)
-        for p, slots in plan.items()
-        for i, k in enumerate(slots)
-        if k is None
-    ]
-    if missing or unexpected or mismatched:
-        lines = []
-        for title, names in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("shape/dtype mismatch", mismatched),
-        ):
-            if names:
-                shown = "\n  ".join(sorted(names)[:50])
-                more = f"\n  ... and {len(names) - 50} more" if len(names) > 50 else ""
-                lines.append(f"{len(names)} {title} keys:\n  {shown}{more}")
-        raise ValueError("checkpoint does not match the model:\n" + "\n".join(lines))
-    return plan  # type: ignore[return-value]
-
-
 def _load(
     model_cls: type,
     config: Any,
@@ -226,19 +106,15 @@ def _load(
     skip = (
         frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
     )
-    plan = _plan(table, targets, source, skip=skip)
+    plan = plan_load(table, targets, source, skip=skip)
     shardings = flatten(sharding) if isinstance(sharding, Mapping) else {}
     leaves: dict[str, jax.Array] = {}
-    for path, keys in tqdm(plan.items(), desc="loading", unit="array", disable=None, leave=False):
+    for path in tqdm(plan.fills, desc="loading", unit="array", disable=None, leave=False):
         target = targets[path]
-        stored = source.dtype(keys[0])
+        stored = source.dtype(plan.first_key(path))
         want = dtype if dtype is not None and jnp.issubdtype(target.dtype, jnp.inexact) else stored
         buffer = np.empty(target.shape, np.dtype(want))
-        if table.is_stacked(path):
-            for i, key in enumerate(keys):
-                source.read_into(key, buffer[i])
-        else:
-            source.read_into(keys[0], buffer)
+        plan.read(path, buffer)
         leaf_sharding = shardings.get(path, sharding if not shardings else None)
         # Wait for the transfer so this buffer is freed before the next is filled.
         leaves[path] = jax.block_until_ready(jax.device_put(buffer, leaf_sharding))
@@ -285,7 +161,7 @@ def from_pretrained(
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
         return _load(
-            model_cls, config, _ReaderSource(reader), family.key_table, dtype=dtype,
+            model_cls, config, ReaderSource(reader), family.key_table_for(config), dtype=dtype,
             sharding=sharding,
         )  # fmt: skip
 
@@ -307,7 +183,7 @@ def from_state_dict(
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
     return _load(
-        model_cls, config, _MappingSource(mapping), family.key_table, dtype=dtype,
+        model_cls, config, MappingSource(mapping), family.key_table_for(config), dtype=dtype,
         sharding=sharding,
     )  # fmt: skip
 
@@ -319,7 +195,7 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
     """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
     layer). Nothing is copied to the host until a tensor is loaded."""
     family, _ = registry.family_of(model)
-    table = family.key_table
+    table = family.key_table_for(model.config)
     out: dict[str, LazyTensor] = {}
     for path, leaf in flatten(model).items():
         if not is_array_like(leaf):
@@ -327,17 +203,16 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
         cast = dtype if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.inexact) else None
         out_dtype = np.dtype(cast or leaf.dtype)
 
-        def load(leaf: Any = leaf, i: int | None = None, cast: Any = cast) -> np.ndarray:
-            x = leaf if i is None else leaf[i]
+        def load(index: tuple[int, ...], leaf: Any = leaf, cast: Any = cast) -> np.ndarray:
+            x = leaf[index] if index else leaf
             return np.asarray(x if cast is None else x.astype(cast))
 
-        if table.is_stacked(path):
-            for i in range(leaf.shape[0]):
-                out[table.to_hf(path, i)] = LazyTensor(
-                    tuple(leaf.shape[1:]), out_dtype, lambda i=i, load=load: load(i=i)
-                )
-        else:
-            out[table.to_hf(path)] = LazyTensor(tuple(leaf.shape), out_dtype, load)
+        depth = table.stack_depth(path)
+        for index in np.ndindex(*leaf.shape[:depth]):
+            index = tuple(int(i) for i in index)
+            out[table.to_hf(path, index or None)] = LazyTensor(
+                tuple(leaf.shape[depth:]), out_dtype, lambda index=index, load=load: load(index)
+            )
     return out
 
 
@@ -412,27 +287,14 @@ def push_to_hub(
 def to_torch(model: Any) -> Any:
     """The equivalent ``transformers`` model (torch, eval mode) with ``model``'s weights.
 
-    Needs ``torch`` and ``transformers`` (not dependencies of edl)."""
+    Goes through HF files in a temporary directory, so transformers applies its own weight
+    conversions (e.g. fusing MoE experts). Needs ``torch`` and ``transformers`` (not
+    dependencies of edl)."""
     try:
-        import torch
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("to_torch needs torch and transformers installed") from e
     arch = registry.architecture(model)
-    hf_config = transformers.AutoConfig.for_model(**model.config.to_hf(architectures=[arch]))
-    torch_model = getattr(transformers, arch)(hf_config).eval()
-    state = {}
-    for key, tensor in export_state_dict(model).items():
-        array = tensor.load()
-        if array.dtype == jnp.bfloat16:
-            state[key] = torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
-        else:
-            state[key] = torch.from_numpy(np.array(array))  # writeable copy for torch
-    missing, unexpected = torch_model.load_state_dict(state, strict=False)
-    if model.config.tie_word_embeddings:  # the head is the embedding, not a stored tensor
-        missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(f"to_torch: missing {missing}, unexpected {unexpected}")
-    if model.config.tie_word_embeddings:
-        torch_model.tie_weights()
-    return torch_model
+    with tempfile.TemporaryDirectory(prefix="edl-to-torch-") as tmp:
+        save_pretrained(model, tmp)
+        return getattr(transformers, arch).from_pretrained(tmp).eval()

@@ -1,22 +1,69 @@
-"""Model families (Equinox pytrees with HF field names), task heads and the registry."""
+"""Model families (Equinox pytrees with HF field names), task heads and the registry.
 
-from edl.models import llama, registry
+Every family runs the one decoder of ``edl.models.decoder``; a family is a config class
+(reading and writing HF ``config.json``), a declarative HF key table and HF-named classes.
+"""
+
+from edl.models import decoder, gemma, llama, mixtral, qwen3_moe, registry
+from edl.models.config import DecoderConfig
+from edl.models.decoder import configure, flops_per_token
+from edl.models.gemma import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma2ForSequenceClassification,
+    Gemma2Model,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GemmaForSequenceClassification,
+    GemmaModel,
+)
 from edl.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
     LlamaModel,
-    configure,
-    flops_per_token,
+)
+from edl.models.mixtral import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    MixtralForSequenceClassification,
+    MixtralModel,
+)
+from edl.models.qwen3_moe import (
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    Qwen3MoeForSequenceClassification,
+    Qwen3MoeModel,
 )
 
 __all__ = [
+    "DecoderConfig",
+    "Gemma2Config",
+    "Gemma2ForCausalLM",
+    "Gemma2ForSequenceClassification",
+    "Gemma2Model",
+    "GemmaConfig",
+    "GemmaForCausalLM",
+    "GemmaForSequenceClassification",
+    "GemmaModel",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaForSequenceClassification",
     "LlamaModel",
+    "MixtralConfig",
+    "MixtralForCausalLM",
+    "MixtralForSequenceClassification",
+    "MixtralModel",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    "Qwen3MoeForSequenceClassification",
+    "Qwen3MoeModel",
     "configure",
+    "decoder",
     "flops_per_token",
+    "gemma",
     "llama",
+    "mixtral",
+    "qwen3_moe",
     "registry",
 ]

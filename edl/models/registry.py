@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from edl.models import llama
+from edl.models import gemma, llama, mixtral, qwen3_moe
 from edl.models.keymap import KeyTable
 
 __all__ = ["TASKS", "Family", "architecture", "family_of", "register", "resolve"]
@@ -35,6 +35,10 @@ class Family:
     key_table: KeyTable
     tasks: Mapping[str, type]
     hf_names: Mapping[str, str]
+
+    def key_table_for(self, config: Any) -> KeyTable:
+        """The key table bound to ``config``'s layer groups (mixed dense / MoE stacks)."""
+        return self.key_table.with_layer_groups(getattr(config, "layer_groups", None))
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}
@@ -95,16 +99,27 @@ def architecture(model: Any) -> str:
     return family.hf_names[model.config.model_type] + TASKS[task]
 
 
-LLAMA = register(
-    Family(
-        name="llama",
-        config_cls=llama.LlamaConfig,
-        key_table=llama.HF_KEYS,
-        tasks={
-            "causal_lm": llama.LlamaForCausalLM,
-            "sequence_classification": llama.LlamaForSequenceClassification,
-            "base": llama.LlamaModel,
-        },
-        hf_names={"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"},
+def _family(name: str, module: Any, config_cls: type, prefix: str, hf_names: Mapping) -> Family:
+    """A family whose classes are ``<prefix>Model`` / ``ForCausalLM`` /
+    ``ForSequenceClassification`` in ``module``."""
+    return register(
+        Family(
+            name=name,
+            config_cls=config_cls,
+            key_table=module.HF_KEYS,
+            tasks={task: getattr(module, prefix + suffix) for task, suffix in TASKS.items()},
+            hf_names=hf_names,
+        )
     )
+
+
+LLAMA = _family(
+    "llama", llama, llama.LlamaConfig, "Llama",
+    {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"},
+)  # fmt: skip
+GEMMA = _family("gemma", gemma, gemma.GemmaConfig, "Gemma", {"gemma": "Gemma"})
+GEMMA2 = _family("gemma2", gemma, gemma.Gemma2Config, "Gemma2", {"gemma2": "Gemma2"})
+MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtral": "Mixtral"})
+QWEN3_MOE = _family(
+    "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
 )

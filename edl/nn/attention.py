@@ -39,6 +39,7 @@ class KVCacheLike(Protocol):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        scale: float | None = None,
         impl: str = "auto",
     ) -> jax.Array: ...
 
@@ -101,13 +102,20 @@ class Attention(eqx.Module):
         segment_ids: SegmentIds | None = None,
         *,
         window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
         impl: str = "auto",
     ) -> Float[Array, "batch seq dim"]:
-        """``window``: Mistral-style left sliding window; ``impl``: see ``edl.ops.attention``.
-        Both are call arguments so that layers of one stack may differ in them."""
+        """``window`` (Mistral's left sliding window), ``softcap`` (Gemma 2's logit
+        soft-capping), ``scale`` (default ``head_dim ** -0.5``) and ``impl`` are as in
+        ``edl.ops.attention``; they are call arguments so that layers of one stack may differ
+        in them."""
         b, s, _ = x.shape
         q, k, v = self._project(x, cos, sin)
-        out = attention(q, k, v, causal=True, segment_ids=segment_ids, window=window, impl=impl)
+        out = attention(
+            q, k, v, causal=True, segment_ids=segment_ids, window=window, softcap=softcap,
+            scale=scale, impl=impl,
+        )  # fmt: skip
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
     def decode(
@@ -119,6 +127,8 @@ class Attention(eqx.Module):
         layer: Int[Array, ""] | int,
         *,
         window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
         impl: str = "auto",
     ) -> tuple[Float[Array, "batch seq dim"], KVCacheLike]:
         """Attention of new tokens through a KV cache: their keys/values are written into
@@ -127,7 +137,7 @@ class Attention(eqx.Module):
         b, s, _ = x.shape
         q, k, v = self._project(x, cos, sin)
         cache = cache.update(layer, k, v)
-        out = cache.attend(layer, q, k, v, window=window, impl=impl)
+        out = cache.attend(layer, q, k, v, window=window, softcap=softcap, scale=scale, impl=impl)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache
 
     def _project(self, x, cos, sin):

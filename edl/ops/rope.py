@@ -54,14 +54,17 @@ class RopeConfig:
             raise ValueError(f"rope type {self.rope_type!r} needs original_max_position_embeddings")
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any], head_dim: int) -> RopeConfig:
+    def from_hf(
+        cls, config: Mapping[str, Any], head_dim: int, *, default_theta: float = 10000.0
+    ) -> RopeConfig:
         """Read ``rope_theta`` + ``rope_scaling`` (transformers 4) or ``rope_parameters``
-        (transformers 5) from a HF config dict. Unknown rope types raise ``ValueError``."""
+        (transformers 5) from a HF config dict; ``default_theta`` is the family's when the
+        dict names none. Unknown rope types raise ``ValueError``."""
         params = dict(config.get("rope_parameters") or {})
         scaling = dict(config.get("rope_scaling") or {})
         merged = {**scaling, **params}
         rope_type = merged.get("rope_type", merged.get("type", "default"))
-        theta = merged.get("rope_theta", config.get("rope_theta", 10000.0))
+        theta = merged.get("rope_theta", config.get("rope_theta", default_theta))
         partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
         if rope_type not in ("default", "linear", "dynamic", "llama3"):
             raise ValueError(

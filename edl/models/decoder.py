@@ -1,0 +1,601 @@
+"""The decoder-only transformer every family runs, and its task heads.
+
+Module tree and field names mirror transformers (``model.embed_tokens``,
+``model.layers.self_attn.q_proj``, ``model.layers.mlp.experts.gate_proj``, ``model.norm``,
+``lm_head``), except that the decoder layers are one stacked module whose arrays carry a
+leading layer axis, so ``"model.layers.mlp.up_proj.weight"`` is ``(num_layers, intermediate,
+hidden)``. A model mixing dense and MoE layers (Qwen3-MoE's ``mlp_only_layers``) keeps its
+dense layers in a second stack, ``model.dense_layers``.
+
+What differs between families is configuration (``edl.models.config.DecoderConfig``):
+biases, q/k norms, sliding windows per layer, Gemma's norm offset, embedding scale, sandwich
+norms and soft-capping, and MoE MLPs. Each family names its classes after HF's
+(``LlamaForCausalLM``, ``GemmaForCausalLM``, ...) as thin subclasses of the classes here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from edl.models.config import DecoderConfig
+from edl.nn.attention import Attention, KVCacheLike
+from edl.nn.layers import Embedding, Linear, RMSNorm
+from edl.nn.mlp import GatedMLP
+from edl.nn.moe import SparseMoE
+from edl.nn.stack import run_stack, stack
+from edl.ops.losses import causal_lm_loss, sequence_classification_loss
+from edl.ops.moe import RouterStats, load_balancing_loss, router_z_loss
+from edl.ops.rope import rope_tables
+from edl.sharding import BATCH, constrain
+
+__all__ = [
+    "PARTITION_RULES",
+    "CausalLMOutput",
+    "DecoderForCausalLM",
+    "DecoderForSequenceClassification",
+    "DecoderLayer",
+    "DecoderModel",
+    "ModelOutput",
+    "SequenceClassifierOutput",
+    "configure",
+    "flops_per_token",
+]
+
+# Tensor-parallel column splits (q/k/v, gate/up: output features over tp) and row splits
+# (o, down: input features over tp), FSDP over the other dimension; the stacked layer axis is
+# never split. Experts are split over fsdp (expert parallelism across the data axis) and
+# their MLP width over tp. Norms, routers and the classification head are replicated.
+PARTITION_RULES = (
+    # The embedding table splits its features: a vocab split would make the token gather
+    # all-gather the table (XLA warns "involuntary full rematerialization").
+    (r"embed_tokens\.weight$", P(None, ("tp", "fsdp"))),
+    (r"lm_head\.weight$", P("tp", "fsdp")),
+    (r"experts\.(gate_proj|up_proj)$", P(None, "fsdp", "tp", None)),
+    (r"experts\.down_proj$", P(None, "fsdp", None, "tp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", P(None, "tp", "fsdp")),
+    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", P(None, "tp")),
+    (r"(o_proj|down_proj)\.weight$", P(None, "fsdp", "tp")),
+    (r".*", P()),
+)
+HIDDEN = P(BATCH, "sp", None)  # activations (batch, seq, dim)
+
+Ids = Int[Array, "batch seq"]
+Mask = Int[Array, "batch seq"] | jax.Array  # 0/1 ints or bools
+Positions = Int[Array, "batch_or_1 seq"]
+Hidden = Float[Array, "batch seq dim"]
+
+
+class ModelOutput(eqx.Module):
+    """``last_hidden_state`` after the final norm; ``hidden_states`` (when asked)
+    ``(num_layers + 1, batch, seq, dim)``: the embeddings, then each layer's output;
+    ``router_stats``: the MoE layers' routing statistics summed over layers (MoE models)."""
+
+    last_hidden_state: Hidden
+    hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
+    cache: KVCacheLike | None = None
+    router_stats: RouterStats | None = None
+
+
+class CausalLMOutput(eqx.Module):
+    logits: Float[Array, "batch seq vocab"]
+    hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
+    cache: KVCacheLike | None = None
+    router_stats: RouterStats | None = None
+
+
+class SequenceClassifierOutput(eqx.Module):
+    logits: Float[Array, "batch num_labels"]
+    hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
+
+
+def _norm(config: DecoderConfig, dtype: DTypeLike) -> RMSNorm:
+    return RMSNorm.init(
+        config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
+    )
+
+
+class DecoderLayer(eqx.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``. With sandwich norms
+    (Gemma 2), each branch's output is normalised too before the residual add:
+    ``post_attention_layernorm`` then follows attention and ``pre_feedforward_layernorm`` /
+    ``post_feedforward_layernorm`` wrap the MLP (HF's names for either layout)."""
+
+    self_attn: Attention
+    mlp: GatedMLP | SparseMoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm | None
+    post_feedforward_layernorm: RMSNorm | None
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, mlp: str = "dense", dtype: DTypeLike, key: PRNGKeyArray
+    ) -> DecoderLayer:
+        """``mlp``: ``"dense"`` (a gated MLP) or ``"moe"`` (``config.num_experts`` experts)."""
+        c = config
+        k_attn, k_mlp = jax.random.split(key)
+        std = c.initializer_range
+        attn = Attention.init(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+            qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, std=std, dtype=dtype, key=k_attn,
+        )  # fmt: skip
+        if mlp == "moe":
+            block = SparseMoE.init(
+                c.hidden_size, c.expert_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                normalize=c.norm_topk_prob, act=c.hidden_act, std=std, dtype=dtype, key=k_mlp,
+            )  # fmt: skip
+        else:
+            block = GatedMLP.init(
+                c.hidden_size, c.intermediate_size, act=c.hidden_act, use_bias=c.mlp_bias,
+                std=std, dtype=dtype, key=k_mlp,
+            )  # fmt: skip
+        sandwich = _norm(c, dtype) if c.sandwich_norms else None
+        return cls(attn, block, _norm(c, dtype), _norm(c, dtype), sandwich, sandwich)
+
+    def __call__(
+        self,
+        h: Hidden,
+        cos: Float[Array, "batch seq rope_dim"],
+        sin: Float[Array, "batch seq rope_dim"],
+        segment_ids: tuple[Ids, Ids] | None,
+        *,
+        config: DecoderConfig,
+        window: int | None = None,
+        token_mask: Float[Array, "batch seq"] | None = None,
+    ) -> tuple[Hidden, RouterStats | None]:
+        """The block and its router statistics (``None`` for a dense MLP); ``token_mask``
+        keeps padding out of those statistics."""
+        attn = self.self_attn(
+            self.input_layernorm(h), cos, sin, segment_ids, window=window,
+            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.attention_impl,
+        )  # fmt: skip
+        return self._residual_mlp(self._residual_attn(h, attn), config, token_mask)
+
+    def decode(
+        self,
+        h: Hidden,
+        cos: Float[Array, "batch seq rope_dim"],
+        sin: Float[Array, "batch seq rope_dim"],
+        cache: KVCacheLike,
+        layer: Int[Array, ""] | int,
+        *,
+        config: DecoderConfig,
+        window: int | None = None,
+    ) -> tuple[Hidden, KVCacheLike]:
+        """The block on new tokens through a KV cache (see ``Attention.decode``)."""
+        attn, cache = self.self_attn.decode(
+            self.input_layernorm(h), cos, sin, cache, layer, window=window,
+            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.attention_impl,
+        )  # fmt: skip
+        return self._residual_mlp(self._residual_attn(h, attn), config, None)[0], cache
+
+    def _residual_attn(self, h: jax.Array, attn: jax.Array) -> jax.Array:
+        if self.pre_feedforward_layernorm is not None:
+            attn = self.post_attention_layernorm(attn)
+        return h + attn.astype(h.dtype)
+
+    def _residual_mlp(self, h, config, token_mask):
+        sandwich = self.pre_feedforward_layernorm is not None
+        x = self.pre_feedforward_layernorm(h) if sandwich else self.post_attention_layernorm(h)
+        stats = None
+        if isinstance(self.mlp, SparseMoE):
+            y, stats = self.mlp(
+                x, token_mask, impl=config.moe_impl, capacity_factor=config.moe_capacity_factor
+            )
+        else:
+            y = self.mlp(x)
+        if sandwich:
+            y = self.post_feedforward_layernorm(y)
+        return h + y.astype(h.dtype), stats
+
+
+def _positions_from_segments(segment_ids: Ids) -> Ids:
+    """Positions restarting at 0 where the segment id changes (packed sequences)."""
+    seq = segment_ids.shape[1]
+    t = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], segment_ids.shape)
+    starts = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids[:, :1], jnp.bool_),
+            segment_ids[:, 1:] != segment_ids[:, :-1],
+        ],
+        axis=1,
+    )
+    return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def _attention_segments(
+    batch: int, seq: int, attention_mask: Mask | None, segment_ids: Ids | None
+) -> tuple[Ids, Ids] | None:
+    """``(q_ids, kv_ids)`` for ``edl.ops.attention``: padded keys (mask 0) match no query."""
+    if attention_mask is None and segment_ids is None:
+        return None
+    q_ids = (
+        jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    )
+    if attention_mask is None:
+        return q_ids, q_ids
+    return q_ids, jnp.where(attention_mask.astype(jnp.bool_), q_ids, -1)
+
+
+def _check_2d(name: str, x: jax.Array | None, batch: int, seq: int) -> None:
+    if x is not None and x.shape != (batch, seq):
+        raise ValueError(f"{name} must be (batch, seq) = {(batch, seq)}, got {x.shape}")
+
+
+def _broadcast_positions(position_ids: jax.Array, batch: int, seq: int) -> Ids:
+    if position_ids.shape[0] == 1 and batch > 1:
+        position_ids = jnp.broadcast_to(position_ids, (batch, seq))
+    _check_2d("position_ids", position_ids, batch, seq)
+    return position_ids
+
+
+class DecoderModel(eqx.Module):
+    """The decoder trunk: embeddings, stacked decoder layers, final norm."""
+
+    embed_tokens: Embedding
+    layers: DecoderLayer  # stacked: every array has a leading layer axis
+    dense_layers: DecoderLayer | None  # the dense layers of a model mixing dense and MoE
+    norm: RMSNorm
+    config: DecoderConfig = eqx.field(static=True)
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+    ) -> DecoderModel:
+        """Random weights as HF initialises them (normal(0, initializer_range), norms 1)."""
+        k_embed, k_layers = jax.random.split(key)
+        keys = jax.random.split(k_layers, config.num_hidden_layers)
+        stacks = {}
+        for group in dict.fromkeys(config.layer_groups):
+            mine = [i for i, g in enumerate(config.layer_groups) if g == group]
+            mlp = config.layer_mlps[mine[0]]
+            stacks[group] = stack(
+                lambda k, mlp=mlp: DecoderLayer.init(config, mlp=mlp, dtype=dtype, key=k),
+                keys[jnp.asarray(mine)],
+            )
+        embed = Embedding.init(
+            config.vocab_size, config.hidden_size, std=config.initializer_range, dtype=dtype,
+            key=k_embed,
+        )  # fmt: skip
+        return cls(embed, stacks["layers"], stacks.get("dense_layers"), _norm(config, dtype),
+                   config)  # fmt: skip
+
+    def _stacks(self) -> tuple[DecoderLayer | dict[str, DecoderLayer], tuple[str, ...] | None]:
+        """``run_stack``'s ``layers`` and ``groups`` arguments."""
+        if self.dense_layers is None:
+            return self.layers, None
+        return {"layers": self.layers, "dense_layers": self.dense_layers}, self.config.layer_groups
+
+    def embed(self, input_ids: Ids) -> Hidden:
+        """Token embeddings (times ``sqrt(hidden_size)`` in the embedding's dtype for Gemma)."""
+        h = self.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            h = h * jnp.asarray(math.sqrt(self.config.hidden_size), h.dtype)
+        return h
+
+    def __call__(
+        self,
+        input_ids: Ids | None = None,
+        *,
+        inputs_embeds: Hidden | None = None,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        output_hidden_states: bool = False,
+        cache: KVCacheLike | None = None,
+    ) -> ModelOutput:
+        """Run the trunk on ``input_ids`` or ``inputs_embeds`` (exactly one; embeddings are
+        taken as they are, already scaled where the family scales them).
+
+        Args:
+            attention_mask: ``(batch, seq)``, 1 for real tokens and 0 for padding (keys at
+                padded positions are hidden from every query, and padding is left out of
+                the MoE router statistics).
+            position_ids: RoPE positions; default ``0..seq-1``, or restarting at each segment
+                when ``segment_ids`` is given.
+            segment_ids: ``(batch, seq)`` ids of packed sequences: a token attends only to
+                earlier tokens of its own segment.
+            cache: a KV cache (``edl.generate.init_cache``): the tokens are new ones that
+                follow each row's cached ``lengths`` (positions default to
+                ``lengths[b] + i``), are written into the cache and attend to it; the
+                updated cache is returned in the output. With a cache, ``attention_mask``
+                must be right-padded (ones, then zeros: the row's valid new tokens), and
+                ``segment_ids`` / ``output_hidden_states`` are not supported.
+        """
+        c = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        if h.ndim != 3 or h.shape[2] != c.hidden_size:
+            raise ValueError(f"inputs_embeds must be (batch, seq, {c.hidden_size}), got {h.shape}")
+        h = constrain(h, HIDDEN)
+        batch, seq = h.shape[:2]
+        _check_2d("attention_mask", attention_mask, batch, seq)
+        _check_2d("segment_ids", segment_ids, batch, seq)
+        if cache is not None:
+            return self._decode(h, attention_mask, position_ids, cache, segment_ids,
+                                output_hidden_states)  # fmt: skip
+        if position_ids is None:
+            position_ids = (
+                _positions_from_segments(segment_ids)
+                if segment_ids is not None
+                else jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
+            )
+        position_ids = _broadcast_positions(position_ids, batch, seq)
+        cos, sin = rope_tables(position_ids, c.rope)
+        segments = _attention_segments(batch, seq, attention_mask, segment_ids)
+        token_mask = None if attention_mask is None else attention_mask.astype(jnp.float32)
+
+        def apply(layer: DecoderLayer, carry, window: int | None, _):
+            h, stats = carry
+            h, layer_stats = layer(h, cos, sin, segments, config=c, window=window,
+                                   token_mask=token_mask)  # fmt: skip
+            if layer_stats is not None:
+                stats = stats + layer_stats
+            return constrain(h, HIDDEN), stats
+
+        stats0 = RouterStats.zeros(c.num_experts) if "moe" in c.layer_mlps else None
+        layers, groups = self._stacks()
+        (h_out, stats), per_layer = run_stack(
+            layers, (h, stats0), apply, settings=c.layer_windows, groups=groups,
+            scan=c.scan_layers, remat=c.remat, collect=output_hidden_states,
+        )  # fmt: skip
+        hidden_states = None
+        if per_layer is not None:
+            hidden_states = jnp.concatenate([h[None], per_layer[0]], axis=0)
+        return ModelOutput(self.norm(h_out), hidden_states, router_stats=stats)
+
+    def _decode(self, h, attention_mask, position_ids, cache, segment_ids, output_hidden_states):
+        """``__call__`` with a KV cache: new tokens through every layer's cache."""
+        c = self.config
+        if segment_ids is not None or output_hidden_states:
+            raise ValueError("with a cache, segment_ids and output_hidden_states are not supported")
+        batch, seq = h.shape[:2]
+        if position_ids is None:
+            position_ids = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]
+        position_ids = _broadcast_positions(position_ids, batch, seq)
+        num_new = (
+            jnp.full((batch,), seq, jnp.int32)
+            if attention_mask is None
+            else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
+        )
+        cos, sin = rope_tables(position_ids, c.rope)
+
+        def apply(layer: DecoderLayer, carry, window: int | None, index):
+            h, cache = carry
+            return layer.decode(h, cos, sin, cache, index, config=c, window=window)
+
+        layers, groups = self._stacks()
+        (h, cache), _ = run_stack(
+            layers, (h, cache.reserve(num_new)), apply, settings=c.layer_windows, groups=groups,
+            scan=c.scan_layers,
+        )  # fmt: skip
+        return ModelOutput(self.norm(h), cache=cache.advance(num_new))
+
+
+def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+class DecoderForCausalLM(eqx.Module):
+    """Decoder + LM head; ``lm_head`` is ``None`` when tied to ``model.embed_tokens``."""
+
+    model: DecoderModel
+    lm_head: Linear | None
+
+    trunk: ClassVar[type[DecoderModel]] = DecoderModel
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+    ) -> DecoderForCausalLM:
+        k_model, k_head = jax.random.split(key)
+        head = None
+        if not config.tie_word_embeddings:
+            head = Linear.init(
+                config.hidden_size, config.vocab_size, std=config.initializer_range,
+                dtype=dtype, key=k_head,
+            )  # fmt: skip
+        return cls(cls.trunk.init(config, key=k_model, dtype=dtype), head)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    @property
+    def head_weight(self) -> Float[Array, "vocab dim"]:
+        """The output projection ``(vocab, dim)``: ``lm_head.weight`` or the tied embedding."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def __call__(
+        self,
+        input_ids: Ids | None = None,
+        *,
+        inputs_embeds: Hidden | None = None,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        output_hidden_states: bool = False,
+        cache: KVCacheLike | None = None,
+    ) -> CausalLMOutput:
+        """Logits ``(batch, seq, vocab)`` in the activation dtype; inputs as the trunk's
+        (with a ``cache``, the updated cache is returned too)."""
+        out = self.model(
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, segment_ids=segment_ids,
+            output_hidden_states=output_hidden_states, cache=cache,
+        )  # fmt: skip
+        return CausalLMOutput(
+            self.lm_logits(out.last_hidden_state), out.hidden_states, out.cache, out.router_stats
+        )
+
+    def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]:
+        """The LM head on final hidden states (generation applies it to last tokens only),
+        soft-capped where the family caps (Gemma 2)."""
+        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return _softcap(logits, self.config.final_softcap)
+
+    def compute_loss(
+        self,
+        input_ids: Ids,
+        labels: Ids | None = None,
+        *,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        chunk_size: int = 2048,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """Next-token cross entropy (HF semantics), without ever forming full logits.
+
+        ``labels`` default to ``input_ids``. Not predicted: ``-100`` labels, padded tokens,
+        the token after a padded one (its context is padding), and (with ``segment_ids``)
+        the first token of each packed segment. MoE models also report the router's
+        ``aux_loss`` (load balancing) and ``z_loss``; as in transformers, the auxiliary loss
+        times ``router_aux_loss_coef`` is added to the loss when ``output_router_logits`` is
+        set, and the z-loss times ``router_z_loss_coef`` whenever that is non-zero.
+        Returns ``(loss, {"loss", "accuracy", "tokens"[, "aux_loss", "z_loss"]})``.
+        """
+        c = self.config
+        labels = input_ids if labels is None else labels
+        no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
+        if attention_mask is not None:
+            no_context |= ~attention_mask[:, :-1].astype(jnp.bool_)
+        if segment_ids is not None:
+            no_context |= segment_ids[:, 1:] != segment_ids[:, :-1]
+        labels = labels.at[:, 1:].set(jnp.where(no_context, -100, labels[:, 1:]))
+        out = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            segment_ids=segment_ids,
+        )  # fmt: skip
+        loss, metrics = causal_lm_loss(
+            out.last_hidden_state, self.head_weight, labels, attention_mask=attention_mask,
+            chunk_size=chunk_size, softcap=c.final_softcap,
+        )  # fmt: skip
+        if out.router_stats is not None:
+            aux, z = load_balancing_loss(out.router_stats), router_z_loss(out.router_stats)
+            if c.output_router_logits:
+                loss = loss + c.router_aux_loss_coef * aux
+            if c.router_z_loss_coef:
+                loss = loss + c.router_z_loss_coef * z
+            metrics = {**metrics, "loss": loss, "aux_loss": aux, "z_loss": z}
+        return loss, metrics
+
+
+class DecoderForSequenceClassification(eqx.Module):
+    """Decoder + ``score`` head read at each row's last non-pad token (HF semantics)."""
+
+    model: DecoderModel
+    score: Linear
+
+    trunk: ClassVar[type[DecoderModel]] = DecoderModel
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+    ) -> DecoderForSequenceClassification:
+        k_model, k_head = jax.random.split(key)
+        score = Linear.init(
+            config.hidden_size, config.num_labels, std=config.initializer_range, dtype=dtype,
+            key=k_head,
+        )  # fmt: skip
+        return cls(cls.trunk.init(config, key=k_model, dtype=dtype), score)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    def __call__(
+        self,
+        input_ids: Ids | None = None,
+        *,
+        inputs_embeds: Hidden | None = None,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        output_hidden_states: bool = False,
+    ) -> SequenceClassifierOutput:
+        """Logits ``(batch, num_labels)`` at the last non-pad token of each row.
+
+        That token is found as HF does: the last position whose id differs from
+        ``config.pad_token_id``; without a pad id (or with ``inputs_embeds``) the last
+        position with ``attention_mask`` 1, else the last position.
+        """
+        out = self.model(
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, segment_ids=segment_ids,
+            output_hidden_states=output_hidden_states,
+        )  # fmt: skip
+        h = out.last_hidden_state
+        batch, seq = h.shape[:2]
+        if input_ids is not None and self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id
+        elif attention_mask is not None:
+            real = attention_mask.astype(jnp.bool_)
+        else:
+            real = jnp.ones((batch, seq), jnp.bool_)
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
+        last = jnp.max(jnp.where(real, positions, 0), axis=1)
+        pooled = jnp.take_along_axis(h, last.reshape(batch, 1, 1), axis=1)[:, 0]
+        return SequenceClassifierOutput(self.score(pooled), out.hidden_states)
+
+    def compute_loss(
+        self,
+        input_ids: Ids,
+        labels: jax.Array,
+        *,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``)."""
+        logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
+
+
+AnyDecoder = DecoderModel | DecoderForCausalLM | DecoderForSequenceClassification
+
+
+def configure(model: AnyDecoder, **changes: object) -> AnyDecoder:
+    """The same weights under a changed config, e.g. ``configure(m, scan_layers=False)``
+    or ``remat="full"`` or ``attention_impl="reference"`` or ``moe_impl="dense"``.
+    Array-shaping fields must not change."""
+    trunk = model if isinstance(model, DecoderModel) else model.model
+    new_trunk = dataclasses.replace(trunk, config=trunk.config.replace(**changes))
+    if isinstance(model, DecoderModel):
+        return new_trunk
+    return dataclasses.replace(model, model=new_trunk)
+
+
+def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:
+    """Matmul FLOPs per token for sequences of ``seq_len`` tokens (EasyDeL's
+    ``flops_per_token``).
+
+    Counts every projection (``2 * in * out`` per token), the MoE router and only the
+    ``num_experts_per_tok`` experts each token runs through, the LM head, and causal
+    attention scores and values over the keys each query actually sees (sliding windows
+    included), averaged over positions. Training is 3x the forward pass (backward = 2x
+    forward). Elementwise work (norms, softmax, RoPE) is not counted.
+    """
+    c = config
+    d, heads, kv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn_proj = d * heads * hd + 2 * d * kv * hd + heads * hd * d
+    mlp = {
+        "dense": 3 * d * c.intermediate_size,
+        "moe": d * c.num_experts + c.num_experts_per_tok * 3 * d * c.expert_intermediate_size,
+    }
+    forward = 2.0 * (sum(attn_proj + mlp[m] for m in c.layer_mlps) + d * c.vocab_size)
+    for window in c.layer_windows:
+        w = seq_len if window is None else min(window, seq_len)
+        # mean over positions t of min(t + 1, w) visible keys
+        visible = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        forward += 2 * 2 * heads * hd * visible  # q.k and p.v
+    return 3.0 * forward if training else forward
