@@ -274,6 +274,26 @@ class DecoderConfig:
         fields["hf_extra"] = tuple(sorted(extra))
         return cls(**{**fields, **overrides})
 
+    @classmethod
+    def _router_from_hf(cls, c: Mapping[str, Any]) -> dict:
+        """The MoE router's loss settings (``router_z_loss_coef`` is edl's, default 0)."""
+        return dict(
+            output_router_logits=bool(c.get("output_router_logits", False)),
+            router_aux_loss_coef=c.get(
+                "router_aux_loss_coef", cls._default("router_aux_loss_coef")
+            ),
+            router_z_loss_coef=c.get("router_z_loss_coef", 0.0),
+        )
+
+    def _router_to_hf(self) -> dict[str, Any]:
+        out = dict(
+            output_router_logits=self.output_router_logits,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+        )
+        if self.router_z_loss_coef:
+            out["router_z_loss_coef"] = self.router_z_loss_coef
+        return out
+
     def _common_to_hf(self, architectures: list[str] | None) -> dict[str, Any]:
         out: dict[str, Any] = {k: json.loads(v) for k, v in self.hf_extra}
         for labels in ("id2label", "label2id"):  # stale once num_labels was changed

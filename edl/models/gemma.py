@@ -149,9 +149,7 @@ class Gemma2Config(GemmaConfig):
             layer_windows=windows_of_layer_types(layer_types, window, n),
             attn_softcap=as_float(c.get("attn_logit_softcapping", d("attn_softcap"))),
             final_softcap=as_float(c.get("final_logit_softcapping", d("final_softcap"))),
-            query_pre_attn_scalar=float(
-                c.get("query_pre_attn_scalar", d("query_pre_attn_scalar"))
-            ),
+            query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", d("query_pre_attn_scalar"))),
         )
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:

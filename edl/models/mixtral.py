@@ -85,9 +85,7 @@ class MixtralConfig(DecoderConfig):
             sliding_window=c.get("sliding_window"),
             num_experts=c.get("num_local_experts", d("num_experts")),
             num_experts_per_tok=c.get("num_experts_per_tok", d("num_experts_per_tok")),
-            output_router_logits=bool(c.get("output_router_logits", False)),
-            router_aux_loss_coef=c.get("router_aux_loss_coef", d("router_aux_loss_coef")),
-            router_z_loss_coef=c.get("router_z_loss_coef", 0.0),
+            **cls._router_from_hf(c),
         )
         return cls._build(c, fields, _READ, overrides)
 
@@ -105,11 +103,8 @@ class MixtralConfig(DecoderConfig):
             sliding_window=self.layer_windows[0],
             num_local_experts=self.num_experts,
             num_experts_per_tok=self.num_experts_per_tok,
-            output_router_logits=self.output_router_logits,
-            router_aux_loss_coef=self.router_aux_loss_coef,
+            **self._router_to_hf(),
         )
-        if self.router_z_loss_coef:
-            out["router_z_loss_coef"] = self.router_z_loss_coef
         return out
 
 

@@ -97,9 +97,7 @@ class Qwen3MoeConfig(DecoderConfig):
             moe_intermediate_size=c.get("moe_intermediate_size", d("moe_intermediate_size")),
             norm_topk_prob=bool(c.get("norm_topk_prob", d("norm_topk_prob"))),
             layer_mlps=hf_layer_mlps(c, fields["num_hidden_layers"], experts),
-            output_router_logits=bool(c.get("output_router_logits", False)),
-            router_aux_loss_coef=c.get("router_aux_loss_coef", d("router_aux_loss_coef")),
-            router_z_loss_coef=c.get("router_z_loss_coef", 0.0),
+            **cls._router_from_hf(c),
         )
         return cls._build(c, fields, _READ, overrides)
 
@@ -122,11 +120,8 @@ class Qwen3MoeConfig(DecoderConfig):
             norm_topk_prob=self.norm_topk_prob,
             decoder_sparse_step=1,
             mlp_only_layers=[i for i, m in enumerate(self.layer_mlps) if m == "dense"],
-            output_router_logits=self.output_router_logits,
-            router_aux_loss_coef=self.router_aux_loss_coef,
+            **self._router_to_hf(),
         )
-        if self.router_z_loss_coef:
-            out["router_z_loss_coef"] = self.router_z_loss_coef
         return out
 
 
