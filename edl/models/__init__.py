@@ -1,12 +1,12 @@
 """Model families (Equinox pytrees with HF field names), task heads and the registry.
 
-Every family runs the one decoder of ``edl.models.decoder``; a family is a config class
+Every family runs the one decoder of ``edl.models.decoder`` (trunk) and ``edl.models.heads``
+(task heads); a family is a config class
 (reading and writing HF ``config.json``), a declarative HF key table and HF-named classes.
 """
 
-from edl.models import decoder, gemma, llama, mixtral, qwen3_moe, registry
-from edl.models.config import DecoderConfig
-from edl.models.decoder import configure, flops_per_token
+from edl.models import decoder, gemma, heads, llama, mixtral, qwen3_moe, registry
+from edl.models.config import DecoderConfig, flops_per_token
 from edl.models.gemma import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -17,6 +17,7 @@ from edl.models.gemma import (
     GemmaForSequenceClassification,
     GemmaModel,
 )
+from edl.models.heads import configure
 from edl.models.llama import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -62,6 +63,7 @@ __all__ = [
     "decoder",
     "flops_per_token",
     "gemma",
+    "heads",
     "llama",
     "mixtral",
     "qwen3_moe",

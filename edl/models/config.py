@@ -22,7 +22,7 @@ from edl.ops.activations import activation
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig
 
-__all__ = ["DecoderConfig"]
+__all__ = ["DecoderConfig", "flops_per_token"]
 
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 MLP_KINDS = ("dense", "moe")
@@ -341,3 +341,29 @@ class DecoderConfig:
         if not condition:
             raise ValueError(f"this {type(self).__name__} has no HF {self.model_type!r} "
                              f"equivalent: {what}")  # fmt: skip
+
+
+def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:
+    """Matmul FLOPs per token for sequences of ``seq_len`` tokens (EasyDeL's
+    ``flops_per_token``).
+
+    Counts every projection (``2 * in * out`` per token), the MoE router and only the
+    ``num_experts_per_tok`` experts each token runs through, the LM head, and causal
+    attention scores and values over the keys each query actually sees (sliding windows
+    included), averaged over positions. Training is 3x the forward pass (backward = 2x
+    forward). Elementwise work (norms, softmax, RoPE) is not counted.
+    """
+    c = config
+    d, heads, kv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    attn_proj = d * heads * hd + 2 * d * kv * hd + heads * hd * d
+    mlp = {
+        "dense": 3 * d * c.intermediate_size,
+        "moe": d * c.num_experts + c.num_experts_per_tok * 3 * d * c.expert_intermediate_size,
+    }
+    forward = 2.0 * (sum(attn_proj + mlp[m] for m in c.layer_mlps) + d * c.vocab_size)
+    for window in c.layer_windows:
+        w = seq_len if window is None else min(window, seq_len)
+        # mean over positions t of min(t + 1, w) visible keys
+        visible = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        forward += 2 * 2 * heads * hd * visible  # q.k and p.v
+    return 3.0 * forward if training else forward

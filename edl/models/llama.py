@@ -14,18 +14,16 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from edl.models.config import flops_per_token
 from edl.models.decoder import (
     PARTITION_RULES,
     CausalLMOutput,
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
     DecoderLayer,
     DecoderModel,
     ModelOutput,
     SequenceClassifierOutput,
-    configure,
-    flops_per_token,
 )
+from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification, configure
 from edl.models.keymap import decoder_key_table
 from edl.models.llama_config import MODEL_TYPES, LlamaConfig
 

@@ -16,11 +16,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from edl.models.config import DecoderConfig
-from edl.models.decoder import (
-    DecoderForCausalLM,
-    DecoderForSequenceClassification,
-    DecoderModel,
-)
+from edl.models.decoder import DecoderModel
+from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import KeyRule, decoder_key_table
 
 __all__ = [

@@ -1,0 +1,224 @@
+"""Task heads on the decoder trunk: causal LM (tied or untied head, Gemma 2's final
+soft-capping, the MoE router losses) and sequence classification (HF's last-non-pad
+pooling), plus ``configure`` to re-run a model's weights under changed run-time settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from edl.models.config import DecoderConfig
+from edl.models.decoder import (
+    CausalLMOutput,
+    DecoderModel,
+    Hidden,
+    Ids,
+    Mask,
+    Positions,
+    SequenceClassifierOutput,
+)
+from edl.nn.attention import KVCacheLike
+from edl.nn.layers import Linear
+from edl.ops.losses import causal_lm_loss, sequence_classification_loss
+from edl.ops.moe import load_balancing_loss, router_z_loss
+
+__all__ = ["DecoderForCausalLM", "DecoderForSequenceClassification", "configure"]
+
+
+def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+class DecoderForCausalLM(eqx.Module):
+    """Decoder + LM head; ``lm_head`` is ``None`` when tied to ``model.embed_tokens``."""
+
+    model: DecoderModel
+    lm_head: Linear | None
+
+    trunk: ClassVar[type[DecoderModel]] = DecoderModel
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+    ) -> DecoderForCausalLM:
+        k_model, k_head = jax.random.split(key)
+        head = None
+        if not config.tie_word_embeddings:
+            head = Linear.init(
+                config.hidden_size, config.vocab_size, std=config.initializer_range,
+                dtype=dtype, key=k_head,
+            )  # fmt: skip
+        return cls(cls.trunk.init(config, key=k_model, dtype=dtype), head)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    @property
+    def head_weight(self) -> Float[Array, "vocab dim"]:
+        """The output projection ``(vocab, dim)``: ``lm_head.weight`` or the tied embedding."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def __call__(
+        self,
+        input_ids: Ids | None = None,
+        *,
+        inputs_embeds: Hidden | None = None,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        output_hidden_states: bool = False,
+        cache: KVCacheLike | None = None,
+    ) -> CausalLMOutput:
+        """Logits ``(batch, seq, vocab)`` in the activation dtype; inputs as the trunk's
+        (with a ``cache``, the updated cache is returned too)."""
+        out = self.model(
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, segment_ids=segment_ids,
+            output_hidden_states=output_hidden_states, cache=cache,
+        )  # fmt: skip
+        return CausalLMOutput(
+            self.lm_logits(out.last_hidden_state), out.hidden_states, out.cache, out.router_stats
+        )
+
+    def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]:
+        """The LM head on final hidden states (generation applies it to last tokens only),
+        soft-capped where the family caps (Gemma 2)."""
+        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return _softcap(logits, self.config.final_softcap)
+
+    def compute_loss(
+        self,
+        input_ids: Ids,
+        labels: Ids | None = None,
+        *,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        chunk_size: int = 2048,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """Next-token cross entropy (HF semantics), without ever forming full logits.
+
+        ``labels`` default to ``input_ids``. Not predicted: ``-100`` labels, padded tokens,
+        the token after a padded one (its context is padding), and (with ``segment_ids``)
+        the first token of each packed segment. MoE models also report the router's
+        ``aux_loss`` (load balancing) and ``z_loss``; as in transformers, the auxiliary loss
+        times ``router_aux_loss_coef`` is added to the loss when ``output_router_logits`` is
+        set, and the z-loss times ``router_z_loss_coef`` whenever that is non-zero.
+        Returns ``(loss, {"loss", "accuracy", "tokens"[, "aux_loss", "z_loss"]})``.
+        """
+        c = self.config
+        labels = input_ids if labels is None else labels
+        no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
+        if attention_mask is not None:
+            no_context |= ~attention_mask[:, :-1].astype(jnp.bool_)
+        if segment_ids is not None:
+            no_context |= segment_ids[:, 1:] != segment_ids[:, :-1]
+        labels = labels.at[:, 1:].set(jnp.where(no_context, -100, labels[:, 1:]))
+        out = self.model(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            segment_ids=segment_ids,
+        )  # fmt: skip
+        loss, metrics = causal_lm_loss(
+            out.last_hidden_state, self.head_weight, labels, attention_mask=attention_mask,
+            chunk_size=chunk_size, softcap=c.final_softcap,
+        )  # fmt: skip
+        if out.router_stats is not None:
+            aux, z = load_balancing_loss(out.router_stats), router_z_loss(out.router_stats)
+            if c.output_router_logits:
+                loss = loss + c.router_aux_loss_coef * aux
+            if c.router_z_loss_coef:
+                loss = loss + c.router_z_loss_coef * z
+            metrics = {**metrics, "loss": loss, "aux_loss": aux, "z_loss": z}
+        return loss, metrics
+
+
+class DecoderForSequenceClassification(eqx.Module):
+    """Decoder + ``score`` head read at each row's last non-pad token (HF semantics)."""
+
+    model: DecoderModel
+    score: Linear
+
+    trunk: ClassVar[type[DecoderModel]] = DecoderModel
+
+    @classmethod
+    def init(
+        cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+    ) -> DecoderForSequenceClassification:
+        k_model, k_head = jax.random.split(key)
+        score = Linear.init(
+            config.hidden_size, config.num_labels, std=config.initializer_range, dtype=dtype,
+            key=k_head,
+        )  # fmt: skip
+        return cls(cls.trunk.init(config, key=k_model, dtype=dtype), score)
+
+    @property
+    def config(self) -> DecoderConfig:
+        return self.model.config
+
+    def __call__(
+        self,
+        input_ids: Ids | None = None,
+        *,
+        inputs_embeds: Hidden | None = None,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+        segment_ids: Ids | None = None,
+        output_hidden_states: bool = False,
+    ) -> SequenceClassifierOutput:
+        """Logits ``(batch, num_labels)`` at the last non-pad token of each row.
+
+        That token is found as HF does: the last position whose id differs from
+        ``config.pad_token_id``; without a pad id (or with ``inputs_embeds``) the last
+        position with ``attention_mask`` 1, else the last position.
+        """
+        out = self.model(
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, segment_ids=segment_ids,
+            output_hidden_states=output_hidden_states,
+        )  # fmt: skip
+        h = out.last_hidden_state
+        batch, seq = h.shape[:2]
+        if input_ids is not None and self.config.pad_token_id is not None:
+            real = input_ids != self.config.pad_token_id
+        elif attention_mask is not None:
+            real = attention_mask.astype(jnp.bool_)
+        else:
+            real = jnp.ones((batch, seq), jnp.bool_)
+        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
+        last = jnp.max(jnp.where(real, positions, 0), axis=1)
+        pooled = jnp.take_along_axis(h, last.reshape(batch, 1, 1), axis=1)[:, 0]
+        return SequenceClassifierOutput(self.score(pooled), out.hidden_states)
+
+    def compute_loss(
+        self,
+        input_ids: Ids,
+        labels: jax.Array,
+        *,
+        attention_mask: Mask | None = None,
+        position_ids: Positions | None = None,
+    ) -> tuple[Float[Array, ""], dict[str, Array]]:
+        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``)."""
+        logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
+
+
+AnyDecoder = DecoderModel | DecoderForCausalLM | DecoderForSequenceClassification
+
+
+def configure(model: AnyDecoder, **changes: object) -> AnyDecoder:
+    """The same weights under a changed config, e.g. ``configure(m, scan_layers=False)``
+    or ``remat="full"`` or ``attention_impl="reference"`` or ``moe_impl="dense"``.
+    Array-shaping fields must not change."""
+    trunk = model if isinstance(model, DecoderModel) else model.model
+    new_trunk = dataclasses.replace(trunk, config=trunk.config.replace(**changes))
+    if isinstance(model, DecoderModel):
+        return new_trunk
+    return dataclasses.replace(model, model=new_trunk)
