@@ -292,6 +292,8 @@ def test_unsupported_options_raise():
         )
     with pytest.raises(ValueError, match="no HF 'mixtral' equivalent"):
         edl.models.MixtralConfig(num_hidden_layers=2, qk_norm=True).to_hf()
+    with pytest.raises(ValueError, match=r"\['final_softcap'\] must keep edl's defaults"):
+        edl.models.LlamaConfig(num_hidden_layers=1, final_softcap=30.0).to_hf()
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         edl.models.MixtralConfig(num_experts=2, num_experts_per_tok=3)
     with pytest.raises(ValueError, match="layer_mlps"):

@@ -336,6 +336,17 @@ class DecoderConfig:
             out["architectures"] = list(architectures)
         return out
 
+    GEMMA_FEATURES: ClassVar[tuple[str, ...]] = (
+        "norm_offset", "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap",
+        "attn_scale",
+    )  # fmt: skip
+
+    def _require_defaults(self, names: tuple[str, ...]) -> None:
+        """``to_hf``'s refusal of features (fields ``names``) the HF type lacks."""
+        base = DecoderConfig.__dataclass_fields__
+        changed = [n for n in names if getattr(self, n) != base[n].default]
+        self._require(not changed, f"{changed} must keep edl's defaults")
+
     def _require(self, condition: bool, what: str) -> None:
         """``to_hf``'s refusal of settings the HF ``model_type`` cannot express."""
         if not condition:

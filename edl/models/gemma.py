@@ -87,7 +87,7 @@ class GemmaConfig(DecoderConfig):
         self._require(
             self.norm_offset == 1.0 and self.embed_scale and not self.qk_norm
             and self.qkv_bias == self.o_bias and not self.mlp_bias
-            and "moe" not in self.layer_mlps,
+            and self.num_experts == 0,
             "Gemma's norm offset 1, scaled embeddings, one attention bias, no q/k norms, "
             "MLP bias or experts",
         )  # fmt: skip

@@ -60,6 +60,7 @@ class LlamaConfig(DecoderConfig):
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:
         """A HF ``config.json`` dict that transformers (4 and 5) loads as the same model."""
+        self._require_defaults((*self.GEMMA_FEATURES, "num_experts"))
         out = self._common_to_hf(architectures)
         windows = self.layer_windows
         if self.model_type == "llama":

@@ -88,6 +88,7 @@ class MixtralConfig(DecoderConfig):
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:
         """A HF ``config.json`` dict that transformers loads as the same model."""
+        self._require_defaults(self.GEMMA_FEATURES)
         self._require(
             not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm)
             and len(set(self.layer_windows)) == 1 and set(self.layer_mlps) == {"moe"}

@@ -100,6 +100,7 @@ class Qwen3MoeConfig(DecoderConfig):
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:
         """A HF ``config.json`` dict that transformers loads as the same model."""
+        self._require_defaults(self.GEMMA_FEATURES)
         self._require(
             self.qk_norm and self.qkv_bias == self.o_bias and not self.mlp_bias
             and len(set(self.layer_windows)) == 1,
