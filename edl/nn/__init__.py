@@ -2,8 +2,10 @@
 
 from edl.nn.attention import Attention
 from edl.nn.layers import Embedding, Linear, RMSNorm
+from edl.nn.lora import LoraLinear
 from edl.nn.mlp import GatedMLP
-from edl.nn.stack import REMAT_POLICIES, run_stack, stack
+from edl.nn.quantized import QuantizedLinear
+from edl.nn.stack import REMAT_POLICIES, map_stacked, run_stack, stack
 
 __all__ = [
     "REMAT_POLICIES",
@@ -11,7 +13,10 @@ __all__ = [
     "Embedding",
     "GatedMLP",
     "Linear",
+    "LoraLinear",
+    "QuantizedLinear",
     "RMSNorm",
+    "map_stacked",
     "run_stack",
     "stack",
 ]
