@@ -346,10 +346,12 @@ def load_adapter(
 
     Reads ``adapter_config.json`` (``r``, ``lora_alpha``, ``rank_pattern``,
     ``alpha_pattern``, ``use_rslora``, ``lora_dropout``) and ``adapter_model.safetensors``;
-    the layers to adapt are those the file holds tensors for. Every key is checked against
-    the model before anything is loaded (missing, unexpected and mis-shaped keys raise one
-    ``ValueError``). ``dtype`` of A/B: default the base weights'. Options edl cannot
-    represent (DoRA, LoRA biases, ``modules_to_save``, ``layers_to_transform``, ...) raise.
+    the layers to adapt are those the file holds tensors for. Full base weights that PEFT
+    saves along with an adapted LM head or embedding (``lm_head.base_layer.weight``) replace
+    the model's, as in PEFT. Every key is checked against the model before anything is
+    loaded (missing, unexpected and mis-shaped keys raise one ``ValueError``). ``dtype`` of
+    A/B: default the base weights'. Options edl cannot represent (DoRA, LoRA biases,
+    ``modules_to_save``, ``layers_to_transform``, ...) raise.
     """
     directory = Path(directory)
     config = _read_config(directory)
@@ -361,14 +363,16 @@ def load_adapter(
             raise ValueError(f"load_adapter: {reader.path} holds no lora_A tensors")
         model = _wrap(model, plan, dropout=float(config.get("lora_dropout") or 0.0),
                       dtype=dtype, key=jax.random.key(0), what="load_adapter")  # fmt: skip
-        like = lora_params(model)
+        bases = [table.to_edl(k)[0] for k in source.names if k.endswith(".base_layer.weight")]
+        loaded = "|".join([lora_trainable.pattern, *(f"^{re.escape(p)}$" for p in bases)])
+        like, rest = split(model, loaded)
         targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flatten(like).items()}
         try:
             keys = hf._plan(table, targets, source, skip=frozenset())
         except ValueError as e:
-            raise ValueError(f"load_adapter: {reader.path}: {e}") from None
+            where = f"{reader.path} (keys after {_PEFT_PREFIX!r})"
+            raise ValueError(f"load_adapter: {where}: {e}") from None
         stacked = {p: np.stack([source.read(k) for k in ks]) for p, ks in keys.items()
                    if table.is_stacked(p)}  # fmt: skip
         single = {p: source.read(ks[0]) for p, ks in keys.items() if not table.is_stacked(p)}
-    adapters = load_into(like, {**stacked, **single})
-    return merge(adapters, split(model, lora_trainable)[1])
+    return merge(load_into(like, {**stacked, **single}), rest)

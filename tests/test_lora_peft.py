@@ -1,0 +1,138 @@
+"""PEFT interop: adapters written by edl load in peft + transformers with the same logits and
+the same file layout peft itself writes; adapters written by peft (rank/alpha patterns,
+rsLoRA, an adapted LM head) load in edl with the same logits.
+
+Tolerance: float32 forward passes of a 2-layer model with dims <= 64 in torch and XLA
+differ by ~1e-6 relative (summation order); 1e-4 absolute on logits of size ~1 leaves room
+for that and nothing else (the adapters move the logits by > 1e-2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import edl
+from edl.io.safetensors import load_file, save_file
+from edl.lora import apply_lora, load_adapter, lora_params, save_adapter
+from edl.models import LlamaConfig, LlamaForCausalLM
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TOL = 1e-4
+CONFIG = LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, attention_impl="xla",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    return LlamaForCausalLM.init(CONFIG, key=jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return jax.random.randint(jax.random.key(1), (2, 10), 0, CONFIG.vocab_size)
+
+
+_forward = jax.jit(lambda m, i: m(i).logits)
+
+
+def _torch_logits(torch_model, ids):
+    with torch.no_grad():
+        return torch_model(torch.from_numpy(np.asarray(ids, np.int64))).logits.numpy()
+
+
+def _random_b(model):
+    def one(path, x):
+        if not path.endswith("lora_B.weight"):
+            return x
+        return jnp.asarray(0.1 * np.random.default_rng(len(path)).normal(size=x.shape), x.dtype)
+
+    return edl.tree.named_map(one, model)
+
+
+def test_edl_adapter_loads_in_peft_with_the_same_logits(model, ids, tmp_path):
+    lora = _random_b(apply_lora(model, rank=4, alpha=8, key=jax.random.key(2)))
+    out = np.asarray(_forward(lora, ids))
+    assert np.abs(out - np.asarray(_forward(model, ids))).max() > 1e-2
+    save_adapter(lora, tmp_path / "edl", base_model_name_or_path="edl-tiny")
+
+    config = json.loads((tmp_path / "edl" / "adapter_config.json").read_text())
+    targets = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, targets)
+    assert config["base_model_name_or_path"] == "edl-tiny"
+    # The same keys, shapes and dtypes peft writes for this configuration.
+    theirs = peft.get_peft_model(edl.to_torch(model), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))  # fmt: skip
+    theirs.save_pretrained(tmp_path / "peft")
+    mine = load_file(tmp_path / "edl", prefix="adapter_model")
+    reference = load_file(tmp_path / "peft", prefix="adapter_model")
+    assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {
+        k: (v.shape, v.dtype) for k, v in reference.items()
+    }
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in mine
+
+    loaded = peft.PeftModel.from_pretrained(edl.to_torch(model), tmp_path / "edl")
+    np.testing.assert_allclose(_torch_logits(loaded, ids), out, rtol=0, atol=TOL)
+    # And back: edl reads its own file exactly.
+    again = load_adapter(model, tmp_path / "edl")
+    for a, b in zip(jax.tree.leaves(lora_params(again)), jax.tree.leaves(lora_params(lora)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"rank_pattern": {"v_proj": 2}, "alpha_pattern": {"down_proj": 3}},
+        {"use_rslora": True, "lora_dropout": 0.1},
+    ],
+)
+def test_peft_adapter_loads_in_edl_with_the_same_logits(model, ids, tmp_path, options):
+    config = peft.LoraConfig(
+        r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
+        init_lora_weights=False, task_type="CAUSAL_LM", **options,
+    )  # fmt: skip
+    base = edl.to_torch(model)
+    with torch.no_grad():  # peft saves an adapted head's base weight too: it must win
+        base.lm_head.weight.mul_(1.5)
+    theirs = peft.get_peft_model(base, config).eval()
+    want = _torch_logits(theirs, ids)
+    theirs.save_pretrained(tmp_path)
+
+    lora = load_adapter(model, tmp_path)
+    layers = lora.model.layers
+    assert layers.self_attn.v_proj.rank == (2 if "rank_pattern" in options else 4)
+    assert lora.lm_head.lora_A.weight.shape == (4, CONFIG.hidden_size)
+    assert layers.mlp.down_proj.scaling == pytest.approx(
+        3 / 4 if "alpha_pattern" in options else 12 / 2 if options.get("use_rslora") else 3.0
+    )
+    assert layers.self_attn.q_proj.dropout == options.get("lora_dropout", 0.0)
+    np.testing.assert_allclose(np.asarray(_forward(lora, ids)), want, rtol=0, atol=TOL)
+
+
+def test_load_adapter_errors_name_the_problem(model, tmp_path):
+    lora = apply_lora(model, rank=2, alpha=2, pattern="q_proj", key=jax.random.key(0))
+    save_adapter(lora, tmp_path)
+    with pytest.raises(ValueError, match=r"already carry LoRA"):
+        load_adapter(lora, tmp_path)
+
+    tensors = load_file(tmp_path, prefix="adapter_model")
+    del tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match=r"1 missing keys:\n  model\.layers\.1\.self_attn"):
+        load_adapter(model, tmp_path)
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match=r"unsupported PEFT options \['use_dora'\]"):
+        load_adapter(model, tmp_path)
