@@ -19,27 +19,12 @@ import pytest
 import edl
 from edl.io.safetensors import load_file, save_file
 from edl.lora import apply_lora, load_adapter, lora_params, save_adapter
-from edl.models import LlamaConfig, LlamaForCausalLM
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 TOL = 1e-4
-CONFIG = LlamaConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, attention_impl="xla",
-)  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model():
-    return LlamaForCausalLM.init(CONFIG, key=jax.random.key(0))
-
-
-@pytest.fixture(scope="module")
-def ids():
-    return jax.random.randint(jax.random.key(1), (2, 10), 0, CONFIG.vocab_size)
 
 
 _forward = jax.jit(lambda m, i: m(i).logits)
@@ -59,10 +44,10 @@ def _random_b(model):
     return edl.tree.named_map(one, model)
 
 
-def test_edl_adapter_loads_in_peft_with_the_same_logits(model, ids, tmp_path):
-    lora = _random_b(apply_lora(model, rank=4, alpha=8, key=jax.random.key(2)))
-    out = np.asarray(_forward(lora, ids))
-    assert np.abs(out - np.asarray(_forward(model, ids))).max() > 1e-2
+def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tmp_path):
+    lora = _random_b(apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2)))
+    out = np.asarray(_forward(lora, tiny_ids))
+    assert np.abs(out - np.asarray(_forward(tiny_llama, tiny_ids))).max() > 1e-2
     save_adapter(lora, tmp_path / "edl", base_model_name_or_path="edl-tiny")
 
     config = json.loads((tmp_path / "edl" / "adapter_config.json").read_text())
@@ -71,7 +56,7 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(model, ids, tmp_path):
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, targets)
     assert config["base_model_name_or_path"] == "edl-tiny"
     # The same keys, shapes and dtypes peft writes for this configuration.
-    theirs = peft.get_peft_model(edl.to_torch(model), peft.LoraConfig(
+    theirs = peft.get_peft_model(edl.to_torch(tiny_llama), peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))  # fmt: skip
     theirs.save_pretrained(tmp_path / "peft")
     mine = load_file(tmp_path / "edl", prefix="adapter_model")
@@ -81,10 +66,10 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(model, ids, tmp_path):
     }
     assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in mine
 
-    loaded = peft.PeftModel.from_pretrained(edl.to_torch(model), tmp_path / "edl")
-    np.testing.assert_allclose(_torch_logits(loaded, ids), out, rtol=0, atol=TOL)
+    loaded = peft.PeftModel.from_pretrained(edl.to_torch(tiny_llama), tmp_path / "edl")
+    np.testing.assert_allclose(_torch_logits(loaded, tiny_ids), out, rtol=0, atol=TOL)
     # And back: edl reads its own file exactly.
-    again = load_adapter(model, tmp_path / "edl")
+    again = load_adapter(tiny_llama, tmp_path / "edl")
     for a, b in zip(jax.tree.leaves(lora_params(again)), jax.tree.leaves(lora_params(lora)),
                     strict=True):  # fmt: skip
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -97,31 +82,31 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(model, ids, tmp_path):
         {"use_rslora": True, "lora_dropout": 0.1},
     ],
 )
-def test_peft_adapter_loads_in_edl_with_the_same_logits(model, ids, tmp_path, options):
+def test_peft_adapter_loads_in_edl_with_the_same_logits(tiny_llama, tiny_ids, tmp_path, options):
     config = peft.LoraConfig(
         r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
         init_lora_weights=False, task_type="CAUSAL_LM", **options,
     )  # fmt: skip
-    base = edl.to_torch(model)
+    base = edl.to_torch(tiny_llama)
     with torch.no_grad():  # peft saves an adapted head's base weight too: it must win
         base.lm_head.weight.mul_(1.5)
     theirs = peft.get_peft_model(base, config).eval()
-    want = _torch_logits(theirs, ids)
+    want = _torch_logits(theirs, tiny_ids)
     theirs.save_pretrained(tmp_path)
 
-    lora = load_adapter(model, tmp_path)
+    lora = load_adapter(tiny_llama, tmp_path)
     layers = lora.model.layers
     assert layers.self_attn.v_proj.rank == (2 if "rank_pattern" in options else 4)
-    assert lora.lm_head.lora_A.weight.shape == (4, CONFIG.hidden_size)
+    assert lora.lm_head.lora_A.weight.shape == (4, tiny_llama.config.hidden_size)
     assert layers.mlp.down_proj.scaling == pytest.approx(
         3 / 4 if "alpha_pattern" in options else 12 / 2 if options.get("use_rslora") else 3.0
     )
     assert layers.self_attn.q_proj.dropout == options.get("lora_dropout", 0.0)
-    np.testing.assert_allclose(np.asarray(_forward(lora, ids)), want, rtol=0, atol=TOL)
+    np.testing.assert_allclose(np.asarray(_forward(lora, tiny_ids)), want, rtol=0, atol=TOL)
 
 
-def test_load_adapter_errors_name_the_problem(model, tmp_path):
-    lora = apply_lora(model, rank=2, alpha=2, pattern="q_proj", key=jax.random.key(0))
+def test_load_adapter_errors_name_the_problem(tiny_llama, tmp_path):
+    lora = apply_lora(tiny_llama, rank=2, alpha=2, pattern="q_proj", key=jax.random.key(0))
     save_adapter(lora, tmp_path)
     with pytest.raises(ValueError, match=r"already carry LoRA"):
         load_adapter(lora, tmp_path)
@@ -130,9 +115,9 @@ def test_load_adapter_errors_name_the_problem(model, tmp_path):
     del tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"]
     save_file(tensors, tmp_path / "adapter_model.safetensors")
     with pytest.raises(ValueError, match=r"1 missing keys:\n  model\.layers\.1\.self_attn"):
-        load_adapter(model, tmp_path)
+        load_adapter(tiny_llama, tmp_path)
 
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(ValueError, match=r"unsupported PEFT options \['use_dora'\]"):
-        load_adapter(model, tmp_path)
+        load_adapter(tiny_llama, tmp_path)

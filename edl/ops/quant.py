@@ -19,6 +19,7 @@ import math
 from typing import Literal, TypeAlias
 
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
@@ -47,6 +48,8 @@ quantiles of N(0, 1) at ``linspace(0.9677, 0.5, 9)`` (8 positive) and ``linspace
 0.5, 8)`` (7 negative, mirrored), plus an exact 0, divided by the largest."""
 
 _INT8_MAX = 127
+# Every byte's two NF4 values (high nibble first): decoding is one gather per byte.
+_NF4_PAIRS = np.stack([np.repeat(NF4_CODE, 16), np.tile(NF4_CODE, 16)], axis=-1).astype(np.float32)
 
 
 def num_blocks(shape: tuple[int, int], block_size: int) -> int:
@@ -111,9 +114,8 @@ def _codes(qweight: jnp.ndarray, format: str) -> jnp.ndarray:
     """The float32 value of each code, ``(*lead, blocks, block_size)``."""
     if format == "int8":
         return qweight.astype(jnp.float32)
-    nibbles = jnp.stack([qweight >> 4, qweight & 0xF], axis=-1)
-    nibbles = nibbles.reshape(*qweight.shape[:-1], 2 * qweight.shape[-1])
-    return jnp.take(jnp.asarray(NF4_CODE, jnp.float32), nibbles.astype(jnp.int32))
+    pairs = jnp.take(jnp.asarray(_NF4_PAIRS), qweight.astype(jnp.int32), axis=0)
+    return pairs.reshape(*qweight.shape[:-1], 2 * qweight.shape[-1])
 
 
 def dequantize(
