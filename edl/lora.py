@@ -163,7 +163,8 @@ def lora_params(model: PyTree) -> PyTree:
 def with_dropout_key(model: PyTree, key: PRNGKeyArray | None) -> PyTree:
     """``model`` whose LoRA layers draw dropout masks from ``key`` (one independent key per
     layer and stacked slice); ``None`` removes the keys (evaluation). Call it inside the loss
-    with a fresh key each step, e.g. ``jax.random.fold_in(key, state.step)``."""
+    function with a fresh key every step (e.g. one carried in the batch, or
+    ``jax.random.fold_in(key, state.step)`` in a hand-written step); it is traceable."""
     layers = _lora_layers(model, "with_dropout_key")
     keys = [None] * len(layers) if key is None else list(jax.random.split(key, len(layers)))
 
@@ -210,11 +211,10 @@ def _peft_config(model: PyTree, layers: dict[str, LoraLinear], task: str,
     bare = sorted(p for p, x in find(model, is_linear).items()
                   if _name(p) in by_name and p not in layers)  # fmt: skip
     if mixed or bare:
-        raise ValueError(
-            "save_adapter: PEFT targets modules by name, but "
-            + (f"layers named {mixed} have different (rank, scaling, dropout)" if mixed else "")
-            + (f"{bare} share a name with adapted layers but have no adapter" if bare else "")
-        )
+        problems = [f"layers named {n} differ in (rank, scaling, dropout): {s}"
+                    for n, s in mixed.items()]  # fmt: skip
+        problems += [f"{p} shares its name with adapted layers but has no adapter" for p in bare]
+        raise ValueError("save_adapter: PEFT targets modules by name, but " + "; ".join(problems))
     settings = {n: s.pop() for n, s in by_name.items()}
     dropouts = {d for _, _, d in settings.values()}
     if len(dropouts) > 1:

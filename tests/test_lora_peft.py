@@ -45,7 +45,9 @@ def _random_b(model):
 
 
 def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tmp_path):
-    lora = _random_b(apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2)))
+    lora = apply_lora(tiny_llama, rank=4, alpha=8, pattern=r"(q|k|v|o|gate|up)_proj$",
+                      key=jax.random.key(2))  # fmt: skip
+    lora = _random_b(apply_lora(lora, rank=2, alpha=3, pattern="down_proj", key=jax.random.key(3)))
     out = np.asarray(_forward(lora, tiny_ids))
     assert np.abs(out - np.asarray(_forward(tiny_llama, tiny_ids))).max() > 1e-2
     save_adapter(lora, tmp_path / "edl", base_model_name_or_path="edl-tiny")
@@ -54,17 +56,19 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tm
     targets = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8, targets)
+    patterns = {"rank_pattern": {"down_proj": 2}, "alpha_pattern": {"down_proj": 3}}
+    assert {k: config[k] for k in patterns} == patterns
     assert config["base_model_name_or_path"] == "edl-tiny"
     # The same keys, shapes and dtypes peft writes for this configuration.
     theirs = peft.get_peft_model(edl.to_torch(tiny_llama), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM"))  # fmt: skip
+        r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM", **patterns))  # fmt: skip
     theirs.save_pretrained(tmp_path / "peft")
     mine = load_file(tmp_path / "edl", prefix="adapter_model")
     reference = load_file(tmp_path / "peft", prefix="adapter_model")
     assert {k: (v.shape, v.dtype) for k, v in mine.items()} == {
         k: (v.shape, v.dtype) for k, v in reference.items()
     }
-    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in mine
+    assert mine["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (32, 2)
 
     loaded = peft.PeftModel.from_pretrained(edl.to_torch(tiny_llama), tmp_path / "edl")
     np.testing.assert_allclose(_torch_logits(loaded, tiny_ids), out, rtol=0, atol=TOL)
