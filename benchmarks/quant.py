@@ -4,7 +4,8 @@ The model benchmark's config (hidden 256, intermediate 688, 8 heads / 4 kv heads
 1024, batch 4 x seq 256, float32), 4 layers by default. The attention and MLP projections
 are quantized (``edl.quantize.QuantConfig`` defaults: int8 per output channel, nf4 in blocks
 of 64); embeddings, norms and the LM head stay float32. Bytes are ``edl.nbytes``; the errors
-are relative RMS differences to the float32 projection weights and logits.
+are relative RMS differences to the float32 projection weights and logits. Forward times are
+medians over rounds that interleave the three variants.
 
     python -m benchmarks.quant [--quick] [--layers 4]
 """
@@ -12,6 +13,7 @@ are relative RMS differences to the float32 projection weights and logits.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     layers = args.layers or (2 if args.quick else 4)
     batch, seq = (2, 64) if args.quick else (4, 256)
-    reps = {"warmup": 2, "repeats": 3 if args.quick else 7, "number": 1 if args.quick else 3}
+    rounds, number = (3, 1) if args.quick else (9, 3)
 
     config = _config(layers, args.quick)
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
@@ -54,6 +56,14 @@ def main() -> None:
         "int8": quantize(model, QuantConfig("int8")),
         "nf4": quantize(model, QuantConfig("nf4")),
     }
+    # Rounds interleave the variants, so drifting load on a shared machine hits all alike.
+    samples = {name: [] for name in variants}
+    for r in range(rounds):
+        for name, m in variants.items():
+            call = lambda m=m: forward(m, ids)
+            samples[name].append(
+                time_call(call, warmup=2 if r == 0 else 1, repeats=1, number=number)
+            )
     ref = np.asarray(forward(model, ids), np.float64)
     rows = []
     for name, m in variants.items():
@@ -64,7 +74,7 @@ def main() -> None:
                 "param_bytes": edl.nbytes(m),
                 "projection_bytes": edl.nbytes(list(_projections(m).values())),
                 "weight_rel_rms_error": _weight_error(m, model),
-                "forward_s": time_call(lambda m=m: forward(m, ids), **reps),
+                "forward_s": statistics.median(samples[name]),
                 "logits_rel_rms_error": float(
                     np.sqrt(np.mean((logits - ref) ** 2) / np.mean(ref**2))
                 ),
