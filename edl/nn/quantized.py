@@ -46,12 +46,16 @@ class QuantizedLinear(eqx.Module):
 
     Attributes:
         qweight: int8 codes ``(blocks, block_size)`` or NF4 codes packed two per uint8
-            ``(blocks, block_size // 2)``, over the row-major flattened ``(out, in)`` weight.
-        scales: one per block, ``(blocks,)`` (float32 unless chosen otherwise).
+            ``(blocks, block_size // 2)``, over the row-major flattened ``(out, in)`` weight
+            (``blocks = ceil(out * in / block_size)``, the last block zero-padded).
+        scales: one per block, ``(blocks,)``, float32 unless chosen otherwise (note that
+            ``edl.to_dtype`` casts them like any floating leaf).
         bias: kept in floating point, or ``None``.
         format: ``"int8"`` or ``"nf4"`` (static).
         shape: the logical ``(out, in)`` of one weight matrix (static).
         dtype: the dtype of the weight before quantization, restored by ``dequantize``.
+
+    In a layer stack every array has the leading layer axis (``(layers, blocks, ...)``).
     """
 
     qweight: Integer[Array, "*lead blocks packed"]
@@ -83,8 +87,8 @@ class QuantizedLinear(eqx.Module):
 
     @property
     def weight(self) -> Float[Array, "*lead out in"]:
-        """The dequantized weight ``(*lead, out, in)`` (for code that reads ``.weight``, such
-        as a model's tied-or-not LM head in its chunked loss)."""
+        """The dequantized weight ``(*lead, out, in)``, for code that reads ``.weight`` of a
+        linear layer (a causal LM's chunked loss reads its head's)."""
         return dequantize(
             self.qweight, self.scales, format=self.format, shape=self.shape, dtype=self.dtype
         )
