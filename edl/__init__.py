@@ -5,7 +5,7 @@ training state is a frozen pytree updated by pure functions; traversals are free
 over ``"layers.3.self_attn.q_proj.weight"``-style key paths (``edl.tree``).
 """
 
-from edl import module, state, tree
+from edl import lora, module, quantize, state, tree
 from edl.io.hf import from_pretrained, from_state_dict, push_to_hub, save_pretrained, to_torch
 from edl.module import (
     Trainable,
@@ -40,11 +40,13 @@ __all__ = [
     "from_state_dict",
     "init_tx",
     "load_into",
+    "lora",
     "merge",
     "module",
     "named_map",
     "nbytes",
     "push_to_hub",
+    "quantize",
     "save_pretrained",
     "split",
     "state",

@@ -30,6 +30,7 @@ __all__ = [
     "PathKey",
     "ValidationResult",
     "compile_pattern",
+    "find",
     "flatten",
     "is_array_like",
     "is_flat",
@@ -157,6 +158,25 @@ def flatten(tree: PyTree, sep: str = ".", *, is_leaf: IsLeaf = None) -> dict[str
     would share a path (e.g. a dict key that contains ``sep``).
     """
     return dict(_with_paths(tree, sep, is_leaf)[0])
+
+
+def find(
+    tree: PyTree,
+    where: Callable[[Any], bool],
+    pattern: str | re.Pattern[str] | None = None,
+    sep: str = ".",
+) -> dict[str, Any]:
+    """The subtrees of ``tree`` for which ``where(node)`` holds, keyed by path, in flatten
+    order (a match is not searched inside); with ``pattern``, only those whose path it
+    matches (``re.search``). E.g. every ``Linear`` of a model:
+    ``find(model, lambda x: isinstance(x, Linear))``. Use ``tree_apply`` (with the same
+    ``is_leaf=where``) to replace them."""
+    regex = None if pattern is None else compile_pattern(pattern)
+    return {
+        p: x
+        for p, x in flatten(tree, sep, is_leaf=where).items()
+        if where(x) and (regex is None or regex.search(p))
+    }
 
 
 def _format_paths(title: str, items: Iterable[str]) -> str:

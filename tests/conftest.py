@@ -1,5 +1,6 @@
 """Test configuration: strict promotion, 8 host devices, runtime-checked annotations."""
 
+import gc
 import os
 
 # Must precede the first jax import: 8 CPU devices so sharding is exercised on CPU.
@@ -8,6 +9,7 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from jaxtyping import install_import_hook  # noqa: E402
 
@@ -26,3 +28,33 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("edl"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "edl")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop jax's compiled programs after each test module: the suite compiles thousands,
+    and a process that kept them all grew past 10 GB (and once crashed inside XLA)."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
+TINY_LLAMA = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, attention_impl="xla",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """A random 2-layer GQA Llama (``TINY_LLAMA``), shared by the LoRA and quantization
+    tests: read it, never donate it."""
+    from edl.models import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM.init(LlamaConfig(**TINY_LLAMA), key=jax.random.key(0))
+
+
+@pytest.fixture(scope="session")
+def tiny_ids():
+    """``(2, 10)`` token ids for ``tiny_llama``."""
+    return jax.random.randint(jax.random.key(1), (2, 10), 0, TINY_LLAMA["vocab_size"])

@@ -65,7 +65,7 @@ def cases(draw):
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
-@settings(max_examples=20)  # each example compiles new shapes
+@settings(max_examples=12)  # each example compiles new shapes
 @given(cases())
 def test_attention_matches_float64_reference(impl, c):
     rng = np.random.default_rng(c["seed"])
@@ -90,7 +90,7 @@ def test_attention_matches_float64_reference(impl, c):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=20)
+@settings(max_examples=10)  # each example compiles a forward and two backward passes
 @given(cases())
 def test_xla_backward_matches_autodiff_of_the_reference(c):
     """The hand-written backward pass of impl="xla" against jax.grad of the plain reference

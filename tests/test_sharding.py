@@ -114,12 +114,15 @@ def test_partition_specs_follow_rules_and_fall_back_to_replication(caplog):
 def test_train_steps_on_every_mesh_equal_one_device(dims):
     """SGD keeps parameters a linear function of the gradients, so they are compared to
     1e-5 relative; AdamW divides by sqrt(v) + 1e-8 and amplifies reduction-order noise in
-    near-zero gradients to ~1e-3, so its losses (and placement) are checked instead."""
+    near-zero gradients to ~1e-3, so its losses (and placement of its moments) are checked
+    instead, on the meshes with both fsdp and tp."""
     mesh = make_mesh(dims)
     ref_losses, ref = _reference("sgd")
     losses, state = _run(_OPTIMIZERS["sgd"](), mesh)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _max_relative(state.params, ref.params) <= 1e-5
+    if mesh.shape["fsdp"] == 1 or mesh.shape["tp"] == 1:
+        return
 
     adam_ref, _ = _reference("adamw")
     adam_losses, adam_state = _run(_OPTIMIZERS["adamw"](), mesh)
@@ -261,3 +264,41 @@ def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     assert gate.addressable_shards[0].data.shape == (2, 1, 24, 32)
     down = state.params.model.layers.mlp.experts.down_proj  # (2, 4, 32, 48)
     assert down.addressable_shards[0].data.shape == (2, 1, 32, 24)
+
+
+def test_lora_and_quantized_weights_follow_the_rules():
+    """QLoRA on a mesh: the quantized base's blocks split over fsdp, LoRA-wrapped dense bases
+    split like plain weights, the rank-sized adapters stay whole; SGD on the adapters gives
+    the single-device losses."""
+    from edl.lora import apply_lora, lora_trainable
+    from edl.quantize import QuantConfig, quantize
+
+    base = apply_lora(_model(), rank=4, alpha=8, key=jax.random.key(2))
+    qlora = apply_lora(
+        quantize(_model(), QuantConfig("nf4", pattern=r"mlp\.")), rank=4, alpha=8,
+        key=jax.random.key(2),
+    )  # fmt: skip
+    mesh = make_mesh((1, 4, 2, 1))
+    specs = edl.tree.flatten(partition_specs(qlora, PARTITION_RULES, mesh=mesh))
+    assert specs["model.layers.mlp.up_proj.base_layer.qweight"] == P(None, "fsdp", None)
+    assert specs["model.layers.mlp.up_proj.base_layer.scales"] == P(None, "fsdp")
+    assert specs["model.layers.self_attn.q_proj.base_layer.weight"] == P(None, "tp", "fsdp")
+    assert specs["model.layers.self_attn.q_proj.lora_A.weight"] == P(None, None, None)
+    placed = shard(base, PARTITION_RULES, mesh)
+    q = placed.model.layers.self_attn.q_proj.base_layer.weight  # (2, 32, 32)
+    assert q.addressable_shards[0].data.shape == (2, 16, 8)
+
+    tx = optax.sgd(0.5)
+
+    def run(mesh):
+        state = edl.create_state(qlora, tx, trainable=lora_trainable)
+        step = make_train_step(_loss, tx, donate=False, mesh=mesh, rules=PARTITION_RULES)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, _batch())
+            losses.append(float(metrics["loss"]))
+        return np.array(losses)
+
+    ref = run(None)
+    assert ref[-1] < ref[0]  # the adapters learn
+    np.testing.assert_allclose(run(mesh), ref, rtol=1e-5)

@@ -47,17 +47,23 @@ __all__ = [
 # Tensor-parallel column splits (q/k/v, gate/up: output features over tp) and row splits
 # (o, down: input features over tp), FSDP over the other dimension; the stacked layer axis is
 # never split. Experts are split over fsdp (expert parallelism across the data axis) and
-# their MLP width over tp. Norms, routers and the classification head are replicated.
+# their MLP width over tp. The base weights of LoRA-wrapped layers (``base_layer``) split
+# like plain ones; quantized weights (``qweight`` blocks of the flattened matrix, one scale
+# per block) split their blocks over fsdp. Norms, routers, LoRA adapters (rank-sized) and
+# the classification head are replicated.
+_BASE = r"(\.base_layer)?"
 PARTITION_RULES = (
     # The embedding table splits its features: a vocab split would make the token gather
     # all-gather the table (XLA warns "involuntary full rematerialization").
-    (r"embed_tokens\.weight$", P(None, ("tp", "fsdp"))),
-    (r"lm_head\.weight$", P("tp", "fsdp")),
+    (rf"embed_tokens{_BASE}\.weight$", P(None, ("tp", "fsdp"))),
+    (rf"lm_head{_BASE}\.weight$", P("tp", "fsdp")),
     (r"experts\.(gate_proj|up_proj)$", P(None, "fsdp", "tp", None)),
     (r"experts\.down_proj$", P(None, "fsdp", None, "tp")),
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.weight$", P(None, "tp", "fsdp")),
-    (r"(q_proj|k_proj|v_proj|gate_proj|up_proj)\.bias$", P(None, "tp")),
-    (r"(o_proj|down_proj)\.weight$", P(None, "fsdp", "tp")),
+    (rf"(q_proj|k_proj|v_proj|gate_proj|up_proj){_BASE}\.weight$", P(None, "tp", "fsdp")),
+    (rf"(q_proj|k_proj|v_proj|gate_proj|up_proj){_BASE}\.bias$", P(None, "tp")),
+    (rf"(o_proj|down_proj){_BASE}\.weight$", P(None, "fsdp", "tp")),
+    (r"layers\..*\.(qweight|scales)$", P(None, "fsdp")),
+    (r"\.(qweight|scales)$", P("fsdp")),
     (r".*", P()),
 )
 HIDDEN = P(BATCH, "sp", None)  # activations (batch, seq, dim)

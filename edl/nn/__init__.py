@@ -2,9 +2,11 @@
 
 from edl.nn.attention import Attention
 from edl.nn.layers import Embedding, Linear, RMSNorm
+from edl.nn.lora import LoraLinear
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import Experts, SparseMoE
-from edl.nn.stack import REMAT_POLICIES, run_stack, stack
+from edl.nn.quantized import QuantizedLinear
+from edl.nn.stack import REMAT_POLICIES, map_stacked, run_stack, stack
 
 __all__ = [
     "REMAT_POLICIES",
@@ -13,8 +15,11 @@ __all__ = [
     "Experts",
     "GatedMLP",
     "Linear",
+    "LoraLinear",
+    "QuantizedLinear",
     "RMSNorm",
     "SparseMoE",
+    "map_stacked",
     "run_stack",
     "stack",
 ]

@@ -15,7 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.ops.norms import rms_norm
 
-__all__ = ["Embedding", "Linear", "RMSNorm"]
+__all__ = ["Embedding", "Linear", "RMSNorm", "add_bias"]
 
 
 class Linear(eqx.Module):
@@ -44,10 +44,14 @@ class Linear(eqx.Module):
             raise ValueError(
                 f"Linear: input features {x.shape[-1]} != weight's {self.weight.shape[1]}"
             )
-        y = jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype))
-        if self.bias is None:
-            return y
-        return y + self.bias.astype(x.dtype).reshape((1,) * (y.ndim - 1) + self.bias.shape)
+        return add_bias(jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype)), self.bias)
+
+
+def add_bias(y: Float[Array, "*batch out"], bias: Float[Array, " out"] | None) -> jax.Array:
+    """``y + bias`` in ``y``'s dtype (``y`` unchanged when ``bias`` is None)."""
+    if bias is None:
+        return y
+    return y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + bias.shape)
 
 
 class Embedding(eqx.Module):

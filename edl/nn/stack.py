@@ -23,6 +23,7 @@ from jaxtyping import Array, Key, PRNGKeyArray, PyTree
 __all__ = [
     "REMAT_POLICIES",
     "RematPolicy",
+    "map_stacked",
     "num_layers",
     "remat_policy",
     "run_stack",
@@ -55,6 +56,15 @@ def stack(
 ) -> eqx.Module:
     """``make_layer(key)`` for each key, stacked along a new leading axis of every array."""
     return eqx.filter_vmap(make_layer)(keys)
+
+
+def map_stacked(fn: Callable[..., Any], depth: int) -> Callable[..., Any]:
+    """``fn`` applied to every slice along ``depth`` leading axes of its arguments' arrays,
+    the results stacked again (nested ``eqx.filter_vmap``; ``depth == 0`` is ``fn``): a
+    per-layer transform of one layer module applied to a whole stack."""
+    for _ in range(depth):
+        fn = eqx.filter_vmap(fn)
+    return fn
 
 
 def num_layers(layers: PyTree) -> int:

@@ -8,6 +8,7 @@ from edl.ops.losses import (
     sequence_classification_loss,
 )
 from edl.ops.norms import rms_norm
+from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
 from edl.ops.sampling import (
     LogitsProcessor,
@@ -24,6 +25,7 @@ from edl.ops.sampling import (
 )
 
 __all__ = [
+    "NF4_CODE",
     "LogitsProcessor",
     "RopeConfig",
     "apply_rope",
@@ -33,10 +35,13 @@ __all__ = [
     "causal_lm_loss_from_logits",
     "compose",
     "cross_entropy",
+    "dequantize",
     "greedy",
     "inv_frequencies",
     "min_p",
     "processors_for",
+    "quantize",
+    "quantized_matmul",
     "reference_attention",
     "repetition_penalty",
     "rms_norm",
