@@ -102,7 +102,7 @@ def flash_cases(draw):
     }
 
 
-@settings(max_examples=12)  # every example compiles three kernels for new shapes
+@settings(max_examples=10)  # every example compiles three kernels for new shapes
 @given(flash_cases())
 def test_flash_attention_forward_and_gradients_match_float64(c):
     shape = {k: c[k] for k in ("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim")}
@@ -212,7 +212,7 @@ def decode_cases(draw):
     }
 
 
-@settings(max_examples=12)  # every example compiles a kernel for new shapes
+@settings(max_examples=8)  # every example compiles a kernel for new shapes
 @given(decode_cases())
 def test_decode_attention_matches_float64(c):
     q, k, v, _ = _inputs(

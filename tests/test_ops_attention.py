@@ -90,7 +90,7 @@ def test_attention_matches_float64_reference(impl, c):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=10)  # each example compiles a forward and two backward passes
+@settings(max_examples=6)  # each example compiles a forward and two backward passes
 @given(cases())
 def test_xla_backward_matches_autodiff_of_the_reference(c):
     """The hand-written backward pass of impl="xla" against jax.grad of the plain reference
