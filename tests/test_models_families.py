@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_parity import TOL, VOCAB, assert_close_on_real_tokens, padded_batch, random_hf_model
 
 import edl
 from edl.generate import generate
@@ -27,8 +28,6 @@ from edl.models import configure, flops_per_token, registry
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 96
-TOL = 1e-4
 TYPES = ["gemma", "gemma2", "mixtral", "qwen3_moe"]
 
 
@@ -62,26 +61,7 @@ def _hf_config(model_type, **overrides):
 
 
 def _hf_model(model_type, task="causal_lm", seed=0, std=0.2, **overrides):
-    auto = {
-        "causal_lm": transformers.AutoModelForCausalLM,
-        "sequence_classification": transformers.AutoModelForSequenceClassification,
-    }[task]
-    torch.manual_seed(seed)
-    model = auto.from_config(_hf_config(model_type, **overrides), attn_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():  # beyond HF's tiny init, so every weight matters
-            p.normal_(0.0, std)
-    return model.eval()
-
-
-def _batch(seq=11, batch=3, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, VOCAB, (batch, seq))
-    mask = np.ones((batch, seq), np.int64)
-    mask[1, :3] = 0  # left padding
-    mask[2, -4:] = 0  # right padding
-    ids[mask == 0] = 0
-    return ids, mask
+    return random_hf_model(_hf_config(model_type, **overrides), task, seed=seed, std=std)
 
 
 def _logits(model, ids, mask):
@@ -102,12 +82,11 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
     assert task == "causal_lm" and model.config.model_type == model_type
     assert type(model).__name__ == type(hf_model).__name__
 
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     labels = np.where(mask == 1, ids, -100)
     labels[1, 3] = -100  # edl never predicts from a padded position; HF must not count it
     ref = _hf_forward(hf_model, ids, mask, labels=torch.tensor(labels))
-    diff = np.abs(_logits(model, ids, mask) - ref.logits.numpy())[mask == 1]
-    assert diff.max() <= TOL, f"max |edl - hf| = {diff.max():.2e} on real tokens"
+    assert_close_on_real_tokens(_logits(model, ids, mask), ref.logits.numpy(), mask)
 
     loss, metrics = model.compute_loss(
         jnp.asarray(ids), jnp.asarray(labels), attention_mask=jnp.asarray(mask), chunk_size=8
@@ -187,7 +166,7 @@ def test_scan_and_unrolled_agree(model_type):
     in schedule order. Unrolling must not change a number (remat over every kind of schedule
     is tested in test_nn_stack.py, and on a Llama in test_models_llama.py)."""
     model = hf.from_state_dict(*_state(model_type))
-    ids, mask = (jnp.asarray(x) for x in _batch())
+    ids, mask = (jnp.asarray(x) for x in padded_batch())
 
     def loss(m):
         return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
@@ -203,7 +182,7 @@ def test_scan_and_unrolled_agree(model_type):
 def test_hidden_states_match_hf(model_type):
     hf_model = _hf_model(model_type)
     model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
-    ids, _ = _batch(seed=1)
+    ids, _ = padded_batch(seed=1)
     with torch.no_grad():
         ref = hf_model(torch.tensor(ids), output_hidden_states=True).hidden_states
     out = model(jnp.asarray(ids), output_hidden_states=True)
@@ -218,7 +197,7 @@ def test_sequence_classification_parity(tmp_path):
     hf_model.save_pretrained(tmp_path)
     model = edl.from_pretrained(tmp_path)
     assert type(model).__name__ == "Gemma2ForSequenceClassification"
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     labels = np.array([0, 2, 1])
     ref = _hf_forward(hf_model, ids, mask, labels=torch.tensor(labels))
     np.testing.assert_allclose(_logits(model, ids, mask), ref.logits.numpy(), atol=TOL)

@@ -1,9 +1,8 @@
 """Llama-family parity with transformers (torch, float32) through real HF files.
 
 Each model type gets a small random config exercising its features; weights go
-HF -> save_pretrained -> edl.from_pretrained and back, and logits must agree to 1e-4
-(float32 matmuls over dims <= 64 accumulate ~1e-6 relative error; 1e-4 leaves room for the
-different summation orders of torch and XLA without hiding a wrong mask or RoPE).
+HF -> save_pretrained -> edl.from_pretrained and back, and logits must agree to 1e-4 (why that
+tolerance: tests/hf_parity.py).
 """
 
 import json
@@ -12,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hf_parity import TOL, VOCAB, assert_close_on_real_tokens, padded_batch, random_hf_model
 
 import edl
 from edl.io import hf
@@ -20,9 +20,6 @@ from edl.models import LlamaConfig, LlamaForCausalLM, configure, flops_per_token
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 96
-TOL = 1e-4
 
 
 def _hf_configs():
@@ -58,37 +55,12 @@ def _hf_model(model_type, task="causal_lm", **overrides):
     config = _hf_configs()[model_type]
     for k, v in overrides.items():
         setattr(config, k, v)
-    torch.manual_seed(0)
-    auto = {
-        "causal_lm": transformers.AutoModelForCausalLM,
-        "sequence_classification": transformers.AutoModelForSequenceClassification,
-    }[task]
-    model = auto.from_config(config, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in model.parameters():  # beyond HF's tiny init, so every weight matters
-            p.normal_(0.0, 0.2)
-    return model
-
-
-def _batch(seq=11, batch=3, seed=0):
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, VOCAB, (batch, seq))
-    mask = np.ones((batch, seq), np.int64)
-    mask[1, :3] = 0  # left padding
-    mask[2, -4:] = 0  # right padding
-    ids[mask == 0] = 0
-    return ids, mask
+    return random_hf_model(config, task)
 
 
 def _hf_logits(model, ids, mask):
     with torch.no_grad():
         return model(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.numpy()
-
-
-def _assert_close_on_real_tokens(edl_logits, hf_logits, mask):
-    real = mask.astype(bool)
-    diff = np.abs(np.asarray(edl_logits, np.float32) - hf_logits)[real]
-    assert diff.max() <= TOL, f"max |edl - hf| = {diff.max():.2e} on real tokens"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
@@ -99,10 +71,10 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
     assert isinstance(model, LlamaForCausalLM)
     assert model.config.model_type == model_type
 
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     ref = _hf_logits(hf_model, ids, mask)
     logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits
-    _assert_close_on_real_tokens(logits, ref, mask)
+    assert_close_on_real_tokens(logits, ref, mask)
 
     # Loss: HF ignores -100 labels; edl also takes the mask. The first real token after left
     # padding is not a target (edl never predicts from a padded position).
@@ -139,7 +111,7 @@ def test_sequence_classification_parity(tmp_path):
     hf_model.save_pretrained(tmp_path)
     model = edl.from_pretrained(tmp_path)
     assert type(model).__name__ == "LlamaForSequenceClassification"
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     labels = np.array([0, 2, 1])
     with torch.no_grad():
         out = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
@@ -157,7 +129,7 @@ def test_sequence_classification_parity(tmp_path):
 def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
     hf_model = _hf_model("llama")
     model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
-    ids, _ = _batch(seed=1)
+    ids, _ = padded_batch(seed=1)
     with torch.no_grad():
         ref = hf_model(torch.tensor(ids), output_hidden_states=True).hidden_states
     out = model(jnp.asarray(ids), output_hidden_states=True)
@@ -179,7 +151,7 @@ def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
 )
 def test_scan_unrolled_and_remat_agree(model_type, variants):
     model = hf.from_state_dict(*_state(model_type))
-    ids, mask = (jnp.asarray(x) for x in _batch())
+    ids, mask = (jnp.asarray(x) for x in padded_batch())
 
     def loss(m):
         return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
@@ -245,13 +217,13 @@ def _random_model(model_type):
 
 def test_to_torch():
     model = _random_model("qwen3")
-    ids, mask = _batch()
+    ids, mask = padded_batch()
     torch_model = hf.to_torch(model)
     assert edl.count_params(model) == sum(p.numel() for p in torch_model.parameters())
     text = edl.summary(model)
     assert "model.layers.self_attn.q_norm.weight" in text and "(2, 16)" in text
     ref = _hf_logits(torch_model, ids, mask)
-    _assert_close_on_real_tokens(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits,
+    assert_close_on_real_tokens(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits,
                                  ref, mask)  # fmt: skip
 
 
@@ -290,7 +262,7 @@ def test_default_attention_path_is_the_pallas_kernel():
     """Models use impl="auto", which is the Pallas kernel (interpreted on CPU), in the forward
     pass and in the gradient; attention_impl="xla" computes the same loss without it."""
     model = hf.from_state_dict(*_state("qwen2"))
-    ids, mask = (jnp.asarray(x) for x in _batch())
+    ids, mask = (jnp.asarray(x) for x in padded_batch())
 
     def loss(m):
         return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
