@@ -5,21 +5,25 @@ vocab 1024, 4 layers, float32), prompts of 32 tokens, 128 new tokens (no EOS, so
 runs to the end), batch 1 and 8. edl runs the whole decode loop as one compiled program
 (timed after a first call that compiles it); transformers runs its Python loop with a
 dynamic cache. New tokens per second = batch * 128 / wall time of one ``generate`` call,
-prefill included on both sides.
+prefill included on both sides; the fastest of ``--rounds`` interleaved rounds (and the
+ratio of medians). Each edl attention impl is timed with the default
+``unstack_layers=True``; "<impl>/stacked" columns time ``unstack_layers=False`` (weights
+sliced out of the layer stacks on every decode step).
 
-    python -m benchmarks.generate [--quick] [--impls auto xla]
+    python -m benchmarks.generate [--quick] [--impls auto xla] [--stacked auto] [--rounds 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import jax
 import numpy as np
 
 import edl
-from benchmarks._common import table, time_call, write_json
+from benchmarks._common import table, write_json
 from edl.generate import generate
 from edl.models import LlamaConfig, LlamaForCausalLM, configure
 
@@ -36,15 +40,12 @@ def _config(quick: bool) -> LlamaConfig:
     )
 
 
-def _time_edl(model, ids, new, reps):
-    start = time.perf_counter()
-    jax.block_until_ready(generate(model, ids, max_new_tokens=new).sequences)
-    first_s = time.perf_counter() - start
-    seconds = time_call(lambda: generate(model, ids, max_new_tokens=new).sequences, **reps)
-    return seconds, first_s
+def _edl_call(model, ids, new, impl, unstack_layers):
+    model = configure(model, attention_impl=impl)
+    return lambda: generate(model, ids, max_new_tokens=new, unstack_layers=unstack_layers).sequences
 
 
-def _time_torch(torch_model, ids, new, reps):
+def _torch_call(torch_model, ids, new):
     import torch
 
     ids_t = torch.from_numpy(np.asarray(ids, np.int64))
@@ -56,9 +57,23 @@ def _time_torch(torch_model, ids, new, reps):
                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
             )  # fmt: skip
 
-    out = run()
-    assert out.shape[1] == ids.shape[1] + new
-    return time_call(run, **reps)
+    return run
+
+
+def _rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``, one call each per round, rounds interleaved
+    so that drifting load on a shared machine hits every variant alike. torch goes last
+    in a round, followed by a pause: its OpenMP workers keep spinning for a while after
+    a call and would take the 2 cores from XLA's threads (measured: ~40% slower)."""
+    samples = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            samples[name].append(time.perf_counter() - start)
+            if name == "torch":
+                time.sleep(0.5)
+    return samples
 
 
 def main() -> None:
@@ -66,9 +81,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 small layers, 16 new tokens")
     parser.add_argument("--impls", nargs="+", default=["auto", "xla"],
                         help="edl attention impls to time (auto = Pallas kernels)")  # fmt: skip
+    parser.add_argument("--stacked", nargs="*", default=["auto"],
+                        help="impls also timed with unstack_layers=False")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
+    variants = {impl: (impl, True) for impl in args.impls}
+    variants |= {f"{impl}/stacked": (impl, False) for impl in args.stacked}
     prompt, new = (8, 16) if args.quick else (32, 128)
-    reps = {"warmup": 1, "repeats": 3, "number": 1}
 
     import torch
 
@@ -79,30 +98,40 @@ def main() -> None:
     rows = []
     for batch in (1, 8):
         ids = np.asarray(jax.random.randint(jax.random.key(batch), (batch, prompt), 1, 1024))
-        # edl first: torch's OpenMP workers keep spinning for a while after each call
-        # and would steal the 2 cores from XLA's threads.
-        edl_times = {
-            impl: _time_edl(configure(model, attention_impl=impl), ids, new, reps)
-            for impl in args.impls
-        }
-        torch_s = _time_torch(torch_model, ids, new, reps)
-        row = {"batch": batch, "prompt": prompt, "new_tokens": new,
-               "torch_tokens_per_s": batch * new / torch_s}  # fmt: skip
-        for impl, (seconds, first_s) in edl_times.items():
-            row[f"edl_{impl}_tokens_per_s"] = batch * new / seconds
-            row[f"edl_{impl}_speedup"] = torch_s / seconds
-            row[f"edl_{impl}_first_call_s"] = first_s
+        calls = {name: _edl_call(model, ids, new, *v) for name, v in variants.items()}
+        first = {}
+        for name, call in calls.items():  # compile + run once
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            first[name] = time.perf_counter() - start
+        calls["torch"] = _torch_call(torch_model, ids, new)
+        assert calls["torch"]().shape[1] == prompt + new
+        time.sleep(0.5)
+        samples = _rounds(calls, args.rounds)
+        # The fastest round of each: the least disturbed by the machine's other load.
+        best = {name: min(s) for name, s in samples.items()}
+        row = {"batch": batch, "prompt": prompt, "new_tokens": new, "rounds": args.rounds,
+               "torch_tokens_per_s": batch * new / best["torch"],
+               "torch_median_s": statistics.median(samples["torch"])}  # fmt: skip
+        for name in variants:
+            row[f"edl_{name}_tokens_per_s"] = batch * new / best[name]
+            row[f"edl_{name}_speedup"] = best["torch"] / best[name]
+            row[f"edl_{name}_median_speedup"] = statistics.median(
+                samples["torch"]
+            ) / statistics.median(samples[name])
+            row[f"edl_{name}_first_call_s"] = first[name]
         rows.append(row)
         print(f"batch {batch} done", flush=True)
     header = ["batch", "torch tok/s"]
-    for impl in args.impls:
-        header += [f"edl {impl} tok/s", f"x torch ({impl})", f"compile+run s ({impl})"]
+    for name in variants:
+        header += [f"edl {name} tok/s", f"x torch ({name})", f"median x ({name})",
+                   f"compile+run s ({name})"]  # fmt: skip
     body = []
     for r in rows:
         cells = [r["batch"], r["torch_tokens_per_s"]]
-        for impl in args.impls:
-            cells += [r[f"edl_{impl}_tokens_per_s"], r[f"edl_{impl}_speedup"],
-                      r[f"edl_{impl}_first_call_s"]]  # fmt: skip
+        for name in variants:
+            cells += [r[f"edl_{name}_tokens_per_s"], r[f"edl_{name}_speedup"],
+                      r[f"edl_{name}_median_speedup"], r[f"edl_{name}_first_call_s"]]  # fmt: skip
         body.append(cells)
     print(table(header, body))
     print("wrote", write_json("generate", rows, quick=args.quick, layers=config.num_hidden_layers))

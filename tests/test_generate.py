@@ -5,6 +5,7 @@ softmax, streaming = compiled, clear errors before compiling."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -241,6 +242,43 @@ def test_decode_loop_is_one_compiled_program():
     generate(model, ids, attention_mask=mask, config=config)
     generate(model, ids + 1, attention_mask=mask, config=config)
     assert decode_module._generate_compiled._cache_size() == before + 1
+
+
+def _slices_in_loops(jaxpr, in_loop=False):
+    """Shapes of the arrays that ``slice`` / ``dynamic_slice`` cut inside ``while`` bodies."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if in_loop and eqn.primitive.name in ("slice", "dynamic_slice"):
+            found.append(tuple(eqn.invars[0].aval.shape))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _slices_in_loops(sub, in_loop or eqn.primitive.name == "while")
+    return found
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_unstacked_layers_decode_identically_without_slicing_weights(impl):
+    """``unstack_layers`` (the default) cuts the layer weights out of their stacks once,
+    before the decode loop; the tokens are those of the stacked model, sliced every step."""
+    model = _tiny_model(attention_impl=impl, layer_windows=(None, 3))
+    ids, mask = _prompts()
+    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=True, key=jax.random.key(5))
+    stacked = generate(model, ids, unstack_layers=False, **kw)
+    unstacked = generate(model, ids, **kw)
+    np.testing.assert_array_equal(unstacked.sequences, stacked.sequences)
+    streamed = np.stack(list(generate_stream(model, ids, **kw)), axis=1)
+    np.testing.assert_array_equal(np.asarray(stacked.sequences)[:, ids.shape[1] :], streamed)
+
+    config = GenerationConfig(max_new_tokens=4)
+    weights = {x.shape for x in jax.tree.leaves(model.model.layers) if x.ndim >= 3}
+    for unstack_layers, expect_weight_slices in ((True, False), (False, True)):
+        jaxpr = jax.make_jaxpr(
+            lambda m, i, a, u=unstack_layers: decode_module._generate_compiled(
+                m, i, a, jax.random.key(0), config=config, max_new=4, unstack_layers=u,
+                processor=decode_module.logits_processor_for(config),
+            )
+        )(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.bool_))  # fmt: skip
+        sliced = set(_slices_in_loops(jaxpr.jaxpr))
+        assert bool(sliced & weights) == expect_weight_slices, (unstack_layers, sliced)
 
 
 @pytest.mark.parametrize(

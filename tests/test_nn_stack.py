@@ -1,6 +1,7 @@
 """edl.nn.stack: schedules with per-layer settings and several stacks run every layer once,
 in order, with its own weights, setting and global index, whether scanned (over repeating
-blocks, then runs) or unrolled, with or without remat, collecting per-layer outputs."""
+blocks, then runs), unrolled or unstacked, with or without remat, collecting per-layer
+outputs."""
 
 import equinox as eqx
 import jax
@@ -8,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edl.nn.stack import run_stack, schedule_period, stack
+from edl.nn.stack import num_layers, run_stack, schedule_period, stack, unstack
 
 
 class Scale(eqx.Module):
@@ -76,20 +77,25 @@ def test_every_layer_once_in_order(groups, settings, remat):
         stacks["b"] = stack(Shift.init, jax.random.split(keys[1], n["b"]))
     x = jnp.linspace(-1.0, 1.0, 3)
     ref, ref_all = _reference(stacks, groups, settings, x)
-    for scan in (True, False):
-        out, per_layer = run_stack(stacks, x, _apply, settings=settings, groups=list(groups),
+    unstacked = {g: unstack(s) for g, s in stacks.items()}
+    assert {g: num_layers(s) for g, s in unstacked.items()} == {g: c for g, c in n.items() if c}
+    for scan, layers in ((True, stacks), (False, stacks), (True, unstacked)):
+        out, per_layer = run_stack(layers, x, _apply, settings=settings, groups=list(groups),
                                    scan=scan, remat=remat, collect=True)  # fmt: skip
-        np.testing.assert_allclose(out, ref, rtol=1e-6, err_msg=f"scan={scan}")
-        np.testing.assert_allclose(per_layer, ref_all, rtol=1e-6, err_msg=f"scan={scan}")
+        what = f"scan={scan}, unstacked={layers is unstacked}"
+        np.testing.assert_allclose(out, ref, rtol=1e-6, err_msg=what)
+        np.testing.assert_allclose(per_layer, ref_all, rtol=1e-6, err_msg=what)
 
-    def loss(stacks):
-        return jnp.sum(run_stack(stacks, x, _apply, settings=settings, groups=list(groups),
+    def loss(stacks, unstacked=False):
+        layers = {g: unstack(s) for g, s in stacks.items()} if unstacked else stacks
+        return jnp.sum(run_stack(layers, x, _apply, settings=settings, groups=list(groups),
                                  remat=remat)[0] ** 2)  # fmt: skip
 
-    grads = jax.grad(loss)(stacks)
     ref_grads = jax.grad(lambda s: jnp.sum(_reference(s, groups, settings, x)[0] ** 2))(stacks)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for unstacked in (False, True):
+        grads = jax.grad(loss)(stacks, unstacked)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_repeating_schedule_is_one_scan():

@@ -83,10 +83,15 @@ def _sample_step(model, state, *, prompt, mask, key, config, processor):
     return (step + 1, logits, cache, generated, done), token
 
 
-@functools.partial(jax.jit, static_argnames=("config", "processor", "max_new", "page_size"))
+@functools.partial(
+    jax.jit, static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers")
+)
 def _generate_compiled(
-    model, input_ids, attention_mask, key, *, config, processor, max_new, page_size=None
-):
+    model, input_ids, attention_mask, key, *, config, processor, max_new, page_size=None,
+    unstack_layers=True,
+):  # fmt: skip
+    if unstack_layers:
+        model = model.unstacked()
     if config.num_beams > 1:
         return beam_search(model, input_ids, attention_mask, key, config=config,
                            processor=processor, max_new=max_new)  # fmt: skip
@@ -116,13 +121,17 @@ def _num_new(generated, steps_run, config):
     return jnp.where(jnp.any(eos, axis=1), first + 1, steps_run)
 
 
-def _check_inputs(model, input_ids, attention_mask, key, config, page_size=None):
+def _check_inputs(model, input_ids, attention_mask, key, config, page_size, unstack_layers):
     """Eager checks with messages that name the problem (before anything compiles)."""
     if page_size is not None and (page_size < 1 or config.num_beams > 1):
         raise ValueError(f"generate: page_size {page_size} needs >= 1 and num_beams 1")
     if not hasattr(model, "lm_logits") or not hasattr(model, "model"):
         raise TypeError(
             f"generate needs a causal LM (model + lm_logits), got {type(model).__name__}"
+        )
+    if unstack_layers and not hasattr(model, "unstacked"):
+        raise TypeError(
+            f"generate: {type(model).__name__} has no unstacked(); pass unstack_layers=False"
         )
     ids = np.asarray(input_ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] == 0:
@@ -166,6 +175,7 @@ def generate(
     config: GenerationConfig | None = None,
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
+    unstack_layers: bool = True,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -182,27 +192,38 @@ def generate(
             to reuse the compiled program.
         page_size: decode through a ``PagedKVCache`` with pages of this many tokens
             (default: the contiguous ``KVCache``). Not with beam search.
+        unstack_layers: slice the layer stacks into separate layers once, before the decode
+            loop (``model.unstacked()``), and run them unrolled. Otherwise every decode step
+            copies every layer's weights out of the stacks (XLA does not hoist those
+            slices), which costs ~15-35% of the step on CPU (``benchmarks/RESULTS.md``).
+            The price is a second copy of the layer weights while generating, and compile
+            time that grows with depth; ``False`` keeps both at the stacked model's.
 
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
     """
     config = _resolve(config, max_new_tokens, overrides)
-    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    ids, mask = _check_inputs(
+        model, input_ids, attention_mask, key, config, page_size, unstack_layers
+    )
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
     return _generate_compiled(
         model, ids, mask, key, config=config, processor=processor, max_new=max_new,
-        page_size=page_size,
+        page_size=page_size, unstack_layers=unstack_layers,
     )  # fmt: skip
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size"))
-def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size):
+@functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
+def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size, unstack_layers):
+    if unstack_layers:  # sliced once here; every step then reuses these layers
+        model = model.unstacked()
     logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
     rows = input_ids.shape[0]
     generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
-    return (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_)), prompt, mask
+    state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+    return model, state, prompt, mask
 
 
 @functools.partial(jax.jit, static_argnames=("config", "processor"), donate_argnums=(1,))
@@ -222,6 +243,7 @@ def generate_stream(
     config: GenerationConfig | None = None,
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
+    unstack_layers: bool = True,
     **overrides: Any,
 ) -> Iterator[np.ndarray]:
     """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
@@ -230,13 +252,16 @@ def generate_stream(
     config = _resolve(config, max_new_tokens, overrides)
     if config.num_beams > 1:
         raise ValueError("generate_stream: beam search cannot be streamed; use generate")
-    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    ids, mask = _check_inputs(
+        model, input_ids, attention_mask, key, config, page_size, unstack_layers
+    )
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
-    state, prompt, mask = _stream_setup(
-        model, ids, mask, config=config, max_new=max_new, page_size=page_size
-    )
+    model, state, prompt, mask = _stream_setup(
+        model, ids, mask, config=config, max_new=max_new, page_size=page_size,
+        unstack_layers=unstack_layers,
+    )  # fmt: skip
     for _ in range(max_new):
         state, token = _stream_step(
             model, state, prompt, mask, key, config=config, processor=processor

@@ -16,6 +16,7 @@ the task heads of ``edl.models.heads``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import equinox as eqx
@@ -30,7 +31,7 @@ from edl.nn.attention import Attention, KVCacheLike
 from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import SparseMoE
-from edl.nn.stack import run_stack, stack
+from edl.nn.stack import run_stack, stack, unstack
 from edl.ops.moe import RouterStats
 from edl.ops.rope import rope_tables
 from edl.sharding import BATCH, constrain
@@ -239,12 +240,16 @@ def _broadcast_positions(position_ids: jax.Array, batch: int, seq: int) -> Ids:
     return position_ids
 
 
+# Stacked (every array has a leading layer axis), or after ``unstacked()`` a tuple of layers.
+LayerStack = DecoderLayer | tuple[DecoderLayer, ...]
+
+
 class DecoderModel(eqx.Module):
     """The decoder trunk: embeddings, stacked decoder layers, final norm."""
 
     embed_tokens: Embedding
-    layers: DecoderLayer  # stacked: every array has a leading layer axis
-    dense_layers: DecoderLayer | None  # the dense layers of a model mixing dense and MoE
+    layers: LayerStack
+    dense_layers: LayerStack | None  # the dense layers of a model mixing dense and MoE
     norm: RMSNorm
     config: DecoderConfig = eqx.field(static=True)
 
@@ -270,7 +275,14 @@ class DecoderModel(eqx.Module):
         return cls(embed, stacks["layers"], stacks.get("dense_layers"), _norm(config, dtype),
                    config)  # fmt: skip
 
-    def _stacks(self) -> tuple[DecoderLayer | dict[str, DecoderLayer], tuple[str, ...] | None]:
+    def unstacked(self) -> DecoderModel:
+        """The same trunk with each layer stack split into a tuple of layers (``unstack``),
+        which runs unrolled. Meant for inside a compiled loop that calls the model many
+        times (decoding): the weights are sliced once, not on every call."""
+        dense = None if self.dense_layers is None else unstack(self.dense_layers)
+        return dataclasses.replace(self, layers=unstack(self.layers), dense_layers=dense)
+
+    def _stacks(self) -> tuple[LayerStack | dict[str, LayerStack], tuple[str, ...] | None]:
         """``run_stack``'s ``layers`` and ``groups`` arguments."""
         if self.dense_layers is None:
             return self.layers, None

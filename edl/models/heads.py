@@ -88,6 +88,11 @@ class DecoderForCausalLM(eqx.Module):
             self.lm_logits(out.last_hidden_state), out.hidden_states, out.cache, out.router_stats
         )
 
+    def unstacked(self) -> DecoderForCausalLM:
+        """The same model with its layer stacks split into tuples of layers (run unrolled,
+        weights sliced once): see ``DecoderModel.unstacked``."""
+        return dataclasses.replace(self, model=self.model.unstacked())
+
     def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]:
         """The LM head on final hidden states (generation applies it to last tokens only),
         soft-capped where the family caps (Gemma 2)."""
