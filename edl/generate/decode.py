@@ -195,7 +195,8 @@ def generate(
         unstack_layers: slice the layer stacks into separate layers once, before the decode
             loop (``model.unstacked()``), and run them unrolled. Otherwise every decode step
             copies every layer's weights out of the stacks (XLA does not hoist those
-            slices), which costs ~15-35% of the step on CPU (``benchmarks/RESULTS.md``).
+            slices): batch-1 decoding on CPU measured 15-50% slower that way
+            (``benchmarks/RESULTS.md``; unchanged at batch 8).
             The price is a second copy of the layer weights while generating, and compile
             time that grows with depth; ``False`` keeps both at the stacked model's.
 
