@@ -257,16 +257,21 @@ def _slices_in_loops(jaxpr, in_loop=False):
 
 @pytest.mark.parametrize("impl", ["auto", "xla"])
 def test_unstacked_layers_decode_identically_without_slicing_weights(impl):
-    """``unstack_layers`` (the default) cuts the layer weights out of their stacks once,
-    before the decode loop; the tokens are those of the stacked model, sliced every step."""
+    """``unstack_layers`` cuts the layer weights out of their stacks once, before the decode
+    loop; the tokens are those of the stacked model (the default), sliced every step."""
     model = _tiny_model(attention_impl=impl, layer_windows=(None, 3))
     ids, mask = _prompts()
     kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=True, key=jax.random.key(5))
-    stacked = generate(model, ids, unstack_layers=False, **kw)
-    unstacked = generate(model, ids, **kw)
+    stacked = generate(model, ids, **kw)
+    unstacked = generate(model, ids, unstack_layers=True, **kw)
     np.testing.assert_array_equal(unstacked.sequences, stacked.sequences)
-    streamed = np.stack(list(generate_stream(model, ids, **kw)), axis=1)
+    streamed = np.stack(list(generate_stream(model, ids, unstack_layers=True, **kw)), axis=1)
     np.testing.assert_array_equal(np.asarray(stacked.sequences)[:, ids.shape[1] :], streamed)
+    beams = dict(attention_mask=mask, max_new_tokens=5, num_beams=3)
+    np.testing.assert_array_equal(
+        generate(model, ids, unstack_layers=True, **beams).sequences,
+        generate(model, ids, **beams).sequences,
+    )
 
     config = GenerationConfig(max_new_tokens=4)
     weights = {x.shape for x in jax.tree.leaves(model.model.layers) if x.ndim >= 3}

@@ -33,7 +33,15 @@ def _penalised(scores: jax.Array, length: jax.Array, penalty: float) -> jax.Arra
 
 
 def beam_search(
-    model, input_ids, attention_mask, key, *, config: GenerationConfig, processor, max_new: int
+    model,
+    input_ids,
+    attention_mask,
+    key,
+    *,
+    config: GenerationConfig,
+    processor,
+    max_new: int,
+    unstack_layers: bool = False,
 ) -> GenerateOutput:
     """Beam search over ``input_ids (batch, seq)``; call it inside ``jax.jit`` (``generate``
     does). ``processor`` acts on log-probabilities, as in HF; with ``config.do_sample`` the
@@ -45,6 +53,7 @@ def beam_search(
     dtype = model.model.embed_tokens.weight.dtype
     cache = init_cache(model.config, batch, prompt_len + max_new, dtype)
     logits, cache = steps.prefill(model, ids, mask, lengths, cache)
+    decoder = model.unstacked() if unstack_layers else model  # see generate
     rows = jnp.repeat(jnp.arange(batch), beams)
     prompt, prompt_mask = ids[rows], mask[rows]
     fill = config.pad_id
@@ -108,7 +117,7 @@ def beam_search(
         # Cache rows follow their beams; feed each running beam's new token.
         flat_source = (jnp.arange(batch)[:, None] * beams + _gather(source, chosen)).reshape(-1)
         cache = s["cache"].select_rows(flat_source)
-        logits, cache = steps.decode_step(model, running[:, :, t].reshape(-1), cache)
+        logits, cache = steps.decode_step(decoder, running[:, :, t].reshape(-1), cache)
 
         # HF's heuristic: can a running beam still beat the worst finished one?
         if config.early_stopping == "never" and penalty > 0.0:

@@ -88,19 +88,20 @@ def _sample_step(model, state, *, prompt, mask, key, config, processor):
 )
 def _generate_compiled(
     model, input_ids, attention_mask, key, *, config, processor, max_new, page_size=None,
-    unstack_layers=True,
+    unstack_layers=False,
 ):  # fmt: skip
-    if unstack_layers:
-        model = model.unstacked()
     if config.num_beams > 1:
         return beam_search(model, input_ids, attention_mask, key, config=config,
-                           processor=processor, max_new=max_new)  # fmt: skip
+                           processor=processor, max_new=max_new,
+                           unstack_layers=unstack_layers)  # fmt: skip
     logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
     rows = input_ids.shape[0]
     generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
     state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+    # The prefill above runs once: it keeps the stacks (scanned, compile time flat in depth).
+    decoder = model.unstacked() if unstack_layers else model
     body = functools.partial(
-        _sample_step, model, prompt=prompt, mask=mask, key=key, config=config,
+        _sample_step, decoder, prompt=prompt, mask=mask, key=key, config=config,
         processor=processor,
     )  # fmt: skip
 
@@ -175,7 +176,7 @@ def generate(
     config: GenerationConfig | None = None,
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
-    unstack_layers: bool = True,
+    unstack_layers: bool = False,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -192,13 +193,14 @@ def generate(
             to reuse the compiled program.
         page_size: decode through a ``PagedKVCache`` with pages of this many tokens
             (default: the contiguous ``KVCache``). Not with beam search.
-        unstack_layers: slice the layer stacks into separate layers once, before the decode
-            loop (``model.unstacked()``), and run them unrolled. Otherwise every decode step
-            copies every layer's weights out of the stacks (XLA does not hoist those
-            slices): batch-1 decoding on CPU measured 15-50% slower that way
-            (``benchmarks/RESULTS.md``; unchanged at batch 8).
-            The price is a second copy of the layer weights while generating, and compile
-            time that grows with depth; ``False`` keeps both at the stacked model's.
+        unstack_layers: after the prefill (which stays scanned), slice the layer stacks
+            into separate layers once (``model.unstacked()``) and run the decode loop
+            unrolled over them. By default every decode step copies each layer's weights
+            out of the stacks (XLA does not hoist those slices); unstacked, batch-1
+            decoding on CPU measured 15-50% faster on a 4-layer model (unchanged at batch
+            8; ``benchmarks/RESULTS.md``). The price: a second copy of the layer weights
+            while generating, and compile time that grows with depth (32 layers on CPU:
+            14 s instead of 2.6 s), hence opt-in: for small models and long generations.
 
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
@@ -218,13 +220,12 @@ def generate(
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
 def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size, unstack_layers):
-    if unstack_layers:  # sliced once here; every step then reuses these layers
-        model = model.unstacked()
     logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
     rows = input_ids.shape[0]
     generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
     state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
-    return model, state, prompt, mask
+    # Sliced once here; every streamed step then reuses these layers.
+    return (model.unstacked() if unstack_layers else model), state, prompt, mask
 
 
 @functools.partial(jax.jit, static_argnames=("config", "processor"), donate_argnums=(1,))
@@ -244,7 +245,7 @@ def generate_stream(
     config: GenerationConfig | None = None,
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
-    unstack_layers: bool = True,
+    unstack_layers: bool = False,
     **overrides: Any,
 ) -> Iterator[np.ndarray]:
     """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
