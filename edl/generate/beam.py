@@ -53,7 +53,7 @@ def beam_search(
     dtype = model.model.embed_tokens.weight.dtype
     cache = init_cache(model.config, batch, prompt_len + max_new, dtype)
     logits, cache = steps.prefill(model, ids, mask, lengths, cache)
-    decoder = model.unstacked() if unstack_layers else model  # see generate
+    decoder = steps.decoder(model, unstack_layers)
     rows = jnp.repeat(jnp.arange(batch), beams)
     prompt, prompt_mask = ids[rows], mask[rows]
     fill = config.pad_id

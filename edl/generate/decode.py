@@ -98,11 +98,9 @@ def _generate_compiled(
     rows = input_ids.shape[0]
     generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
     state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
-    # The prefill above runs once: it keeps the stacks (scanned, compile time flat in depth).
-    decoder = model.unstacked() if unstack_layers else model
     body = functools.partial(
-        _sample_step, decoder, prompt=prompt, mask=mask, key=key, config=config,
-        processor=processor,
+        _sample_step, steps.decoder(model, unstack_layers), prompt=prompt, mask=mask,
+        key=key, config=config, processor=processor,
     )  # fmt: skip
 
     def running(state):
@@ -225,7 +223,7 @@ def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_siz
     generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
     state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
     # Sliced once here; every streamed step then reuses these layers.
-    return (model.unstacked() if unstack_layers else model), state, prompt, mask
+    return steps.decoder(model, unstack_layers), state, prompt, mask
 
 
 @functools.partial(jax.jit, static_argnames=("config", "processor"), donate_argnums=(1,))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["compact_prompts", "decode_step", "prefill"]
+__all__ = ["compact_prompts", "decode_step", "decoder", "prefill"]
 
 
 def compact_prompts(
@@ -42,6 +42,13 @@ def prefill(
     out = model.model(ids, attention_mask=mask, cache=cache)
     last = jnp.take_along_axis(out.last_hidden_state, (lengths - 1)[:, None, None], axis=1)
     return model.lm_logits(last[:, 0]).astype(jnp.float32), out.cache
+
+
+def decoder(model: Any, unstack_layers: bool) -> Any:
+    """The model the decode loop calls: ``model``, or with ``unstack_layers`` its layer
+    stacks cut once into separate layers (``model.unstacked()``). Call it after the
+    prefill, which keeps the stacks (scanned: compile time flat in depth)."""
+    return model.unstacked() if unstack_layers else model
 
 
 def decode_step(

@@ -163,7 +163,7 @@ def run_stack(
         raise ValueError(f"run_stack: {len(settings)} settings for {n} layers")
     schedule = list(zip(groups, settings, strict=True))
     local = [groups[:i].count(groups[i]) for i in range(n)]  # position within its group
-    unstacked = any(isinstance(s, tuple) for s in stacks.values())
+    unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
     split = {
         g: eqx.partition(s[0] if isinstance(s, tuple) else s, eqx.is_array)
         for g, s in stacks.items()
@@ -178,7 +178,7 @@ def run_stack(
 
         if remat == "none":
             return one
-        return jax.checkpoint(one, policy=policy, prevent_cse=not scan)
+        return jax.checkpoint(one, policy=policy, prevent_cse=unrolled)
 
     def params_at(group: str, j: int) -> PyTree:
         s = stacks[group]
@@ -196,7 +196,7 @@ def run_stack(
         if collect:
             outputs.append(y)
 
-    if not scan or unstacked:
+    if unrolled:
         for i in range(n):
             carry = layer_fn(*schedule[i])(carry, params_at(groups[i], local[i]), indices[i])
             keep(jax.tree.map(lambda a: a[None], carry))
