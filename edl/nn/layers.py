@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from edl.ops.matmul import linear
 from edl.ops.norms import rms_norm
 
 __all__ = ["Embedding", "Linear", "RMSNorm", "add_bias"]
@@ -44,7 +45,7 @@ class Linear(eqx.Module):
             raise ValueError(
                 f"Linear: input features {x.shape[-1]} != weight's {self.weight.shape[1]}"
             )
-        return add_bias(jnp.einsum("...i,oi->...o", x, self.weight.astype(x.dtype)), self.bias)
+        return add_bias(linear(x, self.weight), self.bias)
 
 
 def add_bias(y: Float[Array, "*batch out"], bias: Float[Array, " out"] | None) -> jax.Array:
@@ -76,7 +77,7 @@ class Embedding(eqx.Module):
 
     def attend(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]:
         """``x @ weight.T``: logits of a head tied to this embedding."""
-        return jnp.einsum("...d,vd->...v", x, self.weight.astype(x.dtype))
+        return linear(x, self.weight)
 
 
 class RMSNorm(eqx.Module):

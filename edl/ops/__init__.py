@@ -1,4 +1,4 @@
-"""Pure array functions: attention dispatch + reference, RoPE, norms, losses, sampling."""
+"""Pure array functions: attention dispatch + reference, linear, RoPE, norms, losses, sampling."""
 
 from edl.ops.attention import attention, attention_mask, reference_attention
 from edl.ops.losses import (
@@ -7,6 +7,7 @@ from edl.ops.losses import (
     cross_entropy,
     sequence_classification_loss,
 )
+from edl.ops.matmul import linear
 from edl.ops.norms import rms_norm
 from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
@@ -38,6 +39,7 @@ __all__ = [
     "dequantize",
     "greedy",
     "inv_frequencies",
+    "linear",
     "min_p",
     "processors_for",
     "quantize",

@@ -23,6 +23,8 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Integer
 
+from edl.ops.matmul import linear
+
 __all__ = [
     "FORMATS",
     "NF4_CODE",
@@ -152,5 +154,4 @@ def quantized_matmul(
     """
     if x.shape[-1] != shape[1]:
         raise ValueError(f"quantized_matmul: input features {x.shape[-1]} != weight's {shape[1]}")
-    w = dequantize(qweight, scales, format=format, shape=shape, dtype=x.dtype)
-    return jnp.einsum("...i,oi->...o", x, w)
+    return linear(x, dequantize(qweight, scales, format=format, shape=shape, dtype=x.dtype))
