@@ -1,12 +1,13 @@
 """``linear``: ``x @ weight.T`` for a torch-layout ``(out, in)`` weight, fast at few rows.
 
-XLA:CPU lowers ``x @ W.T`` through a GEMM library whose fixed cost per call grows with the
-weight (it re-lays out the right-hand operand), which dominates when ``x`` has only a few
-rows: the decode step of a batch of 8 spends most of its time there. Computing the same
-product as ``(W @ x.T).T`` (the weight as the left operand, a small result transposed back)
-skips that cost; ``benchmarks/RESULTS.md`` ("Small-row GEMMs on CPU") has the curve: 0.5-0.7x
-the time at 4-32 rows, no gain at 1 row, slower from ~128 rows. So the swapped form is used
-only when the row count is known (statically) to be small, and only when lowering for CPU.
+XLA:CPU's GEMM for ``x @ W.T`` costs far more than its arithmetic when ``x`` has only a few
+rows (8 rows x a 256x688 weight: ~7x the time of one row), and the projections of a decode
+step at batch 8 are exactly such products. Computing the same product as ``(W @ x.T).T``
+(the weight as the left operand, the small result transposed back) avoids most of that:
+``benchmarks/linear.py`` (results in ``benchmarks/RESULTS.md``) measures 0.5-0.8x the time at
+2-32 rows, ~0.9x at 64, no gain at 1 row (a matrix-vector product either way), even at 128
+and slower from 256. So the swapped form is used only when the row count is known
+(statically) to be small, and only when lowering for CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from jaxtyping import Array, Float
 
 __all__ = ["SMALL_ROWS", "linear"]
 
-SMALL_ROWS = 32
+SMALL_ROWS = 64
 """Up to this many rows (``prod(x.shape[:-1])``), ``linear`` on CPU uses the swapped form."""
 
 
