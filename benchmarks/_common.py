@@ -6,7 +6,7 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,23 @@ def time_call(
         jax.block_until_ready(out)
         samples.append((time.perf_counter() - start) / number)
     return statistics.median(samples)
+
+
+def interleaved_rounds(
+    calls: dict[str, Callable[[], Any]], rounds: int, *, pause_after: Collection[str] = ()
+) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls`` (blocked until ready), one call each per round,
+    rounds interleaved so that drifting load on a shared machine hits every variant alike;
+    0.5 s of sleep after each call named in ``pause_after``."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            samples[name].append(time.perf_counter() - start)
+            if name in pause_after:
+                time.sleep(0.5)
+    return samples
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 import edl
-from benchmarks._common import table, write_json
+from benchmarks._common import interleaved_rounds, table, write_json
 from edl.generate import generate
 from edl.models import LlamaConfig, LlamaForCausalLM, configure
 
@@ -60,22 +60,6 @@ def _torch_call(torch_model, ids, new):
     return run
 
 
-def _rounds(calls: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each of ``calls``, one call each per round, rounds interleaved
-    so that drifting load on a shared machine hits every variant alike. torch goes last
-    in a round, followed by a pause: its OpenMP workers keep spinning for a while after
-    a call and would take the 2 cores from XLA's threads (measured: ~40% slower)."""
-    samples = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            jax.block_until_ready(call())
-            samples[name].append(time.perf_counter() - start)
-            if name == "torch":
-                time.sleep(0.5)
-    return samples
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 small layers, 16 new tokens")
@@ -107,7 +91,9 @@ def main() -> None:
         calls["torch"] = _torch_call(torch_model, ids, new)
         assert calls["torch"]().shape[1] == prompt + new
         time.sleep(0.5)
-        samples = _rounds(calls, args.rounds)
+        # torch goes last in a round, followed by a pause: its OpenMP workers keep spinning
+        # for a while after a call and would take the 2 cores from XLA (measured: ~40% slower).
+        samples = interleaved_rounds(calls, args.rounds, pause_after={"torch"})
         # The fastest round of each: the least disturbed by the machine's other load.
         best = {name: min(s) for name, s in samples.items()}
         row = {"batch": batch, "prompt": prompt, "new_tokens": new, "rounds": args.rounds,

@@ -18,15 +18,15 @@ at 0 (the weight-right form everywhere), the two executables alternating in ever
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import edl.ops.matmul
-from benchmarks._common import table, write_json
+from benchmarks._common import interleaved_rounds, table, write_json
 from benchmarks.generate import _config  # the generate benchmark's Llama
 from edl.generate import generate
 from edl.models import LlamaForCausalLM, configure
@@ -62,16 +62,12 @@ def measure(fan_in: int, fan_out: int, rows: int, dtype, rounds: int) -> dict:
     weights = [(0.02 * jax.random.normal(k, (fan_out, fan_in))).astype(dtype) for k in keys]
     x = jnp.ones((rows, fan_in), dtype)
     steps = _steps(rows, fan_in, fan_out)
-    runs = {name: _runner(form, fan_in, steps) for name, form in FORMS.items()}
-    for run in runs.values():
-        jax.block_until_ready(run(x, weights))
-    samples = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run(x, weights))
-            samples[name].append((time.perf_counter() - start) / (steps * WEIGHTS))
-    right, left = samples["x @ W.T"], samples["(W @ x.T).T"]
+    calls = {name: functools.partial(_runner(form, fan_in, steps), x, weights)
+             for name, form in FORMS.items()}  # fmt: skip
+    for call in calls.values():  # compile
+        jax.block_until_ready(call())
+    samples = interleaved_rounds(calls, rounds)
+    right, left = ([t / (steps * WEIGHTS) for t in samples[name]] for name in FORMS)
     return {
         "shape": f"{fan_in}x{fan_out}",
         "rows": rows,
@@ -101,17 +97,14 @@ def measure_generate(impl: str, batch: int, quick: bool, rounds: int) -> dict:
                       attention_impl=impl)  # fmt: skip
     ids = np.asarray(jax.random.randint(jax.random.key(1), (batch, 32), 1, 1024))
     max_new = 16 if quick else 128
-    runs = {rows: _compiled_generate(model, ids, max_new, rows) for rows in (0, SMALL_ROWS)}
-    if runs[0].as_text() == runs[SMALL_ROWS].as_text():
+    runs = {name: _compiled_generate(model, ids, max_new, rows)
+            for name, rows in (("plain", 0), ("small", SMALL_ROWS))}  # fmt: skip
+    if runs["plain"].as_text() == runs["small"].as_text():
         raise RuntimeError("generate compiled to the same program with and without SMALL_ROWS")
-    outs = {rows: np.asarray(run(model)) for rows, run in runs.items()}
-    samples = {rows: [] for rows in runs}
-    for _ in range(rounds):
-        for rows, run in runs.items():
-            start = time.perf_counter()
-            jax.block_until_ready(run(model))
-            samples[rows].append(time.perf_counter() - start)
-    plain, small = samples[0], samples[SMALL_ROWS]
+    outs = {name: np.asarray(run(model)) for name, run in runs.items()}
+    calls = {name: functools.partial(run, model) for name, run in runs.items()}
+    samples = interleaved_rounds(calls, rounds)
+    plain, small = samples["plain"], samples["small"]
     return {
         "impl": impl,
         "batch": batch,
@@ -119,7 +112,7 @@ def measure_generate(impl: str, batch: int, quick: bool, rounds: int) -> dict:
         "small_rows_tok_s": batch * max_new / min(small),
         "time_ratio_min": min(small) / min(plain),
         "time_ratio_median": statistics.median(small) / statistics.median(plain),
-        "same_tokens": bool(np.array_equal(outs[0], outs[SMALL_ROWS])),
+        "same_tokens": bool(np.array_equal(outs["plain"], outs["small"])),
     }
 
 
