@@ -10,7 +10,11 @@ ratio of medians). Each edl attention impl is timed with the defaults (layer wei
 sliced out of their stacks on every decode step); "<impl>/unstacked" columns time
 ``unstack_layers=True`` (sliced once, before the decode loop).
 
-    python -m benchmarks.generate [--quick] [--impls auto xla] [--unstacked auto xla]
+The impls (``edl.ops.cached_attention``): "auto" is what a user gets (on CPU the same program
+as "xla"), "xla" reads the cache in place at a decode step, "reference" is the plain grouped
+einsum (the A/B for that form), "pallas" the decode kernel (interpreted on CPU).
+
+    python -m benchmarks.generate [--quick] [--impls auto xla reference pallas] [--unstacked auto]
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ def _torch_call(torch_model, ids, new):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 small layers, 16 new tokens")
-    parser.add_argument("--impls", nargs="+", default=["auto", "xla"],
-                        help="edl attention impls to time (auto = Pallas kernels)")  # fmt: skip
-    parser.add_argument("--unstacked", nargs="*", default=["auto", "xla"],
+    parser.add_argument("--impls", nargs="+", default=["auto", "xla", "reference", "pallas"],
+                        help="edl attention impls to time")  # fmt: skip
+    parser.add_argument("--unstacked", nargs="*", default=["auto"],
                         help="impls also timed with unstack_layers=True")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()

@@ -164,7 +164,7 @@ def _tiny_model(vocab=VOCAB, seed=0, **changes):
     return LlamaForCausalLM.init(config, key=jax.random.key(seed))
 
 
-@pytest.mark.parametrize("impl", ["auto", "reference"])
+@pytest.mark.parametrize("impl", ["auto", "pallas", "reference"])
 @pytest.mark.parametrize("scan", [True, False])
 def test_cached_forward_equals_full_forward(impl, scan):
     """Prefill + token-by-token decode + a multi-token chunk reproduce the full forward,
@@ -227,7 +227,7 @@ def test_first_sampled_token_follows_processed_softmax():
 
 
 def test_decode_loop_is_one_compiled_program():
-    model = _tiny_model()
+    model = _tiny_model(attention_impl="pallas")  # "auto" takes the XLA form on CPU
     ids, mask = _prompts()
     config = GenerationConfig(max_new_tokens=4)
     processor = decode_module.logits_processor_for(config)
@@ -373,8 +373,9 @@ def test_paged_cache_runs_out_of_pages_loudly():
         jax.block_until_ready(model(ids, cache=cache).logits)
 
 
-def test_paged_generation_equals_contiguous():
-    model = _tiny_model(layer_windows=(None, 4))
+@pytest.mark.parametrize("impl", ["auto", "pallas"])  # on CPU "auto" is the XLA form
+def test_paged_generation_equals_contiguous(impl):
+    model = _tiny_model(layer_windows=(None, 4), attention_impl=impl)
     ids, mask = _prompts()
     kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=True, key=jax.random.key(1))
     a = generate(model, ids, **kw)

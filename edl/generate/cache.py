@@ -17,7 +17,7 @@ end are dropped.
 A cache straight from ``init_cache`` is ``fresh`` (a static flag, so prefill and decode are
 separate compiled programs): its new tokens attend only to each other, through the
 training-time ``edl.ops.attention`` (the flash kernel), which is how a whole prompt is
-prefilled efficiently. Later calls use the decode kernel over the cache.
+prefilled efficiently. Later calls attend over the cache (``edl.ops.cached_attention``).
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@
 
 Prompts are left-padded as in HF (any padding works: real tokens are compacted to the front
 of the KV cache). The prompt is prefilled once with the flash kernel, then a
-``lax.while_loop`` decodes one token per row per iteration through the decode kernel until
-every row has hit EOS or ``max_new_tokens`` is reached. ``generate_stream`` runs the same step
-function from Python and yields each step's tokens.
+``lax.while_loop`` decodes one token per row per iteration through
+``edl.ops.cached_attention`` (the decode kernel on GPU) until every row has hit EOS or
+``max_new_tokens`` is reached. ``generate_stream`` runs the same step function from Python
+and yields each step's tokens.
 """
 
 from __future__ import annotations

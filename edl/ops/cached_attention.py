@@ -5,12 +5,21 @@ per-row valid lengths; ``paged_attention`` the same logical cache stored in page
 pool, ``(num_pages, page_size, kv_heads, head_dim)``, through a ``(batch, pages_per_seq)``
 page table. Row ``b``'s queries are its newest tokens, at cache positions
 ``lengths[b] - new_tokens + i``; they see the cached keys below ``lengths[b]``, causally and
-within the sliding window. ``impl`` chooses the Pallas decode kernel or the plain-jnp
-definition, as ``edl.ops.attention`` does for training-time attention.
+within the sliding window. ``impl`` chooses the Pallas decode kernel or plain XLA:
+
+- ``"pallas"``: ``edl.kernels.decode_attention`` / ``paged_decode_attention`` (Triton on GPU,
+  interpreted on CPU).
+- ``"reference"``: ``masked_attention`` under :func:`cache_mask`, the definition.
+- ``"xla"``: the same maths arranged for XLA. With one new token per row (a decode step) and
+  lowering for CPU it reads the cache in place (see :func:`_one_token_attention`).
+- ``"auto"``: the Pallas kernel on GPU; ``"xla"`` on CPU, where Pallas only interprets the
+  kernel one (row, kv head) program at a time: ``benchmarks/RESULTS.md`` measures the
+  interpreted kernel at 2-3x the time of the XLA form in a decode step.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -58,15 +67,14 @@ def cached_attention(
     Args:
         lengths: valid cache entries per row, the new tokens included.
         window, softcap, scale: as ``edl.ops.attention``.
-        impl: ``"pallas"`` (``edl.kernels.decode_attention``), ``"reference"`` or ``"xla"``
-            (plain jnp under :func:`cache_mask`), or ``"auto"``: Pallas wherever it can run.
+        impl: ``"pallas"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module docstring).
     """
     if _use_pallas(impl, q, k_cache, "cached_attention"):
         return decode_attention(
             q, k_cache, v_cache, lengths, window=window, softcap=softcap, scale=scale
         )
     mask = cache_mask(q.shape[1], k_cache.shape[1], lengths, window=window)
-    return masked_attention(q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
+    return _plain(impl, q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
 
 
 def paged_attention(
@@ -84,7 +92,8 @@ def paged_attention(
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
     ``k_pages[page_table[b, p // page_size], p % page_size]``. ``"pallas"`` runs
     ``edl.kernels.paged_decode_attention`` (pages read in place); ``"reference"``/``"xla"``
-    gather each row's pages into a contiguous cache first."""
+    gather each row's pages into a contiguous cache first; ``"auto"`` as in the module
+    docstring."""
     if _use_pallas(impl, q, k_pages, "paged_attention"):
         return paged_decode_attention(
             q, k_pages, v_pages, page_table, lengths, window=window, softcap=softcap,
@@ -92,15 +101,68 @@ def paged_attention(
         )  # fmt: skip
     k_cache, v_cache = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
     mask = cache_mask(q.shape[1], k_cache.shape[1], lengths, window=window)
-    return masked_attention(q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
+    return _plain(impl, q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
+
+
+def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
+    """``masked_attention`` for one new token per row, reading the cache as it lies.
+
+    XLA:CPU runs a batched dot with its batch dimensions leading, so the grouped einsum of
+    ``masked_attention`` first copies the cache from ``(batch, len, kv_heads, head_dim)`` into
+    ``(batch, kv_heads, len, head_dim)``, for K and for V, every decode step. Here each row's
+    cache is one ``(len, kv_heads * head_dim)`` matrix and the row's query a block-diagonal
+    ``(kv_heads * head_dim, heads)`` matrix (each head's query in its kv head's block, zeros
+    elsewhere): ``kv_heads`` times the multiply-adds, on arrays a few KiB per row, and no copy.
+    The outputs are the diagonal blocks of ``probs @ V`` taken the same way.
+    """
+    b, _, heads, d = q.shape
+    cache_len, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    same = jnp.eye(kv_heads, dtype=jnp.bool_)[:, None, :, None]  # (kv_heads, 1, kv_heads, 1)
+    # q_block[b, (h, d), (j, g)] = q[b, 0, j * group + g, d] if h == j else 0
+    q_t = q.reshape(b, 1, kv_heads, group, d).transpose(0, 1, 4, 2, 3)  # (b, 1, d, j, g)
+    q_block = jnp.where(same[None], q_t, jnp.zeros((), q.dtype))
+    q_block = q_block.reshape(b, kv_heads * d, heads)
+    k_rows, v_rows = (x.reshape(b, cache_len, kv_heads * d) for x in (k, v))
+    logits = jnp.einsum("btc,bcn->btn", k_rows, q_block, preferred_element_type=jnp.float32)
+    logits = logits * scale
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    logits = jnp.where(mask[:, 0, :, None], logits, -jnp.inf)  # (b, len, heads)
+    row_max = jnp.max(logits, axis=1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
+    weights = jnp.exp(logits - row_max)  # masked entries: exp(-inf) = 0
+    denom = jnp.sum(weights, axis=1, keepdims=True)
+    probs = (weights / jnp.where(denom == 0, 1.0, denom)).astype(v.dtype)
+    out = jnp.einsum("btn,btc->bnc", probs, v_rows, preferred_element_type=jnp.float32)
+    out = out.reshape(b, kv_heads, group, kv_heads, d)  # (b, j, g, h, d): keep h == j
+    out = jnp.sum(jnp.where(same[None], out, 0.0), axis=3)
+    return out.reshape(b, 1, heads, d).astype(q.dtype)
+
+
+def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None):
+    """The non-Pallas impls over a contiguous cache and its mask."""
+    if impl == "reference" or q.shape[1] != 1:
+        return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # platform_dependent keeps only the branch of the platform being lowered for; the
+    # in-place form is measured on CPU only (benchmarks/RESULTS.md).
+    return jax.lax.platform_dependent(
+        q, k, v, mask,
+        cpu=functools.partial(_one_token_attention, softcap=softcap, scale=scale),
+        default=functools.partial(masked_attention, softcap=softcap, scale=scale),
+    )  # fmt: skip
 
 
 def _use_pallas(impl: str, q: jax.Array, cache: jax.Array, name: str) -> bool:
-    """Whether ``impl`` means the Pallas kernel here (``"auto"`` warns once when it cannot)."""
+    """Whether ``impl`` means the Pallas kernel here (``"auto"``: on GPU; it warns once when
+    the kernel cannot run there)."""
     if impl not in IMPLS or impl == "cudnn":
         raise ValueError(f"{name}: impl must be one of auto/pallas/xla/reference, got {impl!r}")
     if impl not in ("auto", "pallas"):
         return False
+    if impl == "auto" and jax.default_backend() == "cpu":
+        return False  # the interpreted kernel is the slower path on CPU (module docstring)
     reason = pallas_unsupported(q, cache)
     if reason is None:
         return True
