@@ -26,6 +26,7 @@ __all__ = [
     "attention",
     "attention_mask",
     "masked_attention",
+    "masked_softmax",
     "pallas_unsupported",
     "reference_attention",
 ]
@@ -91,6 +92,19 @@ def reference_attention(
     return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
 
 
+def masked_softmax(
+    logits: Float[Array, "*shape"], mask: Bool[Array, "*mask_shape"], *, axis: int
+) -> Float[Array, "*shape"]:
+    """Softmax of ``logits`` along ``axis`` over the entries where ``mask`` (broadcast to
+    ``logits``) is True; masked entries, and rows with no visible entry, give 0."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    row_max = jnp.max(logits, axis=axis, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
+    weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
+    denom = jnp.sum(weights, axis=axis, keepdims=True)
+    return weights / jnp.where(denom == 0, 1.0, denom)
+
+
 def masked_attention(
     q: Float[Array, "batch q_len heads head_dim"],
     k: Float[Array, "batch kv_len kv_heads head_dim"],
@@ -109,13 +123,7 @@ def masked_attention(
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
-    mask = mask[:, None, None]  # (batch|1, 1, 1, q, kv)
-    logits = jnp.where(mask, logits, -jnp.inf)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
-    weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = weights / jnp.where(denom == 0, 1.0, denom)
+    probs = masked_softmax(logits, mask[:, None, None], axis=-1)  # mask (batch|1, 1, 1, q, kv)
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import decode_attention, gather_pages, paged_decode_attention
-from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported
+from edl.ops.attention import IMPLS, masked_attention, masked_softmax, pallas_unsupported
 
 __all__ = ["cache_mask", "cached_attention", "paged_attention"]
 
@@ -128,12 +128,8 @@ def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
     logits = logits * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
-    logits = jnp.where(mask[:, 0, :, None], logits, -jnp.inf)  # (b, len, heads)
-    row_max = jnp.max(logits, axis=1, keepdims=True)
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
-    weights = jnp.exp(logits - row_max)  # masked entries: exp(-inf) = 0
-    denom = jnp.sum(weights, axis=1, keepdims=True)
-    probs = (weights / jnp.where(denom == 0, 1.0, denom)).astype(v.dtype)
+    probs = masked_softmax(logits, mask[:, 0, :, None], axis=1)  # (b, len, heads)
+    probs = probs.astype(v.dtype)
     out = jnp.einsum("btn,btc->bnc", probs, v_rows, preferred_element_type=jnp.float32)
     out = out.reshape(b, kv_heads, group, kv_heads, d)  # (b, j, g, h, d): keep h == j
     out = jnp.sum(jnp.where(same[None], out, 0.0), axis=3)
