@@ -11,6 +11,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear, RMSNorm
+from edl.nn.projection import project
 from edl.ops.attention import SegmentIds, attention
 from edl.ops.rope import apply_rope
 
@@ -143,9 +144,10 @@ class Attention(eqx.Module):
     def _project(self, x, cos, sin):
         """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated."""
         b, s, _ = x.shape
-        q = self.q_proj(x).reshape(b, s, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

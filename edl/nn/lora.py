@@ -136,10 +136,13 @@ class LoraLinear(eqx.Module):
         return eqx.tree_at(lambda m: m.weight, base, self.weight)
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = self.base_layer(x)
+        # With lora_B == 0 the update is exactly +0.0, so the base output comes out unchanged.
+        return self.base_layer(x) + self.update(x)
+
+    def update(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
+        """The adapter's term ``scaling * lora_B(lora_A(dropout(x)))`` alone."""
         h = x
         if self.dropout > 0.0 and self.dropout_key is not None:
             keep = jax.random.bernoulli(self.dropout_key, 1.0 - self.dropout, x.shape)
             h = jnp.where(keep, x / (1.0 - self.dropout), jnp.zeros_like(x))
-        # With lora_B == 0 the update is exactly +0.0, so y comes out unchanged.
-        return y + self.lora_B(self.lora_A(h)) * self.scaling
+        return self.lora_B(self.lora_A(h)) * self.scaling

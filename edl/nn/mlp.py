@@ -9,6 +9,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.nn.layers import Linear
+from edl.nn.projection import project
 from edl.ops.activations import ACTIVATIONS, activation
 
 __all__ = ["ACTIVATIONS", "GatedMLP", "activation"]
@@ -45,4 +46,5 @@ class GatedMLP(eqx.Module):
         )
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_proj, self.up_proj)
+        return self.down_proj(activation(self.act)(gate) * up)
