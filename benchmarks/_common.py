@@ -32,14 +32,24 @@ def time_call(
 
 
 def interleaved_rounds(
-    calls: dict[str, Callable[[], Any]], rounds: int, *, pause_after: Collection[str] = ()
+    calls: dict[str, Callable[[], Any]],
+    rounds: int,
+    *,
+    pause_after: Collection[str] = (),
+    warm_each: bool = False,
 ) -> dict[str, list[float]]:
     """Seconds per call of each of ``calls`` (blocked until ready), one call each per round,
     rounds interleaved so that drifting load on a shared machine hits every variant alike;
-    0.5 s of sleep after each call named in ``pause_after``."""
+    0.5 s of sleep after each call named in ``pause_after``. ``warm_each``: run each call
+    once, untimed, right before its timed call. On this VM work that starts after an idle
+    gap (>= 0.5 s) runs up to 1.5x slower for its first ~100 ms, and work right after torch
+    competes with its spinning OpenMP workers; without the warm call, whichever variant
+    follows a pause (or torch) pays for it."""
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, call in calls.items():
+            if warm_each:
+                jax.block_until_ready(call())
             start = time.perf_counter()
             jax.block_until_ready(call())
             samples[name].append(time.perf_counter() - start)

@@ -6,9 +6,10 @@ runs to the end), batch 1 and 8. edl runs the whole decode loop as one compiled 
 (timed after a first call that compiles it); transformers runs its Python loop with a
 dynamic cache. New tokens per second = batch * 128 / wall time of one ``generate`` call,
 prefill included on both sides; the fastest of ``--rounds`` interleaved rounds (and the
-ratio of medians). Each edl attention impl is timed with the defaults (layer weights
-sliced out of their stacks on every decode step); "<impl>/unstacked" columns time
-``unstack_layers=True`` (sliced once, before the decode loop).
+ratio of medians), each timed call right after an untimed one of itself. Each edl attention
+impl is timed with the defaults (layer weights sliced out of their stacks on every decode
+step); "<impl>/unstacked" columns time ``unstack_layers=True`` (sliced once, before the
+decode loop).
 
 The impls (``edl.ops.cached_attention``): "auto" is what a user gets (on CPU the same program
 as "xla"), "xla" reads the cache in place at a decode step, "reference" is the plain grouped
@@ -97,7 +98,10 @@ def main() -> None:
         time.sleep(0.5)
         # torch goes last in a round, followed by a pause: its OpenMP workers keep spinning
         # for a while after a call and would take the 2 cores from XLA (measured: ~40% slower).
-        samples = interleaved_rounds(calls, args.rounds, pause_after={"torch"})
+        # Each call is timed right after an untimed one of itself (warm_each): the first
+        # variant after torch (after the pause) used to run ~1.3x slower than the same
+        # program later in the round.
+        samples = interleaved_rounds(calls, args.rounds, pause_after={"torch"}, warm_each=True)
         # The fastest round of each: the least disturbed by the machine's other load.
         best = {name: min(s) for name, s in samples.items()}
         row = {"batch": batch, "prompt": prompt, "new_tokens": new, "rounds": args.rounds,
