@@ -7,7 +7,7 @@ from edl.ops.losses import (
     cross_entropy,
     sequence_classification_loss,
 )
-from edl.ops.matmul import linear
+from edl.ops.matmul import linear, linear_many
 from edl.ops.norms import rms_norm
 from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
@@ -40,6 +40,7 @@ __all__ = [
     "greedy",
     "inv_frequencies",
     "linear",
+    "linear_many",
     "min_p",
     "processors_for",
     "quantize",
