@@ -35,7 +35,8 @@ def project(x: Float[Array, "*batch in"], *layers: eqx.Module) -> tuple[jax.Arra
     if any(part is None for part in parts):
         return tuple(layer(x) for layer in layers)
     ys = linear_many(x, [base.weight for base, _ in parts])
-    return tuple(
-        add_bias(y, base.bias) if update is None else add_bias(y, base.bias) + update(x)
-        for y, (base, update) in zip(ys, parts, strict=True)
-    )
+    outs = []
+    for y, (base, update) in zip(ys, parts, strict=True):
+        y = add_bias(y, base.bias)
+        outs.append(y if update is None else y + update(x))
+    return tuple(outs)

@@ -93,9 +93,9 @@ def linear_many(
                 f"linear_many: weight {i} is {w.shape}; want (out, {x.shape[-1]}) for input "
                 f"{x.shape}"
             )
-    weights = tuple(w.astype(x.dtype) for w in weights)
     if len(weights) == 1 or not _few_rows(x):
-        return tuple(_weight_right(x, w) for w in weights)
+        return tuple(linear(x, w) for w in weights)
+    weights = tuple(w.astype(x.dtype) for w in weights)
 
     def fused(x, *weights):
         y = _weight_left(x, jnp.concatenate(weights, axis=0))
