@@ -18,9 +18,11 @@ from hypothesis import given, settings
 from test_kernels_attention import _inputs, _numpy_decode, _rel_err
 
 from edl.ops.cached_attention import (
+    LIVE_BRANCHES,
     _one_token_attention,
     cache_mask,
     cached_attention,
+    live_lengths,
     paged_attention,
 )
 
@@ -110,3 +112,87 @@ def test_paged_attention_xla_equals_contiguous():
     out = paged_attention(q, pages[:8], pages[8:], table, lengths, impl="xla")
     expected = cached_attention(q, k, v, lengths, impl="reference")
     np.testing.assert_allclose(out, expected, atol=2e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.sampled_from([1, 16]))
+def test_live_lengths_cover_the_cache_in_equal_blocks(cache_len, multiple):
+    sizes = live_lengths(cache_len, multiple)
+    block = sizes[0]
+    assert sizes[-1] == cache_len and len(sizes) <= LIVE_BRANCHES
+    assert block % multiple == 0 or len(sizes) == 1
+    assert list(sizes[:-1]) == list(range(block, cache_len, block))
+    assert live_lengths(160) == (32, 64, 96, 128, 160)
+
+
+def _poisoned_stack(seed, layers, batch, cache_len, kv_heads, d, live):
+    """Stacked caches whose positions from ``live`` on are NaN (any read of them shows)."""
+    k = jax.random.normal(jax.random.key(seed), (layers, batch, cache_len, kv_heads, d))
+    v = jax.random.normal(jax.random.key(seed + 1), k.shape)
+    past = (jnp.arange(cache_len) >= live)[None, None, :, None, None]
+    return jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto", "reference", "pallas"])
+@pytest.mark.parametrize("new", [1, 2])
+def test_stacked_cache_at_a_layer_equals_that_layers_cache(impl, new):
+    """``layer=`` (traced under jit, or a Python int) reads exactly that layer's cache."""
+    q = jax.random.normal(jax.random.key(0), (3, new, 4, 8))
+    k, v = _poisoned_stack(1, 3, 3, 64, 2, 8, live=64)
+    lengths = jnp.asarray([5, 64, 40], jnp.int32)
+    at = jax.jit(
+        lambda layer: cached_attention(q, k, v, lengths, layer=layer, window=24, impl=impl)
+    )
+    for layer in (0, 2):
+        expected = _numpy_decode(q, k[layer], v[layer], [5, 64, 40], [0] * 3, 24, None, 8**-0.5)
+        assert _rel_err(at(jnp.int32(layer)), expected) < 2e-5
+        direct = cached_attention(q, k, v, lengths, layer=layer, window=24, impl=impl)
+        assert _rel_err(direct, expected) < 2e-5
+
+
+@pytest.mark.parametrize("longest", [1, 16, 17, 40, 64])
+def test_cpu_decode_reads_only_the_live_prefix(longest):
+    """On CPU the "xla" path reads no cache position at or past the end of the block holding
+    the longest row (NaN there would show), and gives the float64 answer; "reference" reads
+    the whole cache (the definition: NaN comes through)."""
+    cache_len, block = 64, live_lengths(64)[0]
+    live = min(-(-longest // block) * block, cache_len)
+    k, v = _poisoned_stack(2, 2, 3, cache_len, 2, 8, live=live)
+    q = jax.random.normal(jax.random.key(3), (3, 1, 4, 8))
+    lengths = [1, longest, max(1, longest // 2)]
+    run = functools.partial(cached_attention, q, k, v, jnp.asarray(lengths, jnp.int32), layer=1)
+    out = jax.jit(functools.partial(run, impl="xla"))()
+    clean = [np.nan_to_num(x[1]) for x in (k, v)]  # the NaN lie past every row's length
+    expected = _numpy_decode(q, *clean, lengths, [0] * 3, None, None, 8**-0.5)
+    assert _rel_err(out, expected) < 2e-5
+    if live < cache_len:
+        assert np.isnan(np.asarray(run(impl="reference"))).any()
+
+
+def test_paged_pools_stacked_over_layers_read_only_the_live_pages():
+    """``layer=`` on stacked page pools: one gather from the stack, only the table columns
+    below the longest row (pages after them are NaN here), equal to the contiguous cache."""
+    q, k, v, _ = _inputs(4, 2, 1, 32, 4, 2, 8)
+    k_pages, v_pages = (x.reshape(8, 8, 2, 8) for x in (k, v))  # 8 pages of 8 per layer
+    nan = jnp.full_like(k_pages, jnp.nan)
+    k_stack, v_stack = jnp.stack([nan, k_pages]), jnp.stack([nan, v_pages])
+    table = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)
+    lengths = jnp.asarray([3, 10], jnp.int32)  # two pages live: table columns 2-3 unread
+    k_stack = k_stack.at[1, jnp.asarray([2, 3, 6, 7])].set(jnp.nan)
+    v_stack = v_stack.at[1, jnp.asarray([2, 3, 6, 7])].set(jnp.nan)
+    out = jax.jit(lambda layer: paged_attention(q, k_stack, v_stack, table, lengths, layer=layer))(
+        jnp.int32(1)
+    )
+    expected = _numpy_decode(q, k, v, [3, 10], [0, 0], None, None, 8**-0.5)
+    assert _rel_err(out, expected) < 2e-5
+    pallas = paged_attention(q, k_stack, v_stack, table, lengths, layer=1, impl="pallas")
+    assert _rel_err(pallas, expected) < 2e-5
+
+
+def test_cache_rank_must_match_layer():
+    q, k, v, _ = _inputs(5, 2, 1, 16, 4, 2, 8)
+    lengths = jnp.asarray([3, 16], jnp.int32)
+    with pytest.raises(ValueError, match=r"pass layer= .*\(3, 2, 16, 2, 8\)|\(3, 2, 16, 2, 8\)"):
+        cached_attention(q, jnp.stack([k] * 3), jnp.stack([v] * 3), lengths)
+    with pytest.raises(ValueError, match=r"stacked over layers, 5-d, got shape \(2, 16, 2, 8\)"):
+        cached_attention(q, k, v, lengths, layer=0)

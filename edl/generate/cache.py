@@ -114,9 +114,8 @@ class KVCache(eqx.Module):
                 q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
             )
         out = cached_attention(
-            q.astype(self.k.dtype), self.k[layer], self.v[layer], self.lengths + q.shape[1],
-            window=window, softcap=softcap, scale=scale,
-            impl=impl,
+            q.astype(self.k.dtype), self.k, self.v, self.lengths + q.shape[1], layer=layer,
+            window=window, softcap=softcap, scale=scale, impl=impl,
         )  # fmt: skip
         return out.astype(q.dtype)
 

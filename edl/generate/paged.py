@@ -180,8 +180,8 @@ class PagedKVCache(eqx.Module):
                 q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
             )
         out = paged_attention(
-            q.astype(self.k_pages.dtype), self.k_pages[layer], self.v_pages[layer],
-            self.page_table, self.lengths + q.shape[1], window=window, softcap=softcap, scale=scale,
+            q.astype(self.k_pages.dtype), self.k_pages, self.v_pages, self.page_table,
+            self.lengths + q.shape[1], layer=layer, window=window, softcap=softcap, scale=scale,
             impl=impl,
         )  # fmt: skip
         return out.astype(q.dtype)

@@ -220,12 +220,19 @@ def paged_decode_attention(
 
 
 def gather_pages(
-    pages: Float[Array, "num_pages page_size kv_heads head_dim"],
+    pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "batch pages_per_seq"],
+    *,
+    layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "batch cache_len kv_heads head_dim"]:
     """The logical contiguous cache ``(batch, pages_per_seq * page_size, kv_heads, d)`` of a
-    page pool (plain jnp; out-of-range table entries are clamped into the pool)."""
+    page pool, or of pool ``layer`` of pools stacked over layers (one gather, without copying
+    that layer's pool first). Plain jnp; out-of-range table entries are clamped into the
+    pool."""
     batch, pages_per_seq = page_table.shape
-    _, page_size, kv_heads, head_dim = pages.shape
-    gathered = jnp.take(pages, page_table, axis=0, mode="clip")
+    page_size, kv_heads, head_dim = pages.shape[-3:]
+    if layer is None:
+        gathered = jnp.take(pages, page_table, axis=0, mode="clip")
+    else:
+        gathered = pages.at[layer, page_table].get(mode="clip")
     return gathered.reshape(batch, pages_per_seq * page_size, kv_heads, head_dim)

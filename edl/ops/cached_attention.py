@@ -15,12 +15,19 @@ within the sliding window. ``impl`` chooses the Pallas decode kernel or plain XL
 - ``"auto"``: the Pallas kernel on GPU; ``"xla"`` on CPU, where Pallas only interprets the
   kernel one (row, kv head) program at a time: ``benchmarks/RESULTS.md`` measures the
   interpreted kernel at 2-3x the time of the XLA form in a decode step.
+
+Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
+them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
+that layer: the longest row's length rounded up to one of a few static lengths
+(:func:`live_lengths`, one ``lax.switch`` branch each), sliced straight out of the stack.
+The Pallas kernels visit only blocks below each row's length already.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,9 +36,48 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.kernels import decode_attention, gather_pages, paged_decode_attention
 from edl.ops.attention import IMPLS, masked_attention, masked_softmax, pallas_unsupported
 
-__all__ = ["cache_mask", "cached_attention", "paged_attention"]
+__all__ = ["cache_mask", "cached_attention", "live_lengths", "paged_attention"]
 
 _warned: set[str] = set()
+
+LIVE_BRANCHES = 8  # at most this many static read lengths per cache (one compiled branch each)
+
+
+def live_lengths(cache_len: int, multiple: int = 16) -> tuple[int, ...]:
+    """The static prefix lengths a cache of ``cache_len`` positions is read at on CPU:
+    multiples of one block (itself a multiple of ``multiple``), at most ``LIVE_BRANCHES`` of
+    them, ending with ``cache_len``. A read wastes less than one block, ``cache_len / 8`` at
+    most: ``live_lengths(160) == (32, 64, 96, 128, 160)``."""
+    block = multiple * -(-cache_len // (multiple * LIVE_BRANCHES))
+    return (*range(block, cache_len, block), cache_len)
+
+
+def _read_live(read: Callable[[int], jax.Array], bound: Int[Array, ""], sizes: tuple[int, ...]):
+    """``read(size)`` for the smallest of ``sizes`` holding ``bound``, when lowering for CPU
+    (one ``lax.switch`` branch per size; past the last, the last); ``read(sizes[-1])``
+    elsewhere, where a data-dependent branch costs a host round trip on GPU."""
+
+    def live(bound):
+        index = jnp.searchsorted(jnp.asarray(sizes, bound.dtype), bound)
+        branches = [functools.partial(read, size) for size in sizes]
+        return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches)
+
+    return jax.lax.platform_dependent(bound, cpu=live, default=lambda _: read(sizes[-1]))
+
+
+def _at_layer(stack: jax.Array, layer: Int[Array, ""] | int | None, length: int) -> jax.Array:
+    """``stack[layer, :, :length]`` (``stack[:, :length]`` without a layer), one slice."""
+    if layer is None:
+        return stack[:, :length]
+    start = (layer, *(0,) * (stack.ndim - 1))
+    return jax.lax.dynamic_slice(stack, start, (1, stack.shape[1], length, *stack.shape[3:]))[0]
+
+
+def _check_layer(name: str, cache: jax.Array, layer: Int[Array, ""] | int | None) -> None:
+    want, what = (4, "one layer's cache") if layer is None else (5, "caches stacked over layers")
+    if cache.ndim != want:
+        hint = "" if layer is not None else "; pass layer= to read caches stacked over layers"
+        raise ValueError(f"{name}: expected {what}, {want}-d, got shape {cache.shape}{hint}")
 
 
 def cache_mask(
@@ -53,10 +99,11 @@ def cache_mask(
 
 def cached_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_cache: Float[Array, "batch cache_len kv_heads head_dim"],
-    v_cache: Float[Array, "batch cache_len kv_heads head_dim"],
+    k_cache: Float[Array, "*layers batch cache_len kv_heads head_dim"],
+    v_cache: Float[Array, "*layers batch cache_len kv_heads head_dim"],
     lengths: Int[Array, " _batch"],  # _: the kernel checks it and names the problem
     *,
+    layer: Int[Array, ""] | int | None = None,
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -66,42 +113,65 @@ def cached_attention(
 
     Args:
         lengths: valid cache entries per row, the new tokens included.
+        layer: with caches stacked over layers, the layer to read (module docstring).
         window, softcap, scale: as ``edl.ops.attention``.
         impl: ``"pallas"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module docstring).
     """
+    _check_layer("cached_attention", k_cache, layer)
+    cache_len = k_cache.shape[-3]
     if _use_pallas(impl, q, k_cache, "cached_attention"):
-        return decode_attention(
-            q, k_cache, v_cache, lengths, window=window, softcap=softcap, scale=scale
-        )
-    mask = cache_mask(q.shape[1], k_cache.shape[1], lengths, window=window)
-    return _plain(impl, q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
+        k, v = (_at_layer(x, layer, cache_len) for x in (k_cache, v_cache))
+        return decode_attention(q, k, v, lengths, window=window, softcap=softcap, scale=scale)
+
+    def read(length: int) -> jax.Array:
+        k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
+        mask = cache_mask(q.shape[1], length, lengths, window=window)
+        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+
+    if impl == "reference":  # the definition: the whole cache
+        return read(cache_len)
+    return _read_live(read, jnp.max(lengths), live_lengths(cache_len))
 
 
 def paged_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "num_pages page_size kv_heads head_dim"],
+    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],
     lengths: Int[Array, " _batch"],
     *,
+    layer: Int[Array, ""] | int | None = None,
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
     impl: str = "auto",
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
-    ``k_pages[page_table[b, p // page_size], p % page_size]``. ``"pallas"`` runs
-    ``edl.kernels.paged_decode_attention`` (pages read in place); ``"reference"``/``"xla"``
-    gather each row's pages into a contiguous cache first; ``"auto"`` as in the module
-    docstring."""
+    ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
+    pools stacked over layers). ``"pallas"`` runs ``edl.kernels.paged_decode_attention``
+    (pages read in place); ``"reference"``/``"xla"`` gather each row's pages into a contiguous
+    cache first (``"xla"`` on CPU only the pages below the longest row's length, see the
+    module docstring); ``"auto"`` as in the module docstring."""
+    _check_layer("paged_attention", k_pages, layer)
     if _use_pallas(impl, q, k_pages, "paged_attention"):
+        if layer is not None:
+            k_pages, v_pages = k_pages[layer], v_pages[layer]
         return paged_decode_attention(
             q, k_pages, v_pages, page_table, lengths, window=window, softcap=softcap,
             scale=scale,
         )  # fmt: skip
-    k_cache, v_cache = gather_pages(k_pages, page_table), gather_pages(v_pages, page_table)
-    mask = cache_mask(q.shape[1], k_cache.shape[1], lengths, window=window)
-    return _plain(impl, q, k_cache, v_cache, mask, softcap=softcap, scale=scale)
+    page_size, pages_per_seq = k_pages.shape[-3], page_table.shape[1]
+
+    def read(num_pages: int) -> jax.Array:
+        table = page_table[:, :num_pages]
+        k, v = (gather_pages(x, table, layer=layer) for x in (k_pages, v_pages))
+        mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
+        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+
+    if impl == "reference":
+        return read(pages_per_seq)
+    bound = -(-jnp.max(lengths) // page_size)  # pages holding the longest row
+    return _read_live(read, bound, live_lengths(pages_per_seq, multiple=1))
 
 
 def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
