@@ -3,7 +3,8 @@
 A decode step's attention reads a ``(batch, len, kv_heads, head_dim)`` cache. "reference" is
 the grouped einsum (XLA:CPU first copies the cache into ``(batch, kv_heads, len, head_dim)``),
 "xla" what edl runs on CPU (with one new token, a block-diagonal query against the cache as
-it lies: ``kv_heads`` times the multiply-adds, no copy), "pallas" the decode kernel
+it lies: ``kv_heads`` times the multiply-adds, no copy; and only up to the longest row,
+rounded up to one of ``live_lengths(len)``), "pallas" the decode kernel
 (interpreted on CPU). Each timed call runs 20 attention steps in a ``fori_loop`` whose
 output feeds the next query, over random caches with random valid lengths; the impls
 alternate in every round. The table checks where the one-token form pays (shapes: the
