@@ -122,7 +122,8 @@ def test_live_lengths_cover_the_cache_in_equal_blocks(cache_len, multiple):
     assert sizes[-1] == cache_len and len(sizes) <= LIVE_BRANCHES
     assert block % multiple == 0 or len(sizes) == 1
     assert list(sizes[:-1]) == list(range(block, cache_len, block))
-    assert live_lengths(160) == (32, 64, 96, 128, 160)
+    assert live_lengths(160) == tuple(range(16, 161, 16))
+    assert live_lengths(4096) == tuple(range(256, 4097, 256))
 
 
 def _poisoned_stack(seed, layers, batch, cache_len, kv_heads, d, live):

@@ -40,14 +40,15 @@ __all__ = ["cache_mask", "cached_attention", "live_lengths", "paged_attention"]
 
 _warned: set[str] = set()
 
-LIVE_BRANCHES = 8  # at most this many static read lengths per cache (one compiled branch each)
+LIVE_BRANCHES = 16  # at most this many static read lengths per cache (one compiled branch each)
 
 
 def live_lengths(cache_len: int, multiple: int = 16) -> tuple[int, ...]:
     """The static prefix lengths a cache of ``cache_len`` positions is read at on CPU:
     multiples of one block (itself a multiple of ``multiple``), at most ``LIVE_BRANCHES`` of
-    them, ending with ``cache_len``. A read wastes less than one block, ``cache_len / 8`` at
-    most: ``live_lengths(160) == (32, 64, 96, 128, 160)``."""
+    them, ending with ``cache_len``. A read wastes less than one block, ``cache_len / 16`` at
+    most: ``live_lengths(160) == (16, 32, ..., 160)``, ``live_lengths(4096) == (256, ...,
+    4096)``."""
     block = multiple * -(-cache_len // (multiple * LIVE_BRANCHES))
     return (*range(block, cache_len, block), cache_len)
 
