@@ -122,12 +122,16 @@ def _train(config: TrainConfig) -> dict[str, Any]:
     for key in ("first_loss", "final_loss"):
         if summary.get(key) is not None:
             summary[key.replace("loss", "bits_per_byte")] = summary[key] / math.log(2)
+    if "eval_loss" in summary.get("final_eval", {}):  # held out, over eval_batches batches:
+        # steadier than the last training batch's loss (final_bits_per_byte)
+        summary["eval_bits_per_byte"] = summary["final_eval"]["eval_loss"] / math.log(2)
     prompt = tokenizer.encode(config.prompt)
     text = tokenizer.decode(sample(edl.state.model(state), prompt, config.sample_tokens,
                                    key=jax.random.key(config.seed),
                                    temperature=config.sample_temperature))  # fmt: skip
     print(json.dumps({k: summary[k] for k in ("start_step", "end_step", "stop_reason",
-                      "first_bits_per_byte", "final_bits_per_byte") if k in summary}))  # fmt: skip
+                      "first_bits_per_byte", "final_bits_per_byte", "eval_bits_per_byte",
+                      "final_eval_step") if k in summary}))  # fmt: skip
     print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
     print(text)
     return summary

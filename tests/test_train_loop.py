@@ -125,6 +125,8 @@ def test_loop_writes_metrics_checkpoints_and_summary(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
     assert "eval_loss" in lines[2] and "eval_loss" not in lines[0]
+    assert summary["final_eval_step"] == 6
+    assert summary["final_eval"] == {k: v for k, v in lines[5].items() if k.startswith("eval_")}
     assert "param_norm" in lines[1] and "param_norm" not in lines[0]
     assert all("grad_norm" in m and "time" in m for m in lines)
     assert int(state.step) == 6 and summary["stop_reason"] == "steps"
@@ -237,6 +239,7 @@ def test_cli_train_with_toml_and_flags(tmp_path, capsys):
     out = capsys.readouterr().out
     summary = json.loads(out.splitlines()[0])
     assert summary["end_step"] == 4 and summary["final_bits_per_byte"] > 0
+    assert summary["final_eval_step"] == 4 and 0 < summary["eval_bits_per_byte"] < 8.5
     assert "--- sample" in out
     main(["info", str(tmp_path / "run")])
     assert "checkpoint-00000004" in capsys.readouterr().out

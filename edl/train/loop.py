@@ -289,6 +289,7 @@ def _finish(state, summary, history, out, config, t_begin) -> dict[str, Any]:
     evals = [m for m in history if any(k.startswith("eval_") for k in m)]
     if evals:
         summary["final_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval_")}
+        summary["final_eval_step"] = evals[-1]["step"]
     if out is not None:
         summary["loss_png"] = loss_curve_png(out, history)
         write_run_summary(out / "run.md", summary, config)
