@@ -114,33 +114,33 @@ def _measure_torch(model, ids_np, reps):
     return time_call(forward, **reps), time_call(train, **reps)
 
 
-def _gemm_ratio(tokens: int, dim: int, hidden: int, reps) -> float:
-    """edl/torch time of one MLP projection GEMM alone: the backends' matmul floor."""
+def _gemm_seconds(rows: int, cols: int, out: int, number: int, reps) -> tuple[float, float]:
+    """Seconds of one ``x @ w.T`` (torch's weight layout), ``x (rows, cols)`` and
+    ``w (out, cols)`` in float32: ``(XLA, torch)``."""
     import torch
 
-    x = np.random.default_rng(0).normal(size=(tokens, dim)).astype(np.float32)
-    w = np.random.default_rng(1).normal(size=(hidden, dim)).astype(np.float32)
+    x = np.random.default_rng(0).normal(size=(rows, cols)).astype(np.float32)
+    w = np.random.default_rng(1).normal(size=(out, cols)).astype(np.float32)
     xj, wj, xt, wt = jnp.asarray(x), jnp.asarray(w), torch.from_numpy(x), torch.from_numpy(w)
     mm = jax.jit(lambda x, w: jnp.einsum("ti,oi->to", x, w))
-    gemm_reps = {**reps, "number": 20}
-    edl_s = time_call(lambda: mm(xj, wj), **gemm_reps)
-    return edl_s / time_call(lambda: torch.nn.functional.linear(xt, wt), **gemm_reps)
+    gemm_reps = {**reps, "number": number}
+    return (
+        time_call(lambda: mm(xj, wj), **gemm_reps),
+        time_call(lambda: torch.nn.functional.linear(xt, wt), **gemm_reps),
+    )
+
+
+def _gemm_ratio(tokens: int, dim: int, hidden: int, reps) -> float:
+    """edl/torch time of one MLP projection GEMM alone: the backends' matmul floor."""
+    xla_s, torch_s = _gemm_seconds(tokens, dim, hidden, 20, reps)
+    return xla_s / torch_s
 
 
 def _peak_gemm_flops(reps) -> float:
     """FLOP/s of the faster of torch and XLA on one 2048^3 float32 GEMM: the most matmul
     throughput this machine gives any implementation."""
-    import torch
-
     n = 2048
-    a, b = (np.random.default_rng(i).normal(size=(n, n)).astype(np.float32) for i in (2, 3))
-    mm = jax.jit(jnp.matmul)
-    aj, bj, at, bt = jnp.asarray(a), jnp.asarray(b), torch.from_numpy(a), torch.from_numpy(b)
-    gemm_reps = {**reps, "number": 3}
-    best_s = min(
-        time_call(lambda: mm(aj, bj), **gemm_reps), time_call(lambda: at @ bt, **gemm_reps)
-    )
-    return 2 * n**3 / best_s
+    return 2 * n**3 / min(_gemm_seconds(n, n, n, 3, reps))
 
 
 def _target_load(config, tokens: int, seq: int, torch_fwd: float, torch_train: float, peak):

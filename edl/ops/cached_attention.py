@@ -53,10 +53,15 @@ def live_lengths(cache_len: int, multiple: int = 16) -> tuple[int, ...]:
     return (*range(block, cache_len, block), cache_len)
 
 
-def _read_live(read: Callable[[int], jax.Array], bound: Int[Array, ""], sizes: tuple[int, ...]):
+def _read_live(
+    impl: str, read: Callable[[int], jax.Array], bound: Int[Array, ""], sizes: tuple[int, ...]
+) -> jax.Array:
     """``read(size)`` for the smallest of ``sizes`` holding ``bound``, when lowering for CPU
-    (one ``lax.switch`` branch per size; past the last, the last); ``read(sizes[-1])``
-    elsewhere, where a data-dependent branch costs a host round trip on GPU."""
+    (one ``lax.switch`` branch per size; past the last, the last); ``read(sizes[-1])`` for
+    ``"reference"`` (the definition reads the whole cache) and elsewhere, where a
+    data-dependent branch costs a host round trip on GPU."""
+    if impl == "reference":
+        return read(sizes[-1])
 
     def live(bound):
         index = jnp.searchsorted(jnp.asarray(sizes, bound.dtype), bound)
@@ -129,9 +134,7 @@ def cached_attention(
         mask = cache_mask(q.shape[1], length, lengths, window=window)
         return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
 
-    if impl == "reference":  # the definition: the whole cache
-        return read(cache_len)
-    return _read_live(read, jnp.max(lengths), live_lengths(cache_len))
+    return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
 
 
 def paged_attention(
@@ -161,7 +164,7 @@ def paged_attention(
             q, k_pages, v_pages, page_table, lengths, window=window, softcap=softcap,
             scale=scale,
         )  # fmt: skip
-    page_size, pages_per_seq = k_pages.shape[-3], page_table.shape[1]
+    page_size = k_pages.shape[-3]
 
     def read(num_pages: int) -> jax.Array:
         table = page_table[:, :num_pages]
@@ -169,10 +172,8 @@ def paged_attention(
         mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
         return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
 
-    if impl == "reference":
-        return read(pages_per_seq)
     bound = -(-jnp.max(lengths) // page_size)  # pages holding the longest row
-    return _read_live(read, bound, live_lengths(pages_per_seq, multiple=1))
+    return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 
 
 def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
