@@ -35,6 +35,7 @@ from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray, PyTree
 
 from edl.io import hf
+from edl.io.files import write_json_atomic
 from edl.io.plan import plan_load
 from edl.io.safetensors import CheckpointReader, save_file
 from edl.models import registry
@@ -259,7 +260,7 @@ def save_adapter(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / f"{ADAPTER_WEIGHTS}.safetensors")
-    hf._write_json_atomic(config, directory / ADAPTER_CONFIG)
+    write_json_atomic(directory / ADAPTER_CONFIG, config)
     return directory
 
 

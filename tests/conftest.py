@@ -1,7 +1,9 @@
 """Test configuration: strict promotion, 8 host devices, runtime-checked annotations."""
 
 import gc
+import importlib
 import os
+import pkgutil
 
 # Must precede the first jax import: 8 CPU devices so sharding is exercised on CPU.
 _flag = "--xla_force_host_platform_device_count=8"
@@ -16,10 +18,13 @@ from jaxtyping import install_import_hook  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# Every edl function's jaxtyping/typing annotations are checked by beartype under test.
+# Every edl function's jaxtyping/typing annotations are checked by beartype under test: every
+# module is imported here, under the hook (``import edl`` itself loads its names lazily).
 with install_import_hook("edl", "beartype.beartype"):
-    import edl.cli
-    import edl.train  # noqa: F401
+    import edl
+
+    for _module in pkgutil.walk_packages(edl.__path__, "edl."):
+        importlib.import_module(_module.name)
 
 # First calls compile, so wall-clock deadlines would only measure XLA; CI replays examples
 # deterministically so a failure there is reproducible from the log.

@@ -1,6 +1,7 @@
 """edl.io.checkpoint: exact round trips, atomic saves, pruning, clear errors."""
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,8 +16,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import edl
-from edl.io.checkpoint import latest_checkpoint, list_checkpoints, load_state, save_state
-from edl.io.safetensors import load_file
+from edl.io.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_state,
+    save_state,
+    verify_checkpoint,
+)
+from edl.io.safetensors import CheckpointError, load_file
 from edl.models import LlamaConfig, LlamaForCausalLM
 
 LLAMA = LlamaConfig(
@@ -264,3 +271,79 @@ def test_killed_writer_leaves_previous_checkpoint_usable(tmp_path):
         "checkpoint-00000000", "checkpoint-00000001",
     ]  # fmt: skip
     assert Path(tmp_path / "checkpoint-00000001" / "state.json").is_file()
+
+
+_KILLED_RESAVE = """
+import os, signal, sys
+import equinox as eqx, jax, optax
+import edl
+from edl.io import checkpoint
+
+state = edl.create_state(eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0)), optax.adam(1e-2))
+checkpoint.save_state(state, sys.argv[1], keep=1, metadata={"save": 1})
+rename = os.replace
+
+def killed_when_the_new_copy_moves_in(src, dst):
+    if os.path.basename(src).startswith(".tmp-checkpoint-") and os.path.basename(
+        dst
+    ).startswith("checkpoint-"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(src, dst)
+
+os.replace = killed_when_the_new_copy_moves_in
+checkpoint.save_state(state, sys.argv[1], keep=1, metadata={"save": 2})
+"""
+
+
+def test_resaving_a_step_keeps_a_complete_checkpoint_at_every_instant(tmp_path):
+    """Re-saving step 0 (the only checkpoint, keep=1), killed just before the new copy moves
+    into place: step 0's previous checkpoint still loads, and later saves clean up."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_KILLED_RESAVE), str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == -9, proc.stderr
+    state = edl.create_state(_mlp(key=1), optax.adam(1e-2))
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.name == "checkpoint-00000000.old"
+    loaded, metadata = load_state(tmp_path, state)
+    assert int(loaded.step) == 0 and metadata == {"save": 1}
+    save_state(state, tmp_path, keep=1, metadata={"save": 3})  # step 0 again
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000000"]
+    assert load_state(tmp_path, state)[1] == {"save": 3}
+    save_state(edl.state.replace(state, step=1), tmp_path, keep=1)
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-00000001"]
+
+
+def test_old_copy_is_superseded_once_the_new_one_is_complete(tmp_path):
+    """A kill after the new copy moved in but before the old was deleted leaves both: the
+    new one counts, and the next save removes the old."""
+    state = edl.create_state(_mlp(), optax.sgd(0.1))
+    save_state(state, tmp_path, metadata={"save": 1})
+    shutil.copytree(tmp_path / "checkpoint-00000000", tmp_path / "checkpoint-00000000.old")
+    assert list_checkpoints(tmp_path) == [tmp_path / "checkpoint-00000000"]
+    save_state(edl.state.replace(state, step=1), tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint-00000000", "checkpoint-00000001",
+    ]  # fmt: skip
+
+
+def test_verify_checkpoint_names_the_damaged_file(tmp_path):
+    state = _trained(_mlp(), optax.adamw(1e-2))
+    path = save_state(state, tmp_path)
+    assert verify_checkpoint(path)["step"] == 1
+    model = path / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*bytes"):
+        verify_checkpoint(path)
+    (path / "optimizer.safetensors").unlink()
+    (path / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"holds neither model\.safetensors"):
+        verify_checkpoint(path)
+
+
+def test_float_dtype_must_be_floating(tmp_path):
+    state = edl.create_state(_mlp(), optax.sgd(0.1))
+    with pytest.raises(ValueError, match=r"float_dtype must be a floating dtype.*int32"):
+        save_state(state, tmp_path, float_dtype=jnp.int32)
+    assert list(tmp_path.iterdir()) == []

@@ -1,14 +1,18 @@
-"""A small deterministic training run, used by tests/test_train_loop.py in subprocesses.
+"""A small deterministic training run, used by tests/test_train_resume.py in subprocesses.
 
-    python tests/train_script.py OUTPUT_DIR STEPS [KILL_AT_STEP]
+    python tests/train_script.py OUTPUT_DIR STEPS [--kill-at N] [--poison N ...]
 
-Trains a tiny Llama on synthetic token documents with checkpoints every 3 steps. With
-KILL_AT_STEP the process SIGKILLs itself at the end of that step (no clean-up runs).
+Trains a tiny Llama on synthetic token documents with checkpoints every 3 steps and
+``nan_policy="skip"``. ``--poison N`` makes the batch of step N non-finite (its loss is
+multiplied by NaN); ``--kill-at N`` SIGKILLs the process right after step N is logged (no
+clean-up runs). Prints the run's summary as one JSON line.
 """
 
+import argparse
+import json
+import logging
 import os
 import signal
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,35 +20,78 @@ import numpy as np
 
 import edl
 from edl.models import LlamaConfig, LlamaForCausalLM
-from edl.train import Hooks, OptimizerConfig, TokenBatches, make_optimizer, make_train_step, train
+from edl.train import (
+    OptimizerConfig,
+    TokenBatches,
+    callback,
+    make_optimizer,
+    make_train_step,
+    train,
+)
 
 
-def main(output_dir: str, steps: int, kill_at: int | None) -> None:
+class Poisoned:
+    """``TokenBatches`` whose batches carry ``scale`` 1, or NaN at the ``poison`` steps;
+    resumable (the batch count is part of the position)."""
+
+    def __init__(self, inner: TokenBatches, poison: set[int]) -> None:
+        self.inner, self.poison, self.count = inner, poison, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.inner)
+        self.count += 1
+        return {**batch, "scale": np.float32("nan" if self.count in self.poison else 1.0)}
+
+    @property
+    def position(self):
+        return {"inner": self.inner.position, "count": self.count}
+
+    def restore(self, position):
+        self.inner.restore(position["inner"])
+        self.count = position["count"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("output_dir")
+    parser.add_argument("steps", type=int)
+    parser.add_argument("--kill-at", type=int)
+    parser.add_argument("--poison", type=int, nargs="*", default=[])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 64, size=int(rng.integers(5, 40))).tolist() for _ in range(50)]
-    data = TokenBatches(docs, batch_size=4, max_length=16, seed=1, pad_id=0)
+    data = Poisoned(TokenBatches(docs, batch_size=4, max_length=16, seed=1, pad_id=0),
+                    set(args.poison))  # fmt: skip
     config = LlamaConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1,
     )  # fmt: skip
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
-    tx, schedule = make_optimizer(OptimizerConfig(learning_rate=1e-2, total_steps=steps))
+    tx, schedule = make_optimizer(OptimizerConfig(learning_rate=1e-2, total_steps=args.steps))
 
     def loss_fn(model, batch):
-        return model.compute_loss(
+        loss, metrics = model.compute_loss(
             jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
             segment_ids=jnp.asarray(batch["segment_ids"]),
         )  # fmt: skip
+        loss = loss * batch["scale"]
+        return loss, {**metrics, "loss": loss}
 
-    def end(state, metrics):
-        if kill_at is not None and metrics["step"] == kill_at:
+    def kill(info):
+        if info.step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return state, metrics
 
-    step = make_train_step(loss_fn, tx, clip_norm=1.0, schedule=schedule)
-    train(edl.create_state(model, tx), step, data, steps=steps, save_every=3,
-          output_dir=output_dir, hooks=Hooks(on_step_end=end), progress=False)  # fmt: skip
+    step = make_train_step(loss_fn, tx, clip_norm=1.0, schedule=schedule, skip_nonfinite=True)
+    _, summary = train(edl.create_state(model, tx), step, data, steps=args.steps, save_every=3,
+                       output_dir=args.output_dir, nan_policy="skip", progress=False,
+                       callbacks=[callback(kill)])  # fmt: skip
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else None)
+    main()

@@ -14,9 +14,13 @@ One directory per step, written atomically::
 A save writes everything into a ``.tmp-checkpoint-*`` sibling (each file fsync'd, then
 ``state.json``), renames it to ``checkpoint-{step:08d}`` and prunes old checkpoints. A
 checkpoint counts as complete only if its ``state.json`` parses, so a killed writer never
-shadows the previous good checkpoint; its leftovers are deleted by the next save. Everything
-is safetensors and JSON (no pickle). One process writes to a directory at a time, and arrays
-must be fully addressable from it (single host).
+shadows the previous good checkpoint; its leftovers are deleted by the next save. Re-saving a
+step first renames the old ``checkpoint-N`` to ``checkpoint-N.old``, which still counts as
+step N's checkpoint until the new one is in place, so at every instant a complete checkpoint
+exists. :func:`verify_checkpoint` checks a checkpoint's files without loading them (a
+truncated or missing tensor file fails there). Everything is safetensors and JSON (no
+pickle). One process writes to a directory at a time, and arrays must be fully addressable
+from it (single host).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
 from edl.io.plan import ReaderSource, plan_load
-from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
+from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.state import TrainState
 
@@ -54,6 +58,7 @@ __all__ = [
     "list_checkpoints",
     "load_state",
     "save_state",
+    "verify_checkpoint",
 ]
 
 logger = logging.getLogger("edl")
@@ -63,7 +68,8 @@ FORMAT = 1
 STATE_NAME = "state.json"
 """The file that marks a checkpoint complete (written last)."""
 
-_NAME = re.compile(r"checkpoint-(\d+)")
+_NAME = re.compile(r"checkpoint-(\d+)(\.old)?")
+_OLD = ".old"  # step N's previous checkpoint while a re-save of step N replaces it
 _TMP = ".tmp-checkpoint-"
 _MODEL, _OPTIMIZER = "model", "optimizer"
 
@@ -131,11 +137,22 @@ def _named_dirs(root: Path) -> list[Path]:
 # -- public: finding checkpoints -----------------------------------------------------------
 
 
+def _superseded(path: Path) -> bool:
+    """``checkpoint-N.old`` once a complete ``checkpoint-N`` has replaced it."""
+    if not path.name.endswith(_OLD):
+        return False
+    return _read_info(path.with_name(path.name.removesuffix(_OLD))) is not None
+
+
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """The complete ``checkpoint-*`` directories under ``directory``, oldest (lowest step)
-    first. Temporary directories and checkpoints without a readable ``state.json`` are
-    skipped; a missing ``directory`` gives ``[]``."""
-    found = [p for p in _named_dirs(Path(directory)) if _read_info(p) is not None]
+    """The complete checkpoints under ``directory``, oldest (lowest step) first.
+
+    Temporary directories and checkpoints without a readable ``state.json`` are skipped. A
+    ``checkpoint-N.old`` (step N's previous save, left by a re-save of step N that was
+    killed) counts unless a complete ``checkpoint-N`` exists. A missing ``directory`` gives
+    ``[]``."""
+    root = Path(directory)
+    found = [p for p in _named_dirs(root) if _read_info(p) is not None and not _superseded(p)]
     return sorted(found, key=lambda p: (_step_of(p), p.name))
 
 
@@ -143,6 +160,32 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The newest complete checkpoint under ``directory`` (highest step), or ``None``."""
     found = list_checkpoints(directory)
     return found[-1] if found else None
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check that a checkpoint's files are whole, without reading tensor data; return its
+    ``state.json``.
+
+    ``state.json`` (and a HF-layout model's ``config.json``) must parse, and every
+    safetensors file must be present with a valid header and exactly the length that header
+    promises (a sharded file's index must name existing shards holding its tensors). Raises
+    ``CheckpointError`` naming the file and what is wrong. Values are not checksummed: a
+    flipped bit inside tensor data passes.
+    """
+    path = Path(checkpoint)
+    info = _read_info(path)
+    if info is None:
+        raise CheckpointError(f"{path / STATE_NAME}: missing, unreadable or incomplete")
+    prefixes = [_MODEL] + ([_OPTIMIZER] if info.get("has_optimizer") else [])
+    for prefix in prefixes:
+        with CheckpointReader(path, prefix=prefix):
+            pass  # opening validates every header against its file's length
+    if info.get("model_format") == "hf":
+        try:
+            json.loads((path / hf.CONFIG_NAME).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{path / hf.CONFIG_NAME}: unreadable: {e}") from None
+    return info
 
 
 # -- saving --------------------------------------------------------------------------------
@@ -233,6 +276,11 @@ def save_state(
     """
     if keep is not None and keep < 1:
         raise ValueError(f"save_state: keep must be >= 1 or None, got {keep}")
+    if float_dtype is not None and not jnp.issubdtype(float_dtype, jnp.floating):
+        raise ValueError(
+            f"save_state: float_dtype must be a floating dtype (e.g. jnp.bfloat16), got "
+            f"{np.dtype(float_dtype).name}"
+        )
     step = int(state.step)
     if step < 0:
         raise ValueError(f"save_state: step must be non-negative, got {step}")
@@ -246,7 +294,6 @@ def save_state(
     final = root / f"checkpoint-{step:08d}"
     tmp = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
-    aside = None
     try:
         model = edl_state.model(state)
         if _is_hf(model):
@@ -274,21 +321,34 @@ def save_state(
                 _fsync(file)
         _write_state_file(tmp / STATE_NAME, json.dumps(info, indent=2, sort_keys=True) + "\n")
         _fsync(tmp)
-        if final.exists() or final.is_symlink():
-            aside = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}-old"
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        _fsync(root)
+        _replace_atomically(tmp, final)
     except BaseException:
-        if aside is not None and not final.exists():
-            with contextlib.suppress(OSError):
-                os.replace(aside, final)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if aside is not None:
-        _remove(aside)
     _prune(root, final, keep)
     return final
+
+
+def _replace_atomically(new: Path, final: Path) -> None:
+    """Move the complete checkpoint ``new`` to ``final`` so that a complete checkpoint of
+    that step exists at every instant: an existing ``final`` is first renamed to
+    ``final.old`` (which :func:`list_checkpoints` counts until ``final`` is back)."""
+    old = final.with_name(final.name + _OLD)
+    if final.exists() and old.exists():
+        # A re-save killed after its rename left both; keep whichever is complete.
+        _remove(old if _read_info(final) is not None else final)
+    if final.exists() or final.is_symlink():
+        os.replace(final, old)
+        _fsync(final.parent)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if old.exists() and not final.exists():
+            os.replace(old, final)
+        raise
+    _fsync(final.parent)
+    if old.exists():
+        _remove(old)
 
 
 def _prune(root: Path, current: Path, keep: int | None) -> None:
@@ -298,6 +358,8 @@ def _prune(root: Path, current: Path, keep: int | None) -> None:
             continue
         if _read_info(path) is None:
             logger.warning("checkpoint: deleting incomplete checkpoint %s", path)
+            _remove(path)
+        elif _superseded(path):
             _remove(path)
         else:
             complete.append(path)

@@ -11,7 +11,6 @@ one array, not the checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import tempfile
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from edl.io.files import write_json_atomic
 from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
@@ -222,19 +222,6 @@ def _stored_dtype_name(tensors: Mapping[str, LazyTensor]) -> str | None:
     return floats.pop() if len(floats) == 1 else None
 
 
-def _write_json_atomic(data: Mapping[str, Any], file: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-        os.replace(tmp, file)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def save_pretrained(
     model: Any,
     directory: str | os.PathLike[str],
@@ -256,7 +243,7 @@ def save_pretrained(
     if stored is not None:
         config["torch_dtype"] = config["dtype"] = stored  # transformers 4 / 5 spellings
     save_tensors(tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"})
-    _write_json_atomic(config, directory / CONFIG_NAME)
+    write_json_atomic(directory / CONFIG_NAME, config)
     return directory
 
 

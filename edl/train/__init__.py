@@ -1,48 +1,27 @@
-"""Training: train/eval steps, the loop, and the data pipeline (byte tokenizer, default
-corpus, collators, resumable batch iterators)."""
+"""Training: train/eval steps, the loop (a small core plus callbacks), and the data pipeline
+(byte tokenizer, default corpus, collators, resumable batch iterators).
 
-from edl.train.data import (
-    IGNORE_INDEX,
-    TokenBatches,
-    batches_from_iterable,
-    pack_sequences,
-    pad_batch,
-)
-from edl.train.loop import Hooks, NonFiniteLossError, train
-from edl.train.step import (
-    OptimizerConfig,
-    global_norm,
-    make_eval_step,
-    make_optimizer,
-    make_schedule,
-    make_train_step,
-)
-from edl.train.text import (
-    ByteTokenizer,
-    Tokenizer,
-    default_corpus_files,
-    load_corpus,
-    split_corpus,
-)
+Names load on first use (``edl._lazy``), so the ``edl`` command reads its option choices
+from here without importing jax.
+"""
 
-__all__ = [
-    "IGNORE_INDEX",
-    "ByteTokenizer",
-    "Hooks",
-    "NonFiniteLossError",
-    "OptimizerConfig",
-    "TokenBatches",
-    "Tokenizer",
-    "batches_from_iterable",
-    "default_corpus_files",
-    "global_norm",
-    "load_corpus",
-    "make_eval_step",
-    "make_optimizer",
-    "make_schedule",
-    "make_train_step",
-    "pack_sequences",
-    "pad_batch",
-    "split_corpus",
-    "train",
-]
+from edl._lazy import lazy_attributes
+
+_MODULES = {
+    "edl.train.callbacks": ("NonFiniteLossError",),
+    "edl.train.core": ("Callback", "RunEnd", "RunStart", "StepInfo", "Stop", "callback",
+                       "run_loop"),
+    "edl.train.data": ("IGNORE_INDEX", "TokenBatches", "batches_from_iterable",
+                       "pack_sequences", "pad_batch"),
+    "edl.train.loop": ("train",),
+    "edl.train.options": ("NAN_POLICIES", "OPTIMIZERS", "SCHEDULES"),
+    "edl.train.step": ("OptimizerConfig", "all_finite", "global_norm", "make_eval_step",
+                       "make_optimizer", "make_schedule", "make_train_step"),
+    "edl.train.text": ("ByteTokenizer", "Tokenizer", "default_corpus_files", "load_corpus",
+                       "split_corpus"),
+}  # fmt: skip
+_EXPORTS = {name: f"{module}:{name}" for module, names in _MODULES.items() for name in names}
+
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
+
+__all__ = sorted(_EXPORTS)

@@ -1,113 +1,84 @@
-"""A thin training loop around a user's ``step(state, batch)``: logging, checkpoints, resume.
+"""``train``: the loop core (``edl.train.core``) composed with the standard callbacks.
 
-The loop owns no maths: it feeds batches to the jitted step, logs what the step returns,
-and handles what a real run needs around it (ahead-of-time compile, progress bar,
-``metrics.jsonl``, evaluation, checkpoints with the data position, exact resume, NaN
-policies, a wall-clock limit and SIGTERM that both save before leaving, ``run.md``).
+The loop owns no maths: it feeds batches to the user's jitted ``step(state, batch)`` and
+hands every step to callbacks, one per concern (``edl.train.callbacks``): progress bar,
+``metrics.jsonl`` / TensorBoard, evaluation, checkpoints with the data position, the
+non-finite policy, a wall-clock limit, SIGTERM, ``loss.png`` and ``run.md``. The run
+directory (``edl.train.run_dir``) is never shared by two runs: an earlier run is resumed
+(exactly: state, optimizer, data position, metrics log) or deleted on request, never mixed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
+import logging
 import os
-import signal
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import jax
-import numpy as np
-from tqdm.auto import tqdm
-
 from edl import module as edl_module
-from edl.io.checkpoint import latest_checkpoint, load_state, save_state
 from edl.state import TrainState
-from edl.train.report import loss_curve_png, tensorboard_writer, write_run_summary
-from edl.train.step import global_norm
+from edl.train import run_dir
+from edl.train.callbacks import (
+    Checkpoint,
+    Evaluate,
+    LossPlot,
+    MetricsLog,
+    NonFiniteLossError,
+    NonFinitePolicy,
+    ParamNorm,
+    ProgressBar,
+    RunReport,
+    StopOnSignal,
+    TensorBoardLog,
+    Throughput,
+    TimeLimit,
+    console,
+    summarize,
+    tensorboard_available,
+)
+from edl.train.core import Callback, RunEnd, StepFn, run_loop
+from edl.train.options import NAN_POLICIES
 
-__all__ = ["Hooks", "NonFiniteLossError", "train"]
+__all__ = ["NonFiniteLossError", "train"]
 
-StepFn = Callable[[TrainState, Any], tuple[TrainState, Mapping[str, Any]]]
-Hook = Callable[[TrainState, dict[str, Any]], tuple[TrainState, dict[str, Any]]]
-
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN/Inf and the policy was ``"stop"``."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Hooks:
-    """User hooks, pure: ``(state, metrics) -> (state, metrics)``.
-
-    ``on_step_start`` gets ``{"step": n}`` before step ``n``; ``on_step_end`` the step's
-    metrics (host floats) after it. Either may return a changed state or metrics.
-    """
-
-    on_step_start: Hook | None = None
-    on_step_end: Hook | None = None
-
-
-def _to_host(metrics: Mapping[str, Any]) -> dict[str, float | int]:
-    out = {}
-    for key, value in jax.device_get(dict(metrics)).items():
-        value = np.asarray(value)
-        out[key] = value.item() if value.size == 1 else value.tolist()
-    return out
+logger = logging.getLogger("edl.train")
 
 
-def _device_memory() -> int | None:
-    stats = jax.local_devices()[0].memory_stats()
-    return None if not stats else stats.get("bytes_in_use")
+def _check_options(
+    *, steps: int, nan_policy: str, eval_every: int, eval_batches: int, save_every: int,
+    log_every: int, stats_every: int, keep: int | None, time_limit: float | None,
+    max_consecutive_skips: int, has_eval: bool, has_output: bool, callbacks: Sequence[Any],
+) -> None:  # fmt: skip
+    """Every option checked before any work, naming the option and what it allows."""
+    if nan_policy not in NAN_POLICIES:
+        raise ValueError(f"train: nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
+    minimum = {"steps": (steps, 0), "eval_every": (eval_every, 0),
+               "eval_batches": (eval_batches, 1), "save_every": (save_every, 0),
+               "log_every": (log_every, 1), "stats_every": (stats_every, 0),
+               "max_consecutive_skips": (max_consecutive_skips, 1)}  # fmt: skip
+    for name, (value, low) in minimum.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"train: {name} must be an int >= {low}, got {value!r}")
+    if keep is not None and (not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"train: keep must be an int >= 1 or None, got {keep!r}")
+    if time_limit is not None and not time_limit > 0:
+        raise ValueError(f"train: time_limit must be > 0 seconds or None, got {time_limit!r}")
+    if eval_every and not has_eval:
+        raise ValueError("train: eval_every > 0 needs eval_step and eval_data")
+    if save_every and not has_output:
+        raise ValueError("train: save_every > 0 needs an output_dir for the checkpoints")
+    bad = [c for c in callbacks if not isinstance(c, Callback)]
+    if bad:
+        raise TypeError(
+            f"train: callbacks must be edl.train.Callback instances (wrap a function with "
+            f"edl.train.callback(fn, every=n)), got {bad[0]!r}"
+        )
 
 
-def _evaluate(state, eval_step, eval_data, max_batches: int) -> dict[str, float]:
-    batches = eval_data() if callable(eval_data) else eval_data
-    totals: dict[str, float] = {}
-    weight_sum, n = 0.0, 0
-    for batch in batches:
-        if n >= max_batches:
-            break
-        metrics = _to_host(eval_step(state, batch))
-        weight = float(metrics.get("tokens", metrics.get("count", 1.0)))
-        for key, value in metrics.items():
-            if key in ("tokens", "count"):
-                totals[key] = totals.get(key, 0.0) + value
-            elif isinstance(value, float | int):
-                totals[key] = totals.get(key, 0.0) + value * weight
-        weight_sum += weight
-        n += 1
-    if n == 0:
-        raise ValueError("train: eval_data yielded no batches")
-    return {
-        f"eval_{k}": v if k in ("tokens", "count") else v / max(weight_sum, 1e-12)
-        for k, v in totals.items()
-    }
-
-
-class _Stop:
-    """SIGTERM flag: the handler only records; the loop saves at the next step boundary."""
-
-    def __init__(self):
-        self.reason: str | None = None
-        self._previous = None
-
-    def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: no signal handling
-            self._previous = None
-        return self
-
-    def _handle(self, signum, frame):
-        del signum, frame
-        self.reason = "sigterm"
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+def _echo(progress: bool) -> Callable[[str], None]:
+    """Where the run's messages go: the console above the bar, or the ``edl.train`` log."""
+    return console if progress else logger.info
 
 
 def train(
@@ -123,8 +94,9 @@ def train(
     save_every: int = 0,
     output_dir: str | os.PathLike[str] | None = None,
     resume: bool = True,
-    hooks: Hooks | None = None,
+    overwrite: bool = False,
     nan_policy: Literal["stop", "skip"] = "stop",
+    max_consecutive_skips: int = 10,
     time_limit: float | None = None,
     log_every: int = 1,
     stats_every: int = 0,
@@ -133,6 +105,7 @@ def train(
     keep: int | None = 3,
     config: Mapping[str, Any] | None = None,
     progress: bool = True,
+    callbacks: Sequence[Callback] = (),
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run ``step_fn`` until ``state.step == steps``; returns ``(state, summary)``.
 
@@ -141,156 +114,93 @@ def train(
         step_fn: ``step(state, batch) -> (state, metrics)``, normally ``make_train_step``'s
             jitted function; compiled ahead of time on the first batch.
         data: an iterator of batches; if it has ``position``/``restore`` (``TokenBatches``),
-            its position is saved in every checkpoint and restored on resume.
-        steps: the total number of optimizer steps (a resumed run continues to it).
+            its position is saved in every checkpoint and restored on resume. Running out
+            ends the run early (``stop_reason`` ``"data exhausted"``).
+        steps: the total number of steps (a resumed run continues to it); skipped steps
+            count.
         eval_step, eval_data, eval_every, eval_batches: evaluate every ``eval_every`` steps
-            on at most ``eval_batches`` batches of ``eval_data`` (an iterable, or a callable
-            returning a fresh one).
+            and after the last, on at most ``eval_batches`` batches of ``eval_data`` (an
+            iterable, or a callable returning a fresh one).
         save_every: checkpoint every ``save_every`` steps (and always at the end) into
             ``output_dir/checkpoints``, keeping the newest ``keep``.
-        output_dir: where ``metrics.jsonl``, checkpoints, ``run.md`` and ``loss.png`` go.
-        resume: continue from the newest complete checkpoint in ``output_dir`` if any.
-        hooks: :class:`Hooks`.
-        nan_policy: ``"stop"`` raises :class:`NonFiniteLossError` naming the step (the last
-            checkpoint stays the newest); ``"skip"`` counts steps the step function skipped
-            (build it with ``make_train_step(..., skip_nonfinite=True)``).
-        time_limit: seconds of wall clock; the loop saves and returns when it is exceeded.
-        log_every: metrics.jsonl / progress-bar interval in steps.
+        output_dir: where ``metrics.jsonl``, checkpoints, ``run.md``, ``loss.png`` and
+            ``tensorboard/`` go. A directory holding an earlier run is resumed (``resume``),
+            deleted first (``overwrite``), or refused (neither).
+        resume: continue the run in ``output_dir`` from its newest checkpoint that is whole
+            (newer corrupt ones are moved aside, saying why); ``metrics.jsonl`` is cut back to
+            that step and the summary, ``run.md`` and ``loss.png`` cover the whole run.
+        overwrite: delete the earlier run's files in ``output_dir`` first.
+        nan_policy: ``"stop"`` raises :class:`NonFiniteLossError` at a step whose loss,
+            gradients or updates are NaN/Inf, before it is saved (the newest checkpoint is
+            the last good state); ``"skip"`` goes on past steps the step function skipped
+            (build it with ``make_train_step(..., skip_nonfinite=True)``), and raises after
+            ``max_consecutive_skips`` in a row.
+        time_limit: seconds of wall clock; the loop saves and returns when it is exceeded,
+            saying so (a safety net: size runs by ``steps``).
+        log_every: the ``metrics.jsonl`` / TensorBoard / throughput interval in steps
+            (evaluated and skipped steps are always logged).
         stats_every: log the global parameter norm every this many steps (0: never).
         flops_per_token, peak_flops: for MFU (``tokens/s * flops_per_token / peak_flops``).
         config: recorded in ``run.md``.
+        progress: a progress bar, with evaluations and messages printed on stderr; without
+            it, messages go to the ``edl.train`` logger.
+        callbacks: the user's own (``edl.train.Callback``, or ``edl.train.callback(fn,
+            every=n)``), run after the standard ones.
+
+    The summary: ``start_step``, ``end_step``, ``stop_reason``, ``resumed_from``,
+    ``compile_seconds``, ``seconds`` (the whole run), ``parameters``, ``first_loss`` /
+    ``final_loss``, ``skipped_steps``, ``tokens_per_s`` (median), ``final_eval`` /
+    ``final_eval_step``, ``loss_png``.
     """
-    hooks = hooks or Hooks()
-    out = Path(output_dir) if output_dir is not None else None
-    ckpt_dir = out / "checkpoints" if out is not None else None
+    _check_options(
+        steps=steps, nan_policy=nan_policy, eval_every=eval_every, eval_batches=eval_batches,
+        save_every=save_every, log_every=log_every, stats_every=stats_every, keep=keep,
+        time_limit=time_limit, max_consecutive_skips=max_consecutive_skips,
+        has_eval=eval_step is not None and eval_data is not None,
+        has_output=output_dir is not None, callbacks=callbacks,
+    )  # fmt: skip
+    echo = _echo(progress)
+    out = None if output_dir is None else Path(output_dir)
+    prepared = run_dir.Prepared(state, [], 0.0, None)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    resumed_from = None
-    if resume and ckpt_dir is not None and latest_checkpoint(ckpt_dir) is not None:
-        state, meta = load_state(ckpt_dir, like=state)
-        resumed_from = int(state.step)
-        if "data" in meta and hasattr(data, "restore"):
-            data.restore(meta["data"])
+        prepared = run_dir.prepare(out, state, data, resume=resume, overwrite=overwrite,
+                                   echo=echo)  # fmt: skip
 
-    def save(state):
-        if ckpt_dir is None:
-            return None
-        meta = {"data": data.position} if hasattr(data, "position") else {}
-        return save_state(state, ckpt_dir, metadata=meta, keep=keep)
-
-    start = int(state.step)
-    history: list[dict[str, Any]] = []
-    summary: dict[str, Any] = {"start_step": start, "resumed_from": resumed_from,
-                               "skipped_steps": 0, "stop_reason": "steps"}  # fmt: skip
-    metrics_file = open(out / "metrics.jsonl", "a") if out is not None else None  # noqa: SIM115
-    board = tensorboard_writer(out) if out is not None else None
-    t_begin = time.perf_counter()
-    try:
-        if start >= steps:
-            summary["stop_reason"] = "already done"
-            return state, _finish(state, summary, history, out, config, t_begin)
-        first = next(data)
-        t0 = time.perf_counter()
-        if hasattr(step_fn, "place"):  # a ShardedStep: put the (loaded) state on its mesh
-            state = step_fn.place(state)
-        compiled = step_fn.lower(state, first).compile() if hasattr(step_fn, "lower") else step_fn
-        summary["compile_seconds"] = time.perf_counter() - t0
-        bar = tqdm(total=steps, initial=start, disable=not progress, dynamic_ncols=True)
-        batch, last_time, last_step = first, time.perf_counter(), start
-        with _Stop() as stop:
-            for step in range(start, steps):
-                if batch is None:
-                    batch = next(data)
-                pre: dict[str, Any] = {}
-                if hooks.on_step_start:
-                    state, pre = hooks.on_step_start(state, {"step": step})
-                state, metrics = compiled(state, batch)
-                batch = None
-                metrics = {**pre, **_to_host(metrics), "step": step + 1}
-                if stats_every and (step + 1) % stats_every == 0:
-                    metrics["param_norm"] = float(global_norm(state.params))
-                loss = metrics.get("loss", 0.0)
-                if not math.isfinite(loss):
-                    if nan_policy == "stop":
-                        raise NonFiniteLossError(
-                            f"train: loss is {loss} at step {step + 1}; stopping (nan_policy="
-                            f"'stop'); the newest checkpoint in {ckpt_dir} is the last good state"
-                        )
-                    if not metrics.get("skipped"):
-                        raise NonFiniteLossError(
-                            f"train: loss is {loss} at step {step + 1} with nan_policy='skip', "
-                            "but the step did not skip it: build it with "
-                            "make_train_step(..., skip_nonfinite=True)"
-                        )
-                summary["skipped_steps"] += int(metrics.get("skipped", 0))
-                if hooks.on_step_end:
-                    state, metrics = hooks.on_step_end(state, metrics)
-                now = time.perf_counter()
-                if (step + 1) % log_every == 0 or step + 1 == steps:
-                    metrics.update(_throughput(metrics, now - last_time, step + 1 - last_step,
-                                               flops_per_token, peak_flops))  # fmt: skip
-                    memory = _device_memory()
-                    if memory is not None:
-                        metrics["memory_bytes"] = memory
-                    last_time, last_step = now, step + 1
-                    bar.set_postfix({k: f"{metrics[k]:.4g}" for k in ("loss", "tokens_per_s", "mfu")
-                                     if k in metrics})  # fmt: skip
-                if eval_step is not None and eval_every and (step + 1) % eval_every == 0:
-                    t_eval = time.perf_counter()
-                    metrics.update(_evaluate(state, eval_step, eval_data, eval_batches))
-                    last_time += time.perf_counter() - t_eval
-                metrics["time"] = now - t_begin
-                history.append(metrics)
-                if metrics_file is not None:
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                if board is not None:
-                    board(metrics)
-                bar.update(1)
-                if time_limit is not None and now - t_begin > time_limit:
-                    stop.reason = stop.reason or "time_limit"
-                if stop.reason is not None:
-                    summary["stop_reason"] = stop.reason
-                    break
-                if save_every and (step + 1) % save_every == 0 and step + 1 != steps:
-                    t_save = time.perf_counter()
-                    save(state)
-                    last_time += time.perf_counter() - t_save  # throughput: training time only
-        bar.close()
-        save(state)
-        return state, _finish(state, summary, history, out, config, t_begin)
-    finally:
-        if metrics_file is not None:
-            metrics_file.close()
-
-
-def _throughput(metrics, seconds, steps, flops_per_token, peak_flops) -> dict[str, float]:
-    tokens = metrics.get("tokens")
-    if tokens is None or seconds <= 0:
-        return {}
-    rate = tokens * steps / seconds
-    out = {"tokens_per_s": rate}
-    if flops_per_token and peak_flops:
-        out["mfu"] = rate * flops_per_token / peak_flops
-    return out
-
-
-def _finish(state, summary, history, out, config, t_begin) -> dict[str, Any]:
-    summary.update(
-        end_step=int(state.step),
-        seconds=time.perf_counter() - t_begin,
-        parameters=edl_module.count_params(edl_module.merge(state.params, state.other)),
-        first_loss=history[0]["loss"] if history else None,
-        final_loss=history[-1]["loss"] if history else None,
-    )
-    rates = [m["tokens_per_s"] for m in history if "tokens_per_s" in m]
-    if rates:
-        summary["tokens_per_s"] = float(np.median(rates))
-    evals = [m for m in history if any(k.startswith("eval_") for k in m)]
-    if evals:
-        summary["final_eval"] = {k: v for k, v in evals[-1].items() if k.startswith("eval_")}
-        summary["final_eval_step"] = evals[-1]["step"]
+    metrics_log = MetricsLog(None if out is None else out / run_dir.METRICS_FILE,
+                             interval=log_every, history=prepared.history)  # fmt: skip
+    checkpoints = None
     if out is not None:
-        summary["loss_png"] = loss_curve_png(out, history)
-        write_run_summary(out / "run.md", summary, config)
-    return summary
+        checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
+                                 data=data, echo=echo)  # fmt: skip
+    plot = None if out is None else LossPlot(out / "loss.png", metrics_log)
+    parameters = edl_module.count_params(edl_module.merge(state.params, state.other))
+
+    def summary(end: RunEnd) -> dict[str, Any]:
+        return summarize(
+            metrics_log.history, end, resumed_from=prepared.resumed_from, parameters=parameters,
+            loss_png=None if plot is None or plot.written is None else str(plot.written),
+        )  # fmt: skip
+
+    standard: list[Callback | None] = [
+        ParamNorm(every=stats_every) if stats_every else None,
+        Throughput(every=log_every, flops_per_token=flops_per_token, peak_flops=peak_flops),
+        Evaluate(eval_step, eval_data, every=eval_every, max_batches=eval_batches)
+        if eval_every and eval_step is not None and eval_data is not None
+        else None,
+        metrics_log,
+        TensorBoardLog(out / "tensorboard", interval=log_every)
+        if out is not None and tensorboard_available()
+        else None,
+        NonFinitePolicy(nan_policy, max_consecutive_skips=max_consecutive_skips,
+                        newest_checkpoint=checkpoints.newest if checkpoints else lambda: None),
+        ProgressBar() if progress else None,
+        checkpoints,
+        TimeLimit(time_limit, echo=echo) if time_limit is not None else None,
+        StopOnSignal(echo=echo),
+        plot,
+        RunReport(out / "run.md", summary, config=config) if out is not None else None,
+    ]  # fmt: skip
+    chain = [c for c in standard if c is not None] + list(callbacks)
+    state, end = run_loop(prepared.state, step_fn, data, steps=steps, callbacks=chain,
+                          elapsed=prepared.elapsed)  # fmt: skip
+    return state, summary(end)

@@ -11,6 +11,7 @@ built from a small :class:`OptimizerConfig`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -23,9 +24,11 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl.sharding import Rules, batch_spec, state_shardings
 from edl.state import TrainState
+from edl.train.options import OPTIMIZERS, SCHEDULES
 
 __all__ = [
     "OptimizerConfig",
+    "all_finite",
     "global_norm",
     "make_eval_step",
     "make_optimizer",
@@ -59,11 +62,25 @@ class OptimizerConfig:
     momentum: float = 0.9
 
     def __post_init__(self):
+        for field, allowed in (("name", OPTIMIZERS), ("schedule", SCHEDULES)):
+            if getattr(self, field) not in allowed:
+                raise ValueError(
+                    f"OptimizerConfig.{field}: unknown {getattr(self, field)!r}; choose one of "
+                    f"{', '.join(allowed)}"
+                )
         if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
             raise ValueError(
                 f"OptimizerConfig: need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps "
                 f"({self.total_steps}) and total_steps >= 1"
             )
+        ranges = {"learning_rate": (0.0, None), "weight_decay": (0.0, None), "eps": (0.0, None),
+                  "min_lr_ratio": (0.0, 1.0), "b1": (0.0, 1.0), "b2": (0.0, 1.0),
+                  "momentum": (0.0, 1.0)}  # fmt: skip
+        for field, (low, high) in ranges.items():
+            value = getattr(self, field)
+            if not low <= value <= (math.inf if high is None else high):
+                bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+                raise ValueError(f"OptimizerConfig.{field} must be {bound}, got {value}")
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -99,6 +116,16 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
     else:
         raise ValueError(f"OptimizerConfig.name: unknown optimizer {config.name!r}")
     return tx, lr
+
+
+def all_finite(tree: PyTree) -> jax.Array:
+    """Whether every element of every inexact array leaf is finite (a boolean scalar)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    return (
+        jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+        if leaves
+        else jnp.asarray(True)
+    )
 
 
 def global_norm(tree: PyTree) -> jax.Array:
@@ -166,8 +193,10 @@ def make_train_step(
             run by ``lax.scan`` (activation memory of one micro-batch).
         clip_norm: clip the global gradient norm to this value (None: no clipping).
         schedule: the learning-rate schedule, only to report ``learning_rate``.
-        skip_nonfinite: a step whose loss or gradient norm is NaN/Inf leaves the state
-            unchanged (``metrics["skipped"] == 1``) instead of poisoning it.
+        skip_nonfinite: a non-finite step (see ``nonfinite`` below) leaves the parameters
+            and optimizer state unchanged (``metrics["skipped"] == 1``) instead of poisoning
+            them; it still counts as a step (``state.step`` advances, the batch is consumed),
+            so a run of ``n`` steps ends at ``state.step == n``.
         donate: donate the input state's buffers to the output (jit only): the state passed
             in, and the model it was created from, are invalid after the call.
         jit: return ``jax.jit(step)``; False returns the pure function.
@@ -178,34 +207,38 @@ def make_train_step(
             activation constraints apply. The result is a :class:`ShardedStep`.
 
     Metrics: the loss function's (``loss``, ``accuracy``, ``tokens``, ...), ``grad_norm``
-    (before clipping), ``learning_rate`` (with ``schedule``), ``skipped``.
+    (before clipping), ``learning_rate`` (with ``schedule``), ``nonfinite`` (1 when the loss,
+    the gradient norm or any updated parameter is NaN/Inf, so a non-finite update is caught
+    even when the loss is finite) and, with ``skip_nonfinite``, ``skipped``.
     """
     if grad_accum_steps < 1:
         raise ValueError(f"make_train_step: grad_accum_steps must be >= 1, got {grad_accum_steps}")
     grad_fn = edl_state.value_and_grad(loss_fn, has_aux=True)
 
     def gradients(state: TrainState, batch: Batch):
+        """``(loss, grads, metrics)`` of the batch (micro-batches combined by weight)."""
         if grad_accum_steps == 1:
-            (_, metrics), grads = grad_fn(state, batch)
-            return grads, dict(metrics)
+            (loss, metrics), grads = grad_fn(state, batch)
+            return loss, grads, dict(metrics)
 
         def micro(carry, micro_batch):
-            (_, metrics), grads = grad_fn(state, micro_batch)
+            (loss, metrics), grads = grad_fn(state, micro_batch)
             w = _weight(metrics)
             carry = jax.tree.map(lambda acc, g: acc + w * g.astype(jnp.float32), carry, grads)
-            return carry, (metrics, w)
+            return carry, (metrics, w, loss)
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        total, (metrics, weights) = jax.lax.scan(
+        total, (metrics, weights, losses) = jax.lax.scan(
             micro, zeros, _micro_batches(batch, grad_accum_steps)
         )
         denom = jnp.sum(weights)
         denom = jnp.where(denom > 0, denom, 1.0)
         grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), total, state.params)
-        return grads, _combine(metrics, weights)
+        loss = jnp.sum(losses.astype(jnp.float32) * weights) / denom
+        return loss, grads, _combine(metrics, weights)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        grads, metrics = gradients(state, batch)
+        loss, grads, metrics = gradients(state, batch)
         norm = global_norm(grads)
         if clip_norm is not None:
             factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
@@ -215,10 +248,13 @@ def make_train_step(
         if schedule is not None:
             with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
                 metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
-        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(norm)
+        # The parameters were finite, so non-finite ones now mean a non-finite update.
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new_state.params)
+        metrics["nonfinite"] = (~finite).astype(jnp.int32)
         if skip_nonfinite:
-            new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-        metrics["skipped"] = (~finite).astype(jnp.int32) if skip_nonfinite else jnp.int32(0)
+            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+            new_state = edl_state.replace(kept, step=new_state.step)  # the step still counts
+            metrics["skipped"] = metrics["nonfinite"]
         return new_state, metrics
 
     if mesh is not None:

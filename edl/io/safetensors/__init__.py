@@ -19,7 +19,8 @@ at a time with positioned reads, straight into a preallocated buffer if asked
 tensor at a time while writing, so values may be ``LazyTensor``s produced on demand. Every file
 is written to a temporary file in the target directory and moved into place with
 ``os.replace``. All format problems raise ``CheckpointError`` naming the file and the tensor.
-No pickle is involved anywhere. This package depends on nothing else in edl.
+No pickle is involved anywhere. This package depends on nothing else in edl but
+``edl.io.files`` (atomic writes).
 """
 
 from edl.io.safetensors.format import (

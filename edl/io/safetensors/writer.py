@@ -3,20 +3,18 @@ materialised at a time, each file written atomically."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from edl.io.files import atomic_file
 from edl.io.safetensors.format import (
     _CODES,
     CheckpointError,
@@ -83,24 +81,6 @@ def _materialise(p: _Planned, file: Path) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-@contextlib.contextmanager
-def _atomic_file(path: Path) -> Iterator[Any]:
-    """A binary file object writing to a temporary next to ``path``, moved there on success."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    # os.open with 0o666 honours the umask, unlike tempfile.mkstemp's 0o600.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _write_safetensors(path: Path, planned: Sequence[_Planned], metadata: dict[str, str]) -> None:
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
@@ -113,7 +93,7 @@ def _write_safetensors(path: Path, planned: Sequence[_Planned], metadata: dict[s
         offset += p.nbytes
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
-    with _atomic_file(path) as f:
+    with atomic_file(path) as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for p in planned:
@@ -197,7 +177,7 @@ def save_tensors(
             "weight_map": dict(sorted(weight_map.items())),
         }
         path = out / f"{prefix}.safetensors.index.json"
-        with _atomic_file(path) as f:
+        with atomic_file(path) as f:
             f.write((json.dumps(index, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
         written.append(path)
 

@@ -1,0 +1,52 @@
+"""``edl info``: what a run directory, checkpoint or saved model holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from edl.cli.config import CommandError
+from edl.io.checkpoint import STATE_NAME, list_checkpoints, verify_checkpoint
+from edl.io.hf import CONFIG_NAME
+from edl.io.safetensors import CheckpointError
+
+__all__ = ["resolve_model", "run_info"]
+
+
+def _checkpoints_dir(path: Path) -> Path:
+    return path / "checkpoints" if (path / "checkpoints").is_dir() else path
+
+
+def resolve_model(path: Path) -> Path:
+    """The model directory behind ``path``: a run directory's or checkpoint directory's newest
+    checkpoint whose files are whole (newer corrupt ones are reported on stderr and skipped),
+    a checkpoint, or a saved model. ``CommandError`` when there is none."""
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    if (path / CONFIG_NAME).is_file():
+        return path
+    for checkpoint in reversed(list_checkpoints(_checkpoints_dir(path))):
+        try:
+            verify_checkpoint(checkpoint)
+        except CheckpointError as e:
+            print(f"skipping {checkpoint.name}: {e}", file=sys.stderr)
+            continue
+        return checkpoint
+    raise CommandError(
+        f"{path} holds no model: neither a {CONFIG_NAME} nor a whole checkpoint with one"
+    )
+
+
+def run_info(path: Path) -> None:
+    """Print the checkpoints of a run (the newest's state.json) and the model's summary."""
+    import edl
+
+    if not path.exists():
+        raise CommandError(f"{path} does not exist")
+    found = list_checkpoints(_checkpoints_dir(path))
+    if found:
+        print(f"{_checkpoints_dir(path)}: {len(found)} checkpoint(s); newest {found[-1].name}")
+        info = json.loads((found[-1] / STATE_NAME).read_text(encoding="utf-8"))
+        print(json.dumps({k: v for k, v in info.items() if k != "metadata"}, indent=2))
+    print(edl.summary(edl.from_pretrained(resolve_model(path))))

@@ -1,0 +1,126 @@
+"""``edl train``: a byte-level Llama on the embedded corpus, built from a ``TrainConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import edl
+from edl.cli.config import CommandError, TrainConfig
+from edl.cli.generate import sample
+from edl.models import LlamaConfig, LlamaForCausalLM, flops_per_token
+from edl.train import (
+    ByteTokenizer,
+    Callback,
+    OptimizerConfig,
+    StepInfo,
+    TokenBatches,
+    load_corpus,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    run_dir,
+    split_corpus,
+    train,
+)
+
+__all__ = ["BitsPerByte", "run_train"]
+
+_LN2 = math.log(2)
+
+
+class BitsPerByte(Callback):
+    """``bits_per_byte`` and ``eval_bits_per_byte``: a byte model's losses in bits (its
+    cross entropy over ln 2), logged and shown beside the loss."""
+
+    def metrics(self, info: StepInfo) -> dict[str, float]:
+        out = {}
+        for key in ("loss", "eval_loss"):
+            if key in info.metrics:
+                out[key.replace("loss", "bits_per_byte")] = info.metrics[key] / _LN2
+        return out
+
+
+def _model(config: TrainConfig, tokenizer: ByteTokenizer) -> LlamaForCausalLM:
+    model_config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=max(2048, config.seq_len), pad_token_id=tokenizer.pad_id,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM.init(model_config, key=jax.random.key(config.seed))
+
+
+def _loss_fn(model: LlamaForCausalLM, batch: dict[str, Any]) -> Any:
+    return model.compute_loss(
+        jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
+        segment_ids=jnp.asarray(batch["segment_ids"]),
+        position_ids=jnp.asarray(batch["position_ids"]),
+    )  # fmt: skip
+
+
+def run_train(config: TrainConfig) -> dict[str, Any]:
+    """Train as ``config`` says; print one JSON line of results and a sample; return the
+    loop's summary."""
+    try:  # before any work
+        run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise CommandError(str(e)) from None
+    tokenizer = ByteTokenizer()
+    train_docs, eval_docs = split_corpus(load_corpus(max_bytes=config.corpus_bytes))
+    data = TokenBatches(train_docs, batch_size=config.batch_size, max_length=config.seq_len,
+                        tokenizer=tokenizer, seed=config.seed)  # fmt: skip
+    held_out = TokenBatches(eval_docs, batch_size=config.batch_size, max_length=config.seq_len,
+                            tokenizer=tokenizer, shuffle=False, repeat=False)  # fmt: skip
+    eval_batches = [next(held_out) for _ in range(config.eval_batches)]
+    model = _model(config, tokenizer)
+    tx, schedule = make_optimizer(OptimizerConfig(
+        name=config.optimizer, schedule=config.schedule, learning_rate=config.learning_rate,
+        warmup_steps=min(config.warmup_steps, config.steps), total_steps=config.steps,
+        weight_decay=config.weight_decay,
+    ))  # fmt: skip
+    step = make_train_step(_loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
+                           clip_norm=config.clip_norm or None, schedule=schedule,
+                           skip_nonfinite=config.nan_policy == "skip")  # fmt: skip
+    print(f"edl train: {edl.count_params(model):,} parameters, {len(train_docs)} documents, "
+          f"{config.steps} steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
+    state, summary = train(
+        edl.create_state(model, tx), step, data, steps=config.steps,
+        eval_step=make_eval_step(_loss_fn), eval_data=eval_batches,
+        eval_every=config.eval_every, eval_batches=config.eval_batches,
+        save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
+        overwrite=config.overwrite, nan_policy=config.nan_policy,
+        time_limit=config.time_limit or None, log_every=config.log_every,
+        flops_per_token=flops_per_token(model.config, config.seq_len),
+        peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
+        callbacks=[BitsPerByte()],
+    )  # fmt: skip
+    _report(summary)
+    text = tokenizer.decode(sample(edl.state.model(state), tokenizer.encode(config.prompt),
+                                   config.sample_tokens, key=jax.random.key(config.seed),
+                                   temperature=config.sample_temperature))  # fmt: skip
+    print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
+    print(text)
+    return summary
+
+
+def _report(summary: dict[str, Any]) -> None:
+    """One JSON line: steps, why the run stopped, bits per byte of the first and last
+    training batch, and the last held-out evaluation (the steady number)."""
+    out = {k: summary[k] for k in ("start_step", "end_step", "stop_reason") if k in summary}
+    for key in ("first_loss", "final_loss"):
+        if summary.get(key) is not None:
+            out[key.replace("loss", "bits_per_byte")] = summary[key] / _LN2
+    if "eval_loss" in summary.get("final_eval", {}):
+        out["eval_bits_per_byte"] = summary["final_eval"]["eval_loss"] / _LN2
+        out["final_eval_step"] = summary["final_eval_step"]
+    out["seconds"] = round(summary["seconds"], 1)
+    print(json.dumps(out))

@@ -1,0 +1,49 @@
+"""``TensorBoardLog``: scalar metrics as TensorBoard events (the optional ``tensorboard``
+extra, ``tensorboardX``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from edl.train.callbacks.metrics_log import logged
+from edl.train.core import Callback, StepInfo
+
+__all__ = ["TensorBoardLog", "tensorboard_available"]
+
+
+def tensorboard_available() -> bool:
+    """Whether ``tensorboardX`` is installed."""
+    return importlib.util.find_spec("tensorboardX") is not None
+
+
+class TensorBoardLog(Callback):
+    """Every numeric metric as a scalar at the step, on the steps a ``MetricsLog`` with
+    the same ``interval`` writes, into ``directory`` (created on the first write)."""
+
+    every = 1
+
+    def __init__(self, directory: str | os.PathLike[str], *, interval: int = 1) -> None:
+        if not tensorboard_available():
+            raise ImportError("TensorBoardLog needs tensorboardX: pip install 'edl[tensorboard]'")
+        self.directory, self.interval = Path(directory), interval
+        self._writer: Any = None
+
+    def on_step(self, info: StepInfo) -> None:
+        if not logged(info, self.interval):
+            return
+        if self._writer is None:
+            from tensorboardX import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.directory))
+        for key, value in info.metrics.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                self._writer.add_scalar(key, value, info.step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

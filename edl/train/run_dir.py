@@ -1,0 +1,183 @@
+"""A run's output directory: never mixing two runs, and resuming from the newest checkpoint
+that loads.
+
+A run directory holds ``metrics.jsonl``, ``checkpoints/``, ``run.md``, ``loss.png`` and
+``tensorboard/``. :func:`prepare` decides what a new call of ``edl.train.train`` does with
+what is there: refuse (an earlier run, neither ``resume`` nor ``overwrite``), delete it
+(``overwrite``), or continue it (``resume``): the newest checkpoint whose files are whole is
+loaded (newer, corrupt ones are moved aside as ``checkpoint-N.corrupt``, saying why), the data
+position restored, and ``metrics.jsonl`` cut back to the checkpoint's step, so the log holds
+one line per step whatever was killed when.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edl.io.checkpoint import list_checkpoints, load_state, verify_checkpoint
+from edl.io.files import write_text_atomic
+from edl.io.safetensors import CheckpointError
+from edl.state import TrainState
+from edl.train.callbacks.metrics_log import METRICS_FILE
+
+__all__ = ["CHECKPOINTS", "RUN_ARTEFACTS", "Prepared", "check", "earlier_run", "prepare"]
+
+CHECKPOINTS = "checkpoints"
+RUN_ARTEFACTS = (METRICS_FILE, CHECKPOINTS, "run.md", "loss.png", "tensorboard")
+"""What a run writes into its directory (and ``overwrite`` deletes; nothing else is touched)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The state to start from and what the resumed run had done: its metrics ``history``
+    (up to the checkpoint), ``elapsed`` seconds and the checkpoint's step (``None``: a new
+    run)."""
+
+    state: TrainState
+    history: list[dict[str, Any]]
+    elapsed: float
+    resumed_from: int | None
+
+
+def earlier_run(directory: Path) -> list[str]:
+    """The run artefacts in ``directory`` (an empty ``checkpoints/`` does not count)."""
+    found = []
+    for name in RUN_ARTEFACTS:
+        path = directory / name
+        if path.is_dir() and name == CHECKPOINTS and not any(path.iterdir()):
+            continue
+        if path.exists():
+            found.append(name)
+    return found
+
+
+def _remove_run(directory: Path, names: list[str]) -> None:
+    """Delete the artefacts ``names``: first moved into one hidden folder (so a kill midway
+    leaves no half-deleted run behind), then that folder."""
+    trash = directory / f".edl-overwritten-{uuid.uuid4().hex[:8]}"
+    trash.mkdir()
+    for name in names:
+        os.replace(directory / name, trash / name)
+    shutil.rmtree(trash)
+
+
+def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl`` with ``step <= upto``; the file is rewritten
+    (atomically) to hold exactly those."""
+    if not path.exists():
+        return []
+    kept, lines = [], []
+    text = path.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(text, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(text):  # a kill mid-write leaves a partial last line
+                continue
+            raise ValueError(f"{path}: line {number} is not JSON: {line[:80]!r}") from None
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and step <= upto:
+            kept.append(record)
+            lines.append(line)
+    write_text_atomic(path, "".join(f"{line}\n" for line in lines))
+    return kept
+
+
+def _newest_loadable(
+    checkpoints: Path, echo: Callable[[str], None]
+) -> tuple[Path | None, dict[str, Any]]:
+    """The newest checkpoint whose files are whole, after moving newer corrupt ones aside;
+    with checkpoints present but none whole, an error naming each and why."""
+    found = list_checkpoints(checkpoints)
+    problems: list[tuple[Path, str]] = []
+    for path in reversed(found):
+        try:
+            info = verify_checkpoint(path)
+        except CheckpointError as e:
+            problems.append((path, str(e)))
+            continue
+        _set_aside(problems, echo)
+        return path, info
+    if problems:
+        listed = "\n".join(f"  {p.name}: {why}" for p, why in problems)
+        raise CheckpointError(
+            f"resume: no checkpoint in {checkpoints} is whole:\n{listed}\nRepair or remove "
+            "them, or start again with overwrite=True (--overwrite)"
+        )
+    return None, {}
+
+
+def _set_aside(problems: list[tuple[Path, str]], echo: Callable[[str], None]) -> None:
+    """Rename corrupt checkpoints so no reader takes them for the newest again."""
+    for path, why in problems:
+        aside = path.with_name(f"{path.name}.corrupt")
+        if aside.exists():
+            aside = path.with_name(f"{path.name}.corrupt-{uuid.uuid4().hex[:6]}")
+        os.replace(path, aside)
+        echo(f"skipping {path.name}: {why}; moved it to {aside.name}")
+
+
+def check(directory: Path, *, resume: bool, overwrite: bool) -> list[str]:
+    """The earlier run's artefacts in ``directory``; raises what :func:`prepare` would
+    refuse (cheap: callers check before any other work)."""
+    if resume and overwrite:
+        raise ValueError("resume and overwrite exclude each other; choose one")
+    if directory.exists() and not directory.is_dir():
+        raise NotADirectoryError(f"output directory {directory} is a file")
+    found = earlier_run(directory) if directory.is_dir() else []
+    if found and not (resume or overwrite):
+        raise FileExistsError(
+            f"{directory} holds an earlier run ({', '.join(found)}): continue it "
+            "(resume=True; edl train --resume) or delete it first (overwrite=True; "
+            "edl train --overwrite), or choose another output directory"
+        )
+    return found
+
+
+def prepare(
+    directory: str | os.PathLike[str],
+    state: TrainState,
+    data: Any,
+    *,
+    resume: bool,
+    overwrite: bool,
+    echo: Callable[[str], None],
+) -> Prepared:
+    """Get ``directory`` ready for a run starting from ``state`` (see the module docstring).
+
+    Raises ``FileExistsError`` for an earlier run without ``resume`` or ``overwrite``,
+    ``CheckpointError`` when checkpoints exist but none is whole, and ``ValueError`` when
+    ``resume`` and ``overwrite`` are both set.
+    """
+    out = Path(directory)
+    found = check(out, resume=resume, overwrite=overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    if found and overwrite:
+        _remove_run(out, found)
+        echo(f"overwrite: deleted the earlier run in {out} ({', '.join(found)})")
+    if not resume:
+        return Prepared(state, [], 0.0, None)
+    checkpoint, info = _newest_loadable(out / CHECKPOINTS, echo)
+    if checkpoint is None:
+        history = _read_history(out / METRICS_FILE, 0)  # a run killed before its first save
+        return Prepared(state, history, 0.0, None)
+    state, meta = load_state(checkpoint, like=state)
+    step = int(info["step"])
+    if "data" in meta and hasattr(data, "restore"):
+        data.restore(meta["data"])
+    elif not hasattr(data, "restore"):
+        echo("resume: the data iterator has no position/restore, so it starts from its "
+             "beginning (use TokenBatches for exact resumption)")  # fmt: skip
+    history = _read_history(out / METRICS_FILE, step)
+    elapsed = float(meta.get("elapsed", history[-1]["time"] if history else 0.0))
+    echo(f"resuming from {checkpoint.name} (step {step})")
+    return Prepared(state, history, elapsed, step)

@@ -1,0 +1,136 @@
+"""The ``edl`` command: options with help and defaults, one-line errors before any work, runs
+that never mix, ``edl info`` / ``edl generate`` on what a run leaves."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edl.cli import main
+from edl.cli.config import FIELDS, TrainConfig
+
+
+def _fails(argv, capsys, code=2):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == code
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+    return err
+
+
+def test_every_flag_has_help_with_its_default_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name, field in FIELDS.items():
+        assert f"--{name.replace('_', '-')}" in text
+        assert f"(default: {field.default})" in text, name
+    assert "--optimizer {adamw,adafactor,lion,sgd}" in text
+    assert "--nan-policy {stop,skip}" in text and "--schedule {cosine,linear,constant}" in text
+
+
+def test_help_imports_no_jax():
+    code = (
+        "import sys\nfrom edl.cli import main\n"
+        "for argv in (['--help'], ['train', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--optimizer", "adam"], "invalid choice: 'adam' (choose from 'adamw', 'adafactor'"),
+        (["--sample-tokens", "0"], "sample_tokens must be >= 1, got 0"),
+        (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+        (["--num-heads", "3"], "--num-heads (3) must divide --hidden-size (128)"),
+        (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+    ],
+)
+def test_invalid_flags_fail_before_any_work_in_one_line(tmp_path, capsys, argv, message):
+    err = _fails(["train", "--output-dir", str(tmp_path / "run"), *argv], capsys)
+    assert err.startswith("edl train: error: ") and message in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('steps = "ten"', "steps must be an int, got 'ten'"),
+        ("learning_rate = true", "learning_rate must be a float, got True"),
+        ("nope = 1", "unknown option 'nope'"),
+        ("steps = [", "not valid TOML"),
+    ],
+)
+def test_a_bad_toml_file_fails_naming_the_file_and_key(tmp_path, capsys, toml, message):
+    config = tmp_path / "run.toml"
+    config.write_text(toml + "\n")
+    err = _fails(["train", "--config", str(config)], capsys)
+    assert f"{config}: " in err and message in err
+
+
+def test_info_and_generate_on_a_missing_path_exit_nonzero(tmp_path, capsys):
+    err = _fails(["info", str(tmp_path / "nope")], capsys, code=1)
+    assert f"{tmp_path / 'nope'} does not exist" in err
+    err = _fails(["generate", "--model", str(tmp_path / "nope")], capsys, code=1)
+    assert "does not exist" in err
+    assert "--max-new-tokens: must be >= 1" in _fails(
+        ["generate", "--model", str(tmp_path), "--max-new-tokens", "0"], capsys
+    )
+
+
+def test_defaults_are_valid_and_sized_by_steps():
+    config = TrainConfig()
+    assert config.steps > 0 and config.time_limit >= 4 * 240  # the limit is only a safety net
+    assert config.warmup_steps < config.steps and config.eval_every <= config.steps
+
+
+def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tmp_path, capsys):
+    run = tmp_path / "run"
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'output_dir = "{run}"\nsteps = 3\nhidden_size = 32\nintermediate_size = 64\n'
+        "num_layers = 1\ncorpus_bytes = 200000\neval_every = 2\neval_batches = 1\n"
+        "seq_len = 32\nbatch_size = 2\nsample_tokens = 8\n"
+    )
+    old = os.umask(0o022)
+    try:
+        main(["train", "--config", str(config), "--steps", "4", "--save-every", "2"])
+    finally:
+        os.umask(old)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.splitlines()[0])
+    assert summary["end_step"] == 4 and summary["final_bits_per_byte"] > 0
+    assert summary["final_eval_step"] == 4 and 0 < summary["eval_bits_per_byte"] < 8.5
+    assert "--- sample" in captured.out
+    assert "step 2/4: eval_" in captured.err and "eval_bits_per_byte" in captured.err
+    assert "saved checkpoint-00000004 (step 4)" in captured.err
+    for written in (run / "run.md", run / "checkpoints" / "checkpoint-00000004" / "config.json",
+                    run / "metrics.jsonl", run / "checkpoints" / "checkpoint-00000004"
+                    / "model.safetensors"):  # fmt: skip
+        assert written.stat().st_mode & 0o777 == 0o644, written  # the umask, not 0o600
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all("bits_per_byte" in m for m in lines)
+
+    err = _fails(["train", "--config", str(config)], capsys, code=1)  # the run exists
+    assert f"{run} holds an earlier run" in err and "--resume" in err and "--overwrite" in err
+    main(["train", "--config", str(config), "--steps", "6", "--resume"])
+    captured = capsys.readouterr()
+    assert "resuming from checkpoint-00000004 (step 4)" in captured.err
+    assert json.loads(captured.out.splitlines()[0])["end_step"] == 6
+    main(["train", "--config", str(config), "--steps", "2", "--overwrite"])
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["end_step"] == 2
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+    main(["info", str(run)])
+    assert "checkpoint-00000002" in capsys.readouterr().out
+    main(["generate", "--model", str(run), "--prompt", "import", "--max-new-tokens", "5"])
+    assert capsys.readouterr().out.startswith("import")
