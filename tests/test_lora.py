@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import edl
@@ -77,6 +77,7 @@ def _consumers(layer, x, residual, norm):
 
 
 @settings(max_examples=10)
+@example(batch=(3, 30), features=(40, 24), bias=False, seed=0)  # was off before the fix
 @given(  # one row, few rows (one GEMM with the weight on the left on CPU), many rows
     batch=st.sampled_from([(1,), (1, 1), (4, 1), (1, 16), (3, 30), (2, 65)]),
     features=st.tuples(st.sampled_from([16, 40, 48]), st.sampled_from([16, 24, 64])),
@@ -85,14 +86,12 @@ def _consumers(layer, x, residual, norm):
 )
 def test_a_zero_adapter_changes_no_bit_of_what_consumes_the_layer(batch, features, bias, seed):
     fan_in, fan_out = features
-    keys = jax.random.split(jax.random.key(seed), 5)
-    layer = Linear.init(fan_in, fan_out, use_bias=bias, key=keys[0])
-    if bias:
-        layer = edl.tree.tree_apply({"bias": lambda b: b + 0.3}, layer)
-    lora = LoraLinear.init(layer, rank=4, scaling=2.0, key=keys[1])
-    x = jax.random.normal(keys[2], (*batch, fan_in))
-    residual = jax.random.normal(keys[3], (*batch, fan_out))
-    norm = 1.0 + 0.1 * jax.random.normal(keys[4], (fan_out,))
+    rng = np.random.default_rng(seed)  # numpy: jax.random would compile per shape
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    layer = Linear(0.2 * f32(fan_out, fan_in), f32(fan_out) if bias else None)
+    zero = Linear(jnp.zeros((fan_out, 4)), None)
+    lora = LoraLinear(layer, Linear(0.2 * f32(4, fan_in), None), zero, scaling=2.0)
+    x, residual, norm = f32(*batch, fan_in), f32(*batch, fan_out), 1.0 + 0.1 * f32(fan_out)
     run = jax.jit(_consumers)
     for got, want in zip(run(lora, x, residual, norm), run(layer, x, residual, norm), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
