@@ -5,10 +5,12 @@ edl shards with JAX's own SPMD: arrays carry ``NamedSharding``s on a 4-axis mesh
 ``jax.jit`` inserts the collectives. Parameters get their specs from **rules**: ``(regex,
 PartitionSpec)`` pairs matched (``re.search``, first match wins) against ``edl.tree`` path
 strings such as ``"model.layers.self_attn.q_proj.weight"``; unmatched arrays are replicated.
+``rules=None`` means the rules the tree carries: an edl model's ``partition_rules`` (its
+family's, ``edl.models.decoder.PARTITION_RULES``), a train state's model's.
 
     mesh = make_mesh((1, -1, 1, 1))                        # all devices on fsdp
-    rules = edl.models.llama.partition_rules()
-    state = shard_state(state, rules, mesh)                # optimizer state follows params
+    state = shard_state(state, None, mesh)                 # the model's own rules;
+                                                           # optimizer state follows params
     with jax.set_mesh(mesh):                               # activation constraints apply
         state, metrics = step(state, shard_batch(batch, mesh))
 
@@ -123,10 +125,26 @@ def fit_spec(
     return PartitionSpec(*fitted)
 
 
-def partition_specs(tree: PyTree, rules: Rules, *, mesh: Mesh | None = None) -> PyTree:
+def _rules(tree: Any, rules: Rules | None, what: str) -> Rules:
+    """``rules``, or where None the rules ``tree`` carries (``tree.partition_rules``)."""
+    if rules is not None:
+        return rules
+    own = getattr(tree, "partition_rules", None)
+    if own is None:
+        raise ValueError(
+            f"{what}: rules=None means the tree's own partition_rules, and a "
+            f"{type(tree).__name__} has none (edl models and their train states do); pass "
+            f"rules as [(path regex, PartitionSpec), ...]"
+        )
+    return own
+
+
+def partition_specs(tree: PyTree, rules: Rules | None, *, mesh: Mesh | None = None) -> PyTree:
     """A ``PartitionSpec`` per array of ``tree`` from the first rule whose regex matches its
-    path (``P()`` when none does). With ``mesh``, axes that do not divide a dimension are
-    dropped there. Works on arrays and ``jax.ShapeDtypeStruct``s alike."""
+    path (``P()`` when none does); ``rules=None``: the tree's ``partition_rules``. With
+    ``mesh``, axes that do not divide a dimension are dropped there. Works on arrays and
+    ``jax.ShapeDtypeStruct``s alike."""
+    rules = _rules(tree, rules, "partition_specs")
     compiled = [(compile_pattern(p), spec) for p, spec in rules]
 
     def one(path: str, x: Any) -> PartitionSpec | None:
@@ -145,9 +163,11 @@ def _shardings(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:
     )
 
 
-def shard(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:
-    """Put every array of ``tree`` on ``mesh`` as ``rules`` say (non-arrays unchanged)."""
-    return jax.device_put(tree, _shardings(tree, rules, mesh))
+def shard(tree: PyTree, rules: Rules | None, mesh: Mesh) -> PyTree:
+    """Put every array of ``tree`` on ``mesh`` as ``rules`` say (non-arrays unchanged);
+    ``rules=None``: the tree's own ``partition_rules`` (an edl model's family rules, as
+    EasyDeL's ``shard_model(partition_rules=None)``)."""
+    return jax.device_put(tree, _shardings(tree, _rules(tree, rules, "shard"), mesh))
 
 
 def gather(tree: PyTree) -> PyTree:
@@ -179,10 +199,12 @@ def _param_spec_lookup(param_specs: dict[str, PartitionSpec], shapes: dict[str, 
     return lookup
 
 
-def state_shardings(state: Any, rules: Rules, mesh: Mesh) -> Any:
+def state_shardings(state: Any, rules: Rules | None, mesh: Mesh) -> Any:
     """``NamedSharding``s for an ``edl.TrainState`` (same structure): params and frozen
-    arrays by ``rules``; each optimizer-state array like the parameter it tracks (matched
-    by path suffix and shape: Adam's ``mu``/``nu``), scalars (step, counts) replicated."""
+    arrays by ``rules`` (``None``: the model's ``partition_rules``); each optimizer-state
+    array like the parameter it tracks (matched by path suffix and shape: Adam's
+    ``mu``/``nu``), scalars (step, counts) replicated."""
+    rules = _rules(state, rules, "state_shardings")
     params = {**flatten(state.params), **flatten(state.other)}
     specs = {p: s for p, s in flatten(partition_specs(params, rules, mesh=mesh)).items()}
     lookup = _param_spec_lookup(specs, {p: tuple(x.shape) for p, x in params.items()})
@@ -198,8 +220,8 @@ def state_shardings(state: Any, rules: Rules, mesh: Mesh) -> Any:
     return named_map(one, state)
 
 
-def shard_state(state: Any, rules: Rules, mesh: Mesh) -> Any:
-    """``state`` placed by ``state_shardings``."""
+def shard_state(state: Any, rules: Rules | None, mesh: Mesh) -> Any:
+    """``state`` placed by ``state_shardings`` (``rules=None``: the model's own)."""
     return jax.device_put(state, state_shardings(state, rules, mesh))
 
 
@@ -208,15 +230,18 @@ def gather_state(state: Any) -> Any:
     return gather(state)
 
 
-def shard_with_shape(fn: Callable[..., PyTree], rules: Rules, mesh: Mesh) -> Callable[..., PyTree]:
+def shard_with_shape(
+    fn: Callable[..., PyTree], rules: Rules | None, mesh: Mesh
+) -> Callable[..., PyTree]:
     """``fn`` (e.g. ``lambda key: Model.init(config, key=key)``) jitted so that its outputs
     are created already sharded: no device ever holds the whole model (EasyDeL's
-    ``shard_with_shape`` / lazy init). Shapes come from ``jax.eval_shape``."""
+    ``shard_with_shape`` / lazy init). Shapes come from ``jax.eval_shape``; ``rules=None``:
+    the ``partition_rules`` of what ``fn`` returns."""
 
     def sharded(*args: Any, **kwargs: Any) -> PyTree:
         shapes = jax.eval_shape(lambda: fn(*args, **kwargs))
         arrays, static = _split_arrays(shapes)
-        out_shardings = _shardings(arrays, rules, mesh)
+        out_shardings = _shardings(arrays, _rules(shapes, rules, "shard_with_shape"), mesh)
         make = jax.jit(lambda: _split_arrays(fn(*args, **kwargs))[0], out_shardings=out_shardings)
         return _merge_arrays(make(), static)
 

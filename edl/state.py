@@ -133,6 +133,16 @@ class TrainState:
     other = property(lambda self: self._view("other"))
     opt_state = property(lambda self: self._view("opt_state"))
 
+    @property
+    def partition_rules(self) -> Any:
+        """The model's partition rules (``edl.sharding``'s ``rules=None``): those its class
+        carries (an edl model's family rules), or None."""
+        for i in (0, 1):  # params, other: each has the model's structure (and class)
+            rules = getattr(self._meta[i][1].tree, "partition_rules", None)
+            if rules is not None:
+                return rules
+        return None
+
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"TrainState is frozen; use edl.state.replace(state, {name}=...)")
 

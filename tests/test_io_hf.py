@@ -296,3 +296,31 @@ def test_from_pretrained_places_arrays_with_the_given_shardings(saved):
     replicated = NamedSharding(mesh, PartitionSpec())
     everywhere = edl.from_pretrained(directory, sharding=replicated)
     assert all(x.sharding == replicated for x in jax.tree.leaves(everywhere))
+
+
+def test_from_pretrained_takes_a_model_shaped_tree_of_shardings(saved):
+    """What ``named_sharding(partition_specs(...))`` gives for the model; a tree or mapping
+    whose paths are not the model's is refused, naming the first such path."""
+    from jax.sharding import PartitionSpec
+
+    from edl.sharding import make_mesh, partition_specs
+
+    model, directory = saved
+    mesh = make_mesh((1, 4, 2, 1))
+    abstract = edl.abstract(LlamaForCausalLM.init, CONFIG, key=jax.random.key(0))
+    shardings = edl.tree.named_sharding(partition_specs(abstract, None, mesh=mesh), mesh)
+    loaded = edl.from_pretrained(directory, sharding=shardings)
+    q = loaded.model.layers.self_attn.q_proj.weight  # (2, 16, 16): out over tp, in over fsdp
+    assert q.sharding == shardings.model.layers.self_attn.q_proj.weight
+    assert q.addressable_shards[0].data.shape == (2, 8, 4)
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(model), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    tied = LlamaForCausalLM.init(CONFIG.replace(tie_word_embeddings=True), key=jax.random.key(0))
+    other = edl.tree.named_sharding(partition_specs(tied, None, mesh=mesh), mesh)
+    with pytest.raises(ValueError, match=r"the model's array 'lm_head.weight' has none"):
+        edl.from_pretrained(directory, sharding=other)
+    with pytest.raises(ValueError, match=r"'lm_head.wieght' is no array of the model"):
+        edl.from_pretrained(directory, sharding={"lm_head.wieght": shardings.lm_head.weight})
+    with pytest.raises(TypeError, match=r"'lm_head.weight' holds a PartitionSpec.*named_sharding"):
+        edl.from_pretrained(directory, sharding={"lm_head.weight": PartitionSpec("tp")})

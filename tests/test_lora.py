@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import edl
 from edl.generate import generate
@@ -24,7 +26,7 @@ from edl.lora import (
 )
 from edl.models import LlamaForCausalLM, configure
 from edl.nn import Linear
-from edl.ops import causal_lm_loss_from_logits
+from edl.ops import causal_lm_loss_from_logits, rms_norm
 from edl.quantize import QuantConfig, QuantizedLinear, dequantize, quantize
 from edl.train import make_train_step
 
@@ -58,6 +60,67 @@ def test_zero_initialised_adapters_leave_outputs_bit_identical(tiny_llama, tiny_
     assert q.lora_A.weight.dtype == dtype and not np.any(np.asarray(q.lora_B.weight))
     assert np.all(np.asarray(q.lora_A.weight) != 0)  # A is random, so only B == 0 explains it
     np.testing.assert_array_equal(_logits(lora, tiny_ids), _logits(base, tiny_ids))
+
+
+# A layer's own output cannot show it (it leaves the program whole): what differed was what
+# consumes it. XLA:CPU fuses the consumer (the residual add + RMS norm after o/down_proj and
+# the head, RoPE after q/k) with what produced its input, and compiles that fusion
+# differently (reduction order, FMA contraction) when one more term, even an all-zero LoRA
+# update, comes with it. The 20 rows above happened to compile alike; one row, decode-sized
+# and prefill-sized inputs were an ulp off.
+def _consumers(layer, x, residual, norm):
+    y = layer(x)
+    half = y.shape[-1] // 2
+    rotated = jnp.concatenate([-y[..., half:], y[..., :half]], axis=-1)
+    rope = y * jnp.cos(residual) + rotated * jnp.sin(residual)
+    return rms_norm(residual + y, norm, 1e-6), rope
+
+
+@settings(max_examples=10)
+@example(batch=(3, 30), features=(40, 24), bias=False, seed=0)  # was off before the fix
+@given(  # one row, few rows (one GEMM with the weight on the left on CPU), many rows
+    batch=st.sampled_from([(1,), (1, 1), (4, 1), (1, 16), (3, 30), (2, 65)]),
+    features=st.tuples(st.sampled_from([16, 40, 48]), st.sampled_from([16, 24, 64])),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_zero_adapter_changes_no_bit_of_what_consumes_the_layer(batch, features, bias, seed):
+    fan_in, fan_out = features
+    rng = np.random.default_rng(seed)  # numpy: jax.random would compile per shape
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    layer = Linear(0.2 * f32(fan_out, fan_in), f32(fan_out) if bias else None)
+    zero = Linear(jnp.zeros((fan_out, 4)), None)
+    lora = LoraLinear(layer, Linear(0.2 * f32(4, fan_in), None), zero, scaling=2.0)
+    x, residual, norm = f32(*batch, fan_in), f32(*batch, fan_out), 1.0 + 0.1 * f32(fan_out)
+    run = jax.jit(_consumers)
+    for got, want in zip(run(lora, x, residual, norm), run(layer, x, residual, norm), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 65)])  # a decode step (few rows), a prefill
+def test_zero_adapters_on_every_layer_change_no_bit_unrolled(tiny_llama, shape):
+    """Every projection and the head adapted, layers unrolled (one fusion scope across the
+    model): logits and loss as the base model's, at decode and prefill row counts."""
+    base = configure(tiny_llama, scan_layers=False)
+    lora = apply_lora(base, rank=4, alpha=8, pattern=r"(proj|head)$", key=jax.random.key(2))
+    ids = jax.random.randint(jax.random.key(1), shape, 0, base.config.vocab_size)
+    np.testing.assert_array_equal(_logits(lora, ids), _logits(base, ids))
+    if shape[1] > 1:
+        loss = jax.jit(lambda m, i: m.compute_loss(i)[0])
+        np.testing.assert_array_equal(np.asarray(loss(lora, ids)), np.asarray(loss(base, ids)))
+
+
+def test_a_zero_update_still_passes_its_gradient_on():
+    """B = 0 must not block B's gradient (the zero update is skipped in the forward only)."""
+    layer = Linear.init(16, 8, key=jax.random.key(0))
+    lora = LoraLinear.init(layer, rank=4, scaling=2.0, key=jax.random.key(1))
+    x = jax.random.normal(jax.random.key(2), (6, 16))
+    ct = jax.random.normal(jax.random.key(3), (6, 8))
+    grad = jax.jit(jax.grad(lambda m: jnp.sum(m(x) * ct)))(lora)
+    want = 2.0 * ct.T @ (x @ lora.lora_A.weight.T)  # d/dB of sum(ct * 2 (x A^T) B^T)
+    np.testing.assert_allclose(np.asarray(grad.lora_B.weight), np.asarray(want), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(grad.lora_A.weight), 0.0)  # B = 0: no A gradient
 
 
 def test_lora_trainable_splits_out_exactly_the_adapters(tiny_llama):

@@ -125,3 +125,49 @@ def test_linear_many_names_the_bad_weight():
         unchecked(jnp.ones((8, 16)), [jnp.ones((4, 16)), jnp.ones((4, 15))])
     with pytest.raises(ValueError, match="no weights"):
         unchecked(jnp.ones((8, 16)), [])
+
+
+def _rope_and_norm(y, residual):
+    """What consumes q/k (RoPE) and o/down (residual add + RMS norm): XLA fuses them with
+    whatever produces ``y``."""
+    half = y.shape[-1] // 2
+    rotated = jnp.concatenate([-y[..., half:], y[..., :half]], axis=-1)
+    rope = y * jnp.cos(residual) + rotated * jnp.sin(residual)
+    h = residual + y
+    return rope, h * jax.lax.rsqrt(jnp.mean(jnp.square(h), -1, keepdims=True) + 1e-6)
+
+
+# (1,): one row; (1, 16): the weight on the left (CPU); (3, 30): on the right.
+@pytest.mark.parametrize("batch", [(1,), (1, 16), (3, 30)])
+def test_a_zero_addend_changes_no_bit_of_what_consumes_the_product(batch):
+    rng = np.random.default_rng(len(batch))
+    f32 = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    x, ws, residual, addend = f32(*batch, 40), [f32(24, 40), f32(8, 40)], f32(*batch, 24), None
+    # The addend is computed in the same program (scaled, as a LoRA update is), so XLA could
+    # fuse it into the consumers if it were added after the product.
+    scaled = lambda a: None if a is None else 2.0 * a
+    one = jax.jit(lambda x, w, a: _rope_and_norm(linear(x, w, addend=scaled(a)), residual))
+    many = jax.jit(lambda x, ws, a: _rope_and_norm(
+        linear_many(x, ws, addends=[scaled(a), None])[0], residual))  # fmt: skip
+    for f, w in ((one, ws[0]), (many, ws)):
+        for got, want in zip(f(x, w, jnp.zeros_like(residual)), f(x, w, None), strict=True):
+            np.testing.assert_array_equal(got, want)
+        addend = f32(*batch, 24)
+        reference = _rope_and_norm(x @ ws[0].T + 2.0 * addend, residual)
+        for got, want in zip(f(x, w, addend), reference, strict=True):
+            np.testing.assert_allclose(got, want, **TOL)
+    # The gradient is that of a plain sum, for a zero addend too (a LoRA B starting at 0).
+    ct = f32(*batch, 24)
+    grad = jax.jit(jax.grad(lambda a: jnp.sum(linear(x, ws[0], addend=a) * ct)))
+    np.testing.assert_array_equal(grad(jnp.zeros_like(ct)), ct)
+    outs = jax.jit(linear_many)(x, ws, addends=[None, f32(*batch, 8)])
+    np.testing.assert_array_equal(outs[0], jax.jit(linear)(x, ws[0]))
+
+
+def test_addend_shape_is_checked():
+    unchecked = getattr(linear, "__wrapped__", linear)
+    with pytest.raises(ValueError, match=r"addend \(8, 5\) != the product's shape \(8, 4\)"):
+        unchecked(jnp.ones((8, 16)), jnp.ones((4, 16)), addend=jnp.ones((8, 5)))
+    unchecked = getattr(linear_many, "__wrapped__", linear_many)
+    with pytest.raises(ValueError, match=r"1 addends for 2 weights"):
+        unchecked(jnp.ones((8, 16)), [jnp.ones((4, 16))] * 2, addends=[None])

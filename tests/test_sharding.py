@@ -208,6 +208,36 @@ def test_state_shardings_and_shard_batch():
     assert placed.lm_head.weight.addressable_shards[0].data.shape == (64, 8)
 
 
+def test_rules_none_means_the_models_own_rules():
+    """``None`` rules are the model family's (EasyDeL's ``shard_model(partition_rules=None)``):
+    for a model, a train state (of a LoRA'd model too) and a shape-only init."""
+    from edl.lora import apply_lora, lora_trainable
+    from edl.models import registry
+
+    for family in (registry.LLAMA, registry.GEMMA, registry.GEMMA2, registry.MIXTRAL,
+                   registry.QWEN3_MOE):  # fmt: skip
+        for cls in (*family.tasks.values(), family.tasks["causal_lm"].trunk):
+            assert cls.partition_rules is PARTITION_RULES, cls
+    mesh = make_mesh((1, 4, 2, 1))
+    model = _model()
+    specs = lambda tree: [s.spec for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, tree))]
+    assert specs(shard(model, None, mesh)) == specs(shard(model, PARTITION_RULES, mesh))
+    assert specs(shard(model.model, None, mesh)) == specs(shard(model.model, PARTITION_RULES, mesh))
+    for state in (edl.create_state(model, optax.adamw(1e-2)),
+                  edl.create_state(apply_lora(model, rank=2, alpha=2, key=jax.random.key(1)),
+                                   optax.adamw(1e-2), trainable=lora_trainable)):  # fmt: skip
+        assert state.partition_rules is PARTITION_RULES
+        assert specs(shard_state(state, None, mesh)) == specs(
+            shard_state(state, PARTITION_RULES, mesh)
+        )
+    init = shard_with_shape(lambda key: LlamaForCausalLM.init(CONFIG, key=key), None, mesh)
+    assert init(jax.random.key(0)).model.layers.self_attn.q_proj.weight.sharding.spec == P(
+        None, "tp", "fsdp"
+    )
+    with pytest.raises(ValueError, match=r"shard: rules=None .* a dict has none"):
+        shard({"w": jnp.ones(8)}, None, mesh)
+
+
 def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
     """``train`` with ``make_train_step(mesh=...)``: an unplaced state and host batches are
     placed by the step; the run's checkpoint resumes on a different mesh."""

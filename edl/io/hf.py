@@ -22,6 +22,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec, Sharding
 from tqdm.auto import tqdm
 
 from edl.io.files import write_json_atomic
@@ -90,6 +91,37 @@ def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
 # -- loading ------------------------------------------------------------------------------
 
 
+def _leaf_shardings(sharding: Any, targets: Mapping[str, Any]) -> dict[str, Sharding]:
+    """edl path -> sharding of each array to load, from ``from_pretrained``'s ``sharding``: a
+    ``Sharding`` for every array, a flat or nested mapping of some paths, or a pytree of the
+    model's structure (``edl.tree.named_sharding(edl.sharding.partition_specs(...), mesh)``)
+    holding one for every array."""
+    if sharding is None:
+        return {}
+    if isinstance(sharding, Sharding):
+        return dict.fromkeys(targets, sharding)
+    flat = flatten(sharding)
+    for path, leaf in flat.items():
+        if isinstance(leaf, PartitionSpec):
+            raise TypeError(f"sharding: {path!r} holds a PartitionSpec, not a Sharding (map "
+                            f"specs to shardings with edl.tree.named_sharding)")  # fmt: skip
+        if not isinstance(leaf, Sharding):
+            raise TypeError(f"sharding: {path!r} holds a {type(leaf).__name__}, not a "
+                            f"jax.sharding.Sharding")  # fmt: skip
+    unknown = [p for p in flat if p not in targets]
+    missing = [] if isinstance(sharding, Mapping) else [p for p in targets if p not in flat]
+    if unknown or missing:
+        what = "mapping" if isinstance(sharding, Mapping) else f"{type(sharding).__name__} tree"
+        first = (f"{unknown[0]!r} is no array of the model" if unknown
+                 else f"the model's array {missing[0]!r} has none")  # fmt: skip
+        raise ValueError(
+            f"sharding: the {what} does not match the model's arrays: {first} "
+            f"({len(unknown)} unknown, {len(missing)} without a sharding; the model has e.g. "
+            f"{sorted(targets)[:3]})"
+        )
+    return flat
+
+
 def _load(
     model_cls: type,
     config: Any,
@@ -107,7 +139,7 @@ def _load(
         frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
     )
     plan = plan_load(table, targets, source, skip=skip)
-    shardings = flatten(sharding) if isinstance(sharding, Mapping) else {}
+    shardings = _leaf_shardings(sharding, targets)
     leaves: dict[str, jax.Array] = {}
     for path in tqdm(plan.fills, desc="loading", unit="array", disable=None, leave=False):
         target = targets[path]
@@ -115,9 +147,8 @@ def _load(
         want = dtype if dtype is not None and jnp.issubdtype(target.dtype, jnp.inexact) else stored
         buffer = np.empty(target.shape, np.dtype(want))
         plan.read(path, buffer)
-        leaf_sharding = shardings.get(path, sharding if not shardings else None)
         # Wait for the transfer so this buffer is freed before the next is filled.
-        leaves[path] = jax.block_until_ready(jax.device_put(buffer, leaf_sharding))
+        leaves[path] = jax.block_until_ready(jax.device_put(buffer, shardings.get(path)))
         del buffer
     # Every array leaf is in the plan, so no abstract leaf survives.
     return named_map(lambda path, leaf: leaves.get(path, leaf), abstract)
@@ -142,8 +173,12 @@ def from_pretrained(
         revision: hub branch, tag or commit.
         task: ``"causal_lm"``, ``"sequence_classification"`` or ``"base"``; default from
             ``architectures`` in ``config.json``.
-        sharding: a ``jax.sharding.Sharding`` for every array, or a nested/flat mapping of
-            edl paths to shardings; each array goes straight to its devices.
+        sharding: a ``jax.sharding.Sharding`` for every array; a nested/flat mapping of edl
+            paths to shardings (paths left out: the default device); or a pytree of the
+            model's structure with a sharding per array, such as
+            ``edl.tree.named_sharding(edl.sharding.partition_specs(abstract_model, None,
+            mesh=mesh), mesh)``. Paths that are not the model's raise. Each array goes
+            straight to its devices.
         cache_dir, local_files_only, token: passed to ``huggingface_hub.snapshot_download``
             for repo ids (``local_files_only=True``, or ``HF_HUB_OFFLINE=1``, reads only the
             local HF cache).

@@ -40,12 +40,16 @@ class Linear(eqx.Module):
         weight = std * jax.random.normal(key, (out_features, in_features), dtype)
         return cls(weight, jnp.zeros((out_features,), dtype) if use_bias else None)
 
-    def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
+    def __call__(
+        self, x: Float[Array, "*batch in"], *, addend: Float[Array, "*batch out"] | None = None
+    ) -> Float[Array, "*batch out"]:
+        """``x @ weight.T (+ addend) + bias``; ``addend`` (a LoRA update) joins the product as
+        in ``edl.ops.linear``, so an all-zero one changes no bit of the output."""
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(
                 f"Linear: input features {x.shape[-1]} != weight's {self.weight.shape[1]}"
             )
-        return add_bias(linear(x, self.weight), self.bias)
+        return add_bias(linear(x, self.weight, addend=addend), self.bias)
 
 
 def add_bias(y: Float[Array, "*batch out"], bias: Float[Array, " out"] | None) -> jax.Array:

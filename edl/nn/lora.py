@@ -136,8 +136,10 @@ class LoraLinear(eqx.Module):
         return eqx.tree_at(lambda m: m.weight, base, self.weight)
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        # With lora_B == 0 the update is exactly +0.0, so the base output comes out unchanged.
-        return self.base_layer(x) + self.update(x)
+        # The update joins the base product inside the matmul (``addend``), not after it: a
+        # sum added after it is fused into the consumers (residual add + norm, RoPE), which
+        # XLA then compiles differently, an ulp off even for an update of exact zeros.
+        return self.base_layer(x, addend=self.update(x))
 
     def update(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
         """The adapter's term ``scaling * lora_B(lora_A(dropout(x)))`` alone."""

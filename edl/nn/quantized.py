@@ -98,6 +98,12 @@ class QuantizedLinear(eqx.Module):
         dense = lambda q: Linear(q.weight, q.bias)
         return map_stacked(dense, self.qweight.ndim - 2)(self)
 
-    def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = quantized_matmul(x, self.qweight, self.scales, format=self.format, shape=self.shape)
+    def __call__(
+        self, x: Float[Array, "*batch in"], *, addend: Float[Array, "*batch out"] | None = None
+    ) -> Float[Array, "*batch out"]:
+        """``x @ W.T (+ addend) + bias`` with ``W`` dequantized in the matmul; ``addend`` as in
+        ``edl.nn.Linear``."""
+        y = quantized_matmul(
+            x, self.qweight, self.scales, format=self.format, shape=self.shape, addend=addend
+        )
         return add_bias(y, self.bias)

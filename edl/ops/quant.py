@@ -145,13 +145,16 @@ def quantized_matmul(
     *,
     format: Format,
     shape: tuple[int, int],
+    addend: Float[Array, "*batch out"] | None = None,
 ) -> Float[Array, "*batch out"]:
     """``x @ W.T`` for the quantized ``(out, in)`` weight ``W``, in ``x``'s dtype.
 
     The weight is dequantized inside the jitted computation (float32 codes times scales,
     cast to ``x.dtype``), so XLA fuses it into the matmul's operand; nothing dense outlives
-    the call.
+    the call. ``addend`` (a LoRA update) is added to the product as ``edl.ops.linear`` adds
+    it: all zeros, it changes no bit.
     """
     if x.shape[-1] != shape[1]:
         raise ValueError(f"quantized_matmul: input features {x.shape[-1]} != weight's {shape[1]}")
-    return linear(x, dequantize(qweight, scales, format=format, shape=shape, dtype=x.dtype))
+    w = dequantize(qweight, scales, format=format, shape=shape, dtype=x.dtype)
+    return linear(x, w, addend=addend)
