@@ -236,6 +236,13 @@ def test_rules_none_means_the_models_own_rules():
     )
     with pytest.raises(ValueError, match=r"shard: rules=None .* a dict has none"):
         shard({"w": jnp.ones(8)}, None, mesh)
+    tx = optax.sgd(0.1)  # a train step without rules places the state by the model's own
+    step = make_train_step(_loss, tx, mesh=mesh)
+    placed = step.place(edl.create_state(model, tx))
+    assert specs(placed.params) == specs(shard(model, PARTITION_RULES, mesh))
+    mlp_state = edl.create_state({"w": jnp.ones((8, 4))}, tx)  # no rules: replicated
+    placed = make_train_step(lambda m, b: (jnp.sum(m["w"]), {}), tx, mesh=mesh).place(mlp_state)
+    assert placed.params["w"].sharding.is_fully_replicated
 
 
 def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):

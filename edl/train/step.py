@@ -201,7 +201,8 @@ def make_train_step(
             in, and the model it was created from, are invalid after the call.
         jit: return ``jax.jit(step)``; False returns the pure function.
         mesh, rules: run SPMD on ``mesh`` (``edl.sharding.make_mesh``): the state is placed by
-            ``edl.sharding.state_shardings(state, rules, mesh)`` (optimizer state following
+            ``edl.sharding.state_shardings(state, rules, mesh)`` (``rules=None``: the model's
+            own ``partition_rules``, replicated where it has none; optimizer state following
             its parameters), every batch array split over ``dp``/``fsdp`` on its leading
             axis, metrics replicated; traced under ``jax.set_mesh(mesh)`` so the models'
             activation constraints apply. The result is a :class:`ShardedStep`.
@@ -260,7 +261,7 @@ def make_train_step(
     if mesh is not None:
         if not jit:
             raise ValueError("make_train_step: mesh= needs jit=True")
-        return ShardedStep(step, mesh, rules or (), donate=donate)
+        return ShardedStep(step, mesh, rules, donate=donate)
     if not jit:
         return step
     return jax.jit(step, donate_argnums=(0,) if donate else ())
@@ -272,8 +273,14 @@ class ShardedStep:
     the function (it places the state first), or ``lower(state, batch).compile()`` ahead of
     time and call the result on ``place(state)`` (``edl.train.train`` does)."""
 
-    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules, *, donate: bool = True):
+    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules | None, *, donate: bool = True):
         self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
+
+    def _rules(self, state: TrainState) -> Rules:
+        """The step's rules; without any, the model's own, else none (all replicated)."""
+        if self.rules is not None:
+            return self.rules
+        return state.partition_rules or ()
         self._jitted: dict[Any, Any] = {}
 
     def shardings(self, state: TrainState, batch: PyTree) -> tuple[Any, Any]:
@@ -281,7 +288,7 @@ class ShardedStep:
         batch_shardings = jax.tree.map(
             lambda x: NamedSharding(self.mesh, batch_spec(x.shape, self.mesh)), batch
         )
-        return state_shardings(state, self.rules, self.mesh), batch_shardings
+        return state_shardings(state, self._rules(state), self.mesh), batch_shardings
 
     def _jit(self, state: TrainState, batch: PyTree):
         key = (jax.tree.structure(state), jax.tree.structure(batch))
@@ -298,7 +305,7 @@ class ShardedStep:
 
     def place(self, state: TrainState) -> TrainState:
         """``state`` on this step's mesh (a no-op for arrays already placed there)."""
-        return jax.device_put(state, state_shardings(state, self.rules, self.mesh))
+        return jax.device_put(state, state_shardings(state, self._rules(state), self.mesh))
 
     def __call__(self, state: TrainState, batch: PyTree):
         state = self.place(state)
