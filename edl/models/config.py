@@ -5,8 +5,8 @@ that sets its own defaults (those of the matching transformers config class) and
 writes its HF ``config.json`` (``from_hf`` / ``to_hf``). The fields are the union of the
 families' features, named after HF where HF has a name; one decoder implementation
 (``edl.models.decoder``) runs them all. Run-time choices (``scan_layers``, ``remat``,
-``attention_impl``, ``moe_impl``, ``moe_capacity_factor``) are not HF fields and are never
-written to ``config.json``.
+``attention_impl``, ``moe_impl``, ``moe_capacity_factor``, ``check_inputs``) are not HF
+fields and are never written to ``config.json``.
 """
 
 from __future__ import annotations
@@ -99,6 +99,9 @@ class DecoderConfig:
     attention_impl: str = "auto"
     moe_impl: str = "blocked"
     moe_capacity_factor: float | None = None
+    # Token ids (and labels) outside the vocabulary raise, eagerly and in compiled programs
+    # (``edl.ops.checks.check_ids``; ``benchmarks/input_checks.py`` measures the cost).
+    check_inputs: bool = True
     # HF keys edl does not interpret, as sorted (key, JSON) pairs: written back by to_hf.
     hf_extra: tuple[tuple[str, str], ...] = ()
 
