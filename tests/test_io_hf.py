@@ -296,3 +296,19 @@ def test_from_pretrained_places_arrays_with_the_given_shardings(saved):
     replicated = NamedSharding(mesh, PartitionSpec())
     everywhere = edl.from_pretrained(directory, sharding=replicated)
     assert all(x.sharding == replicated for x in jax.tree.leaves(everywhere))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_, "uint8"])
+def test_non_floating_dtypes_are_refused(saved, tmp_path, dtype):
+    model, directory = saved
+    name = jnp.dtype(dtype).name
+    floating = f"dtype must be a floating dtype such as float32 or bfloat16, got {name}$"
+    with pytest.raises(ValueError, match=f"^from_pretrained: {floating}"):
+        edl.from_pretrained(directory, dtype=dtype)
+    with pytest.raises(ValueError, match=f"^save_pretrained: {floating}"):
+        edl.save_pretrained(model, tmp_path / "out", dtype=dtype)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"^LlamaForCausalLM.init: {floating}"):
+        LlamaForCausalLM.init(CONFIG, key=jax.random.key(0), dtype=dtype)
+    with pytest.raises(ValueError, match=f"^to_dtype: {floating}"):
+        edl.module.to_dtype(model, dtype)

@@ -29,6 +29,7 @@ from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.models.keymap import KeyTable
+from edl.module import require_float_dtype
 from edl.tree import flatten, is_array_like, named_map
 
 __all__ = [
@@ -138,7 +139,8 @@ def from_pretrained(
     """Load a HF checkpoint (local directory, HF cache or hub repo id) as an edl model.
 
     Args:
-        dtype: cast floating weights to this dtype; ``None`` keeps the stored dtypes.
+        dtype: cast floating weights to this floating dtype; ``None`` keeps the stored
+            dtypes.
         revision: hub branch, tag or commit.
         task: ``"causal_lm"``, ``"sequence_classification"`` or ``"base"``; default from
             ``architectures`` in ``config.json``.
@@ -149,6 +151,8 @@ def from_pretrained(
             local HF cache).
         config_overrides: edl config fields such as ``remat="full"`` or ``scan_layers=False``.
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "from_pretrained: dtype")
     directory = resolve_directory(
         path_or_repo_id,
         revision=revision,
@@ -178,6 +182,8 @@ def from_state_dict(
 
     ``config`` is an edl config or a HF ``config.json`` dict (EasyDeL's ``transform_fn``).
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "from_state_dict: dtype")
     if isinstance(config, Mapping):
         family, config, model_cls = registry.resolve(config, task)
     else:
@@ -193,7 +199,10 @@ def from_state_dict(
 
 def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]:
     """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
-    layer). Nothing is copied to the host until a tensor is loaded."""
+    layer). Nothing is copied to the host until a tensor is loaded. ``dtype`` (casting
+    floating weights) must be a floating dtype."""
+    if dtype is not None:
+        require_float_dtype(dtype, "export_state_dict: dtype")
     family, _ = registry.family_of(model)
     table = family.key_table_for(model.config)
     out: dict[str, LazyTensor] = {}
@@ -248,6 +257,8 @@ def save_pretrained(
     ``dtype`` casts floating weights on the way out (one layer at a time). Tied heads are
     not written, as transformers does. Each file is written atomically.
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "save_pretrained: dtype")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = export_state_dict(model, dtype=dtype)
@@ -273,6 +284,8 @@ def push_to_hub(
 ) -> Any:
     """``save_pretrained`` into a temporary directory, then upload it as one commit through
     ``huggingface_hub`` (creating the repo if needed). Returns the commit info."""
+    if dtype is not None:
+        require_float_dtype(dtype, "push_to_hub: dtype")
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

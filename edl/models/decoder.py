@@ -27,6 +27,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.models.config import DecoderConfig
+from edl.module import require_float_dtype
 from edl.nn.attention import Attention, KVCacheLike
 from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
@@ -269,7 +270,9 @@ class DecoderModel(eqx.Module):
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderModel:
-        """Random weights as HF initialises them (normal(0, initializer_range), norms 1)."""
+        """Random weights as HF initialises them (normal(0, initializer_range), norms 1);
+        ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_embed, k_layers = jax.random.split(key)
         keys = jax.random.split(k_layers, config.num_hidden_layers)
         stacks = {}

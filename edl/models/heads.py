@@ -24,6 +24,7 @@ from edl.models.decoder import (
     Positions,
     SequenceClassifierOutput,
 )
+from edl.module import require_float_dtype
 from edl.nn.attention import KVCacheLike
 from edl.nn.layers import Linear
 from edl.ops.checks import check_ids
@@ -49,6 +50,8 @@ class DecoderForCausalLM(eqx.Module):
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderForCausalLM:
+        """Random weights as HF initialises them; ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_model, k_head = jax.random.split(key)
         head = None
         if not config.tie_word_embeddings:
@@ -163,6 +166,8 @@ class DecoderForSequenceClassification(eqx.Module):
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderForSequenceClassification:
+        """Random weights as HF initialises them; ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_model, k_head = jax.random.split(key)
         score = Linear.init(
             config.hidden_size, config.num_labels, std=config.initializer_range, dtype=dtype,
