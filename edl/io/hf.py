@@ -14,8 +14,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from edl.io.jsonfile import read_json
 from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
@@ -80,12 +82,41 @@ def resolve_directory(
 
 
 def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` dict of a checkpoint directory."""
+    """The ``config.json`` dict of a checkpoint directory (``ValueError`` naming the file
+    when it is not a JSON object)."""
     file = Path(directory) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"{directory}: no {CONFIG_NAME}")
-    with open(file) as f:
-        return json.load(f)
+    return read_json(file, what="model config")
+
+
+def _resolve_config(
+    hf_config: Mapping[str, Any], task: str | None, file: Path | None = None
+) -> tuple[registry.Family, Any, type]:
+    """``registry.resolve``, with ``config.json`` in its errors replaced by ``file``."""
+    try:
+        return registry.resolve(hf_config, task)
+    except ValueError as e:
+        prefix = f"{CONFIG_NAME}: "
+        if file is None or not str(e).startswith(prefix):
+            raise
+        raise ValueError(f"{file}: {str(e).removeprefix(prefix)}") from e
+
+
+_LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def _check_layer_count(config: Any, keys: Iterable[str], where: str) -> None:
+    """Fail fast, before anything is built, when the checkpoint holds layers ``0..m-1``
+    (tensors ``model.layers.{i}.*``) for a config of ``num_hidden_layers != m``. Gaps and
+    stray indices are left to the load plan, which lists every missing and unexpected key."""
+    layers = {int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))}
+    n = config.num_hidden_layers
+    if layers and len(layers) != n and layers == set(range(len(layers))):
+        raise ValueError(
+            f"{where}: num_hidden_layers is {n}, but the checkpoint holds {len(layers)} layers "
+            f"(tensors model.layers.0 to model.layers.{len(layers) - 1})"
+        )
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -160,10 +191,12 @@ def from_pretrained(
         local_files_only=local_files_only,
         token=token,
     )
-    family, config, model_cls = registry.resolve(load_config(directory), task)
+    file = directory / CONFIG_NAME
+    family, config, model_cls = _resolve_config(load_config(directory), task, file)
     if config_overrides:
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
+        _check_layer_count(config, reader.keys(), str(file))
         return _load(
             model_cls, config, ReaderSource(reader), family.key_table_for(config), dtype=dtype,
             sharding=sharding,
@@ -188,6 +221,7 @@ def from_state_dict(
         family, config, model_cls = registry.resolve(config, task)
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
+    _check_layer_count(config, mapping.keys(), "from_state_dict: config")
     return _load(
         model_cls, config, MappingSource(mapping), family.key_table_for(config), dtype=dtype,
         sharding=sharding,
