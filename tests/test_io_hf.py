@@ -391,3 +391,33 @@ def test_non_floating_dtypes_are_refused(saved, tmp_path, dtype):
         LlamaForCausalLM.init(CONFIG, key=jax.random.key(0), dtype=dtype)
     with pytest.raises(ValueError, match=f"^to_dtype: {floating}"):
         edl.module.to_dtype(model, dtype)
+
+
+def test_missing_local_path_is_named_not_taken_for_a_repo_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for path in [tmp_path / "nope", "./nope", "../nope", "runs/a/final", "runs/.hidden", "a b"]:
+        with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+            edl.from_pretrained(path)
+
+
+def test_repo_id_shaped_name_goes_to_the_hub_and_notes_a_local_near_miss(tmp_path, monkeypatch):
+    """ "runs/final" is a valid repo id: a local "runs/" folder must not hijack it (think of a
+    "meta-llama/" download folder and "meta-llama/Llama-3.2-1B"), but a hub failure says
+    that the local path is missing too."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    asked = []
+
+    def not_found(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise OSError(f"{repo_id} is not on the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
+    with pytest.raises(OSError, match="runs/final is not on the hub") as info:
+        hf.resolve_directory("runs/final")
+    assert asked == ["runs/final"]
+    assert info.value.__notes__ == [
+        "edl: no local directory runs/final either (though runs exists)"
+    ]

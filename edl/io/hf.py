@@ -61,24 +61,46 @@ def resolve_directory(
     token: str | None = None,
 ) -> Path:
     """A local directory as is; otherwise a hub repo id, fetched (config + safetensors only)
-    through ``huggingface_hub``, which serves the local HF cache when offline."""
-    path = Path(path_or_repo_id)
+    through ``huggingface_hub``, which serves the local HF cache when offline.
+
+    What cannot be a repo id (``"name"`` or ``"namespace/name"``: absolute paths, ``./``,
+    ``../``, ``~``, more than one ``/``, characters a repo name cannot hold) is a local path,
+    and a missing one raises ``FileNotFoundError`` naming it. A string that is a valid repo
+    id goes to the hub even when part of it exists locally, as in transformers: a local
+    ``meta-llama/`` folder must not stop ``"meta-llama/Llama-3.2-1B"`` from downloading.
+    When the hub then fails, the error notes the local near miss, in case a path was meant.
+    """
+    text = os.fspath(path_or_repo_id)
+    path = Path(text).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory")
+    if len(text) > 96 or not _REPO_ID.fullmatch(text):
+        raise FileNotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(
-            str(path_or_repo_id),
-            revision=revision,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            token=token,
-            allow_patterns=["*.json", "*.safetensors"],
+    try:
+        return Path(
+            snapshot_download(
+                text,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                token=token,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
         )
-    )
+    except Exception as e:
+        if path.parent != Path(".") and path.parent.is_dir():
+            e.add_note(f"edl: no local directory {path} either (though {path.parent} exists)")
+        raise
+
+
+# A hub repo id as huggingface_hub validates it: "name" or "namespace/name" of letters,
+# digits, "-", "_", ".", neither part starting or ending with "-" or ".", no "--" or "..";
+# so "." / ".." parts (relative paths) never match.
+_REPO_ID = re.compile(r"(?!.*(--|\.\.))\w([\w.-]*\w)?(/\w([\w.-]*\w)?)?")
 
 
 def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
