@@ -1,5 +1,6 @@
 """edl.io.hf: clear errors on bad checkpoints, HF cache / hub plumbing, config round trips."""
 
+import dataclasses
 import json
 import re
 import shutil
@@ -375,6 +376,13 @@ def test_direct_config_construction_fails_fast_on_absurd_values():
         CONFIG.replace(rms_norm_eps=float("nan"))
     with pytest.raises(ValueError, match=r"^query_pre_attn_scalar must be a positive number"):
         gemma.Gemma2Config(query_pre_attn_scalar=0.0)
+
+    @dataclasses.dataclass(frozen=True)
+    class Subclass(LlamaConfig):  # annotations as types, not strings (no __future__ here)
+        extra_layers: int | None = None
+
+    with pytest.raises(ValueError, match=r"^extra_layers must be an integer, got 2\.5"):
+        Subclass(extra_layers=2.5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_, "uint8"])

@@ -48,6 +48,8 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "moe_intermediate_size": (1, 2**20),
     "num_labels": (1, 2**24),
 }
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
+
 # HF keys every family's ``from_hf`` interprets (families add their own).
 COMMON_HF_KEYS = frozenset({
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -178,7 +180,9 @@ class DecoderConfig:
     def _check_scalar_fields(self) -> None:
         """Each int / float / bool / str field's type and range, before any is used."""
         for field in dataclasses.fields(self):
-            kind = field.type if isinstance(field.type, str) else ""
+            # Annotations are strings here ("int | None"); a subclass may hold real types.
+            kind = field.type if isinstance(field.type, str) else str(field.type)
+            kind = _TYPE_NAMES.get(field.type, kind)
             value, optional = getattr(self, field.name), kind.endswith(" | None")
             if optional and value is None:
                 continue
