@@ -7,9 +7,17 @@ check_inputs=False)`` leaves it out. Per model this times, as two executables co
 one process and alternating in every round: a jitted forward (logits), a jitted train step
 (forward + backward + AdamW through ``make_train_step``, labels passed so both checks run)
 and a jitted one-token decode step through a KV cache (batch 1, the smallest unit of work).
-Ratios are checked / unchecked time (1.00 = free), min and median over the rounds.
+Each call is waited for before the next (as ``edl.train``'s loop does, reading the
+metrics of every step), and the train step also runs queued: calls back to back with one
+wait at the end, where jax's asynchronous dispatch lets the host run ahead. On CPU a
+program that holds a host callback (the check's error branch) runs synchronously, so the
+queued rows show what the lost overlap costs.
 
-    python -m benchmarks.input_checks [--quick] [--rounds 15]
+Reported: median times, and the median over rounds of the checked - unchecked difference
+and of the checked / unchecked ratio (1.00 = free), each round's pair run back to back so
+that drifting load on a shared machine cancels; also the ratio of the fastest times.
+
+    python -m benchmarks.input_checks [--quick] [--rounds 31]
 """
 
 from __future__ import annotations
@@ -80,7 +88,9 @@ def _decode_step(models, ids):
 WORKLOADS = {"forward": _forward, "train step": _train_step, "decode step": _decode_step}
 
 
-def measure(config: str, workload: str, rounds: int, calls_per_sample: int) -> dict:
+def measure(
+    config: str, workload: str, rounds: int, calls_per_sample: int, synced: bool = True
+) -> dict:
     fields, batch, seq = CONFIGS[config]
     models = _models(fields)
     rng = np.random.default_rng(0)
@@ -91,6 +101,8 @@ def measure(config: str, workload: str, rounds: int, calls_per_sample: int) -> d
         def run():
             for _ in range(calls_per_sample):
                 out = call()
+                if synced:
+                    jax.block_until_ready(out)
             return out
 
         return run
@@ -98,35 +110,43 @@ def measure(config: str, workload: str, rounds: int, calls_per_sample: int) -> d
     calls = {name: repeated(call) for name, call in calls.items()}
     for call in calls.values():  # compile and warm up
         jax.block_until_ready(call())
-    samples = interleaved_rounds(calls, rounds)
+    # Half the rounds in each order, so that neither variant always runs second.
+    first = interleaved_rounds(calls, rounds // 2 + rounds % 2)
+    second = interleaved_rounds(dict(reversed(calls.items())), rounds // 2)
+    samples = {name: first[name] + second[name] for name in VARIANTS}
     checked, unchecked = ([t / calls_per_sample for t in samples[name]] for name in VARIANTS)
+    # Paired by round (the two ran back to back), so drifting load cancels out.
+    ratios = [c / u for c, u in zip(checked, unchecked, strict=True)]
+    extra = [c - u for c, u in zip(checked, unchecked, strict=True)]
     return {
         "model": config,
-        "workload": workload,
+        "workload": workload + ("" if synced else ", queued"),
         "batch x seq": f"{batch}x{seq}" if workload != "decode step" else "1x1",
-        "unchecked_us": min(unchecked) * 1e6,
-        "checked_us": min(checked) * 1e6,
-        "ratio_min": min(checked) / min(unchecked),
-        "ratio_median": statistics.median(checked) / statistics.median(unchecked),
+        "unchecked_us": statistics.median(unchecked) * 1e6,
+        "checked_us": statistics.median(checked) * 1e6,
+        "extra_us": statistics.median(extra) * 1e6,
+        "ratio": statistics.median(ratios),
+        "ratio_min_times": min(checked) / min(unchecked),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of few calls")
-    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=31)
     args = parser.parse_args()
     rounds = 3 if args.quick else args.rounds
     rows = []
     for config in CONFIGS:
-        for workload in WORKLOADS:
+        for workload, synced in [*((w, True) for w in WORKLOADS), ("train step", False)]:
             # Enough calls per sample that one sample lasts well over a millisecond.
             number = {"tiny": 50, "small": 5}[config] * (1 if workload == "train step" else 4)
-            rows.append(measure(config, workload, rounds, 2 if args.quick else number))
-    keys = ["model", "workload", "batch x seq", "unchecked_us", "checked_us", "ratio_min",
-            "ratio_median"]  # fmt: skip
-    header = ["model", "workload", "batch x seq", "unchecked us", "checked us", "ratio",
-              "median ratio"]  # fmt: skip
+            number = 2 if args.quick else number
+            rows.append(measure(config, workload, rounds, number, synced))
+    keys = ["model", "workload", "batch x seq", "unchecked_us", "checked_us", "extra_us",
+            "ratio", "ratio_min_times"]  # fmt: skip
+    header = ["model", "workload", "batch x seq", "unchecked us", "checked us", "extra us",
+              "ratio", "ratio of mins"]  # fmt: skip
     print(f"input checks, backend {jax.default_backend()}, {jax.device_count()} device(s)")
     print(table(header, [[r[k] for k in keys] for r in rows]))
     print("wrote", write_json("input_checks", rows, rounds=rounds))

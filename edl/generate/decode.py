@@ -166,7 +166,8 @@ def _without_id_checks(model):
     """``model`` with its in-program token-id check off (``config.check_inputs``), where it
     has one: ``_check_inputs`` has checked the prompt and ``pad_token_id``, and sampled ids
     lie in the vocabulary, so the check would only cost each decode step a host round trip
-    (the conditional's predicate on GPU: ~30 us on an H100; benchmarks/input_checks.py)."""
+    (on GPU the conditional's predicate, ~30 us on an H100) and, on CPU, the asynchronous
+    dispatch of ``generate_stream``'s steps (``edl.ops.checks``)."""
     trunk = getattr(model, "model", None)
     config = getattr(trunk, "config", None)
     if not getattr(config, "check_inputs", False):
