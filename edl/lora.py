@@ -21,7 +21,6 @@ PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.
 from __future__ import annotations
 
 import collections
-import json
 import math
 import os
 import re
@@ -36,7 +35,7 @@ from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray, PyTree
 
 from edl.io import hf
-from edl.io.files import write_json_atomic
+from edl.io.files import read_json, write_json_atomic
 from edl.io.plan import plan_load
 from edl.io.safetensors import CheckpointReader, save_file
 from edl.models import registry
@@ -294,7 +293,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
     file = directory / ADAPTER_CONFIG
     if not file.is_file():
         raise FileNotFoundError(f"load_adapter: {directory} has no {ADAPTER_CONFIG}")
-    config = json.loads(file.read_text())
+    config = read_json(file, what="adapter config")
     if config.get("peft_type") != "LORA":
         raise ValueError(f"load_adapter: {file}: peft_type {config.get('peft_type')!r}, not LORA")
     bad = [k for k in _UNSUPPORTED if config.get(k)]

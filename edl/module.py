@@ -34,6 +34,7 @@ __all__ = [
     "is_inexact_array_like",
     "merge",
     "nbytes",
+    "require_float_dtype",
     "split",
     "summary",
     "to_bfloat16",
@@ -129,9 +130,27 @@ def merge(params: PyTree, other: PyTree) -> PyTree:
     return eqx.combine(params, other)
 
 
+def require_float_dtype(dtype: DTypeLike | type, what: str) -> np.dtype:
+    """``dtype`` as a numpy dtype when it is a floating one (float32, bfloat16, float16,
+    float8 ...); otherwise ``ValueError`` naming ``what`` (the argument, e.g.
+    ``"from_pretrained: dtype"``) and the dtype given. Casting weights to an integer or
+    boolean dtype truncates them to (mostly) zeros, so arguments meant as a float dtype
+    are checked with this before anything is cast."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError as e:
+        raise ValueError(f"{what} must be a floating dtype, got {dtype!r} ({e})") from e
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(
+            f"{what} must be a floating dtype such as float32 or bfloat16, got {resolved.name}"
+        )
+    return resolved
+
+
 def to_dtype(tree: PyTree, dtype: DTypeLike | type) -> PyTree:
-    """Cast every floating leaf (arrays and ShapeDtypeStructs) to ``dtype``; others are kept."""
-    dtype = jnp.dtype(dtype)
+    """Cast every floating leaf (arrays and ShapeDtypeStructs) to ``dtype``, which must be a
+    floating dtype (else ``ValueError``); other leaves are kept."""
+    dtype = require_float_dtype(dtype, "to_dtype: dtype")
 
     def cast(x: Any) -> Any:
         if not (edl_tree.is_array_like(x) and jnp.issubdtype(x.dtype, jnp.floating)):

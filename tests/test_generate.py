@@ -319,8 +319,11 @@ def test_bad_inputs_are_named(monkeypatch):
     ids, mask = _prompts()
     with pytest.raises(ValueError, match="input_ids must be integers"):
         generate(model, ids.astype(np.float32), max_new_tokens=2)
-    with pytest.raises(ValueError, match=r"must lie in \[0, 64\)"):
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, 64\) \(vocab_size 64\)"):
         generate(model, ids + VOCAB, max_new_tokens=2)
+    # Finished rows feed pad_token_id to the model, whose id check would fire mid-loop.
+    with pytest.raises(ValueError, match=r"pad_token_id -1 must lie in \[0, 64\)"):
+        generate(model, ids, max_new_tokens=2, pad_token_id=-1)
     mask[1] = 0
     with pytest.raises(ValueError, match=r"prompt rows \[1\] have no tokens"):
         generate(model, ids, attention_mask=mask, max_new_tokens=2)
@@ -401,3 +404,14 @@ def test_paged_cache_config_sizes_the_pool_from_free_memory(monkeypatch):
     assert geometry.pages_per_seq == 16
     with pytest.raises(ValueError, match="fewer than one sequence"):
         paged_cache_config(model.config, max_model_length=2**20, memory_fraction=0.5)
+
+
+def test_generate_checks_ids_before_compiling_not_in_every_decode_step():
+    """The prompt and pad_token_id are checked eagerly and sampled ids lie in the
+    vocabulary, so the decode loop runs without the model's in-program id check (on GPU a
+    host round trip per step)."""
+    model = _tiny_model()
+    ids, mask = _prompts()
+    assert "pure_callback" in str(jax.make_jaxpr(lambda m: m(jnp.asarray(ids)).logits)(model))
+    loop = jax.make_jaxpr(lambda m: generate(m, ids, attention_mask=mask, max_new_tokens=2))
+    assert "pure_callback" not in str(loop(model))

@@ -1,6 +1,8 @@
 """edl.io.hf: clear errors on bad checkpoints, HF cache / hub plumbing, config round trips."""
 
+import dataclasses
 import json
+import re
 import shutil
 
 import jax
@@ -11,7 +13,7 @@ import pytest
 import edl
 from edl.io import hf
 from edl.io.safetensors import CheckpointError, load_file, save_file
-from edl.models import LlamaConfig, LlamaForCausalLM, llama, mixtral, qwen3_moe
+from edl.models import LlamaConfig, LlamaForCausalLM, gemma, llama, mixtral, qwen3_moe
 from edl.models.keymap import KeyRule, Placement
 
 CONFIG = LlamaConfig(
@@ -324,3 +326,134 @@ def test_from_pretrained_takes_a_model_shaped_tree_of_shardings(saved):
         edl.from_pretrained(directory, sharding={"lm_head.wieght": shardings.lm_head.weight})
     with pytest.raises(TypeError, match=r"'lm_head.weight' holds a PartitionSpec.*named_sharding"):
         edl.from_pretrained(directory, sharding={"lm_head.weight": PartitionSpec("tp")})
+
+
+def _with_config(saved, tmp_path, text):
+    directory = _copy(saved, tmp_path)
+    (directory / "config.json").write_text(text)
+    return directory
+
+
+_POSITIVE = "must be a positive integer"
+HOSTILE_CONFIGS = [
+    ({"num_hidden_layers": 10**6}, rf"num_hidden_layers {_POSITIVE} of at most 4096 .*, got 10+$"),
+    ({"num_attention_heads": 0}, f"num_attention_heads {_POSITIVE}, got 0"),
+    ({"num_attention_heads": 3, "head_dim": None}, "hidden_size 16 is not divisible by num_"),
+    ({"num_key_value_heads": 3}, "num_attention_heads 2 is not a multiple of num_key_value_heads"),
+    ({"num_hidden_layers": "2"}, f"num_hidden_layers {_POSITIVE}, got '2'"),
+    ({"vocab_size": True}, f"vocab_size {_POSITIVE}, got True"),
+    ({"rms_norm_eps": "1e-6"}, "rms_norm_eps must be a positive number, got '1e-6'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
+    ({"rope_scaling": [1, 2]}, r"rope_scaling must be an object or null, got \[1, 2\]"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "RoPE factor must be a number"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "match"), HOSTILE_CONFIGS)
+def test_hostile_config_json_fails_fast_naming_file_and_field(saved, tmp_path, change, match):
+    config = {**json.loads((saved[1] / "config.json").read_text()), **change}
+    directory = _with_config(saved, tmp_path, json.dumps(config))
+    with pytest.raises(ValueError, match=f"^{re.escape(str(directory / 'config.json'))}: {match}"):
+        edl.from_pretrained(directory)
+    with pytest.raises(ValueError, match=f"^config.json: {match}"):
+        LlamaConfig.from_hf(config)
+
+
+def test_config_json_that_is_no_object_or_no_json_names_the_file(saved, tmp_path):
+    directory = _with_config(saved, tmp_path, "[1, 2]")
+    file = re.escape(str(directory / "config.json"))
+    with pytest.raises(
+        ValueError, match=f"^{file}: model config must hold a JSON object .* a list"
+    ):
+        edl.from_pretrained(directory)
+    (directory / "config.json").write_text('{"model_type": "qwen2",\n "vocab_size": 40,,}')
+    with pytest.raises(ValueError, match=f"^{file}: model config is not valid JSON: .* line 2"):
+        edl.from_pretrained(directory)
+    (directory / "config.json").write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match=f"^{file}: model config is not UTF-8"):
+        edl.from_pretrained(directory)
+
+
+def test_layer_count_disagreeing_with_the_checkpoint_fails_before_building(
+    saved, tmp_path, monkeypatch
+):
+    config = json.loads((saved[1] / "config.json").read_text())
+    del config["layer_types"]  # one per layer
+    directory = _with_config(saved, tmp_path, json.dumps({**config, "num_hidden_layers": 4000}))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("built the model before checking the layer count")
+
+    monkeypatch.setattr(hf, "_load", no_build)
+    file = re.escape(str(directory / "config.json"))
+    with pytest.raises(ValueError, match=(
+        rf"^{file}: num_hidden_layers is 4000, but the checkpoint holds 2 layers "
+        r"\(tensors model.layers.0 to model.layers.1\)"
+    )):  # fmt: skip
+        edl.from_pretrained(directory)
+
+
+def test_direct_config_construction_fails_fast_on_absurd_values():
+    with pytest.raises(ValueError, match=rf"^num_hidden_layers {_POSITIVE} of at most 4096"):
+        CONFIG.replace(num_hidden_layers=10**6)
+    with pytest.raises(ValueError, match=f"^hidden_size {_POSITIVE}, got 0"):
+        CONFIG.replace(hidden_size=0)
+    with pytest.raises(ValueError, match=f"^num_attention_heads {_POSITIVE}, got 0"):
+        LlamaConfig(num_attention_heads=0)
+    with pytest.raises(ValueError, match=r"^rms_norm_eps must be a positive number, got nan"):
+        CONFIG.replace(rms_norm_eps=float("nan"))
+    with pytest.raises(ValueError, match=r"^query_pre_attn_scalar must be a positive number"):
+        gemma.Gemma2Config(query_pre_attn_scalar=0.0)
+
+    @dataclasses.dataclass(frozen=True)
+    class Subclass(LlamaConfig):  # annotations as types, not strings (no __future__ here)
+        extra_layers: int | None = None
+
+    with pytest.raises(ValueError, match=r"^extra_layers must be an integer, got 2\.5"):
+        Subclass(extra_layers=2.5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int32, jnp.bool_, "uint8"])
+def test_non_floating_dtypes_are_refused(saved, tmp_path, dtype):
+    model, directory = saved
+    name = jnp.dtype(dtype).name
+    floating = f"dtype must be a floating dtype such as float32 or bfloat16, got {name}$"
+    with pytest.raises(ValueError, match=f"^from_pretrained: {floating}"):
+        edl.from_pretrained(directory, dtype=dtype)
+    with pytest.raises(ValueError, match=f"^save_pretrained: {floating}"):
+        edl.save_pretrained(model, tmp_path / "out", dtype=dtype)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=f"^LlamaForCausalLM.init: {floating}"):
+        LlamaForCausalLM.init(CONFIG, key=jax.random.key(0), dtype=dtype)
+    with pytest.raises(ValueError, match=f"^to_dtype: {floating}"):
+        edl.module.to_dtype(model, dtype)
+
+
+def test_missing_local_path_is_named_not_taken_for_a_repo_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    for path in [tmp_path / "nope", "./nope", "../nope", "runs/a/final", "runs/.hidden", "a b"]:
+        with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+            edl.from_pretrained(path)
+
+
+def test_repo_id_shaped_name_goes_to_the_hub_and_notes_a_local_near_miss(tmp_path, monkeypatch):
+    """ "runs/final" is a valid repo id: a local "runs/" folder must not hijack it (think of a
+    "meta-llama/" download folder and "meta-llama/Llama-3.2-1B"), but a hub failure says
+    that the local path is missing too."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    asked = []
+
+    def not_found(repo_id, **kwargs):
+        asked.append(repo_id)
+        raise OSError(f"{repo_id} is not on the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
+    with pytest.raises(OSError, match="runs/final is not on the hub") as info:
+        hf.resolve_directory("runs/final")
+    assert asked == ["runs/final"]
+    assert info.value.__notes__ == [
+        "edl: no local directory runs/final either (though runs exists)"
+    ]

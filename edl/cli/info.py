@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edl.cli.config import CommandError
 from edl.io.checkpoint import STATE_NAME, list_checkpoints, verify_checkpoint
+from edl.io.files import read_json
 from edl.io.hf import CONFIG_NAME
 from edl.io.safetensors import CheckpointError
 
@@ -47,6 +48,6 @@ def run_info(path: Path) -> None:
     found = list_checkpoints(_checkpoints_dir(path))
     if found:
         print(f"{_checkpoints_dir(path)}: {len(found)} checkpoint(s); newest {found[-1].name}")
-        info = json.loads((found[-1] / STATE_NAME).read_text(encoding="utf-8"))
+        info = read_json(found[-1] / STATE_NAME, what="checkpoint state")
         print(json.dumps({k: v for k, v in info.items() if k != "metadata"}, indent=2))
     print(edl.summary(edl.from_pretrained(resolve_model(path))))

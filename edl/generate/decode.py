@@ -13,6 +13,7 @@ and yields each step's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,7 @@ from edl.generate.beam import beam_search
 from edl.generate.cache import init_cache
 from edl.generate.config import GenerateOutput, GenerationConfig
 from edl.generate.paged import init_paged_cache
+from edl.ops.checks import check_ids
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
 __all__ = ["generate", "generate_stream", "logits_processor_for"]
@@ -137,8 +139,12 @@ def _check_inputs(model, input_ids, attention_mask, key, config, page_size, unst
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] == 0:
         raise ValueError(f"input_ids must be integers (batch, seq>0), got {ids.dtype}{ids.shape}")
     vocab = model.config.vocab_size
-    if ids.min() < 0 or ids.max() >= vocab:
-        raise ValueError(f"input_ids must lie in [0, {vocab}), got [{ids.min()}, {ids.max()}]")
+    check_ids(ids, vocab)
+    if config.num_beams == 1 and not 0 <= config.pad_id < vocab:
+        raise ValueError(
+            f"generate: pad_token_id {config.pad_id} must lie in [0, {vocab}) (vocab_size "
+            f"{vocab}): finished rows feed it to the model"
+        )
     if attention_mask is None:
         mask = np.ones(ids.shape, bool)
     else:
@@ -154,6 +160,20 @@ def _check_inputs(model, input_ids, attention_mask, key, config, page_size, unst
     if config.do_sample and key is None:
         raise ValueError("generate: do_sample=True needs a PRNG key (key=jax.random.key(0))")
     return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
+
+
+def _without_id_checks(model):
+    """``model`` with its in-program token-id check off (``config.check_inputs``), where it
+    has one: ``_check_inputs`` has checked the prompt and ``pad_token_id``, and sampled ids
+    lie in the vocabulary, so the check would only cost each decode step a host round trip
+    (on GPU the conditional's predicate, ~30 us on an H100) and, on CPU, the asynchronous
+    dispatch of ``generate_stream``'s steps (``edl.ops.checks``)."""
+    trunk = getattr(model, "model", None)
+    config = getattr(trunk, "config", None)
+    if not getattr(config, "check_inputs", False):
+        return model
+    trunk = dataclasses.replace(trunk, config=config.replace(check_inputs=False))
+    return dataclasses.replace(model, model=trunk)
 
 
 def _resolve(config, max_new_tokens, overrides):
@@ -211,6 +231,7 @@ def generate(
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
+    model = _without_id_checks(model)
     return _generate_compiled(
         model, ids, mask, key, config=config, processor=processor, max_new=max_new,
         page_size=page_size, unstack_layers=unstack_layers,
@@ -260,7 +281,7 @@ def generate_stream(
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
     model, state, prompt, mask = _stream_setup(
-        model, ids, mask, config=config, max_new=max_new, page_size=page_size,
+        _without_id_checks(model), ids, mask, config=config, max_new=max_new, page_size=page_size,
         unstack_layers=unstack_layers,
     )  # fmt: skip
     for _ in range(max_new):

@@ -46,9 +46,11 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
+from edl.io.files import read_json
 from edl.io.plan import ReaderSource, plan_load
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
+from edl.module import require_float_dtype
 from edl.state import TrainState
 
 __all__ = [
@@ -175,16 +177,20 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(checkpoint)
     info = _read_info(path)
     if info is None:
-        raise CheckpointError(f"{path / STATE_NAME}: missing, unreadable or incomplete")
+        try:
+            read_json(path / STATE_NAME, what="checkpoint state")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
     prefixes = [_MODEL] + ([_OPTIMIZER] if info.get("has_optimizer") else [])
     for prefix in prefixes:
         with CheckpointReader(path, prefix=prefix):
             pass  # opening validates every header against its file's length
     if info.get("model_format") == "hf":
         try:
-            json.loads((path / hf.CONFIG_NAME).read_text(encoding="utf-8"))
+            read_json(path / hf.CONFIG_NAME, what="model config")
         except (OSError, ValueError) as e:
-            raise CheckpointError(f"{path / hf.CONFIG_NAME}: unreadable: {e}") from None
+            raise CheckpointError(str(e)) from None
     return info
 
 
@@ -276,11 +282,8 @@ def save_state(
     """
     if keep is not None and keep < 1:
         raise ValueError(f"save_state: keep must be >= 1 or None, got {keep}")
-    if float_dtype is not None and not jnp.issubdtype(float_dtype, jnp.floating):
-        raise ValueError(
-            f"save_state: float_dtype must be a floating dtype (e.g. jnp.bfloat16), got "
-            f"{np.dtype(float_dtype).name}"
-        )
+    if float_dtype is not None:
+        require_float_dtype(float_dtype, "save_state: float_dtype")
     step = int(state.step)
     if step < 0:
         raise ValueError(f"save_state: step must be non-negative, got {step}")
@@ -481,8 +484,11 @@ def load_state(
     """
     checkpoint = _resolve(Path(directory))
     info = _read_info(checkpoint)
-    if info is None:
-        raise ValueError(f"load_state: {checkpoint / STATE_NAME} is unreadable or incomplete")
+    if info is None:  # read again for the reason, naming the file
+        read_json(checkpoint / STATE_NAME, what="checkpoint state")
+        raise ValueError(
+            f"load_state: {checkpoint / STATE_NAME} lacks an integer 'step' or a 'format'"
+        )
     if info["format"] != FORMAT:
         raise ValueError(
             f"load_state: {checkpoint} has checkpoint format {info['format']!r}; this edl "

@@ -11,10 +11,10 @@ one array, not the checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +25,12 @@ import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 from tqdm.auto import tqdm
 
-from edl.io.files import write_json_atomic
+from edl.io.files import read_json, write_json_atomic
 from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.models.keymap import KeyTable
+from edl.module import require_float_dtype
 from edl.tree import flatten, is_array_like, named_map
 
 __all__ = [
@@ -59,33 +60,84 @@ def resolve_directory(
     token: str | None = None,
 ) -> Path:
     """A local directory as is; otherwise a hub repo id, fetched (config + safetensors only)
-    through ``huggingface_hub``, which serves the local HF cache when offline."""
-    path = Path(path_or_repo_id)
+    through ``huggingface_hub``, which serves the local HF cache when offline.
+
+    What cannot be a repo id (``"name"`` or ``"namespace/name"``: absolute paths, ``./``,
+    ``../``, ``~``, more than one ``/``, characters a repo name cannot hold) is a local path,
+    and a missing one raises ``FileNotFoundError`` naming it. A string that is a valid repo
+    id goes to the hub even when part of it exists locally, as in transformers: a local
+    ``meta-llama/`` folder must not stop ``"meta-llama/Llama-3.2-1B"`` from downloading.
+    When the hub then fails, the error notes the local near miss, in case a path was meant.
+    """
+    text = os.fspath(path_or_repo_id)
+    path = Path(text).expanduser()
     if path.is_dir():
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory")
+    if len(text) > 96 or not _REPO_ID.fullmatch(text):
+        raise FileNotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
     from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(
-            str(path_or_repo_id),
-            revision=revision,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            token=token,
-            allow_patterns=["*.json", "*.safetensors"],
+    try:
+        return Path(
+            snapshot_download(
+                text,
+                revision=revision,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                token=token,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
         )
-    )
+    except Exception as e:
+        if path.parent != Path(".") and path.parent.is_dir():
+            e.add_note(f"edl: no local directory {path} either (though {path.parent} exists)")
+        raise
+
+
+# A hub repo id as huggingface_hub validates it: "name" or "namespace/name" of letters,
+# digits, "-", "_", ".", neither part starting or ending with "-" or ".", no "--" or "..";
+# so "." / ".." parts (relative paths) never match.
+_REPO_ID = re.compile(r"(?!.*(--|\.\.))\w([\w.-]*\w)?(/\w([\w.-]*\w)?)?")
 
 
 def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:
-    """The ``config.json`` dict of a checkpoint directory."""
+    """The ``config.json`` dict of a checkpoint directory (``ValueError`` naming the file
+    when it is not a JSON object)."""
     file = Path(directory) / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"{directory}: no {CONFIG_NAME}")
-    with open(file) as f:
-        return json.load(f)
+    return read_json(file, what="model config")
+
+
+def _resolve_config(
+    hf_config: Mapping[str, Any], task: str | None, file: Path | None = None
+) -> tuple[registry.Family, Any, type]:
+    """``registry.resolve``, with ``config.json`` in its errors replaced by ``file``."""
+    try:
+        return registry.resolve(hf_config, task)
+    except ValueError as e:
+        prefix = f"{CONFIG_NAME}: "
+        if file is None or not str(e).startswith(prefix):
+            raise
+        raise ValueError(f"{file}: {str(e).removeprefix(prefix)}") from e
+
+
+_LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
+
+
+def _check_layer_count(config: Any, keys: Iterable[str], where: str) -> None:
+    """Fail fast, before anything is built, when the checkpoint holds layers ``0..m-1``
+    (tensors ``model.layers.{i}.*``) for a config of ``num_hidden_layers != m``. Gaps and
+    stray indices are left to the load plan, which lists every missing and unexpected key."""
+    layers = {int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))}
+    n = config.num_hidden_layers
+    if layers and len(layers) != n and layers == set(range(len(layers))):
+        raise ValueError(
+            f"{where}: num_hidden_layers is {n}, but the checkpoint holds {len(layers)} layers "
+            f"(tensors model.layers.0 to model.layers.{len(layers) - 1})"
+        )
 
 
 # -- loading ------------------------------------------------------------------------------
@@ -169,7 +221,8 @@ def from_pretrained(
     """Load a HF checkpoint (local directory, HF cache or hub repo id) as an edl model.
 
     Args:
-        dtype: cast floating weights to this dtype; ``None`` keeps the stored dtypes.
+        dtype: cast floating weights to this floating dtype; ``None`` keeps the stored
+            dtypes.
         revision: hub branch, tag or commit.
         task: ``"causal_lm"``, ``"sequence_classification"`` or ``"base"``; default from
             ``architectures`` in ``config.json``.
@@ -184,6 +237,8 @@ def from_pretrained(
             local HF cache).
         config_overrides: edl config fields such as ``remat="full"`` or ``scan_layers=False``.
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "from_pretrained: dtype")
     directory = resolve_directory(
         path_or_repo_id,
         revision=revision,
@@ -191,10 +246,12 @@ def from_pretrained(
         local_files_only=local_files_only,
         token=token,
     )
-    family, config, model_cls = registry.resolve(load_config(directory), task)
+    file = directory / CONFIG_NAME
+    family, config, model_cls = _resolve_config(load_config(directory), task, file)
     if config_overrides:
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
+        _check_layer_count(config, reader.keys(), str(file))
         return _load(
             model_cls, config, ReaderSource(reader), family.key_table_for(config), dtype=dtype,
             sharding=sharding,
@@ -213,10 +270,13 @@ def from_state_dict(
 
     ``config`` is an edl config or a HF ``config.json`` dict (EasyDeL's ``transform_fn``).
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "from_state_dict: dtype")
     if isinstance(config, Mapping):
         family, config, model_cls = registry.resolve(config, task)
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
+    _check_layer_count(config, mapping.keys(), "from_state_dict: config")
     return _load(
         model_cls, config, MappingSource(mapping), family.key_table_for(config), dtype=dtype,
         sharding=sharding,
@@ -228,7 +288,10 @@ def from_state_dict(
 
 def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]:
     """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
-    layer). Nothing is copied to the host until a tensor is loaded."""
+    layer). Nothing is copied to the host until a tensor is loaded. ``dtype`` (casting
+    floating weights) must be a floating dtype."""
+    if dtype is not None:
+        require_float_dtype(dtype, "export_state_dict: dtype")
     family, _ = registry.family_of(model)
     table = family.key_table_for(model.config)
     out: dict[str, LazyTensor] = {}
@@ -270,6 +333,8 @@ def save_pretrained(
     ``dtype`` casts floating weights on the way out (one layer at a time). Tied heads are
     not written, as transformers does. Each file is written atomically.
     """
+    if dtype is not None:
+        require_float_dtype(dtype, "save_pretrained: dtype")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = export_state_dict(model, dtype=dtype)
@@ -295,6 +360,8 @@ def push_to_hub(
 ) -> Any:
     """``save_pretrained`` into a temporary directory, then upload it as one commit through
     ``huggingface_hub`` (creating the repo if needed). Returns the commit info."""
+    if dtype is not None:
+        require_float_dtype(dtype, "push_to_hub: dtype")
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

@@ -5,20 +5,22 @@ that sets its own defaults (those of the matching transformers config class) and
 writes its HF ``config.json`` (``from_hf`` / ``to_hf``). The fields are the union of the
 families' features, named after HF where HF has a name; one decoder implementation
 (``edl.models.decoder``) runs them all. Run-time choices (``scan_layers``, ``remat``,
-``attention_impl``, ``moe_impl``, ``moe_capacity_factor``) are not HF fields and are never
-written to ``config.json``.
+``attention_impl``, ``moe_impl``, ``moe_capacity_factor``, ``check_inputs``) are not HF
+fields and are never written to ``config.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from edl.nn.stack import remat_policy
 from edl.ops.activations import activation
+from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig
 
@@ -26,6 +28,28 @@ __all__ = ["DecoderConfig", "flops_per_token"]
 
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 MLP_KINDS = ("dense", "moe")
+
+# Plausibility bounds on sizes and counts, far above every released model (the largest
+# have vocabularies of ~262k tokens, hidden sizes up to ~25k, MLPs up to ~74k wide, 126
+# layers, 128 heads, head_dim 256, 512 experts and ~10M positions), so that only a mistaken
+# or hostile config fails them, in microseconds (a config.json with a million layers took
+# 81 s and 1.3 GB to fail).
+INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2**24),
+    "hidden_size": (1, 2**18),
+    "intermediate_size": (1, 2**20),
+    "num_hidden_layers": (1, 2**12),
+    "num_attention_heads": (1, 2**12),
+    "num_key_value_heads": (1, 2**12),
+    "head_dim": (1, 2**12),
+    "max_position_embeddings": (1, 2**30),
+    "sliding_window": (1, 2**30),
+    "num_experts": (0, 2**14),
+    "num_experts_per_tok": (1, 2**14),
+    "moe_intermediate_size": (1, 2**20),
+    "num_labels": (1, 2**24),
+}
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 # HF keys every family's ``from_hf`` interprets (families add their own).
 COMMON_HF_KEYS = frozenset({
@@ -99,11 +123,15 @@ class DecoderConfig:
     attention_impl: str = "auto"
     moe_impl: str = "blocked"
     moe_capacity_factor: float | None = None
+    # Token ids (and labels) outside the vocabulary raise, eagerly and in compiled programs
+    # (``edl.ops.checks.check_ids``; ``benchmarks/input_checks.py`` measures the cost).
+    check_inputs: bool = True
     # HF keys edl does not interpret, as sorted (key, JSON) pairs: written back by to_hf.
     hf_extra: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)
+        self._check_scalar_fields()
         if self.MODEL_TYPES and self.model_type not in self.MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; {type(self).__name__} covers "
@@ -143,16 +171,35 @@ class DecoderConfig:
                 f"MoE layers need 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
                 f"num_experts ({self.num_experts})"
             )
-        for name in ("attn_softcap", "final_softcap", "attn_scale", "moe_capacity_factor"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+            )
         activation(self.hidden_act)
         remat_policy(self.remat)
         if self.problem_type not in PROBLEM_TYPES:
             raise ValueError(f"unknown problem_type {self.problem_type!r}")
+
+    def _check_scalar_fields(self) -> None:
+        """Each int / float / bool / str field's type and range, before any is used."""
+        for field in dataclasses.fields(self):
+            # Annotations are strings here ("int | None"); a subclass may hold real types.
+            kind = field.type if isinstance(field.type, str) else str(field.type)
+            kind = _TYPE_NAMES.get(field.type, kind)
+            value, optional = getattr(self, field.name), kind.endswith(" | None")
+            if optional and value is None:
+                continue
+            kind = kind.removesuffix(" | None")
+            if kind == "int":
+                check_int(field.name, value, *INT_BOUNDS.get(field.name, (None, None)))
+            elif kind == "float":
+                check_number(field.name, value, FLOAT_SIGNS.get(field.name))
+            elif kind == "bool" and not isinstance(value, bool):
+                raise ValueError(f"{field.name} must be true or false, got {value!r}")
+            elif kind == "str" and not isinstance(value, str):
+                raise ValueError(f"{field.name} must be a string, got {value!r}")
 
     def _default_layer_windows(self) -> tuple[int | None, ...]:
         return (self.sliding_window,) * self.num_hidden_layers
@@ -184,6 +231,9 @@ class DecoderConfig:
         Fields that still hold their derived defaults (``head_dim``, the RoPE dim, uniform
         ``layer_windows`` / ``layer_mlps``) are derived again from the changed fields.
         """
+        for name in ("hidden_size", "num_attention_heads"):  # derived from below
+            if name in changes:
+                check_int(name, changes[name], *INT_BOUNDS[name])
         hidden = changes.get("hidden_size", self.hidden_size)
         heads = changes.get("num_attention_heads", self.num_attention_heads)
         if "head_dim" not in changes:
@@ -231,10 +281,18 @@ class DecoderConfig:
     @classmethod
     def _common_from_hf(cls, c: Mapping[str, Any], hidden_act: str | None = None) -> dict:
         """The fields every family reads the same way (HF defaults: ``cls``'s defaults)."""
+        check_hf_values(c)
         d = cls._default
         heads = c.get("num_attention_heads", d("num_attention_heads"))
         hidden = c.get("hidden_size", d("hidden_size"))
-        head_dim = c.get("head_dim") or d("head_dim") or hidden // heads
+        head_dim = c.get("head_dim") or d("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(
+                    f"config.json: hidden_size {hidden} is not divisible by "
+                    f"num_attention_heads {heads}, and no head_dim is given"
+                )
+            head_dim = hidden // heads
         if c.get("attention_dropout", 0.0):
             warnings.warn(
                 f"config.json: attention_dropout={c['attention_dropout']} is ignored (edl "
@@ -272,7 +330,13 @@ class DecoderConfig:
         read = COMMON_HF_KEYS | set(read)
         extra = ((k, json.dumps(v)) for k, v in c.items() if k not in read)
         fields["hf_extra"] = tuple(sorted(extra))
-        return cls(**{**fields, **overrides})
+        try:
+            return cls(**{**fields, **overrides})
+        except ValueError as e:
+            source = (
+                f"config.json with overrides {sorted(overrides)}" if overrides else "config.json"
+            )
+            raise ValueError(f"{source}: {e}") from e
 
     @classmethod
     def _router_from_hf(cls, c: Mapping[str, Any]) -> dict:
@@ -352,6 +416,100 @@ class DecoderConfig:
         if not condition:
             raise ValueError(f"this {type(self).__name__} has no HF {self.model_type!r} "
                              f"equivalent: {what}")  # fmt: skip
+
+
+def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
+    """``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if is_int and (low is None or value >= low) and (high is None or value <= high):
+        return
+    kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}
+    what = kind.get(low, f"an integer >= {low}")
+    if is_int and high is not None and value > high:
+        what += f" of at most {high} (far beyond any real model)"
+    raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def check_number(name: str, value: Any, sign: str | None = None) -> None:
+    """``ValueError`` unless ``value`` is a finite int or float (not a bool), and
+    ``"positive"`` / ``"non-negative"`` as ``sign`` asks."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and sign == "positive":
+        ok = value > 0
+    elif ok and sign == "non-negative":
+        ok = value >= 0
+    if not ok:
+        raise ValueError(
+            f"{name} must be a {sign + ' ' if sign else 'finite '}number, got {value!r}"
+        )
+
+
+# Signs of the float fields (the others: any finite number).
+FLOAT_SIGNS = {
+    "rms_norm_eps": "positive", "attn_softcap": "positive", "final_softcap": "positive",
+    "attn_scale": "positive", "moe_capacity_factor": "positive",
+    "query_pre_attn_scalar": "positive", "initializer_range": "non-negative",
+    "router_aux_loss_coef": "non-negative", "router_z_loss_coef": "non-negative",
+}  # fmt: skip
+
+# HF config.json keys (of every family) checked before a config is built: they size tuples
+# and divide each other on the way. Ints: key -> (low, high, null allowed).
+_HF_INTS = {
+    **{k: (*INT_BOUNDS[k], False) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "max_position_embeddings", "num_labels", "num_experts",
+        "num_experts_per_tok")},
+    "num_local_experts": (*INT_BOUNDS["num_experts"], False),
+    "num_key_value_heads": (*INT_BOUNDS["num_key_value_heads"], True),
+    "head_dim": (*INT_BOUNDS["head_dim"], True),
+    "moe_intermediate_size": (*INT_BOUNDS["moe_intermediate_size"], True),
+    "sliding_window": (0, INT_BOUNDS["sliding_window"][1], True),
+    "max_window_layers": (0, INT_BOUNDS["num_hidden_layers"][1], True),
+    "decoder_sparse_step": (0, INT_BOUNDS["num_hidden_layers"][1], True),
+    "pad_token_id": (None, None, True),
+}  # fmt: skip
+# Numbers: key -> (sign, null allowed).
+_HF_NUMBERS = {
+    "rms_norm_eps": ("positive", False), "initializer_range": ("non-negative", False),
+    "rope_theta": ("positive", False), "attention_dropout": ("non-negative", False),
+    "router_aux_loss_coef": ("non-negative", False),
+    "router_z_loss_coef": ("non-negative", False),
+    "router_jitter_noise": ("non-negative", False),
+    "query_pre_attn_scalar": ("positive", False),
+    "attn_logit_softcapping": ("positive", True), "final_logit_softcapping": ("positive", True),
+}  # fmt: skip
+_HF_BOOLS = (
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
+    "output_router_logits", "use_bidirectional_attention",
+)  # fmt: skip
+_HF_TYPES = {  # key -> (JSON type name, Python type); null is allowed
+    "model_type": ("a string", str), "hidden_act": ("a string", str),
+    "hidden_activation": ("a string", str), "problem_type": ("a string", str),
+    "rope_scaling": ("an object", dict), "rope_parameters": ("an object", dict),
+    "id2label": ("an object", dict), "layer_types": ("a list", list),
+    "mlp_only_layers": ("a list", list), "architectures": ("a list", list),
+}  # fmt: skip
+
+
+def check_hf_values(c: Mapping[str, Any]) -> None:
+    """Types and plausible ranges of the HF ``config.json`` values edl reads, before any is
+    used: ``ValueError("config.json: num_attention_heads must be a positive integer, got
+    0")``. Numbers as strings, bools for ints and a million layers all fail here."""
+    try:
+        for key, (low, high, nullable) in _HF_INTS.items():
+            if key in c and not (nullable and c[key] is None):
+                check_int(key, c[key], low, high)
+        for key, (sign, nullable) in _HF_NUMBERS.items():
+            if key in c and not (nullable and c[key] is None):
+                check_number(key, c[key], sign)
+        for key in _HF_BOOLS:
+            if c.get(key) is not None and not isinstance(c[key], bool):
+                raise ValueError(f"{key} must be true or false, got {c[key]!r}")
+        for key, (name, kind) in _HF_TYPES.items():
+            if c.get(key) is not None and not isinstance(c[key], kind):
+                raise ValueError(f"{key} must be {name} or null, got {c[key]!r}")
+    except ValueError as e:
+        raise ValueError(f"config.json: {e}") from e
 
 
 def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -27,14 +28,16 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.models.config import DecoderConfig
+from edl.module import require_float_dtype
 from edl.nn.attention import Attention, KVCacheLike
 from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import SparseMoE
 from edl.nn.stack import run_stack, stack, unstack
+from edl.ops.checks import check_ids
 from edl.ops.moe import RouterStats
 from edl.ops.rope import rope_tables
-from edl.sharding import BATCH, constrain
+from edl.sharding import BATCH, Rules, constrain
 
 __all__ = [
     "PARTITION_RULES",
@@ -233,6 +236,17 @@ def _check_2d(name: str, x: jax.Array | None, batch: int, seq: int) -> None:
         raise ValueError(f"{name} must be (batch, seq) = {(batch, seq)}, got {x.shape}")
 
 
+def _check_not_empty(input_ids: jax.Array | None, inputs_embeds: jax.Array | None) -> None:
+    """An empty sequence would fail deep inside the attention kernel; say so up front."""
+    name, x = (
+        ("input_ids", input_ids) if input_ids is not None else ("inputs_embeds", inputs_embeds)
+    )
+    if x.ndim >= 2 and x.shape[1] == 0:
+        raise ValueError(
+            f"{name} has sequence length 0 (shape {x.shape}); each row needs at least one token"
+        )
+
+
 def _broadcast_positions(position_ids: jax.Array, batch: int, seq: int) -> Ids:
     if position_ids.shape[0] == 1 and batch > 1:
         position_ids = jnp.broadcast_to(position_ids, (batch, seq))
@@ -247,6 +261,9 @@ LayerStack = DecoderLayer | tuple[DecoderLayer, ...]
 class DecoderModel(eqx.Module):
     """The decoder trunk: embeddings, stacked decoder layers, final norm."""
 
+    # ``edl.sharding``'s rules=None: every family shares these (a class attribute, static).
+    partition_rules: ClassVar[Rules] = PARTITION_RULES
+
     embed_tokens: Embedding
     layers: LayerStack
     dense_layers: LayerStack | None  # the dense layers of a model mixing dense and MoE
@@ -257,7 +274,9 @@ class DecoderModel(eqx.Module):
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderModel:
-        """Random weights as HF initialises them (normal(0, initializer_range), norms 1)."""
+        """Random weights as HF initialises them (normal(0, initializer_range), norms 1);
+        ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_embed, k_layers = jax.random.split(key)
         keys = jax.random.split(k_layers, config.num_hidden_layers)
         stacks = {}
@@ -289,7 +308,12 @@ class DecoderModel(eqx.Module):
         return {"layers": self.layers, "dense_layers": self.dense_layers}, self.config.layer_groups
 
     def embed(self, input_ids: Ids) -> Hidden:
-        """Token embeddings (times ``sqrt(hidden_size)`` in the embedding's dtype for Gemma)."""
+        """Token embeddings (times ``sqrt(hidden_size)`` in the embedding's dtype for Gemma).
+
+        Ids outside ``[0, vocab_size)`` raise ``ValueError`` naming the value, also inside
+        ``jax.jit`` (``edl.ops.checks.check_ids``), unless ``config.check_inputs`` is off."""
+        if self.config.check_inputs:
+            input_ids = check_ids(input_ids, self.config.vocab_size)
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale:
             h = h * jnp.asarray(math.sqrt(self.config.hidden_size), h.dtype)
@@ -327,6 +351,7 @@ class DecoderModel(eqx.Module):
         c = self.config
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        _check_not_empty(input_ids, inputs_embeds)
         h = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if h.ndim != 3 or h.shape[2] != c.hidden_size:
             raise ValueError(f"inputs_embeds must be (batch, seq, {c.hidden_size}), got {h.shape}")

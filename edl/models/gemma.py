@@ -15,12 +15,11 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from edl.models.config import DecoderConfig
-from edl.models.decoder import PARTITION_RULES, DecoderModel
+from edl.models.config import DecoderConfig, check_number
+from edl.models.decoder import DecoderModel
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
 from edl.models.llama_config import windows_of_layer_types
-from edl.sharding import Rules
 
 __all__ = [
     "HF_KEYS",
@@ -125,6 +124,7 @@ class Gemma2Config(GemmaConfig):
     }  # fmt: skip
 
     def __post_init__(self) -> None:
+        check_number("query_pre_attn_scalar", self.query_pre_attn_scalar, "positive")
         object.__setattr__(self, "attn_scale", self.query_pre_attn_scalar**-0.5)
         super().__post_init__()
 
@@ -171,13 +171,9 @@ class Gemma2Config(GemmaConfig):
 class GemmaModel(DecoderModel):
     """The Gemma decoder trunk (scaled embeddings, ``1 + w`` norms)."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
 
 class GemmaForCausalLM(DecoderForCausalLM):
     """Gemma decoder + LM head (tied to the embedding unless the config unties it)."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = GemmaModel
 
@@ -185,28 +181,20 @@ class GemmaForCausalLM(DecoderForCausalLM):
 class GemmaForSequenceClassification(DecoderForSequenceClassification):
     """Gemma decoder + ``score`` head at each row's last non-pad token."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
     trunk: ClassVar[type[DecoderModel]] = GemmaModel
 
 
 class Gemma2Model(DecoderModel):
     """The Gemma 2 decoder trunk (sandwich norms, soft-capped attention)."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
     """Gemma 2 decoder + soft-capped LM head."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = Gemma2Model
 
 
 class Gemma2ForSequenceClassification(DecoderForSequenceClassification):
     """Gemma 2 decoder + ``score`` head at each row's last non-pad token."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = Gemma2Model

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.models.config import DecoderConfig
 from edl.models.decoder import (
+    PARTITION_RULES,
     CausalLMOutput,
     DecoderModel,
     Hidden,
@@ -24,10 +25,13 @@ from edl.models.decoder import (
     Positions,
     SequenceClassifierOutput,
 )
+from edl.module import require_float_dtype
 from edl.nn.attention import KVCacheLike
 from edl.nn.layers import Linear
+from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_loss, sequence_classification_loss
 from edl.ops.moe import load_balancing_loss, router_z_loss
+from edl.sharding import Rules
 
 __all__ = ["DecoderForCausalLM", "DecoderForSequenceClassification", "configure"]
 
@@ -43,11 +47,14 @@ class DecoderForCausalLM(eqx.Module):
     lm_head: Linear | None
 
     trunk: ClassVar[type[DecoderModel]] = DecoderModel
+    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     @classmethod
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderForCausalLM:
+        """Random weights as HF initialises them; ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_model, k_head = jax.random.split(key)
         head = None
         if not config.tie_word_embeddings:
@@ -111,16 +118,21 @@ class DecoderForCausalLM(eqx.Module):
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Next-token cross entropy (HF semantics), without ever forming full logits.
 
-        ``labels`` default to ``input_ids``. Not predicted: ``-100`` labels, padded tokens,
-        the token after a padded one (its context is padding), and (with ``segment_ids``)
-        the first token of each packed segment. MoE models also report the router's
-        ``aux_loss`` (load balancing) and ``z_loss``; as in transformers, the auxiliary loss
-        times ``router_aux_loss_coef`` is added to the loss when ``output_router_logits`` is
-        set, and the z-loss times ``router_z_loss_coef`` whenever that is non-zero.
+        ``labels`` default to ``input_ids``; given ones must be -100 or in
+        ``[0, vocab_size)`` (else ``ValueError``, see ``DecoderModel.embed``). Not predicted:
+        ``-100`` labels, padded tokens, the token after a padded one (its context is
+        padding), and (with ``segment_ids``) the first token of each packed segment. MoE
+        models also report the router's ``aux_loss`` (load balancing) and ``z_loss``; as in
+        transformers, the auxiliary loss times ``router_aux_loss_coef`` is added to the loss
+        when ``output_router_logits`` is set, and the z-loss times ``router_z_loss_coef``
+        whenever that is non-zero.
         Returns ``(loss, {"loss", "accuracy", "tokens"[, "aux_loss", "z_loss"]})``.
         """
         c = self.config
-        labels = input_ids if labels is None else labels
+        if labels is None:
+            labels = input_ids  # checked as input_ids
+        elif c.check_inputs:
+            labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
         no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
         if attention_mask is not None:
             no_context |= ~attention_mask[:, :-1].astype(jnp.bool_)
@@ -152,11 +164,14 @@ class DecoderForSequenceClassification(eqx.Module):
     score: Linear
 
     trunk: ClassVar[type[DecoderModel]] = DecoderModel
+    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     @classmethod
     def init(
         cls, config: DecoderConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> DecoderForSequenceClassification:
+        """Random weights as HF initialises them; ``dtype`` must be a floating dtype."""
+        dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_model, k_head = jax.random.split(key)
         score = Linear.init(
             config.hidden_size, config.num_labels, std=config.initializer_range, dtype=dtype,
@@ -210,7 +225,15 @@ class DecoderForSequenceClassification(eqx.Module):
         attention_mask: Mask | None = None,
         position_ids: Positions | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``)."""
+        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``).
+        Single-label integer labels must be -100 or in ``[0, num_labels)`` (else
+        ``ValueError``, also inside ``jax.jit``)."""
+        c = self.config
+        single = c.problem_type == "single_label_classification" or (
+            c.problem_type is None and c.num_labels > 1
+        )
+        if c.check_inputs and single and jnp.issubdtype(labels.dtype, jnp.integer):
+            labels = check_ids(labels, c.num_labels, name="labels", what="num_labels", ignore=-100)
         logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
 

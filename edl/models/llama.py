@@ -26,7 +26,6 @@ from edl.models.decoder import (
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification, configure
 from edl.models.keymap import decoder_key_table
 from edl.models.llama_config import MODEL_TYPES, LlamaConfig
-from edl.sharding import Rules
 
 __all__ = [
     "HF_KEYS",
@@ -54,20 +53,14 @@ HF_KEYS = decoder_key_table(
 class LlamaModel(DecoderModel):
     """The Llama-family decoder trunk: embeddings, stacked decoder layers, final norm."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
 
 class LlamaForCausalLM(DecoderForCausalLM):
     """Llama-family decoder + LM head (``lm_head`` ``None`` when tied to the embedding)."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = LlamaModel
 
 
 class LlamaForSequenceClassification(DecoderForSequenceClassification):
     """Llama-family decoder + ``score`` head at each row's last non-pad token."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = LlamaModel

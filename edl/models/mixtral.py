@@ -16,10 +16,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from edl.models.config import DecoderConfig
-from edl.models.decoder import PARTITION_RULES, DecoderModel
+from edl.models.decoder import DecoderModel
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import KeyRule, decoder_key_table
-from edl.sharding import Rules
 
 __all__ = [
     "FUSED_EXPERT_RULES",
@@ -110,20 +109,14 @@ class MixtralConfig(DecoderConfig):
 class MixtralModel(DecoderModel):
     """The Mixtral decoder trunk (an MoE MLP in every layer)."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
 
 class MixtralForCausalLM(DecoderForCausalLM):
     """Mixtral decoder + LM head; ``compute_loss`` adds the router's auxiliary loss."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = MixtralModel
 
 
 class MixtralForSequenceClassification(DecoderForSequenceClassification):
     """Mixtral decoder + ``score`` head at each row's last non-pad token."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = MixtralModel

@@ -15,11 +15,10 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from edl.models.config import DecoderConfig
-from edl.models.decoder import PARTITION_RULES, DecoderModel
+from edl.models.decoder import DecoderModel
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
 from edl.models.mixtral import FUSED_EXPERT_RULES
-from edl.sharding import Rules
 
 __all__ = [
     "HF_KEYS",
@@ -127,20 +126,14 @@ class Qwen3MoeConfig(DecoderConfig):
 class Qwen3MoeModel(DecoderModel):
     """The Qwen3-MoE decoder trunk."""
 
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
-
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     """Qwen3-MoE decoder + LM head; ``compute_loss`` adds the router's auxiliary loss."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = Qwen3MoeModel
 
 
 class Qwen3MoeForSequenceClassification(DecoderForSequenceClassification):
     """Qwen3-MoE decoder + ``score`` head at each row's last non-pad token."""
-
-    partition_rules: ClassVar[Rules] = PARTITION_RULES
 
     trunk: ClassVar[type[DecoderModel]] = Qwen3MoeModel

@@ -67,8 +67,12 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
 
     ``task`` defaults to the one named by ``architectures[0]`` (else ``"causal_lm"``).
     """
+    if not isinstance(hf_config, Mapping):
+        raise ValueError(
+            f"config.json must hold a JSON object, got {type(hf_config).__name__} {hf_config!r:.80}"
+        )
     model_type = hf_config.get("model_type")
-    if model_type not in _BY_MODEL_TYPE:
+    if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
         raise ValueError(
             f"config.json: unsupported model_type {model_type!r}; edl builds "
             f"{sorted(_BY_MODEL_TYPE)}"

@@ -42,6 +42,9 @@ class RopeConfig:
     def __post_init__(self) -> None:
         if self.dim <= 0 or self.dim % 2:
             raise ValueError(f"RoPE dim must be a positive even number, got {self.dim}")
+        for name in ("theta", "factor"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"RoPE {name} must be positive, got {getattr(self, name)}")
         if self.rope_type not in ("default", "linear", "dynamic", "llama3"):
             raise ValueError(
                 f"unsupported rope type {self.rope_type!r}; edl implements default, linear, "
@@ -66,12 +69,26 @@ class RopeConfig:
         rope_type = merged.get("rope_type", merged.get("type", "default"))
         theta = merged.get("rope_theta", config.get("rope_theta", default_theta))
         partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        numbers = {**{k: merged.get(k) for k in _NUMBERS}, "rope_theta": theta,
+                   "partial_rotary_factor": partial}  # fmt: skip
+        for key, value in numbers.items():
+            if value is not None and not _is_number(value):
+                raise ValueError(f"config.json: RoPE {key} must be a number, got {value!r}")
+        original = merged.get("original_max_position_embeddings")
+        if original is not None and (not isinstance(original, int) or isinstance(original, bool)):
+            raise ValueError(
+                "config.json: RoPE original_max_position_embeddings must be an integer, "
+                f"got {original!r}"
+            )
+        if not 0 < partial <= 1:
+            raise ValueError(
+                f"config.json: partial_rotary_factor must lie in (0, 1], got {partial!r}"
+            )
         if rope_type not in ("default", "linear", "dynamic", "llama3"):
             raise ValueError(
                 f"unsupported rope type {rope_type!r}; edl implements default, linear, "
                 "dynamic and llama3"
             )
-        original = merged.get("original_max_position_embeddings")
         if rope_type == "dynamic" and original is None:
             original = config.get("max_position_embeddings")
         return cls(
@@ -83,6 +100,13 @@ class RopeConfig:
             low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
         )
+
+
+_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _base_inv_freq(dim: int, theta: float | Float[Array, ""]) -> Float[Array, " half"]:
