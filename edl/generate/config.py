@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
@@ -38,7 +38,7 @@ class GenerationConfig:
     num_return_sequences: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
-    eos_token_id: int | tuple[int, ...] | None = None
+    eos_token_id: int | Sequence[int] | None = None
     pad_token_id: int | None = None
 
     def __post_init__(self) -> None:

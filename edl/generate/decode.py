@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int, PRNGKeyArray
+from jax.typing import ArrayLike
+from jaxtyping import PRNGKeyArray
 
 from edl.generate import steps
 from edl.generate.beam import beam_search
@@ -187,9 +188,9 @@ def _resolve(config, max_new_tokens, overrides):
 
 def generate(
     model: Any,
-    input_ids: Int[Array, "batch seq"],
+    input_ids: ArrayLike,
     *,
-    attention_mask: Int[Array, "batch seq"] | None = None,
+    attention_mask: ArrayLike | None = None,
     max_new_tokens: int | None = None,
     key: PRNGKeyArray | None = None,
     config: GenerationConfig | None = None,
@@ -202,7 +203,8 @@ def generate(
 
     Args:
         model: a causal LM such as ``edl.models.LlamaForCausalLM``.
-        input_ids: prompts, left-padded as HF expects (``attention_mask`` 0 on padding).
+        input_ids: prompts ``(batch, seq)`` of integer ids (numpy or jax), left-padded as HF
+            expects (``attention_mask`` ``(batch, seq)``, 0 on padding); checked eagerly.
         max_new_tokens: overrides ``config.max_new_tokens``.
         key: PRNG key for sampling (required with ``do_sample``).
         config: decoding settings; keyword ``overrides`` replace its fields
@@ -257,9 +259,9 @@ def _stream_step(model, state, prompt, mask, key, *, config, processor):
 
 def generate_stream(
     model: Any,
-    input_ids: Int[Array, "batch seq"],
+    input_ids: ArrayLike,
     *,
-    attention_mask: Int[Array, "batch seq"] | None = None,
+    attention_mask: ArrayLike | None = None,
     max_new_tokens: int | None = None,
     key: PRNGKeyArray | None = None,
     config: GenerationConfig | None = None,

@@ -275,13 +275,13 @@ class ShardedStep:
 
     def __init__(self, fn: Callable, mesh: Mesh, rules: Rules | None, *, donate: bool = True):
         self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
+        self._jitted: dict[Any, Any] = {}
 
     def _rules(self, state: TrainState) -> Rules:
         """The step's rules; without any, the model's own, else none (all replicated)."""
         if self.rules is not None:
             return self.rules
         return state.partition_rules or ()
-        self._jitted: dict[Any, Any] = {}
 
     def shardings(self, state: TrainState, batch: PyTree) -> tuple[Any, Any]:
         """``(state shardings, batch shardings)`` this step uses."""
