@@ -68,7 +68,9 @@ def test_a_fresh_run_refuses_a_directory_holding_an_earlier_run(tmp_path):
     ]  # fmt: skip
     assert latest_checkpoint(tmp_path / "checkpoints").name == "checkpoint-00000004"
     (tmp_path / "notes.txt").write_text("mine")
-    _run(tmp_path, 2, resume=False, overwrite=True)
+    (tmp_path / ".edl-overwritten-0badf00d" / "checkpoints").mkdir(parents=True)  # a kill
+    _run(tmp_path, 2, resume=False, overwrite=True)  # mid-delete left this; it goes now
+    assert not list(tmp_path.glob(".edl-*"))
     assert (tmp_path / "notes.txt").read_text() == "mine"  # only the run's own files go
 
 

@@ -47,7 +47,9 @@ class StepInfo:
     Attributes:
         step: the steps done, ``state.step`` after this one (1 after the first step).
         steps: the run's total.
-        state: the state after the step.
+        state: the state after the step. With a donating step (the default) its buffers
+            are consumed by the next step: read it (or copy it with ``jax.device_get``)
+            inside the callback, never keep it for later.
         metrics: the step's metrics as host numbers (a read-only mapping), plus those that
             callbacks added for this step.
         seconds: this step's wall time (its batch and the step), without callbacks' time.

@@ -58,10 +58,13 @@ def earlier_run(directory: Path) -> list[str]:
     return found
 
 
+TRASH_PREFIX = ".edl-overwritten-"
+
+
 def _remove_run(directory: Path, names: list[str]) -> None:
     """Delete the artefacts ``names``: first moved into one hidden folder (so a kill midway
     leaves no half-deleted run behind), then that folder."""
-    trash = directory / f".edl-overwritten-{uuid.uuid4().hex[:8]}"
+    trash = directory / f"{TRASH_PREFIX}{uuid.uuid4().hex[:8]}"
     trash.mkdir()
     for name in names:
         os.replace(directory / name, trash / name)
@@ -161,6 +164,8 @@ def prepare(
     out = Path(directory)
     found = check(out, resume=resume, overwrite=overwrite)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob(f"{TRASH_PREFIX}*"):  # an earlier overwrite killed mid-delete
+        shutil.rmtree(stale)
     if found and overwrite:
         _remove_run(out, found)
         echo(f"overwrite: deleted the earlier run in {out} ({', '.join(found)})")
