@@ -3,10 +3,13 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
+@pytest.mark.slow  # runs every README tour end to end (~2.5 minutes)
 def test_readme_tours_run():
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
     runnable = [b for b in blocks if "..." not in b]  # the traversal cheat-sheet is not code

@@ -30,7 +30,14 @@ from edl.sharding import (
 )
 from edl.train import make_eval_step, make_train_step
 
-MESHES = [(8, 1, 1, 1), (1, 8, 1, 1), (1, 4, 2, 1), (2, 2, 2, 1), (1, 2, 2, 2)]
+# The default suite keeps one mesh per axis kind plus the one using all four axes; the two
+# further mixes run in the slow set.
+MESHES = [
+    (8, 1, 1, 1), (1, 8, 1, 1),
+    pytest.param((1, 4, 2, 1), marks=pytest.mark.slow),
+    pytest.param((2, 2, 2, 1), marks=pytest.mark.slow),
+    (1, 2, 2, 2),
+]  # fmt: skip
 CONFIG = LlamaConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2,
@@ -245,6 +252,7 @@ def test_rules_none_means_the_models_own_rules():
     assert placed.params["w"].sharding.is_fully_replicated
 
 
+@pytest.mark.slow  # end to end: train, checkpoint, resume on a second mesh
 def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
     """``train`` with ``make_train_step(mesh=...)``: an unplaced state and host batches are
     placed by the step; the run's checkpoint resumes on a different mesh."""

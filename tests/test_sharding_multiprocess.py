@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 NUM_PROCESSES, DEVICES_PER_PROCESS, STEPS, TIMEOUT_S = 2, 4, 3, 240
@@ -93,6 +94,7 @@ def _reference_losses(worker) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # two coordinated jax processes, each compiling the whole step
 def test_two_processes_match_single_device(tmp_path):
     worker = _worker_module()
     procs = _start_workers(tmp_path)
