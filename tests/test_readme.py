@@ -1,6 +1,8 @@
 """The README's tour runs as written, and CI runs the README's test command."""
 
+import importlib
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -23,3 +25,54 @@ def test_ci_runs_the_readme_test_command():
     assert block is not None
     assert "pytest" in block.group(1)
     assert "test-command" in (ROOT / ".ci" / "run").read_text()
+
+
+def _resolve(dotted: str):
+    """The object ``dotted`` ("edl.ops.attention") names: the longest importable module
+    prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_every_dotted_edl_name_in_the_readme_resolves():
+    names = sorted(set(re.findall(r"\bedl(?:\.[A-Za-z_]\w*)+", README)))
+    assert len(names) > 20
+    missing = []
+    for name in names:
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as error:
+            missing.append(f"{name}: {error}")
+    assert not missing, "\n".join(missing)
+
+
+def test_the_module_table_names_what_each_module_holds():
+    """Each identifier in backticks in a row of the module table is an attribute of the
+    row's module (a submodule only where the row introduces it as one: "`name`: ..." or
+    "`name` (...)"), of such a submodule (``edl.io``'s row), of a class the row names
+    (``from_hf``), or of ``edl`` itself (``create_state``)."""
+    rows = re.findall(r"^\| `(edl(?:\.\w+)*)`[^|]*\| (.*) \|$", README, flags=re.M)
+    assert len(rows) >= 10
+    missing = []
+    for module_name, text in rows:
+        module = importlib.import_module(module_name)
+        scopes = [module, importlib.import_module("edl")]
+        scopes += [getattr(module, n) for n in re.findall(r"`(\w+)`:", text)]
+        names = re.findall(r"`([A-Za-z_]\w*)`", text)
+        scopes += [getattr(module, n) for n in names if isinstance(getattr(module, n, None), type)]
+        for name in names:
+            found = [getattr(s, name) for s in scopes if hasattr(s, name)]
+            if not found or (
+                all(isinstance(f, types.ModuleType) for f in found)
+                and not re.search(rf"`{name}`(:| \()", text)
+            ):
+                missing.append(f"{module_name}: {name}")
+    assert not missing, "README module table names what its module lacks:\n" + "\n".join(missing)

@@ -1,6 +1,8 @@
-"""Pure array functions: attention dispatch + reference, linear, RoPE, norms, losses, sampling."""
+"""Pure array functions: attention (full and against a KV cache), linear, RoPE, norms, MoE
+routing and expert MLPs, losses, quantization, sampling."""
 
 from edl.ops.attention import attention, attention_mask, reference_attention
+from edl.ops.cached_attention import cached_attention, paged_attention
 from edl.ops.losses import (
     causal_lm_loss,
     causal_lm_loss_from_logits,
@@ -8,6 +10,14 @@ from edl.ops.losses import (
     sequence_classification_loss,
 )
 from edl.ops.matmul import linear, linear_many
+from edl.ops.moe import (
+    RouterStats,
+    expert_mlp,
+    load_balancing_loss,
+    route,
+    router_stats,
+    router_z_loss,
+)
 from edl.ops.norms import rms_norm
 from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
@@ -29,19 +39,24 @@ __all__ = [
     "NF4_CODE",
     "LogitsProcessor",
     "RopeConfig",
+    "RouterStats",
     "apply_rope",
     "attention",
     "attention_mask",
+    "cached_attention",
     "causal_lm_loss",
     "causal_lm_loss_from_logits",
     "compose",
     "cross_entropy",
     "dequantize",
+    "expert_mlp",
     "greedy",
     "inv_frequencies",
     "linear",
     "linear_many",
+    "load_balancing_loss",
     "min_p",
+    "paged_attention",
     "processors_for",
     "quantize",
     "quantized_matmul",
@@ -49,6 +64,9 @@ __all__ = [
     "repetition_penalty",
     "rms_norm",
     "rope_tables",
+    "route",
+    "router_stats",
+    "router_z_loss",
     "sample",
     "sequence_classification_loss",
     "suppress_tokens",
