@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -65,26 +65,21 @@ class PathKey:
         return jtu.keystr(self.path)
 
 
-def _key_str(key: Hashable, sep: str) -> str:
-    if isinstance(key, PathKey):
-        return path_str(key.path, sep)
-    if isinstance(key, jtu.DictKey):
-        return str(key.key)
-    if isinstance(key, jtu.GetAttrKey):
-        return key.name
-    if isinstance(key, jtu.SequenceKey):
-        return str(key.idx)
-    if isinstance(key, jtu.FlattenedIndexKey):
-        return str(key.key)
-    return str(key)  # a key type registered by a third-party pytree node
+def _expanded(keypath: Sequence[Hashable]) -> Iterator[Hashable]:
+    for key in keypath:
+        if isinstance(key, PathKey):
+            yield from _expanded(key.path)
+        else:
+            yield key
 
 
 def path_str(keypath: Sequence[Hashable], sep: str = ".") -> str:
     """Render a ``jax.tree_util`` key path as ``"layers.3.self_attn.q_proj.weight"``.
 
-    Dict keys are rendered with ``str``, attributes by name, sequence entries by index.
+    Dict keys are rendered with ``str``, attributes by name, sequence entries by index
+    (``jax.tree_util.keystr``'s simple form); a ``PathKey`` contributes its whole path.
     """
-    return sep.join(_key_str(k, sep) for k in keypath)
+    return jtu.keystr(tuple(_expanded(keypath)), simple=True, separator=sep)
 
 
 def is_array_like(x: Any) -> bool:

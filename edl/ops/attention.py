@@ -13,6 +13,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
@@ -116,10 +117,9 @@ def masked_attention(
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Plain-jnp attention under an explicit ``mask`` (True = visible): float32 logits and
     softmax, rows with no visible key give 0. The definition every kernel is tested against."""
-    b, q_len, heads, d = q.shape
-    kv_heads = k.shape[2]
+    d, kv_heads = q.shape[-1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
-    qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+    qg = rearrange(q, "b q (kv g) d -> b q kv g d", kv=kv_heads)  # GQA: groups of heads
     logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
@@ -127,7 +127,7 @@ def masked_attention(
     out = jnp.einsum(
         "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
     )
-    return out.reshape(b, q_len, heads, d).astype(q.dtype)
+    return rearrange(out, "b q kv g d -> b q (kv g) d").astype(q.dtype)
 
 
 def _per_shard(kernel, q, k, v, q_ids, kv_ids):

@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jaxtyping import Array, Bool, Float
 
 __all__ = ["xla_attention"]
@@ -79,8 +80,7 @@ def xla_attention(
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Attention of ``q`` over ``k``/``v`` where ``mask`` is True; GQA by grouping query heads
     (no repeated K/V). Float32 logits and accumulation; rows with no visible key give 0."""
-    b, q_len, heads, d = q.shape
     kv_heads = k.shape[2]
-    qg = q.reshape(b, q_len, kv_heads, heads // kv_heads, d)
+    qg = rearrange(q, "b q (kv g) d -> b q kv g d", kv=kv_heads)  # GQA: groups of heads
     out = _attention(qg, k, v, mask[:, None, None], scale, softcap)
-    return out.reshape(b, q_len, heads, d)
+    return rearrange(out, "b q kv g d -> b q (kv g) d")

@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import decode_attention, gather_pages, paged_decode_attention
@@ -187,15 +188,13 @@ def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
     elsewhere): ``kv_heads`` times the multiply-adds, on arrays a few KiB per row, and no copy.
     The outputs are the diagonal blocks of ``probs @ V`` taken the same way.
     """
-    b, _, heads, d = q.shape
-    cache_len, kv_heads = k.shape[1], k.shape[2]
-    group = heads // kv_heads
+    kv_heads = k.shape[2]
     same = jnp.eye(kv_heads, dtype=jnp.bool_)[:, None, :, None]  # (kv_heads, 1, kv_heads, 1)
-    # q_block[b, (h, d), (j, g)] = q[b, 0, j * group + g, d] if h == j else 0
-    q_t = q.reshape(b, 1, kv_heads, group, d).transpose(0, 1, 4, 2, 3)  # (b, 1, d, j, g)
-    q_block = jnp.where(same[None], q_t, jnp.zeros((), q.dtype))
-    q_block = q_block.reshape(b, kv_heads * d, heads)
-    k_rows, v_rows = (x.reshape(b, cache_len, kv_heads * d) for x in (k, v))
+    # q_block[b, (h, d), (j, g)] = q[b, 0, (j, g), d] if h == j else 0
+    q_t = rearrange(q, "b 1 (j g) d -> b 1 d j g", j=kv_heads)
+    q_block = jnp.where(same[None], q_t, jnp.zeros((), q.dtype))  # (b, h, d, j, g)
+    q_block = rearrange(q_block, "b h d j g -> b (h d) (j g)")
+    k_rows, v_rows = (rearrange(x, "b t h d -> b t (h d)") for x in (k, v))
     logits = jnp.einsum("btc,bcn->btn", k_rows, q_block, preferred_element_type=jnp.float32)
     logits = logits * scale
     if softcap is not None:
@@ -203,9 +202,9 @@ def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
     probs = masked_softmax(logits, mask[:, 0, :, None], axis=1)  # (b, len, heads)
     probs = probs.astype(v.dtype)
     out = jnp.einsum("btn,btc->bnc", probs, v_rows, preferred_element_type=jnp.float32)
-    out = out.reshape(b, kv_heads, group, kv_heads, d)  # (b, j, g, h, d): keep h == j
+    out = rearrange(out, "b (j g) (h d) -> b j g h d", j=kv_heads, h=kv_heads)  # keep h == j
     out = jnp.sum(jnp.where(same[None], out, 0.0), axis=3)
-    return out.reshape(b, 1, heads, d).astype(q.dtype)
+    return rearrange(out, "b j g d -> b 1 (j g) d").astype(q.dtype)
 
 
 def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None):

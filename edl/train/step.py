@@ -129,7 +129,11 @@ def all_finite(tree: PyTree) -> jax.Array:
 
 
 def global_norm(tree: PyTree) -> jax.Array:
-    """sqrt of the sum of squares of every inexact array leaf, in float32."""
+    """sqrt of the sum of squares of every inexact array leaf, in float32.
+
+    Not ``optax.global_norm``: that sums in each leaf's own dtype (bfloat16 gradients would
+    sum in bfloat16) and takes every leaf, integer ones included.
+    """
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     if not leaves:
         return jnp.zeros((), jnp.float32)
@@ -242,6 +246,8 @@ def make_train_step(
         loss, grads, metrics = gradients(state, batch)
         norm = global_norm(grads)
         if clip_norm is not None:
+            # optax.clip_by_global_norm would compute the norm a second time, in each leaf's
+            # dtype; this reuses the float32 one the metrics report.
             factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
             grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
         new_state = edl_state.apply_gradients(state, grads, tx)
@@ -250,6 +256,8 @@ def make_train_step(
             with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
                 metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
         # The parameters were finite, so non-finite ones now mean a non-finite update.
+        # (optax.apply_if_finite checks only the updates, not the loss, and keeps a counter
+        # in the optimizer state; this check also catches a NaN loss with finite gradients.)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new_state.params)
         metrics["nonfinite"] = (~finite).astype(jnp.int32)
         if skip_nonfinite:
