@@ -34,7 +34,7 @@ __all__ = [
     "rules_for",
 ]
 
-log = logging.getLogger("edl.sharding")
+log = logging.getLogger("edl.sharding")  # the name users know: the public facade's
 
 AXES = ("dp", "fsdp", "tp", "sp")
 BATCH = ("dp", "fsdp")  # the batch dimension is split over both data axes
