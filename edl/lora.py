@@ -1,10 +1,8 @@
-"""LoRA as pure model -> model functions, with adapters in PEFT's file format.
+"""LoRA as pure model -> model functions.
 
     model = edl.lora.apply_lora(model, rank=8, alpha=16, key=jax.random.key(0))
     state = edl.create_state(model, tx, trainable=edl.lora.lora_trainable)  # A/B only
     ...                                             # train as usual (edl.train works as is)
-    edl.lora.save_adapter(model, "adapter/")        # adapter_config.json +
-                                                    # adapter_model.safetensors, for PEFT
     merged = edl.lora.merge_lora(model)             # W + (alpha/r) B A, adapters gone
     base = edl.lora.unwrap_lora(model)              # the untouched base model
 
@@ -13,96 +11,95 @@
 ``<layer>.lora_A.weight (r, in)`` and ``<layer>.lora_B.weight (out, r)``, with the layer
 axis in front in a layer stack. On a quantized model (``edl.quantize``) this is QLoRA.
 
-PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.q_proj
-.lora_A.weight``); edl maps them through the model family's HF key table, the same one
-``save_pretrained`` uses, so stacking and splitting layers is the table's business.
+Adapters in PEFT's file format (``save_adapter`` / ``load_adapter``) are ``edl.io.peft``:
+files sit a layer above model surgery. ``edl.lora.save_adapter`` and friends still work,
+forwarded there on first use, so importing this module loads no ``edl.io``.
 """
 
 from __future__ import annotations
 
-import collections
 import math
-import os
 import re
-import warnings
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray, PyTree
 
-from edl.io import hf
-from edl.io.files import read_json, write_json_atomic
-from edl.io.plan import plan_load
-from edl.io.safetensors import CheckpointReader, save_file
-from edl.models import registry
-from edl.module import merge, split
+from edl._lazy import lazy_attributes
+from edl.module import split
 from edl.nn.lora import LoraLinear, leading_shape
-from edl.nn.moe import SparseMoE
 from edl.quantize import DEFAULT_PATTERN, is_linear
-from edl.tree import compile_pattern, find, flatten, is_none, load_into, tree_apply
+from edl.tree import compile_pattern, find, is_none, tree_apply
 
 __all__ = [
-    "ADAPTER_CONFIG",
-    "ADAPTER_WEIGHTS",
     "DEFAULT_PATTERN",
     "LoraLinear",
     "apply_lora",
-    "load_adapter",
+    "lora_layers",
     "lora_params",
     "lora_trainable",
     "merge_lora",
-    "save_adapter",
     "unwrap_lora",
     "with_dropout_key",
+    "wrap_lora",
 ]
+
+# PEFT files live in edl.io.peft; these names stay reachable here (loaded on first use).
+__getattr__, __dir__ = lazy_attributes(
+    __name__,
+    {name: f"edl.io.peft:{name}"
+     for name in ("ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "save_adapter")},
+)  # fmt: skip
 
 lora_trainable = re.compile(r"(^|\.)lora_[AB]\.weight$")
 """``trainable=`` for ``edl.split`` / ``edl.create_state``: only the LoRA A/B matrices, so
 gradients and optimizer state exist for nothing else."""
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model"  # + ".safetensors"
-_PEFT_PREFIX = "base_model.model."
-_PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
-               "base": "FEATURE_EXTRACTION"}  # fmt: skip
-_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
-_BASE_SUFFIX = ".base_layer.weight"
 
 
 def _is_lora(x: Any) -> bool:
     return isinstance(x, LoraLinear)
 
 
-def _lora_layers(model: PyTree, what: str) -> dict[str, LoraLinear]:
+def lora_layers(model: PyTree, what: str = "lora_layers") -> dict[str, LoraLinear]:
+    """Every ``LoraLinear`` of ``model`` by path; a ``ValueError`` (naming the caller,
+    ``what``) when there is none."""
     layers = find(model, _is_lora)
     if not layers:
         raise ValueError(f"{what}: the model has no LoRA adapters (edl.lora.apply_lora)")
     return layers
 
 
-def _wrap(model: PyTree, plan: dict[str, tuple[int, float]], *, dropout: float | int,
-          dtype: DTypeLike | None, key: PRNGKeyArray, what: str) -> PyTree:  # fmt: skip
-    """``LoraLinear`` around the layers at ``plan``'s paths, ``path -> (rank, scaling)``."""
-    layers = find(model, is_linear)
-    unknown = sorted(set(plan) - set(layers))
+def wrap_lora(
+    model: PyTree,
+    layers: Mapping[str, tuple[int, float]],
+    *,
+    dropout: float | int = 0.0,
+    dtype: DTypeLike | None = None,
+    key: PRNGKeyArray,
+    what: str = "wrap_lora",
+) -> PyTree:
+    """``apply_lora`` with a rank and scale per layer: a ``LoraLinear`` around the linear
+    layer at each path of ``layers`` (``path -> (rank, scaling)``, PEFT's per-module ranks
+    and alphas). Errors name the caller, ``what``."""
+    linear = find(model, is_linear)
+    unknown = sorted(set(layers) - set(linear))
     if unknown:
-        raise ValueError(f"{what}: no linear layer at {unknown}; linear layers: {sorted(layers)}")
-    wrapped = sorted(p for p in plan if _is_lora(layers[p]))
+        raise ValueError(f"{what}: no linear layer at {unknown}; linear layers: {sorted(linear)}")
+    wrapped = sorted(p for p in layers if _is_lora(linear[p]))
     if wrapped:
         raise ValueError(f"{what}: {wrapped} already carry LoRA adapters (unwrap_lora first)")
-    keys = dict(zip(plan, jax.random.split(key, len(plan)), strict=True))
+    keys = dict(zip(layers, jax.random.split(key, len(layers)), strict=True))
 
     def wrap(path: str):
-        rank, scaling = plan[path]
+        rank, scaling = layers[path]
         return lambda layer: LoraLinear.init(
             layer, rank=rank, scaling=scaling, dropout=dropout, dtype=dtype, key=keys[path]
         )
 
-    return tree_apply({p: wrap(p) for p in plan}, model, is_leaf=is_linear)
+    return tree_apply({p: wrap(p) for p in layers}, model, is_leaf=is_linear)
 
 
 def apply_lora(
@@ -139,28 +136,28 @@ def apply_lora(
             f"apply_lora: pattern {regex.pattern!r} matches none of the linear layers "
             f"{sorted(find(model, is_linear))}"
         )
-    plan = dict.fromkeys(targets, (rank, alpha / rank))
-    return _wrap(model, plan, dropout=dropout, dtype=dtype, key=key, what="apply_lora")
+    layers = dict.fromkeys(targets, (rank, alpha / rank))
+    return wrap_lora(model, layers, dropout=dropout, dtype=dtype, key=key, what="apply_lora")
 
 
 def merge_lora(model: PyTree) -> PyTree:
     """Fold every adapter into its base weight: ``W <- W + scaling * B @ A`` (in float32).
     The result has the structure of the model before ``apply_lora``; a quantized base is
     quantized again after merging."""
-    layers = _lora_layers(model, "merge_lora")
+    layers = lora_layers(model, "merge_lora")
     return tree_apply({p: LoraLinear.merge for p in layers}, model, is_leaf=_is_lora)
 
 
 def unwrap_lora(model: PyTree) -> PyTree:
     """Drop every adapter: the base model exactly as it was before ``apply_lora``."""
-    layers = _lora_layers(model, "unwrap_lora")
+    layers = lora_layers(model, "unwrap_lora")
     return tree_apply({p: lambda m: m.base_layer for p in layers}, model, is_leaf=_is_lora)
 
 
 def lora_params(model: PyTree) -> PyTree:
     """The adapters alone: ``model``'s structure with every array but the LoRA A/B
     matrices replaced by ``None`` (``edl.split``'s first half; ``edl.merge`` puts it back)."""
-    _lora_layers(model, "lora_params")
+    lora_layers(model, "lora_params")
     return split(model, lora_trainable)[0]
 
 
@@ -169,7 +166,7 @@ def with_dropout_key(model: PyTree, key: PRNGKeyArray | None) -> PyTree:
     layer and stacked slice); ``None`` removes the keys (evaluation). Call it inside the loss
     function with a fresh key every step (e.g. one carried in the batch, or
     ``jax.random.fold_in(key, state.step)`` in a hand-written step); it is traceable."""
-    layers = _lora_layers(model, "with_dropout_key")
+    layers = lora_layers(model, "with_dropout_key")
     keys = [None] * len(layers) if key is None else list(jax.random.split(key, len(layers)))
 
     def set_key(k: PRNGKeyArray | None):
@@ -182,423 +179,3 @@ def with_dropout_key(model: PyTree, key: PRNGKeyArray | None) -> PyTree:
 
     fns = {p: set_key(k) for p, k in zip(layers, keys, strict=True)}
     return tree_apply(fns, model, is_leaf=_is_lora)
-
-
-# -- PEFT files ----------------------------------------------------------------------------
-
-
-def _table(model: PyTree, what: str) -> tuple[Any, str]:
-    try:
-        family, task = registry.family_of(model)
-    except TypeError as e:
-        raise TypeError(f"{what}: PEFT key names need a registered edl model class: {e}") from e
-    return family.key_table_for(model.config), task
-
-
-def _name(path: str) -> str:
-    return path.rsplit(".", 1)[-1]
-
-
-def _number(x: float) -> int | float:
-    return round(x) if abs(x - round(x)) < 1e-9 else x
-
-
-def _peft_config(model: PyTree, layers: dict[str, LoraLinear], task: str,
-                 base_model_name_or_path: str | None) -> dict[str, Any]:  # fmt: skip
-    """``adapter_config.json`` for ``layers``; PEFT targets modules by their last name, so
-    every layer of one name must carry the same adapter shape and every linear layer of
-    that name must be adapted."""
-    by_name: dict[str, set[tuple[int, float, float]]] = collections.defaultdict(set)
-    for path, layer in layers.items():
-        by_name[_name(path)].add((layer.rank, layer.scaling, layer.dropout))
-    mixed = {n: sorted(s) for n, s in by_name.items() if len(s) > 1}
-    bare = sorted(p for p, x in find(model, is_linear).items()
-                  if _name(p) in by_name and p not in layers)  # fmt: skip
-    if mixed or bare:
-        problems = [f"layers named {n} differ in (rank, scaling, dropout): {s}"
-                    for n, s in mixed.items()]  # fmt: skip
-        problems += [f"{p} shares its name with adapted layers but has no adapter" for p in bare]
-        raise ValueError("save_adapter: PEFT targets modules by name, but " + "; ".join(problems))
-    settings = {n: s.pop() for n, s in by_name.items()}
-    dropouts = {d for _, _, d in settings.values()}
-    if len(dropouts) > 1:
-        raise ValueError(f"save_adapter: PEFT has one lora_dropout, layers use {dropouts}")
-    rank = collections.Counter(r for r, _, _ in settings.values()).most_common(1)[0][0]
-    alphas = {n: _number(s * r) for n, (r, s, _) in settings.items()}
-    alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
-    return {
-        "peft_type": "LORA",
-        "task_type": _PEFT_TASKS[task],
-        "base_model_name_or_path": base_model_name_or_path,
-        "r": rank,
-        "lora_alpha": alpha,
-        "lora_dropout": dropouts.pop(),
-        "target_modules": sorted(settings),
-        "rank_pattern": {n: r for n, (r, _, _) in settings.items() if r != rank},
-        "alpha_pattern": {n: a for n, a in alphas.items() if a != alpha},
-        "bias": "none",
-        "use_rslora": False,
-        "use_dora": False,
-        "fan_in_fan_out": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "modules_to_save": None,
-        "layers_to_transform": None,
-        "layers_pattern": None,
-        "revision": None,
-    }
-
-
-def save_adapter(
-    model: PyTree, directory: str | os.PathLike[str], *, base_model_name_or_path: str | None = None
-) -> Path:
-    """Write the adapters as PEFT does: ``adapter_config.json`` + ``adapter_model.safetensors``
-    (keys ``base_model.model.<HF module>.lora_A.weight``, one per layer), loadable by
-    ``peft.PeftModel.from_pretrained`` on the HF base model. Files are written atomically."""
-    layers = _lora_layers(model, "save_adapter")
-    _, task = _table(model, "save_adapter")
-    config = _peft_config(model, layers, task, base_model_name_or_path)
-    tensors = {_PEFT_PREFIX + k: t for k, t in hf.export_state_dict(lora_params(model)).items()}
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, directory / f"{ADAPTER_WEIGHTS}.safetensors")
-    write_json_atomic(directory / ADAPTER_CONFIG, config)
-    return directory
-
-
-# Config fields edl cannot honour; each must be absent or falsy.
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save",
-                "layers_to_transform", "layer_replication", "target_parameters",
-                "trainable_token_indices", "use_qalora", "alora_invocation_tokens")  # fmt: skip
-# PEFT runs ``init_lora_weights`` on every targeted layer when it loads an adapter. These
-# leave the base weights alone; the first three also leave lora_B zero, so a targeted layer
-# the file has no tensors for adds nothing. Any other (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA)
-# rewrites the base weights from them, which edl does not reproduce.
-_B_ZERO_INITS = (True, "gaussian", "eva")
-_BASE_KEEPING_INITS = (*_B_ZERO_INITS, False, "orthogonal", "mica")
-# ``target_modules: null`` is filled from PEFT's per-model_type defaults
-# (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); qwen3_moe has none there.
-_DEFAULT_TARGETS = {
-    t: ("q_proj", "v_proj") for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                                      "mixtral")
-}  # fmt: skip
-_ALL_LINEAR = "all-linear"
-
-
-def _init_name(value: Any) -> Any:
-    return value.lower() if isinstance(value, str) else value
-
-
-def _read_config(directory: Path) -> dict[str, Any]:
-    file = directory / ADAPTER_CONFIG
-    if not file.is_file():
-        raise FileNotFoundError(f"load_adapter: {directory} has no {ADAPTER_CONFIG}")
-    config = read_json(file, what="adapter config")
-    if config.get("peft_type") != "LORA":
-        raise ValueError(f"load_adapter: {file}: peft_type {config.get('peft_type')!r}, not LORA")
-    bad = [k for k in _UNSUPPORTED if config.get(k)]
-    if config.get("bias", "none") != "none":
-        bad.append(f"bias={config['bias']!r}")
-    init = _init_name(config.get("init_lora_weights", True))
-    if init not in _BASE_KEEPING_INITS:
-        bad.append(f"init_lora_weights={config['init_lora_weights']!r} (PEFT re-derives the "
-                   "base weights from it when loading)")  # fmt: skip
-    if bad:
-        raise ValueError(f"load_adapter: {file}: unsupported PEFT options {bad}")
-    for field, what in (("r", "the LoRA rank"), ("lora_alpha", "the LoRA scale numerator")):
-        value = config.get(field)
-        if value is None:
-            raise ValueError(f"load_adapter: {file}: no {field!r} ({what}); PEFT writes it")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(f"load_adapter: {file}: {field} must be a positive number, "
-                             f"got {value!r}")  # fmt: skip
-    if isinstance(config["r"], float):
-        raise ValueError(f"load_adapter: {file}: r must be an integer, got {config['r']!r}")
-    return config
-
-
-def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
-    """PEFT's ``rank_pattern`` / ``alpha_pattern`` lookup (``peft.utils.get_pattern_key``)."""
-    key = _pattern_key(patterns, module)
-    return default if key is None else patterns[key]
-
-
-def _pattern_key(patterns: dict[str, Any], module: str) -> str | None:
-    return next((k for k in patterns if re.match(rf"(.*\.)?({k})$", module)), None)
-
-
-def _rank_and_scaling(config: dict[str, Any], module: str) -> tuple[int, float]:
-    r = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
-    return r, alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-
-
-def _selects(spec: str | list[str], name: str) -> bool:
-    """PEFT's ``target_modules`` / ``exclude_modules`` test of a module name: a string is a
-    regex that must match the whole name; a list holds names that must equal it or end it
-    after a dot (``check_target_module_exists``)."""
-    if isinstance(spec, str):
-        return re.fullmatch(spec, name) is not None
-    return name in spec or any(name.endswith(f".{s}") for s in spec)
-
-
-class _Modules:
-    """The model's modules as PEFT sees them in the HF model: every HF module name and, for
-    the linear layers PEFT and edl can both adapt, where each one lives in edl (layer path
-    and stack index). MoE routers are linear layers in edl but not ``nn.Linear`` in
-    transformers (5), so PEFT neither adapts them nor counts them as "all-linear"."""
-
-    def __init__(self, model: PyTree, table: Any) -> None:
-        moe = find(model, lambda x: isinstance(x, SparseMoE))
-        routers = {f"{m}.gate" for m in moe}
-        self.linear: dict[str, tuple[str, tuple[int, ...]]] = {}
-        for path, layer in find(model, is_linear).items():
-            for index in np.ndindex(*leading_shape(layer)):
-                index = tuple(int(i) for i in index)
-                if path not in routers:
-                    self.linear[self.name(table, path, index)] = (path, index)
-        self.names = {""}
-        for path, leaf in flatten(model).items():
-            module = path.rpartition(".")[0]
-            if not hasattr(leaf, "shape") or not module:
-                continue
-            depth = table.stack_depth(f"{module}{_SUFFIXES[0]}")
-            for index in np.ndindex(*leaf.shape[:depth]):
-                parts = self.name(table, module, tuple(int(i) for i in index)).split(".")
-                self.names.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
-
-    @staticmethod
-    def name(table: Any, path: str, index: tuple[int, ...]) -> str:
-        """The HF module name of edl's ``path`` (a module) at stack ``index``: through the
-        key table, as its adapter keys are named."""
-        return table.to_hf(f"{path}{_SUFFIXES[0]}", index or None).removesuffix(_SUFFIXES[0])
-
-
-def _targets(config: dict[str, Any], modules: _Modules, *, task: str, model_type: str,
-             head: str | None, file: Path) -> set[str]:  # fmt: skip
-    """The HF names of the layers PEFT puts adapters on: ``target_modules`` (a list, a regex,
-    ``"all-linear"`` or ``null`` for the model type's default) less ``exclude_modules``;
-    PEFT's errors and warnings."""
-    spec = config.get("target_modules")
-    if spec is None:
-        if model_type not in _DEFAULT_TARGETS:
-            raise ValueError(f"load_adapter: {file}: no target_modules, and PEFT has no default "
-                             f"for model_type {model_type!r}")  # fmt: skip
-        spec = list(_DEFAULT_TARGETS[model_type])
-    if isinstance(spec, str) and spec.lower() == _ALL_LINEAR:
-        skip = {head} if head is not None else set()
-        if task == "sequence_classification" and config.get("task_type") == "SEQ_CLS":
-            skip.add("score")
-        spec = sorted(set(modules.linear) - skip)
-    exclude = config.get("exclude_modules")
-    targeted, excluded, unmatched, unsupported = set(), [], [], []
-    for name in sorted(modules.names):
-        if exclude and _selects(exclude, name):
-            excluded.append(name)
-        elif not _selects(spec, name):
-            unmatched.append(name)
-        elif name in modules.linear:
-            targeted.add(name)
-        else:
-            unsupported.append(name or "<the whole model>")
-    if unsupported:
-        raise ValueError(
-            f"load_adapter: {file}: target_modules {spec!r} selects modules that are not linear "
-            f"layers PEFT adapts (it rejects these, but for embeddings, which edl does not "
-            f"adapt; MoE routers are no nn.Linear in transformers): {unsupported}"
-        )
-    if not targeted:
-        if excluded and not unmatched:
-            why = "every module is excluded by exclude_modules"
-        elif not excluded:
-            why = f"target_modules {spec!r} matches no module of the model"
-        else:
-            why = f"target_modules {spec!r} less exclude_modules {exclude!r} leaves no module"
-        raise ValueError(f"load_adapter: {file}: {why}; linear layers: {sorted(modules.linear)}")
-    if exclude and not excluded:
-        warnings.warn(f"load_adapter: {file}: exclude_modules {exclude!r} excludes no module",
-                      stacklevel=3)  # fmt: skip
-    for field in ("rank_pattern", "alpha_pattern"):
-        keys = config.get(field) or {}
-        unused = sorted(k for k in keys if not any(_pattern_key({k: 0}, m) for m in targeted))
-        if unused:
-            warnings.warn(f"load_adapter: {file}: {field} keys match no targeted module and are "
-                          f"ignored (as in PEFT): {unused}", stacklevel=3)  # fmt: skip
-    return targeted
-
-
-class _Adapters:
-    """The tensors to load: the file's (without PEFT's ``base_model.model.`` prefix) for the
-    targeted layers, plus, for every adapted slot the file does not fill, the freshly
-    wrapped model's own value under the same HF name (lora_A as drawn, lora_B zero)."""
-
-    def __init__(self, reader: CheckpointReader, keys: dict[str, str],
-                 own: dict[str, np.ndarray]) -> None:  # fmt: skip
-        self.reader, self.names, self.own = reader, keys, own
-
-    def keys(self) -> list[str]:
-        return [*self.names, *self.own]
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        if name in self.own:
-            return tuple(self.own[name].shape)
-        return tuple(self.reader.info(self.names[name]).shape)
-
-    def dtype(self, name: str) -> np.dtype:
-        if name in self.own:
-            return self.own[name].dtype
-        return np.dtype(self.reader.info(self.names[name]).dtype)
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        if name in self.own:
-            out[...] = self.own[name]
-        else:
-            self.reader.read_into(self.names[name], out)
-
-
-def _listing(names: list[str], limit: int = 20) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return f"{names[:limit]}{more}"
-
-
-def _split_key(key: str) -> tuple[str, str] | None:
-    """``(module, suffix)`` of an adapter-file key with a suffix edl reads, else None."""
-    for suffix in (*_SUFFIXES, _BASE_SUFFIX):
-        if key.endswith(suffix):
-            return key.removesuffix(suffix), suffix
-    return None
-
-
-def _plan(config: dict[str, Any], modules: _Modules, targeted: set[str],
-          shapes: dict[str, tuple[int, ...]], weights: Path,
-          ) -> tuple[dict[str, tuple[int, float]], dict[str, str]]:  # fmt: skip
-    """``(plan, keys)``: edl layer path -> (rank, scaling) of every layer to wrap, and the
-    file's keys to load (HF name -> stored key), from the file's tensor ``shapes``. Warns
-    about what PEFT leaves out or initialises itself, raises where edl cannot build PEFT's
-    model."""
-    present: dict[str, dict[str, str]] = collections.defaultdict(dict)
-    ignored, strays = [], []
-    for key in shapes:
-        name = key.removeprefix(_PEFT_PREFIX)
-        split_key = _split_key(name)
-        module = None if split_key is None else split_key[0]
-        if module in targeted:
-            present[module][split_key[1]] = key
-        elif split_key is None and any(name.startswith(f"{t}.") for t in targeted):
-            strays.append(key)
-        else:
-            ignored.append(key)
-    if strays:
-        raise ValueError(f"load_adapter: {weights}: tensors edl cannot read for targeted "
-                         f"modules: {sorted(strays)}")  # fmt: skip
-    if ignored:
-        warnings.warn(f"load_adapter: {weights}: {len(ignored)} tensors of modules that "
-                      f"target_modules does not select are ignored, as PEFT ignores them: "
-                      f"{_listing(ignored)}", stacklevel=3)  # fmt: skip
-    init = _init_name(config.get("init_lora_weights", True))
-    # PEFT keeps its own initialisation of what the file lacks: lora_B = 0 makes lora_A moot.
-    no_b = sorted(m for m in targeted if _SUFFIXES[1] not in present[m])
-    no_a = sorted(m for m in targeted if _SUFFIXES[0] not in present[m] and m not in no_b)
-    if no_a or (no_b and init not in _B_ZERO_INITS):
-        raise ValueError(
-            f"load_adapter: {weights}: targeted modules without lora_A {_listing(no_a)} / "
-            f"lora_B {_listing(no_b)}: PEFT keeps its own random initialisation there "
-            f"(init_lora_weights={config.get('init_lora_weights', True)!r}), which edl cannot "
-            f"reproduce"
-        )
-    if no_b:
-        warnings.warn(f"load_adapter: {weights}: no adapter tensors for the targeted modules "
-                      f"{_listing(no_b)}: they get lora_B = 0 (adding nothing), as PEFT "
-                      f"initialises them", stacklevel=3)  # fmt: skip
-    by_stack: dict[str, set[tuple[int, float]]] = collections.defaultdict(set)
-    for module in targeted:
-        rank, scaling = _rank_and_scaling(config, module)
-        if _SUFFIXES[0] in present[module] and _SUFFIXES[1] in present[module]:
-            stored = shapes[present[module][_SUFFIXES[0]]][0]
-            if stored != rank:
-                raise ValueError(f"load_adapter: {weights}: {module}: adapter_config says "
-                                 f"r={rank}, the file's lora_A has {stored}")  # fmt: skip
-        by_stack[modules.linear[module][0]].add((rank, float(scaling)))
-    mixed = {p: sorted(s) for p, s in by_stack.items() if len(s) > 1}
-    if mixed:
-        raise ValueError(f"load_adapter: layers of one stack differ in (rank, scaling): {mixed}")
-    plan = {p: s.pop() for p, s in by_stack.items()}
-    untargeted = sorted(
-        n for n, (p, _) in modules.linear.items() if p in plan and n not in targeted
-    )
-    if untargeted:
-        warnings.warn(f"load_adapter: edl stacks layers, so the stacked layers "
-                      f"{_listing(untargeted)}, which PEFT leaves without adapters, get ones "
-                      f"with lora_B = 0 (the same outputs)", stacklevel=3)  # fmt: skip
-    keys = {}
-    for module, found in present.items():
-        if _SUFFIXES[1] in found:  # without lora_B the module starts from zero (warned)
-            keys.update({module + s: k for s, k in found.items()})
-        elif _BASE_SUFFIX in found:
-            keys[module + _BASE_SUFFIX] = found[_BASE_SUFFIX]
-    return plan, keys
-
-
-def load_adapter(
-    model: PyTree, directory: str | os.PathLike[str], *, dtype: DTypeLike | None = None
-) -> PyTree:
-    """``model`` (without adapters) with the PEFT LoRA adapter in ``directory`` applied: the
-    model ``peft.PeftModel.from_pretrained`` builds from the same files.
-
-    Reads ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
-    ``exclude_modules``, ``rank_pattern``, ``alpha_pattern``, ``use_rslora``,
-    ``lora_dropout``, ``init_lora_weights``) and ``adapter_model.safetensors``. The layers
-    adapted are those PEFT targets, matched against the HF module names
-    (``model.layers.3.self_attn.q_proj``): a list names modules exactly or by their last
-    dotted parts, a string is a regex matching the whole name, ``"all-linear"`` is every
-    linear layer but the output head (and MoE routers, not ``nn.Linear`` in transformers),
-    ``null`` the model type's PEFT default (q_proj, v_proj); ``exclude_modules`` (list or
-    regex) removes modules. As in PEFT, the file's tensors for modules not targeted are
-    ignored (with a warning), and a targeted module the file has no tensors for starts from
-    PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
-    initialisation is random). Full base weights that PEFT saves along with an adapted LM
-    head (``lm_head.base_layer.weight``) replace the model's, as in PEFT. edl stacks the
-    layers of a model, so a stack where PEFT adapts only some layers gets zero adapters on
-    the others (same outputs, warned).
-
-    Every key is checked against the model before anything is loaded (missing, unexpected
-    and mis-shaped keys raise one ``ValueError``). ``dtype`` of A/B: default the base
-    weights'. Options edl cannot represent (DoRA, LoRA biases, ``modules_to_save``,
-    ``layers_to_transform``, base-rewriting initialisations such as PiSSA, ...) raise, as
-    does a config without ``r`` or ``lora_alpha``.
-    """
-    directory = Path(directory)
-    config = _read_config(directory)
-    table, task = _table(model, "load_adapter")
-    file = directory / ADAPTER_CONFIG
-    modules = _Modules(model, table)
-    head = "lm_head" if task == "causal_lm" else None
-    targeted = _targets(config, modules, task=task, model_type=model.config.model_type,
-                        head=head, file=file)  # fmt: skip
-    with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
-        shapes = {k: tuple(reader.info(k).shape) for k in reader}
-        plan, keys = _plan(config, modules, targeted, shapes, reader.path)
-        model = _wrap(model, plan, dropout=float(config.get("lora_dropout") or 0.0),
-                      dtype=dtype, key=jax.random.key(0), what="load_adapter")  # fmt: skip
-        bases = [table.to_edl(k)[0].path for k in keys if k.endswith(_BASE_SUFFIX)]
-        loaded = "|".join([lora_trainable.pattern, *(f"^{re.escape(p)}$" for p in bases)])
-        like, rest = split(model, loaded)
-        targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flatten(like).items()}
-        own = {}
-        for path, x in flatten(like).items():
-            for index in np.ndindex(*x.shape[: table.stack_depth(path)]):
-                name = table.to_hf(path, tuple(int(i) for i in index) or None)
-                if name not in keys:
-                    own[name] = np.asarray(x[index])
-        source = _Adapters(reader, keys, own)
-        try:
-            load = plan_load(table, targets, source)
-        except ValueError as e:
-            where = f"{reader.path} (keys after {_PEFT_PREFIX!r})"
-            raise ValueError(f"load_adapter: {where}: {e}") from None
-        arrays = {}
-        for path, target in targets.items():
-            arrays[path] = np.empty(target.shape, source.dtype(load.first_key(path)))
-            load.read(path, arrays[path])
-    return merge(load_into(like, arrays), rest)

@@ -1,6 +1,8 @@
-"""Meshes, partition rules over key paths, and shard / gather of models and train states.
+"""Meshes, and placing models, train states and batches on them (shard / gather).
 
-edl shards with JAX's own SPMD: arrays carry ``NamedSharding``s on a 4-axis mesh
+Partition rules, specs and activation constraints live one layer down in
+``edl.ops.sharding`` (model code uses them), and are re-exported here: with this module a
+user has every sharding name in one place. Arrays carry ``NamedSharding``s on a 4-axis mesh
 ``("dp", "fsdp", "tp", "sp")`` (data, fully-sharded data, tensor and sequence parallel), and
 ``jax.jit`` inserts the collectives. Parameters get their specs from **rules**: ``(regex,
 PartitionSpec)`` pairs matched (``re.search``, first match wins) against ``edl.tree`` path
@@ -20,7 +22,6 @@ A mesh axis that does not divide an array dimension is dropped from that dimensi
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,17 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from edl.tree import compile_pattern, flatten, named_map
+from edl.ops.sharding import (
+    AXES,
+    BATCH,
+    Rules,
+    batch_spec,
+    constrain,
+    fit_spec,
+    partition_specs,
+    rules_for,
+)
+from edl.tree import flatten, named_map
 
 __all__ = [
     "AXES",
@@ -48,12 +59,6 @@ __all__ = [
     "shard_with_shape",
     "state_shardings",
 ]
-
-log = logging.getLogger(__name__)
-
-AXES = ("dp", "fsdp", "tp", "sp")
-BATCH = ("dp", "fsdp")  # the batch dimension is split over both data axes
-Rules = Sequence[tuple[str, PartitionSpec]]
 
 
 def make_mesh(
@@ -87,75 +92,6 @@ def make_mesh(
     )
 
 
-def fit_spec(
-    spec: PartitionSpec,
-    shape: tuple[int, ...],
-    axis_sizes: Any,
-    path: str = "array",
-    *,
-    unknown_axes: str = "raise",
-) -> PartitionSpec:
-    """``spec`` padded to ``len(shape)``, keeping per dimension only the mesh axes whose
-    (cumulative) size divides it; ``axis_sizes`` is ``mesh.shape`` (``None``: keep all).
-    Axes the mesh lacks raise, or are dropped with ``unknown_axes="drop"``."""
-    entries = list(spec)
-    if len(entries) > len(shape):
-        raise ValueError(f"partition spec {spec} has more entries than {path!r} {shape}")
-    entries += [None] * (len(shape) - len(entries))
-    if axis_sizes is None:
-        return PartitionSpec(*entries)
-    fitted = []
-    for dim, entry in zip(shape, entries, strict=True):
-        axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        kept, size = [], 1
-        for axis in axes:
-            if axis not in axis_sizes:
-                if unknown_axes == "raise":
-                    raise ValueError(
-                        f"partition spec for {path!r} names axis {axis!r}, not in mesh"
-                    )
-                continue
-            if dim % (size * axis_sizes[axis]):
-                log.debug("%s: mesh axis %r (%d) does not divide dim %d; replicated there",
-                          path, axis, axis_sizes[axis], dim)  # fmt: skip
-                continue
-            kept.append(axis)
-            size *= axis_sizes[axis]
-        fitted.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-    return PartitionSpec(*fitted)
-
-
-def _rules(tree: Any, rules: Rules | None, what: str) -> Rules:
-    """``rules``, or where None the rules ``tree`` carries (``tree.partition_rules``)."""
-    if rules is not None:
-        return rules
-    own = getattr(tree, "partition_rules", None)
-    if own is None:
-        raise ValueError(
-            f"{what}: rules=None means the tree's own partition_rules, and a "
-            f"{type(tree).__name__} has none (edl models and their train states do); pass "
-            f"rules as [(path regex, PartitionSpec), ...]"
-        )
-    return own
-
-
-def partition_specs(tree: PyTree, rules: Rules | None, *, mesh: Mesh | None = None) -> PyTree:
-    """A ``PartitionSpec`` per array of ``tree`` from the first rule whose regex matches its
-    path (``P()`` when none does); ``rules=None``: the tree's ``partition_rules``. With
-    ``mesh``, axes that do not divide a dimension are dropped there. Works on arrays and
-    ``jax.ShapeDtypeStruct``s alike."""
-    rules = _rules(tree, rules, "partition_specs")
-    compiled = [(compile_pattern(p), spec) for p, spec in rules]
-
-    def one(path: str, x: Any) -> PartitionSpec | None:
-        if not hasattr(x, "shape"):
-            return None
-        spec = next((s for pattern, s in compiled if pattern.search(path)), PartitionSpec())
-        return fit_spec(spec, tuple(x.shape), None if mesh is None else mesh.shape, path)
-
-    return named_map(one, tree)
-
-
 def _shardings(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:
     specs = partition_specs(tree, rules, mesh=mesh)
     return jax.tree.map(
@@ -167,7 +103,7 @@ def shard(tree: PyTree, rules: Rules | None, mesh: Mesh) -> PyTree:
     """Put every array of ``tree`` on ``mesh`` as ``rules`` say (non-arrays unchanged);
     ``rules=None``: the tree's own ``partition_rules`` (an edl model's family rules, as
     EasyDeL's ``shard_model(partition_rules=None)``)."""
-    return jax.device_put(tree, _shardings(tree, _rules(tree, rules, "shard"), mesh))
+    return jax.device_put(tree, _shardings(tree, rules_for(tree, rules, "shard"), mesh))
 
 
 def gather(tree: PyTree) -> PyTree:
@@ -204,7 +140,7 @@ def state_shardings(state: Any, rules: Rules | None, mesh: Mesh) -> Any:
     arrays by ``rules`` (``None``: the model's ``partition_rules``); each optimizer-state
     array like the parameter it tracks (matched by path suffix and shape: Adam's
     ``mu``/``nu``), scalars (step, counts) replicated."""
-    rules = _rules(state, rules, "state_shardings")
+    rules = rules_for(state, rules, "state_shardings")
     params = {**flatten(state.params), **flatten(state.other)}
     specs = {p: s for p, s in flatten(partition_specs(params, rules, mesh=mesh)).items()}
     lookup = _param_spec_lookup(specs, {p: tuple(x.shape) for p, x in params.items()})
@@ -241,7 +177,7 @@ def shard_with_shape(
     def sharded(*args: Any, **kwargs: Any) -> PyTree:
         shapes = jax.eval_shape(lambda: fn(*args, **kwargs))
         arrays, static = _split_arrays(shapes)
-        out_shardings = _shardings(arrays, _rules(shapes, rules, "shard_with_shape"), mesh)
+        out_shardings = _shardings(arrays, rules_for(shapes, rules, "shard_with_shape"), mesh)
         make = jax.jit(lambda: _split_arrays(fn(*args, **kwargs))[0], out_shardings=out_shardings)
         return _merge_arrays(make(), static)
 
@@ -260,15 +196,6 @@ def _merge_arrays(arrays: PyTree, static: PyTree) -> PyTree:
     return eqx.combine(arrays, static)
 
 
-def batch_spec(shape: tuple[int, ...], mesh: Mesh, *, seq_axis: bool = False) -> PartitionSpec:
-    """The spec of a batch array: leading axis over ``dp`` and ``fsdp`` (and the second over
-    ``sp`` with ``seq_axis``), each axis only where it divides the dimension."""
-    if not shape:
-        return PartitionSpec()
-    spec = PartitionSpec(BATCH, "sp" if seq_axis and len(shape) > 1 else None)
-    return fit_spec(PartitionSpec(*list(spec)[: len(shape)]), shape, mesh.shape, "batch")
-
-
 def shard_batch(batch: PyTree, mesh: Mesh, *, seq_axis: bool = False) -> PyTree:
     """Place every array of ``batch`` by ``batch_spec``. With several processes each passes
     its own rows (its share of the global batch, in process order) and the global array is
@@ -284,15 +211,3 @@ def shard_batch(batch: PyTree, mesh: Mesh, *, seq_axis: bool = False) -> PyTree:
         return jax.make_array_from_process_local_data(sharding, np.asarray(x), global_shape)
 
     return jax.tree.map(one, batch)
-
-
-def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
-    """``with_sharding_constraint(x, spec)`` when a mesh is set (``jax.set_mesh``), with
-    axes the mesh lacks or that do not divide ``x`` dropped; a no-op without a mesh, so
-    models call it unconditionally (activation sharding: batch over dp+fsdp, heads over tp,
-    sequence over sp)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return x
-    spec = fit_spec(spec, x.shape, mesh.shape, "activation", unknown_axes="drop")
-    return jax.lax.with_sharding_constraint(x, spec)

@@ -1,6 +1,7 @@
-"""Files on disk: Hugging Face safetensors checkpoints, configs and the hub."""
+"""Files on disk: Hugging Face safetensors checkpoints, configs and the hub, training
+checkpoints and PEFT adapters."""
 
-from edl.io import checkpoint, hf, safetensors
+from edl.io import checkpoint, hf, peft, safetensors
 from edl.io.hf import (
     export_state_dict,
     from_pretrained,
@@ -16,6 +17,7 @@ __all__ = [
     "from_pretrained",
     "from_state_dict",
     "hf",
+    "peft",
     "push_to_hub",
     "safetensors",
     "save_pretrained",

@@ -46,8 +46,8 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
-from edl.io.files import read_json
-from edl.io.plan import ReaderSource, plan_load
+from edl.io.files import fsync, read_json, write_json_atomic
+from edl.io.plan import LoadPlan, TensorSource, load_arrays, plan_load
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.module import require_float_dtype
@@ -77,26 +77,6 @@ _MODEL, _OPTIMIZER = "model", "optimizer"
 
 
 # -- small file-system helpers -------------------------------------------------------------
-
-
-def _fsync(path: Path) -> None:
-    """Flush a file, or a directory's entries, to disk (directories: where the OS can)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        if not path.is_dir():
-            raise
-
-
-def _write_state_file(file: Path, text: str) -> None:
-    with open(file, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _remove(path: Path) -> None:
@@ -321,9 +301,9 @@ def save_state(
         }
         for file in tmp.rglob("*"):
             if file.is_file():
-                _fsync(file)
-        _write_state_file(tmp / STATE_NAME, json.dumps(info, indent=2, sort_keys=True) + "\n")
-        _fsync(tmp)
+                fsync(file)
+        write_json_atomic(tmp / STATE_NAME, info)  # fsync'd; the checkpoint is now complete
+        fsync(tmp)
         _replace_atomically(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -342,14 +322,14 @@ def _replace_atomically(new: Path, final: Path) -> None:
         _remove(old if _read_info(final) is not None else final)
     if final.exists() or final.is_symlink():
         os.replace(final, old)
-        _fsync(final.parent)
+        fsync(final.parent)
     try:
         os.replace(new, final)
     except BaseException:
         if old.exists() and not final.exists():
             os.replace(old, final)
         raise
-    _fsync(final.parent)
+    fsync(final.parent)
     if old.exists():
         _remove(old)
 
@@ -373,7 +353,7 @@ def _prune(root: Path, current: Path, keep: int | None) -> None:
         complete.sort(key=_step_of, reverse=True)
         for path in complete[keep - 1 :]:
             _remove(path)
-    _fsync(root)
+    fsync(root)
 
 
 # -- loading -------------------------------------------------------------------------------
@@ -381,12 +361,6 @@ def _prune(root: Path, current: Path, keep: int | None) -> None:
 
 def _targets(tree: PyTree) -> dict[str, Any]:
     return {p: x for p, x in edl_tree.flatten(tree).items() if edl_tree.is_array_like(x)}
-
-
-def _place(host: np.ndarray, like: Any) -> jax.Array:
-    sharding = getattr(like, "sharding", None)
-    out = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
-    return jax.block_until_ready(out)  # so the host buffer can go before the next is read
 
 
 def _check_kinds(where: str, stored: Mapping[str, np.dtype], targets: Mapping[str, Any]) -> None:
@@ -411,13 +385,8 @@ def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dic
             f"checkpoint {reader.path}"
         )
         _check_kinds(str(reader.path), {k: i.dtype for k, i in infos.items()}, targets)
-        out = {}
-        for path, target in targets.items():
-            buffer = np.empty(target.shape, target.dtype)
-            reader.read_into(path, buffer)  # casts to the target's dtype if they differ
-            out[path] = _place(buffer, target)
-            del buffer
-        return out
+        plan = LoadPlan.by_name(TensorSource.from_reader(reader), targets)
+        return load_arrays(plan, targets)  # cast to the targets' dtypes
 
 
 def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
@@ -425,23 +394,14 @@ def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[s
     family, _ = registry.family_of(model)
     table = family.key_table_for(model.config)
     tied = getattr(model.config, "tie_word_embeddings", False)
-    skip = (
-        frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
-    )
     abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}
     with CheckpointReader(checkpoint, prefix=_MODEL) as reader:
+        source = TensorSource.from_reader(reader)
         try:
-            plan = plan_load(table, abstract, ReaderSource(reader), skip=skip)
+            plan = plan_load(table, abstract, source, tie_word_embeddings=tied)
         except ValueError as e:
             raise ValueError(f"checkpoint {reader.path}: {e}") from None
-        out = {}
-        for path in plan.fills:
-            target = targets[path]
-            buffer = np.empty(target.shape, target.dtype)
-            plan.read(path, buffer)
-            out[path] = _place(buffer, target)
-            del buffer
-        return out
+        return load_arrays(plan, targets)
 
 
 def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
@@ -523,7 +483,8 @@ def load_state(
                 "start from like.opt_state"
             )
 
-    step = _place(np.asarray(info["step"], np.dtype(like.step.dtype)), like.step)
+    step = np.asarray(info["step"], np.dtype(like.step.dtype))
+    step = jax.device_put(step, getattr(like.step, "sharding", None))
     state = edl_state.replace(
         like,
         step=step,

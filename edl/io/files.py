@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_file", "read_json", "write_json_atomic", "write_text_atomic"]
+__all__ = ["atomic_file", "fsync", "read_json", "write_json_atomic", "write_text_atomic"]
 
 
 @contextlib.contextmanager
@@ -41,6 +41,20 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[IO[bytes]]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def fsync(path: str | os.PathLike[str]) -> None:
+    """Flush a file, or a directory's entries, to disk (directories: where the OS can)."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

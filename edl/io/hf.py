@@ -4,9 +4,9 @@
 Names map through the family's declarative key table (``edl.models.keymap``) in both
 directions. Loading checks the whole checkpoint against the model first (missing,
 unexpected and mis-shaped keys in one error), then streams tensor by tensor into one
-preallocated host buffer per edl array (a stacked layer array receives every layer's
-tensor), sending each buffer to the device before the next is filled: peak host memory is
-one array, not the checkpoint.
+preallocated host buffer per edl array (``edl.io.plan``: a stacked layer array receives
+every layer's tensor), sending each buffer to the device before the next is filled: peak
+host memory is one array, not the checkpoint.
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
-from tqdm.auto import tqdm
 
 from edl.io.files import read_json, write_json_atomic
-from edl.io.plan import MappingSource, ReaderSource, TensorSource, plan_load
+from edl.io.plan import TensorSource, load_arrays, plan_load
 from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.models.keymap import KeyTable
@@ -186,22 +185,19 @@ def _load(
     abstract = eqx.filter_eval_shape(model_cls.init, config, key=jax.random.key(0))
     targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
     tied = getattr(config, "tie_word_embeddings", False)
-    # Tied heads share the embedding; some checkpoints store the copy anyway.
-    skip = (
-        frozenset({"lm_head.weight"}) if tied and "lm_head.weight" not in targets else frozenset()
-    )
-    plan = plan_load(table, targets, source, skip=skip)
+    plan = plan_load(table, targets, source, tie_word_embeddings=tied)
     shardings = _leaf_shardings(sharding, targets)
-    leaves: dict[str, jax.Array] = {}
-    for path in tqdm(plan.fills, desc="loading", unit="array", disable=None, leave=False):
-        target = targets[path]
-        stored = source.dtype(plan.first_key(path))
-        want = dtype if dtype is not None and jnp.issubdtype(target.dtype, jnp.inexact) else stored
-        buffer = np.empty(target.shape, np.dtype(want))
-        plan.read(path, buffer)
-        # Wait for the transfer so this buffer is freed before the next is filled.
-        leaves[path] = jax.block_until_ready(jax.device_put(buffer, shardings.get(path)))
-        del buffer
+
+    def loaded_as(path: str, target: Any) -> jax.ShapeDtypeStruct:
+        """The stored dtype, or ``dtype`` for floating arrays; placed by ``sharding``."""
+        cast = dtype is not None and jnp.issubdtype(target.dtype, jnp.inexact)
+        want = dtype if cast else source.dtype(plan.first_key(path))
+        try:
+            return jax.ShapeDtypeStruct(target.shape, want, sharding=shardings.get(path))
+        except ValueError as e:  # a sharding of another rank, found before any read
+            raise ValueError(f"sharding: {path!r}: {e}") from None
+
+    leaves = load_arrays(plan, {p: loaded_as(p, t) for p, t in targets.items()}, progress=True)
     # Every array leaf is in the plan, so no abstract leaf survives.
     return named_map(lambda path, leaf: leaves.get(path, leaf), abstract)
 
@@ -252,10 +248,9 @@ def from_pretrained(
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
         _check_layer_count(config, reader.keys(), str(file))
-        return _load(
-            model_cls, config, ReaderSource(reader), family.key_table_for(config), dtype=dtype,
-            sharding=sharding,
-        )  # fmt: skip
+        source = TensorSource.from_reader(reader)
+        table = family.key_table_for(config)
+        return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
 
 
 def from_state_dict(
@@ -277,10 +272,8 @@ def from_state_dict(
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
     _check_layer_count(config, mapping.keys(), "from_state_dict: config")
-    return _load(
-        model_cls, config, MappingSource(mapping), family.key_table_for(config), dtype=dtype,
-        sharding=sharding,
-    )  # fmt: skip
+    source, table = TensorSource.from_mapping(mapping), family.key_table_for(config)
+    return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
 
 
 # -- saving -------------------------------------------------------------------------------

@@ -1,56 +1,34 @@
-"""Matching HF-named tensors to an edl model's arrays through a key table, before any read.
+"""Loading HF-named (or edl-named) tensors into an edl model's arrays: plan, then stream.
 
 ``plan_load(table, targets, source)`` checks every tensor of ``source`` against the model's
-arrays (``targets``: edl path -> shape/dtype) and raises one error listing every missing,
-unexpected, duplicated and mis-shaped key. The returned ``LoadPlan`` then fills one
-preallocated buffer per edl array (``plan.read(path, buffer)``): a stacked array receives
-each layer's (and expert's) tensor in its slot, a fused tensor is read once per array it
-feeds and split.
+arrays (``targets``: edl path -> shape/dtype) through a key table and raises one error
+listing every missing, unexpected, duplicated and mis-shaped key. The returned ``LoadPlan``
+says which source tensors fill which slots of each edl array: a stacked array receives each
+layer's (and expert's) tensor in its slot, a fused tensor is read once per array it feeds
+and split. ``load_arrays(plan, targets)`` then fills one preallocated host buffer per edl
+array and sends it to its devices before the next is filled, so peak host memory is one
+array, not the checkpoint. Every loader in ``edl.io`` (``from_pretrained``,
+``from_state_dict``, ``load_state``, ``load_adapter``) goes through these two functions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+import functools
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
 from edl.io.safetensors import CheckpointReader
 from edl.models.keymap import KeyTable, Placement
 
-__all__ = ["LoadPlan", "MappingSource", "ReaderSource", "TensorSource", "plan_load"]
+__all__ = ["LoadPlan", "TensorSource", "load_arrays", "plan_load"]
 
-
-@runtime_checkable
-class TensorSource(Protocol):
-    """Named tensors readable one at a time (a checkpoint reader or an in-memory mapping)."""
-
-    def keys(self) -> list[str]: ...
-    def shape(self, name: str) -> tuple[int, ...]: ...
-    def dtype(self, name: str) -> np.dtype: ...
-    def read_into(self, name: str, out: np.ndarray) -> None: ...
-
-
-class ReaderSource:
-    """A ``CheckpointReader``'s tensors."""
-
-    def __init__(self, reader: CheckpointReader) -> None:
-        self.reader = reader
-
-    def keys(self) -> list[str]:
-        return list(self.reader.keys())
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.reader.info(name).shape)
-
-    def dtype(self, name: str) -> np.dtype:
-        return np.dtype(self.reader.info(name).dtype)
-
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        self.reader.read_into(name, out)
+_HEAD = "lm_head.weight"  # a tied head's HF name (see plan_load's tie_word_embeddings)
 
 
 def _to_numpy(value: Any) -> np.ndarray:
@@ -73,24 +51,58 @@ def _dtype_of(value: Any) -> np.dtype:
     return np.dtype(value.dtype)
 
 
-class MappingSource:
-    """An in-memory ``name -> array`` mapping (numpy, jax or torch tensors)."""
+def _copy_into(value: Any, out: np.ndarray) -> None:
+    out[...] = _to_numpy(value).astype(out.dtype, copy=False)
 
-    def __init__(self, mapping: Mapping[str, Any]) -> None:
-        self.mapping = mapping
-        self._meta = {k: (tuple(v.shape), _dtype_of(v)) for k, v in mapping.items()}
 
-    def keys(self) -> list[str]:
-        return list(self.mapping)
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read_into: Callable[[np.ndarray], Any]  # fills a buffer of ``shape``, casting as numpy
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """Named tensors, each read on demand into a caller's buffer: a checkpoint's
+    (``from_reader``), an in-memory mapping's (``from_mapping``), or both (``a | b``)."""
+
+    tensors: Mapping[str, _Tensor]
+
+    @classmethod
+    def from_reader(
+        cls, reader: CheckpointReader, names: Mapping[str, str] | None = None
+    ) -> TensorSource:
+        """``reader``'s tensors; with ``names`` (name -> stored key) only those, renamed."""
+        names = {k: k for k in reader} if names is None else names
+
+        def tensor(key: str) -> _Tensor:
+            info = reader.info(key)
+            read = functools.partial(reader.read_into, key)
+            return _Tensor(tuple(info.shape), np.dtype(info.dtype), read)
+
+        return cls({name: tensor(key) for name, key in names.items()})
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, Any]) -> TensorSource:
+        """The arrays of a ``name -> array`` mapping (numpy, jax or torch tensors)."""
+        return cls({
+            k: _Tensor(tuple(v.shape), _dtype_of(v), functools.partial(_copy_into, v))
+            for k, v in mapping.items()
+        })  # fmt: skip
+
+    def __or__(self, other: TensorSource) -> TensorSource:
+        return TensorSource({**self.tensors, **other.tensors})
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._meta[name][0]
+        return self.tensors[name].shape
 
     def dtype(self, name: str) -> np.dtype:
-        return self._meta[name][1]
+        return self.tensors[name].dtype
 
     def read_into(self, name: str, out: np.ndarray) -> None:
-        out[...] = _to_numpy(self.mapping[name]).astype(out.dtype, copy=False)
+        """Fill ``out`` (the tensor's shape, any dtype: cast as numpy casts) with ``name``."""
+        self.tensors[name].read_into(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +118,12 @@ class LoadPlan:
 
     source: TensorSource
     fills: Mapping[str, tuple[_Fill, ...]]
+
+    @classmethod
+    def by_name(cls, source: TensorSource, paths: Collection[str]) -> LoadPlan:
+        """Each edl array read whole from the source tensor of its own name (a checkpoint
+        keyed by edl paths, checked against the targets by the caller)."""
+        return cls(source, {p: (_Fill(p, (), None),) for p in paths})
 
     def first_key(self, path: str) -> str:
         """A source tensor feeding ``path`` (its stored dtype stands for the array's)."""
@@ -139,15 +157,17 @@ def plan_load(
     targets: Mapping[str, jax.ShapeDtypeStruct],
     source: TensorSource,
     *,
-    skip: frozenset[str] = frozenset(),
+    tie_word_embeddings: bool = False,
 ) -> LoadPlan:
     """Check ``source`` against ``targets`` through ``table``; one ``ValueError`` lists every
-    missing, unexpected, duplicated and mis-shaped key. ``skip``: source keys to pass over
-    (e.g. a stored copy of a tied head)."""
+    missing, unexpected, duplicated and mis-shaped key. ``tie_word_embeddings``: the model's
+    head is its embedding, so a stored copy of the head (``lm_head.weight``, which some
+    checkpoints hold anyway) is passed over unless ``targets`` has a head of its own."""
+    skip = {_HEAD} if tie_word_embeddings and _HEAD not in targets else set()
     covered = {p: np.zeros(t.shape[: table.stack_depth(p)], np.bool_) for p, t in targets.items()}
     fills: dict[str, list[_Fill]] = {p: [] for p in targets}
     unexpected, mismatched, duplicated = [], [], []
-    for key in list(source.keys()):  # a protocol method, not a dict
+    for key in source.tensors:
         if key in skip or table.ignored(key):
             continue
         try:
@@ -197,3 +217,28 @@ def plan_load(
     if problems:
         raise ValueError("checkpoint does not match the model:\n" + "\n".join(problems))
     return LoadPlan(source, {p: tuple(f) for p, f in fills.items()})
+
+
+def load_arrays(
+    plan: LoadPlan, targets: Mapping[str, Any], *, progress: bool = False
+) -> dict[str, jax.Array]:
+    """Every edl array of ``plan`` as a device array shaped, typed and placed as its target.
+
+    ``targets`` maps each edl path of the plan to an array-like (a ``jax.Array`` or
+    ``jax.ShapeDtypeStruct``): its ``dtype`` is the buffer's (source tensors are cast as
+    numpy casts) and its ``sharding``, where it has one, the placement (else the default
+    device). One host buffer at a time: each is sent to its devices, and the transfer waited
+    for, before the next is filled. ``progress`` shows a progress bar on a terminal.
+    """
+    arrays = {}
+    paths = tqdm(plan.fills, desc="loading", unit="array", disable=None if progress else True,
+                 leave=False)  # fmt: skip
+    for path in paths:
+        target = targets[path]
+        buffer = np.empty(target.shape, np.dtype(target.dtype))
+        plan.read(path, buffer)
+        # Wait for the transfer so this buffer is freed before the next is filled.
+        placed = jax.device_put(buffer, getattr(target, "sharding", None))
+        arrays[path] = jax.block_until_ready(placed)
+        del buffer
+    return arrays

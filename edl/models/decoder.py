@@ -37,7 +37,7 @@ from edl.nn.stack import run_stack, stack, unstack
 from edl.ops.checks import check_ids
 from edl.ops.moe import RouterStats
 from edl.ops.rope import rope_tables
-from edl.sharding import BATCH, Rules, constrain
+from edl.ops.sharding import BATCH, Rules, constrain
 
 __all__ = [
     "PARTITION_RULES",

@@ -31,7 +31,7 @@ from edl.nn.layers import Linear
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_loss, sequence_classification_loss
 from edl.ops.moe import load_balancing_loss, router_z_loss
-from edl.sharding import Rules
+from edl.ops.sharding import Rules
 
 __all__ = ["DecoderForCausalLM", "DecoderForSequenceClassification", "configure"]
 

@@ -20,7 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.kernels import flash_attention
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
-from edl.sharding import BATCH, fit_spec
+from edl.ops.sharding import BATCH, fit_spec
 
 __all__ = [
     "IMPLS",
