@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edl.nn.stack import num_layers, run_stack, schedule_period, stack, unstack
+from edl.nn.schedule import Segment
+from edl.nn.stack import num_layers, run_segments, run_stack, schedule_period, stack, unstack
 
 
 class Scale(eqx.Module):
@@ -96,6 +97,26 @@ def test_every_layer_once_in_order(groups, settings, remat):
         grads = jax.grad(loss)(stacks, unstacked)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_run_segments_runs_any_plan(scan):
+    """The executor runs whatever plan it is given, not only ``plan_schedule``'s: here
+    "aabaab" cut by hand into a block of three, a lone layer and a block of two."""
+    groups, settings = "aabaab", (3, None, None, 3, None, None)
+    keys = jax.random.split(jax.random.key(1), 2)
+    stacks = {"a": stack(Scale.init, jax.random.split(keys[0], 4)),
+              "b": stack(Shift.init, jax.random.split(keys[1], 2))}  # fmt: skip
+    plan = (
+        Segment(0, 1, (("a", 3), ("a", None), ("b", None)), {"a": 0, "b": 0}),
+        Segment(3, 1, (("a", 3),), {"a": 2}),
+        Segment(4, 1, (("a", None), ("b", None)), {"a": 3, "b": 1}),
+    )
+    x = jnp.linspace(-1.0, 1.0, 3)
+    ref, ref_all = _reference(stacks, groups, settings, x)
+    out, per_layer = run_segments(stacks, plan, x, _apply, scan=scan, collect=True)
+    np.testing.assert_allclose(out, ref, rtol=1e-6)
+    np.testing.assert_allclose(per_layer, ref_all, rtol=1e-6)
 
 
 def test_repeating_schedule_is_one_scan():

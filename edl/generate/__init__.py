@@ -3,9 +3,10 @@
 out = edl.generate.generate(model, input_ids, attention_mask=mask, max_new_tokens=32)
 """
 
+from edl.generate.beam import BeamState
 from edl.generate.cache import KVCache, init_cache
 from edl.generate.config import GenerateOutput, GenerationConfig
-from edl.generate.decode import generate, generate_stream, logits_processor_for
+from edl.generate.decode import DecodeState, generate, generate_stream, logits_processor_for
 from edl.generate.paged import (
     PagedCacheConfig,
     PagedKVCache,
@@ -13,8 +14,13 @@ from edl.generate.paged import (
     init_paged_cache,
     paged_cache_config,
 )
+from edl.generate.steps import CausalLM, CausalTrunk
 
 __all__ = [
+    "BeamState",
+    "CausalLM",
+    "CausalTrunk",
+    "DecodeState",
     "GenerateOutput",
     "GenerationConfig",
     "KVCache",

@@ -18,21 +18,44 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
-from jaxtyping import PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from edl.generate import steps
 from edl.generate.beam import beam_search
-from edl.generate.cache import init_cache
 from edl.generate.config import GenerateOutput, GenerationConfig
-from edl.generate.paged import init_paged_cache
+from edl.generate.steps import CausalLM
+from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
-__all__ = ["generate", "generate_stream", "logits_processor_for"]
+__all__ = ["DecodeState", "generate", "generate_stream", "logits_processor_for"]
+
+
+class DecodeState(eqx.Module):
+    """The greedy / sampling decode loop's state after ``step`` tokens per row: the
+    logits for the next token, the KV cache, the tokens so far (``generated[:, :step]``;
+    ``pad_id`` after a row's EOS and, until written, beyond ``step``) and which rows are
+    ``done`` (have hit EOS)."""
+
+    step: Int[Array, ""]
+    logits: Float[Array, "batch vocab"]
+    cache: KVCacheLike
+    generated: Int[Array, "batch max_new"]
+    done: Bool[Array, " batch"]
+
+    @classmethod
+    def start(
+        cls, logits: Float[Array, "batch vocab"], cache: KVCacheLike, max_new: int, pad_id: int
+    ) -> DecodeState:
+        """The state after the prefill: nothing generated yet."""
+        rows = logits.shape[0]
+        generated = jnp.full((rows, max_new), pad_id, jnp.int32)
+        return cls(jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
 
 
 @functools.lru_cache(maxsize=128)
@@ -55,36 +78,19 @@ def logits_processor_for(
     return compose(*chain)
 
 
-def _new_cache(model, rows: int, max_len: int, page_size: int | None):
-    """A contiguous cache, or (``page_size``) a paged one whose pool fits every row."""
-    dtype = model.model.embed_tokens.weight.dtype
-    if page_size is None:
-        return init_cache(model.config, rows, max_len, dtype)
-    pages = rows * -(-max_len // page_size)
-    return init_paged_cache(
-        model.config, pages, page_size, batch=rows, max_model_length=max_len, dtype=dtype
-    )
-
-
-def _setup(model, input_ids, attention_mask, max_new, page_size):
-    """Compaction, a fresh cache and the prefill: ``(logits, cache, prompt, mask)``."""
-    ids, mask, lengths = steps.compact_prompts(input_ids, attention_mask)
-    cache = _new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
-    logits, cache = steps.prefill(model, ids, mask, lengths, cache)
-    return logits, cache, ids, mask
-
-
-def _sample_step(model, state, *, prompt, mask, key, config, processor):
+def _sample_step(
+    model: CausalLM, state: DecodeState, *, prompt, mask, key, config, processor
+) -> tuple[DecodeState, Int[Array, " batch"]]:
     """Choose each row's next token from ``state``'s logits, then run it through the model."""
-    step, logits, cache, generated, done = state
-    tokens, valid = steps.history(prompt, mask, generated, step)
-    scores = processor(logits, tokens, valid)
+    step = state.step
+    tokens, valid = steps.history(prompt, mask, state.generated, step)
+    scores = processor(state.logits, tokens, valid)
     token = sample(scores, steps.fold_step(key, step)) if config.do_sample else greedy(scores)
-    token = jnp.where(done, config.pad_id, token)
-    generated = generated.at[:, step].set(token)
-    done = done | steps.is_eos(token, config.eos_ids)
-    logits, cache = steps.decode_step(model, token, cache)
-    return (step + 1, logits, cache, generated, done), token
+    token = jnp.where(state.done, config.pad_id, token)
+    generated = state.generated.at[:, step].set(token)
+    done = state.done | steps.is_eos(token, config.eos_ids)
+    logits, cache = steps.decode_step(model, token, state.cache)
+    return DecodeState(step + 1, logits, cache, generated, done), token
 
 
 @functools.partial(
@@ -98,22 +104,20 @@ def _generate_compiled(
         return beam_search(model, input_ids, attention_mask, key, config=config,
                            processor=processor, max_new=max_new,
                            unstack_layers=unstack_layers)  # fmt: skip
-    logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
-    rows = input_ids.shape[0]
-    generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
-    state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+    logits, cache, prompt, mask = steps.start(model, input_ids, attention_mask, max_new, page_size)
+    state = DecodeState.start(logits, cache, max_new, config.pad_id)
     body = functools.partial(
         _sample_step, steps.decoder(model, unstack_layers), prompt=prompt, mask=mask,
         key=key, config=config, processor=processor,
     )  # fmt: skip
 
-    def running(state):
-        step, *_, done = state
-        return (step < max_new) & ~jnp.all(done)
+    def running(s: DecodeState) -> Bool[Array, ""]:
+        return (s.step < max_new) & ~jnp.all(s.done)
 
-    step, _, _, generated, _ = jax.lax.while_loop(running, lambda s: body(s)[0], state)
+    final = jax.lax.while_loop(running, lambda s: body(s)[0], state)
     return GenerateOutput(
-        jnp.concatenate([input_ids, generated], axis=1), _num_new(generated, step, config)
+        jnp.concatenate([input_ids, final.generated], axis=1),
+        _num_new(final.generated, final.step, config),
     )
 
 
@@ -124,17 +128,14 @@ def _num_new(generated, steps_run, config):
     return jnp.where(jnp.any(eos, axis=1), first + 1, steps_run)
 
 
-def _check_inputs(model, input_ids, attention_mask, key, config, page_size, unstack_layers):
+def _check_inputs(model, input_ids, attention_mask, key, config, page_size):
     """Eager checks with messages that name the problem (before anything compiles)."""
     if page_size is not None and (page_size < 1 or config.num_beams > 1):
         raise ValueError(f"generate: page_size {page_size} needs >= 1 and num_beams 1")
-    if not hasattr(model, "lm_logits") or not hasattr(model, "model"):
+    if not isinstance(model, CausalLM):  # also without the beartype hook, by name
         raise TypeError(
-            f"generate needs a causal LM (model + lm_logits), got {type(model).__name__}"
-        )
-    if unstack_layers and not hasattr(model, "unstacked"):
-        raise TypeError(
-            f"generate: {type(model).__name__} has no unstacked(); pass unstack_layers=False"
+            f"generate needs a causal LM (edl.generate.CausalLM: model, config, lm_logits, "
+            f"unstacked), got {type(model).__name__}"
         )
     ids = np.asarray(input_ids)
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] == 0:
@@ -163,7 +164,7 @@ def _check_inputs(model, input_ids, attention_mask, key, config, page_size, unst
     return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
 
 
-def _without_id_checks(model):
+def _without_id_checks(model: CausalLM) -> CausalLM:
     """``model`` with its in-program token-id check off (``config.check_inputs``), where it
     has one: ``_check_inputs`` has checked the prompt and ``pad_token_id``, and sampled ids
     lie in the vocabulary, so the check would only cost each decode step a host round trip
@@ -187,7 +188,7 @@ def _resolve(config, max_new_tokens, overrides):
 
 
 def generate(
-    model: Any,
+    model: CausalLM,
     input_ids: ArrayLike,
     *,
     attention_mask: ArrayLike | None = None,
@@ -227,9 +228,7 @@ def generate(
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
     """
     config = _resolve(config, max_new_tokens, overrides)
-    ids, mask = _check_inputs(
-        model, input_ids, attention_mask, key, config, page_size, unstack_layers
-    )
+    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
@@ -242,10 +241,8 @@ def generate(
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
 def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size, unstack_layers):
-    logits, cache, prompt, mask = _setup(model, input_ids, attention_mask, max_new, page_size)
-    rows = input_ids.shape[0]
-    generated = jnp.full((rows, max_new), config.pad_id, jnp.int32)
-    state = (jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+    logits, cache, prompt, mask = steps.start(model, input_ids, attention_mask, max_new, page_size)
+    state = DecodeState.start(logits, cache, max_new, config.pad_id)
     # Sliced once here; every streamed step then reuses these layers.
     return steps.decoder(model, unstack_layers), state, prompt, mask
 
@@ -258,7 +255,7 @@ def _stream_step(model, state, prompt, mask, key, *, config, processor):
 
 
 def generate_stream(
-    model: Any,
+    model: CausalLM,
     input_ids: ArrayLike,
     *,
     attention_mask: ArrayLike | None = None,
@@ -276,9 +273,7 @@ def generate_stream(
     config = _resolve(config, max_new_tokens, overrides)
     if config.num_beams > 1:
         raise ValueError("generate_stream: beam search cannot be streamed; use generate")
-    ids, mask = _check_inputs(
-        model, input_ids, attention_mask, key, config, page_size, unstack_layers
-    )
+    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
@@ -291,5 +286,5 @@ def generate_stream(
             model, state, prompt, mask, key, config=config, processor=processor
         )
         yield np.asarray(token)
-        if bool(jnp.all(state[-1])):
+        if bool(jnp.all(state.done)):
             return

@@ -1,20 +1,72 @@
 """The model calls generation is built from: prompt compaction, prefill, one decode step.
 
-A causal LM fits when it has a ``model`` trunk taking ``(input_ids, attention_mask=...,
-cache=...)`` and returning ``last_hidden_state`` and ``cache``, and ``lm_logits(hidden)``
-(``edl.models.LlamaForCausalLM`` does). Logits are float32 and computed for the last token
-of each row only.
+What generation needs of a model is ``CausalLM`` (``edl.models.LlamaForCausalLM`` and the
+other families fit, LoRA-wrapped or quantized too). Logits are float32 and computed for the
+last token of each row only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-__all__ = ["compact_prompts", "decode_step", "decoder", "prefill"]
+from edl.generate.cache import init_cache
+from edl.generate.paged import init_paged_cache
+from edl.nn.attention import KVCacheLike
+
+__all__ = [
+    "CausalLM",
+    "CausalTrunk",
+    "compact_prompts",
+    "decode_step",
+    "decoder",
+    "new_cache",
+    "prefill",
+    "start",
+]
+
+
+@runtime_checkable
+class CausalTrunk(Protocol):
+    """The decoder trunk of a ``CausalLM`` as generation calls it (``DecoderModel``)."""
+
+    embed_tokens: Any  # its ``weight.dtype`` is the KV cache's dtype
+    config: Any  # ``check_inputs``: generate turns the in-program id check off
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        *,
+        attention_mask: Bool[Array, "batch seq"] | None = None,
+        cache: KVCacheLike | None = None,
+    ) -> Any:
+        """New tokens through ``cache``: an output with ``last_hidden_state (batch, seq,
+        dim)`` and ``cache``, the updated cache."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What generation needs of a model: ``edl.models.*ForCausalLM`` (also LoRA-wrapped by
+    ``edl.lora`` or quantized by ``edl.quantize``, which keep the model's class).
+
+    ``model`` is the trunk, run with a KV cache; ``lm_logits`` the LM head on final hidden
+    states (applied to each row's last token only); ``config`` has HF field names
+    (``vocab_size``, and the cache geometry ``init_cache`` reads: ``num_hidden_layers``,
+    ``num_key_value_heads``, ``head_dim``); ``unstacked()`` is the same model with its layer
+    stacks cut into separate layers (``generate(..., unstack_layers=True)``)."""
+
+    model: CausalTrunk
+
+    @property
+    def config(self) -> Any: ...
+
+    def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]: ...
+
+    def unstacked(self) -> CausalLM: ...
 
 
 def compact_prompts(
@@ -30,13 +82,42 @@ def compact_prompts(
     return ids, mask, lengths
 
 
+def new_cache(model: CausalLM, rows: int, max_len: int, page_size: int | None) -> KVCacheLike:
+    """A fresh contiguous cache in the model's dtype, or (``page_size``) a paged one whose
+    pool fits every row."""
+    dtype = model.model.embed_tokens.weight.dtype
+    if page_size is None:
+        return init_cache(model.config, rows, max_len, dtype)
+    pages = rows * -(-max_len // page_size)
+    return init_paged_cache(
+        model.config, pages, page_size, batch=rows, max_model_length=max_len, dtype=dtype
+    )
+
+
+def start(
+    model: CausalLM,
+    input_ids: Int[Array, "batch seq"],
+    attention_mask: Bool[Array, "batch seq"],
+    max_new: int,
+    page_size: int | None = None,
+) -> tuple[
+    Float[Array, "batch vocab"], KVCacheLike, Int[Array, "batch seq"], Bool[Array, "batch seq"]
+]:
+    """Compaction, a fresh cache with room for ``max_new`` tokens and the prefill:
+    ``(logits, cache, prompt, mask)`` (the compacted prompt and its mask)."""
+    ids, mask, lengths = compact_prompts(input_ids, attention_mask)
+    cache = new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
+    logits, cache = prefill(model, ids, mask, lengths, cache)
+    return logits, cache, ids, mask
+
+
 def prefill(
-    model: Any,
+    model: CausalLM,
     ids: Int[Array, "batch seq"],
     mask: Bool[Array, "batch seq"],
     lengths: Int[Array, " batch"],
-    cache: Any,
-) -> tuple[Float[Array, "batch vocab"], Any]:
+    cache: KVCacheLike,
+) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
     """Run right-padded prompts through a fresh ``cache``: the logits after each row's last
     prompt token and the filled cache."""
     out = model.model(ids, attention_mask=mask, cache=cache)
@@ -44,7 +125,7 @@ def prefill(
     return model.lm_logits(last[:, 0]).astype(jnp.float32), out.cache
 
 
-def decoder(model: Any, unstack_layers: bool) -> Any:
+def decoder(model: CausalLM, unstack_layers: bool) -> CausalLM:
     """The model the decode loop calls: ``model``, or with ``unstack_layers`` its layer
     stacks cut once into separate layers (``model.unstacked()``). Call it after the
     prefill, which keeps the stacks (scanned: compile time flat in depth)."""
@@ -52,8 +133,8 @@ def decoder(model: Any, unstack_layers: bool) -> Any:
 
 
 def decode_step(
-    model: Any, tokens: Int[Array, " batch"], cache: Any
-) -> tuple[Float[Array, "batch vocab"], Any]:
+    model: CausalLM, tokens: Int[Array, " batch"], cache: KVCacheLike
+) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
     """One new token per row through the cache: next-token logits and the updated cache."""
     out = model.model(tokens[:, None], cache=cache)
     return model.lm_logits(out.last_hidden_state[:, 0]).astype(jnp.float32), out.cache

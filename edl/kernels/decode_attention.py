@@ -166,8 +166,43 @@ def decode_attention(
         num_warps, num_stages: Triton launch settings (GPU only).
         interpret: as in ``flash_attention``.
     """
+    _check_inputs(q, k_cache, v_cache, lengths, kv_start)
     batch, new_tokens, heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    interpret = resolve_interpret(interpret)
+    group = heads // kv_heads
+    block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
+    num_blocks = cache_len // block
+    num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
+    plan = _Plan(
+        new_tokens=new_tokens, group=group, window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=head_dim**-0.5 if scale is None else float(scale), block_k=block,
+        blocks_per_split=cdiv(num_blocks, num_splits), has_start=kv_start is not None,
+    )  # fmt: skip
+
+    q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
+    dim = q_rows.shape[3]
+    k_cache, v_cache = pad_axis(k_cache, 3, dim), pad_axis(v_cache, 3, dim)
+
+    scalars = [lengths.astype(jnp.int32)]
+    if kv_start is not None:
+        scalars.append(kv_start.astype(jnp.int32))
+    call = functools.partial(
+        _decode_call, plan=plan, num_splits=num_splits,
+        params=compiler_params(num_warps, num_stages), interpret=interpret,
+    )  # fmt: skip
+    if interpret and batch * kv_heads > 1:
+        out, lse = _call_per_head(call, scalars, q_rows, k_cache, v_cache, num_splits)
+    else:
+        out, lse = call(scalars, q_rows, k_cache, v_cache)
+    return merge_query_rows(out, lse, q)
+
+
+def _check_inputs(q, k_cache, v_cache, lengths, kv_start) -> None:
+    """Shapes and dtypes ``decode_attention`` accepts, each problem named."""
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
     if k_cache.shape != v_cache.shape or k_cache.shape[0] != batch or k_cache.shape[3] != head_dim:
         raise ValueError(
             f"decode_attention: incompatible q {q.shape}, k_cache {k_cache.shape}, "
@@ -188,41 +223,19 @@ def decode_attention(
                 f"decode_attention: {name} must be integers of shape ({batch},), "
                 f"got {arr.dtype}{arr.shape}"
             )
-    interpret = resolve_interpret(interpret)
-    group = heads // kv_heads
-    block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
-    num_blocks = cache_len // block
-    num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
-    plan = _Plan(
-        new_tokens=new_tokens, group=group, window=window,
-        softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), block_k=block,
-        blocks_per_split=cdiv(num_blocks, num_splits), has_start=kv_start is not None,
-    )  # fmt: skip
 
-    q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
-    padded_rows, dim = q_rows.shape[2:]
-    k_cache, v_cache = pad_axis(k_cache, 3, dim), pad_axis(v_cache, 3, dim)
 
-    scalars = [lengths.astype(jnp.int32)]
-    if kv_start is not None:
-        scalars.append(kv_start.astype(jnp.int32))
-    call = functools.partial(
-        _decode_call, plan=plan, num_splits=num_splits,
-        params=compiler_params(num_warps, num_stages), interpret=interpret,
-    )  # fmt: skip
-    if interpret and batch * kv_heads > 1:
-        # As in flash_attention: Pallas' interpreter copies every input (here the whole
-        # cache) on every grid step, so run one call per (row, kv head) instead.
-        n = batch * kv_heads
-        per_head = (
-            [jnp.repeat(x, kv_heads)[:, None] for x in scalars],
-            q_rows.reshape(n, 1, 1, padded_rows, dim),
-            *(c.transpose(0, 2, 1, 3).reshape(n, 1, cache_len, 1, dim) for c in (k_cache, v_cache)),
-        )
-        out, lse = jax.lax.map(lambda xs: call(*xs), per_head)
-        out = out.reshape(batch, kv_heads, num_splits, padded_rows, dim)
-        lse = lse.reshape(batch, kv_heads, num_splits, padded_rows)
-    else:
-        out, lse = call(scalars, q_rows, k_cache, v_cache)
-    return merge_query_rows(out, lse, q)
+def _call_per_head(call, scalars, q_rows, k_cache, v_cache, num_splits):
+    """``call`` once per (row, kv head) under ``lax.map``, for interpret mode: as in
+    flash_attention, Pallas' interpreter copies every input (here the whole cache) on every
+    grid step."""
+    batch, kv_heads, padded_rows, dim = q_rows.shape
+    cache_len, n = k_cache.shape[1], batch * kv_heads
+    per_head = (
+        [jnp.repeat(x, kv_heads)[:, None] for x in scalars],
+        q_rows.reshape(n, 1, 1, padded_rows, dim),
+        *(c.transpose(0, 2, 1, 3).reshape(n, 1, cache_len, 1, dim) for c in (k_cache, v_cache)),
+    )
+    out, lse = jax.lax.map(lambda xs: call(*xs), per_head)
+    out = out.reshape(batch, kv_heads, num_splits, padded_rows, dim)
+    return out, lse.reshape(batch, kv_heads, num_splits, padded_rows)

@@ -6,7 +6,8 @@ from edl.nn.lora import LoraLinear
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import Experts, SparseMoE
 from edl.nn.quantized import QuantizedLinear
-from edl.nn.stack import REMAT_POLICIES, map_stacked, run_stack, stack
+from edl.nn.schedule import ScheduledLayer, Segment, plan_schedule
+from edl.nn.stack import REMAT_POLICIES, map_stacked, run_segments, run_stack, stack
 
 __all__ = [
     "REMAT_POLICIES",
@@ -18,8 +19,12 @@ __all__ = [
     "LoraLinear",
     "QuantizedLinear",
     "RMSNorm",
+    "ScheduledLayer",
+    "Segment",
     "SparseMoE",
     "map_stacked",
+    "plan_schedule",
+    "run_segments",
     "run_stack",
     "stack",
 ]

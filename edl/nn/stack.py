@@ -4,21 +4,24 @@
 ``stack(make_layer, keys)`` builds the stack with ``eqx.filter_vmap``; ``run_stack`` applies
 it to a carry. Layers may differ in static per-layer *settings* (a sliding window) and, in
 models with several kinds of layer, in structure (one stack per kind, a *group*; e.g.
-Qwen3-MoE's dense layers among MoE layers). ``run_stack`` finds the schedule's period: a
-pattern that repeats (Gemma 2's sliding / global alternation, an MoE layer every other
-layer) is one scan over blocks of a period's layers; a schedule without one (Qwen2's full
-layers, then sliding ones) scans each run of equal layers in turn.
+Qwen3-MoE's dense layers among MoE layers). ``run_stack`` is a plan and its execution:
+``edl.nn.schedule.plan_schedule`` (pure Python) cuts the schedule into segments, each a block
+of layers repeated (a repeating pattern such as Gemma 2's sliding / global alternation is one
+segment, blocks of one period; a schedule without one is a segment per run of equal layers),
+and ``run_segments`` runs each segment as one ``lax.scan`` over its blocks, or unrolled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Key, PRNGKeyArray, PyTree
+from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
+
+from edl.nn.schedule import Segment, plan_schedule, schedule_period
 
 __all__ = [
     "REMAT_POLICIES",
@@ -26,6 +29,7 @@ __all__ = [
     "map_stacked",
     "num_layers",
     "remat_policy",
+    "run_segments",
     "run_stack",
     "schedule_period",
     "stack",
@@ -93,30 +97,14 @@ def num_layers(layers: PyTree) -> int:
     return sizes.pop()
 
 
-def schedule_period(schedule: Sequence[Hashable]) -> int:
-    """The smallest ``p <= len // 2`` with ``schedule[i] == schedule[i % p]`` for every ``i``
-    (a repeating pattern, possibly cut short at the end), else ``len(schedule)``."""
-    n = len(schedule)
-    for p in range(1, n // 2 + 1):
-        if all(schedule[i] == schedule[i % p] for i in range(n)):
-            return p
-    return n
-
-
-def _runs(schedule: Sequence[Hashable], start: int, end: int) -> list[tuple[int, int]]:
-    """``[a, b)`` spans of consecutive equal entries within ``[start, end)``."""
-    spans, a = [], start
-    for i in range(start + 1, end + 1):
-        if i == end or schedule[i] != schedule[a]:
-            spans.append((a, i))
-            a = i
-    return spans
+# ``apply(layer, carry, setting, index) -> carry``: one layer, as ``run_stack`` calls it.
+Apply = Callable[[Any, PyTree, Any, Array], PyTree]
 
 
 def run_stack(
     layers: PyTree | Mapping[str, PyTree],
     carry: PyTree,
-    apply: Callable[[Any, PyTree, Any, Array], PyTree],
+    apply: Apply,
     *,
     settings: Sequence[Any] | None = None,
     groups: Sequence[str] | None = None,
@@ -140,7 +128,8 @@ def run_stack(
         groups: the group of each layer: layer ``i`` is the next unused layer of
             ``layers[groups[i]]``. Default: one stack.
         scan: ``lax.scan`` over layers (over blocks of a repeating schedule, else over runs
-            of equal layers); ``False`` unrolls a Python loop (same numerics).
+            of equal layers: ``plan_schedule``); ``False`` unrolls a Python loop (same
+            numerics).
         remat: a ``REMAT_POLICIES`` name applied to each layer.
         collect: also return every layer's output carry, stacked ``(num_layers, ...)``.
 
@@ -148,100 +137,121 @@ def run_stack(
         ``(carry, outputs)``; ``outputs`` is ``None`` unless ``collect``.
     """
     if groups is None:
-        stacks, n = {"": layers}, num_layers(layers)
-        groups = [""] * n
+        stacks, groups = {"": layers}, [""] * num_layers(layers)
     else:
-        stacks, n, groups = dict(layers), len(groups), list(groups)
+        stacks, groups = dict(layers), list(groups)
         for g, s in stacks.items():
             if num_layers(s) != groups.count(g):
                 raise ValueError(
                     f"run_stack: group {g!r} stacks {num_layers(s)} layers, the schedule "
                     f"names it {groups.count(g)} times"
                 )
+    n = len(groups)
     settings = [None] * n if settings is None else list(settings)
     if len(settings) != n:
         raise ValueError(f"run_stack: {len(settings)} settings for {n} layers")
-    schedule = list(zip(groups, settings, strict=True))
-    local = [groups[:i].count(groups[i]) for i in range(n)]  # position within its group
-    unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
-    split = {
-        g: eqx.partition(s[0] if isinstance(s, tuple) else s, eqx.is_array)
-        for g, s in stacks.items()
-    }
+    segments = plan_schedule(groups, settings)
+    return run_segments(stacks, segments, carry, apply, scan=scan, remat=remat, collect=collect)
+
+
+def run_segments(
+    stacks: Mapping[str, PyTree],
+    segments: Sequence[Segment],
+    carry: PyTree,
+    apply: Apply,
+    *,
+    scan: bool = True,
+    remat: str = "none",
+    collect: bool = False,
+) -> tuple[PyTree, PyTree | None]:
+    """Execute a plan (``plan_schedule``): each segment as one ``lax.scan`` over its blocks
+    or, with ``scan=False`` or any ``unstack``ed group, layer by layer in a Python loop.
+
+    ``stacks`` maps each group of the plan to its stack (or ``unstack``ed tuple);
+    ``apply``, ``remat`` and ``collect`` are ``run_stack``'s, and so is the result."""
     policy = remat_policy(remat)
+    unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
+    arrays, statics = {}, {}
+    for g, s in stacks.items():
+        arrays[g], statics[g] = eqx.partition(s, eqx.is_array)
+        if isinstance(s, tuple):  # one layer's static parts stand for all
+            statics[g] = statics[g][0]
 
     def layer_fn(group: str, setting: Any) -> Callable[[PyTree, PyTree, Array], PyTree]:
-        static = split[group][1]
-
         def one(c: PyTree, params: PyTree, index: Array) -> PyTree:
-            return apply(eqx.combine(params, static), c, setting, index)
+            return apply(eqx.combine(params, statics[group]), c, setting, index)
 
-        if remat == "none":
+        if policy is None:
             return one
         return jax.checkpoint(one, policy=policy, prevent_cse=unrolled)
 
-    def params_at(group: str, j: int) -> PyTree:
-        s = stacks[group]
-        if isinstance(s, tuple):
-            return eqx.partition(s[j], eqx.is_array)[0]
-        return jax.tree.map(lambda x: x[j], split[group][0])
-
-    def params_of(group: str, start: int, end: int) -> PyTree:
-        return jax.tree.map(lambda x: x[start:end], split[group][0])
-
-    indices = jnp.arange(n, dtype=jnp.int32)
+    indices = jnp.arange(segments[-1].stop if segments else 0, dtype=jnp.int32)
     outputs: list[PyTree] = []
-
-    def keep(y: PyTree) -> None:
-        if collect:
-            outputs.append(y)
-
-    if unrolled:
-        for i in range(n):
-            carry = layer_fn(*schedule[i])(carry, params_at(groups[i], local[i]), indices[i])
-            keep(jax.tree.map(lambda a: a[None], carry))
-        return carry, _concat(outputs) if collect else None
-
-    period = schedule_period(schedule)
-    # A uniform stack (period 1) is one run below: one scan straight over the layers. Run
-    # as blocks of one layer, the stacked decode step measured 2x slower on XLA:CPU.
-    blocks = n // period if 1 < period < n else 0
-    if blocks:
-        pattern = schedule[:period]
-        per_block = {g: groups[:period].count(g) for g in stacks}
-        xs = {
-            g: jax.tree.map(
-                lambda x, c=c: x[: blocks * c].reshape(blocks, c, *x.shape[1:]), split[g][0]
-            )
-            for g, c in per_block.items()
-            if c
-        }
-        fns = [layer_fn(*key) for key in pattern]
-
-        def block(c: PyTree, xs_and_index: tuple[dict[str, PyTree], Array]):
-            params, first = xs_and_index
-            ys = []
-            for k, (g, _) in enumerate(pattern):
-                j = groups[:k].count(g)
-                c = fns[k](c, jax.tree.map(lambda x, j=j: x[j], params[g]), first + k)
-                ys.append(c if collect else None)
-            return c, (jax.tree.map(lambda *y: jnp.stack(y), *ys) if collect else None)
-
-        carry, ys = jax.lax.scan(block, carry, (xs, indices[: blocks * period : period]))
-        if collect:
-            keep(jax.tree.map(lambda y: y.reshape(blocks * period, *y.shape[2:]), ys))
-    for start, end in _runs(schedule, blocks * period, n):
-        g, setting = schedule[start]
-        fn = layer_fn(g, setting)
-
-        def body(c: PyTree, xs: tuple[PyTree, Array], fn=fn):
-            c = fn(c, *xs)
-            return c, (c if collect else None)
-
-        part = params_of(g, local[start], local[start] + end - start)
-        carry, ys = jax.lax.scan(body, carry, (part, indices[start:end]))
-        keep(ys)
+    for segment in segments:
+        if not unrolled:
+            fns = [layer_fn(*kind) for kind in segment.block]
+            index = indices[segment.start : segment.stop : len(segment.block)]
+            carry, ys = _scan_segment(segment, arrays, fns, carry, index, collect)
+            outputs.append(ys)
+            continue
+        for layer in segment.layers():
+            params = _layer_params(arrays[layer.group], layer.local)
+            carry = layer_fn(layer.group, layer.setting)(carry, params, indices[layer.index])
+            if collect:
+                outputs.append(jax.tree.map(lambda a: a[None], carry))
     return carry, _concat(outputs) if collect else None
+
+
+def _layer_params(arrays: PyTree, j: int) -> PyTree:
+    """Layer ``j``'s arrays: an element of an unstacked tuple, or sliced from a stack."""
+    if isinstance(arrays, tuple):
+        return arrays[j]
+    return jax.tree.map(lambda x: x[j], arrays)
+
+
+def _scan_segment(
+    segment: Segment,
+    arrays: Mapping[str, PyTree],
+    fns: Sequence[Callable[[PyTree, PyTree, Array], PyTree]],
+    carry: PyTree,
+    index: Int[Array, " repeats"],
+    collect: bool,
+) -> tuple[PyTree, PyTree | None]:
+    """One ``lax.scan`` over ``segment``'s blocks; ``fns[k]`` runs block layer ``k`` and
+    ``index`` holds each block's first global layer index. Returns the carry and, with
+    ``collect``, each layer's output ``(repeats * len(block), ...)``."""
+    width, repeats = len(segment.block), segment.repeats
+
+    def blocks(group: str) -> PyTree:
+        # (repeats, per_block, ...), or (repeats, ...) where a block holds one layer of the
+        # group: scanned as blocks of one layer that the body indexes, a uniform stack's
+        # decode step measured 2x slower on XLA:CPU.
+        c, start = segment.per_block(group), segment.offsets[group]
+        if c == 1:
+            return jax.tree.map(lambda x: x[start : start + repeats], arrays[group])
+        return jax.tree.map(
+            lambda x: x[start : start + repeats * c].reshape(repeats, c, *x.shape[1:]),
+            arrays[group],
+        )
+
+    def body(c: PyTree, xs: tuple[dict[str, PyTree], Array]) -> tuple[PyTree, PyTree]:
+        params, first = xs
+        ys = []
+        for k, (group, _) in enumerate(segment.block):
+            p, j = params[group], segment.in_block(k)
+            if segment.per_block(group) > 1:
+                p = jax.tree.map(lambda x, j=j: x[j], p)
+            c = fns[k](c, p, first if k == 0 else first + k)
+            ys.append(c if collect else None)
+        if not collect:
+            return c, None
+        return c, ys[0] if width == 1 else jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+    xs = {g: blocks(g) for g in dict.fromkeys(g for g, _ in segment.block)}
+    carry, ys = jax.lax.scan(body, carry, (xs, index))
+    if collect and width > 1:
+        ys = jax.tree.map(lambda y: y.reshape(repeats * width, *y.shape[2:]), ys)
+    return carry, ys
 
 
 def _concat(outputs: list[PyTree]) -> PyTree:
