@@ -12,8 +12,7 @@
 axis in front in a layer stack. On a quantized model (``edl.quantize``) this is QLoRA.
 
 Adapters in PEFT's file format (``save_adapter`` / ``load_adapter``) are ``edl.io.peft``:
-files sit a layer above model surgery. ``edl.lora.save_adapter`` and friends still work,
-forwarded there on first use, so importing this module loads no ``edl.io``.
+files sit a layer above model surgery, and this module reaches nothing above it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import jax
 from jax.typing import DTypeLike
 from jaxtyping import PRNGKeyArray, PyTree
 
-from edl._lazy import lazy_attributes
 from edl.module import split
 from edl.nn.lora import LoraLinear, leading_shape
 from edl.quantize import DEFAULT_PATTERN, is_linear
@@ -46,13 +44,6 @@ __all__ = [
     "with_dropout_key",
     "wrap_lora",
 ]
-
-# PEFT files live in edl.io.peft; these names stay reachable here (loaded on first use).
-__getattr__, __dir__ = lazy_attributes(
-    __name__,
-    {name: f"edl.io.peft:{name}"
-     for name in ("ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "save_adapter")},
-)  # fmt: skip
 
 lora_trainable = re.compile(r"(^|\.)lora_[AB]\.weight$")
 """``trainable=`` for ``edl.split`` / ``edl.create_state``: only the LoRA A/B matrices, so

@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 import edl
+from edl.io.peft import load_adapter, save_adapter
 from edl.io.safetensors import load_file, save_file
-from edl.lora import apply_lora, load_adapter, lora_params, save_adapter
+from edl.lora import apply_lora, lora_params
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
