@@ -59,6 +59,7 @@ def _numpy_moe(x, weights, chosen, gate, up, down, capacity=None):
     return out
 
 
+@pytest.mark.slow  # 15 compiles; test_sparse_moe_layer_equals_its_parts covers the default path
 @settings(max_examples=15)
 @given(
     tokens=st.integers(1, 40),

@@ -30,13 +30,13 @@ from edl.sharding import (
 )
 from edl.train import make_eval_step, make_train_step
 
-# The default suite keeps one mesh per axis kind plus the one using all four axes; the two
-# further mixes run in the slow set.
+# The default suite keeps pure data and pure FSDP parallelism; the mixes (tensor and
+# sequence axes included) run in the slow set.
 MESHES = [
     (8, 1, 1, 1), (1, 8, 1, 1),
     pytest.param((1, 4, 2, 1), marks=pytest.mark.slow),
     pytest.param((2, 2, 2, 1), marks=pytest.mark.slow),
-    (1, 2, 2, 2),
+    pytest.param((1, 2, 2, 2), marks=pytest.mark.slow),
 ]  # fmt: skip
 CONFIG = LlamaConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -144,6 +144,7 @@ def test_train_steps_on_every_mesh_equal_one_device(dims):
     assert mu.addressable_shards[0].data.shape == q.addressable_shards[0].data.shape
 
 
+@pytest.mark.slow  # accumulation on a mesh (test_train_loop checks it on one device)
 def test_grad_accumulation_and_eval_on_a_mesh():
     mesh = make_mesh((2, 2, 2, 1))
     ref_losses, ref = _reference("sgd", grad_accum_steps=2)
@@ -277,6 +278,7 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
     assert up.addressable_shards[0].data.shape == (2, 32, 16)
 
 
+@pytest.mark.slow  # a sharded MoE train step end to end
 def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     """Expert weights ``(layers, experts, inter, hidden)`` split experts over fsdp and their
     width over tp; SGD steps of a Mixtral-style model equal the single-device run."""
@@ -311,6 +313,7 @@ def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     assert down.addressable_shards[0].data.shape == (2, 1, 32, 24)
 
 
+@pytest.mark.slow  # wrapped layers on a mesh, end to end
 def test_lora_and_quantized_weights_follow_the_rules():
     """QLoRA on a mesh: the quantized base's blocks split over fsdp, LoRA-wrapped dense bases
     split like plain weights, the rank-sized adapters stay whole; SGD on the adapters gives
