@@ -146,7 +146,8 @@ def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
     ("model_type", "variants"),
     [
         pytest.param(
-            "qwen2", ({"scan_layers": False}, {"remat": "full"}, {"remat": "dots"}),
+            "qwen2",
+            ({"scan_layers": False}, {"remat": "full"}, {"remat": "dots"}),
             marks=pytest.mark.slow,  # three more compiles of a train step
         ),
         ("mistral", ({"scan_layers": False},)),  # remat is schedule-independent: qwen2's
