@@ -34,6 +34,8 @@ settings.register_profile(
 settings.register_profile("ci", parent=settings.get_profile("edl"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "edl")
 
+from edl.models.config import RunOptions  # noqa: E402  (after the hook: checked)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
@@ -46,7 +48,7 @@ def _free_compiled_programs():
 
 TINY_LLAMA = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, attention_impl="xla",
+    num_attention_heads=4, num_key_value_heads=2, run=RunOptions(attention_impl="xla"),
 )  # fmt: skip
 
 

@@ -159,8 +159,8 @@ def test_beam_search_matches_transformers(early_stopping, length_penalty):
 def _tiny_model(vocab=VOCAB, seed=0, **changes):
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, **changes,
-    )  # fmt: skip
+        num_attention_heads=4, num_key_value_heads=2,
+    ).replace(**changes)  # fmt: skip
     return LlamaForCausalLM.init(config, key=jax.random.key(seed))
 
 

@@ -14,6 +14,8 @@ import edl
 from edl.io import hf
 from edl.io.safetensors import CheckpointError, load_file, save_file
 from edl.models import LlamaConfig, LlamaForCausalLM, gemma, llama, mixtral, qwen3_moe
+from edl.models.config import RunOptions
+from edl.models.gemma import GemmaConfig
 from edl.models.keymap import KeyRule, Placement
 
 CONFIG = LlamaConfig(
@@ -124,6 +126,31 @@ def test_config_replace_rederives_defaults():
     assert (wider.head_dim, wider.rope.dim, wider.layer_windows) == (16, 16, (None,) * 3)
     explicit = CONFIG.replace(head_dim=12)
     assert explicit.replace(hidden_size=64).head_dim == 12  # an explicit head_dim stays
+
+
+def test_config_keeps_an_explicit_head_dim_equal_to_the_derived_one():
+    # 16 / 2 heads = 8: the same value as derived, but given, so it survives a replace.
+    explicit = CONFIG.replace(head_dim=8)
+    assert explicit == CONFIG  # the same architecture ...
+    assert explicit.replace(hidden_size=32).head_dim == 8  # ... but head_dim was given
+    assert CONFIG.replace(hidden_size=32).head_dim == 16
+    assert explicit.replace(hidden_size=32, head_dim=None).head_dim == 16  # None derives again
+    # Families' own defaults for derived fields are given values (Gemma's head_dim = 256).
+    gemma = GemmaConfig(num_hidden_layers=2)
+    assert gemma.replace(hidden_size=512).head_dim == 256
+    assert gemma.replace(num_key_value_heads=None).num_key_value_heads == 16  # = heads
+
+
+def test_config_run_options_are_apart_from_the_architecture():
+    config = CONFIG.replace(scan_layers=False, remat="full", attention_impl="reference")
+    assert config.run == RunOptions(scan_layers=False, remat="full", attention_impl="reference")
+    assert config.to_hf() == CONFIG.to_hf()  # never in config.json
+    assert config.replace(run=RunOptions()) == CONFIG
+    assert LlamaConfig.from_hf(CONFIG.to_hf(), remat="full").run.remat == "full"
+    with pytest.raises(ValueError, match="remat"):
+        CONFIG.replace(remat="everything")
+    with pytest.raises(ValueError, match="run must be a RunOptions"):
+        CONFIG.replace(run={"remat": "full"})
 
 
 def test_config_keeps_unknown_hf_keys():

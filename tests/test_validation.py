@@ -129,4 +129,4 @@ def test_empty_sequence_is_named(tiny_llama):
 
 def test_run_time_choices_are_checked_when_the_config_is_built():
     with pytest.raises(ValueError, match=r"attention_impl must be one of .*'xla'.*got 'flash'"):
-        LlamaConfig(**{**TINY_LLAMA, "attention_impl": "flash"})
+        LlamaConfig(**TINY_LLAMA).replace(attention_impl="flash")

@@ -165,14 +165,14 @@ def _check_inputs(model, input_ids, attention_mask, key, config, page_size):
 
 
 def _without_id_checks(model: CausalLM) -> CausalLM:
-    """``model`` with its in-program token-id check off (``config.check_inputs``), where it
+    """``model`` with its in-program token-id check off (``config.run.check_inputs``), where it
     has one: ``_check_inputs`` has checked the prompt and ``pad_token_id``, and sampled ids
     lie in the vocabulary, so the check would only cost each decode step a host round trip
     (on GPU the conditional's predicate, ~30 us on an H100) and, on CPU, the asynchronous
     dispatch of ``generate_stream``'s steps (``edl.ops.checks``)."""
     trunk = getattr(model, "model", None)
     config = getattr(trunk, "config", None)
-    if not getattr(config, "check_inputs", False):
+    if not getattr(getattr(config, "run", None), "check_inputs", False):
         return model
     trunk = dataclasses.replace(trunk, config=config.replace(check_inputs=False))
     return dataclasses.replace(model, model=trunk)

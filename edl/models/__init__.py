@@ -6,7 +6,7 @@ Every family runs the one decoder of ``edl.models.decoder`` (trunk) and ``edl.mo
 """
 
 from edl.models import decoder, gemma, heads, llama, mixtral, qwen3_moe, registry
-from edl.models.config import DecoderConfig, flops_per_token
+from edl.models.config import DecoderConfig, RunOptions, flops_per_token
 from edl.models.gemma import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -59,6 +59,7 @@ __all__ = [
     "Qwen3MoeForCausalLM",
     "Qwen3MoeForSequenceClassification",
     "Qwen3MoeModel",
+    "RunOptions",
     "configure",
     "decoder",
     "flops_per_token",

@@ -1,55 +1,48 @@
-"""``DecoderConfig``: the architecture of a decoder-only transformer, shared by every family.
+"""``DecoderConfig``: the architecture of a decoder-only transformer, shared by every family;
+``RunOptions``: how it runs.
 
 Each family (``LlamaConfig``, ``GemmaConfig``, ``MixtralConfig``, ...) is a frozen subclass
 that sets its own defaults (those of the matching transformers config class) and reads and
 writes its HF ``config.json`` (``from_hf`` / ``to_hf``). The fields are the union of the
 families' features, named after HF where HF has a name; one decoder implementation
-(``edl.models.decoder``) runs them all. Run-time choices (``scan_layers``, ``remat``,
-``attention_impl``, ``moe_impl``, ``moe_capacity_factor``, ``check_inputs``) are not HF
-fields and are never written to ``config.json``.
+(``edl.models.decoder``) runs them all.
+
+The architecture (what ``config.json`` describes) and the run options (scan or unroll,
+remat, attention and MoE implementation, the input check) are apart: ``config.run`` holds a
+``RunOptions``, which is never written to ``config.json`` and never changes the function a
+model computes, only its speed and memory (``moe_capacity_factor`` is the exception: it may
+drop tokens, as capacity-based MoE does). ``replace`` and ``from_hf`` accept run options by
+name (``config.replace(remat="full")``).
+
+Sizes that HF derives when ``config.json`` omits them (``num_key_value_heads``,
+``head_dim``, the RoPE settings, per-layer windows and MLP kinds) are *derived fields*
+(``Derived``): the instance keeps what it was given (``None`` when nothing), and reading the
+field derives the value from the others. So ``replace(hidden_size=...)`` re-derives exactly
+the fields that were never set, and keeps an explicit ``head_dim`` even when it equals the
+derived one. Equality and hashing compare the values read, so two configs describing the
+same architecture are equal however they were spelled.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
-import math
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
+from edl.models.validation import check_fields, check_hf_values
 from edl.nn.stack import remat_policy
 from edl.ops.activations import activation
 from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig
 
-__all__ = ["DecoderConfig", "flops_per_token"]
+__all__ = ["DecoderConfig", "RunOptions", "flops_per_token"]
 
 PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label_classification")
 MLP_KINDS = ("dense", "moe")
-
-# Plausibility bounds on sizes and counts, far above every released model (the largest
-# have vocabularies of ~262k tokens, hidden sizes up to ~25k, MLPs up to ~74k wide, 126
-# layers, 128 heads, head_dim 256, 512 experts and ~10M positions), so that only a mistaken
-# or hostile config fails them, in microseconds (a config.json with a million layers took
-# 81 s and 1.3 GB to fail).
-INT_BOUNDS: dict[str, tuple[int, int]] = {
-    "vocab_size": (1, 2**24),
-    "hidden_size": (1, 2**18),
-    "intermediate_size": (1, 2**20),
-    "num_hidden_layers": (1, 2**12),
-    "num_attention_heads": (1, 2**12),
-    "num_key_value_heads": (1, 2**12),
-    "head_dim": (1, 2**12),
-    "max_position_embeddings": (1, 2**30),
-    "sliding_window": (1, 2**30),
-    "num_experts": (0, 2**14),
-    "num_experts_per_tok": (1, 2**14),
-    "moe_intermediate_size": (1, 2**20),
-    "num_labels": (1, 2**24),
-}
-_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
 
 # HF keys every family's ``from_hf`` interprets (families add their own).
 COMMON_HF_KEYS = frozenset({
@@ -63,15 +56,86 @@ COMMON_HF_KEYS = frozenset({
 
 
 @dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a decoder runs: speed and memory, never the architecture or ``config.json``.
+
+    Attributes:
+        scan_layers: run each stack of identical layers as one ``lax.scan`` (one compiled
+            layer) rather than unrolled.
+        remat: what the backward pass recomputes (``edl.nn.stack.remat_policy`` names).
+        attention_impl: ``edl.ops.attention`` implementation (``"auto"``: Pallas on GPU).
+        moe_impl: ``edl.ops.moe`` expert dispatch.
+        moe_capacity_factor: tokens each expert takes, as a multiple of its even share
+            (``None``: every token; a factor may drop tokens, changing the outputs).
+        check_inputs: token ids (and labels) outside the vocabulary raise, eagerly and in
+            compiled programs (``edl.ops.checks.check_ids``; its cost is measured in
+            ``benchmarks/RESULTS.md``, "input checks").
+    """
+
+    scan_layers: bool = True
+    remat: str = "none"
+    attention_impl: str = "auto"
+    moe_impl: str = "blocked"
+    moe_capacity_factor: float | None = None
+    check_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        check_fields(self, vars(self))
+        if self.moe_impl not in MOE_IMPLS:
+            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+            )
+        remat_policy(self.remat)
+
+
+RUN_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunOptions))
+
+
+class Derived:
+    """A config field whose ``None`` means "derive it from the other fields", as HF does for
+    ``head_dim`` or ``num_key_value_heads``.
+
+    The instance keeps the value it was given; reading the field gives that value, or, for
+    ``None``, ``config._default_<name>()`` (which families override). ``default`` is the
+    field's dataclass default. A plain descriptor rather than a property so that the field
+    keeps its HF name both as a constructor argument and as the attribute read.
+    """
+
+    def __init__(self, default: Any = None) -> None:
+        self.default = default
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.slot = name, f"_given_{name}"
+
+    def __get__(self, config: Any, owner: type | None = None) -> Any:
+        if config is None:  # class access: the dataclass default
+            return self.default
+        given = self.given(config)
+        return getattr(config, f"_default_{self.name}")() if given is None else given
+
+    def __set__(self, config: Any, value: Any) -> None:
+        # Only the dataclass ``__init__`` gets here: the frozen class refuses other writes.
+        config.__dict__[self.slot] = tuple(value) if isinstance(value, list) else value
+
+    def given(self, config: Any) -> Any:
+        """What ``config`` was given for this field (``None``: derived)."""
+        return config.__dict__[self.slot]
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Architecture of a decoder (field names as in HF's ``config.json`` where HF has one).
 
-    ``None`` for ``num_key_value_heads`` / ``head_dim`` / ``rope`` means the HF default
-    (``num_attention_heads``, ``hidden_size // num_attention_heads``, default RoPE with theta
-    10000). ``layer_windows`` gives each layer's sliding window (``None``: full attention);
-    ``sliding_window`` alone applies one window to every layer. ``layer_mlps`` says which
-    layers are ``"moe"`` (``num_experts`` experts, ``num_experts_per_tok`` per token) and
-    which ``"dense"`` (default: every layer MoE when ``num_experts > 0``).
+    Derived fields (``None``: derived; see the module docstring): ``num_key_value_heads``
+    (``num_attention_heads``), ``head_dim`` (``hidden_size // num_attention_heads``),
+    ``rope`` (default RoPE over ``head_dim`` with the family's theta), ``layer_windows``
+    (each layer's sliding window, ``None`` for full attention; default ``sliding_window`` on
+    every layer), ``layer_mlps`` (which layers are ``"moe"``, with ``num_experts`` experts
+    and ``num_experts_per_tok`` per token, and which ``"dense"``; default every layer MoE
+    when ``num_experts > 0``) and ``attn_scale`` (``None``: ``head_dim ** -0.5``, applied by
+    the attention op). ``run`` holds the run options.
     """
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
@@ -83,33 +147,33 @@ class DecoderConfig:
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    num_key_value_heads: int | None = Derived()
+    head_dim: int | None = Derived()
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     initializer_range: float = 0.02
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    rope: RopeConfig | None = None
+    rope: RopeConfig | None = Derived()
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm of each q / k head before RoPE
     sliding_window: int | None = None
-    layer_windows: tuple[int | None, ...] | None = None
+    layer_windows: tuple[int | None, ...] | None = Derived()
     # The Gemma line.
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's 1 + w
     embed_scale: bool = False  # token embeddings times sqrt(hidden_size)
     sandwich_norms: bool = False  # Gemma 2: norms after attention / MLP as well as before
     attn_softcap: float | None = None  # softcap * tanh(logits / softcap) on attention logits
     final_softcap: float | None = None  # ... and on the LM head's logits
-    attn_scale: float | None = None  # attention logit scale; None: head_dim ** -0.5
+    attn_scale: float | None = Derived()  # attention logit scale
     # Mixture of experts.
     num_experts: int = 0
     num_experts_per_tok: int = 2
     moe_intermediate_size: int | None = None  # None: intermediate_size
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
-    layer_mlps: tuple[str, ...] | None = None
+    layer_mlps: tuple[str, ...] | None = Derived()
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
     output_router_logits: bool = False  # HF's switch: add the auxiliary loss to the LM loss
@@ -117,52 +181,44 @@ class DecoderConfig:
     num_labels: int = 2
     problem_type: str | None = None
     pad_token_id: int | None = None
-    # Run-time choices, not HF fields.
-    scan_layers: bool = True
-    remat: str = "none"
-    attention_impl: str = "auto"
-    moe_impl: str = "blocked"
-    moe_capacity_factor: float | None = None
-    # Token ids (and labels) outside the vocabulary raise, eagerly and in compiled programs
-    # (``edl.ops.checks.check_ids``; ``benchmarks/input_checks.py`` measures the cost).
-    check_inputs: bool = True
     # HF keys edl does not interpret, as sorted (key, JSON) pairs: written back by to_hf.
     hf_extra: tuple[tuple[str, str], ...] = ()
+    run: RunOptions = RunOptions()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # A family's plain default for a derived field (Gemma's ``head_dim = 256``) would
+        # hide the descriptor: wrap it, before the dataclass decorator reads the defaults.
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            derived = isinstance(inspect.getattr_static(DecoderConfig, name, None), Derived)
+            if derived and not isinstance(value, Derived):
+                descriptor = Derived(value)
+                descriptor.__set_name__(cls, name)
+                setattr(cls, name, descriptor)
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)
-        self._check_scalar_fields()
+        check_fields(self, self._given_fields())
         if self.MODEL_TYPES and self.model_type not in self.MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; {type(self).__name__} covers "
                 f"{self.MODEL_TYPES}"
             )
-        if self.num_key_value_heads is None:
-            set_("num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                    f"{self.num_attention_heads}; set head_dim"
-                )
-            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        given = self._given_fields()
+        if given["head_dim"] is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}; set head_dim"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if self.rope is None:
-            set_("rope", RopeConfig(dim=self.head_dim, theta=self.ROPE_THETA))
-        if self.layer_windows is None:
-            set_("layer_windows", self._default_layer_windows())
-        set_("layer_windows", tuple(self.layer_windows))
+        if self.rope.dim > self.head_dim:
+            raise ValueError(f"rope.dim {self.rope.dim} exceeds head_dim {self.head_dim}")
         self._check_per_layer("layer_windows", self.layer_windows)
         if any(w is not None and w <= 0 for w in self.layer_windows):
             raise ValueError(f"sliding windows must be positive, got {self.layer_windows}")
-        if self.layer_mlps is None:
-            kind = "moe" if self.num_experts > 0 else "dense"
-            set_("layer_mlps", (kind,) * self.num_hidden_layers)
-        set_("layer_mlps", tuple(self.layer_mlps))
         self._check_per_layer("layer_mlps", self.layer_mlps)
         if set(self.layer_mlps) - set(MLP_KINDS):
             raise ValueError(f"layer_mlps entries must be {MLP_KINDS}, got {self.layer_mlps}")
@@ -171,38 +227,20 @@ class DecoderConfig:
                 f"MoE layers need 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
                 f"num_experts ({self.num_experts})"
             )
-        if self.moe_impl not in MOE_IMPLS:
-            raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(
-                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
-            )
+        if not isinstance(self.run, RunOptions):
+            raise ValueError(f"run must be a RunOptions, got {self.run!r}")
         activation(self.hidden_act)
-        remat_policy(self.remat)
         if self.problem_type not in PROBLEM_TYPES:
             raise ValueError(f"unknown problem_type {self.problem_type!r}")
 
-    def _check_scalar_fields(self) -> None:
-        """Each int / float / bool / str field's type and range, before any is used."""
-        for field in dataclasses.fields(self):
-            # Annotations are strings here ("int | None"); a subclass may hold real types.
-            kind = field.type if isinstance(field.type, str) else str(field.type)
-            kind = _TYPE_NAMES.get(field.type, kind)
-            value, optional = getattr(self, field.name), kind.endswith(" | None")
-            if optional and value is None:
-                continue
-            kind = kind.removesuffix(" | None")
-            if kind == "int":
-                check_int(field.name, value, *INT_BOUNDS.get(field.name, (None, None)))
-            elif kind == "float":
-                check_number(field.name, value, FLOAT_SIGNS.get(field.name))
-            elif kind == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{field.name} must be true or false, got {value!r}")
-            elif kind == "str" and not isinstance(value, str):
-                raise ValueError(f"{field.name} must be a string, got {value!r}")
+    def _given_fields(self) -> dict[str, Any]:
+        """Every field as given to the constructor (``None`` for a derived one not set)."""
 
-    def _default_layer_windows(self) -> tuple[int | None, ...]:
-        return (self.sliding_window,) * self.num_hidden_layers
+        def given(name: str) -> Any:
+            field = inspect.getattr_static(type(self), name)
+            return field.given(self) if isinstance(field, Derived) else getattr(self, name)
+
+        return {f.name: given(f.name) for f in dataclasses.fields(self)}
 
     def _check_per_layer(self, name: str, values: tuple) -> None:
         if len(values) != self.num_hidden_layers:
@@ -211,6 +249,24 @@ class DecoderConfig:
             )
 
     # -- derived --------------------------------------------------------------------------
+
+    def _default_num_key_value_heads(self) -> int:
+        return self.num_attention_heads
+
+    def _default_head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def _default_rope(self) -> RopeConfig:
+        return RopeConfig(dim=self.head_dim, theta=self.ROPE_THETA)
+
+    def _default_layer_windows(self) -> tuple[int | None, ...]:
+        return (self.sliding_window,) * self.num_hidden_layers
+
+    def _default_layer_mlps(self) -> tuple[str, ...]:
+        return ("moe" if self.num_experts > 0 else "dense",) * self.num_hidden_layers
+
+    def _default_attn_scale(self) -> float | None:
+        return None  # the attention op's default, head_dim ** -0.5
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -226,31 +282,13 @@ class DecoderConfig:
         return tuple("layers" if m == "moe" else "dense_layers" for m in self.layer_mlps)
 
     def replace(self, **changes: Any) -> DecoderConfig:
-        """A copy with ``changes`` (e.g. ``scan_layers=False``, ``remat="full"``).
+        """A copy with ``changes``: architecture fields, or run options by name
+        (``replace(scan_layers=False, remat="full")`` sets ``run``'s fields).
 
-        Fields that still hold their derived defaults (``head_dim``, the RoPE dim, uniform
-        ``layer_windows`` / ``layer_mlps``) are derived again from the changed fields.
+        Derived fields that were never given are derived again from the changed fields;
+        given ones are kept (``None`` derives them again).
         """
-        for name in ("hidden_size", "num_attention_heads"):  # derived from below
-            if name in changes:
-                check_int(name, changes[name], *INT_BOUNDS[name])
-        hidden = changes.get("hidden_size", self.hidden_size)
-        heads = changes.get("num_attention_heads", self.num_attention_heads)
-        if "head_dim" not in changes:
-            derived = self.head_dim == self.hidden_size // self.num_attention_heads
-            changes["head_dim"] = hidden // heads if derived else self.head_dim
-        head_dim = changes["head_dim"] or hidden // heads
-        if "rope" not in changes and self.rope.dim == self.head_dim:
-            changes["rope"] = dataclasses.replace(self.rope, dim=head_dim)
-        if "layer_windows" not in changes:
-            if self.layer_windows == self._default_layer_windows():
-                changes["layer_windows"] = None
-            elif len(set(self.layer_windows)) == 1:
-                changes["layer_windows"] = None
-                changes.setdefault("sliding_window", self.layer_windows[0])
-        if "layer_mlps" not in changes and len(set(self.layer_mlps)) <= 1:
-            changes["layer_mlps"] = None
-        return dataclasses.replace(self, **changes)
+        return type(self)(**{**self._given_fields(), **_route_run_options(self.run, changes)})
 
     # -- Hugging Face config.json ---------------------------------------------------------
 
@@ -331,7 +369,7 @@ class DecoderConfig:
         extra = ((k, json.dumps(v)) for k, v in c.items() if k not in read)
         fields["hf_extra"] = tuple(sorted(extra))
         try:
-            return cls(**{**fields, **overrides})
+            return cls(**_route_run_options(RunOptions(), {**fields, **overrides}))
         except ValueError as e:
             source = (
                 f"config.json with overrides {sorted(overrides)}" if overrides else "config.json"
@@ -418,98 +456,13 @@ class DecoderConfig:
                              f"equivalent: {what}")  # fmt: skip
 
 
-def check_int(name: str, value: Any, low: int | None = None, high: int | None = None) -> None:
-    """``ValueError`` unless ``value`` is an int (not a bool) in ``[low, high]``."""
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    if is_int and (low is None or value >= low) and (high is None or value <= high):
-        return
-    kind = {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}
-    what = kind.get(low, f"an integer >= {low}")
-    if is_int and high is not None and value > high:
-        what += f" of at most {high} (far beyond any real model)"
-    raise ValueError(f"{name} must be {what}, got {value!r}")
-
-
-def check_number(name: str, value: Any, sign: str | None = None) -> None:
-    """``ValueError`` unless ``value`` is a finite int or float (not a bool), and
-    ``"positive"`` / ``"non-negative"`` as ``sign`` asks."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and sign == "positive":
-        ok = value > 0
-    elif ok and sign == "non-negative":
-        ok = value >= 0
-    if not ok:
-        raise ValueError(
-            f"{name} must be a {sign + ' ' if sign else 'finite '}number, got {value!r}"
-        )
-
-
-# Signs of the float fields (the others: any finite number).
-FLOAT_SIGNS = {
-    "rms_norm_eps": "positive", "attn_softcap": "positive", "final_softcap": "positive",
-    "attn_scale": "positive", "moe_capacity_factor": "positive",
-    "query_pre_attn_scalar": "positive", "initializer_range": "non-negative",
-    "router_aux_loss_coef": "non-negative", "router_z_loss_coef": "non-negative",
-}  # fmt: skip
-
-# HF config.json keys (of every family) checked before a config is built: they size tuples
-# and divide each other on the way. Ints: key -> (low, high, null allowed).
-_HF_INTS = {
-    **{k: (*INT_BOUNDS[k], False) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "max_position_embeddings", "num_labels", "num_experts",
-        "num_experts_per_tok")},
-    "num_local_experts": (*INT_BOUNDS["num_experts"], False),
-    "num_key_value_heads": (*INT_BOUNDS["num_key_value_heads"], True),
-    "head_dim": (*INT_BOUNDS["head_dim"], True),
-    "moe_intermediate_size": (*INT_BOUNDS["moe_intermediate_size"], True),
-    "sliding_window": (0, INT_BOUNDS["sliding_window"][1], True),
-    "max_window_layers": (0, INT_BOUNDS["num_hidden_layers"][1], True),
-    "decoder_sparse_step": (0, INT_BOUNDS["num_hidden_layers"][1], True),
-    "pad_token_id": (None, None, True),
-}  # fmt: skip
-# Numbers: key -> (sign, null allowed).
-_HF_NUMBERS = {
-    "rms_norm_eps": ("positive", False), "initializer_range": ("non-negative", False),
-    "rope_theta": ("positive", False), "attention_dropout": ("non-negative", False),
-    "router_aux_loss_coef": ("non-negative", False),
-    "router_z_loss_coef": ("non-negative", False),
-    "router_jitter_noise": ("non-negative", False),
-    "query_pre_attn_scalar": ("positive", False),
-    "attn_logit_softcapping": ("positive", True), "final_logit_softcapping": ("positive", True),
-}  # fmt: skip
-_HF_BOOLS = (
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
-    "output_router_logits", "use_bidirectional_attention",
-)  # fmt: skip
-_HF_TYPES = {  # key -> (JSON type name, Python type); null is allowed
-    "model_type": ("a string", str), "hidden_act": ("a string", str),
-    "hidden_activation": ("a string", str), "problem_type": ("a string", str),
-    "rope_scaling": ("an object", dict), "rope_parameters": ("an object", dict),
-    "id2label": ("an object", dict), "layer_types": ("a list", list),
-    "mlp_only_layers": ("a list", list), "architectures": ("a list", list),
-}  # fmt: skip
-
-
-def check_hf_values(c: Mapping[str, Any]) -> None:
-    """Types and plausible ranges of the HF ``config.json`` values edl reads, before any is
-    used: ``ValueError("config.json: num_attention_heads must be a positive integer, got
-    0")``. Numbers as strings, bools for ints and a million layers all fail here."""
-    try:
-        for key, (low, high, nullable) in _HF_INTS.items():
-            if key in c and not (nullable and c[key] is None):
-                check_int(key, c[key], low, high)
-        for key, (sign, nullable) in _HF_NUMBERS.items():
-            if key in c and not (nullable and c[key] is None):
-                check_number(key, c[key], sign)
-        for key in _HF_BOOLS:
-            if c.get(key) is not None and not isinstance(c[key], bool):
-                raise ValueError(f"{key} must be true or false, got {c[key]!r}")
-        for key, (name, kind) in _HF_TYPES.items():
-            if c.get(key) is not None and not isinstance(c[key], kind):
-                raise ValueError(f"{key} must be {name} or null, got {c[key]!r}")
-    except ValueError as e:
-        raise ValueError(f"config.json: {e}") from e
+def _route_run_options(run: RunOptions, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``changes`` with the run options among them (``remat=...``) moved into ``run``."""
+    options = {k: v for k, v in changes.items() if k in RUN_OPTIONS}
+    out = {k: v for k, v in changes.items() if k not in RUN_OPTIONS}
+    if options:
+        out["run"] = dataclasses.replace(out.get("run", run), **options)
+    return out
 
 
 def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:

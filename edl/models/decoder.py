@@ -161,7 +161,7 @@ class DecoderLayer(eqx.Module):
         keeps padding out of those statistics."""
         attn = self.self_attn(
             self.input_layernorm(h), cos, sin, segment_ids, window=window,
-            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.attention_impl,
+            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.run.attention_impl,
         )  # fmt: skip
         return self._residual_mlp(self._residual_attn(h, attn), config, token_mask)
 
@@ -179,7 +179,7 @@ class DecoderLayer(eqx.Module):
         """The block on new tokens through a KV cache (see ``Attention.decode``)."""
         attn, cache = self.self_attn.decode(
             self.input_layernorm(h), cos, sin, cache, layer, window=window,
-            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.attention_impl,
+            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.run.attention_impl,
         )  # fmt: skip
         return self._residual_mlp(self._residual_attn(h, attn), config, None)[0], cache
 
@@ -194,7 +194,7 @@ class DecoderLayer(eqx.Module):
         stats = None
         if isinstance(self.mlp, SparseMoE):
             y, stats = self.mlp(
-                x, token_mask, impl=config.moe_impl, capacity_factor=config.moe_capacity_factor
+                x, token_mask, impl=config.run.moe_impl, capacity_factor=config.run.moe_capacity_factor
             )
         else:
             y = self.mlp(x)
@@ -311,8 +311,8 @@ class DecoderModel(eqx.Module):
         """Token embeddings (times ``sqrt(hidden_size)`` in the embedding's dtype for Gemma).
 
         Ids outside ``[0, vocab_size)`` raise ``ValueError`` naming the value, also inside
-        ``jax.jit`` (``edl.ops.checks.check_ids``), unless ``config.check_inputs`` is off."""
-        if self.config.check_inputs:
+        ``jax.jit`` (``edl.ops.checks.check_ids``), unless ``config.run.check_inputs`` is off."""
+        if self.config.run.check_inputs:
             input_ids = check_ids(input_ids, self.config.vocab_size)
         h = self.embed_tokens(input_ids)
         if self.config.embed_scale:
@@ -385,7 +385,7 @@ class DecoderModel(eqx.Module):
         layers, groups = self._stacks()
         (h_out, stats), per_layer = run_stack(
             layers, (h, stats0), apply, settings=c.layer_windows, groups=groups,
-            scan=c.scan_layers, remat=c.remat, collect=output_hidden_states,
+            scan=c.run.scan_layers, remat=c.run.remat, collect=output_hidden_states,
         )  # fmt: skip
         hidden_states = None
         if per_layer is not None:
@@ -415,6 +415,6 @@ class DecoderModel(eqx.Module):
         layers, groups = self._stacks()
         (h, cache), _ = run_stack(
             layers, (h, cache.reserve(num_new)), apply, settings=c.layer_windows, groups=groups,
-            scan=c.scan_layers,
+            scan=c.run.scan_layers,
         )  # fmt: skip
         return ModelOutput(self.norm(h), cache=cache.advance(num_new))

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from edl.models.config import DecoderConfig, check_number
+from edl.models.config import DecoderConfig
 from edl.models.decoder import DecoderModel
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
@@ -123,10 +123,8 @@ class Gemma2Config(GemmaConfig):
         "final_logit_softcapping",
     }  # fmt: skip
 
-    def __post_init__(self) -> None:
-        check_number("query_pre_attn_scalar", self.query_pre_attn_scalar, "positive")
-        object.__setattr__(self, "attn_scale", self.query_pre_attn_scalar**-0.5)
-        super().__post_init__()
+    def _default_attn_scale(self) -> float:
+        return self.query_pre_attn_scalar**-0.5
 
     def _default_layer_windows(self) -> tuple[int | None, ...]:
         return tuple(

@@ -131,7 +131,7 @@ class DecoderForCausalLM(eqx.Module):
         c = self.config
         if labels is None:
             labels = input_ids  # checked as input_ids
-        elif c.check_inputs:
+        elif c.run.check_inputs:
             labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
         no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
         if attention_mask is not None:
@@ -232,7 +232,7 @@ class DecoderForSequenceClassification(eqx.Module):
         single = c.problem_type == "single_label_classification" or (
             c.problem_type is None and c.num_labels > 1
         )
-        if c.check_inputs and single and jnp.issubdtype(labels.dtype, jnp.integer):
+        if c.run.check_inputs and single and jnp.issubdtype(labels.dtype, jnp.integer):
             labels = check_ids(labels, c.num_labels, name="labels", what="num_labels", ignore=-100)
         logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
         return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)

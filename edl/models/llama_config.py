@@ -54,8 +54,8 @@ class LlamaConfig(DecoderConfig):
             layer_windows=hf_layer_windows(c, model_type, fields["num_hidden_layers"]),
         )
         windows = set(fields["layer_windows"])
-        if len(windows) == 1:
-            fields["sliding_window"] = windows.pop()
+        if len(windows) == 1:  # one window everywhere: derived from sliding_window
+            fields.update(sliding_window=windows.pop(), layer_windows=None)
         return cls._build(c, fields, _READ, overrides)
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ VM: 0.1-0.2 ms per call for a 1.2 ms toy train step when every step is waited fo
 ``edl.train`` does), 0.3-0.45 ms when steps are queued back to back, nothing measurable
 (within 2%) on ``edl train``'s default model (0.2 s steps); +26-37 us per call on an H100
 (``benchmarks/input_checks.py``). ``generate`` checks its prompt eagerly and decodes
-without it; ``DecoderConfig.check_inputs=False`` turns the models' check off.
+without it; ``RunOptions(check_inputs=False)`` turns the models' check off.
 
 A program split over several devices without a mesh set (jit inferring the split from the
 inputs' shardings) cannot be told apart from a one-device program while tracing; there the
