@@ -194,7 +194,10 @@ class DecoderLayer(eqx.Module):
         stats = None
         if isinstance(self.mlp, SparseMoE):
             y, stats = self.mlp(
-                x, token_mask, impl=config.run.moe_impl, capacity_factor=config.run.moe_capacity_factor
+                x,
+                token_mask,
+                impl=config.run.moe_impl,
+                capacity_factor=config.run.moe_capacity_factor,
             )
         else:
             y = self.mlp(x)
