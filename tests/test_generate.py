@@ -346,7 +346,7 @@ def test_paged_cache_forward_allocation_and_free():
     model = _tiny_model(layer_windows=(None, 3))
     ids = jax.random.randint(jax.random.key(1), (2, 11), 0, VOCAB)
     full = model(ids).logits
-    cache = init_paged_cache(model.config, 7, 4, batch=2, max_model_length=12)
+    cache = init_paged_cache(model.config, 7, 4, batch=2, cache_len=12)
     out = model(ids[:, :5], cache=cache)  # 5 tokens -> 2 pages per row
     np.testing.assert_allclose(out.logits, full[:, :5], atol=1e-5)
     np.testing.assert_array_equal(out.cache.page_table, [[0, 1, -1], [2, 3, -1]])
@@ -370,7 +370,7 @@ def test_paged_cache_forward_allocation_and_free():
 
 def test_paged_cache_runs_out_of_pages_loudly():
     model = _tiny_model()
-    cache = init_paged_cache(model.config, 3, 4, batch=2, max_model_length=12)
+    cache = init_paged_cache(model.config, 3, 4, batch=2, cache_len=12)
     ids = jnp.ones((2, 7), jnp.int32)  # needs 4 pages
     with pytest.raises(Exception, match="out of free pages"):
         jax.block_until_ready(model(ids, cache=cache).logits)
@@ -397,13 +397,13 @@ def test_paged_cache_config_sizes_the_pool_from_free_memory(monkeypatch):
     real_free = paged._free_device_bytes(jax.devices()[0])
     assert real_free > 2**20  # the host's available memory on CPU
     monkeypatch.setattr(paged, "_free_device_bytes", lambda device: 2**20)
-    geometry = paged_cache_config(model.config, page_size=16, max_model_length=256,
+    geometry = paged_cache_config(model.config, page_size=16, cache_len=256,
                                   memory_fraction=0.5)  # fmt: skip
     per_page = 2 * 2 * 16 * 2 * 8 * 4  # k+v, layers, page, kv heads, head_dim, fp32 bytes
     assert geometry.num_pages == 2**19 // per_page
     assert geometry.pages_per_seq == 16
     with pytest.raises(ValueError, match="fewer than one sequence"):
-        paged_cache_config(model.config, max_model_length=2**20, memory_fraction=0.5)
+        paged_cache_config(model.config, cache_len=2**20, memory_fraction=0.5)
 
 
 def test_generate_checks_ids_before_compiling_not_in_every_decode_step():

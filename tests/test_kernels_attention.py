@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from edl import ops
 from edl.kernels import BlockSizes, flash_attention
 from edl.kernels.decode_attention import decode_attention
-from edl.kernels.flash_attention import _backward, _forward, _Plan
+from edl.kernels.flash_attention import _backward, _FlashPlan, _forward
 
 
 def _rel_err(actual, expected) -> float:
@@ -154,7 +154,7 @@ def test_every_output_element_is_written():
     log-sum-exp, dq, dk, dv) must be finite, so no block was skipped unwritten, including
     K/V blocks no query sees under a sliding window."""
     q, k, v, d_out = _inputs(3, 2, 24, 40, 4, 2, 8)
-    plan = _Plan(
+    plan = _FlashPlan(
         causal=True, window=5, softcap=None, scale=0.3, q_len=21, kv_len=37, padded_q=24,
         padded_kv=40, block_q=8, block_k=8, block_q_bwd=8, block_k_bwd=8,
         blocks=BlockSizes(8, 8, 8, 8), interpret=True,

@@ -88,7 +88,7 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
         jnp.asarray(ids), jnp.asarray(labels), attention_mask=jnp.asarray(mask), chunk_size=8
     )
     np.testing.assert_allclose(float(loss), hf_loss, rtol=1e-5)
-    assert int(metrics["tokens"]) == int((labels[:, 1:] != -100).sum())
+    assert int(metrics["count"]) == int((labels[:, 1:] != -100).sum())
 
     # edl -> HF: same keys as transformers writes, and transformers reproduces the logits.
     edl.save_pretrained(model, tmp_path / "edl", max_shard_size="20KB")
@@ -185,7 +185,7 @@ def test_packed_segments_equal_separate_sequences():
     np.testing.assert_allclose(logits[:, 7:], model(jnp.asarray(b)).logits, atol=1e-5)
     # The loss never asks the last token of `a` to predict the first of `b`.
     _, metrics = model.compute_loss(packed, segment_ids=segments)
-    assert int(metrics["tokens"]) == 6 + 5
+    assert int(metrics["count"]) == 6 + 5
 
 
 def test_sharded_checkpoint_equals_single_file(tmp_path):

@@ -149,11 +149,11 @@ def test_causal_lm_loss_matches_transformers_and_float64(c):
         shift=c["shift"],
         softcap=c["softcap"],
     )
-    assert loss.dtype == jnp.float32 and metrics["tokens"].dtype == jnp.int32
+    assert loss.dtype == jnp.float32 and metrics["count"].dtype == jnp.int32
     assert float(metrics["loss"]) == float(loss)
     np.testing.assert_allclose(loss, np_loss, **LOSS_TOL)
     np.testing.assert_allclose(ref_loss, np_loss, **LOSS_TOL)
-    assert int(metrics["tokens"]) == int(ref_metrics["tokens"]) == np_count
+    assert int(metrics["count"]) == int(ref_metrics["count"]) == np_count
     # Argmax over float32 vs float64 logits agrees unless two logits tie to ~1e-6 (a small
     # softcap saturates logits into near-ties): each such token may flip one prediction.
     top2 = np.sort(np_logits.reshape(-1, np_logits.shape[-1]), axis=-1)[:, -2:]
@@ -275,7 +275,7 @@ def test_no_targets_gives_zero_loss_and_finite_gradients(case):
     value_and_grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1), has_aux=True))
     (loss, metrics), grads = value_and_grad(hidden, head)
     assert float(loss) == 0.0 and float(metrics["accuracy"]) == 0.0
-    assert int(metrics["tokens"]) == 0
+    assert int(metrics["count"]) == 0
     for g in grads:
         assert bool(jnp.all(g == 0.0))
     ref, _ = unchunked(hidden, head, labels, attention_mask=mask)
@@ -337,7 +337,7 @@ def test_cross_entropy_any_leading_shape():
     lse = np.log(np.exp(x).sum(-1))
     nll = lse - np.take_along_axis(x, np.where(keep, labels, 0)[..., None], -1)[..., 0]
     np.testing.assert_allclose(loss, nll[keep].mean(), rtol=1e-5)
-    assert int(metrics["tokens"]) == keep.sum()
+    assert int(metrics["count"]) == keep.sum()
     np.testing.assert_allclose(metrics["accuracy"], (x.argmax(-1) == labels)[keep].mean())
 
 

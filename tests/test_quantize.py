@@ -18,7 +18,7 @@ import edl
 from edl.io.checkpoint import load_state, save_state
 from edl.models import LlamaForCausalLM
 from edl.nn import Linear, stack
-from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
+from edl.ops.quant import NF4_CODE, dequantize_weight, quantize_weight, quantized_matmul
 from edl.quantize import QuantConfig, QuantizedLinear, is_quantized
 from edl.quantize import dequantize as dequantize_model
 from edl.quantize import quantize as quantize_model
@@ -100,12 +100,12 @@ def test_round_trip_matches_numpy_reference_within_format_bounds(fmt, lead, out,
     size = inp if block == "channel" else block
     if fmt == "nf4" and size % 2:
         size += 1
-    q, scales = quantize(jnp.asarray(w), format=fmt, block_size=size)
+    q, scales = quantize_weight(jnp.asarray(w), format=fmt, block_size=size)
     assert q.dtype == (jnp.int8 if fmt == "int8" else jnp.uint8)
     blocks = -(-out * inp // size)
     assert q.shape == (*lead, blocks, size if fmt == "int8" else size // 2)
     assert scales.shape == (*lead, blocks) and scales.dtype == jnp.float32
-    back = np.asarray(dequantize(q, scales, format=fmt, shape=(out, inp)), np.float64)
+    back = np.asarray(dequantize_weight(q, scales, format=fmt, shape=(out, inp)), np.float64)
 
     codes, ref, scale, boundary = _reference(w, fmt, size)
     edl_codes = np.asarray(q, np.int64) if fmt == "int8" else _unpack_nf4(q)
@@ -125,8 +125,8 @@ def test_quantized_matmul_equals_the_dequantized_weight_in_float64():
     w = rng.normal(size=(24, 40)).astype(np.float32)
     x = rng.normal(size=(2, 5, 40)).astype(np.float32)
     for fmt in ("int8", "nf4"):
-        q, s = quantize(jnp.asarray(w), format=fmt, block_size=16)
-        dense = np.asarray(dequantize(q, s, format=fmt, shape=(24, 40)), np.float64)
+        q, s = quantize_weight(jnp.asarray(w), format=fmt, block_size=16)
+        dense = np.asarray(dequantize_weight(q, s, format=fmt, shape=(24, 40)), np.float64)
         y = quantized_matmul(jnp.asarray(x), q, s, format=fmt, shape=(24, 40))
         np.testing.assert_allclose(np.asarray(y), x.astype(np.float64) @ dense.T, atol=1e-4)
         half = quantized_matmul(jnp.asarray(x, jnp.bfloat16), q, s, format=fmt, shape=(24, 40))

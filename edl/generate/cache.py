@@ -52,19 +52,19 @@ def _new_positions(lengths: Int[Array, " batch"], new: int) -> Int[Array, "batch
 
 
 class KVCache(eqx.Module):
-    """Contiguous cache: keys/values ``(layers, batch, max_len, kv_heads, head_dim)``."""
+    """Contiguous cache: keys/values ``(layers, batch, cache_len, kv_heads, head_dim)``."""
 
-    k: Float[Array, "layers batch max_len kv_heads head_dim"]
-    v: Float[Array, "layers batch max_len kv_heads head_dim"]
+    k: Float[Array, "layers batch cache_len kv_heads head_dim"]
+    v: Float[Array, "layers batch cache_len kv_heads head_dim"]
     lengths: Int[Array, " batch"]
     fresh: bool = eqx.field(static=True, default=False)
 
     @property
-    def max_len(self) -> int:
+    def cache_len(self) -> int:
         return self.k.shape[2]
 
     def reserve(self, num_new: Int[Array, " batch"]) -> KVCache:
-        """Nothing to allocate: every row owns ``max_len`` slots."""
+        """Nothing to allocate: every row owns ``cache_len`` slots."""
         del num_new
         return self
 
@@ -78,9 +78,9 @@ class KVCache(eqx.Module):
         new = k.shape[1]
         k, v = k.astype(self.k.dtype), v.astype(self.v.dtype)
         if self.fresh:  # every row starts at 0: one contiguous write
-            if new > self.max_len:
+            if new > self.cache_len:
                 raise ValueError(
-                    f"KVCache: {new} new tokens exceed the cache length {self.max_len}"
+                    f"KVCache: {new} new tokens exceed the cache length {self.cache_len}"
                 )
             start = (layer, 0, 0, 0, 0)
             return dataclasses.replace(
@@ -133,13 +133,13 @@ class KVCache(eqx.Module):
         return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
 
 
-def init_cache(config: Any, batch: int, max_len: int, dtype: DTypeLike = jnp.float32) -> KVCache:
-    """An empty (``fresh``) cache for ``batch`` rows of up to ``max_len`` tokens (rounded up
+def init_cache(config: Any, batch: int, cache_len: int, dtype: DTypeLike = jnp.float32) -> KVCache:
+    """An empty (``fresh``) cache for ``batch`` rows of up to ``cache_len`` tokens (rounded up
     to a multiple of 16) for a model with this config (HF field names: ``num_hidden_layers``,
     ``num_key_value_heads``, ``head_dim``)."""
-    if batch < 1 or max_len < 1:
-        raise ValueError(f"init_cache: batch and max_len must be >= 1, got {batch}, {max_len}")
+    if batch < 1 or cache_len < 1:
+        raise ValueError(f"init_cache: batch and cache_len must be >= 1, got {batch}, {cache_len}")
     layers, kv_heads, head_dim = cache_dims(config)
-    max_len = -(-max_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
-    zeros = jnp.zeros((layers, batch, max_len, kv_heads, head_dim), dtype)
+    cache_len = -(-cache_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
+    zeros = jnp.zeros((layers, batch, cache_len, kv_heads, head_dim), dtype)
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32), fresh=True)

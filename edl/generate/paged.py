@@ -4,7 +4,7 @@ Each row (sequence) owns the pages its ``page_table`` row lists, in order; posit
 of row ``b`` lives in page ``page_table[b, p // page_size]`` at slot ``p % page_size``.
 Pages are taken from the pool as rows grow (``reserve``, called by the model before it
 writes) and given back by ``free_rows``, so sequences of very different lengths share memory
-instead of each holding ``max_len`` slots. Allocation is a pure function of the cache (the
+instead of each holding ``cache_len`` slots. Allocation is a pure function of the cache (the
 lowest-numbered free pages go to rows in row order), so it runs inside the compiled decode
 loop. Running out of pages is a checked runtime error (``equinox.error_if``).
 
@@ -41,15 +41,15 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class PagedCacheConfig:
     """Pool geometry: ``num_pages`` pages of ``page_size`` tokens; one sequence may grow to
-    ``max_model_length`` tokens (``pages_per_seq`` pages)."""
+    ``cache_len`` tokens (``pages_per_seq`` pages)."""
 
     num_pages: int
     page_size: int
-    max_model_length: int
+    cache_len: int
 
     @property
     def pages_per_seq(self) -> int:
-        return -(-self.max_model_length // self.page_size)
+        return -(-self.cache_len // self.page_size)
 
 
 def _page_bytes(config: Any, page_size: int, dtype: DTypeLike) -> int:
@@ -69,7 +69,7 @@ def paged_cache_config(
     config: Any,
     *,
     page_size: int = 16,
-    max_model_length: int,
+    cache_len: int,
     memory_fraction: float = 0.9,
     dtype: DTypeLike = jnp.float32,
     device: jax.Device | None = None,
@@ -81,20 +81,16 @@ def paged_cache_config(
     """
     if not 0.0 < memory_fraction <= 1.0:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-    if page_size < 1 or max_model_length < 1:
-        raise ValueError(
-            f"page_size/max_model_length must be >= 1: {page_size}, {max_model_length}"
-        )
+    if page_size < 1 or cache_len < 1:
+        raise ValueError(f"page_size/cache_len must be >= 1: {page_size}, {cache_len}")
     free = _free_device_bytes(device or jax.devices()[0])
     per_page = _page_bytes(config, page_size, dtype)
-    geometry = PagedCacheConfig(
-        int(free * memory_fraction) // per_page, page_size, max_model_length
-    )
+    geometry = PagedCacheConfig(int(free * memory_fraction) // per_page, page_size, cache_len)
     if geometry.num_pages < geometry.pages_per_seq:
         raise ValueError(
             f"paged_cache_config: {memory_fraction:.0%} of {free / 2**30:.2f} GiB free holds "
             f"{geometry.num_pages} pages of {per_page} bytes, fewer than one sequence of "
-            f"{max_model_length} tokens needs ({geometry.pages_per_seq})"
+            f"{cache_len} tokens needs ({geometry.pages_per_seq})"
         )
     return geometry
 
@@ -214,12 +210,12 @@ def init_paged_cache(
     page_size: int,
     *,
     batch: int,
-    max_model_length: int,
+    cache_len: int,
     dtype: DTypeLike = jnp.float32,
 ) -> PagedKVCache:
     """An empty (``fresh``) paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
-    ``batch`` rows of up to ``max_model_length`` tokens each (no page assigned yet)."""
-    geometry = PagedCacheConfig(num_pages, page_size, max_model_length)
+    ``batch`` rows of up to ``cache_len`` tokens each (no page assigned yet)."""
+    geometry = PagedCacheConfig(num_pages, page_size, cache_len)
     if num_pages < 1 or page_size < 1 or batch < 1:
         raise ValueError(
             f"init_paged_cache: num_pages, page_size and batch must be >= 1, got "

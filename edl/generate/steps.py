@@ -82,15 +82,15 @@ def compact_prompts(
     return ids, mask, lengths
 
 
-def new_cache(model: CausalLM, rows: int, max_len: int, page_size: int | None) -> KVCacheLike:
+def new_cache(model: CausalLM, rows: int, cache_len: int, page_size: int | None) -> KVCacheLike:
     """A fresh contiguous cache in the model's dtype, or (``page_size``) a paged one whose
     pool fits every row."""
     dtype = model.model.embed_tokens.weight.dtype
     if page_size is None:
-        return init_cache(model.config, rows, max_len, dtype)
-    pages = rows * -(-max_len // page_size)
+        return init_cache(model.config, rows, cache_len, dtype)
+    pages = rows * -(-cache_len // page_size)
     return init_paged_cache(
-        model.config, pages, page_size, batch=rows, max_model_length=max_len, dtype=dtype
+        model.config, pages, page_size, batch=rows, cache_len=cache_len, dtype=dtype
     )
 
 

@@ -43,7 +43,7 @@ __all__ = ["decode_attention"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _DecodePlan:
     new_tokens: int
     group: int
     window: int | None
@@ -69,7 +69,7 @@ def _cache_block(cache_len: int, requested: int, interpret: bool) -> int:
     return block
 
 
-def _decode_kernel(*refs, plan: _Plan):
+def _decode_kernel(*refs, plan: _DecodePlan):
     if plan.has_start:
         len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, lse_ref = refs
         start = start_ref[()]
@@ -105,7 +105,9 @@ def _decode_kernel(*refs, plan: _Plan):
     o_ref[...], lse_ref[...] = online_softmax_finish(carry, empty_lse=-jnp.inf)
 
 
-def _decode_call(scalars, q_rows, k_cache, v_cache, *, plan: _Plan, num_splits, params, interpret):
+def _decode_call(
+    scalars, q_rows, k_cache, v_cache, *, plan: _DecodePlan, num_splits, params, interpret
+):
     batch, kv_heads, padded_rows, dim = q_rows.shape
     cache_len = k_cache.shape[1]
     scalar = pl.BlockSpec((None,), lambda b, h, s: (b,))
@@ -174,7 +176,7 @@ def decode_attention(
     block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
     num_blocks = cache_len // block
     num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
-    plan = _Plan(
+    plan = _DecodePlan(
         new_tokens=new_tokens, group=group, window=window,
         softcap=None if softcap is None else float(softcap),
         scale=head_dim**-0.5 if scale is None else float(scale), block_k=block,

@@ -81,7 +81,7 @@ def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _FlashPlan:
     """Everything static about one call: hashable, so it can key ``custom_vjp``."""
 
     causal: bool
@@ -115,7 +115,7 @@ def _div(a, b: int):
     return jax.lax.div(a, jnp.int32(b))
 
 
-def _kv_block_range(first_q, last_q, plan: _Plan, block_k: int, num_k_blocks: int):
+def _kv_block_range(first_q, last_q, plan: _FlashPlan, block_k: int, num_k_blocks: int):
     """K/V blocks ``[lo, hi)`` holding any key visible to queries at kv positions
     ``first_q..last_q`` (traced scalars)."""
     lo, hi = 0, num_k_blocks
@@ -126,7 +126,7 @@ def _kv_block_range(first_q, last_q, plan: _Plan, block_k: int, num_k_blocks: in
     return lo, hi
 
 
-def _q_block_range(first_k, last_k, plan: _Plan, block_q: int, num_q_blocks: int):
+def _q_block_range(first_k, last_k, plan: _FlashPlan, block_q: int, num_q_blocks: int):
     """Query blocks ``[lo, hi)`` holding any query that sees a key at kv positions
     ``first_k..last_k`` (traced scalars; query ``i`` sits at position ``i + offset``)."""
     lo, hi = 0, num_q_blocks
@@ -146,7 +146,7 @@ def _unpack(refs, n_in: int, has_segments: bool):
     return inputs, None, None, rest
 
 
-def _query_block(plan: _Plan, qs_ref, block_q: int, block_k: int):
+def _query_block(plan: _FlashPlan, qs_ref, block_q: int, block_k: int):
     """This program's query block: kv positions, segment ids, and the K/V blocks to visit."""
     i = pl.program_id(2)
     first = i * block_q + plan.offset
@@ -156,7 +156,7 @@ def _query_block(plan: _Plan, qs_ref, block_q: int, block_k: int):
     return q_pos, q_seg, lo, hi
 
 
-def _key_block_mask(plan: _Plan, q_pos, q_seg, ks_ref, j, block_k: int):
+def _key_block_mask(plan: _FlashPlan, q_pos, q_seg, ks_ref, j, block_k: int):
     """Visibility of K/V block ``j`` (keys) to the query block at ``q_pos``."""
     keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     mask = visible(
@@ -166,7 +166,7 @@ def _key_block_mask(plan: _Plan, q_pos, q_seg, ks_ref, j, block_k: int):
     return keys, mask
 
 
-def _forward_kernel(*refs, plan: _Plan, has_segments: bool):
+def _forward_kernel(*refs, plan: _FlashPlan, has_segments: bool):
     (q_ref, k_ref, v_ref), qs_ref, ks_ref, (o_ref, lse_ref) = _unpack(refs, 3, has_segments)
     block_q, block_k = plan.block_q, plan.block_k
     q = q_ref[...]
@@ -185,7 +185,7 @@ def _forward_kernel(*refs, plan: _Plan, has_segments: bool):
     lse_ref[...] = lse
 
 
-def _probs_and_dscores(q, k, v, do, lse, delta, mask, plan: _Plan):
+def _probs_and_dscores(q, k, v, do, lse, delta, mask, plan: _FlashPlan):
     """Recompute ``P`` from the saved log-sum-exp and the gradient w.r.t. the pre-scale
     logits ``dS`` (through the soft-cap); the caller applies ``scale``."""
     s, tanh = scores(q, k, scale=plan.scale, softcap=plan.softcap)
@@ -199,7 +199,7 @@ def _probs_and_dscores(q, k, v, do, lse, delta, mask, plan: _Plan):
     return p, ds
 
 
-def _dq_kernel(*refs, plan: _Plan, has_segments: bool):
+def _dq_kernel(*refs, plan: _FlashPlan, has_segments: bool):
     inputs, qs_ref, ks_ref, (dq_ref,) = _unpack(refs, 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs
     block_q, block_k = plan.block_q_bwd, plan.block_k_bwd
@@ -216,7 +216,7 @@ def _dq_kernel(*refs, plan: _Plan, has_segments: bool):
     dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(*refs, plan: _Plan, has_segments: bool):
+def _dkdv_kernel(*refs, plan: _FlashPlan, has_segments: bool):
     inputs, qs_ref, ks_ref, (dk_ref, dv_ref) = _unpack(refs, 6, has_segments)
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = inputs  # q/do/lse/delta: whole group
     block_q, block_k = plan.block_q_bwd, plan.block_k_bwd
@@ -264,7 +264,7 @@ def _segment_spec(length: int, *, blocked: bool) -> pl.BlockSpec:
     return pl.BlockSpec((None, length), lambda b, h, i: (b, 0))
 
 
-def _forward_call(q, k, v, q_seg, kv_seg, plan: _Plan):
+def _forward_call(q, k, v, q_seg, kv_seg, plan: _FlashPlan):
     batch, padded_q, heads, dim = q.shape
     padded_kv, kv_heads = k.shape[1], k.shape[2]
     group, bq = heads // kv_heads, plan.block_q
@@ -289,7 +289,7 @@ def _forward_call(q, k, v, q_seg, kv_seg, plan: _Plan):
     )(q, k, v, *seg_args)
 
 
-def _dq_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
+def _dq_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _FlashPlan):
     batch, padded_q, heads, dim = q.shape
     padded_kv, kv_heads = k.shape[1], k.shape[2]
     group, bq = heads // kv_heads, plan.block_q_bwd
@@ -312,7 +312,7 @@ def _dq_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
     )(q, k, v, d_out, lse, delta, *seg_args)
 
 
-def _dkdv_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
+def _dkdv_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _FlashPlan):
     batch, padded_q, heads, dim = q.shape
     padded_kv, kv_heads = k.shape[1], k.shape[2]
     group, bk = heads // kv_heads, plan.block_k_bwd
@@ -335,7 +335,7 @@ def _dkdv_call(q, k, v, d_out, lse, delta, q_seg, kv_seg, plan: _Plan):
     )(q, k, v, d_out, lse, delta, *seg_args)
 
 
-def _launch(call, plan: _Plan, kv_heads: int, *args):
+def _launch(call, plan: _FlashPlan, kv_heads: int, *args):
     """``call(*args, plan)``; in interpret mode once per (batch row, kv head) via ``lax.map``.
 
     Pallas' interpreter carries every input through its loop over the grid and copies each
@@ -369,11 +369,11 @@ def _launch(call, plan: _Plan, kv_heads: int, *args):
     return jax.tree.map(merge, outs)
 
 
-def _forward(q, k, v, q_seg, kv_seg, plan: _Plan):
+def _forward(q, k, v, q_seg, kv_seg, plan: _FlashPlan):
     return _launch(_forward_call, plan, k.shape[2], q, k, v, q_seg, kv_seg)
 
 
-def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _Plan):
+def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _FlashPlan):
     # delta_i = rowsum(dO_i * O_i): one cheap elementwise pass, (batch, heads, q_len).
     delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
     args = (q, k, v, d_out, lse, delta, q_seg, kv_seg)
@@ -453,7 +453,7 @@ def flash_attention(
     bk_bwd = seq_block(blocks.block_k_bwd, kv_len, interpret)
     padded_q = cdiv(q_len, math.lcm(bq, bq_bwd)) * math.lcm(bq, bq_bwd)
     padded_kv = cdiv(kv_len, math.lcm(bk, bk_bwd)) * math.lcm(bk, bk_bwd)
-    plan = _Plan(
+    plan = _FlashPlan(
         causal=causal or window is not None, window=window,
         softcap=None if softcap is None else float(softcap),
         scale=head_dim**-0.5 if scale is None else float(scale), q_len=q_len, kv_len=kv_len,

@@ -59,7 +59,7 @@ _CPU_BLOCK_KEYS = 512  # keys per block in interpret mode
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _PagedPlan:
     new_tokens: int
     group: int
     window: int | None
@@ -72,7 +72,7 @@ class _Plan:
     blocks_per_split: int
 
 
-def _paged_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: _Plan):
+def _paged_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: _PagedPlan):
     length = len_ref[()]
     head, split = pl.program_id(1), pl.program_id(2)
     page_size, per_block = plan.page_size, plan.pages_per_block
@@ -201,7 +201,7 @@ def paged_decode_attention(
     per_block = max(1, min(pages_per_seq, _CPU_BLOCK_KEYS // page_size)) if interpret else 1
     num_blocks = cdiv(pages_per_seq, per_block)
     num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
-    plan = _Plan(
+    plan = _PagedPlan(
         new_tokens=new_tokens, group=heads // kv_heads, window=window,
         softcap=None if softcap is None else float(softcap),
         scale=head_dim**-0.5 if scale is None else float(scale), num_pages=num_pages,

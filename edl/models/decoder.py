@@ -4,7 +4,7 @@ Module tree and field names mirror transformers (``model.embed_tokens``,
 ``model.layers.self_attn.q_proj``, ``model.layers.mlp.experts.gate_proj``, ``model.norm``,
 ``lm_head``), except that the decoder layers are one stacked module whose arrays carry a
 leading layer axis, so ``"model.layers.mlp.up_proj.weight"`` is ``(num_layers, intermediate,
-hidden)``. A model mixing dense and MoE layers (Qwen3-MoE's ``mlp_only_layers``) keeps its
+dim)``. A model mixing dense and MoE layers (Qwen3-MoE's ``mlp_only_layers``) keeps its
 dense layers in a second stack, ``model.dense_layers``.
 
 What differs between families is configuration (``edl.models.config.DecoderConfig``):

@@ -126,7 +126,7 @@ class DecoderForCausalLM(eqx.Module):
         transformers, the auxiliary loss times ``router_aux_loss_coef`` is added to the loss
         when ``output_router_logits`` is set, and the z-loss times ``router_z_loss_coef``
         whenever that is non-zero.
-        Returns ``(loss, {"loss", "accuracy", "tokens"[, "aux_loss", "z_loss"]})``.
+        Returns ``(loss, {"loss", "accuracy", "count"[, "aux_loss", "z_loss"]})``.
         """
         c = self.config
         if labels is None:

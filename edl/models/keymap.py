@@ -18,7 +18,7 @@ first. The first matching rule wins, in either direction::
 
 A rule with several edl templates reads one *fused* HF tensor into several edl arrays, each
 an equal chunk along ``split`` (transformers 5 keeps MoE experts as one
-``experts.gate_up_proj`` tensor of ``(experts, 2 * intermediate, hidden)``); such rules only
+``experts.gate_up_proj`` tensor of ``(experts, 2 * intermediate, dim)``); such rules only
 load, and saving always writes the per-tensor layout of the other rules (EasyDeL's
 ``ParameterTransformRule``).
 

@@ -29,8 +29,8 @@ __all__ = [
     "MixtralModel",
 ]
 
-# transformers 5 keeps experts fused in memory: gate_up_proj (experts, 2 * inter, hidden) and
-# down_proj (experts, hidden, inter); save_pretrained writes the per-expert layout again.
+# transformers 5 keeps experts fused in memory: gate_up_proj (experts, 2 * intermediate, dim) and
+# down_proj (experts, dim, intermediate); save_pretrained writes the per-expert layout again.
 FUSED_EXPERT_RULES = (
     KeyRule("mlp.experts.gate_up_proj", ("mlp.experts.gate_proj", "mlp.experts.up_proj"), split=1),
     KeyRule("mlp.experts.down_proj", "mlp.experts.down_proj", load_only=True),

@@ -27,7 +27,7 @@ class GatedMLP(eqx.Module):
     def init(
         cls,
         dim: int,
-        hidden: int,
+        intermediate: int,
         *,
         act: str = "silu",
         use_bias: bool = False,
@@ -39,9 +39,9 @@ class GatedMLP(eqx.Module):
         kg, ku, kd = jax.random.split(key, 3)
         kw = {"use_bias": use_bias, "std": std, "dtype": dtype}
         return cls(
-            Linear.init(dim, hidden, key=kg, **kw),
-            Linear.init(dim, hidden, key=ku, **kw),
-            Linear.init(hidden, dim, key=kd, **kw),
+            Linear.init(dim, intermediate, key=kg, **kw),
+            Linear.init(dim, intermediate, key=ku, **kw),
+            Linear.init(intermediate, dim, key=kd, **kw),
             act=act,
         )
 

@@ -1,9 +1,9 @@
 """Sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE), experts stored stacked.
 
-``SparseMoE`` holds a router ``gate`` (a ``Linear`` hidden -> experts, HF's ``mlp.gate``) and
+``SparseMoE`` holds a router ``gate`` (a ``Linear`` dim -> experts, HF's ``mlp.gate``) and
 ``experts`` whose arrays stack every expert's gated-MLP weight in torch layout
-(``experts.gate_proj`` / ``up_proj`` ``(experts, intermediate, hidden)``, ``down_proj``
-``(experts, hidden, intermediate)``, as transformers 5 keeps them). The forward routes each
+(``experts.gate_proj`` / ``up_proj`` ``(experts, intermediate, dim)``, ``down_proj``
+``(experts, dim, intermediate)``, as transformers 5 keeps them). The forward routes each
 token to its top-k experts and returns the router statistics for the auxiliary losses
 (``edl.ops.moe``).
 """
@@ -26,16 +26,16 @@ __all__ = ["Experts", "SparseMoE"]
 class Experts(eqx.Module):
     """Every expert's gated-MLP weights, stacked along a leading expert axis."""
 
-    gate_proj: Float[Array, "experts inter hidden"]
-    up_proj: Float[Array, "experts inter hidden"]
-    down_proj: Float[Array, "experts hidden inter"]
+    gate_proj: Float[Array, "experts intermediate dim"]
+    up_proj: Float[Array, "experts intermediate dim"]
+    down_proj: Float[Array, "experts dim intermediate"]
 
     @classmethod
     def init(
         cls,
         num_experts: int,
         dim: int,
-        hidden: int,
+        intermediate: int,
         *,
         std: float = 0.02,
         dtype: DTypeLike = jnp.float32,
@@ -44,9 +44,9 @@ class Experts(eqx.Module):
         kg, ku, kd = jax.random.split(key, 3)
         normal = lambda k, shape: std * jax.random.normal(k, shape, dtype)
         return cls(
-            normal(kg, (num_experts, hidden, dim)),
-            normal(ku, (num_experts, hidden, dim)),
-            normal(kd, (num_experts, dim, hidden)),
+            normal(kg, (num_experts, intermediate, dim)),
+            normal(ku, (num_experts, intermediate, dim)),
+            normal(kd, (num_experts, dim, intermediate)),
         )
 
 
@@ -63,7 +63,7 @@ class SparseMoE(eqx.Module):
     def init(
         cls,
         dim: int,
-        hidden: int,
+        intermediate: int,
         num_experts: int,
         top_k: int,
         *,
@@ -81,7 +81,7 @@ class SparseMoE(eqx.Module):
         k_gate, k_experts = jax.random.split(key)
         return cls(
             Linear.init(dim, num_experts, std=std, dtype=dtype, key=k_gate),
-            Experts.init(num_experts, dim, hidden, std=std, dtype=dtype, key=k_experts),
+            Experts.init(num_experts, dim, intermediate, std=std, dtype=dtype, key=k_experts),
             top_k=top_k,
             normalize=normalize,
             act=act,

@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Integer
 
 from edl.nn.layers import Linear, add_bias
 from edl.nn.stack import map_stacked
-from edl.ops.quant import Format, check_format, dequantize, quantize, quantized_matmul
+from edl.ops.quant import Format, check_format, dequantize_weight, quantize_weight, quantized_matmul
 
 __all__ = ["BlockSize", "QuantizedLinear", "resolve_block_size"]
 
@@ -30,7 +30,7 @@ DEFAULT_BLOCK_SIZE = {"nf4": 64, "int8": "channel"}
 
 # One compiled program per weight shape (XLA fuses the intermediates: a whole layer stack is
 # quantized in one pass without float32 copies of it).
-_quantize = jax.jit(quantize, static_argnames=("format", "block_size", "scale_dtype"))
+_quantize_weight = jax.jit(quantize_weight, static_argnames=("format", "block_size", "scale_dtype"))
 
 
 def resolve_block_size(format: Format, block_size: BlockSize, in_features: int) -> int:
@@ -42,7 +42,7 @@ def resolve_block_size(format: Format, block_size: BlockSize, in_features: int) 
 
 
 class QuantizedLinear(eqx.Module):
-    """``y = x @ dequantize(qweight, scales).T + bias``: weight-only quantized ``Linear``.
+    """``y = x @ dequantize_weight(qweight, scales).T + bias``: weight-only quantized ``Linear``.
 
     Attributes:
         qweight: int8 codes ``(blocks, block_size)`` or NF4 codes packed two per uint8
@@ -77,7 +77,9 @@ class QuantizedLinear(eqx.Module):
         """Quantize ``linear`` (a single or stacked ``Linear``: leading axes are kept)."""
         shape = tuple(linear.weight.shape[-2:])
         size = resolve_block_size(format, block_size, shape[1])
-        q, s = _quantize(linear.weight, format=format, block_size=size, scale_dtype=scale_dtype)
+        q, s = _quantize_weight(
+            linear.weight, format=format, block_size=size, scale_dtype=scale_dtype
+        )
         dtype = jnp.dtype(linear.weight.dtype).name
         return cls(q, s, linear.bias, format=format, shape=shape, dtype=dtype)
 
@@ -89,7 +91,7 @@ class QuantizedLinear(eqx.Module):
     def weight(self) -> Float[Array, "*lead out in"]:
         """The dequantized weight ``(*lead, out, in)``, for code that reads ``.weight`` of a
         linear layer (a causal LM's chunked loss reads its head's)."""
-        return dequantize(
+        return dequantize_weight(
             self.qweight, self.scales, format=self.format, shape=self.shape, dtype=self.dtype
         )
 

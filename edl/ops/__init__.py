@@ -19,7 +19,7 @@ from edl.ops.moe import (
     router_z_loss,
 )
 from edl.ops.norms import rms_norm
-from edl.ops.quant import NF4_CODE, dequantize, quantize, quantized_matmul
+from edl.ops.quant import NF4_CODE, dequantize_weight, quantize_weight, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
 from edl.ops.sampling import (
     LogitsProcessor,
@@ -48,7 +48,7 @@ __all__ = [
     "causal_lm_loss_from_logits",
     "compose",
     "cross_entropy",
-    "dequantize",
+    "dequantize_weight",
     "expert_mlp",
     "greedy",
     "inv_frequencies",
@@ -58,7 +58,7 @@ __all__ = [
     "min_p",
     "paged_attention",
     "processors_for",
-    "quantize",
+    "quantize_weight",
     "quantized_matmul",
     "reference_attention",
     "repetition_penalty",

@@ -9,7 +9,7 @@ callers that already have logits (and the reference the chunked one is tested ag
 
 Every loss returns ``(loss, metrics)``: a float32 scalar and a dict of scalars (the loss again,
 plus accuracy / counts) ready for logging. Cross entropy is the mean over the counted targets
-(HF's ``reduction="mean"``), 0.0 rather than NaN when nothing is counted; ``metrics["tokens"]``
+(HF's ``reduction="mean"``), 0.0 rather than NaN when nothing is counted; ``metrics["count"]``
 lets a caller renormalise over gradient-accumulation steps as HF's ``num_items_in_batch`` does.
 """
 
@@ -67,7 +67,7 @@ def _metrics(
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     denom = jnp.maximum(count, 1).astype(jnp.float32)  # nothing counted: 0.0, not NaN
     loss = loss_sum / denom
-    return loss, {"loss": loss, "accuracy": correct.astype(jnp.float32) / denom, "tokens": count}
+    return loss, {"loss": loss, "accuracy": correct.astype(jnp.float32) / denom, "count": count}
 
 
 def _lm_targets(
@@ -112,7 +112,7 @@ def cross_entropy(
     outside ``[0, vocab)`` (other than ``ignore_index``) give a NaN loss.
 
     Returns:
-        ``(loss, {"loss", "accuracy", "tokens"})``: the mean over counted labels (0.0 when
+        ``(loss, {"loss", "accuracy", "count"})``: the mean over counted labels (0.0 when
         there are none), the fraction of counted labels that are the logits' argmax, and the
         int32 number of counted labels.
     """
@@ -189,7 +189,7 @@ def causal_lm_loss(
         softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
 
     Returns:
-        ``(loss, {"loss", "accuracy", "tokens"})``: the float32 mean over counted targets (0.0
+        ``(loss, {"loss", "accuracy", "count"})``: the float32 mean over counted targets (0.0
         when there are none), the fraction of them that are the argmax of the logits, and their
         int32 count. Gradients flow to ``hidden`` and ``head``; the chunk logits are recomputed
         in the backward pass, and the head's gradient is summed over chunks in its dtype.
@@ -293,7 +293,7 @@ def sequence_classification_loss(
             )
         _check_integer(name, "single-label labels", labels)
         loss, metrics = cross_entropy(logits32, labels.reshape(batch))
-        return loss, {"loss": loss, "accuracy": metrics["accuracy"], "count": metrics["tokens"]}
+        return loss, {"loss": loss, "accuracy": metrics["accuracy"], "count": metrics["count"]}
 
     if problem_type == "multi_label_classification":
         if labels.shape != logits.shape:

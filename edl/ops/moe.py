@@ -4,7 +4,7 @@ the experts' gated MLPs applied to routed tokens.
 Routing (``route``) follows transformers: softmax over the router logits in float32, the
 ``top_k`` largest probabilities, optionally renormalised to sum to 1 (Mixtral always,
 Qwen3-MoE with ``norm_topk_prob``). ``expert_mlp`` then sends each token through its chosen
-experts without ever forming a ``(tokens, experts, hidden)`` array:
+experts without ever forming a ``(tokens, experts, dim)`` array:
 
 - ``"blocked"`` (default, dropless): the ``tokens * top_k`` assignments are sorted by expert
   into blocks of ``block_size`` rows, each block padded and owned by one expert (at most
@@ -13,14 +13,14 @@ experts without ever forming a ``(tokens, experts, hidden)`` array:
   by hand and accumulates each expert's weight gradient in place.
 - ``"capacity"``: each expert takes at most ``ceil(tokens * top_k / experts *
   capacity_factor)`` assignments, in token order; the rest are dropped (contribute zero), as
-  in Switch / GShard. Dense ``(experts, capacity, hidden)`` batched matmuls.
+  in Switch / GShard. Dense ``(experts, capacity, dim)`` batched matmuls.
 - ``"ragged"``: ``jax.lax.ragged_dot_general`` on the sorted assignments (a native grouped
   matmul on TPU; on CPU, jax lowers it to a dense masked product).
 - ``"dense"``: every expert on every token, then the routed ones are kept: the reference the
   others are tested against (``experts`` times the FLOPs).
 
 Expert weights use the torch layout of transformers' stacked experts: ``gate``/``up``
-``(experts, intermediate, hidden)``, ``down`` ``(experts, hidden, intermediate)``.
+``(experts, intermediate, dim)``, ``down`` ``(experts, dim, intermediate)``.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ __all__ = [
 
 MOE_IMPLS = ("blocked", "capacity", "ragged", "dense")
 
-Tokens = Float[Array, "tokens hidden"]
-Gate = Float[Array, "experts inter hidden"]
-Down = Float[Array, "experts hidden inter"]
+Tokens = Float[Array, "tokens dim"]
+Gate = Float[Array, "experts intermediate dim"]
+Down = Float[Array, "experts dim intermediate"]
 
 
 def route(
@@ -131,12 +131,12 @@ def expert_mlp(
     """``sum_k weights[t, k] * mlp_{experts[t, k]}(x[t])`` with ``mlp_e(x) = down_e(act(gate_e
     x) * up_e x)``; see the module docstring for ``impl``. ``capacity_factor`` selects
     ``"capacity"``. Computes in ``x``'s dtype (weights are cast), combines in float32."""
-    num_experts, inter, hidden = gate.shape
-    fits = down.shape == (num_experts, hidden, inter) and up.shape == gate.shape
-    if x.shape[-1] != hidden or not fits:
+    num_experts, intermediate, dim = gate.shape
+    fits = down.shape == (num_experts, dim, intermediate) and up.shape == gate.shape
+    if x.shape[-1] != dim or not fits:
         raise ValueError(
             f"expert_mlp: x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
-            f"not fit (experts, intermediate, hidden) / (experts, hidden, intermediate)"
+            f"not fit (experts, intermediate, dim) / (experts, dim, intermediate)"
         )  # fmt: skip
     if capacity_factor is not None:
         impl = "capacity"
@@ -159,7 +159,7 @@ def expert_mlp(
     sorted_experts = flat[order]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_experts]
-    rows = x[order // k]  # (assignments, hidden)
+    rows = x[order // k]  # (assignments, dim)
     if impl == "capacity":
         capacity = max(1, math.ceil(flat.shape[0] / num_experts * (capacity_factor or 1.0)))
         y_sorted = _capacity_mlp(rows, sorted_experts, rank, capacity, gate, up, down, act)
@@ -168,7 +168,7 @@ def expert_mlp(
     else:
         y_sorted = _blocked_mlp(rows, sorted_experts, sizes, rank, gate, up, down, act, block_size)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
-    y = y.reshape(tokens, k, hidden).astype(acc)
+    y = y.reshape(tokens, k, dim).astype(acc)
     return jnp.einsum("tkh,tk->th", y, weights.astype(acc)).astype(x.dtype)
 
 
@@ -179,15 +179,15 @@ def _mlp(x, gate, up, down, act):
 
 
 def _capacity_mlp(rows, sorted_experts, rank, capacity, gate, up, down, act):
-    num_experts, hidden = gate.shape[0], rows.shape[-1]
+    num_experts, dim = gate.shape[0], rows.shape[-1]
     # Dropped assignments (rank >= capacity) go to a spare slot that is never computed.
     slot = jnp.where(rank < capacity, sorted_experts * capacity + rank, num_experts * capacity)
-    buf = jnp.zeros((num_experts * capacity + 1, hidden), rows.dtype).at[slot].set(rows)
-    buf = buf[:-1].reshape(num_experts, capacity, hidden)
+    buf = jnp.zeros((num_experts * capacity + 1, dim), rows.dtype).at[slot].set(rows)
+    buf = buf[:-1].reshape(num_experts, capacity, dim)
     g = jnp.einsum("ech,eih->eci", buf, gate)
     h = activation(act)(g) * jnp.einsum("ech,eih->eci", buf, up)
-    y = jnp.einsum("eci,ehi->ech", h, down).reshape(num_experts * capacity, hidden)
-    return jnp.concatenate([y, jnp.zeros((1, hidden), y.dtype)])[slot]
+    y = jnp.einsum("eci,ehi->ech", h, down).reshape(num_experts * capacity, dim)
+    return jnp.concatenate([y, jnp.zeros((1, dim), y.dtype)])[slot]
 
 
 def _ragged_mlp(rows, sizes, gate, up, down, act):
@@ -209,7 +209,7 @@ def default_block_size(assignments: int, num_experts: int) -> int:
 
 
 def _blocked_mlp(rows, sorted_experts, sizes, rank, gate, up, down, act, block_size):
-    num_experts, hidden = gate.shape[0], rows.shape[-1]
+    num_experts, dim = gate.shape[0], rows.shape[-1]
     b = block_size or default_block_size(rows.shape[0], num_experts)
     num_blocks = (rows.shape[0] + num_experts * (b - 1)) // b  # sum_e ceil(size_e / b) at most
     blocks_per = (sizes + b - 1) // b
@@ -217,14 +217,14 @@ def _blocked_mlp(rows, sorted_experts, sizes, rank, gate, up, down, act, block_s
     pos = (block_end - blocks_per)[sorted_experts] * b + rank  # padded row of each assignment
     owner = jnp.searchsorted(block_end, jnp.arange(num_blocks, dtype=jnp.int32), side="right")
     owner = jnp.minimum(owner, num_experts - 1).astype(jnp.int32)  # spare blocks stay zero
-    padded = jnp.zeros((num_blocks * b, hidden), rows.dtype).at[pos].set(rows, unique_indices=True)
-    y = _block_mlp(padded.reshape(num_blocks, b, hidden), owner, gate, up, down, act)
-    return y.reshape(num_blocks * b, hidden)[pos]
+    padded = jnp.zeros((num_blocks * b, dim), rows.dtype).at[pos].set(rows, unique_indices=True)
+    y = _block_mlp(padded.reshape(num_blocks, b, dim), owner, gate, up, down, act)
+    return y.reshape(num_blocks * b, dim)[pos]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _block_mlp(x, owner, gate, up, down, act):
-    """``x[n]`` ``(blocks, rows, hidden)`` through expert ``owner[n]``'s MLP, block by block."""
+    """``x[n]`` ``(blocks, rows, dim)`` through expert ``owner[n]``'s MLP, block by block."""
 
     def body(_, xs):
         xb, e = xs

@@ -9,7 +9,7 @@ does; each block stores one float scale, its absmax::
 
 NF4 packs two codes per uint8, the first in the high nibble (bitsandbytes' order).
 ``block_size == in`` gives one scale per output channel. ``quantized_matmul`` is
-``x @ dequantize(...).T``: XLA fuses the dequantization into the matmul's operand, so
+``x @ dequantize_weight(...).T``: XLA fuses the dequantization into the matmul's operand, so
 only the packed weight is resident between calls.
 """
 
@@ -30,9 +30,9 @@ __all__ = [
     "NF4_CODE",
     "Format",
     "check_format",
-    "dequantize",
+    "dequantize_weight",
     "num_blocks",
-    "quantize",
+    "quantize_weight",
     "quantized_matmul",
 ]
 
@@ -79,7 +79,7 @@ def _blocks(w: jnp.ndarray, block_size: int) -> jnp.ndarray:
     return flat.reshape(*lead, -1, block_size)
 
 
-def quantize(
+def quantize_weight(
     w: Float[Array, "*lead out in"],
     *,
     format: Format,
@@ -120,7 +120,7 @@ def _codes(qweight: jnp.ndarray, format: str) -> jnp.ndarray:
     return pairs.reshape(*qweight.shape[:-1], 2 * qweight.shape[-1])
 
 
-def dequantize(
+def dequantize_weight(
     qweight: Integer[Array, "*lead blocks packed"],
     scales: Float[Array, "*lead blocks"],
     *,
@@ -128,7 +128,7 @@ def dequantize(
     shape: tuple[int, int],
     dtype: DTypeLike = jnp.float32,
 ) -> Float[Array, "*lead out in"]:
-    """The ``(*lead, out, in)`` weight of ``quantize``'s output (``shape = (out, in)``),
+    """The ``(*lead, out, in)`` weight of ``quantize_weight``'s output (``shape = (out, in)``),
     computed in float32 and cast to ``dtype``."""
     block_size = qweight.shape[-1] * (2 if format == "nf4" else 1)
     check_format(format, block_size)
@@ -156,5 +156,5 @@ def quantized_matmul(
     """
     if x.shape[-1] != shape[1]:
         raise ValueError(f"quantized_matmul: input features {x.shape[-1]} != weight's {shape[1]}")
-    w = dequantize(qweight, scales, format=format, shape=shape, dtype=x.dtype)
+    w = dequantize_weight(qweight, scales, format=format, shape=shape, dtype=x.dtype)
     return linear(x, w, addend=addend)

@@ -154,9 +154,8 @@ def _micro_batches(batch: Batch, steps: int) -> Batch:
 
 def _weight(metrics: Mapping[str, jax.Array]) -> jax.Array:
     """A micro-batch's share: its token (or example) count when the loss reports one."""
-    for key in ("tokens", "count"):
-        if key in metrics:
-            return jnp.asarray(metrics[key], jnp.float32)
+    if "count" in metrics:
+        return jnp.asarray(metrics["count"], jnp.float32)
     return jnp.ones((), jnp.float32)
 
 
@@ -167,7 +166,7 @@ def _combine(metrics: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, 
     out = {}
     for key, value in metrics.items():
         value = jnp.asarray(value)
-        if key in ("tokens", "count"):
+        if key == "count":
             out[key] = jnp.sum(value, axis=0)
         else:
             out[key] = jnp.sum(value.astype(jnp.float32) * weights, axis=0) / safe_total
@@ -190,8 +189,9 @@ def make_train_step(
     """Build ``step(state, batch) -> (state, metrics)``.
 
     Args:
-        loss_fn: ``loss_fn(model, batch) -> (scalar loss, metrics dict)``; a ``"tokens"`` or
-            ``"count"`` metric weights micro-batches (exact full-batch gradients).
+        loss_fn: ``loss_fn(model, batch) -> (scalar loss, metrics dict)``; a ``"count"``
+            metric (targets in the mean: tokens, or examples) weights micro-batches (exact
+            full-batch gradients).
         tx: the optimizer (``make_optimizer``, or any optax transformation).
         grad_accum_steps: split every batch array's leading axis into this many micro-batches,
             run by ``lax.scan`` (activation memory of one micro-batch).
@@ -211,7 +211,7 @@ def make_train_step(
             axis, metrics replicated; traced under ``jax.set_mesh(mesh)`` so the models'
             activation constraints apply. The result is a :class:`ShardedStep`.
 
-    Metrics: the loss function's (``loss``, ``accuracy``, ``tokens``, ...), ``grad_norm``
+    Metrics: the loss function's (``loss``, ``accuracy``, ``count``, ...), ``grad_norm``
     (before clipping), ``learning_rate`` (with ``schedule``), ``nonfinite`` (1 when the loss,
     the gradient norm or any updated parameter is NaN/Inf, so a non-finite update is caught
     even when the loss is finite) and, with ``skip_nonfinite``, ``skipped``.

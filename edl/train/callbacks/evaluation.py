@@ -21,8 +21,8 @@ def evaluate(
     max_batches: int | None = None,
 ) -> dict[str, float]:
     """``eval_step`` over at most ``max_batches`` of ``batches``, combined into ``eval_*``
-    metrics: ``tokens`` / ``count`` summed, every other number averaged with the batches'
-    ``tokens`` (or ``count``, else 1) as weights, so the result is the mean over all tokens.
+    metrics: ``count`` summed, every other number averaged with the batches'
+    ``count`` (else 1) as weights, so the result is the mean over all counted targets.
     """
     totals: dict[str, float] = {}
     weight_sum, n = 0.0, 0
@@ -30,9 +30,9 @@ def evaluate(
         if max_batches is not None and n >= max_batches:
             break
         metrics = to_host(eval_step(state, batch))
-        weight = float(metrics.get("tokens", metrics.get("count", 1.0)))
+        weight = float(metrics.get("count", 1.0))
         for key, value in metrics.items():
-            if key in ("tokens", "count"):
+            if key == "count":
                 totals[key] = totals.get(key, 0.0) + value
             elif isinstance(value, float | int):
                 totals[key] = totals.get(key, 0.0) + value * weight
@@ -41,8 +41,7 @@ def evaluate(
     if n == 0:
         raise ValueError("evaluate: the evaluation data yielded no batches")
     return {
-        f"eval_{k}": v if k in ("tokens", "count") else v / max(weight_sum, 1e-12)
-        for k, v in totals.items()
+        f"eval_{k}": v if k == "count" else v / max(weight_sum, 1e-12) for k, v in totals.items()
     }
 
 

@@ -18,8 +18,9 @@ class Throughput(Callback):
     """Every ``every`` steps: ``tokens_per_s`` over the steps since the last report (the
     steps' own time: compile, evaluation and saving excluded), ``mfu`` =
     ``tokens_per_s * flops_per_token / peak_flops`` when both are given, and
-    ``memory_bytes`` where the device reports it. Needs a ``tokens`` metric (the last step's
-    count stands for each step of the interval)."""
+    ``memory_bytes`` where the device reports it. Needs the loss's ``count`` metric (target
+    tokens, for the language-model losses; the last step's count stands for each step of the
+    interval)."""
 
     def __init__(
         self,
@@ -36,10 +37,10 @@ class Throughput(Callback):
 
     def metrics(self, info: StepInfo) -> dict[str, float | int]:
         (step, seconds), self._since = self._since, (info.step, info.train_seconds)
-        tokens, spent = info.metrics.get("tokens"), info.train_seconds - seconds
+        count, spent = info.metrics.get("count"), info.train_seconds - seconds
         out: dict[str, float | int] = {}
-        if tokens is not None and spent > 0:
-            rate = tokens * (info.step - step) / spent
+        if count is not None and spent > 0:
+            rate = count * (info.step - step) / spent
             out["tokens_per_s"] = rate
             if self.flops_per_token and self.peak_flops:
                 out["mfu"] = rate * self.flops_per_token / self.peak_flops
