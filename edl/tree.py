@@ -34,7 +34,6 @@ __all__ = [
     "flatten",
     "is_array_like",
     "is_flat",
-    "is_none",
     "load_into",
     "named_map",
     "named_sharding",

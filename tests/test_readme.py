@@ -76,3 +76,48 @@ def test_the_module_table_names_what_each_module_holds():
             ):
                 missing.append(f"{module_name}: {name}")
     assert not missing, "README module table names what its module lacks:\n" + "\n".join(missing)
+
+
+def _public_modules():
+    import importlib
+    import pkgutil
+
+    import edl
+
+    yield edl
+    for info in pkgutil.walk_packages(edl.__path__, "edl."):
+        yield importlib.import_module(info.name)
+
+
+def test_every_exported_name_resolves_and_says_what_it_is():
+    """Each ``__all__`` is the module's public API: every name exists, and every exported
+    function and class has a docstring (constants and type aliases are documented where
+    they are defined)."""
+    import inspect
+
+    undocumented, missing = [], []
+    for module in _public_modules():
+        for name in getattr(module, "__all__", ()):
+            if not hasattr(module, name):
+                missing.append(f"{module.__name__}.{name}")
+                continue
+            value = getattr(module, name)
+            if inspect.isclass(value):  # its own docstring, not one inherited or generated
+                doc = vars(value).get("__doc__") or ""
+                documented = doc.strip() and not doc.startswith(f"{value.__name__}(")
+            else:
+                documented = not inspect.isfunction(value) or inspect.getdoc(value)
+            if not documented:
+                undocumented.append(f"{module.__name__}.{name}")
+    assert not missing, f"__all__ names that do not exist: {missing}"
+    assert not undocumented, f"exported without a docstring: {undocumented}"
+
+
+def test_no_private_name_is_exported():
+    exported = [
+        f"{module.__name__}.{name}"
+        for module in _public_modules()
+        for name in getattr(module, "__all__", ())
+        if name.startswith("_") and name != "__version__"
+    ]
+    assert not exported, exported

@@ -34,7 +34,10 @@ from jaxtyping import Array, Float, Int
 from edl.ops.attention import attention
 from edl.ops.cached_attention import cached_attention
 
-__all__ = ["KVCache", "cache_dims", "init_cache"]
+__all__ = [
+    "KVCache",
+    "init_cache",
+]
 
 CACHE_MULTIPLE = 16  # cache lengths are rounded up to this (the GPU decode kernel's block)
 

@@ -20,10 +20,7 @@ from edl.nn.attention import KVCacheLike
 __all__ = [
     "CausalLM",
     "CausalTrunk",
-    "compact_prompts",
-    "decode_step",
     "decoder",
-    "new_cache",
     "prefill",
     "start",
 ]

@@ -54,8 +54,6 @@ from edl.module import require_float_dtype
 from edl.state import TrainState
 
 __all__ = [
-    "FORMAT",
-    "STATE_NAME",
     "latest_checkpoint",
     "list_checkpoints",
     "load_state",

@@ -21,7 +21,12 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_file", "fsync", "read_json", "write_json_atomic", "write_text_atomic"]
+__all__ = [
+    "atomic_file",
+    "read_json",
+    "write_json_atomic",
+    "write_text_atomic",
+]
 
 
 @contextlib.contextmanager

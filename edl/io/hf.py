@@ -33,7 +33,6 @@ from edl.module import require_float_dtype
 from edl.tree import flatten, is_array_like, named_map
 
 __all__ = [
-    "CONFIG_NAME",
     "export_state_dict",
     "from_pretrained",
     "from_state_dict",

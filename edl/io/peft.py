@@ -40,7 +40,10 @@ from edl.nn.moe import SparseMoE
 from edl.quantize import is_linear
 from edl.tree import find, flatten, load_into
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "load_adapter", "save_adapter"]
+__all__ = [
+    "load_adapter",
+    "save_adapter",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model"  # + ".safetensors"

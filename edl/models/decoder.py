@@ -90,6 +90,9 @@ class ModelOutput(eqx.Module):
 
 
 class CausalLMOutput(eqx.Module):
+    """A causal LM's ``logits`` ``(batch, seq, vocab)``, with ``hidden_states``,
+    ``router_stats`` as in ``ModelOutput``, and the updated ``cache`` when one was passed."""
+
     logits: Float[Array, "batch seq vocab"]
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
     cache: KVCacheLike | None = None
@@ -97,6 +100,9 @@ class CausalLMOutput(eqx.Module):
 
 
 class SequenceClassifierOutput(eqx.Module):
+    """Each row's class ``logits`` ``(batch, num_labels)`` (at its last non-pad token), with
+    ``hidden_states`` as in ``ModelOutput``."""
+
     logits: Float[Array, "batch num_labels"]
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
 

@@ -14,16 +14,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from edl.models.config import flops_per_token
-from edl.models.decoder import (
-    PARTITION_RULES,
-    CausalLMOutput,
-    DecoderLayer,
-    DecoderModel,
-    ModelOutput,
-    SequenceClassifierOutput,
-)
-from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification, configure
+from edl.models.decoder import PARTITION_RULES, DecoderModel
+from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
 from edl.models.llama_config import MODEL_TYPES, LlamaConfig
 
@@ -31,16 +23,10 @@ __all__ = [
     "HF_KEYS",
     "MODEL_TYPES",
     "PARTITION_RULES",
-    "CausalLMOutput",
-    "DecoderLayer",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaForSequenceClassification",
     "LlamaModel",
-    "ModelOutput",
-    "SequenceClassifierOutput",
-    "configure",
-    "flops_per_token",
 ]
 
 # HF names are edl's, plus the layer stacking.

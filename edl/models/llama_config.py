@@ -16,9 +16,6 @@ from edl.models.config import DecoderConfig
 __all__ = [
     "MODEL_TYPES",
     "LlamaConfig",
-    "hf_layer_windows",
-    "hf_window_fields",
-    "windows_of_layer_types",
 ]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

@@ -21,7 +21,6 @@ from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassificatio
 from edl.models.keymap import KeyRule, decoder_key_table
 
 __all__ = [
-    "FUSED_EXPERT_RULES",
     "HF_KEYS",
     "MixtralConfig",
     "MixtralForCausalLM",

@@ -12,7 +12,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["INT_BOUNDS", "check_fields", "check_hf_values", "check_int", "check_number"]
+__all__ = [
+    "check_hf_values",
+]
 
 # Plausibility bounds on sizes and counts, far above every released model (the largest
 # have vocabularies of ~262k tokens, hidden sizes up to ~25k, MLPs up to ~74k wide, 126

@@ -16,7 +16,11 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from edl.ops.matmul import linear
 from edl.ops.norms import rms_norm
 
-__all__ = ["Embedding", "Linear", "RMSNorm", "add_bias"]
+__all__ = [
+    "Embedding",
+    "Linear",
+    "RMSNorm",
+]
 
 
 class Linear(eqx.Module):

@@ -25,7 +25,9 @@ from edl.nn.layers import Linear
 from edl.nn.quantized import QuantizedLinear
 from edl.nn.stack import map_stacked
 
-__all__ = ["LoraLinear", "leading_shape"]
+__all__ = [
+    "LoraLinear",
+]
 
 
 def leading_shape(layer: Linear | QuantizedLinear | LoraLinear) -> tuple[int, ...]:

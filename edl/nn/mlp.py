@@ -10,9 +10,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.nn.layers import Linear
 from edl.nn.projection import project
-from edl.ops.activations import ACTIVATIONS, activation
+from edl.ops.activations import activation
 
-__all__ = ["ACTIVATIONS", "GatedMLP", "activation"]
+__all__ = [
+    "GatedMLP",
+]
 
 
 class GatedMLP(eqx.Module):

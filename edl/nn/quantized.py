@@ -20,7 +20,10 @@ from edl.nn.layers import Linear, add_bias
 from edl.nn.stack import map_stacked
 from edl.ops.quant import Format, check_format, dequantize_weight, quantize_weight, quantized_matmul
 
-__all__ = ["BlockSize", "QuantizedLinear", "resolve_block_size"]
+__all__ = [
+    "BlockSize",
+    "QuantizedLinear",
+]
 
 BlockSize = int | Literal["channel"] | None
 """Elements per scale: an int, ``"channel"`` (one scale per output channel, i.e. per row)

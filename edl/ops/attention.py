@@ -27,8 +27,6 @@ __all__ = [
     "attention",
     "attention_mask",
     "masked_attention",
-    "masked_softmax",
-    "pallas_unsupported",
     "reference_attention",
 ]
 

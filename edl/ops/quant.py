@@ -29,9 +29,7 @@ __all__ = [
     "FORMATS",
     "NF4_CODE",
     "Format",
-    "check_format",
     "dequantize_weight",
-    "num_blocks",
     "quantize_weight",
     "quantized_matmul",
 ]

@@ -33,10 +33,10 @@ from edl.train.callbacks import (
     TensorBoardLog,
     Throughput,
     TimeLimit,
-    console,
-    summarize,
-    tensorboard_available,
 )
+from edl.train.callbacks.progress import console
+from edl.train.callbacks.run_report import summarize
+from edl.train.callbacks.tensorboard import tensorboard_available
 from edl.train.core import Callback, RunEnd, StepFn, run_loop
 from edl.train.options import NAN_POLICIES
 

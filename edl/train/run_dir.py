@@ -27,7 +27,11 @@ from edl.io.safetensors import CheckpointError
 from edl.state import TrainState
 from edl.train.callbacks.metrics_log import METRICS_FILE
 
-__all__ = ["CHECKPOINTS", "RUN_ARTEFACTS", "Prepared", "check", "earlier_run", "prepare"]
+__all__ = [
+    "Prepared",
+    "check",
+    "prepare",
+]
 
 CHECKPOINTS = "checkpoints"
 RUN_ARTEFACTS = (METRICS_FILE, CHECKPOINTS, "run.md", "loss.png", "tensorboard")

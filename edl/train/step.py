@@ -28,7 +28,6 @@ from edl.train.options import OPTIMIZERS, SCHEDULES
 
 __all__ = [
     "OptimizerConfig",
-    "all_finite",
     "global_norm",
     "make_eval_step",
     "make_optimizer",

@@ -7,19 +7,18 @@ pass them to ``edl.train.core.run_loop``, with the user's own ``Callback`` subcl
 
 from edl.train.callbacks.checkpoint import Checkpoint
 from edl.train.callbacks.evaluation import Evaluate, evaluate
-from edl.train.callbacks.loss_plot import LossPlot, loss_curve_png
-from edl.train.callbacks.metrics_log import METRICS_FILE, MetricsLog, logged
-from edl.train.callbacks.nonfinite import NonFiniteLossError, NonFinitePolicy, is_nonfinite
+from edl.train.callbacks.loss_plot import LossPlot
+from edl.train.callbacks.metrics_log import MetricsLog
+from edl.train.callbacks.nonfinite import NonFiniteLossError, NonFinitePolicy
 from edl.train.callbacks.param_norm import ParamNorm
-from edl.train.callbacks.progress import ProgressBar, console
-from edl.train.callbacks.run_report import RunReport, summarize, write_run_summary
+from edl.train.callbacks.progress import ProgressBar
+from edl.train.callbacks.run_report import RunReport
 from edl.train.callbacks.signals import StopOnSignal
-from edl.train.callbacks.tensorboard import TensorBoardLog, tensorboard_available
+from edl.train.callbacks.tensorboard import TensorBoardLog
 from edl.train.callbacks.throughput import Throughput
 from edl.train.callbacks.time_limit import TimeLimit
 
 __all__ = [
-    "METRICS_FILE",
     "Checkpoint",
     "Evaluate",
     "LossPlot",
@@ -33,12 +32,5 @@ __all__ = [
     "TensorBoardLog",
     "Throughput",
     "TimeLimit",
-    "console",
     "evaluate",
-    "is_nonfinite",
-    "logged",
-    "loss_curve_png",
-    "summarize",
-    "tensorboard_available",
-    "write_run_summary",
 ]
