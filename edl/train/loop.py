@@ -165,7 +165,30 @@ def train(
     if out is not None:
         prepared = run_dir.prepare(out, state, data, resume=resume, overwrite=overwrite,
                                    echo=echo)  # fmt: skip
+    standard, summary = _standard_callbacks(
+        out, prepared, data, echo, eval_step=eval_step, eval_data=eval_data,
+        eval_every=eval_every, eval_batches=eval_batches, save_every=save_every, keep=keep,
+        nan_policy=nan_policy, max_consecutive_skips=max_consecutive_skips,
+        time_limit=time_limit, log_every=log_every, stats_every=stats_every,
+        flops_per_token=flops_per_token, peak_flops=peak_flops, config=config,
+        progress=progress,
+    )  # fmt: skip
+    state, end = run_loop(prepared.state, step_fn, data, steps=steps,
+                          callbacks=[*standard, *callbacks], elapsed=prepared.elapsed)  # fmt: skip
+    return state, summary(end)
 
+
+def _standard_callbacks(
+    out: Path | None, prepared: run_dir.Prepared, data: Iterator[Any],
+    echo: Callable[[str], None], *, eval_step: Callable[..., Any] | None, eval_data: Any,
+    eval_every: int, eval_batches: int, save_every: int, keep: int | None, nan_policy: str,
+    max_consecutive_skips: int, time_limit: float | None, log_every: int, stats_every: int,
+    flops_per_token: float | None, peak_flops: float | None,
+    config: Mapping[str, Any] | None, progress: bool,
+) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:  # fmt: skip
+    """``train``'s callbacks, in the order they run, for its options (``out`` is the run
+    directory, ``None`` for a run that writes nothing), and the function that turns the
+    run's end into its summary."""
     metrics_log = MetricsLog(None if out is None else out / run_dir.METRICS_FILE,
                              interval=log_every, history=prepared.history)  # fmt: skip
     checkpoints = None
@@ -173,6 +196,7 @@ def train(
         checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
                                  data=data, echo=echo)  # fmt: skip
     plot = None if out is None else LossPlot(out / "loss.png", metrics_log)
+    state = prepared.state
     parameters = edl_module.count_params(edl_module.merge(state.params, state.other))
 
     def summary(end: RunEnd) -> dict[str, Any]:
@@ -181,16 +205,15 @@ def train(
             loss_png=None if plot is None or plot.written is None else str(plot.written),
         )  # fmt: skip
 
+    evaluates = eval_every and eval_step is not None and eval_data is not None
     standard: list[Callback | None] = [
         ParamNorm(every=stats_every) if stats_every else None,
         Throughput(every=log_every, flops_per_token=flops_per_token, peak_flops=peak_flops),
         Evaluate(eval_step, eval_data, every=eval_every, max_batches=eval_batches)
-        if eval_every and eval_step is not None and eval_data is not None
-        else None,
+        if evaluates else None,
         metrics_log,
         TensorBoardLog(out / "tensorboard", interval=log_every)
-        if out is not None and tensorboard_available()
-        else None,
+        if out is not None and tensorboard_available() else None,
         NonFinitePolicy(nan_policy, max_consecutive_skips=max_consecutive_skips,
                         newest_checkpoint=checkpoints.newest if checkpoints else lambda: None),
         ProgressBar() if progress else None,
@@ -200,7 +223,4 @@ def train(
         plot,
         RunReport(out / "run.md", summary, config=config) if out is not None else None,
     ]  # fmt: skip
-    chain = [c for c in standard if c is not None] + list(callbacks)
-    state, end = run_loop(prepared.state, step_fn, data, steps=steps, callbacks=chain,
-                          elapsed=prepared.elapsed)  # fmt: skip
-    return state, summary(end)
+    return [c for c in standard if c is not None], summary

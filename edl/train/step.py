@@ -172,6 +172,32 @@ def _combine(metrics: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, 
     return out
 
 
+def _gradients(
+    grad_fn: Callable, state: TrainState, batch: Batch, accum_steps: int
+) -> tuple[jax.Array, Any, dict[str, jax.Array]]:
+    """``(loss, grads, metrics)`` of the batch: with ``accum_steps > 1``, of its micro-batches
+    (``lax.scan``), combined by their ``count`` weights into the full batch's (exact)."""
+    if accum_steps == 1:
+        (loss, metrics), grads = grad_fn(state, batch)
+        return loss, grads, dict(metrics)
+
+    def micro(carry, micro_batch):
+        (loss, metrics), grads = grad_fn(state, micro_batch)
+        w = _weight(metrics)
+        carry = jax.tree.map(lambda acc, g: acc + w * g.astype(jnp.float32), carry, grads)
+        return carry, (metrics, w, loss)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    total, (metrics, weights, losses) = jax.lax.scan(
+        micro, zeros, _micro_batches(batch, accum_steps)
+    )
+    denom = jnp.sum(weights)
+    denom = jnp.where(denom > 0, denom, 1.0)
+    grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), total, state.params)
+    loss = jnp.sum(losses.astype(jnp.float32) * weights) / denom
+    return loss, grads, _combine(metrics, weights)
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -219,30 +245,8 @@ def make_train_step(
         raise ValueError(f"make_train_step: grad_accum_steps must be >= 1, got {grad_accum_steps}")
     grad_fn = edl_state.value_and_grad(loss_fn, has_aux=True)
 
-    def gradients(state: TrainState, batch: Batch):
-        """``(loss, grads, metrics)`` of the batch (micro-batches combined by weight)."""
-        if grad_accum_steps == 1:
-            (loss, metrics), grads = grad_fn(state, batch)
-            return loss, grads, dict(metrics)
-
-        def micro(carry, micro_batch):
-            (loss, metrics), grads = grad_fn(state, micro_batch)
-            w = _weight(metrics)
-            carry = jax.tree.map(lambda acc, g: acc + w * g.astype(jnp.float32), carry, grads)
-            return carry, (metrics, w, loss)
-
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        total, (metrics, weights, losses) = jax.lax.scan(
-            micro, zeros, _micro_batches(batch, grad_accum_steps)
-        )
-        denom = jnp.sum(weights)
-        denom = jnp.where(denom > 0, denom, 1.0)
-        grads = jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), total, state.params)
-        loss = jnp.sum(losses.astype(jnp.float32) * weights) / denom
-        return loss, grads, _combine(metrics, weights)
-
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, metrics = gradients(state, batch)
+        loss, grads, metrics = _gradients(grad_fn, state, batch, grad_accum_steps)
         norm = global_norm(grads)
         if clip_norm is not None:
             # optax.clip_by_global_norm would compute the norm a second time, in each leaf's
