@@ -1,7 +1,7 @@
 """``x @ W.T`` at few rows: the weight-right form vs ``edl.ops.linear``'s weight-left form.
 
 XLA:CPU's GEMM is slow when ``x`` has a handful of rows (a decode step's projections);
-``edl.ops.linear`` then computes ``(W @ x.T).T`` instead (``edl/ops/matmul.py``). This script
+``edl.ops.linear`` then computes ``(W @ x.T).T`` instead (``edl.ops.cpu.weight_left``). This script
 times both forms over a range of row counts and weight shapes, so the row threshold
 (``edl.ops.matmul.SMALL_ROWS``) can be checked on a given machine. Each timed call runs up
 to 20 steps (fewer for large products) of 16 projections with distinct weights (a decode
@@ -30,9 +30,10 @@ from benchmarks._common import interleaved_rounds, table, write_json
 from benchmarks.generate import _config  # the generate benchmark's Llama
 from edl.generate import generate
 from edl.models import LlamaForCausalLM, configure
-from edl.ops.matmul import SMALL_ROWS, _weight_left, _weight_right
+from edl.ops.cpu import weight_left
+from edl.ops.matmul import SMALL_ROWS, _weight_right
 
-FORMS = {"x @ W.T": _weight_right, "(W @ x.T).T": _weight_left}
+FORMS = {"x @ W.T": _weight_right, "(W @ x.T).T": weight_left}
 WEIGHTS = 16
 
 

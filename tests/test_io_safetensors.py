@@ -4,6 +4,7 @@ sharding, streaming reads/writes and corruption reporting."""
 import json
 import os
 import tempfile
+import tracemalloc
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -617,3 +618,88 @@ def test_truncated_after_open(tmp_path):
             f.truncate(os.path.getsize(path) - 100)
         with pytest.raises(CheckpointError, match=r"t\.safetensors.*'a'"):
             reader.read("a")
+
+
+# --------------------------------------------------------------------------------------------
+# What the official library does not give (why edl keeps its own; see edl.io.safetensors).
+# Each test shows the library's behaviour next to ours, so it fails if either changes.
+# --------------------------------------------------------------------------------------------
+
+
+def traced_peak(fn) -> int:
+    """Peak bytes allocated (numpy arrays included) while ``fn()`` runs."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_library_cannot_read_into_a_buffer(tmp_path):
+    w = random_array("F32", (256, 1024), 0)  # 1 MiB
+    path = save_file({"w": w}, tmp_path / "w.safetensors")
+    stacked = np.zeros((2, *w.shape), np.float32)
+    with safetensors.safe_open(str(path), framework="np") as f:
+        assert f.get_tensor("w") is not f.get_tensor("w")  # a fresh array per call
+        peak = traced_peak(lambda: np.copyto(stacked[0], f.get_tensor("w")))
+    assert peak >= w.nbytes, peak  # a transient copy of the whole tensor
+    with CheckpointReader(path) as reader:
+        out = stacked[1]
+        peak = traced_peak(lambda: reader.read_into("w", out))
+        assert reader.read_into("w", out) is out
+    assert peak < w.nbytes // 16, peak  # straight into the caller's buffer
+    assert same(stacked[0], w) and same(stacked[1], w)
+
+
+@pytest.mark.parametrize(
+    ("header", "data", "tensor_named"),
+    [
+        ({"a": f32([0, 12])}, bytes(12), False),  # dtype/shape vs offsets
+        ({"a": f32([0, 8]), "b": f32([8, 16])}, bytes(8), False),  # truncated
+        ({"a": f32([0, 8])}, bytes(12), False),  # trailing bytes
+        ({"a": f32([0, 8]), "b": f32([12, 20])}, bytes(20), True),  # hole
+        ({"a": f32([0, 8]), "b": f32([4, 12])}, bytes(12), True),  # overlap
+    ],
+)
+def test_library_errors_name_no_file(tmp_path, header, data, tensor_named):
+    path = write_raw(tmp_path / "hostile.safetensors", header, data)
+    with pytest.raises(safetensors.SafetensorError) as e:
+        safetensors.safe_open(str(path), framework="np")
+    theirs = str(e.value)
+    assert path.name not in theirs, theirs
+    last = sorted(header)[-1]
+    assert (f"`{last}`" in theirs) == tensor_named, theirs
+    expect_error(path, f"'{last}'")  # ours names the file and the tensor
+
+
+def test_library_accepts_duplicate_keys(tmp_path):
+    raw = (
+        b'{"a": {"dtype": "I32", "shape": [2], "data_offsets": [0, 8]},'
+        b' "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'
+    )
+    path = write_raw(tmp_path / "dup.safetensors", raw, np.array([1, 2], np.int32).tobytes())
+    with safetensors.safe_open(str(path), framework="np") as f:
+        assert f.keys() == ["a"]
+        assert f.get_tensor("a").dtype == np.float32  # the last entry silently wins
+    expect_error(path, "'a'", "twice")
+
+
+def test_library_reads_one_file_not_an_index(tmp_path):
+    save_tensors(layered(4), tmp_path, max_shard_size=800)
+    index = tmp_path / "model.safetensors.index.json"
+    with pytest.raises(safetensors.SafetensorError):
+        safetensors.safe_open(str(index), framework="np")
+    with CheckpointReader(index) as reader:
+        assert reader.keys() == list(layered(4))
+
+
+def test_library_writes_owner_only_files(tmp_path):
+    old = os.umask(0o022)
+    try:
+        safetensors.numpy.save_file({"a": np.zeros(2, np.float32)}, tmp_path / "lib.safetensors")
+        save_file({"a": np.zeros(2, np.float32)}, tmp_path / "edl.safetensors")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "lib.safetensors").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "edl.safetensors").stat().st_mode & 0o777 == 0o644

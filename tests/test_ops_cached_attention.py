@@ -19,12 +19,12 @@ from test_kernels_attention import _inputs, _numpy_decode, _rel_err
 
 from edl.ops.cached_attention import (
     LIVE_BRANCHES,
-    _one_token_attention,
     cache_mask,
     cached_attention,
     live_lengths,
     paged_attention,
 )
+from edl.ops.cpu import one_token_attention
 
 _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale", "impl"))
 
@@ -71,7 +71,7 @@ def test_one_token_attention_matches_float64(dtype, tol):
     q, k, v, _ = _inputs(7, 5, 1, 40, 6, 2, 16, dtype)
     lengths = [1, 9, 17, 33, 40]
     mask = cache_mask(1, 40, jnp.asarray(lengths), window=20)
-    out = jax.jit(_one_token_attention, static_argnames=("softcap", "scale"))(
+    out = jax.jit(one_token_attention, static_argnames=("softcap", "scale"))(
         q, k, v, mask, softcap=3.0, scale=0.3
     )
     expected = _numpy_decode(q, k, v, lengths, [0] * 5, 20, 3.0, 0.3)

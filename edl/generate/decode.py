@@ -219,10 +219,11 @@ def generate(
             into separate layers once (``model.unstacked()``) and run the decode loop
             unrolled over them. By default every decode step copies each layer's weights
             out of the stacks (XLA does not hoist those slices); unstacked, batch-1
-            decoding on CPU measured 1.2-1.8x faster on a 4-layer model (unchanged at batch
-            8; ``benchmarks/RESULTS.md``). The price: a second copy of the layer weights
-            while generating, and compile time that grows with depth (32 layers on CPU:
-            14 s instead of 2.6 s), hence opt-in: for small models and long generations.
+            decoding on CPU is faster, batch 8 unchanged. The price: a second copy of the
+            layer weights while generating, and compile time that grows with depth, hence
+            opt-in: for small models and long generations. Measured in
+            ``benchmarks/RESULTS.md``, "generate: unstacked layers, a run_stack regression
+            fixed, interleaved rounds".
 
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).

@@ -225,7 +225,8 @@ def _scan_segment(
     def blocks(group: str) -> PyTree:
         # (repeats, per_block, ...), or (repeats, ...) where a block holds one layer of the
         # group: scanned as blocks of one layer that the body indexes, a uniform stack's
-        # decode step measured 2x slower on XLA:CPU.
+        # decode step is slower on XLA:CPU (benchmarks/RESULTS.md, "generate: unstacked
+        # layers, a run_stack regression fixed").
         c, start = segment.per_block(group), segment.offsets[group]
         if c == 1:
             return jax.tree.map(lambda x: x[start : start + repeats], arrays[group])

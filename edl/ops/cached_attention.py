@@ -11,16 +11,16 @@ within the sliding window. ``impl`` chooses the Pallas decode kernel or plain XL
   interpreted on CPU).
 - ``"reference"``: ``masked_attention`` under :func:`cache_mask`, the definition.
 - ``"xla"``: the same maths arranged for XLA. With one new token per row (a decode step) and
-  lowering for CPU it reads the cache in place (see :func:`_one_token_attention`).
+  lowering for CPU it reads the cache in place (``edl.ops.cpu.one_token_attention``).
 - ``"auto"``: the Pallas kernel on GPU; ``"xla"`` on CPU, where Pallas only interprets the
-  kernel one (row, kv head) program at a time: ``benchmarks/RESULTS.md`` measures the
-  interpreted kernel at 2-3x the time of the XLA form in a decode step.
+  kernel one (row, kv head) program at a time and is the slower path in a decode step
+  (``benchmarks/RESULTS.md``, "generate: a decode step's attention reads the cache in place").
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
 that layer: the longest row's length rounded up to one of a few static lengths
-(:func:`live_lengths`, one ``lax.switch`` branch each), sliced straight out of the stack.
-The Pallas kernels visit only blocks below each row's length already.
+(``edl.ops.cpu.live_lengths`` and ``read_live``), sliced straight out of the stack. The
+Pallas kernels visit only blocks below each row's length already.
 """
 
 from __future__ import annotations
@@ -31,44 +31,26 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import decode_attention, gather_pages, paged_decode_attention
-from edl.ops.attention import IMPLS, masked_attention, masked_softmax, pallas_unsupported
+from edl.ops import cpu
+from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported
+from edl.ops.cpu import LIVE_BRANCHES, live_lengths
 
-__all__ = ["cache_mask", "cached_attention", "live_lengths", "paged_attention"]
+__all__ = ["LIVE_BRANCHES", "cache_mask", "cached_attention", "live_lengths", "paged_attention"]
 
 _warned: set[str] = set()
-
-LIVE_BRANCHES = 16  # at most this many static read lengths per cache (one compiled branch each)
-
-
-def live_lengths(cache_len: int, multiple: int = 16) -> tuple[int, ...]:
-    """The static prefix lengths a cache of ``cache_len`` positions is read at on CPU:
-    multiples of one block (itself a multiple of ``multiple``), at most ``LIVE_BRANCHES`` of
-    them, ending with ``cache_len``. A read wastes less than one block, ``cache_len / 16`` at
-    most: ``live_lengths(160) == (16, 32, ..., 160)``, ``live_lengths(4096) == (256, ...,
-    4096)``."""
-    block = multiple * -(-cache_len // (multiple * LIVE_BRANCHES))
-    return (*range(block, cache_len, block), cache_len)
 
 
 def _read_live(
     impl: str, read: Callable[[int], jax.Array], bound: Int[Array, ""], sizes: tuple[int, ...]
 ) -> jax.Array:
-    """``read(size)`` for the smallest of ``sizes`` holding ``bound``, when lowering for CPU
-    (one ``lax.switch`` branch per size; past the last, the last); ``read(sizes[-1])`` for
-    ``"reference"`` (the definition reads the whole cache) and elsewhere, where a
-    data-dependent branch costs a host round trip on GPU."""
+    """``read(sizes[-1])`` (the whole cache), or lowered for CPU and not ``"reference"`` (the
+    definition reads the whole cache) the live prefix: ``cpu.read_live``."""
     if impl == "reference":
         return read(sizes[-1])
-
-    def live(bound):
-        index = jnp.searchsorted(jnp.asarray(sizes, bound.dtype), bound)
-        branches = [functools.partial(read, size) for size in sizes]
-        return jax.lax.switch(jnp.minimum(index, len(sizes) - 1), branches)
-
+    live = functools.partial(cpu.read_live, read, sizes=sizes)
     return jax.lax.platform_dependent(bound, cpu=live, default=lambda _: read(sizes[-1]))
 
 
@@ -177,46 +159,15 @@ def paged_attention(
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 
 
-def _one_token_attention(q, k, v, mask, *, softcap: float | None, scale: float):
-    """``masked_attention`` for one new token per row, reading the cache as it lies.
-
-    XLA:CPU runs a batched dot with its batch dimensions leading, so the grouped einsum of
-    ``masked_attention`` first copies the cache from ``(batch, len, kv_heads, head_dim)`` into
-    ``(batch, kv_heads, len, head_dim)``, for K and for V, every decode step. Here each row's
-    cache is one ``(len, kv_heads * head_dim)`` matrix and the row's query a block-diagonal
-    ``(kv_heads * head_dim, heads)`` matrix (each head's query in its kv head's block, zeros
-    elsewhere): ``kv_heads`` times the multiply-adds, on arrays a few KiB per row, and no copy.
-    The outputs are the diagonal blocks of ``probs @ V`` taken the same way.
-    """
-    kv_heads = k.shape[2]
-    same = jnp.eye(kv_heads, dtype=jnp.bool_)[:, None, :, None]  # (kv_heads, 1, kv_heads, 1)
-    # q_block[b, (h, d), (j, g)] = q[b, 0, (j, g), d] if h == j else 0
-    q_t = rearrange(q, "b 1 (j g) d -> b 1 d j g", j=kv_heads)
-    q_block = jnp.where(same[None], q_t, jnp.zeros((), q.dtype))  # (b, h, d, j, g)
-    q_block = rearrange(q_block, "b h d j g -> b (h d) (j g)")
-    k_rows, v_rows = (rearrange(x, "b t h d -> b t (h d)") for x in (k, v))
-    logits = jnp.einsum("btc,bcn->btn", k_rows, q_block, preferred_element_type=jnp.float32)
-    logits = logits * scale
-    if softcap is not None:
-        logits = softcap * jnp.tanh(logits / softcap)
-    probs = masked_softmax(logits, mask[:, 0, :, None], axis=1)  # (b, len, heads)
-    probs = probs.astype(v.dtype)
-    out = jnp.einsum("btn,btc->bnc", probs, v_rows, preferred_element_type=jnp.float32)
-    out = rearrange(out, "b (j g) (h d) -> b j g h d", j=kv_heads, h=kv_heads)  # keep h == j
-    out = jnp.sum(jnp.where(same[None], out, 0.0), axis=3)
-    return rearrange(out, "b j g d -> b 1 (j g) d").astype(q.dtype)
-
-
 def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None):
     """The non-Pallas impls over a contiguous cache and its mask."""
     if impl == "reference" or q.shape[1] != 1:
         return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    # platform_dependent keeps only the branch of the platform being lowered for; the
-    # in-place form is measured on CPU only (benchmarks/RESULTS.md).
+    # platform_dependent keeps only the branch of the platform being lowered for.
     return jax.lax.platform_dependent(
         q, k, v, mask,
-        cpu=functools.partial(_one_token_attention, softcap=softcap, scale=scale),
+        cpu=functools.partial(cpu.one_token_attention, softcap=softcap, scale=scale),
         default=functools.partial(masked_attention, softcap=softcap, scale=scale),
     )  # fmt: skip
 

@@ -21,18 +21,19 @@ Why edl's own rather than ``equinox.error_if``:
   (``jax.set_mesh``, as edl's train steps trace), the callback runs on every device inside a
   ``shard_map`` with the same all-reduced minimum and maximum, so every device stops at
   the same point. ``jax.debug.callback(partitioned=True)`` would also run on every device,
-  but it is an effect, and a jitted function with effects leaves jax's C++ dispatch path:
-  about 170 us more per call on the 2-core CPU VM, on top of any host callback's cost.
+  but it is an effect, and a jitted function with effects leaves jax's C++ dispatch path,
+  a cost on every call on top of any host callback's (``benchmarks/RESULTS.md``,
+  "input_checks: what an effect costs per call").
 
 Cost: a min and a max over the ids, and a price per compiled call for holding a host
 callback, whatever the model's size. On CPU such a program runs synchronously (the call
 returns when the computation is done), so the host cannot queue the next call meanwhile;
-on GPU the conditional reads its predicate back to the host. Measured on the 2-core CPU
-VM: 0.1-0.2 ms per call for a 1.2 ms toy train step when every step is waited for (as
-``edl.train`` does), 0.3-0.45 ms when steps are queued back to back, nothing measurable
-(within 2%) on ``edl train``'s default model (0.2 s steps); +26-37 us per call on an H100
-(``benchmarks/input_checks.py``). ``generate`` checks its prompt eagerly and decodes
-without it; ``RunOptions(check_inputs=False)`` turns the models' check off.
+on GPU the conditional reads its predicate back to the host. ``benchmarks/RESULTS.md``,
+"input_checks: token ids / labels in range, checked inside compiled programs", measures it:
+a fixed price per call, so noticeable on a toy model's step (more when steps are queued back
+to back), within the noise on ``edl train``'s default model. ``generate`` checks its prompt
+eagerly and decodes without it; ``RunOptions(check_inputs=False)`` turns the models' check
+off.
 
 A program split over several devices without a mesh set (jit inferring the split from the
 inputs' shardings) cannot be told apart from a one-device program while tracing; there the

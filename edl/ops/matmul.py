@@ -1,33 +1,20 @@
-"""``linear``: ``x @ weight.T`` for a torch-layout ``(out, in)`` weight, fast at few rows.
+"""``linear``: ``x @ weight.T`` for a torch-layout ``(out, in)`` weight; ``linear_many``: several
+weights applied to one input (q/k/v, gate/up).
 
-XLA:CPU's GEMM for ``x @ W.T`` costs far more than its arithmetic when ``x`` has only a few
-rows (8 rows x a 256x688 weight: ~7x the time of one row), and the projections of a decode
-step at batch 8 are exactly such products. Computing the same product as ``(W @ x.T).T``
-(the weight as the left operand, the small result transposed back) avoids most of that:
-``benchmarks/linear.py`` (results in ``benchmarks/RESULTS.md``) measures 0.5-0.8x the time at
-2-32 rows, ~0.9x at 64, no gain at 1 row (a matrix-vector product either way), even at 128
-and slower from 256. So the swapped form is used only when the row count is known
-(statically) to be small, and only when lowering for CPU.
+Both take an ``addend`` (a LoRA update), added to the product before anything the caller's
+consumers could fuse with it, so that an all-zero update changes no bit of what they compute.
 
-``linear_many`` applies several weights to one input (q/k/v, gate/up). In that same regime it
-runs one swapped GEMM over the weights concatenated along ``out``: fewer, wider products
-(measured 5-7% of a batch-8 decode step). Inside a layer scan XLA:CPU copies each layer's
-weights out of the stack anyway, and the concatenation fuses into that copy.
-
-Both take an ``addend`` (a LoRA update), added to the raw product before anything the
-caller's consumers could fuse with it. XLA:CPU compiles a fused computation differently
-when one more term is fused into it (the summation order of a reduction such as an RMS
-norm, or which multiply-add becomes an FMA, changes), so even an all-zero update added
-*after* the product moved the consumers' results by an ulp. On CPU the sum is therefore a
-conditional (a fusion boundary that XLA:CPU keeps, unlike ``optimization_barrier``) that
-hands on the product itself when the addend is all zeros: the consumers then compile and
-compute exactly as without an addend, so a zero LoRA update changes no bit. Elsewhere the
-addend is a plain sum.
+Lowered for CPU, two XLA:CPU arrangements of the same maths take over (``edl.ops.cpu`` says
+why, ``benchmarks/RESULTS.md`` "linear: few-row GEMMs on CPU" and "generate: one GEMM for
+q/k/v and gate/up" measure them): at 2 to ``SMALL_ROWS`` rows, known statically, the product
+is computed weight-left (``cpu.weight_left``, and ``linear_many`` one such product over the
+concatenated weights, ``cpu.weight_left_many``); and the addend is added by
+``cpu.add_unless_zero``, a conditional that hands on the product itself when the addend is
+all zeros. Elsewhere both are the plain product and sum.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 
@@ -35,54 +22,28 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from edl.ops import cpu
+
 __all__ = ["SMALL_ROWS", "linear", "linear_many"]
 
 SMALL_ROWS = 64
-"""Up to this many rows (``prod(x.shape[:-1])``), ``linear`` on CPU uses the swapped form."""
-
-
-@jax.custom_jvp
-def _add_skipping_zeros(y: jax.Array, addend: jax.Array) -> jax.Array:
-    # A conditional is a fusion boundary XLA:CPU keeps (optimization_barrier is gone before
-    # fusion there): an all-zero addend hands on ``y`` itself, so y's consumers compile
-    # exactly as they do for the product alone.
-    return jax.lax.cond(jnp.any(addend != 0), jnp.add, lambda y, _: y, y, addend)
-
-
-@_add_skipping_zeros.defjvp
-def _add_skipping_zeros_jvp(primals, tangents):
-    # Derivatives are those of ``y + addend`` either way: a zero LoRA update (B = 0) still
-    # passes its gradient on to B.
-    (y, addend), (dy, daddend) = primals, tangents
-    return _add_skipping_zeros(y, addend), dy + daddend
-
-
-def _add(y: jax.Array, addend: jax.Array | None) -> jax.Array:
-    """``y + addend`` (``y`` when None); on CPU ``y`` itself where the addend is all zeros."""
-    if addend is None:
-        return y
-    return jax.lax.platform_dependent(y, addend, cpu=_add_skipping_zeros, default=jnp.add)
-
-
-def _weight_left(x: jax.Array, weight: jax.Array, addend: jax.Array | None = None) -> jax.Array:
-    # The barrier keeps XLA from canonicalising the dot back to ``x @ W.T`` (the layout the
-    # slow path has): the product is materialised as (out, *batch), then transposed.
-    y = jax.lax.optimization_barrier(jnp.einsum("oi,...i->o...", weight, x))
-    y = _add(y, None if addend is None else jnp.moveaxis(addend, -1, 0))
-    return jnp.moveaxis(y, 0, -1)
+"""Up to this many rows (``prod(x.shape[:-1])``), ``linear`` on CPU uses ``cpu.weight_left``
+(the crossover measured in ``benchmarks/RESULTS.md``, "linear: few-row GEMMs on CPU")."""
 
 
 def _weight_right(x: jax.Array, weight: jax.Array, addend: jax.Array | None = None) -> jax.Array:
+    """``x @ weight.T + addend``: the definition."""
     if addend is not None and math.prod(x.shape[:-1]) == 1:
         # One row: XLA computes the product without it as a matrix-vector product and adds a
         # bias in that rank-1 form; the sum takes the same form, or the consumers would see
         # an extra reshape (and compile differently).
-        y = _add(jnp.einsum("i,oi->o", x.reshape(-1), weight), addend.reshape(-1))
+        y = cpu.add_unless_zero(jnp.einsum("i,oi->o", x.reshape(-1), weight), addend.reshape(-1))
         return y.reshape(addend.shape)
-    return _add(jnp.einsum("...i,oi->...o", x, weight), addend)
+    return cpu.add_unless_zero(jnp.einsum("...i,oi->...o", x, weight), addend)
 
 
 def _few_rows(x: jax.Array) -> bool:
+    """Whether ``x``'s row count is one ``cpu.weight_left`` computes faster on CPU."""
     return 1 < math.prod(x.shape[:-1]) <= SMALL_ROWS
 
 
@@ -123,7 +84,7 @@ def linear(
     if _few_rows(x):
         # platform_dependent keeps only the branch of the platform being lowered for.
         return jax.lax.platform_dependent(
-            x, weight, addend, cpu=_weight_left, default=_weight_right
+            x, weight, addend, cpu=cpu.weight_left, default=_weight_right
         )
     return _weight_right(x, weight, addend)
 
@@ -168,19 +129,9 @@ def linear_many(
         return tuple(linear(x, w, addend=a) for w, a in zip(weights, addends, strict=True))
     weights = tuple(w.astype(x.dtype) for w in weights)
 
-    def fused(x, weights, addends):
-        addend = None
-        if any(a is not None for a in addends):
-            addend = jnp.concatenate(
-                [jnp.zeros((*x.shape[:-1], w.shape[0]), x.dtype) if a is None else a
-                 for w, a in zip(weights, addends, strict=True)],
-                axis=-1,
-            )  # fmt: skip
-        y = _weight_left(x, jnp.concatenate(weights, axis=0), addend)
-        ends = itertools.accumulate(w.shape[0] for w in weights)
-        return tuple(jnp.split(y, list(ends)[:-1], axis=-1))
-
     def separate(x, weights, addends):
         return tuple(_weight_right(x, w, a) for w, a in zip(weights, addends, strict=True))
 
-    return jax.lax.platform_dependent(x, weights, addends, cpu=fused, default=separate)
+    return jax.lax.platform_dependent(
+        x, weights, addends, cpu=cpu.weight_left_many, default=separate
+    )

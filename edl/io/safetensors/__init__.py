@@ -21,6 +21,26 @@ is written to a temporary file in the target directory and moved into place with
 ``os.replace``. All format problems raise ``CheckpointError`` naming the file and the tensor.
 No pickle is involved anywhere. This package depends on nothing else in edl but
 ``edl.io.files`` (atomic writes).
+
+Why edl keeps its own rather than reading and writing through ``safetensors`` (checked against
+safetensors 0.8.0; ``tests/test_io_safetensors.py``, section "What the official library does
+not give", pins each point):
+
+- No reading into a caller's buffer. ``safe_open(...).get_tensor`` and ``get_slice(...)[...]``
+  return a new array each call (with the ``"pread"`` backend too), so filling one layer of a
+  stacked array costs a transient copy of the tensor; ``read_into`` reads straight into it.
+- Errors name neither the file nor, for size mismatches, truncation or trailing bytes, the
+  tensor ("incomplete metadata, file not fully covered"); holes and overlaps both read "invalid
+  offset for tensor". A key that appears twice in the header is accepted, the last one winning.
+- One file at a time: ``safe_open`` on a sharded checkpoint's index fails ("header too large").
+  huggingface_hub's sharded load/save is torch-only.
+- Writing takes every tensor materialised at once (``TensorSpec`` holds raw pointers that must
+  stay alive for the call), with no shard planning; ``save_tensors`` streams ``LazyTensor``s.
+  ``serialize_file`` does write a temporary file and rename it, but without fsync and leaves
+  the file owner-only (``0o600``); ``edl.io.files.atomic_file`` fsyncs and honours the umask.
+
+Files either side writes are read bit-identically by the other (the interop tests in the same
+file, bf16 and fp8 included through ``safetensors.torch``).
 """
 
 from edl.io.safetensors.format import (

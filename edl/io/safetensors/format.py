@@ -162,8 +162,8 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
-    """Parse and fully validate ``path``'s header; tensors come back in on-disk order."""
+def _read_raw_header(path: Path) -> tuple[dict[str, Any], int, int]:
+    """The header JSON of ``path`` as a dict, the data region's start, and the file size."""
     try:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
@@ -192,46 +192,52 @@ def _read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
         raise CheckpointError(f"{path}: header is not valid UTF-8 JSON ({e})") from e
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    return header, 8 + n, file_size
 
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+
+# One header entry, validated on its own: (start, end, name, dtype, shape), offsets relative
+# to the data region.
+_Entry = tuple[int, int, str, np.dtype, tuple[int, ...]]
+
+
+def _parse_entry(path: Path, name: str, entry: Any) -> _Entry:
+    """Validate one tensor's header entry: dtype known, shape sane, offsets span its bytes."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: entry must be a JSON object, got {entry!r}")
+    code = entry.get("dtype")
+    if code not in DTYPES:
+        raise CheckpointError(f"{where}: unknown dtype {code!r} (known: {', '.join(DTYPES)})")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape must be a list of non-negative ints: {shape!r}")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_int(o) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise CheckpointError(f"{path}: __metadata__ must map str to str, got {meta!r}")
+        raise CheckpointError(
+            f"{where}: data_offsets must be [start, end] with 0 <= start <= end: {offsets!r}"
+        )
+    dtype = DTYPES[code]
+    nbytes = math.prod(shape) * dtype.itemsize
+    start, end = offsets
+    if nbytes != end - start:
+        raise CheckpointError(
+            f"{where}: dtype {code} and shape {shape} need {nbytes} bytes but "
+            f"data_offsets {offsets} span {end - start}"
+        )
+    return start, end, name, dtype, tuple(shape)
 
-    data_start = 8 + n
-    entries: list[tuple[int, int, str, np.dtype, tuple[int, ...]]] = []
-    for name, entry in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(entry, dict):
-            raise CheckpointError(f"{where}: entry must be a JSON object, got {entry!r}")
-        code = entry.get("dtype")
-        if code not in DTYPES:
-            raise CheckpointError(f"{where}: unknown dtype {code!r} (known: {', '.join(DTYPES)})")
-        shape = entry.get("shape")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise CheckpointError(f"{where}: shape must be a list of non-negative ints: {shape!r}")
-        offsets = entry.get("data_offsets")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_int(o) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise CheckpointError(
-                f"{where}: data_offsets must be [start, end] with 0 <= start <= end: {offsets!r}"
-            )
-        dtype = DTYPES[code]
-        nbytes = math.prod(shape) * dtype.itemsize
-        start, end = offsets
-        if nbytes != end - start:
-            raise CheckpointError(
-                f"{where}: dtype {code} and shape {shape} need {nbytes} bytes but "
-                f"data_offsets {offsets} span {end - start}"
-            )
-        entries.append((start, end, name, dtype, tuple(shape)))
 
-    entries.sort(key=lambda e: (e[0], e[1]))
+def _lay_out(
+    path: Path, entries: list[_Entry], data_start: int, file_size: int
+) -> list[TensorInfo]:
+    """Check that the entries tile the data region exactly (no overlap, hole, truncation or
+    trailing bytes); return them as ``TensorInfo``s in on-disk order."""
+    entries = sorted(entries, key=lambda e: (e[0], e[1]))
     expected, prev = 0, None
     infos = []
     for start, end, name, dtype, shape in entries:
@@ -260,7 +266,19 @@ def _read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
             f"{path}: {file_size - need} unexpected bytes after {last}, which should end the "
             f"file at byte {need} (offsets out of range, or a corrupt file)"
         )
-    return infos, dict(meta)
+    return infos
+
+
+def _read_header(path: Path) -> tuple[list[TensorInfo], dict[str, str]]:
+    """Parse and fully validate ``path``'s header; tensors come back in on-disk order."""
+    header, data_start, file_size = _read_raw_header(path)
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CheckpointError(f"{path}: __metadata__ must map str to str, got {meta!r}")
+    entries = [_parse_entry(path, name, entry) for name, entry in header.items()]
+    return _lay_out(path, entries, data_start, file_size), dict(meta)
 
 
 def _read_index(index: Path) -> dict[str, str]:
