@@ -354,7 +354,7 @@ def _adapted_layers(
                       f"{_listing(no_b)}: they get lora_B = 0 (adding nothing), as PEFT "
                       f"initialises them", stacklevel=3)  # fmt: skip
     by_stack: dict[str, set[tuple[int, float]]] = collections.defaultdict(set)
-    for module in targeted:
+    for module in sorted(targeted):  # the wrapped layers' order draws their lora_A: fixed
         rank, scaling = _rank_and_scaling(config, module)
         if _SUFFIXES[0] in present[module] and _SUFFIXES[1] in present[module]:
             stored = shapes[present[module][_SUFFIXES[0]]][0]
