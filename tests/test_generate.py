@@ -244,6 +244,23 @@ def test_decode_loop_is_one_compiled_program():
     assert decode_module._generate_compiled._cache_size() == before + 1
 
 
+def test_nearby_prompt_lengths_share_one_compiled_program():
+    widths = [decode_module.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 100)]
+    assert widths == [16, 16, 24, 24, 32, 48, 48, 64, 96, 128]
+    model = _tiny_model()
+    config = GenerationConfig(max_new_tokens=4)
+    prompts = {n: (np.arange(1, n + 1)[None] * 7) % VOCAB for n in (5, 9, 13, 16)}
+    before = decode_module._generate_compiled._cache_size()
+    bucketed = {n: generate(model, ids, config=config) for n, ids in prompts.items()}
+    assert decode_module._generate_compiled._cache_size() == before + 1  # one bucket: 16
+    for n, ids in prompts.items():
+        # The output keeps the prompt as given, and the padding changes no token.
+        plain = generate(model, ids, config=config, bucket_prompts=False)
+        assert bucketed[n].sequences.shape == (1, n + 4)
+        np.testing.assert_array_equal(bucketed[n].sequences, plain.sequences)
+        np.testing.assert_array_equal(bucketed[n].num_new, plain.num_new)
+
+
 def _slices_in_loops(jaxpr, in_loop=False):
     """Shapes of the arrays that ``slice`` / ``dynamic_slice`` cut inside ``while`` bodies."""
     found = []

@@ -6,7 +6,13 @@ out = edl.generate.generate(model, input_ids, attention_mask=mask, max_new_token
 from edl.generate.beam import BeamState
 from edl.generate.cache import KVCache, init_cache
 from edl.generate.config import GenerateOutput, GenerationConfig
-from edl.generate.decode import DecodeState, generate, generate_stream, logits_processor_for
+from edl.generate.decode import (
+    DecodeState,
+    generate,
+    generate_stream,
+    logits_processor_for,
+    prompt_bucket,
+)
 from edl.generate.paged import (
     PagedCacheConfig,
     PagedKVCache,
@@ -33,4 +39,5 @@ __all__ = [
     "init_paged_cache",
     "logits_processor_for",
     "paged_cache_config",
+    "prompt_bucket",
 ]

@@ -33,7 +33,7 @@ from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
-__all__ = ["DecodeState", "generate", "generate_stream", "logits_processor_for"]
+__all__ = ["DecodeState", "generate", "generate_stream", "logits_processor_for", "prompt_bucket"]
 
 
 class DecodeState(eqx.Module):
@@ -178,6 +178,30 @@ def _without_id_checks(model: CausalLM) -> CausalLM:
     return dataclasses.replace(model, model=trunk)
 
 
+def prompt_bucket(length: int) -> int:
+    """The prompt width ``generate`` compiles for: ``length`` rounded up to 16, 24, 32, 48,
+    64, 96, ... (powers of two and 1.5x them), so prompts of nearby lengths share one
+    compiled program while padding wastes at most a third of the width."""
+    if length < 1:
+        raise ValueError(f"prompt_bucket: length must be >= 1, got {length}")
+    power = max(16, 1 << (length - 1).bit_length())
+    return power * 3 // 4 if power > 16 and power * 3 // 4 >= length else power
+
+
+def _pad_prompts(
+    ids: Int[Array, "batch seq"], mask: Bool[Array, "batch seq"], pad_id: int
+) -> tuple[Int[Array, "batch width"], Bool[Array, "batch width"]]:
+    """Left-pad prompts to their ``prompt_bucket`` width (mask 0: never attended to, and the
+    positions count real tokens only, so the continuation is the same)."""
+    extra = prompt_bucket(ids.shape[1]) - ids.shape[1]
+    if not extra:
+        return ids, mask
+    return (
+        jnp.pad(ids, ((0, 0), (extra, 0)), constant_values=pad_id),
+        jnp.pad(mask, ((0, 0), (extra, 0))),
+    )
+
+
 def _resolve(config, max_new_tokens, overrides):
     config = config or GenerationConfig()
     if max_new_tokens is not None:
@@ -198,6 +222,7 @@ def generate(
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
     unstack_layers: bool = False,
+    bucket_prompts: bool = True,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -224,6 +249,10 @@ def generate(
             opt-in: for small models and long generations. Measured in
             ``benchmarks/RESULTS.md``, "generate: unstacked layers, a run_stack regression
             fixed, interleaved rounds".
+        bucket_prompts: left-pad prompts to ``prompt_bucket(seq)`` columns (attention mask
+            0) before compiling, so a new prompt length usually reuses a compiled program
+            (one per bucket, ``max_new_tokens`` and setting); the output keeps the prompt as
+            given. The padding's cost is a wider prefill and cache.
 
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
@@ -234,10 +263,15 @@ def generate(
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
     model = _without_id_checks(model)
-    return _generate_compiled(
+    width = ids.shape[1]
+    if bucket_prompts:
+        ids, mask = _pad_prompts(ids, mask, config.pad_id)
+    out = _generate_compiled(
         model, ids, mask, key, config=config, processor=processor, max_new=max_new,
         page_size=page_size, unstack_layers=unstack_layers,
     )  # fmt: skip
+    extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
+    return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
@@ -266,6 +300,7 @@ def generate_stream(
     logits_processor: LogitsProcessor | None = None,
     page_size: int | None = None,
     unstack_layers: bool = False,
+    bucket_prompts: bool = True,
     **overrides: Any,
 ) -> Iterator[np.ndarray]:
     """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
@@ -278,6 +313,8 @@ def generate_stream(
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
+    if bucket_prompts:
+        ids, mask = _pad_prompts(ids, mask, config.pad_id)
     model, state, prompt, mask = _stream_setup(
         _without_id_checks(model), ids, mask, config=config, max_new=max_new, page_size=page_size,
         unstack_layers=unstack_layers,
