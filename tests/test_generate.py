@@ -261,6 +261,35 @@ def test_nearby_prompt_lengths_share_one_compiled_program():
         np.testing.assert_array_equal(bucketed[n].num_new, plain.num_new)
 
 
+def test_a_saved_models_generation_config_is_its_default(tmp_path):
+    import dataclasses
+    import json
+
+    model = _tiny_model()
+    ids = np.array([[5, 9, 2, 7]])
+    free = np.asarray(generate(model, ids, max_new_tokens=6).sequences)[0, 4:]
+    eos = int(free[2])  # the third greedy token becomes the end of text
+    stop_at = int(np.flatnonzero(free == eos)[0]) + 1
+    defaults = {"eos_token_id": [eos], "max_new_tokens": 6, "bos_token_id": 1}
+    pairs = tuple(sorted((k, json.dumps(v)) for k, v in defaults.items()))
+    edl.save_pretrained(dataclasses.replace(model, generation_config=pairs), tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == defaults
+    assert transformers.GenerationConfig.from_pretrained(tmp_path).eos_token_id == [eos]
+
+    loaded = edl.from_pretrained(tmp_path)
+    assert loaded.generation_config == pairs
+    out = generate(loaded, ids)  # max_new_tokens and the EOS come from the file
+    assert int(out.num_new[0]) == stop_at
+    np.testing.assert_array_equal(np.asarray(out.sequences)[0, 4 : 4 + stop_at], free[:stop_at])
+    assert int(generate(loaded, ids, eos_token_id=None).num_new[0]) == 6  # overridden
+    assert int(generate(loaded, ids, config=GenerationConfig(max_new_tokens=6)).num_new[0]) == 6
+    (tmp_path / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(
+        ValueError, match=r"generation_config\.json: generation config must hold a JSON object"
+    ):
+        edl.from_pretrained(tmp_path)
+
+
 def _slices_in_loops(jaxpr, in_loop=False):
     """Shapes of the arrays that ``slice`` / ``dynamic_slice`` cut inside ``while`` bodies."""
     found = []

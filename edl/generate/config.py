@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -97,6 +98,13 @@ class GenerationConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in config.items() if k in names and v is not None}
         return cls(**{**fields, **overrides})
+
+    @classmethod
+    def of_model(cls, model: Any) -> GenerationConfig:
+        """The model's own defaults: a causal LM's ``generation_config`` (its
+        ``generation_config.json``, read by ``from_pretrained``), else HF's defaults."""
+        pairs = getattr(model, "generation_config", ())
+        return cls.from_hf({k: json.loads(v) for k, v in pairs}) if pairs else cls()
 
 
 class GenerateOutput(eqx.Module):

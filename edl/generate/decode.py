@@ -202,8 +202,8 @@ def _pad_prompts(
     )
 
 
-def _resolve(config, max_new_tokens, overrides):
-    config = config or GenerationConfig()
+def _resolve(model, config, max_new_tokens, overrides):
+    config = config or GenerationConfig.of_model(model)
     if max_new_tokens is not None:
         if max_new_tokens <= 0:
             raise ValueError(f"generate: max_new_tokens must be positive, got {max_new_tokens}")
@@ -233,8 +233,11 @@ def generate(
             expects (``attention_mask`` ``(batch, seq)``, 0 on padding); checked eagerly.
         max_new_tokens: overrides ``config.max_new_tokens``.
         key: PRNG key for sampling (required with ``do_sample``).
-        config: decoding settings; keyword ``overrides`` replace its fields
-            (``generate(m, ids, max_new_tokens=8, do_sample=True, top_p=0.9, key=k)``).
+        config: decoding settings (default: the model's own, from its
+            ``generation_config.json``: ``GenerationConfig.of_model``); keyword
+            ``overrides`` replace its fields (``generate(m, ids, max_new_tokens=8,
+            do_sample=True, top_p=0.9, key=k)``). A model whose defaults sample needs ``key``
+            (or ``do_sample=False``).
         logits_processor: ``(logits, tokens, valid) -> logits``, applied after the
             config's processors. It is a static argument: pass the same function object
             to reuse the compiled program.
@@ -257,7 +260,7 @@ def generate(
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
     """
-    config = _resolve(config, max_new_tokens, overrides)
+    config = _resolve(model, config, max_new_tokens, overrides)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
@@ -306,7 +309,7 @@ def generate_stream(
     """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
     soon as they exist (``pad_id`` for finished rows), for interactive use. With the same
     key it produces exactly ``generate``'s tokens. Beam search is not streamed."""
-    config = _resolve(config, max_new_tokens, overrides)
+    config = _resolve(model, config, max_new_tokens, overrides)
     if config.num_beams > 1:
         raise ValueError("generate_stream: beam search cannot be streamed; use generate")
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)

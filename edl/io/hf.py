@@ -11,6 +11,8 @@ host memory is one array, not the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import re
 import tempfile
@@ -37,6 +39,7 @@ __all__ = [
     "from_pretrained",
     "from_state_dict",
     "load_config",
+    "load_generation_config",
     "push_to_hub",
     "resolve_directory",
     "save_pretrained",
@@ -44,6 +47,7 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 # -- resolving files ----------------------------------------------------------------------
@@ -249,7 +253,21 @@ def from_pretrained(
         _check_layer_count(config, reader.keys(), str(file))
         source = TensorSource.from_reader(reader)
         table = family.key_table_for(config)
-        return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
+        model = _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
+    generation = load_generation_config(directory)
+    if generation and hasattr(model, "generation_config"):
+        model = dataclasses.replace(model, generation_config=generation)
+    return model
+
+
+def load_generation_config(directory: str | os.PathLike[str]) -> tuple[tuple[str, str], ...]:
+    """``directory``'s ``generation_config.json`` as sorted (key, JSON) pairs (a causal LM's
+    ``generation_config`` field), or ``()`` when there is none."""
+    file = Path(directory) / GENERATION_CONFIG_NAME
+    if not file.is_file():
+        return ()
+    values = read_json(file, what="generation config")  # a JSON object, or it names the file
+    return tuple(sorted((k, json.dumps(v)) for k, v in values.items()))
 
 
 def from_state_dict(
@@ -320,7 +338,8 @@ def save_pretrained(
     dtype: Any = None,
 ) -> Path:
     """Write ``model`` in HF layout (``config.json`` + safetensors, sharded with
-    ``model.safetensors.index.json`` beyond ``max_shard_size``), loadable by transformers.
+    ``model.safetensors.index.json`` beyond ``max_shard_size``, and the causal LM's
+    ``generation_config.json`` when it has one), loadable by transformers.
 
     ``dtype`` casts floating weights on the way out (one layer at a time). Tied heads are
     not written, as transformers does. Each file is written atomically.
@@ -336,6 +355,10 @@ def save_pretrained(
         config["torch_dtype"] = config["dtype"] = stored  # transformers 4 / 5 spellings
     save_tensors(tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"})
     write_json_atomic(directory / CONFIG_NAME, config)
+    generation = getattr(model, "generation_config", ())
+    if generation:
+        values = {k: json.loads(v) for k, v in generation}
+        write_json_atomic(directory / GENERATION_CONFIG_NAME, values)
     return directory
 
 

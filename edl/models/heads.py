@@ -41,10 +41,16 @@ def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
 
 
 class DecoderForCausalLM(eqx.Module):
-    """Decoder + LM head; ``lm_head`` is ``None`` when tied to ``model.embed_tokens``."""
+    """Decoder + LM head; ``lm_head`` is ``None`` when tied to ``model.embed_tokens``.
+
+    ``generation_config``: the model's ``generation_config.json`` as sorted (key, JSON)
+    pairs (empty: none), static. ``edl.generate.generate`` decodes with it by default (EOS
+    ids, sampling defaults), and ``save_pretrained`` writes it back.
+    """
 
     model: DecoderModel
     lm_head: Linear | None
+    generation_config: tuple[tuple[str, str], ...] = eqx.field(static=True, default=())
 
     trunk: ClassVar[type[DecoderModel]] = DecoderModel
     partition_rules: ClassVar[Rules] = PARTITION_RULES
