@@ -4,6 +4,7 @@ softmax, streaming = compiled, clear errors before compiling."""
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -156,6 +157,13 @@ def test_beam_search_matches_transformers(early_stopping, length_penalty):
     np.testing.assert_allclose(out.scores, ref.sequences_scores.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@eqx.filter_jit
+def _forward(model, ids, cache=None, attention_mask=None):
+    """``model(ids, ...)`` compiled once per shape: run eagerly, every op of a prefill or a
+    decode step compiles on its own, several times the cost of one program."""
+    return model(ids, attention_mask=attention_mask, cache=cache)
+
+
 def _tiny_model(vocab=VOCAB, seed=0, **changes):
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -171,15 +179,15 @@ def test_cached_forward_equals_full_forward(impl, scan):
     with a sliding-window layer."""
     model = _tiny_model(attention_impl=impl, scan_layers=scan, layer_windows=(None, 3))
     ids = jax.random.randint(jax.random.key(1), (2, 11), 0, VOCAB)
-    full = model(ids).logits
-    out = model(ids[:, :5], cache=init_cache(model.config, 2, 11))
+    full = _forward(model, ids).logits
+    out = _forward(model, ids[:, :5], init_cache(model.config, 2, 11))
     np.testing.assert_allclose(out.logits, full[:, :5], atol=1e-5)
     cache = out.cache
     for t in range(5, 8):
-        out = model(ids[:, t : t + 1], cache=cache)
+        out = _forward(model, ids[:, t : t + 1], cache)
         cache = out.cache
         np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
-    out = model(ids[:, 8:], cache=cache)  # several new tokens through a filled cache
+    out = _forward(model, ids[:, 8:], cache)  # several new tokens through a filled cache
     np.testing.assert_allclose(out.logits, full[:, 8:], atol=1e-5)
     np.testing.assert_array_equal(out.cache.lengths, [11, 11])
 
@@ -216,7 +224,7 @@ def test_first_sampled_token_follows_processed_softmax():
     out = generate(model, np.repeat(prompt, rows, 0), max_new_tokens=1, do_sample=True,
                    temperature=0.7, top_k=6, key=jax.random.key(0))  # fmt: skip
     drawn = np.asarray(out.sequences)[:, -1]
-    logits = np.asarray(model(jnp.asarray(prompt)).logits[0, -1], np.float64) / 0.7
+    logits = np.asarray(_forward(model, jnp.asarray(prompt)).logits[0, -1], np.float64) / 0.7
     kept = np.argsort(logits)[-6:]
     probs = np.exp(logits[kept] - logits[kept].max())
     probs /= probs.sum()
@@ -391,14 +399,14 @@ def test_paged_cache_forward_allocation_and_free():
     rows grow and returned by free_rows."""
     model = _tiny_model(layer_windows=(None, 3))
     ids = jax.random.randint(jax.random.key(1), (2, 11), 0, VOCAB)
-    full = model(ids).logits
+    full = _forward(model, ids).logits
     cache = init_paged_cache(model.config, 7, 4, batch=2, cache_len=12)
-    out = model(ids[:, :5], cache=cache)  # 5 tokens -> 2 pages per row
+    out = _forward(model, ids[:, :5], cache)  # 5 tokens -> 2 pages per row
     np.testing.assert_allclose(out.logits, full[:, :5], atol=1e-5)
     np.testing.assert_array_equal(out.cache.page_table, [[0, 1, -1], [2, 3, -1]])
     cache = out.cache
     for t in range(5, 11):
-        out = model(ids[:, t : t + 1], cache=cache)
+        out = _forward(model, ids[:, t : t + 1], cache)
         cache = out.cache
         np.testing.assert_allclose(out.logits[:, 0], full[:, t], atol=1e-5)
     np.testing.assert_array_equal(cache.page_table, [[0, 1, 4], [2, 3, 5]])
@@ -408,8 +416,7 @@ def test_paged_cache_forward_allocation_and_free():
     np.testing.assert_array_equal(cache.lengths, [0, 11])
     np.testing.assert_array_equal(np.flatnonzero(~np.asarray(cache.free)), [2, 3, 5])
     # The freed pages serve a new sequence in row 0.
-    out = model(ids[:1, :3].repeat(2, 0), attention_mask=jnp.array([[1, 1, 1], [0, 0, 0]]),
-                cache=cache)  # fmt: skip
+    out = _forward(model, ids[:1, :3].repeat(2, 0), cache, jnp.array([[1, 1, 1], [0, 0, 0]]))
     np.testing.assert_array_equal(out.cache.page_table[0], [0, -1, -1])
     np.testing.assert_allclose(out.logits[0], full[0, :3], atol=1e-5)
 

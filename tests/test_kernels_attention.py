@@ -1,12 +1,16 @@
 """edl.kernels (flash and decode attention, interpret mode on CPU) against float64 references.
 
-Forward outputs and all three gradients are compared with jax autodiff of the plain
-reference evaluated in float64; decode attention with an explicit float64 numpy loop.
-Tolerances: errors are measured relative to max(1, max |expected|). float32 kernels
-accumulate in float32 over at most ~100 keys here, so 2e-5 leaves a margin of ~10x over the
-errors seen (~1e-6); 16-bit inputs are compared on the same rounded inputs, and the kernel
-rounds P to the input dtype before ``P @ V`` (as every flash kernel does), so the bound is a
-few units of bf16's 2^-8 resolution: 3e-2.
+Forward outputs and all three gradients are compared with a float64 numpy evaluation of the
+plain reference and of its gradients (``_float64_reference``, itself checked against jax
+autodiff of ``ops.reference_attention`` in float64); decode attention with an explicit float64
+numpy loop. Tolerances: errors are measured relative to max(1, max |expected|). float32
+kernels accumulate in float32 over at most ~100 keys here, so 2e-5 leaves a margin of ~10x
+over the errors seen (~1e-6); 16-bit inputs are compared on the same rounded inputs, and the
+kernel rounds P to the input dtype before ``P @ V`` (as every flash kernel does), so the bound
+is a few units of bf16's 2^-8 resolution: 3e-2.
+
+Every kernel call is jitted whole: run eagerly, each op around the kernel compiles on its own,
+several times the cost of compiling one program.
 """
 
 import functools
@@ -32,41 +36,104 @@ def _rel_err(actual, expected) -> float:
 
 
 def _inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim, dtype=jnp.float32):
-    kq, kk, kv, kd = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(kq, (batch, q_len, heads, head_dim), jnp.float32).astype(dtype)
-    k = jax.random.normal(kk, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
-    v = jax.random.normal(kv, (batch, kv_len, kv_heads, head_dim), jnp.float32).astype(dtype)
-    d_out = jax.random.normal(kd, q.shape, jnp.float32).astype(dtype)
-    return q, k, v, d_out
+    """Unit-normal q, k, v and a cotangent for the output. Drawn with numpy: jax.random would
+    compile a sampler for every new shape."""
+    rng = np.random.default_rng(seed)
+    q_shape, kv_shape = (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    return tuple(
+        jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+        for shape in (q_shape, kv_shape, kv_shape, q_shape)
+    )
 
 
 def _segments(seed, batch, q_len, kv_len):
     """Sorted ids in {0, 1, 2} drawn separately for q and kv: some queries see no key."""
-    kq, kk = jax.random.split(jax.random.key(seed + 1))
-    q_ids = jnp.sort(jax.random.randint(kq, (batch, q_len), 0, 3), axis=1)
-    kv_ids = jnp.sort(jax.random.randint(kk, (batch, kv_len), 0, 3), axis=1)
-    return q_ids, kv_ids
+    rng = np.random.default_rng(seed + 1)
+    q_ids = np.sort(rng.integers(0, 3, (batch, q_len), np.int32), axis=1)
+    kv_ids = np.sort(rng.integers(0, 3, (batch, kv_len), np.int32), axis=1)
+    return jnp.asarray(q_ids), jnp.asarray(kv_ids)
 
 
-def _float64_reference(q, k, v, d_out, **kw):
-    """Output and (dq, dk, dv) of the plain reference by autodiff in float64."""
+def _float64_reference(q, k, v, d_out, *, causal=False, segment_ids=None, window=None,
+                       softcap=None, scale=None):  # fmt: skip
+    """Output and (dq, dk, dv) of the plain reference (``ops.reference_attention``) in
+    float64 numpy: the forward as defined, the backward by the chain rule through P @ V, the
+    masked softmax, the soft-cap and the scaled Q K^T (rows that see no key: zero output and
+    zero gradients). Numpy, not jax: jax would compile a float64 program per shape."""
+    q, k, v, d_out = (np.asarray(a, np.float64) for a in (q, k, v, d_out))
+    batch, q_len, heads, head_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scale = head_dim**-0.5 if scale is None else scale
+    q_pos = np.arange(q_len)[:, None] + (kv_len - q_len)
+    k_pos = np.arange(kv_len)[None, :]
+    mask = np.ones((1, q_len, kv_len), bool)
+    if causal or window is not None:
+        mask &= k_pos <= q_pos
+    if window is not None:
+        mask &= q_pos - k_pos < window
+    if segment_ids is not None:
+        q_ids, kv_ids = (np.asarray(x) for x in segment_ids)
+        mask = mask & (q_ids[:, :, None] == kv_ids[:, None, :])
+    mask = mask[:, None, None]  # (batch | 1, 1, 1, q_len, kv_len)
+    qg = q.reshape(batch, q_len, kv_heads, group, head_dim)
+    d_out = d_out.reshape(qg.shape)
+    logits = np.einsum("bqhgd,bkhd->bhgqk", qg, k) * scale
+    capped = logits if softcap is None else softcap * np.tanh(logits / softcap)
+    masked = np.where(mask, capped, -np.inf)
+    row_max = masked.max(axis=-1, keepdims=True)
+    weights = np.exp(masked - np.where(np.isfinite(row_max), row_max, 0.0))
+    denom = weights.sum(axis=-1, keepdims=True)
+    probs = weights / np.where(denom == 0, 1.0, denom)  # masked entries and empty rows: 0
+    out = np.einsum("bhgqk,bkhd->bqhgd", probs, v)
+    dv = np.einsum("bhgqk,bqhgd->bkhd", probs, d_out)
+    d_probs = np.einsum("bqhgd,bkhd->bhgqk", d_out, v)
+    d_capped = probs * (d_probs - np.sum(probs * d_probs, axis=-1, keepdims=True))
+    d_logits = d_capped if softcap is None else d_capped * (1 - np.tanh(logits / softcap) ** 2)
+    dq = np.einsum("bhgqk,bkhd->bqhgd", d_logits, k) * scale
+    dk = np.einsum("bhgqk,bqhgd->bkhd", d_logits, qg) * scale
+    return out.reshape(q.shape), [dq.reshape(q.shape), dk, dv]
+
+
+def test_float64_reference_is_autodiff_of_the_plain_reference():
+    """The numpy oracle above against jax autodiff of ``ops.reference_attention`` in float64
+    (whose logits are float32, hence 1e-5), on a case with GQA, q_len < kv_len, a window, a
+    soft-cap, a scale and segments that leave some queries without any key."""
+    q, k, v, d_out = _inputs(7, 2, 13, 19, 6, 2, 8)
+    segments = _segments(7, 2, 13, 19)
+    kw = dict(causal=True, window=6, softcap=2.5, scale=0.4)
     with jax.enable_x64(True):
-        args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v)]
-        out, vjp = jax.vjp(functools.partial(ops.reference_attention, **kw), *args)
-        grads = vjp(jnp.asarray(np.asarray(d_out, np.float64)))
-        return np.asarray(out), [np.asarray(g) for g in grads]
+        args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, d_out)]
+
+        @jax.jit
+        def autodiff(q, k, v, d_out, segment_ids):
+            fn = functools.partial(ops.reference_attention, segment_ids=segment_ids, **kw)
+            out, vjp = jax.vjp(fn, q, k, v)
+            return out, vjp(d_out)
+
+        out, grads = autodiff(*args, segments)
+    ref_out, ref_grads = _float64_reference(q, k, v, d_out, segment_ids=segments, **kw)
+    assert np.any(np.all(ref_out == 0, axis=(2, 3)))  # some queries see no key
+    for name, actual, expected in zip(
+        ("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads), strict=True
+    ):
+        assert _rel_err(actual, expected) < 1e-5, name
 
 
 def _kernel(q, k, v, d_out, *, segment_ids=None, block_sizes=None, **kw):
-    q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+    """The kernel's output and (dq, dk, dv) for cotangent ``d_out``, as one compiled program."""
 
-    def run(q, k, v):
-        return flash_attention(
-            q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=block_sizes, **kw
-        )
+    @jax.jit
+    def run(q, k, v, d_out, segment_ids):
+        q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+        fn = functools.partial(
+            flash_attention, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=block_sizes,
+            **kw,
+        )  # fmt: skip
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(d_out)
 
-    out, vjp = jax.vjp(jax.jit(run), q, k, v)
-    return out, vjp(d_out)
+    return run(q, k, v, d_out, segment_ids)
 
 
 def _assert_close(q, k, v, d_out, tol, segment_ids=None, block_sizes=None, **kw):
@@ -160,8 +227,8 @@ def test_every_output_element_is_written():
         blocks=BlockSizes(8, 8, 8, 8), interpret=True,
     )  # fmt: skip
     q_ids, kv_ids = _segments(3, 2, 24, 40)
-    out, lse = _forward(q, k, v, q_ids, kv_ids, plan)
-    grads = _backward(q, k, v, q_ids, kv_ids, out, lse, d_out, plan)
+    out, lse = jax.jit(_forward, static_argnums=5)(q, k, v, q_ids, kv_ids, plan)
+    grads = jax.jit(_backward, static_argnums=8)(q, k, v, q_ids, kv_ids, out, lse, d_out, plan)
     for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), strict=True):
         assert bool(jnp.isfinite(x).all()), name
 
@@ -212,6 +279,10 @@ def decode_cases(draw):
     }
 
 
+# One compiled program per call (the static arguments differ between examples anyway).
+_decode = jax.jit(decode_attention, static_argnames=("window", "softcap", "block_k", "num_splits"))
+
+
 @settings(max_examples=8)  # every example compiles a kernel for new shapes
 @given(decode_cases())
 def test_decode_attention_matches_float64(c):
@@ -220,7 +291,7 @@ def test_decode_attention_matches_float64(c):
     )
     lengths = jnp.asarray(c["lengths"], jnp.int32)
     start = None if c["kv_start"] is None else jnp.asarray(c["kv_start"], jnp.int32)
-    out = decode_attention(
+    out = _decode(
         q, k, v, lengths, kv_start=start, window=c["window"], softcap=c["softcap"],
         block_k=c["block_k"], num_splits=c["num_splits"],
     )  # fmt: skip

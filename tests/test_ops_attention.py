@@ -1,4 +1,10 @@
-"""edl.ops.attention against an independent float64 numpy reference."""
+"""edl.ops.attention against an independent float64 numpy reference.
+
+The hypothesis tests call ``ops.attention`` jitted whole: run eagerly (and under autodiff),
+each of its ops compiles on its own, several times the cost of compiling one program.
+"""
+
+import functools
 
 import hypothesis.strategies as st
 import jax
@@ -42,6 +48,27 @@ def numpy_attention(q, k, v, *, causal, window, softcap, scale, q_ids, kv_ids):
     return out.transpose(0, 2, 1, 3)
 
 
+_STATIC = ("causal", "window", "softcap", "scale", "impl")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention(q, k, v, segment_ids, *, causal, window, softcap, scale, impl):
+    return ops.attention(
+        q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
+        scale=scale, impl=impl,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _attention_grads(q, k, v, segment_ids, cotangent, **kw):
+    """d sum(attention * cotangent) / d(q, k, v)."""
+
+    def f(q, k, v):
+        return jnp.sum(_attention(q, k, v, segment_ids, **kw) * cotangent)
+
+    return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+
 @st.composite
 def cases(draw):
     kv_heads = draw(st.sampled_from([1, 2]))
@@ -82,9 +109,7 @@ def test_attention_matches_float64_reference(impl, c):
             (jnp.asarray(q_ids), jnp.asarray(kv_ids)) if sq != skv else jnp.asarray(kv_ids)
         )
     kw = {k_: c[k_] for k_ in ("causal", "window", "softcap", "scale")}
-    out = ops.attention(
-        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), segment_ids=segment_ids, impl=impl, **kw
-    )
+    out = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), segment_ids, impl=impl, **kw)
     ref = numpy_attention(q, k, v, q_ids=q_ids, kv_ids=kv_ids, **kw)
     # float32 logits/softmax over <= 12 keys of unit-normal data: errors ~1e-6.
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
@@ -110,11 +135,7 @@ def test_xla_backward_matches_autodiff_of_the_reference(c):
     kw = {k_: c[k_] for k_ in ("causal", "window", "softcap", "scale")}
 
     def grads(impl):
-        def f(q, k, v):
-            out = ops.attention(q, k, v, segment_ids=segment_ids, impl=impl, **kw)
-            return jnp.sum(out * cot)
-
-        return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+        return _attention_grads(q, k, v, segment_ids, cot, impl=impl, **kw)
 
     # float32 sums over <= 12 keys and <= 4 grouped heads: ~1e-6 relative; softcap's tanh'
     # and the rowsum(dO * O) form differ in rounding from autodiff's path.

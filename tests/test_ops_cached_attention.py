@@ -109,8 +109,10 @@ def test_paged_attention_xla_equals_contiguous():
     pages = jnp.concatenate([k.reshape(8, 8, 2, 8), v.reshape(8, 8, 2, 8)])  # 16 pages
     table = jnp.asarray([[0, 1, 2, 3], [4, 5, 6, 7]], jnp.int32)
     lengths = jnp.asarray([11, 30], jnp.int32)
-    out = paged_attention(q, pages[:8], pages[8:], table, lengths, impl="xla")
-    expected = cached_attention(q, k, v, lengths, impl="reference")
+    out = jax.jit(functools.partial(paged_attention, impl="xla"))(
+        q, pages[:8], pages[8:], table, lengths
+    )
+    expected = _cached(q, k, v, lengths, impl="reference")
     np.testing.assert_allclose(out, expected, atol=2e-6)
 
 
@@ -141,13 +143,15 @@ def test_stacked_cache_at_a_layer_equals_that_layers_cache(impl, new):
     q = jax.random.normal(jax.random.key(0), (3, new, 4, 8))
     k, v = _poisoned_stack(1, 3, 3, 64, 2, 8, live=64)
     lengths = jnp.asarray([5, 64, 40], jnp.int32)
-    at = jax.jit(
-        lambda layer: cached_attention(q, k, v, lengths, layer=layer, window=24, impl=impl)
-    )
+
+    def at(layer):
+        return cached_attention(q, k, v, lengths, layer=layer, window=24, impl=impl)
+
     for layer in (0, 2):
         expected = _numpy_decode(q, k[layer], v[layer], [5, 64, 40], [0] * 3, 24, None, 8**-0.5)
-        assert _rel_err(at(jnp.int32(layer)), expected) < 2e-5
-        direct = cached_attention(q, k, v, lengths, layer=layer, window=24, impl=impl)
+        assert _rel_err(jax.jit(at)(jnp.int32(layer)), expected) < 2e-5
+        # A Python int, compiled whole (eagerly every op would compile on its own).
+        direct = jax.jit(at, static_argnums=0)(layer)
         assert _rel_err(direct, expected) < 2e-5
 
 
@@ -167,7 +171,7 @@ def test_cpu_decode_reads_only_the_live_prefix(longest):
     expected = _numpy_decode(q, *clean, lengths, [0] * 3, None, None, 8**-0.5)
     assert _rel_err(out, expected) < 2e-5
     if live < cache_len:
-        assert np.isnan(np.asarray(run(impl="reference"))).any()
+        assert np.isnan(np.asarray(jax.jit(functools.partial(run, impl="reference"))())).any()
 
 
 def test_paged_pools_stacked_over_layers_read_only_the_live_pages():
@@ -186,7 +190,9 @@ def test_paged_pools_stacked_over_layers_read_only_the_live_pages():
     )
     expected = _numpy_decode(q, k, v, [3, 10], [0, 0], None, None, 8**-0.5)
     assert _rel_err(out, expected) < 2e-5
-    pallas = paged_attention(q, k_stack, v_stack, table, lengths, layer=1, impl="pallas")
+    pallas = jax.jit(functools.partial(paged_attention, layer=1, impl="pallas"))(
+        q, k_stack, v_stack, table, lengths
+    )
     assert _rel_err(pallas, expected) < 2e-5
 
 
