@@ -218,7 +218,8 @@ def _at_least_float32(x: Any) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         return x
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    # Not promote_types: strict promotion has no bfloat16 -> float32 path.
+    return x if jnp.finfo(x.dtype).bits >= 32 else x.astype(jnp.float32)
 
 
 def make_train_step(
