@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -34,9 +34,11 @@ __all__ = [
     "apply_gradients",
     "create",
     "init_tx",
+    "join_other",
     "model",
     "replace",
     "size",
+    "split_other",
     "value_and_grad",
 ]
 
@@ -277,6 +279,54 @@ def replace(state: TrainState, **fields: Any) -> TrainState:
         raise TypeError(f"replace: TrainState has no field(s) {unknown}; fields are {list(known)}")
     step = _as_step(fields.pop("step")) if "step" in fields else state.step
     return state._replace(step, **fields)
+
+
+class StateLayout(NamedTuple):
+    """Where a state's ``other`` arrays sit among its pytree leaves (hashable: a jit cache
+    key). Made by :func:`split_other`, read by :func:`join_other`."""
+
+    treedef: Any
+    other_start: int
+
+
+def split_other(state: TrainState) -> tuple[StateLayout, tuple[Any, ...], tuple[Any, ...]]:
+    """``(layout, updated, other)``: the state's arrays in two groups.
+
+    ``updated`` holds what a train step replaces (``step``, ``params``, ``opt_state``),
+    ``other`` the frozen arrays it passes through. A jitted step takes them as separate
+    arguments so that it can donate ``updated`` without deleting ``other``, whose arrays the
+    caller's model still shares (a LoRA base, frozen layers)::
+
+        @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+        def train_step(layout, updated, other, batch):
+            state = edl.state.join_other(layout, updated, other)
+            ...
+            return edl.state.split_other(new_state)[1], loss
+
+        layout, updated, other = edl.state.split_other(state)
+        updated, loss = train_step(layout, updated, other, batch)
+        state = edl.state.join_other(layout, updated, other)  # the same ``other`` arrays
+
+    ``edl.train.make_train_step`` does this.
+    """
+    leaves, treedef = jax.tree.flatten(state)
+    start = 1 + len(state._leaves[0])  # leaves: step, params..., other..., opt_state...
+    stop = start + len(state._leaves[1])
+    updated = (*leaves[:start], *leaves[stop:])
+    return StateLayout(treedef, start), updated, tuple(leaves[start:stop])
+
+
+def join_other(layout: StateLayout, updated: Sequence[Any], other: Sequence[Any]) -> TrainState:
+    """The inverse of :func:`split_other`: the state whose leaves are ``updated`` and
+    ``other`` (the very arrays given, nothing copied)."""
+    start = layout.other_start
+    leaves = (*updated[:start], *other, *updated[start:])
+    if len(leaves) != layout.treedef.num_leaves:
+        raise ValueError(
+            f"join_other: the layout holds {layout.treedef.num_leaves} arrays, got "
+            f"{len(updated)} updated + {len(other)} other"
+        )
+    return jax.tree.unflatten(layout.treedef, leaves)
 
 
 def size(state: TrainState) -> int:

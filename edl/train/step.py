@@ -18,12 +18,15 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
+from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from edl import module as edl_module
 from edl import state as edl_state
-from edl.sharding import Rules, batch_spec, state_shardings
+from edl.sharding import Rules
 from edl.state import TrainState
+from edl.train.jitted import JittedStep, ShardedStep
 from edl.train.options import OPTIMIZERS, SCHEDULES
 
 __all__ = [
@@ -198,6 +201,27 @@ def _gradients(
     return loss, grads, _combine(metrics, weights)
 
 
+def _in_precision(loss_fn: LossFn, compute_dtype: Any) -> LossFn:
+    """``loss_fn`` on the model cast to ``compute_dtype`` (None: as it is), its loss and
+    floating metrics reported in at least float32."""
+
+    def loss_in_precision(model: Any, batch: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
+        if compute_dtype is not None:
+            model = edl_module.to_dtype(model, compute_dtype)
+        loss, metrics = loss_fn(model, batch)
+        return _at_least_float32(loss), {k: _at_least_float32(v) for k, v in metrics.items()}
+
+    return loss_in_precision
+
+
+def _at_least_float32(x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    # Not promote_types: strict promotion has no bfloat16 -> float32 path.
+    return x if jnp.finfo(x.dtype).bits >= 32 else x.astype(jnp.float32)
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -206,12 +230,20 @@ def make_train_step(
     clip_norm: float | None = None,
     schedule: optax.Schedule | None = None,
     skip_nonfinite: bool = False,
+    compute_dtype: DTypeLike | None = None,
     donate: bool = True,
     jit: bool = True,
     mesh: Mesh | None = None,
     rules: Rules | None = None,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
     """Build ``step(state, batch) -> (state, metrics)``.
+
+    Precision: the parameters (and the optimizer state that follows them) keep the dtype
+    they have in the state, and so do their gradients; ``compute_dtype`` is the dtype the
+    model computes in. fp32 master weights with bf16 compute:
+    ``make_train_step(loss_fn, tx, compute_dtype=jnp.bfloat16)`` on a float32 state; bf16
+    weights: ``edl.create_state(edl.to_bfloat16(model), tx)``. edl's attention softmax and
+    losses compute in float32 whatever the model's dtype.
 
     Args:
         loss_fn: ``loss_fn(model, batch) -> (scalar loss, metrics dict)``; a ``"count"``
@@ -226,9 +258,17 @@ def make_train_step(
             and optimizer state unchanged (``metrics["skipped"] == 1``) instead of poisoning
             them; it still counts as a step (``state.step`` advances, the batch is consumed),
             so a run of ``n`` steps ends at ``state.step == n``.
-        donate: donate the input state's buffers to the output (jit only): the state passed
-            in, and the model it was created from, are invalid after the call.
-        jit: return ``jax.jit(step)``; False returns the pure function.
+        compute_dtype: cast the model's floating arrays (``edl.to_dtype``) to this dtype
+            inside the differentiated function, so the loss sees e.g. a bfloat16 model
+            while the gradients come back in each parameter's own dtype (the cast is
+            differentiable). None: the state's dtypes as they are. The loss and every
+            floating metric are reported in at least float32.
+        donate: donate the buffers the step replaces (``step``, ``params``, ``opt_state``;
+            jit only): after a call, the input state's parameters and optimizer state are
+            deleted. ``other`` (frozen weights, which the model the state was created from
+            still shares: a LoRA base) is never donated, and the returned state holds the
+            same ``other`` arrays (see ``edl.train.jitted``). False: nothing is donated.
+        jit: return the step jitted (a :class:`JittedStep`); False returns the pure function.
         mesh, rules: run SPMD on ``mesh`` (``edl.sharding.make_mesh``): the state is placed by
             ``edl.sharding.state_shardings(state, rules, mesh)`` (``rules=None``: the model's
             own ``partition_rules``, replicated where it has none; optimizer state following
@@ -243,7 +283,11 @@ def make_train_step(
     """
     if grad_accum_steps < 1:
         raise ValueError(f"make_train_step: grad_accum_steps must be >= 1, got {grad_accum_steps}")
-    grad_fn = edl_state.value_and_grad(loss_fn, has_aux=True)
+    if compute_dtype is not None:
+        compute_dtype = edl_module.require_float_dtype(
+            compute_dtype, "make_train_step: compute_dtype"
+        )
+    grad_fn = edl_state.value_and_grad(_in_precision(loss_fn, compute_dtype), has_aux=True)
 
     def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
         loss, grads, metrics = _gradients(grad_fn, state, batch, grad_accum_steps)
@@ -263,9 +307,13 @@ def make_train_step(
         # in the optimizer state; this check also catches a NaN loss with finite gradients.)
         finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new_state.params)
         metrics["nonfinite"] = (~finite).astype(jnp.int32)
-        if skip_nonfinite:
-            kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
-            new_state = edl_state.replace(kept, step=new_state.step)  # the step still counts
+        if skip_nonfinite:  # the step still counts; ``other`` is untouched either way
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_state = edl_state.replace(
+                new_state,
+                params=keep(new_state.params, state.params),
+                opt_state=keep(new_state.opt_state, state.opt_state),
+            )
             metrics["skipped"] = metrics["nonfinite"]
         return new_state, metrics
 
@@ -275,57 +323,7 @@ def make_train_step(
         return ShardedStep(step, mesh, rules, donate=donate)
     if not jit:
         return step
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
-
-
-class ShardedStep:
-    """A step function jitted for a mesh, with in/out shardings derived from the first
-    state and batch it sees (one compiled program per state/batch structure). Call it like
-    the function (it places the state first), or ``lower(state, batch).compile()`` ahead of
-    time and call the result on ``place(state)`` (``edl.train.train`` does)."""
-
-    def __init__(self, fn: Callable, mesh: Mesh, rules: Rules | None, *, donate: bool = True):
-        self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
-        self._jitted: dict[Any, Any] = {}
-
-    def _rules(self, state: TrainState) -> Rules:
-        """The step's rules; without any, the model's own, else none (all replicated)."""
-        if self.rules is not None:
-            return self.rules
-        return state.partition_rules or ()
-
-    def shardings(self, state: TrainState, batch: PyTree) -> tuple[Any, Any]:
-        """``(state shardings, batch shardings)`` this step uses."""
-        batch_shardings = jax.tree.map(
-            lambda x: NamedSharding(self.mesh, batch_spec(x.shape, self.mesh)), batch
-        )
-        return state_shardings(state, self._rules(state), self.mesh), batch_shardings
-
-    def _jit(self, state: TrainState, batch: PyTree):
-        key = (jax.tree.structure(state), jax.tree.structure(batch))
-        if key not in self._jitted:
-            state_sh, batch_sh = self.shardings(state, batch)
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._jitted[key] = jax.jit(
-                self.fn,
-                in_shardings=(state_sh, batch_sh),
-                out_shardings=(state_sh, replicated),
-                donate_argnums=(0,) if self.donate else (),
-            )
-        return self._jitted[key]
-
-    def place(self, state: TrainState) -> TrainState:
-        """``state`` on this step's mesh (a no-op for arrays already placed there)."""
-        return jax.device_put(state, state_shardings(state, self._rules(state), self.mesh))
-
-    def __call__(self, state: TrainState, batch: PyTree):
-        state = self.place(state)
-        with jax.set_mesh(self.mesh):
-            return self._jit(state, batch)(state, batch)
-
-    def lower(self, state: TrainState, batch: PyTree):
-        with jax.set_mesh(self.mesh):
-            return self._jit(state, batch).lower(state, batch)
+    return JittedStep(step, donate=donate)
 
 
 def make_eval_step(
