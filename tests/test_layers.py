@@ -1,7 +1,7 @@
 """The layering holds: no module under edl/ imports a module of a higher layer.
 
     base utilities (edl, edl._lazy, edl.module, edl.tree): any layer may use them
-    kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding
+    kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
                                                             <- train / serve / cli
 
 The check reads source only (``ast``, nothing is imported): every ``import edl.x`` and
@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("edl.kernels",)),
     ("ops", ("edl.ops",)),
     ("models", ("edl.nn", "edl.models", "edl.lora", "edl.quantize", "edl.state")),
-    ("io", ("edl.io", "edl.generate", "edl.sharding")),
+    ("io", ("edl.io", "edl.generate", "edl.sharding", "edl.text")),
     ("apps", ("edl.train", "edl.serve", "edl.cli")),
 )
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from edl.train.text import ByteTokenizer, Tokenizer
+from edl.text import IGNORE_INDEX, ByteTokenizer, Tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -27,9 +27,6 @@ __all__ = [
     "pack_sequences",
     "pad_batch",
 ]
-
-IGNORE_INDEX = -100
-"""Label value that the loss skips."""
 
 TokenSeq = Sequence[int] | np.ndarray
 Document = TokenSeq | str | Mapping[str, Any]

@@ -1,4 +1,5 @@
-"""Text side of the data pipeline: a byte-level tokenizer and the embedded default corpus.
+"""Text side of the data pipeline: the embedded default corpus (the tokenizers live in
+``edl.text``; ``Tokenizer`` and ``ByteTokenizer`` are re-exported here).
 
 The default corpus is the Python standard library's own ``.py`` sources, so training runs
 with no download. Everything here is deterministic for a given Python installation.
@@ -6,14 +7,13 @@ with no download. Everything here is deterministic for a given Python installati
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import sysconfig
 from collections.abc import Sequence
-from typing import ClassVar, Protocol, TypeVar, runtime_checkable
+from typing import TypeVar
 
-import numpy as np
+from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -27,59 +27,6 @@ T = TypeVar("T")
 
 # Directory names never descended into by `default_corpus_files`.
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-    """What the batching code needs from a tokenizer (``ByteTokenizer`` is one).
-
-    ``encode(text, *, add_bos, add_eos)`` returns token ids; ``pad_id`` fills padding.
-    """
-
-    @property
-    def pad_id(self) -> int: ...
-
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class ByteTokenizer:
-    """UTF-8 bytes as tokens: ids ``0..255`` are raw bytes, then ``pad``, ``bos``, ``eos``.
-
-    ``vocab_size == 259``. Every string round-trips: ``decode(encode(s)) == s``.
-    """
-
-    pad_id: ClassVar[int] = 256
-    bos_id: ClassVar[int] = 257
-    eos_id: ClassVar[int] = 258
-    vocab_size: ClassVar[int] = 259
-    name: ClassVar[str] = "bytes"
-
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of ``text``'s UTF-8 bytes, optionally framed by ``bos_id`` / ``eos_id``."""
-        ids = list(text.encode("utf-8"))
-        if add_bos:
-            ids.insert(0, self.bos_id)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
-
-    def decode(self, ids: Sequence[int] | np.ndarray) -> str:
-        """Text of ``ids`` (any shape is flattened); special ids are skipped.
-
-        Invalid UTF-8 (e.g. a cut multi-byte character) decodes to U+FFFD. Raises
-        ``ValueError`` for an id outside ``[0, vocab_size)``.
-        """
-        array = np.asarray(ids).reshape(-1)
-        if array.size and array.dtype.kind not in "iu":
-            raise ValueError(f"decode: ids must be integers, got dtype {array.dtype}")
-        bad = array[(array < 0) | (array >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(
-                f"decode: id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        data = array[array < 256].astype(np.uint8).tobytes()
-        return data.decode("utf-8", errors="replace")
 
 
 def default_corpus_files() -> list[pathlib.Path]:
