@@ -244,6 +244,7 @@ def test_token_batches_stream_order():
     assert first["segment_ids"][1, 0] == 1 and first["position_ids"][1, 0] == 0
 
 
+@pytest.mark.filterwarnings("ignore:documents.*more than max_length")
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize(("k", "m"), [(0, 5), (3, 7), (11, 9)])
 def test_token_batches_resume(pack, k, m):
@@ -297,7 +298,9 @@ def test_token_batches_epochs():
 def test_token_batches_unpacked():
     docs = [{"input_ids": [1, 2, 3]}, {"text": "hello"}, [4] * 20, [], "xy"]
     it = TokenBatches(docs, batch_size=2, max_length=6, pack=False, shuffle=False, repeat=False)
-    batches = list(it)
+    with pytest.warns(UserWarning, match=r"documents\[2\] has 20 tokens.*last 6 are kept"):
+        batches = list(it)
+    assert it.truncated == 1
     assert len(batches) == 2  # 4 non-empty documents: [] is skipped
     for batch in batches:
         assert set(batch) == KEYS
@@ -332,6 +335,7 @@ def test_token_batches_errors():
     assert it.position["index"] == 0  # a failed batch consumes nothing
 
 
+@pytest.mark.filterwarnings("ignore:documents.*more than max_length")
 def test_batches_from_iterable_matches_token_batches():
     gen = (d for d in DOCS)
     for pack in (True, False):

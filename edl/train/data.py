@@ -4,21 +4,26 @@ Every batch is a dict of ``int32`` arrays of shape ``(rows, max_length)``:
 
 - ``input_ids``: token ids, ``pad_id`` at padding;
 - ``attention_mask``: 1 at real tokens, 0 at padding;
-- ``labels``: ``input_ids`` with ``-100`` at padding. Labels are *not* shifted: the model
+- ``labels``: a document's own labels (SFT examples: ``-100`` outside the completion or
+  assistant turns), else its ``input_ids``; ``-100`` at padding. Labels are *not* shifted: the model
   predicts ``labels[:, t + 1]`` from position ``t`` (Hugging Face convention), and edl's
   ``compute_loss`` also skips the first token of each packed segment;
 - ``position_ids``: 0, 1, ... over each row's real tokens (per segment when packed), 0 at pads;
 - ``segment_ids`` (packed batches): 1, 2, ... per document within a row, 0 at padding.
+
+How documents are cut into rows (pretraining text as one stream, SFT examples whole) is
+``edl.train.packing``'s docstring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from edl.text import IGNORE_INDEX, ByteTokenizer, Tokenizer
+from edl.train.packing import Cursor, Doc, Truncation, as_tokens, assemble, document, next_rows
 
 __all__ = [
     "IGNORE_INDEX",
@@ -31,26 +36,10 @@ __all__ = [
 TokenSeq = Sequence[int] | np.ndarray
 Document = TokenSeq | str | Mapping[str, Any]
 Batch = dict[str, np.ndarray]
-Truncation = Literal["keep_end", "keep_start"]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 # Fields of `TokenBatches.position` that must equal the iterator's own on `restore`.
 _CONFIG_FIELDS = ("seed", "batch_size", "max_length", "pack", "shuffle", "num_documents")
-
-
-def _as_tokens(seq: Any, what: str) -> np.ndarray:
-    """``seq`` as a 1-D ``int32`` array of token ids; errors name ``what``."""
-    array = np.asarray(seq)
-    if array.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D sequence of token ids, got shape {array.shape}")
-    if array.size == 0:
-        return np.zeros(0, np.int32)
-    if array.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integer token ids, got dtype {array.dtype}")
-    if array.min() < 0 or array.max() > _INT32_MAX:
-        bad = array.min() if array.min() < 0 else array.max()
-        raise ValueError(f"{what} holds token id {int(bad)}, outside [0, 2**31)")
-    return array.astype(np.int32, copy=False)
 
 
 def _check(where: str, **values: Any) -> None:
@@ -99,7 +88,7 @@ def pad_batch(
     attention_mask = np.zeros(shape, np.int32)
     position_ids = np.zeros(shape, np.int32)
     for row, seq in enumerate(sequences):
-        tokens = _as_tokens(seq, f"pad_batch: sequences[{row}]")
+        tokens = as_tokens(seq, f"pad_batch: sequences[{row}]")
         tokens = tokens[-max_length:] if truncation == "keep_end" else tokens[:max_length]
         start = 0 if padding_side == "right" else max_length - len(tokens)
         real = slice(start, start + len(tokens))
@@ -112,30 +101,6 @@ def pad_batch(
         "attention_mask": attention_mask,
         "labels": labels,
         "position_ids": position_ids,
-    }
-
-
-def _assemble(rows: Sequence[Sequence[np.ndarray]], max_length: int, pad_id: int) -> Batch:
-    """Packed arrays from ``rows``: each row a list of token pieces, each piece a segment."""
-    shape = (len(rows), max_length)
-    input_ids = np.full(shape, pad_id, np.int32)
-    segment_ids = np.zeros(shape, np.int32)
-    position_ids = np.zeros(shape, np.int32)
-    for r, pieces in enumerate(rows):
-        start = 0
-        for s, piece in enumerate(pieces):
-            span = slice(start, start + len(piece))
-            input_ids[r, span] = piece
-            segment_ids[r, span] = s + 1
-            position_ids[r, span] = np.arange(len(piece), dtype=np.int32)
-            start += len(piece)
-    real = segment_ids > 0
-    return {
-        "input_ids": input_ids,
-        "attention_mask": real.astype(np.int32),
-        "labels": np.where(real, input_ids, np.int32(IGNORE_INDEX)).astype(np.int32),
-        "position_ids": position_ids,
-        "segment_ids": segment_ids,
     }
 
 
@@ -153,111 +118,80 @@ def pack_sequences(
     number of rows used (0 when every sequence is empty).
     """
     _check("pack_sequences", max_length=max_length, pad_id=pad_id)
-    rows: list[list[np.ndarray]] = []
+    rows: list[list[Doc]] = []
     room: list[int] = []
     for i, seq in enumerate(sequences):
-        tokens = _as_tokens(seq, f"pack_sequences: sequences[{i}]")
+        tokens = as_tokens(seq, f"pack_sequences: sequences[{i}]")
         for start in range(0, len(tokens), max_length):
             chunk = tokens[start : start + max_length]
             r = next((r for r, free in enumerate(room) if free >= len(chunk)), len(rows))
             if r == len(rows):
                 rows.append([])
                 room.append(max_length)
-            rows[r].append(chunk)
+            rows[r].append(Doc(chunk, None, i))
             room[r] -= len(chunk)
-    return _assemble(rows, max_length, pad_id)
+    return assemble(rows, max_length, pad_id)
 
 
-def _document_tokens(
-    doc: Any, index: int, tokenizer: Tokenizer, add_bos: bool, add_eos: bool
-) -> np.ndarray:
-    """Token ids of one document (text is encoded, token lists are taken as they are)."""
-    what = f"documents[{index}]"
-    if isinstance(doc, Mapping):
-        if "input_ids" in doc:
-            return _as_tokens(doc["input_ids"], f"{what}['input_ids']")
-        if "text" not in doc:
-            raise ValueError(f"{what} is a dict with neither 'input_ids' nor 'text': {list(doc)}")
-        doc = doc["text"]
-    if isinstance(doc, str):
-        return _as_tokens(tokenizer.encode(doc, add_bos=add_bos, add_eos=add_eos), what)
-    return _as_tokens(doc, what)
+def _check_split(where: str, batch_size: int, process_index: int, process_count: int) -> None:
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"{where}: process_index must be in [0, process_count) with process_count >= 1, "
+            f"got process_index={process_index}, process_count={process_count}"
+        )
+    if batch_size % process_count:
+        raise ValueError(
+            f"{where}: batch_size {batch_size} (the global batch) must be divisible by "
+            f"process_count {process_count}"
+        )
 
 
-class _Cursor:
-    """A position in a document stream: ``_current()`` tokens and ``offset`` into them.
-
-    ``_current`` skips exhausted and empty documents and returns ``None`` at the end of the
-    stream; ``_advance`` moves to the next document.
-    """
-
-    offset: int = 0
-
-    def _current(self) -> np.ndarray | None:
-        raise NotImplementedError
-
-    def _advance(self) -> None:
-        raise NotImplementedError
-
-
-def _packed_batch(cursor: _Cursor, batch_size: int, max_length: int, pad_id: int) -> Batch | None:
-    """The next ``batch_size`` packed rows of the stream; ``None`` if it holds no more tokens."""
-    rows: list[list[np.ndarray]] = []
-    for _ in range(batch_size):
-        pieces: list[np.ndarray] = []
-        room = max_length
-        while room > 0 and (tokens := cursor._current()) is not None:
-            piece = tokens[cursor.offset : cursor.offset + room]
-            pieces.append(piece)
-            room -= len(piece)
-            cursor.offset += len(piece)
-            if cursor.offset >= len(tokens):
-                cursor._advance()
-        rows.append(pieces)
-    return _assemble(rows, max_length, pad_id) if rows[0] else None
-
-
-def _padded_batch(
-    cursor: _Cursor, batch_size: int, max_length: int, pad_id: int, truncation: Truncation
-) -> Batch | None:
-    """The next ``batch_size`` documents, one per row; ``None`` if the stream is done."""
-    docs: list[np.ndarray] = []
-    while len(docs) < batch_size and (tokens := cursor._current()) is not None:
-        docs.append(tokens)
-        cursor._advance()
-    if not docs:
+def _batch(cursor: Cursor, it: TokenBatches | _Options) -> Batch | None:
+    """The next batch of ``cursor``'s stream: this process's share of the global rows."""
+    rows = next_rows(cursor, it.batch_size, it.max_length, it.pack, it.truncation)
+    if rows is None:
         return None
-    docs += [np.zeros(0, np.int32)] * (batch_size - len(docs))
-    batch = pad_batch(docs, max_length, pad_id=pad_id, truncation=truncation)
-    batch["segment_ids"] = batch["attention_mask"].copy()
-    return batch
+    share = it.batch_size // it.process_count
+    mine = rows[it.process_index * share : (it.process_index + 1) * share]
+    return assemble(mine, it.max_length, it.pad_id)
 
 
-class TokenBatches(_Cursor):
+class TokenBatches(Cursor):
     """Deterministic, resumable iterator of ``(batch_size, max_length)`` training batches.
 
     ``documents`` are token-id sequences, strings (encoded with ``tokenizer``, default
-    :class:`ByteTokenizer`, with ``add_bos`` / ``add_eos``) or dicts with ``"input_ids"`` or
-    ``"text"``; they are tokenized lazily. Token documents are used as given (no BOS/EOS).
-    Documents with no tokens (after BOS/EOS) are skipped. ``pad_id`` defaults to the tokenizer's.
+    :class:`ByteTokenizer`, with ``add_bos`` / ``add_eos``), dicts with ``"text"``, or dicts
+    with ``"input_ids"`` and optionally ``"labels"`` (an SFT :class:`edl.text.Example`, or
+    a record of :func:`edl.text.load_tokenized`); any ``Sequence`` works, e.g. a
+    :class:`edl.text.TokenizedDataset` (read one document at a time). They are tokenized
+    lazily. Token documents are used as given (no BOS/EOS). Documents with no tokens (after
+    BOS/EOS) are skipped. ``pad_id`` defaults to the tokenizer's.
 
     Epoch ``e`` visits the documents in the order
     ``np.random.default_rng((seed, e)).permutation(n)`` (input order if not ``shuffle``).
-    With ``pack`` the epochs form one token stream cut into rows of exactly ``max_length``
-    tokens: a document that does not fit continues in the next row as a new segment (its
-    positions restart at 0). Without ``pack`` each row is one document, via :func:`pad_batch`
-    with ``truncation``. Every batch holds ``input_ids``, ``attention_mask``, ``labels``,
-    ``position_ids`` and ``segment_ids`` (``attention_mask`` when not packed), each
-    ``int32 (batch_size, max_length)``.
+    With ``pack`` the epochs form one stream cut into rows of ``max_length`` tokens: a
+    document without labels that does not fit continues in the next row as a new segment
+    (its positions restart at 0); a document with labels is never split (the row is padded
+    and it starts the next one; one longer than ``max_length`` is truncated by
+    ``truncation``, counted in ``truncated``, with a warning the first time). Without
+    ``pack`` each row is one document, truncated the same way. Every batch holds
+    ``input_ids``, ``attention_mask``, ``labels`` (the document's labels, or its ids;
+    ``-100`` at padding), ``position_ids`` and ``segment_ids`` (``attention_mask`` when not
+    packed), each ``int32 (batch_size // process_count, max_length)``.
+
+    ``process_index`` / ``process_count`` split each global batch of ``batch_size`` rows:
+    every process reads the same global stream (so every process tokenizes every document:
+    cheap from a :class:`edl.text.TokenizedDataset`) and yields its contiguous block of
+    ``batch_size // process_count`` rows; ``position`` is identical on every process.
 
     ``repeat=False`` stops after epoch 0: the last batch is padded to full shape (padding
     rows: all ``pad_id``, mask 0, labels ``-100``), so no token is dropped; then
     ``StopIteration``.
 
     ``position`` is a JSON-serialisable dict (``epoch``, ``index`` of the next document in
-    that epoch's order, ``offset`` = tokens of that document already emitted: the whole
-    leftover buffer, as the buffer is a view of the stream, plus config fields); after
-    ``restore(position)``, ``next()`` yields exactly the batch that followed when it was saved.
+    that epoch's order, ``offset`` = tokens of that document already emitted, plus config
+    fields); after ``restore(position)``, ``next()`` yields exactly the batch that followed
+    when it was saved.
     """
 
     def __init__(
@@ -275,6 +209,8 @@ class TokenBatches(_Cursor):
         add_bos: bool = False,
         add_eos: bool = True,
         repeat: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
     ) -> None:
         self.tokenizer: Tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
         self.pad_id = int(self.tokenizer.pad_id if pad_id is None else pad_id)
@@ -285,6 +221,7 @@ class TokenBatches(_Cursor):
             pad_id=self.pad_id,
             truncation=truncation,
         )
+        _check_split("TokenBatches", batch_size, process_index, process_count)
         if len(documents) == 0:
             raise ValueError("TokenBatches: documents is empty")
         if seed < 0:
@@ -293,9 +230,10 @@ class TokenBatches(_Cursor):
         self.batch_size, self.max_length, self.pack = batch_size, max_length, pack
         self.shuffle, self.seed, self.truncation = shuffle, seed, truncation
         self.add_bos, self.add_eos, self.repeat = add_bos, add_eos, repeat
+        self.process_index, self.process_count = process_index, process_count
         self.epoch, self.index, self.offset = 0, 0, 0
         self._order: tuple[int, np.ndarray] | None = None
-        self._tokens: tuple[int, np.ndarray] | None = None
+        self._doc: Doc | None = None
 
     def _doc_id(self, epoch: int, index: int) -> int:
         if not self.shuffle:
@@ -305,22 +243,21 @@ class TokenBatches(_Cursor):
             self._order = (epoch, rng.permutation(len(self.documents)))
         return int(self._order[1][index])
 
-    def _current(self) -> np.ndarray | None:
-        """Tokens of the document at the cursor (skipping empty ones); ``None`` when done."""
+    def current(self) -> Doc | None:
+        """The document at the cursor (skipping empty ones); ``None`` when done."""
         for _ in range(len(self.documents) + 1):
             if not self.repeat and self.epoch >= 1:
                 return None
             doc_id = self._doc_id(self.epoch, self.index)
-            if self._tokens is None or self._tokens[0] != doc_id:
+            if self._doc is None or self._doc.index != doc_id:
                 doc = self.documents[doc_id]
-                tokens = _document_tokens(doc, doc_id, self.tokenizer, self.add_bos, self.add_eos)
-                self._tokens = (doc_id, tokens)
-            if len(self._tokens[1]) > self.offset:
-                return self._tokens[1]
-            self._advance()
+                self._doc = document(doc, doc_id, self.tokenizer, self.add_bos, self.add_eos)
+            if len(self._doc.ids) > self.offset:
+                return self._doc
+            self.advance()
         raise ValueError(f"TokenBatches: all {len(self.documents)} documents are empty")
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
         """Move the cursor to the start of the next document (rolling over to a new epoch)."""
         self.index, self.offset = self.index + 1, 0
         if self.index == len(self.documents):
@@ -332,12 +269,7 @@ class TokenBatches(_Cursor):
     def __next__(self) -> Batch:
         saved = (self.epoch, self.index, self.offset)
         try:
-            if self.pack:
-                batch = _packed_batch(self, self.batch_size, self.max_length, self.pad_id)
-            else:
-                batch = _padded_batch(
-                    self, self.batch_size, self.max_length, self.pad_id, self.truncation
-                )
+            batch = _batch(self, self)
         except BaseException:
             self.epoch, self.index, self.offset = saved  # a failed batch consumes nothing
             raise
@@ -387,26 +319,36 @@ class TokenBatches(_Cursor):
         self.epoch, self.index, self.offset = (position[f] for f in ("epoch", "index", "offset"))
 
 
-class _IterableCursor(_Cursor):
-    def __init__(self, iterable: Iterable[Any], encode: Callable[[Any, int], np.ndarray]):
-        self._iterator, self._encode = iter(iterable), encode
-        self._tokens: np.ndarray | None = None
+class _IterableCursor(Cursor):
+    def __init__(self, iterable: Iterable[Any], read: Callable[[Any, int], Doc]):
+        self._iterator, self._read = iter(iterable), read
+        self._doc: Doc | None = None
         self._count = 0
 
-    def _current(self) -> np.ndarray | None:
-        while self._tokens is None or len(self._tokens) <= self.offset:
+    def current(self) -> Doc | None:
+        while self._doc is None or len(self._doc.ids) <= self.offset:
             doc = next(self._iterator, _DONE)
             if doc is _DONE:
                 return None
-            self._tokens, self.offset = self._encode(doc, self._count), 0
+            self._doc, self.offset = self._read(doc, self._count), 0
             self._count += 1
-        return self._tokens
+        return self._doc
 
-    def _advance(self) -> None:
-        self._tokens, self.offset = None, 0
+    def advance(self) -> None:
+        self._doc, self.offset = None, 0
 
 
 _DONE = object()
+
+
+class _Options(NamedTuple):
+    batch_size: int
+    max_length: int
+    pack: bool
+    truncation: Truncation
+    pad_id: int
+    process_index: int
+    process_count: int
 
 
 def batches_from_iterable(
@@ -420,12 +362,15 @@ def batches_from_iterable(
     truncation: Truncation = "keep_end",
     add_bos: bool = False,
     add_eos: bool = True,
+    process_index: int = 0,
+    process_count: int = 1,
 ) -> Iterator[Batch]:
     """Batches from one pass over any iterable (e.g. a stream), in its order.
 
-    Same documents, rows and batch dicts as :class:`TokenBatches` (no shuffling, one pass,
-    last batch padded to full shape), but *not resumable*: the position of an arbitrary
-    iterator cannot be saved. Arguments are checked here, not at the first ``next``.
+    Same documents (labels kept), rows, process split and batch dicts as
+    :class:`TokenBatches` (no shuffling, one pass, last batch padded to full shape), but
+    *not resumable*: the position of an arbitrary iterator cannot be saved. Arguments are
+    checked here, not at the first ``next``.
     """
     tok: Tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
     pad = int(tok.pad_id if pad_id is None else pad_id)
@@ -436,19 +381,15 @@ def batches_from_iterable(
         pad_id=pad,
         truncation=truncation,
     )
+    _check_split("batches_from_iterable", batch_size, process_index, process_count)
+    options = _Options(batch_size, max_length, pack, truncation, pad, process_index, process_count)
 
-    def encode(doc: Any, index: int) -> np.ndarray:
-        return _document_tokens(doc, index, tok, add_bos, add_eos)
+    def read(doc: Any, index: int) -> Doc:
+        return document(doc, index, tok, add_bos, add_eos)
 
     def generate() -> Iterator[Batch]:
-        cursor = _IterableCursor(iterable, encode)
-        while True:
-            if pack:
-                batch = _packed_batch(cursor, batch_size, max_length, pad)
-            else:
-                batch = _padded_batch(cursor, batch_size, max_length, pad, truncation)
-            if batch is None:
-                return
+        cursor = _IterableCursor(iterable, read)
+        while (batch := _batch(cursor, options)) is not None:
             yield batch
 
     return generate()
