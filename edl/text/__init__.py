@@ -1,24 +1,58 @@
-"""Text: tokenizers and the encoding of supervised fine-tuning examples. Pure Python and
-numpy: no jax, and transformers only inside :func:`load_tokenizer` (the ``edl[text]`` extra).
+"""Text: tokenizers, the encoding of supervised fine-tuning examples, and training data from
+files and datasets. Pure Python and numpy: no jax; transformers only inside
+:func:`load_tokenizer` (the ``edl[text]`` extra), ``datasets`` only inside
+:func:`hf_dataset` (the ``edl[data]`` extra).
 
 - ``tokenizer``: the :class:`Tokenizer` protocol and :class:`ByteTokenizer` (the demo's);
 - ``hf``: :func:`load_tokenizer` and :class:`HFTokenizer`, transformers' tokenizers under
   edl's names, token for token identical;
 - ``sft``: :func:`encode_completion` and :func:`encode_chat`, ``input_ids`` with
-  ``labels`` (:data:`IGNORE_INDEX` where no loss is taken).
+  ``labels`` (:data:`IGNORE_INDEX` where no loss is taken);
+- ``sources``: records (text, prompt / completion, chat, preference) from text files,
+  JSON Lines / JSON files (:func:`data_files`) and ``datasets`` (:func:`hf_dataset`),
+  validated by :func:`read_records`;
+- ``dataset``: :func:`load_tokenized`, records tokenized once into a
+  :class:`TokenizedDataset` cached on disk (safetensors + JSON), the documents that
+  ``edl.train.TokenBatches`` batches.
 """
 
+from edl.text.dataset import (
+    TokenizedDataset,
+    default_cache_dir,
+    load_tokenized,
+    tokenizer_fingerprint,
+)
 from edl.text.hf import HFTokenizer, load_tokenizer
 from edl.text.sft import IGNORE_INDEX, Example, encode_chat, encode_completion
+from edl.text.sources import (
+    FORMATS,
+    Source,
+    data_files,
+    detect_format,
+    hf_dataset,
+    read_records,
+    resolve_files,
+)
 from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
+    "FORMATS",
     "IGNORE_INDEX",
     "ByteTokenizer",
     "Example",
     "HFTokenizer",
+    "Source",
+    "TokenizedDataset",
     "Tokenizer",
+    "data_files",
+    "default_cache_dir",
+    "detect_format",
     "encode_chat",
     "encode_completion",
+    "hf_dataset",
+    "load_tokenized",
     "load_tokenizer",
+    "read_records",
+    "resolve_files",
+    "tokenizer_fingerprint",
 ]

@@ -1,0 +1,299 @@
+"""Tokenized datasets, cached on disk: tokenize a corpus once, start every later run at once.
+
+:func:`load_tokenized` reads a :class:`~edl.text.sources.Source`'s records, tokenizes them
+by format and returns a :class:`TokenizedDataset`, a random-access ``Sequence`` of
+documents that :class:`edl.train.TokenBatches` takes directly (so shuffling, packing,
+process split and resumption are ``TokenBatches``'s):
+
+- ``"text"``: ``tokenizer.encode(text, add_bos=..., add_eos=True)``, documents
+  ``{"input_ids"}`` (pretraining: packed as one stream, EOS between documents);
+- ``"completion"``: :func:`~edl.text.encode_completion`, ``{"input_ids", "labels"}``;
+- ``"chat"``: :func:`~edl.text.encode_chat` (an :class:`~edl.text.HFTokenizer` with a
+  chat template), ``{"input_ids", "labels"}``.
+
+The cache (``cache_dir``, default :func:`default_cache_dir`) holds one entry per key, the
+SHA-256 of the source's fingerprint (its content), the tokenizer's
+(:func:`tokenizer_fingerprint`), the format and the options: ``<key>.safetensors``
+(``input_ids`` ``int32 (tokens,)``, ``labels`` ``int32 (tokens,)`` for labelled formats,
+``offsets`` ``int64 (documents + 1,)``: document ``i`` is ``[offsets[i], offsets[i+1])``)
+and ``<key>.json`` (what it was made from, and its sizes). Each file is written to a
+temporary name and moved into place (``os.replace``), the JSON last: an entry without its
+JSON, or whose arrays disagree with it, is not read (it is rebuilt), so a killed write
+never leaves a readable partial entry. Arrays are read lazily, a document at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sys
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from jaxtyping import Int
+
+from edl.text.hf import HFTokenizer
+from edl.text.sft import encode_chat, encode_completion
+from edl.text.sources import Format, PathLike, Source, data_files, validated_records
+from edl.text.tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = ["TokenizedDataset", "default_cache_dir", "load_tokenized", "tokenizer_fingerprint"]
+
+_VERSION = 1
+
+
+def default_cache_dir() -> Path:
+    """``$EDL_CACHE/tokenized`` when ``EDL_CACHE`` is set, else
+    ``$XDG_CACHE_HOME/edl/tokenized`` (``~/.cache/edl/tokenized``)."""
+    if os.environ.get("EDL_CACHE"):
+        return Path(os.environ["EDL_CACHE"]).expanduser() / "tokenized"
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root).expanduser() / "edl" / "tokenized"
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A hex digest that changes whenever ``tokenizer``'s encodings may.
+
+    :class:`ByteTokenizer`: a constant. :class:`HFTokenizer`: the SHA-256 of its
+    ``tokenizers`` JSON (``backend_tokenizer.to_str()``: vocabulary, merges, normalizer,
+    added tokens), chat template, special ids and ``adds_bos``. Any other tokenizer must
+    have a string ``fingerprint`` attribute (``ValueError`` otherwise).
+    """
+    if type(tokenizer) is ByteTokenizer:
+        return "edl.ByteTokenizer/1"
+    if isinstance(tokenizer, HFTokenizer):
+        specials = [tokenizer.bos_id, tokenizer.eos_id, tokenizer.hf.pad_token_id]
+        parts = [tokenizer.hf.backend_tokenizer.to_str(), tokenizer.chat_template or "",
+                 json.dumps([specials, tokenizer.adds_bos])]  # fmt: skip
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    if not isinstance(fingerprint, str):
+        raise ValueError(
+            f"cannot key the tokenized cache on {tokenizer!r}: give it a string `fingerprint` "
+            "attribute that changes with its encodings, or pass cache=False"
+        )
+    return fingerprint
+
+
+class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
+    """Tokenized documents: ``dataset[i]`` is ``{"input_ids": int32 (n_i,)}``, plus
+    ``"labels"`` (``int32 (n_i,)``, ``-100`` where no loss) for labelled formats.
+
+    Attributes:
+        meta: what the dataset was made from (source, tokenizer, format, options) and its
+            sizes (``num_documents``, ``num_tokens``, ``has_labels``).
+        path: the cache entry's ``.safetensors`` file, or None when held in memory.
+    """
+
+    def __init__(
+        self,
+        input_ids: Int[np.ndarray, " tokens"] | Any,
+        labels: Int[np.ndarray, " tokens"] | Any | None,
+        offsets: Int[np.ndarray, " documents_plus_1"],
+        meta: Mapping[str, Any],
+        path: Path | None = None,
+    ) -> None:
+        """Documents cut from flat ``input_ids`` / ``labels`` (arrays, or safetensors
+        slices read on access) at ``offsets``; use :func:`load_tokenized` or :meth:`open`."""
+        self._ids, self._labels, self.offsets = input_ids, labels, offsets
+        self.meta, self.path = dict(meta), path
+
+    @classmethod
+    def open(cls, path: PathLike) -> TokenizedDataset:
+        """The cache entry at ``path`` (``<key>.safetensors`` beside ``<key>.json``).
+
+        Raises ``FileNotFoundError`` when either file is missing and ``ValueError`` naming
+        the file when they disagree (a partial or foreign entry).
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        meta_path = path.with_suffix(".json")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if not isinstance(meta, dict) or meta.get("version") != _VERSION:
+            raise ValueError(
+                f"{meta_path}: not an edl tokenized-dataset entry of version {_VERSION}"
+            )
+        handle = safe_open(str(path), framework="np")
+        keys = set(handle.keys())
+        want = {"input_ids", "offsets"} | ({"labels"} if meta.get("has_labels") else set())
+        if keys != want:
+            raise ValueError(f"{path}: arrays {sorted(keys)}, expected {sorted(want)}")
+        offsets = handle.get_tensor("offsets")
+        ids = handle.get_slice("input_ids")
+        sizes = {"num_documents": len(offsets) - 1, "num_tokens": ids.get_shape()[0]}
+        for field, value in sizes.items():
+            if meta.get(field) != value:
+                raise ValueError(
+                    f"{path}: {field} is {value}, but {meta_path} says {meta.get(field)}"
+                )
+        end = sizes["num_tokens"]
+        if offsets[0] != 0 or offsets[-1] != end or (np.diff(offsets) < 0).any():
+            raise ValueError(f"{path}: offsets do not cut [0, {end}) into documents")
+        labels = handle.get_slice("labels") if meta.get("has_labels") else None
+        return cls(ids, labels, offsets, meta, path)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int | np.integer) -> dict[str, np.ndarray]:
+        """Document ``index`` (negative counts from the end); ``IndexError`` outside."""
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"TokenizedDataset: index {index} out of range for {len(self)}")
+        index = int(index) % len(self)
+        start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
+        doc = {"input_ids": np.asarray(self._ids[start:stop], dtype=np.int32)}
+        if self._labels is not None:
+            doc["labels"] = np.asarray(self._labels[start:stop], dtype=np.int32)
+        return doc
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in all documents."""
+        return int(self.offsets[-1])
+
+    def __repr__(self) -> str:
+        where = self.path or "memory"
+        return f"TokenizedDataset({len(self)} documents, {self.num_tokens} tokens, {where})"
+
+
+def _encode(
+    tokenizer: Tokenizer, format: str, record: Mapping[str, Any], add_bos: bool, add_eos: bool
+) -> tuple[list[int] | np.ndarray, np.ndarray | None]:
+    if format == "text":
+        return tokenizer.encode(record["text"], add_bos=add_bos, add_eos=add_eos), None
+    if format == "completion":
+        example = encode_completion(tokenizer, record["prompt"], record["completion"],
+                                    add_bos=add_bos)  # fmt: skip
+    else:
+        example = encode_chat(tokenizer, record["messages"])  # type: ignore[arg-type]
+    return example["input_ids"], example["labels"]
+
+
+def load_tokenized(
+    source: Source | PathLike | Sequence[PathLike],
+    tokenizer: Tokenizer,
+    *,
+    format: Format = "auto",
+    cache_dir: PathLike | None = None,
+    cache: bool = True,
+    add_bos: bool | None = None,
+    add_eos: bool = True,
+    progress: bool = True,
+) -> TokenizedDataset:
+    """``source``'s records (a :class:`Source`, or paths for :func:`data_files`), tokenized
+    for ``format`` (the module docstring), from the cache when an entry has the same key.
+
+    ``add_bos=None`` starts documents with BOS exactly when the tokenizer's default
+    encoding does (``tokenizer.adds_bos``); ``add_eos`` ends each text document with EOS
+    (completions always end with one). Progress (records, rate) goes to stderr, at most
+    once a second, unless ``progress=False``. ``cache=False`` tokenizes into memory.
+    Raises ``ValueError`` naming the record (``file:line``) for a bad record, and for
+    ``"preference"`` records (read them with :func:`~edl.text.read_records`) or a
+    ``"chat"`` source with a tokenizer that is not an :class:`HFTokenizer`.
+    """
+    if not isinstance(source, Source):
+        source = data_files(source)
+    if format == "preference":
+        raise ValueError(
+            "load_tokenized: preference records are not tokenized here (each holds two "
+            "completions); read them with edl.text.read_records"
+        )
+    if add_bos is None:
+        add_bos = bool(getattr(tokenizer, "adds_bos", False))
+    options = {"format": format, "add_bos": add_bos, "add_eos": add_eos}
+    made_from = {
+        "version": _VERSION,
+        "source": source.description,
+        "source_fingerprint": source.fingerprint,
+        "tokenizer": str(getattr(tokenizer, "name", tokenizer)),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if cache else None,
+        **options,
+    }
+    from safetensors import SafetensorError
+
+    if not cache:
+        return _tokenize(source, tokenizer, format, add_bos, add_eos, progress, made_from)
+    keyed = {k: v for k, v in made_from.items() if k not in ("source", "tokenizer")}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
+    path = Path(default_cache_dir() if cache_dir is None else cache_dir) / f"{key}.safetensors"
+    with contextlib.suppress(OSError, ValueError, SafetensorError):
+        return TokenizedDataset.open(path)  # a missing or partial entry is rebuilt
+    dataset = _tokenize(source, tokenizer, format, add_bos, add_eos, progress, made_from)
+    _write(dataset, path)
+    return TokenizedDataset.open(path)
+
+
+def _tokenize(
+    source: Source,
+    tokenizer: Tokenizer,
+    format: str,
+    add_bos: bool,
+    add_eos: bool,
+    progress: bool,
+    made_from: Mapping[str, Any],
+) -> TokenizedDataset:
+    """Tokenize every record of ``source`` into one in-memory dataset."""
+    from tqdm import tqdm
+
+    ids: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    formats: set[str] = set()
+    bar = tqdm(validated_records(source, format), desc=f"tokenizing {source.description}",
+               unit=" records", file=sys.stderr, mininterval=1.0, disable=not progress)  # fmt: skip
+    for where, kind, record in bar:
+        if kind == "preference":
+            raise ValueError(
+                f"{where}: a preference record; load_tokenized takes no preference data "
+                "(read it with edl.text.read_records)"
+            )
+        if kind == "chat" and not isinstance(tokenizer, HFTokenizer):
+            raise ValueError(
+                f"{where}: chat records need an HFTokenizer with a chat template, got {tokenizer!r}"
+            )
+        try:
+            tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from e
+        formats.add(kind)
+        ids.append(np.asarray(tokens, dtype=np.int32))
+        if labelled is not None:
+            labels.append(labelled)
+    if not ids:
+        raise ValueError(f"load_tokenized: {source.description} holds no record")
+    lengths = np.array([len(a) for a in ids], dtype=np.int64)
+    offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
+    has_labels = bool(labels)
+    meta = {**made_from, "num_documents": len(ids), "num_tokens": int(offsets[-1]),
+            "has_labels": has_labels, "formats": sorted(formats)}  # fmt: skip
+    flat_labels = np.concatenate(labels) if has_labels else None
+    return TokenizedDataset(np.concatenate(ids), flat_labels, offsets, meta)
+
+
+def _write(dataset: TokenizedDataset, path: Path) -> None:
+    """Write ``dataset`` as the cache entry ``path`` (+ its JSON), each file atomically."""
+    from safetensors.numpy import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    arrays = {"input_ids": np.asarray(dataset._ids), "offsets": dataset.offsets}
+    if dataset._labels is not None:
+        arrays["labels"] = np.asarray(dataset._labels)
+    meta_text = json.dumps(dataset.meta, indent=2, sort_keys=True) + "\n"
+    for target, write in (
+        (path, lambda tmp: save_file(arrays, str(tmp))),
+        (path.with_suffix(".json"), lambda tmp: tmp.write_text(meta_text, encoding="utf-8")),
+    ):
+        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+        try:
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)

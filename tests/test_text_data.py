@@ -1,0 +1,419 @@
+"""edl.text's data sources and tokenized cache, and SFT batches through edl.train's iterators.
+
+Expectations are written out independently: byte tokens of known strings, rows packed by
+hand, ``datasets``' own reading of the same files; chat records against the tokenizers
+that tests/test_text.py builds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+from jaxtyping import install_import_hook
+from test_text import CONVERSATIONS, loaded, tokenizer_dirs  # noqa: F401  (fixtures)
+
+from edl.text import (
+    IGNORE_INDEX,
+    ByteTokenizer,
+    Source,
+    TokenizedDataset,
+    data_files,
+    detect_format,
+    encode_chat,
+    hf_dataset,
+    load_tokenized,
+    read_records,
+    resolve_files,
+    tokenizer_fingerprint,
+)
+
+with install_import_hook("edl", "beartype.beartype"):
+    from edl.train import TokenBatches, batches_from_iterable
+
+BYTES = ByteTokenizer()
+EOS, PAD = BYTES.eos_id, BYTES.pad_id
+
+RECORDS = {
+    "text": [{"text": "hello"}, {"text": "Grüße\n\nzwei"}],
+    "completion": [{"prompt": "Q: 1+1?", "completion": " 2"}, {"prompt": "Hi", "completion": "!"}],
+    "chat": [{"messages": CONVERSATIONS["single"]}, {"messages": CONVERSATIONS["multi_turn"]}],
+    "preference": [
+        {"prompt": "Sky?", "chosen": "blue", "rejected": "green"},
+        {"prompt": [{"role": "user", "content": "2+2?"}],
+         "chosen": [{"role": "assistant", "content": "4"}],
+         "rejected": [{"role": "assistant", "content": "5"}]},
+    ],
+}  # fmt: skip
+
+
+def write_jsonl(path, records, blank_after=None):
+    lines = [json.dumps(r) for r in records]
+    if blank_after is not None:
+        lines.insert(blank_after, "")
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+class CountingTokenizer:
+    """Bytes, counting ``encode`` calls; its fingerprint is settable."""
+
+    def __init__(self, fingerprint="count/1"):
+        self.fingerprint, self.calls, self.eos_id = fingerprint, 0, EOS
+
+    @property
+    def pad_id(self) -> int:
+        return PAD
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        self.calls += 1
+        return BYTES.encode(text, add_bos=add_bos, add_eos=add_eos)
+
+
+class Unkeyed(CountingTokenizer):
+    """A tokenizer with no fingerprint."""
+
+    fingerprint = None
+
+    def __init__(self):
+        pass
+
+
+# --- records ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("format", ["text", "completion", "chat", "preference"])
+def test_each_format_reads_from_jsonl_and_json(tmp_path, format):
+    jsonl = write_jsonl(tmp_path / "a.jsonl", RECORDS[format], blank_after=1)
+    array = tmp_path / "b.json"
+    array.write_text(json.dumps(RECORDS[format]), encoding="utf-8")
+    for fmt in (format, "auto"):
+        assert list(read_records(jsonl, format=fmt)) == RECORDS[format]
+        assert list(read_records([array, jsonl], format=fmt)) == RECORDS[format] * 2
+    assert detect_format(RECORDS[format][0], "x") == format
+
+
+def test_record_errors_name_the_file_and_line(tmp_path):
+    def error(lines, format="auto", name="bad.jsonl"):
+        path = tmp_path / name
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        with pytest.raises(ValueError, match=re.escape(name)) as info:
+            list(read_records(path, format=format))
+        return str(info.value)
+
+    ok = json.dumps({"prompt": "a", "completion": "b"})
+    msg = error([ok, "", json.dumps({"prompt": "a"})])
+    assert "bad.jsonl:3" in msg and "'completion'" in msg and "['prompt']" in msg
+    assert "bad.jsonl:2: not valid JSON" in error([ok, "{oops"])
+    assert "bad.jsonl:1: a record must be a JSON object" in error(["[1, 2]"])
+    msg = error([json.dumps({"prompt": 1, "completion": "b"})])
+    assert "bad.jsonl:1" in msg and "'prompt' must be a string, got int" in msg
+    msg = error([json.dumps({"messages": [{"role": "user"}]})])
+    assert "bad.jsonl:1: 'messages'[0] needs a string 'content'" in msg
+    assert "bad.jsonl:1: cannot tell the record's format" in error([json.dumps({"x": 1})])
+    msg = error([ok], format="text")
+    assert "bad.jsonl:1: format 'text' needs field(s) ['text']" in msg
+    mixed = json.dumps({"prompt": "p", "chosen": "c", "rejected": [{"role": "a", "content": "x"}]})
+    assert "bad.jsonl:1: field 'rejected' must be a string" in error([mixed])
+    (tmp_path / "arr.json").write_text(json.dumps([{"text": "a"}, {"txt": "b"}]))
+    with pytest.raises(ValueError, match=r"arr\.json\[1\]: format 'text' needs"):
+        list(read_records(tmp_path / "arr.json"))
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8"):
+        list(read_records(tmp_path / "latin.jsonl"))
+
+
+def test_text_files_directories_and_globs(tmp_path):
+    (tmp_path / "corpus" / "sub").mkdir(parents=True)
+    files = {"corpus/b.txt": "bee\n", "corpus/a.md": "a\n\nstill a\n", "corpus/sub/c.txt": "c"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    (tmp_path / "corpus" / ".hidden").write_text("no")
+    order = ["corpus/a.md", "corpus/b.txt", "corpus/sub/c.txt"]
+    assert resolve_files(tmp_path / "corpus") == [tmp_path / n for n in order]
+    globbed = resolve_files([str(tmp_path / "corpus/**/*.txt"), tmp_path / "corpus/a.md"])
+    assert globbed == [tmp_path / n for n in ("corpus/b.txt", "corpus/sub/c.txt", "corpus/a.md")]
+    assert list(read_records(tmp_path / "corpus")) == [{"text": files[n]} for n in order]
+    with pytest.raises(FileNotFoundError, match="nothing"):
+        resolve_files(tmp_path / "nothing*.txt")
+    data = load_tokenized(tmp_path / "corpus", BYTES, cache=False, progress=False)
+    assert len(data) == 3 and "labels" not in data[0]
+    for doc, name in zip(data, order, strict=True):  # one document per file, EOS-ended
+        assert doc["input_ids"].tolist() == [*files[name].encode(), EOS]
+
+
+def test_completion_and_chat_are_tokenized_with_their_labels(tmp_path, loaded):  # noqa: F811
+    path = write_jsonl(tmp_path / "c.jsonl", RECORDS["completion"])
+    data = load_tokenized(path, BYTES, cache=False, progress=False)
+    for doc, record in zip(data, RECORDS["completion"], strict=True):
+        prompt, completion = (record[k].encode() for k in ("prompt", "completion"))
+        assert doc["input_ids"].tolist() == [*prompt, *completion, EOS]
+        assert doc["labels"].tolist() == [IGNORE_INDEX] * len(prompt) + [*completion, EOS]
+    tok, _ = loaded["chatml"]
+    chat = write_jsonl(tmp_path / "chat.jsonl", RECORDS["chat"])
+    data = load_tokenized(chat, tok, cache_dir=tmp_path / "cache", progress=False)
+    for doc, record in zip(data, RECORDS["chat"], strict=True):
+        want = encode_chat(tok, record["messages"])
+        np.testing.assert_array_equal(doc["input_ids"], want["input_ids"])
+        np.testing.assert_array_equal(doc["labels"], want["labels"])
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1: chat records need an HFTokenizer"):
+        load_tokenized(chat, BYTES, cache=False, progress=False)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1: encode_chat: no assistant message"):
+        load_tokenized(bad, tok, cache=False, progress=False)
+    pref = write_jsonl(tmp_path / "p.jsonl", RECORDS["preference"])
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: a preference record"):
+        load_tokenized(pref, BYTES, cache=False, progress=False)
+
+
+def test_hf_datasets_from_local_json_and_parquet(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = RECORDS["completion"] * 3
+    jsonl = write_jsonl(tmp_path / "c.jsonl", records)
+    hf_cache = tmp_path / "hf"
+    for streaming in (False, True):
+        source = hf_dataset("json", data_files=jsonl, streaming=streaming, cache_dir=hf_cache)
+        assert list(read_records(source, format="completion")) == records
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "c.parquet"))
+    source = hf_dataset("parquet", data_files=[tmp_path / "c.parquet"], cache_dir=hf_cache)
+    assert list(read_records(source)) == records
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    saved = hf_dataset(tmp_path / "saved")
+    assert list(read_records(saved)) == records
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p"}])
+    with pytest.raises(ValueError, match=r"json\[train\]\[0\]: format 'completion' needs"):
+        list(
+            read_records(
+                hf_dataset("json", data_files=bad, cache_dir=hf_cache), format="completion"
+            )
+        )
+    ours = load_tokenized(jsonl, BYTES, cache=False, progress=False)
+    theirs = load_tokenized(source, BYTES, cache=False, progress=False)
+    assert all((a["labels"] == b["labels"]).all() for a, b in zip(ours, theirs, strict=True))
+
+
+# --- the cache ----------------------------------------------------------------------------
+
+
+def test_cache_hits_and_invalidates(tmp_path, capfd):
+    path = write_jsonl(tmp_path / "t.jsonl", RECORDS["text"])
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer()
+    first = load_tokenized(path, tok, cache_dir=cache)
+    assert tok.calls == 2 and "tokenizing" in capfd.readouterr().err  # progress on stderr
+    again = load_tokenized(path, tok, cache_dir=cache)
+    assert tok.calls == 2 and again.path == first.path  # a hit: the tokenizer is not called
+    assert [d["input_ids"].tolist() for d in again] == [
+        [*r["text"].encode(), EOS] for r in RECORDS["text"]
+    ]
+    assert "tokenizing" not in capfd.readouterr().err
+    load_tokenized(path, tok, cache_dir=cache, add_eos=False)  # another option
+    assert tok.calls == 4
+    load_tokenized(path, CountingTokenizer("count/2"), cache_dir=cache)  # another tokenizer
+    write_jsonl(path, RECORDS["text"][::-1])  # changed content (same size)
+    changed = load_tokenized(path, tok, cache_dir=cache)
+    assert tok.calls == 6 and changed.path != first.path
+    assert changed[0]["input_ids"].tolist() == [*RECORDS["text"][1]["text"].encode(), EOS]
+    meta = json.loads(changed.path.with_suffix(".json").read_text())
+    assert meta["num_documents"] == 2 and meta["tokenizer_fingerprint"] == "count/1"
+    assert tokenizer_fingerprint(BYTES) != tokenizer_fingerprint(CountingTokenizer())
+
+
+def test_hf_tokenizer_fingerprints_differ_by_template(loaded):  # noqa: F811
+    prints = {name: tokenizer_fingerprint(tok) for name, (tok, _) in loaded.items()}
+    assert len(set(prints.values())) == len(prints)  # same BPE, different templates / specials
+    assert tokenizer_fingerprint(loaded["chatml"][0]) == prints["chatml"]
+    with pytest.raises(ValueError, match="fingerprint"):
+        tokenizer_fingerprint(Unkeyed())
+
+
+def test_a_killed_cache_write_is_never_read(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "t.jsonl", RECORDS["text"])
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer()
+    real_replace = os.replace
+
+    def die_before_json(src, dst):
+        if str(dst).endswith(".json"):
+            raise KeyboardInterrupt  # killed between the arrays and the JSON
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", die_before_json)
+    with pytest.raises(KeyboardInterrupt):
+        load_tokenized(path, tok, cache_dir=cache, progress=False)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert not list(cache.glob("*.json")) and not list(cache.glob(".*tmp"))
+    (arrays,) = cache.glob("*.safetensors")
+    with pytest.raises(FileNotFoundError):
+        TokenizedDataset.open(arrays)
+    load_tokenized(path, tok, cache_dir=cache, progress=False)  # rebuilt, not read
+    assert tok.calls == 4
+    arrays.write_bytes(arrays.read_bytes()[:-8])  # a cut file beside its JSON
+    with pytest.raises(Exception, match=r"."):
+        TokenizedDataset.open(arrays)
+    data = load_tokenized(path, tok, cache_dir=cache, progress=False)
+    assert tok.calls == 6 and data[1]["input_ids"][-1] == EOS
+
+
+# --- SFT batches --------------------------------------------------------------------------
+
+
+def examples(lengths, seed=0):
+    """SFT examples of the given lengths: random ids, the first third of labels masked."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for n in lengths:
+        ids = rng.integers(0, 250, n).astype(np.int32)
+        labels = np.where(np.arange(n) < n // 3, IGNORE_INDEX, ids).astype(np.int32)
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def reference_rows(docs, max_length):
+    """Whole examples in order, a new row when the next does not fit; longer ones keep
+    their last ``max_length`` tokens, alone in a row."""
+    rows, row = [], []
+    for d in docs:
+        ids, labels = d["input_ids"][-max_length:], d["labels"][-max_length:]
+        if row and sum(len(i) for i, _ in row) + len(ids) > max_length:
+            rows.append(row)
+            row = []
+        row.append((ids, labels))
+    return [*rows, row]
+
+
+def reference_batch(rows, max_length):
+    shape = (len(rows), max_length)
+    out = {k: np.zeros(shape, np.int32) for k in ("attention_mask", "position_ids", "segment_ids")}
+    out["input_ids"] = np.full(shape, PAD, np.int32)
+    out["labels"] = np.full(shape, IGNORE_INDEX, np.int32)
+    for r, row in enumerate(rows):
+        at = 0
+        for s, (ids, labels) in enumerate(row, start=1):
+            for t in range(len(ids)):
+                out["input_ids"][r, at] = ids[t]
+                out["labels"][r, at] = labels[t]
+                out["attention_mask"][r, at] = 1
+                out["position_ids"][r, at] = t
+                out["segment_ids"][r, at] = s
+                at += 1
+    return out
+
+
+def assert_batches_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+        assert a[key].dtype == b[key].dtype == np.int32
+
+
+def test_packed_sft_keeps_labels_and_examples_whole():
+    docs = examples([5, 3, 7, 2, 9, 4, 1, 6])
+    max_length, batch_size = 10, 2
+    rows = reference_rows(docs, max_length)
+    rows += [[]] * (-len(rows) % batch_size)
+    want = reference_batch(rows, max_length)
+    got = list(TokenBatches(docs, batch_size=batch_size, max_length=max_length, shuffle=False,
+                            repeat=False))  # fmt: skip
+    assert len(got) == len(rows) // batch_size
+    for b, batch in enumerate(got):
+        assert_batches_equal(batch, {k: v[b * 2 : b * 2 + 2] for k, v in want.items()})
+    streamed = list(batches_from_iterable(iter(docs), batch_size=2, max_length=max_length))
+    for a, b in zip(streamed, got, strict=True):
+        assert_batches_equal(a, b)
+
+
+def test_long_examples_are_truncated_counted_and_warned():
+    docs = examples([4, 12, 3, 15])
+    it = TokenBatches(docs, batch_size=4, max_length=8, shuffle=False, repeat=False)
+    with pytest.warns(UserWarning, match=r"documents\[1\] has 12 tokens.*last 8"):
+        (batch,) = list(it)
+    assert it.truncated == 2
+    want = reference_batch(reference_rows(docs, 8), 8)
+    assert_batches_equal(batch, want)
+    it = TokenBatches(docs[1:2], batch_size=1, max_length=8, truncation="keep_start", repeat=False)
+    with pytest.warns(UserWarning, match="first 8"):
+        np.testing.assert_array_equal(next(it)["labels"][0], docs[1]["labels"][:8])
+
+
+def test_padded_sft_is_one_example_per_row():
+    docs = examples([5, 3, 7])
+    (batch,) = list(TokenBatches(docs, batch_size=4, max_length=8, pack=False, shuffle=False,
+                                 repeat=False))  # fmt: skip
+    want = reference_batch([[(d["input_ids"], d["labels"])] for d in docs] + [[]], 8)
+    assert_batches_equal(batch, want)
+
+
+def test_labels_must_match_input_ids():
+    docs = [*examples([3]), {"input_ids": [1, 2, 3], "labels": [1, 2]}]
+    with pytest.raises(
+        ValueError, match=r"documents\[1\]: 'labels' has 2 entries but 'input_ids' has 3"
+    ):
+        list(TokenBatches(docs, batch_size=1, max_length=4, shuffle=False, repeat=False))
+    with pytest.raises(ValueError, match=r"documents\[0\]\['labels'\] holds label -5"):
+        next(
+            batches_from_iterable([{"input_ids": [1], "labels": [-5]}], batch_size=1, max_length=4)
+        )
+    with pytest.raises(ValueError, match=r"documents\[0\] has 'labels' but no 'input_ids'"):
+        next(batches_from_iterable([{"text": "a", "labels": [1]}], batch_size=1, max_length=4))
+
+
+# --- process split and resumption ---------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:documents.*more than max_length")
+@pytest.mark.parametrize("pack", [True, False])
+def test_processes_share_each_global_batch(pack):
+    docs = [*examples([5, 3, 7, 2, 9, 4, 1, 6, 8, 2, 3]), "some text", [7, 8, 9]]
+    kwargs = dict(batch_size=4, max_length=8, pack=pack, seed=3)
+    whole = TokenBatches(docs, **kwargs)
+    parts = [TokenBatches(docs, **kwargs, process_index=p, process_count=2) for p in range(2)]
+    for _ in range(6):
+        want = next(whole)
+        got = [next(p) for p in parts]
+        for key in want:
+            np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), want[key])
+        assert parts[0].position == parts[1].position == whole.position
+    streams = [
+        list(batches_from_iterable(docs, batch_size=4, max_length=8, pack=pack, process_index=p,
+                                   process_count=4)) for p in range(4)
+    ]  # fmt: skip
+    single = list(batches_from_iterable(docs, batch_size=4, max_length=8, pack=pack))
+    for b, want in enumerate(single):
+        np.testing.assert_array_equal(
+            np.concatenate([s[b]["labels"] for s in streams]), want["labels"]
+        )
+    with pytest.raises(ValueError, match=r"batch_size 4 .* divisible by process_count 3"):
+        TokenBatches(docs, batch_size=4, max_length=8, process_count=3)
+    with pytest.raises(ValueError, match="process_index"):
+        batches_from_iterable(docs, batch_size=4, max_length=8, process_index=2, process_count=2)
+
+
+def test_resume_from_a_cached_dataset_equals_the_uninterrupted_run(tmp_path):
+    records = [
+        {"prompt": f"q{i}: " + "x" * (i % 7), "completion": "y" * (i % 5)} for i in range(30)
+    ]
+    path = write_jsonl(tmp_path / "c.jsonl", records)
+    data = load_tokenized(path, BYTES, cache_dir=tmp_path / "cache", progress=False)
+    kwargs = dict(batch_size=2, max_length=24, seed=1)
+    run = TokenBatches(data, **kwargs)
+    expected = [next(run) for _ in range(20)]
+    first = TokenBatches(data, **kwargs)
+    [next(first) for _ in range(7)]
+    saved = json.loads(json.dumps(first.position))
+    reopened = load_tokenized(path, BYTES, cache_dir=tmp_path / "cache", progress=False)
+    resumed = TokenBatches(reopened, **kwargs)
+    resumed.restore(saved)
+    for want in expected[7:]:
+        assert_batches_equal(next(resumed), want)
+    assert (np.concatenate([b["labels"] for b in expected]) != IGNORE_INDEX).any()
+
+
+def test_source_is_a_plain_record_stream():
+    source = Source("mem", "f", lambda: iter([("mem:1", {"text": "a"}), ("mem:2", {"tx": 1})]))
+    with pytest.raises(ValueError, match="mem:2: format 'text' needs"):
+        load_tokenized(source, BYTES, cache=False, progress=False)
+    assert data_files is not None
