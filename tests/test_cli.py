@@ -52,6 +52,12 @@ def test_help_imports_no_jax():
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["--num-heads", "3"], "--num-heads (3) must divide --hidden-size (128)"),
         (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--lora-rank", "8"], "--lora-rank needs --model"),
+        (["--model", "m"], "--model needs --data"),
+        (["--data", "d.jsonl", "--format", "chat"], "--format chat needs --model"),
+        (["--model", "m", "--data", "d", "--quantize", "nf4"], "it needs --lora-rank"),
+        (["--eval-data", "e.jsonl"], "--eval-data needs --data"),
+        (["--format", "json"], "invalid choice: 'json' (choose from 'text', 'completion'"),
     ],
 )
 def test_invalid_flags_fail_before_any_work_in_one_line(tmp_path, capsys, argv, message):

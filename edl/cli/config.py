@@ -36,6 +36,30 @@ class TrainConfig:
     """The options of ``edl train``. The defaults train a ~0.8M-parameter byte-level Llama on
     the embedded corpus for a fixed number of steps, about four minutes on a 2-core CPU."""
 
+    model: str = _option(
+        "",
+        "HF model directory, hub repo id or run directory to fine-tune (empty: the "
+        "embedded byte-level job)",
+    )
+    data: str = _option(
+        "",
+        "training data: text / JSONL files, a directory, a glob, or a datasets name "
+        "(empty: the embedded corpus)",
+    )
+    format: str = _option("text", "what --data records hold: text, prompt / completion, or chat "
+                          "messages (loss on completions / assistant turns only)",
+                          choices=("text", "completion", "chat"))  # fmt: skip
+    eval_data: str = _option("", "held-out data, read as --data (empty: none with --data)")
+    packing: bool = _option(True, "pack several examples per row (segment ids keep them apart)")
+    lora_rank: int = _option(0, "LoRA rank for --model runs (0: full fine-tuning)", low=0.0)
+    lora_alpha: float = _option(16.0, "LoRA scaling numerator (scale = alpha / rank)", low=0.0)
+    quantize: str = _option("none", "quantize the frozen base (QLoRA; needs --lora-rank)",
+                            choices=("none", "nf4", "int8"))  # fmt: skip
+    param_dtype: str = _option("float32", "dtype of the trained weights (the master copy)",
+                               choices=("float32", "bfloat16"))  # fmt: skip
+    compute_dtype: str = _option("float32", "dtype of the forward and backward passes "
+                                 "(softmax and losses stay float32)",
+                                 choices=("float32", "bfloat16"))  # fmt: skip
     output_dir: str = _option("runs/edl-train", "directory for metrics, checkpoints, run.md")
     steps: int = _option(1200, "optimizer steps of the run (the schedule's length)", low=1.0)
     time_limit: float = _option(
@@ -52,7 +76,12 @@ class TrainConfig:
     num_kv_heads: int = _option(2, "key/value heads (must divide --num-heads)", low=1.0)
     optimizer: str = _option("adamw", "optimizer", choices=OPTIMIZERS)
     schedule: str = _option("cosine", "learning rate after warmup", choices=SCHEDULES)
-    learning_rate: float = _option(2e-3, "peak learning rate", low=0.0)
+    learning_rate: float = _option(
+        0.0,
+        "peak learning rate (0: 2e-3 for the embedded job, 2e-4 with --lora-rank, 2e-5 "
+        "for full fine-tuning)",
+        low=0.0,
+    )
     warmup_steps: int = _option(30, "linear warmup steps", low=0.0)
     weight_decay: float = _option(0.01, "AdamW / Lion weight decay", low=0.0)
     clip_norm: float = _option(1.0, "clip the global gradient norm to this (0: no clipping)",
@@ -86,11 +115,30 @@ class TrainConfig:
             raise ConfigError(
                 f"--num-kv-heads ({self.num_kv_heads}) must divide --num-heads ({self.num_heads})"
             )
+        if self.quantize != "none" and not self.lora_rank:
+            raise ConfigError(
+                f"--quantize {self.quantize} freezes the base weights: it needs --lora-rank"
+            )
+        if self.lora_rank and not self.model:
+            raise ConfigError("--lora-rank needs --model (a model to fine-tune)")
+        if self.model and not self.data:
+            raise ConfigError("--model needs --data (the embedded corpus is byte-level)")
+        if not self.model and self.format != "text":
+            raise ConfigError(f"--format {self.format} needs --model (a chat / SFT tokenizer)")
+        if self.eval_data and not self.data:
+            raise ConfigError("--eval-data needs --data")
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
                 f"({self.batch_size})"
             )
+
+    @property
+    def peak_learning_rate(self) -> float:
+        """``learning_rate``, or when 0 the default of the kind of run."""
+        if self.learning_rate:
+            return self.learning_rate
+        return 2e-3 if not self.model else 2e-4 if self.lora_rank else 2e-5
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}

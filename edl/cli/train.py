@@ -69,33 +69,33 @@ def _loss_fn(model: LlamaForCausalLM, batch: dict[str, Any]) -> Any:
 
 def run_train(config: TrainConfig) -> dict[str, Any]:
     """Train as ``config`` says; print one JSON line of results and a sample; return the
-    loop's summary."""
+    loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``)."""
+    if config.model:
+        from edl.cli.finetune import run_finetune
+
+        return run_finetune(config)
     try:  # before any work
         run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
     except (FileExistsError, NotADirectoryError) as e:
         raise CommandError(str(e)) from None
     tokenizer = ByteTokenizer()
-    train_docs, eval_docs = split_corpus(load_corpus(max_bytes=config.corpus_bytes))
-    data = TokenBatches(train_docs, batch_size=config.batch_size, max_length=config.seq_len,
-                        tokenizer=tokenizer, seed=config.seed)  # fmt: skip
-    held_out = TokenBatches(eval_docs, batch_size=config.batch_size, max_length=config.seq_len,
-                            tokenizer=tokenizer, shuffle=False, repeat=False)  # fmt: skip
-    eval_batches = [next(held_out) for _ in range(config.eval_batches)]
+    data, eval_batches = _byte_data(config, tokenizer)
     model = _model(config, tokenizer)
     tx, schedule = make_optimizer(OptimizerConfig(
-        name=config.optimizer, schedule=config.schedule, learning_rate=config.learning_rate,
+        name=config.optimizer, schedule=config.schedule,
+        learning_rate=config.peak_learning_rate,
         warmup_steps=min(config.warmup_steps, config.steps), total_steps=config.steps,
         weight_decay=config.weight_decay,
     ))  # fmt: skip
     step = make_train_step(_loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
                            clip_norm=config.clip_norm or None, schedule=schedule,
                            skip_nonfinite=config.nan_policy == "skip")  # fmt: skip
-    print(f"edl train: {edl.count_params(model):,} parameters, {len(train_docs)} documents, "
+    print(f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
           f"{config.steps} steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
     state, summary = train(
         edl.create_state(model, tx), step, data, steps=config.steps,
-        eval_step=make_eval_step(_loss_fn), eval_data=eval_batches,
-        eval_every=config.eval_every, eval_batches=config.eval_batches,
+        eval_step=make_eval_step(_loss_fn) if eval_batches else None, eval_data=eval_batches,
+        eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
         save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
         overwrite=config.overwrite, nan_policy=config.nan_policy,
         time_limit=config.time_limit or None, log_every=config.log_every,
@@ -110,6 +110,30 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
     print(text)
     return summary
+
+
+def _byte_data(
+    config: TrainConfig, tokenizer: ByteTokenizer
+) -> tuple[TokenBatches, list[dict[str, Any]] | None]:
+    """Training batches and held-out batches: the embedded corpus split in two, or
+    ``config.data`` (and ``config.eval_data``, when given) read as text."""
+    if config.data:
+        from edl.cli.data import batches
+
+        held_out = batches(config, config.eval_data, tokenizer, shuffle=False) if (
+            config.eval_data) else None  # fmt: skip
+        data = batches(config, config.data, tokenizer, shuffle=True)
+    else:
+        train_docs, eval_docs = split_corpus(load_corpus(max_bytes=config.corpus_bytes))
+        data = TokenBatches(train_docs, batch_size=config.batch_size,
+                            max_length=config.seq_len, tokenizer=tokenizer,
+                            seed=config.seed)  # fmt: skip
+        held_out = TokenBatches(eval_docs, batch_size=config.batch_size,
+                                max_length=config.seq_len, tokenizer=tokenizer, shuffle=False,
+                                repeat=False)  # fmt: skip
+    if held_out is None:
+        return data, None
+    return data, [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]
 
 
 def _report(summary: dict[str, Any]) -> None:

@@ -1,0 +1,37 @@
+"""``--data`` / ``--eval-data`` of ``edl train``: files or a ``datasets`` name, tokenized
+once (cached on disk) and batched by a resumable ``TokenBatches``."""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+from edl.cli.config import CommandError, TrainConfig
+from edl.text import Source, Tokenizer, data_files, hf_dataset, load_tokenized
+from edl.train import TokenBatches
+
+__all__ = ["batches", "source_of"]
+
+
+def source_of(spec: str) -> Source:
+    """The records ``spec`` names: local files (a file, a directory or a glob), else a
+    Hugging Face ``datasets`` name, ``NAME`` or ``NAME:SPLIT`` (default split ``train``)."""
+    if Path(spec).expanduser().exists() or glob.has_magic(spec):
+        return data_files(spec)
+    name, _, split = spec.partition(":")
+    return hf_dataset(name, split=split or "train")
+
+
+def batches(config: TrainConfig, spec: str, tokenizer: Tokenizer, *, shuffle: bool) -> TokenBatches:
+    """``config.batch_size`` rows of ``config.seq_len`` tokens from ``spec``'s records, read
+    as ``config.format``; shuffled and repeated for training, one ordered pass otherwise.
+    ``CommandError`` names ``spec`` when it cannot be read."""
+    try:
+        dataset = load_tokenized(source_of(spec), tokenizer, format=config.format)
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"{spec}: {e}") from None
+    if len(dataset) == 0:
+        raise CommandError(f"{spec}: no records")
+    return TokenBatches(dataset, batch_size=config.batch_size, max_length=config.seq_len,
+                        tokenizer=tokenizer, pack=config.packing, shuffle=shuffle,
+                        seed=config.seed, repeat=shuffle)  # fmt: skip
