@@ -243,3 +243,57 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match=f"{tmp_path / 'other'} is not empty"):
         export_model(checkpoint, tmp_path / "other")
+
+
+def test_cli_generate_streams_with_the_directory_tokenizer(tmp_path, tokenizer, capsys):
+    from edl.cli import main
+
+    model = _model(tokenizer.vocab_size, eos=[2])
+    save_pretrained(model, tmp_path, tokenizer=tokenizer)
+    main(["generate", "--model", str(tmp_path), "--prompt", "Hello", "--max-new-tokens", "8"])
+    want = generate_text(model, tokenizer, "Hello", max_new_tokens=8)
+    assert capsys.readouterr().out == "Hello" + want + "\n"
+    (tmp_path / "prompt.txt").write_text("What is the capital?", encoding="utf-8")
+    main(["generate", "--model", str(tmp_path), "--prompt-file", str(tmp_path / "prompt.txt"),
+          "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])  # fmt: skip
+    want = generate_text(model, tokenizer, "What is the capital?", chat=True, system="Be brief.",
+                         max_new_tokens=8)  # fmt: skip
+    assert capsys.readouterr().out == want + "\n"
+    main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--num-beams", "2",
+          "--max-new-tokens", "4", "--dtype", "bfloat16"])  # fmt: skip
+    assert capsys.readouterr().out.startswith("Hi")
+    main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--temperature", "0.9",
+          "--top-p", "0.9", "--top-k", "20", "--max-new-tokens", "4", "--seed", "3"])  # fmt: skip
+    want = generate_text(model, tokenizer, "Hi", max_new_tokens=4, temperature=0.9, top_p=0.9,
+                         top_k=20, key=jax.random.key(3))  # fmt: skip
+    assert capsys.readouterr().out == "Hi" + want + "\n"
+
+
+def test_cli_export_of_a_lora_run_loads_in_transformers(tmp_path, tokenizer, capsys):
+    from edl.cli import main
+
+    model = _lora_model(tokenizer.vocab_size)
+    state = edl.create_state(model, optax.adam(1e-3), trainable=lora_trainable)
+    run = tmp_path / "run"
+    save_state(state, run / "checkpoints", tokenizer=tokenizer)
+    main(["export", str(run), str(tmp_path / "merged"), "--merge-lora"])
+    assert f"to {tmp_path / 'merged'}" in capsys.readouterr().out
+    main(["export", str(run), str(tmp_path / "split"), "--dtype", "float32"])
+    assert f"adapter (PEFT) in {tmp_path / 'split' / 'adapter'}" in capsys.readouterr().out
+    prompt = "The quick brown fox"
+    ids = tokenizer.encode(prompt, add_bos=True)
+    hf_tokens = _hf_greedy(tmp_path / "merged", ids, 8)
+    eos = hf_tokens.index(2) if 2 in hf_tokens else len(hf_tokens)
+    want = prompt + tokenizer.decode(hf_tokens[:eos], skip_special_tokens=True) + "\n"
+    for source in (tmp_path / "merged", run):  # the export, and the LoRA checkpoint itself
+        main(["generate", "--model", str(source), "--prompt", prompt, "--max-new-tokens", "8"])
+        assert capsys.readouterr().out == want
+    main(["info", str(run)])
+    assert "checkpoint-00000000" in capsys.readouterr().out
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x").write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(run), str(tmp_path / "other")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'other'} is not empty" in err and len(err.splitlines()) == 1
