@@ -35,7 +35,8 @@ def test_every_flag_has_help_with_its_default_and_choices(capsys):
 def test_help_imports_no_jax():
     code = (
         "import sys\nfrom edl.cli import main\n"
-        "for argv in (['--help'], ['train', '--help']):\n"
+        "for argv in (['--help'], ['train', '--help'], ['generate', '--help'],\n"
+        "             ['export', '--help'], ['generate', '--model', 'm', '--top-k', '0']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n"
     )
@@ -90,6 +91,32 @@ def test_info_and_generate_on_a_missing_path_exit_nonzero(tmp_path, capsys):
     assert "--max-new-tokens: must be >= 1" in _fails(
         ["generate", "--model", str(tmp_path), "--max-new-tokens", "0"], capsys
     )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--prompt", "a", "--prompt-file", "f"], "not allowed with argument --prompt"),
+        (["--top-p", "1.5", "--temperature", "1"], "--top-p: must be in (0, 1], got 1.5"),
+        (["--top-k", "0", "--temperature", "1"], "--top-k: must be >= 1, got 0"),
+        (["--top-k", "5"], "--top-k: only applies when sampling (--temperature > 0)"),
+        (["--num-beams", "0"], "--num-beams: must be >= 1, got 0"),
+        (["--temperature", "-1"], "--temperature: must be >= 0, got -1.0"),
+        (["--system", "be brief"], "--system: needs --chat"),
+        (["--chat"], "--chat: needs --prompt or --prompt-file"),
+        (["--dtype", "float16"], "invalid choice: 'float16'"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read /nonexistent/prompt.txt"),
+    ],
+)
+def test_generate_usage_errors_exit_2_in_one_line(tmp_path, capsys, argv, message):
+    err = _fails(["generate", "--model", str(tmp_path), *argv], capsys)
+    assert err.startswith("edl generate: error: ") and message in err
+
+
+def test_export_errors_name_the_path(tmp_path, capsys):
+    assert "required: OUT_DIR" in _fails(["export", str(tmp_path)], capsys)
+    err = _fails(["export", str(tmp_path / "nope"), str(tmp_path / "out")], capsys, code=1)
+    assert f"{tmp_path / 'nope'} does not exist" in err
 
 
 def test_defaults_are_valid_and_sized_by_steps():

@@ -1,4 +1,4 @@
-"""The ``edl`` command: ``edl train``, ``edl generate``, ``edl info``.
+"""The ``edl`` command: ``edl train``, ``edl generate``, ``edl export``, ``edl info``.
 
 ``edl train`` with no arguments trains a small Llama on the embedded corpus (the Python
 standard library's own sources, byte-level) for a few minutes on a CPU, then prints a
@@ -10,6 +10,7 @@ errors are one line on stderr and exit status 2 (1 for a run that fails).
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -53,32 +54,103 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="edl", description="edl's command line: train, generate, info.")
+    parser = _Parser(prog="edl", description="edl's command line: train, generate, export, info.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
         "train", help="train a model (defaults: a tiny Llama on the embedded corpus)",
         description="Train a Llama byte-level model; see the README for what each file holds.",
     )  # fmt: skip
     _add_train_flags(train)
-    gen = commands.add_parser("generate", help="sample from a saved model or a run directory")
-    gen.add_argument("--model", type=Path, required=True,
-                     help="a run directory, a checkpoint or a saved model")  # fmt: skip
-    gen.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    gen.add_argument("--max-new-tokens", type=int, default=200,
-                     help="bytes to generate (default: 200)")  # fmt: skip
-    gen.add_argument("--temperature", type=float, default=0.0,
-                     help="sampling temperature; 0 is greedy (default: 0.0)")  # fmt: skip
-    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_generate(commands)
+    export = commands.add_parser(
+        "export", help="write a checkpoint or run as a plain Hugging Face model directory",
+        description="Write the model of a checkpoint (a run directory: its newest) to OUT_DIR "
+        "as transformers loads it: weights, config.json, generation_config.json, tokenizer "
+        "files. LoRA adapters are merged (--merge-lora) or written in PEFT's layout to "
+        "OUT_DIR/adapter; a quantized base is dequantized. OUT_DIR must be new, empty or an "
+        "earlier export (which is replaced).",
+    )  # fmt: skip
+    export.add_argument("source", type=Path, metavar="CHECKPOINT_OR_RUN_DIR",
+                        help="a run directory, a checkpoint or a saved model")  # fmt: skip
+    export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the directory to write")
+    export.add_argument("--merge-lora", action="store_true",
+                        help="merge LoRA into the weights (else: OUT_DIR/adapter)")  # fmt: skip
+    export.add_argument("--dtype", choices=_DTYPES, default=None,
+                        help="cast floating weights (default: as stored)")  # fmt: skip
     info = commands.add_parser("info", help="summarise a saved model, checkpoint or run")
     info.add_argument("path", type=Path, help="a run directory, checkpoint or saved model")
     return parser
 
 
+_DTYPES = ("bfloat16", "float32")
+
+
+def _add_generate(commands: Any) -> None:
+    gen = commands.add_parser(
+        "generate", help="generate text with a saved model, checkpoint, run or hub model",
+        description="Continue a prompt (or answer it as a chat turn, --chat) and stream the "
+        "text to stdout. Greedy unless --temperature > 0. The tokenizer is the model "
+        "directory's (tokenizer files), else the byte tokenizer of edl train's demo.",
+    )  # fmt: skip
+    gen.add_argument("--model", required=True, metavar="DIR_OR_REPO",
+                     help="a run directory, checkpoint, saved model or hub repo id")  # fmt: skip
+    prompt = gen.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, metavar="TEXT",
+                        help="text to continue (default: 'def ')")  # fmt: skip
+    prompt.add_argument("--prompt-file", type=Path, default=None, metavar="F",
+                        help="read the prompt from this UTF-8 file")  # fmt: skip
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message via the chat template")  # fmt: skip
+    gen.add_argument("--system", default=None, metavar="TEXT",
+                     help="a system message before the prompt (with --chat)")  # fmt: skip
+    gen.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
+                     help="tokens to generate at most (default: 200)")  # fmt: skip
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature; 0 is greedy (default: 0.0)")  # fmt: skip
+    gen.add_argument("--top-p", type=float, default=None, metavar="P",
+                     help="nucleus sampling: the top tokens of mass P (0 < P <= 1)")  # fmt: skip
+    gen.add_argument("--top-k", type=int, default=None, metavar="K",
+                     help="sample among the K most likely tokens")  # fmt: skip
+    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
+                     help="beam search with B beams, printed at the end (default: 1)")  # fmt: skip
+    gen.add_argument("--dtype", choices=_DTYPES, default=None,
+                     help="compute in this dtype (default: as stored)")  # fmt: skip
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def _usage(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A usage error of ``edl generate`` (checked after parsing), as argparse's own."""
+    parser.exit(2, f"edl generate: error: {message} (see edl generate --help)\n")
+
+
 def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every ``edl generate`` option checked, and ``--prompt-file`` read into
+    ``args.prompt``, before anything imports jax."""
     if args.max_new_tokens < 1:
-        parser.error(f"argument --max-new-tokens: must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        parser.error(f"argument --temperature: must be >= 0, got {args.temperature}")
+        _usage(parser, f"argument --max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    if not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        _usage(parser, f"argument --temperature: must be >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        _usage(parser, f"argument --top-p: must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 1:
+        _usage(parser, f"argument --top-k: must be >= 1, got {args.top_k}")
+    if args.num_beams < 1:
+        _usage(parser, f"argument --num-beams: must be >= 1, got {args.num_beams}")
+    for name in ("top_p", "top_k"):
+        if getattr(args, name) is not None and args.temperature == 0:
+            _usage(parser, f"argument --{name.replace('_', '-')}: only applies when sampling "
+                         "(--temperature > 0)")  # fmt: skip
+    if args.system is not None and not args.chat:
+        _usage(parser, "argument --system: needs --chat")
+    if args.prompt_file is not None:
+        try:
+            args.prompt = args.prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            _usage(parser, f"argument --prompt-file: cannot read {args.prompt_file}: {e}")
+    elif args.prompt is None:
+        if args.chat:
+            _usage(parser, "argument --chat: needs --prompt or --prompt-file")
+        args.prompt = "def "
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -106,8 +178,11 @@ def _run(args: argparse.Namespace, config: TrainConfig | None) -> None:
     elif args.command == "generate":
         from edl.cli.generate import run_generate
 
-        run_generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens,
-                     temperature=args.temperature, seed=args.seed)  # fmt: skip
+        run_generate(args)
+    elif args.command == "export":
+        from edl.cli.export import run_export
+
+        run_export(args.source, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
     else:
         from edl.cli.info import run_info
 

@@ -1,18 +1,26 @@
-"""``edl generate``: continue a prompt with a saved byte-level model."""
+"""``edl generate``: text from a saved model, checkpoint, run directory or hub model."""
 
 from __future__ import annotations
 
+import argparse
+import re
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-import edl
+from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
-from edl.generate import generate
-from edl.train import ByteTokenizer
+from edl.generate import generate, generate_text, stream_text
+from edl.io.export import TOKENIZER_FILES, load_model
+from edl.io.hf import from_pretrained
+from edl.text import ByteTokenizer
 
-__all__ = ["run_generate", "sample"]
+__all__ = ["load_model_and_tokenizer", "run_generate", "sample"]
+
+# A hub repo id ("name" or "namespace/name"), as edl.io.hf.resolve_directory reads one.
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 
 
 def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: float = 0.0):
@@ -27,13 +35,67 @@ def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: flo
     return [int(t) for t in out.sequences[0]]
 
 
-def run_generate(
-    path: Path, prompt: str, *, max_new_tokens: int, temperature: float, seed: int
-) -> None:
-    """Print ``prompt`` continued by the model at ``path`` (a run directory, a checkpoint or
-    a saved model)."""
-    model = edl.from_pretrained(resolve_model(path))
-    tokenizer = ByteTokenizer()
-    ids = sample(model, tokenizer.encode(prompt), max_new_tokens, key=jax.random.key(seed),
-                 temperature=temperature)  # fmt: skip
-    print(tokenizer.decode(ids))
+def _tokenizer(where: str, has_files: bool, model: Any) -> Any:
+    """The model directory's tokenizer (or the hub repo's), else the byte tokenizer."""
+    if has_files:
+        from edl.text import load_tokenizer
+
+        try:
+            return load_tokenizer(where)
+        except ImportError as e:
+            raise CommandError(f"{where} has tokenizer files, but {e}") from None
+    vocab = model.config.vocab_size
+    if vocab != ByteTokenizer.vocab_size:
+        raise CommandError(
+            f"{where} has no tokenizer files (tokenizer.json, ...), and its vocab_size {vocab} "
+            f"is not the byte tokenizer's {ByteTokenizer.vocab_size}"
+        )
+    return ByteTokenizer()
+
+
+def load_model_and_tokenizer(model: str, *, dtype: str | None = None) -> tuple[Any, Any]:
+    """The model behind ``--model`` (a run directory: its newest whole checkpoint; a
+    checkpoint, LoRA-wrapped ones included; a saved model; a hub repo id) and its tokenizer."""
+    cast = None if dtype is None else jnp.dtype(dtype)
+    path = Path(model).expanduser()
+    try:
+        if path.exists() or not _REPO_ID.fullmatch(model):
+            directory = resolve_model(path)
+            loaded = load_model(directory, dtype=cast)
+            has_files = any((directory / n).is_file() for n in TOKENIZER_FILES)
+            return loaded, _tokenizer(str(directory), has_files, loaded)
+    except (OSError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    try:
+        loaded = from_pretrained(model, dtype=cast)
+        return loaded, _tokenizer(model, True, loaded)
+    except CommandError:
+        raise
+    except Exception as e:  # the hub's errors: no such repo, offline, ...
+        raise CommandError(
+            f"{model} is no local path, and the hub could not serve it: {e}"
+        ) from None
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    """Stream the model's text for ``args`` (``edl generate``'s checked options) to stdout:
+    a plain prompt followed by its continuation, or a chat reply alone; beam search prints
+    at the end."""
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    options = dict(
+        chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        key=jax.random.key(args.seed),
+    )  # fmt: skip
+    if not args.chat:
+        print(args.prompt, end="", flush=True)
+    try:
+        if args.num_beams > 1:
+            print(generate_text(model, tokenizer, args.prompt, num_beams=args.num_beams,
+                                **options), end="")  # fmt: skip
+        else:
+            for piece in stream_text(model, tokenizer, args.prompt, **options):
+                print(piece, end="", flush=True)
+    except ValueError as e:  # a chat without a template, an id the model lacks, ...
+        raise CommandError(str(e)) from None
+    print()

@@ -42,6 +42,7 @@ def resolve_model(path: Path) -> Path:
 def run_info(path: Path) -> None:
     """Print the checkpoints of a run (the newest's state.json) and the model's summary."""
     import edl
+    from edl.io.export import load_model
 
     if not path.exists():
         raise CommandError(f"{path} does not exist")
@@ -50,4 +51,4 @@ def run_info(path: Path) -> None:
         print(f"{_checkpoints_dir(path)}: {len(found)} checkpoint(s); newest {found[-1].name}")
         info = read_json(found[-1] / STATE_NAME, what="checkpoint state")
         print(json.dumps({k: v for k, v in info.items() if k != "metadata"}, indent=2))
-    print(edl.summary(edl.from_pretrained(resolve_model(path))))
+    print(edl.summary(load_model(resolve_model(path))))

@@ -1,6 +1,7 @@
 """Generation: KV caches and a compiled decode loop (greedy, sampling, beam search).
 
 out = edl.generate.generate(model, input_ids, attention_mask=mask, max_new_tokens=32)
+text = edl.generate.generate_text(model, tokenizer, "Once upon a time", max_new_tokens=32)
 """
 
 from edl.generate.beam import BeamState
@@ -21,6 +22,7 @@ from edl.generate.paged import (
     paged_cache_config,
 )
 from edl.generate.steps import CausalLM, CausalTrunk
+from edl.generate.text import TextStream, generate_text, prompt_ids, stream_text
 
 __all__ = [
     "BeamState",
@@ -32,12 +34,16 @@ __all__ = [
     "KVCache",
     "PagedCacheConfig",
     "PagedKVCache",
+    "TextStream",
     "free_rows",
     "generate",
     "generate_stream",
+    "generate_text",
     "init_cache",
     "init_paged_cache",
     "logits_processor_for",
     "paged_cache_config",
     "prompt_bucket",
+    "prompt_ids",
+    "stream_text",
 ]

@@ -1,7 +1,7 @@
 """Files on disk: Hugging Face safetensors checkpoints, configs and the hub, training
-checkpoints and PEFT adapters."""
+checkpoints, PEFT adapters, and exports of checkpoints as plain Hugging Face directories."""
 
-from edl.io import checkpoint, hf, peft, safetensors
+from edl.io import checkpoint, export, hf, peft, safetensors, structure
 from edl.io.hf import (
     export_state_dict,
     from_pretrained,
@@ -13,6 +13,7 @@ from edl.io.hf import (
 
 __all__ = [
     "checkpoint",
+    "export",
     "export_state_dict",
     "from_pretrained",
     "from_state_dict",
@@ -21,5 +22,6 @@ __all__ = [
     "push_to_hub",
     "safetensors",
     "save_pretrained",
+    "structure",
     "to_torch",
 ]

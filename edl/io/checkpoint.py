@@ -49,6 +49,7 @@ from edl.io import hf
 from edl.io.files import fsync, read_json, write_json_atomic
 from edl.io.plan import LoadPlan, TensorSource, load_arrays, plan_load
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
+from edl.io.structure import layer_structure
 from edl.models import registry
 from edl.module import require_float_dtype
 from edl.state import TrainState
@@ -240,6 +241,7 @@ def save_state(
     float_dtype: DTypeLike | None = None,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = 3,
+    tokenizer: Any = None,
 ) -> Path:
     """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
 
@@ -253,6 +255,13 @@ def save_state(
             position, RNG key data, ...); numpy/jax arrays are stored as nested lists.
         keep: how many complete checkpoints to keep, newest first (the one just written always
             stays); ``None`` keeps all.
+        tokenizer: its files (``edl.text.HFTokenizer.save``; none for the byte tokenizer)
+            are written into the checkpoint with the rest, so a checkpoint never lacks them.
+
+    ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and, for a
+    model with LoRA adapters or quantized layers, their settings (``"layers"``,
+    ``edl.io.structure``), so the checkpoint can be loaded and exported without the code
+    that built the model (``edl.io.export``).
 
     Re-saving a step replaces the old checkpoint of that step. After the save, incomplete
     ``checkpoint-*`` directories and ``.tmp-checkpoint-*`` leftovers of killed writers are
@@ -284,6 +293,7 @@ def save_state(
             tensors = _host_tensors(_arrays(model, "model"), float_dtype)
             save_tensors(tensors, tmp, prefix=_MODEL)
             model_format = "tree"
+        tokenizer_files = hf.save_tokenizer(tokenizer, tmp)
         has_optimizer = save_optimizer and state.opt_state is not None
         if has_optimizer:
             tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
@@ -295,6 +305,8 @@ def save_state(
             "model_format": model_format,
             "has_optimizer": has_optimizer,
             "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
+            "layers": layer_structure(model),
+            "tokenizer_files": tokenizer_files,
             "metadata": json.loads(meta_text),
         }
         for file in tmp.rglob("*"):

@@ -43,6 +43,7 @@ __all__ = [
     "push_to_hub",
     "resolve_directory",
     "save_pretrained",
+    "save_tokenizer",
     "to_torch",
 ]
 
@@ -336,13 +337,17 @@ def save_pretrained(
     *,
     max_shard_size: int | str = "2GB",
     dtype: Any = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write ``model`` in HF layout (``config.json`` + safetensors, sharded with
     ``model.safetensors.index.json`` beyond ``max_shard_size``, and the causal LM's
     ``generation_config.json`` when it has one), loadable by transformers.
 
     ``dtype`` casts floating weights on the way out (one layer at a time). Tied heads are
-    not written, as transformers does. Each file is written atomically.
+    not written, as transformers does. ``tokenizer``'s files go beside the weights when it
+    has any (anything with ``save(directory)``, such as ``edl.text.HFTokenizer``; the byte
+    tokenizer has none), so ``AutoTokenizer.from_pretrained(directory)`` reads it. Each file
+    is written atomically.
     """
     if dtype is not None:
         require_float_dtype(dtype, "save_pretrained: dtype")
@@ -359,7 +364,18 @@ def save_pretrained(
     if generation:
         values = {k: json.loads(v) for k, v in generation}
         write_json_atomic(directory / GENERATION_CONFIG_NAME, values)
+    save_tokenizer(tokenizer, directory)
     return directory
+
+
+def save_tokenizer(tokenizer: Any, directory: str | os.PathLike[str]) -> list[str]:
+    """Write ``tokenizer``'s files into ``directory`` when it has a ``save(directory)``
+    method (``edl.text.HFTokenizer``); returns the names written (``[]`` for ``None`` or a
+    tokenizer without files, such as ``ByteTokenizer``)."""
+    save = getattr(tokenizer, "save", None)
+    if save is None:
+        return []
+    return sorted(Path(p).name for p in save(directory))
 
 
 def push_to_hub(

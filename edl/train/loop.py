@@ -106,6 +106,7 @@ def train(
     config: Mapping[str, Any] | None = None,
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
+    tokenizer: Any = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run ``step_fn`` until ``state.step == steps``; returns ``(state, summary)``.
 
@@ -146,6 +147,9 @@ def train(
             it, messages go to the ``edl.train`` logger.
         callbacks: the user's own (``edl.train.Callback``, or ``edl.train.callback(fn,
             every=n)``), run after the standard ones.
+        tokenizer: written into every checkpoint when it has files (``edl.text.HFTokenizer``;
+            the byte tokenizer has none), so each checkpoint is a model directory that
+            transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load as is.
 
     The summary: ``start_step``, ``end_step``, ``stop_reason``, ``resumed_from``,
     ``compile_seconds``, ``seconds`` (the whole run), ``parameters``, ``first_loss`` /
@@ -171,7 +175,7 @@ def train(
         nan_policy=nan_policy, max_consecutive_skips=max_consecutive_skips,
         time_limit=time_limit, log_every=log_every, stats_every=stats_every,
         flops_per_token=flops_per_token, peak_flops=peak_flops, config=config,
-        progress=progress,
+        progress=progress, tokenizer=tokenizer,
     )  # fmt: skip
     state, end = run_loop(prepared.state, step_fn, data, steps=steps,
                           callbacks=[*standard, *callbacks], elapsed=prepared.elapsed)  # fmt: skip
@@ -184,7 +188,7 @@ def _standard_callbacks(
     eval_every: int, eval_batches: int, save_every: int, keep: int | None, nan_policy: str,
     max_consecutive_skips: int, time_limit: float | None, log_every: int, stats_every: int,
     flops_per_token: float | None, peak_flops: float | None,
-    config: Mapping[str, Any] | None, progress: bool,
+    config: Mapping[str, Any] | None, progress: bool, tokenizer: Any = None,
 ) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:  # fmt: skip
     """``train``'s callbacks, in the order they run, for its options (``out`` is the run
     directory, ``None`` for a run that writes nothing), and the function that turns the
@@ -194,7 +198,7 @@ def _standard_callbacks(
     checkpoints = None
     if out is not None:
         checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
-                                 data=data, echo=echo)  # fmt: skip
+                                 data=data, tokenizer=tokenizer, echo=echo)  # fmt: skip
     plot = None if out is None else LossPlot(out / "loss.png", metrics_log)
     state = prepared.state
     parameters = edl_module.count_params(edl_module.merge(state.params, state.other))

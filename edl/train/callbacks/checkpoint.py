@@ -17,7 +17,8 @@ class Checkpoint(Callback):
     """``edl.io.checkpoint.save_state`` into ``directory`` every ``every`` steps and when
     the run ends (schedule done, time limit, SIGTERM, data exhausted), keeping the newest
     ``keep``. Each checkpoint's metadata holds ``data.position`` (when ``data`` has one) and
-    ``elapsed``, the run's seconds so far, which a resumed run continues from. ``every=0``
+    ``elapsed``, the run's seconds so far, which a resumed run continues from; each holds
+    ``tokenizer``'s files when it has any (``edl.text.HFTokenizer``). ``every=0``
     saves only at the end. Not reached when the run raises: the newest checkpoint then stays
     the last one saved."""
 
@@ -28,10 +29,11 @@ class Checkpoint(Callback):
         every: int = 0,
         keep: int | None = 3,
         data: Any = None,
+        tokenizer: Any = None,
         echo: Callable[[str], None] = print,
     ) -> None:
         self.directory, self.every, self.keep = Path(directory), every, keep
-        self.data, self.echo = data, echo
+        self.data, self.tokenizer, self.echo = data, tokenizer, echo
         self._saved_step: int | None = None
 
     def newest(self) -> str | None:
@@ -43,7 +45,8 @@ class Checkpoint(Callback):
         metadata: dict[str, Any] = {"elapsed": elapsed}
         if hasattr(self.data, "position"):
             metadata["data"] = self.data.position
-        path = save_state(state, self.directory, metadata=metadata, keep=self.keep)
+        path = save_state(state, self.directory, metadata=metadata, keep=self.keep,
+                          tokenizer=self.tokenizer)  # fmt: skip
         self._saved_step = step
         self.echo(f"saved {path.name} (step {step})")
 

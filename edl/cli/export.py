@@ -1,0 +1,28 @@
+"""``edl export``: a checkpoint or run as a plain Hugging Face model directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from edl.cli.config import CommandError
+from edl.cli.info import resolve_model
+from edl.io.export import ADAPTER_DIR, export_model
+
+__all__ = ["run_export"]
+
+
+def run_export(source: Path, out_dir: Path, *, merge_lora: bool, dtype: str | None) -> None:
+    """Export the model behind ``source`` (a run directory's newest whole checkpoint, a
+    checkpoint or a saved model) to ``out_dir`` (``edl.io.export.export_model``) and say
+    what was written."""
+    directory = resolve_model(source)
+    try:
+        out = export_model(directory, out_dir, merge_lora=merge_lora,
+                           dtype=None if dtype is None else jnp.dtype(dtype))  # fmt: skip
+    except (OSError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    adapter = out / ADAPTER_DIR
+    extra = f"; LoRA adapter (PEFT) in {adapter}" if adapter.is_dir() else ""
+    print(f"exported {directory} to {out}{extra}")

@@ -1,0 +1,207 @@
+"""Text in, text out: ``generate_text`` and ``stream_text`` over a model and its tokenizer.
+
+    tokenizer = edl.text.load_tokenizer(model_dir)
+    model = edl.from_pretrained(model_dir)
+    print(generate_text(model, tokenizer, "The capital of France is", max_new_tokens=20))
+    for piece in stream_text(model, tokenizer, "Hi!", chat=True, max_new_tokens=64):
+        print(piece, end="", flush=True)
+
+The prompt's ids are what transformers would feed the model: a plain prompt is encoded as
+``tokenizer(prompt)`` (a BOS when the tokenizer adds one), a chat is the tokenizer's chat
+template with the generation prompt. Generation stops at the model's EOS ids
+(``generation_config.json``, else the tokenizer's EOS); the text excludes the prompt and the
+EOS. Greedy unless ``temperature > 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from jaxtyping import PRNGKeyArray
+
+from edl.generate.config import GenerationConfig
+from edl.generate.decode import CausalLM, generate, generate_stream
+from edl.text.tokenizer import ByteTokenizer
+
+__all__ = ["TextStream", "generate_text", "prompt_ids", "stream_text"]
+
+_REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+
+
+def prompt_ids(
+    tokenizer: Any,
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    system: str | None = None,
+    chat: bool = False,
+) -> list[int]:
+    """The prompt's token ids: ``messages`` (or, with ``chat``, ``prompt`` as one user
+    message), ``system`` first when given, through the tokenizer's chat template with the
+    generation prompt; otherwise ``prompt`` encoded as transformers' ``tokenizer(prompt)``
+    (``encode(prompt, add_bos=tokenizer.adds_bos)``). Raises ``ValueError`` for a missing
+    or doubly given prompt."""
+    if messages is not None and prompt is not None:
+        raise ValueError("prompt_ids: give either prompt or messages, not both")
+    if messages is None and (chat or system is not None):
+        if prompt is None:
+            raise ValueError("prompt_ids: chat needs a prompt or messages")
+        messages = [{"role": "user", "content": prompt}]
+    if messages is not None:
+        if getattr(tokenizer, "chat_template", None) is None:
+            name = getattr(tokenizer, "name", type(tokenizer).__name__)
+            raise ValueError(f"prompt_ids: the tokenizer {name} has no chat template")
+        turns = [*([{"role": "system", "content": system}] if system is not None else []),
+                 *messages]  # fmt: skip
+        return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
+    if prompt is None:
+        raise ValueError("prompt_ids: give a prompt or messages")
+    return list(tokenizer.encode(prompt, add_bos=bool(getattr(tokenizer, "adds_bos", False))))
+
+
+def _decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+    if isinstance(tokenizer, ByteTokenizer):  # it always skips its special ids
+        return tokenizer.decode(ids)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def _config(
+    model: Any,
+    tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float | None,
+    top_k: int | None,
+    num_beams: int,
+) -> GenerationConfig:
+    """The model's generation defaults with this call's length and search; EOS from the
+    tokenizer when the model names none."""
+    if not temperature >= 0:
+        raise ValueError(f"generate_text: temperature must be >= 0, got {temperature}")
+    config = GenerationConfig.of_model(model)
+    changes: dict[str, Any] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
+                               "do_sample": temperature > 0}  # fmt: skip
+    if temperature > 0:
+        changes["temperature"] = temperature
+    if top_p is not None:
+        changes["top_p"] = top_p
+    if top_k is not None:
+        changes["top_k"] = top_k
+    eos = getattr(tokenizer, "eos_id", None)
+    if not config.eos_ids and eos is not None:
+        changes["eos_token_id"] = int(eos)
+    return config.replace(**changes)
+
+
+class TextStream:
+    """Text pieces of a growing list of token ids, as transformers' ``TextStreamer`` cuts
+    them: the whole ids are decoded again at each token and the new text is released up to
+    its last space (all of it after a newline), holding back a trailing incomplete UTF-8
+    character or word that a later token may still change. ``push(ids)`` returns the piece
+    now stable, ``end()`` the rest; together they are ``decode(ids)`` exactly, whenever
+    decoding more ids only appends text (true of byte-level BPE and of UTF-8 bytes)."""
+
+    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text released so far
+
+    def _take(self, upto: int, text: str) -> str:
+        piece = text[self.sent : max(upto, self.sent)]
+        self.sent += len(piece)
+        return piece
+
+    def push(self, ids: Sequence[int]) -> str:
+        """Add ``ids``; returns the newly stable text (maybe ``""``)."""
+        self.ids.extend(int(i) for i in ids)
+        text = _decode(self.tokenizer, self.ids, self.skip)
+        if text.endswith("\n"):
+            return self._take(len(text), text)
+        stable = text.rstrip(_REPLACEMENT)
+        return self._take(stable.rfind(" ") + 1, text)
+
+    def end(self) -> str:
+        """The text not yet released."""
+        text = _decode(self.tokenizer, self.ids, self.skip)
+        return self._take(len(text), text)
+
+
+def stream_text(
+    model: CausalLM,
+    tokenizer: Any,
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    system: str | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    key: PRNGKeyArray | None = None,
+    skip_special_tokens: bool = True,
+) -> Iterator[str]:
+    """Like :func:`generate_text` (no beam search), yielding the text in pieces as tokens
+    are generated (:class:`TextStream`); their concatenation is :func:`generate_text`'s
+    text for the same arguments."""
+    ids = prompt_ids(tokenizer, prompt, messages=messages, system=system, chat=chat)
+    config = _config(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, num_beams=1)  # fmt: skip
+    eos = set(config.eos_ids)
+    stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
+    for step in generate_stream(model, np.asarray([ids], np.int32), key=key, config=config):
+        token = int(step[0])
+        if token in eos:
+            break
+        piece = stream.push([token])
+        if piece:
+            yield piece
+    rest = stream.end()
+    if rest:
+        yield rest
+
+
+def generate_text(
+    model: CausalLM,
+    tokenizer: Any,
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, Any]] | None = None,
+    system: str | None = None,
+    chat: bool = False,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    num_beams: int = 1,
+    key: PRNGKeyArray | None = None,
+    skip_special_tokens: bool = True,
+) -> str:
+    """The model's continuation of ``prompt`` (or its reply to a chat), as text.
+
+    Args:
+        model: a causal LM (``edl.from_pretrained``).
+        tokenizer: ``edl.text.HFTokenizer`` (``load_tokenizer``) or ``ByteTokenizer``.
+        prompt: plain text, encoded as transformers' ``tokenizer(prompt)``; with ``chat``
+            (or ``system``) it is sent as one user message.
+        messages: a conversation (``{"role", "content"}`` dicts) for the chat template.
+        system: a system message put first.
+        max_new_tokens: at most this many tokens (the EOS included).
+        temperature: 0 is greedy; above 0 samples (with ``top_p`` / ``top_k``, default the
+            model's ``generation_config.json`` and else HF's) and needs ``key``.
+        num_beams: beam search when > 1 (the best beam's text).
+        skip_special_tokens: drop special tokens from the text (the EOS is never in it).
+
+    Returns the generated text alone: no prompt, no EOS.
+    """
+    ids = prompt_ids(tokenizer, prompt, messages=messages, system=system, chat=chat)
+    config = _config(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, top_k=top_k, num_beams=num_beams)  # fmt: skip
+    out = generate(model, np.asarray([ids], np.int32), key=key, config=config)
+    new = np.asarray(out.sequences[0, len(ids) : len(ids) + int(out.num_new[0])]).tolist()
+    eos = set(config.eos_ids)
+    cut = next((i for i, t in enumerate(new) if t in eos), len(new))
+    return _decode(tokenizer, new[:cut], skip_special_tokens)

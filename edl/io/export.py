@@ -1,0 +1,193 @@
+"""Models out of checkpoints: ``load_model`` (any edl model directory, LoRA-wrapped and
+quantized checkpoints included) and ``export_model`` (a plain Hugging Face directory).
+
+A training checkpoint of a LoRA-wrapped (or quantized, QLoRA) model holds HF-named tensors
+with the adapters beside the base (``...q_proj.base_layer.weight``, ``...q_proj.lora_A
+.weight``; a quantized base as ``base_layer.qweight`` / ``base_layer.scales``) and the
+layers' settings in ``state.json``'s ``"layers"`` (``edl.io.structure``): neither
+transformers nor PEFT reads that layout. ``export_model`` writes what they do read::
+
+    OUT_DIR/                        # export_model(checkpoint, OUT_DIR)
+      config.json, model*.safetensors, generation_config.json, tokenizer files
+                                    # the base model (a quantized base dequantized)
+      adapter/                      # only when the model has LoRA adapters
+        adapter_config.json, adapter_model.safetensors  # PEFT's layout
+      edl_export.json               # what was exported from where (marks an export)
+
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT_DIR),
+                                   OUT_DIR / "adapter")
+
+With ``merge_lora=True`` the adapters are folded into the weights (after dequantizing a
+quantized base) and ``OUT_DIR`` is one plain model, no ``adapter/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from edl import lora as edl_lora
+from edl import quantize as edl_quantize
+from edl.io import checkpoint as ckpt
+from edl.io import hf
+from edl.io.files import fsync, read_json, write_json_atomic
+from edl.io.peft import save_adapter
+from edl.io.structure import rebuild
+from edl.models import registry
+from edl.module import require_float_dtype
+from edl.tree import find, flatten, is_array_like, named_map
+
+__all__ = ["ADAPTER_DIR", "EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
+
+ADAPTER_DIR = "adapter"
+"""The PEFT adapter's subdirectory of an export that keeps LoRA unmerged."""
+EXPORT_MARKER = "edl_export.json"
+"""The file that marks a directory as an ``export_model`` output (which may be replaced)."""
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+)  # fmt: skip
+"""Tokenizer files copied from a model directory whose ``state.json`` does not list them."""
+
+
+def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
+    file = directory / ckpt.STATE_NAME
+    return read_json(file, what="checkpoint state") if file.is_file() else None
+
+
+def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
+    """The model in an edl model directory: a training checkpoint (LoRA-wrapped and
+    quantized models rebuilt from ``state.json``'s ``"layers"``), or a Hugging Face model
+    directory / hub repo id (``edl.io.hf.from_pretrained``). ``dtype`` casts floating
+    weights (quantization codes and scales keep theirs)."""
+    directory = Path(path)
+    info = _checkpoint_info(directory) if directory.is_dir() else None
+    if info is None or not info.get("layers"):
+        return hf.from_pretrained(path, dtype=dtype)
+    if info.get("model_format") != "hf":
+        raise ValueError(f"load_model: {directory} holds no Hugging Face-layout model "
+                         f"(model_format {info.get('model_format')!r})")  # fmt: skip
+    config_file = directory / hf.CONFIG_NAME
+    _, config, model_cls = registry.resolve(hf.load_config(directory))
+    where = f"load_model: {directory / ckpt.STATE_NAME} 'layers'"
+
+    def build() -> Any:
+        return rebuild(model_cls.init(config, key=jax.random.key(0)), info["layers"], where=where)
+
+    abstract = eqx.filter_eval_shape(build)
+    targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
+    if dtype is not None:
+        require_float_dtype(dtype, "load_model: dtype")
+        targets = {p: jax.ShapeDtypeStruct(x.shape, dtype)
+                   if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
+                   else x for p, x in targets.items()}  # fmt: skip
+    try:
+        loaded = ckpt._read_hf(directory, abstract, targets)
+    except ValueError as e:
+        raise ValueError(f"load_model: {config_file.parent}: {e}") from None
+    model = named_map(lambda p, x: loaded.get(p, x), abstract)
+    generation = hf.load_generation_config(directory)
+    if generation and hasattr(model, "generation_config"):
+        model = dataclasses.replace(model, generation_config=generation)
+    return model
+
+
+def _tokenizer_files(source: Path) -> list[Path]:
+    info = _checkpoint_info(source)
+    names = info.get("tokenizer_files") if info else None
+    names = TOKENIZER_FILES if names is None else names
+    return [source / n for n in names if (source / n).is_file()]
+
+
+def _check_target(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export: {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise FileExistsError(
+            f"export: {out} is not empty and holds no earlier export ({EXPORT_MARKER}); "
+            "choose an empty or new directory"
+        )
+
+
+def _write_export(model: Any, tmp: Path, *, merge_lora: bool, dtype: Any) -> bool:
+    """The model's files in ``tmp``; returns whether an ``adapter/`` was written."""
+    has_lora = bool(find(model, lambda x: isinstance(x, edl_lora.LoraLinear)))
+    dense = edl_quantize.dequantize(model) if edl_quantize.is_quantized(model) else model
+    if has_lora and merge_lora:
+        dense = edl_lora.merge_lora(dense)
+    hf.save_pretrained(edl_lora.unwrap_lora(dense) if has_lora and not merge_lora else dense,
+                       tmp, dtype=dtype)  # fmt: skip
+    if has_lora and not merge_lora:
+        save_adapter(dense, tmp / ADAPTER_DIR, base_model_name_or_path=None)
+    return has_lora and not merge_lora
+
+
+def export_model(
+    source: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    merge_lora: bool = False,
+    dtype: Any = None,
+) -> Path:
+    """Write the model of ``source`` (a checkpoint or model directory, see
+    :func:`load_model`) to ``out_dir`` as a plain Hugging Face model directory (weights,
+    ``config.json``, ``generation_config.json``, the tokenizer files of ``source``), and its
+    LoRA adapters, if any, either merged (``merge_lora``) or in PEFT's layout in
+    ``out_dir/adapter``. A quantized base is dequantized (transformers cannot read edl's
+    codes). ``dtype`` casts floating weights.
+
+    ``out_dir`` must be new, empty, or an earlier export (``edl_export.json``), which is
+    replaced; the export is written into a temporary sibling and renamed into place, so
+    ``out_dir`` is at every instant absent, the earlier export, or the complete new one.
+    """
+    if dtype is not None:
+        require_float_dtype(dtype, "export_model: dtype")
+    source, out = Path(source), Path(out_dir)
+    _check_target(out)
+    model = load_model(source)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:12]}")
+    tmp.mkdir()
+    try:
+        adapter = _write_export(model, tmp, merge_lora=merge_lora, dtype=dtype)
+        for file in _tokenizer_files(source):
+            shutil.copy2(file, tmp / file.name)
+        info = _checkpoint_info(source)
+        marker = {"source": str(source.resolve()), "step": info and info.get("step"),
+                  "merge_lora": merge_lora, "adapter": ADAPTER_DIR if adapter else None,
+                  "dtype": None if dtype is None else jnp.dtype(dtype).name}  # fmt: skip
+        write_json_atomic(tmp / EXPORT_MARKER, json.loads(json.dumps(marker)))
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                fsync(file)
+        _replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _replace(new: Path, out: Path) -> None:
+    """``new`` renamed to ``out``; an earlier ``out`` is renamed aside first, then deleted."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".old-export-{out.name}-{uuid.uuid4().hex[:12]}")
+        os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    fsync(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
