@@ -127,4 +127,4 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
     printed = _run(
         f"edl generate --model exported --chat --prompt {prompt!r} --max-new-tokens 24", tmp_path
     )
-    assert printed.strip() == expected.strip()
+    assert expected.strip() and printed.strip() == expected.strip()

@@ -113,7 +113,8 @@ def test_save_pretrained_writes_the_tokenizer_and_transformers_loads_both(tmp_pa
     assert not any("tokenizer" in p.name for p in (tmp_path / "bytes").iterdir())
 
 
-@pytest.mark.parametrize("kind", ["plain", "chat"])
+# The plain prompt takes the same path but for the template (~20 s): slow set.
+@pytest.mark.parametrize("kind", [pytest.param("plain", marks=pytest.mark.slow), "chat"])
 def test_generate_text_equals_transformers_greedy(tmp_path, tokenizer, kind):
     prompt = "The quick brown fox"
     if kind == "chat":
@@ -155,6 +156,7 @@ def test_text_stream_holds_back_incomplete_characters_and_words(tokenizer):
         assert all(p.endswith((" ", "\n")) for p in pieces[:-1] if p)  # whole words only
 
 
+@pytest.mark.slow  # greedy and sampled byte-level decoding, streamed and not (~30 s)
 def test_stream_text_with_the_byte_tokenizer_equals_generate_text():
     model = _model(ByteTokenizer.vocab_size, eos=[ByteTokenizer.eos_id], seed=3)
     tok = ByteTokenizer()
@@ -183,6 +185,7 @@ def _lm_batches():
     return iter([{"input_ids": jnp.asarray(x)} for x in ids])
 
 
+@pytest.mark.slow  # a LoRA train run, its checkpoint reloaded and exported (~55 s)
 def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path, tokenizer):
     model = _lora_model(tokenizer.vocab_size)
     tx = optax.adam(1e-2)
@@ -209,7 +212,8 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == CHATML
 
 
-@pytest.mark.parametrize("quantized", [False, True])
+# The plain-float LoRA base is the quantized case's path without the dequantization: slow.
+@pytest.mark.parametrize("quantized", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     peft = pytest.importorskip("peft")
     model = _lora_model(tokenizer.vocab_size, quantized)
@@ -245,6 +249,7 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
         export_model(checkpoint, tmp_path / "other")
 
 
+@pytest.mark.slow  # four CLI generations, each compiled (~50 s)
 def test_cli_generate_streams_with_the_directory_tokenizer(tmp_path, tokenizer, capsys):
     from edl.cli import main
 

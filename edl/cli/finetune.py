@@ -20,9 +20,11 @@ import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import batches
 from edl.cli.info import resolve_model
-from edl.lora import apply_lora, lora_trainable
+from edl.io.export import load_model
+from edl.lora import apply_lora, lora_trainable, merge_lora
 from edl.models import flops_per_token
-from edl.quantize import QuantConfig, quantize
+from edl.nn import LoraLinear
+from edl.quantize import QuantConfig, is_quantized, quantize
 from edl.text import HFTokenizer, load_tokenizer
 from edl.train import (
     OptimizerConfig,
@@ -33,6 +35,7 @@ from edl.train import (
     run_dir,
     train,
 )
+from edl.tree import find
 
 __all__ = ["load_for_finetuning", "run_finetune"]
 
@@ -56,16 +59,21 @@ def load_for_finetuning(config: TrainConfig) -> tuple[Any, HFTokenizer, Any]:
     """``(model, tokenizer, trainable)`` for ``config.model``: the weights in
     ``config.param_dtype``, quantized (``config.quantize``) and wrapped in LoRA adapters
     (``config.lora_rank``) as asked; ``trainable`` is what ``edl.create_state`` trains
-    (``None``: every weight)."""
+    (``None``: every weight). A checkpoint of an earlier LoRA run is continued from its
+    merged weights."""
     source = _model_directory(config.model)
     try:
         tokenizer = load_tokenizer(source)
-        model = edl.from_pretrained(source, dtype=jnp.dtype(config.param_dtype))
+        model = load_model(source, dtype=jnp.dtype(config.param_dtype))
     except (OSError, ValueError) as e:
         raise CommandError(f"--model {config.model}: {e}") from None
     if not hasattr(model, "compute_loss"):
         raise CommandError(f"--model {config.model}: {type(model).__name__} is not a causal LM")
-    if config.quantize != "none":
+    if find(model, lambda x: isinstance(x, LoraLinear)):
+        model = merge_lora(model)  # an earlier LoRA run: its adapters become the base
+    if is_quantized(model) and not config.lora_rank:
+        raise CommandError(f"--model {config.model} is quantized: train it with --lora-rank")
+    if config.quantize != "none" and not is_quantized(model):
         model = quantize(model, QuantConfig(config.quantize))
     if not config.lora_rank:
         return model, tokenizer, None
