@@ -52,7 +52,7 @@ def _frozen_mlp_state(tx):
 # --- donation ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("base", ["float32", "nf4"])
+@pytest.mark.parametrize("base", ["float32", pytest.param("nf4", marks=pytest.mark.slow)])
 def test_lora_training_leaves_the_base_model_usable_and_bit_identical(tiny_llama, base):
     """The issue's trap: the frozen base weights the LoRA model shares with ``base`` were
     donated by the first step ("Array has been deleted" on the next use of ``base``)."""
@@ -151,6 +151,7 @@ def test_a_step_that_changes_other_is_an_error():
         JittedStep(bad)(state, batch)
 
 
+@pytest.mark.slow  # a LoRA train step compiled on a mesh of 8, then again ahead of time
 def test_sharded_step_donates_params_but_not_other(tiny_llama):
     mesh = make_mesh((1, 8, 1, 1))
     tx = optax.adam(1e-2)
