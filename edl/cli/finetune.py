@@ -7,7 +7,6 @@ beside the weights, so ``edl generate --model RUN_DIR`` and ``edl export`` read 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,32 +19,16 @@ import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import batches
 from edl.cli.info import resolve_model
+from edl.cli.run import check_output_dir, train_model
 from edl.io.export import load_model
 from edl.lora import apply_lora, lora_trainable, merge_lora
-from edl.models import flops_per_token
 from edl.nn import LoraLinear
 from edl.quantize import QuantConfig, is_quantized, quantize
 from edl.text import HFTokenizer, load_tokenizer
-from edl.train import (
-    OptimizerConfig,
-    TokenBatches,
-    make_eval_step,
-    make_optimizer,
-    make_train_step,
-    run_dir,
-    train,
-)
+from edl.train import TokenBatches
 from edl.tree import find
 
 __all__ = ["load_for_finetuning", "run_finetune"]
-
-
-def _loss_fn(model: Any, batch: dict[str, Any]) -> Any:
-    return model.compute_loss(
-        jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
-        segment_ids=jnp.asarray(batch["segment_ids"]),
-        position_ids=jnp.asarray(batch["position_ids"]),
-    )  # fmt: skip
 
 
 def _model_directory(source: str) -> str:
@@ -85,43 +68,19 @@ def load_for_finetuning(config: TrainConfig) -> tuple[Any, HFTokenizer, Any]:
 def run_finetune(config: TrainConfig) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.data``; print one JSON line of results and a
     sample; return the loop's summary."""
-    try:  # before any work
-        run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
-    except (FileExistsError, NotADirectoryError) as e:
-        raise CommandError(str(e)) from None
+    check_output_dir(config)
     model, tokenizer, trainable = load_for_finetuning(config)
     data: TokenBatches = batches(config, config.data, tokenizer, shuffle=True)
     eval_batches = None
     if config.eval_data:
         held_out = batches(config, config.eval_data, tokenizer, shuffle=False)
         eval_batches = [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]
-    steps = config.steps
-    tx, schedule = make_optimizer(OptimizerConfig(
-        name=config.optimizer, schedule=config.schedule,
-        learning_rate=config.peak_learning_rate, warmup_steps=min(config.warmup_steps, steps),
-        total_steps=steps, weight_decay=config.weight_decay,
-    ))  # fmt: skip
-    compute = None if config.compute_dtype == config.param_dtype else config.compute_dtype
-    step = make_train_step(_loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
-                           clip_norm=config.clip_norm or None, schedule=schedule,
-                           skip_nonfinite=config.nan_policy == "skip",
-                           compute_dtype=compute)  # fmt: skip
-    state = edl.create_state(model, tx, trainable=trainable)
-    trained = edl.count_params(state.params)
+    trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(f"edl train: {config.model}: {edl.count_params(model):,} parameters "
-          f"({trained:,} trained), {len(data.documents)} examples, {steps} steps, output in "
-          f"{config.output_dir}", file=sys.stderr)  # fmt: skip
-    state, summary = train(
-        state, step, data, steps=steps,
-        eval_step=make_eval_step(_loss_fn) if eval_batches else None, eval_data=eval_batches,
-        eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
-        save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
-        overwrite=config.overwrite, nan_policy=config.nan_policy,
-        time_limit=config.time_limit or None, log_every=config.log_every,
-        flops_per_token=flops_per_token(model.config, config.seq_len),
-        peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
-        tokenizer=tokenizer,
-    )  # fmt: skip
+          f"({trained:,} trained), {len(data.documents)} examples, {config.steps} steps, "
+          f"output in {config.output_dir}", file=sys.stderr)  # fmt: skip
+    _, summary = train_model(config, model, data, eval_batches, trainable=trainable,
+                             tokenizer=tokenizer)  # fmt: skip
     out = {k: summary.get(k) for k in ("start_step", "end_step", "stop_reason", "first_loss",
                                        "final_loss")}  # fmt: skip
     if "eval_loss" in summary.get("final_eval", {}):

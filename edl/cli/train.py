@@ -2,33 +2,25 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import edl
-from edl.cli.config import CommandError, TrainConfig
+from edl.cli.config import TrainConfig
 from edl.cli.generate import sample
-from edl.models import LlamaConfig, LlamaForCausalLM, flops_per_token
+from edl.cli.run import check_output_dir, train_model
+from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.train import (
     ByteTokenizer,
     Callback,
-    OptimizerConfig,
     StepInfo,
     TokenBatches,
     load_corpus,
-    make_eval_step,
-    make_optimizer,
-    make_train_step,
-    run_dir,
     split_corpus,
-    train,
 )
 
 __all__ = ["BitsPerByte", "run_train"]
@@ -59,14 +51,6 @@ def _model(config: TrainConfig, tokenizer: ByteTokenizer) -> LlamaForCausalLM:
     return LlamaForCausalLM.init(model_config, key=jax.random.key(config.seed))
 
 
-def _loss_fn(model: LlamaForCausalLM, batch: dict[str, Any]) -> Any:
-    return model.compute_loss(
-        jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
-        segment_ids=jnp.asarray(batch["segment_ids"]),
-        position_ids=jnp.asarray(batch["position_ids"]),
-    )  # fmt: skip
-
-
 def run_train(config: TrainConfig) -> dict[str, Any]:
     """Train as ``config`` says; print one JSON line of results and a sample; return the
     loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``)."""
@@ -74,35 +58,13 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
         from edl.cli.finetune import run_finetune
 
         return run_finetune(config)
-    try:  # before any work
-        run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
-    except (FileExistsError, NotADirectoryError) as e:
-        raise CommandError(str(e)) from None
+    check_output_dir(config)
     tokenizer = ByteTokenizer()
     data, eval_batches = _byte_data(config, tokenizer)
     model = _model(config, tokenizer)
-    tx, schedule = make_optimizer(OptimizerConfig(
-        name=config.optimizer, schedule=config.schedule,
-        learning_rate=config.peak_learning_rate,
-        warmup_steps=min(config.warmup_steps, config.steps), total_steps=config.steps,
-        weight_decay=config.weight_decay,
-    ))  # fmt: skip
-    step = make_train_step(_loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
-                           clip_norm=config.clip_norm or None, schedule=schedule,
-                           skip_nonfinite=config.nan_policy == "skip")  # fmt: skip
     print(f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
           f"{config.steps} steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
-    state, summary = train(
-        edl.create_state(model, tx), step, data, steps=config.steps,
-        eval_step=make_eval_step(_loss_fn) if eval_batches else None, eval_data=eval_batches,
-        eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
-        save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
-        overwrite=config.overwrite, nan_policy=config.nan_policy,
-        time_limit=config.time_limit or None, log_every=config.log_every,
-        flops_per_token=flops_per_token(model.config, config.seq_len),
-        peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
-        callbacks=[BitsPerByte()],
-    )  # fmt: skip
+    state, summary = train_model(config, model, data, eval_batches, callbacks=[BitsPerByte()])
     _report(summary)
     text = tokenizer.decode(sample(edl.state.model(state), tokenizer.encode(config.prompt),
                                    config.sample_tokens, key=jax.random.key(config.seed),

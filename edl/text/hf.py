@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from edl.text.tokenizer import checked_ids
+
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
 # What a hub repo id can be ("name" or "namespace/name"), the rule of edl.io.hf's
@@ -144,15 +146,7 @@ class HFTokenizer:
         Raises ``ValueError`` for an id outside ``[0, vocab_size)`` (transformers would
         silently drop it).
         """
-        array = np.asarray(ids).reshape(-1)
-        if array.size and array.dtype.kind not in "iu":
-            raise ValueError(f"decode: ids must be integers, got dtype {array.dtype}")
-        bad = array[(array < 0) | (array >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(
-                f"decode: id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size}) "
-                f"of {self.source}"
-            )
+        array = checked_ids(ids, self.vocab_size, f" of {self.source}")
         return self.hf.decode(array.tolist(), skip_special_tokens=skip_special_tokens)
 
     def render_chat(

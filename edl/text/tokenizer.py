@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
+from jaxtyping import Int
 
 __all__ = ["ByteTokenizer", "Tokenizer"]
 
@@ -27,6 +28,22 @@ class Tokenizer(Protocol):
     def pad_id(self) -> int: ...
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+
+def checked_ids(
+    ids: Sequence[int] | np.ndarray, vocab_size: int, where: str = ""
+) -> Int[np.ndarray, " n"]:
+    """``ids`` flattened, checked to be integers in ``[0, vocab_size)`` for ``decode``;
+    ``ValueError`` names the first id outside (and ``where``, the vocabulary's source)."""
+    array = np.asarray(ids).reshape(-1)
+    if array.size and array.dtype.kind not in "iu":
+        raise ValueError(f"decode: ids must be integers, got dtype {array.dtype}")
+    bad = array[(array < 0) | (array >= vocab_size)]
+    if bad.size:
+        raise ValueError(
+            f"decode: id {int(bad[0])} is outside the vocabulary [0, {vocab_size}){where}"
+        )
+    return array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +74,6 @@ class ByteTokenizer:
         Invalid UTF-8 (e.g. a cut multi-byte character) decodes to U+FFFD. Raises
         ``ValueError`` for an id outside ``[0, vocab_size)``.
         """
-        array = np.asarray(ids).reshape(-1)
-        if array.size and array.dtype.kind not in "iu":
-            raise ValueError(f"decode: ids must be integers, got dtype {array.dtype}")
-        bad = array[(array < 0) | (array >= self.vocab_size)]
-        if bad.size:
-            raise ValueError(
-                f"decode: id {int(bad[0])} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        array = checked_ids(ids, self.vocab_size)
         data = array[array < 256].astype(np.uint8).tobytes()
         return data.decode("utf-8", errors="replace")

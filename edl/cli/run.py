@@ -1,0 +1,85 @@
+"""What every ``edl train`` run shares, the embedded byte-level job and fine-tuning alike: the
+causal-LM loss over a batch, the output-directory check, and the optimizer, step and loop
+built from a ``TrainConfig``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+
+import edl
+from edl.cli.config import CommandError, TrainConfig
+from edl.models import flops_per_token
+from edl.state import TrainState
+from edl.train import (
+    Callback,
+    OptimizerConfig,
+    make_eval_step,
+    make_optimizer,
+    make_train_step,
+    run_dir,
+    train,
+)
+
+__all__ = ["check_output_dir", "loss_fn", "train_model"]
+
+
+def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+    """The model's causal-LM loss on a ``TokenBatches`` batch (labels, packed segments and
+    their positions)."""
+    return model.compute_loss(
+        jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
+        segment_ids=jnp.asarray(batch["segment_ids"]),
+        position_ids=jnp.asarray(batch["position_ids"]),
+    )  # fmt: skip
+
+
+def check_output_dir(config: TrainConfig) -> None:
+    """Refuse, before any work, an output directory holding another run (unless
+    ``--resume`` or ``--overwrite``)."""
+    try:
+        run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
+    except (FileExistsError, NotADirectoryError) as e:
+        raise CommandError(str(e)) from None
+
+
+def train_model(
+    config: TrainConfig,
+    model: Any,
+    data: Any,
+    eval_batches: Sequence[Any] | None,
+    *,
+    trainable: Any = None,
+    tokenizer: Any = None,
+    callbacks: Sequence[Callback] = (),
+) -> tuple[TrainState, dict[str, Any]]:
+    """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
+    accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
+    ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
+    Returns ``edl.train.train``'s ``(state, summary)``."""
+    tx, schedule = make_optimizer(OptimizerConfig(
+        name=config.optimizer, schedule=config.schedule,
+        learning_rate=config.peak_learning_rate,
+        warmup_steps=min(config.warmup_steps, config.steps), total_steps=config.steps,
+        weight_decay=config.weight_decay,
+    ))  # fmt: skip
+    compute = None if config.compute_dtype == config.param_dtype else config.compute_dtype
+    step = make_train_step(loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
+                           clip_norm=config.clip_norm or None, schedule=schedule,
+                           skip_nonfinite=config.nan_policy == "skip",
+                           compute_dtype=compute)  # fmt: skip
+    return train(
+        edl.create_state(model, tx, trainable=trainable), step, data, steps=config.steps,
+        eval_step=make_eval_step(loss_fn) if eval_batches else None, eval_data=eval_batches,
+        eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
+        save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
+        overwrite=config.overwrite, nan_policy=config.nan_policy,
+        time_limit=config.time_limit or None, log_every=config.log_every,
+        flops_per_token=flops_per_token(model.config, config.seq_len),
+        peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
+        tokenizer=tokenizer, callbacks=callbacks,
+    )  # fmt: skip
