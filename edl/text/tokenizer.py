@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
-from jaxtyping import Int
 
 __all__ = ["ByteTokenizer", "Tokenizer"]
 
@@ -30,10 +29,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
 
 
-def checked_ids(
-    ids: Sequence[int] | np.ndarray, vocab_size: int, where: str = ""
-) -> Int[np.ndarray, " n"]:
-    """``ids`` flattened, checked to be integers in ``[0, vocab_size)`` for ``decode``;
+def checked_ids(ids: Sequence[int] | np.ndarray, vocab_size: int, where: str = "") -> np.ndarray:
+    """``ids`` flattened to ``(n,)``, checked to be integers in ``[0, vocab_size)`` for ``decode``;
     ``ValueError`` names the first id outside (and ``where``, the vocabulary's source)."""
     array = np.asarray(ids).reshape(-1)
     if array.size and array.dtype.kind not in "iu":
