@@ -128,3 +128,56 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
         f"edl generate --model exported --chat --prompt {prompt!r} --max-new-tokens 24", tmp_path
     )
     assert expected.strip() and printed.strip() == expected.strip()
+
+
+def _json_line(out: str) -> dict:
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+
+
+@pytest.mark.slow  # four small CLI runs, each compiling a train step (~2 minutes)
+def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys):
+    """The flags the README names but does not run: QLoRA (nf4) with bfloat16 compute on
+    prompt / completion records without packing, resumed; full fine-tuning in bfloat16."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import edl
+    from edl.cli import main
+
+    _build_model(tmp_path / "model")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": u + " ", "completion": a}) + "\n"
+                            for c in CONVERSATIONS for u, a in c) * 4)  # fmt: skip
+    run = tmp_path / "qlora"
+    common = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",
+              "completion", "--batch-size", "2", "--seq-len", "64", "--save-every", "1",
+              "--output-dir", str(run)]  # fmt: skip
+    qlora = ["--lora-rank", "4", "--quantize", "nf4", "--compute-dtype", "bfloat16",
+             "--no-packing"]  # fmt: skip
+    main([*common, *qlora, "--steps", "2"])
+    assert _json_line(capsys.readouterr().out)["end_step"] == 2
+    main([*common, *qlora, "--steps", "3", "--resume"])
+    resumed = _json_line(capsys.readouterr().out)
+    assert (resumed["start_step"], resumed["end_step"]) == (2, 3)
+    info = json.loads((run / "checkpoints/checkpoint-00000003/state.json").read_text())
+    assert info["layers"]["model.layers.self_attn.q_proj"]["lora"]["rank"] == 4
+
+    main(["export", str(run), str(tmp_path / "merged"), "--merge-lora"])
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    ids = np.arange(3, 19)[None]
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    got = edl.from_pretrained(tmp_path / "merged")(ids).logits
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+
+    main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",
+          "completion", "--param-dtype", "bfloat16", "--steps", "1", "--batch-size", "2",
+          "--seq-len", "64", "--output-dir", str(tmp_path / "full")])  # fmt: skip
+    assert _json_line(capsys.readouterr().out)["end_step"] == 1
+    full = edl.from_pretrained(tmp_path / "full/checkpoints/checkpoint-00000001")
+    floats = [x for x in jax.tree.leaves(full) if eqx.is_array(x)]
+    assert {x.dtype for x in floats} == {jnp.dtype(jnp.bfloat16)}

@@ -49,8 +49,10 @@ def _trained_b(model, scale=0.05):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "scan"), [(jnp.float32, True), (jnp.bfloat16, True), (jnp.float32, False)]
-)
+    ("dtype", "scan"),
+    [(jnp.float32, True), pytest.param(jnp.bfloat16, True, marks=pytest.mark.slow),
+     (jnp.float32, False)],
+)  # fmt: skip
 def test_zero_initialised_adapters_leave_outputs_bit_identical(tiny_llama, tiny_ids, dtype, scan):
     base = configure(edl.to_dtype(tiny_llama, dtype), scan_layers=scan)
     lora = apply_lora(base, rank=4, alpha=8, key=jax.random.key(2))
