@@ -171,7 +171,7 @@ def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys
     ids = np.arange(3, 19)[None]
     with torch.no_grad():
         want = hf(torch.tensor(ids)).logits.numpy()
-    got = edl.from_pretrained(tmp_path / "merged")(ids).logits
+    got = edl.from_pretrained(tmp_path / "merged")(jnp.asarray(ids, jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
 
     main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",

@@ -232,8 +232,9 @@ def test_bf16_weights_train_with_bf16_gradients_and_float32_metrics(tiny_llama):
     seen: list = []
     tx = _recording_sgd(0.5, seen)
     state = edl.create_state(edl.to_bfloat16(tiny_llama), tx)
-    new, metrics = make_train_step(_lm_loss, tx)(state, _ids())
+    new, metrics = make_train_step(_lm_loss, tx, clip_norm=1e-3)(state, _ids())  # clipped
     assert seen[-1] == {jnp.dtype(jnp.bfloat16)}
+    assert float(metrics["grad_norm"]) > 1e-3  # the clip applied (in the gradients' dtype)
     assert {x.dtype for x in _arrays(new.params)} == {jnp.dtype(jnp.bfloat16)}
     assert metrics["loss"].dtype == metrics["grad_norm"].dtype == jnp.float32
     assert np.isfinite(float(metrics["loss"])) and int(metrics["nonfinite"]) == 0

@@ -296,7 +296,7 @@ def make_train_step(
             # optax.clip_by_global_norm would compute the norm a second time, in each leaf's
             # dtype; this reuses the float32 one the metrics report.
             factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
-            grads = jax.tree.map(lambda g: (g * factor).astype(g.dtype), grads)
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
         new_state = edl_state.apply_gradients(state, grads, tx)
         metrics["grad_norm"] = norm
         if schedule is not None:
