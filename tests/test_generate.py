@@ -125,6 +125,7 @@ def test_repetition_penalty_matches_transformers():
     assert not np.array_equal(plain.sequences, out.sequences)  # the penalty mattered
 
 
+@pytest.mark.slow  # a bfloat16 decode loop compiled (~15 s)
 def test_bfloat16_model_generates():
     model = edl.to_dtype(_tiny_model(), jnp.bfloat16)
     ids, mask = _prompts()
@@ -324,7 +325,8 @@ def _slices_in_loops(jaxpr, in_loop=False):
     return found
 
 
-@pytest.mark.parametrize("impl", ["auto", pytest.param("xla", marks=pytest.mark.slow)])
+@pytest.mark.slow  # two decode loops of a 4-layer model, each compiled (~20 s per impl)
+@pytest.mark.parametrize("impl", ["auto", "xla"])
 def test_unstacked_layers_decode_identically_without_slicing_weights(impl):
     """``unstack_layers`` cuts the layer weights out of their stacks once, before the decode
     loop; the tokens are those of the stacked model (the default), sliced every step."""
