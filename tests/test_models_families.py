@@ -293,6 +293,7 @@ def test_unsupported_options_raise():
         edl.models.Qwen3MoeConfig(num_hidden_layers=2, layer_mlps=("moe", "sparse"))
 
 
+@pytest.mark.slow  # a mixed dense / MoE train step and its checkpoint round trip (~13 s)
 def test_train_state_checkpoint_of_a_mixed_moe_model(tmp_path):
     """save_state / load_state with two layer stacks and stacked experts: the model goes out
     in HF layout (per-expert keys) and comes back bit for bit, optimizer state included."""
