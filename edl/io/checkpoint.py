@@ -285,30 +285,8 @@ def save_state(
     tmp = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        model = edl_state.model(state)
-        if _is_hf(model):
-            hf.save_pretrained(model, tmp, dtype=float_dtype)
-            model_format = "hf"
-        else:
-            tensors = _host_tensors(_arrays(model, "model"), float_dtype)
-            save_tensors(tensors, tmp, prefix=_MODEL)
-            model_format = "tree"
-        tokenizer_files = hf.save_tokenizer(tokenizer, tmp)
-        has_optimizer = save_optimizer and state.opt_state is not None
-        if has_optimizer:
-            tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
-            save_tensors(tensors, tmp, prefix=_OPTIMIZER)
-        info = {
-            "step": step,
-            "format": FORMAT,
-            "edl_version": _version(),
-            "model_format": model_format,
-            "has_optimizer": has_optimizer,
-            "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
-            "layers": layer_structure(model),
-            "tokenizer_files": tokenizer_files,
-            "metadata": json.loads(meta_text),
-        }
+        info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer)
+        info["metadata"] = json.loads(meta_text)
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync(file)
@@ -320,6 +298,29 @@ def save_state(
         raise
     _prune(root, final, keep)
     return final
+
+
+def _write_contents(
+    tmp: Path, state: TrainState, float_dtype: DTypeLike | None, save_optimizer: bool,
+    tokenizer: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Write the model (HF layout when its family has one), the tokenizer's files and the
+    optimizer state into ``tmp``; return ``state.json``'s fields but ``metadata``."""
+    model = edl_state.model(state)
+    if _is_hf(model):
+        hf.save_pretrained(model, tmp, dtype=float_dtype)
+    else:
+        save_tensors(_host_tensors(_arrays(model, "model"), float_dtype), tmp, prefix=_MODEL)
+    has_optimizer = save_optimizer and state.opt_state is not None
+    if has_optimizer:
+        tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
+        save_tensors(tensors, tmp, prefix=_OPTIMIZER)
+    return {
+        "step": int(state.step), "format": FORMAT, "edl_version": _version(),
+        "model_format": "hf" if _is_hf(model) else "tree", "has_optimizer": has_optimizer,
+        "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
+        "layers": layer_structure(model), "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
+    }  # fmt: skip
 
 
 def _replace_atomically(new: Path, final: Path) -> None:

@@ -222,6 +222,48 @@ def _at_least_float32(x: Any) -> jax.Array:
     return x if jnp.finfo(x.dtype).bits >= 32 else x.astype(jnp.float32)
 
 
+def _step_fn(
+    grad_fn: Callable[..., Any],
+    tx: optax.GradientTransformation,
+    grad_accum_steps: int,
+    clip_norm: float | None,
+    schedule: optax.Schedule | None,
+    skip_nonfinite: bool,
+) -> Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The pure step :func:`make_train_step` wraps: gradients (accumulated), clipping, the
+    optimizer update, the non-finite check and, with ``skip_nonfinite``, the skip."""
+
+    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+        loss, grads, metrics = _gradients(grad_fn, state, batch, grad_accum_steps)
+        norm = global_norm(grads)
+        if clip_norm is not None:
+            # optax.clip_by_global_norm would compute the norm a second time, in each leaf's
+            # dtype; this reuses the float32 one the metrics report.
+            factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
+            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+        new_state = edl_state.apply_gradients(state, grads, tx)
+        metrics["grad_norm"] = norm
+        if schedule is not None:
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
+                metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
+        # The parameters were finite, so non-finite ones now mean a non-finite update.
+        # (optax.apply_if_finite checks only the updates, not the loss, and keeps a counter
+        # in the optimizer state; this check also catches a NaN loss with finite gradients.)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new_state.params)
+        metrics["nonfinite"] = (~finite).astype(jnp.int32)
+        if skip_nonfinite:  # the step still counts; ``other`` is untouched either way
+            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+            new_state = edl_state.replace(
+                new_state,
+                params=keep(new_state.params, state.params),
+                opt_state=keep(new_state.opt_state, state.opt_state),
+            )
+            metrics["skipped"] = metrics["nonfinite"]
+        return new_state, metrics
+
+    return step
+
+
 def make_train_step(
     loss_fn: LossFn,
     tx: optax.GradientTransformation,
@@ -288,35 +330,7 @@ def make_train_step(
             compute_dtype, "make_train_step: compute_dtype"
         )
     grad_fn = edl_state.value_and_grad(_in_precision(loss_fn, compute_dtype), has_aux=True)
-
-    def step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
-        loss, grads, metrics = _gradients(grad_fn, state, batch, grad_accum_steps)
-        norm = global_norm(grads)
-        if clip_norm is not None:
-            # optax.clip_by_global_norm would compute the norm a second time, in each leaf's
-            # dtype; this reuses the float32 one the metrics report.
-            factor = jnp.minimum(1.0, clip_norm / jnp.maximum(norm, 1e-12))
-            grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-        new_state = edl_state.apply_gradients(state, grads, tx)
-        metrics["grad_norm"] = norm
-        if schedule is not None:
-            with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
-                metrics["learning_rate"] = jnp.asarray(schedule(state.step), jnp.float32)
-        # The parameters were finite, so non-finite ones now mean a non-finite update.
-        # (optax.apply_if_finite checks only the updates, not the loss, and keeps a counter
-        # in the optimizer state; this check also catches a NaN loss with finite gradients.)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm) & all_finite(new_state.params)
-        metrics["nonfinite"] = (~finite).astype(jnp.int32)
-        if skip_nonfinite:  # the step still counts; ``other`` is untouched either way
-            keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-            new_state = edl_state.replace(
-                new_state,
-                params=keep(new_state.params, state.params),
-                opt_state=keep(new_state.opt_state, state.opt_state),
-            )
-            metrics["skipped"] = metrics["nonfinite"]
-        return new_state, metrics
-
+    step = _step_fn(grad_fn, tx, grad_accum_steps, clip_norm, schedule, skip_nonfinite)
     if mesh is not None:
         if not jit:
             raise ValueError("make_train_step: mesh= needs jit=True")
