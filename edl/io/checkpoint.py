@@ -30,7 +30,6 @@ import importlib.metadata
 import json
 import logging
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -46,6 +45,15 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
+from edl.io.checkpoint_dir import (
+    _TMP,
+    STATE_NAME,
+    _prune,
+    _read_info,
+    _replace_atomically,
+    latest_checkpoint,
+    list_checkpoints,
+)
 from edl.io.files import fsync, read_json, write_json_atomic
 from edl.io.plan import LoadPlan, TensorSource, load_arrays, plan_load
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
@@ -66,81 +74,8 @@ logger = logging.getLogger("edl")
 
 FORMAT = 1
 """Version of the checkpoint layout, stored as ``state.json``'s ``"format"``."""
-STATE_NAME = "state.json"
-"""The file that marks a checkpoint complete (written last)."""
 
-_NAME = re.compile(r"checkpoint-(\d+)(\.old)?")
-_OLD = ".old"  # step N's previous checkpoint while a re-save of step N replaces it
-_TMP = ".tmp-checkpoint-"
 _MODEL, _OPTIMIZER = "model", "optimizer"
-
-
-# -- small file-system helpers -------------------------------------------------------------
-
-
-def _remove(path: Path) -> None:
-    """Delete ``path``; a checkpoint is first renamed away so it is never seen half-deleted."""
-    try:
-        if path.is_dir() and not path.name.startswith(_TMP):
-            doomed = path.with_name(f"{_TMP}{path.name}-{uuid.uuid4().hex[:8]}-old")
-            os.replace(path, doomed)
-            path = doomed
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except OSError as e:
-        logger.warning("checkpoint: could not delete %s: %s", path, e)
-
-
-def _read_info(checkpoint: Path) -> dict[str, Any] | None:
-    """``state.json`` of ``checkpoint`` if it exists and parses, else ``None``."""
-    try:
-        info = json.loads((checkpoint / STATE_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    ok = isinstance(info, dict) and isinstance(info.get("step"), int) and "format" in info
-    return info if ok else None
-
-
-def _step_of(path: Path) -> int:
-    m = _NAME.fullmatch(path.name)
-    assert m is not None
-    return int(m.group(1))
-
-
-def _named_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return [p for p in root.iterdir() if _NAME.fullmatch(p.name) and p.is_dir()]
-
-
-# -- public: finding checkpoints -----------------------------------------------------------
-
-
-def _superseded(path: Path) -> bool:
-    """``checkpoint-N.old`` once a complete ``checkpoint-N`` has replaced it."""
-    if not path.name.endswith(_OLD):
-        return False
-    return _read_info(path.with_name(path.name.removesuffix(_OLD))) is not None
-
-
-def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """The complete checkpoints under ``directory``, oldest (lowest step) first.
-
-    Temporary directories and checkpoints without a readable ``state.json`` are skipped. A
-    ``checkpoint-N.old`` (step N's previous save, left by a re-save of step N that was
-    killed) counts unless a complete ``checkpoint-N`` exists. A missing ``directory`` gives
-    ``[]``."""
-    root = Path(directory)
-    found = [p for p in _named_dirs(root) if _read_info(p) is not None and not _superseded(p)]
-    return sorted(found, key=lambda p: (_step_of(p), p.name))
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint under ``directory`` (highest step), or ``None``."""
-    found = list_checkpoints(directory)
-    return found[-1] if found else None
 
 
 def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
@@ -321,53 +256,6 @@ def _write_contents(
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
         "layers": layer_structure(model), "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
     }  # fmt: skip
-
-
-def _replace_atomically(new: Path, final: Path) -> None:
-    """Move the complete checkpoint ``new`` to ``final`` so that a complete checkpoint of
-    that step exists at every instant: an existing ``final`` is first renamed to
-    ``final.old`` (which :func:`list_checkpoints` counts until ``final`` is back)."""
-    old = final.with_name(final.name + _OLD)
-    if final.exists() and old.exists():
-        # A re-save killed after its rename left both; keep whichever is complete.
-        _remove(old if _read_info(final) is not None else final)
-    if final.exists() or final.is_symlink():
-        os.replace(final, old)
-        fsync(final.parent)
-    try:
-        os.replace(new, final)
-    except BaseException:
-        if old.exists() and not final.exists():
-            os.replace(old, final)
-        raise
-    fsync(final.parent)
-    if old.exists():
-        _remove(old)
-
-
-def _prune(root: Path, current: Path, keep: int | None) -> None:
-    complete = []
-    for path in _named_dirs(root):
-        if path == current:
-            continue
-        if _read_info(path) is None:
-            logger.warning("checkpoint: deleting incomplete checkpoint %s", path)
-            _remove(path)
-        elif _superseded(path):
-            _remove(path)
-        else:
-            complete.append(path)
-    for path in root.iterdir():
-        if path.name.startswith(_TMP):
-            _remove(path)
-    if keep is not None:
-        complete.sort(key=_step_of, reverse=True)
-        for path in complete[keep - 1 :]:
-            _remove(path)
-    fsync(root)
-
-
-# -- loading -------------------------------------------------------------------------------
 
 
 def _targets(tree: PyTree) -> dict[str, Any]:
