@@ -129,6 +129,16 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
     )
     assert expected.strip() and printed.strip() == expected.strip()
 
+    # The run's newest checkpoint itself (base + PEFT adapter beside it) in transformers:
+    # its greedy reply equals `edl generate --model runs/sft`'s.
+    model = AutoModelForCausalLM.from_pretrained(checkpoints[-1])
+    generated = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
+    expected = tokenizer.decode(generated, skip_special_tokens=True)
+    printed = _run(
+        f"edl generate --model runs/sft --chat --prompt {prompt!r} --max-new-tokens 24", tmp_path
+    )
+    assert expected.strip() and printed.strip() == expected.strip()
+
 
 def _json_line(out: str) -> dict:
     return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
@@ -173,6 +183,10 @@ def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys
         want = hf(torch.tensor(ids)).logits.numpy()
     got = edl.from_pretrained(tmp_path / "merged")(jnp.asarray(ids, jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
+    # The QLoRA checkpoint itself: the dequantized base with the adapter beside it.
+    checkpoint = AutoModelForCausalLM.from_pretrained(run / "checkpoints/checkpoint-00000003")
+    with torch.no_grad():
+        np.testing.assert_allclose(checkpoint(torch.tensor(ids)).logits.numpy(), want, atol=1e-4)
 
     main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",
           "completion", "--param-dtype", "bfloat16", "--steps", "1", "--batch-size", "2",

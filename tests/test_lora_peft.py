@@ -22,7 +22,7 @@ import pytest
 import edl
 from edl.io.peft import load_adapter, save_adapter
 from edl.io.safetensors import load_file, save_file
-from edl.lora import apply_lora, lora_params
+from edl.lora import apply_lora, lora_params, wrap_lora
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -277,3 +277,40 @@ def test_load_adapter_warns_where_peft_warns(tiny_llama, qkv_adapter, tmp_path):
         for word in words:
             assert any(word in m for m in messages), (word, messages)
     assert any("o_proj" in m for m in messages)
+
+
+@pytest.mark.slow  # two Qwen3-MoE compiles and a torch model (~17 s)
+def test_adapters_peft_cannot_target_by_name_are_listed_by_module(tmp_path):
+    """Qwen3-MoE keeps its dense layer (2) in a stack of its own, so LoRA on one stack's
+    q_proj / v_proj with another rank on the other's cannot be said with PEFT's short names:
+    ``save_adapter`` lists every adapted module by its whole name (a per-layer rank in
+    ``rank_pattern``), which PEFT and edl both load to the same logits."""
+    from edl.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig.from_hf({
+        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+        "mlp_only_layers": [2],
+    })  # fmt: skip
+    base = Qwen3MoeForCausalLM.init(config, key=jax.random.key(0))
+    layers = {"model.layers.self_attn.q_proj": (4, 2.0), "model.layers.self_attn.v_proj": (4, 2.0),
+              "model.dense_layers.self_attn.q_proj": (2, 1.5)}  # fmt: skip
+    lora = _random_b(wrap_lora(base, layers, key=jax.random.key(1)))
+    save_adapter(lora, tmp_path)
+    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert saved["target_modules"] == sorted(
+        f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("q_proj", "v_proj")
+        if n == "q_proj" or i != 2
+    )  # fmt: skip
+    assert (saved["r"], saved["lora_alpha"]) == (4, 8)
+    assert saved["rank_pattern"] == {"model.layers.2.self_attn.q_proj": 2}
+    assert saved["alpha_pattern"] == {"model.layers.2.self_attn.q_proj": 3}
+    ids = jnp.asarray([[1, 2, 3, 4, 5, 6]])
+    out = np.asarray(_forward(lora, ids))
+    assert np.abs(out - np.asarray(_forward(base, ids))).max() > 1e-2
+    loaded = peft.PeftModel.from_pretrained(edl.to_torch(base), tmp_path).eval()
+    np.testing.assert_allclose(_torch_logits(loaded, ids), out, rtol=0, atol=TOL)
+    again = load_adapter(base, tmp_path)
+    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(lora), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -24,12 +24,18 @@ torch = pytest.importorskip("torch")
 
 import edl  # noqa: E402
 from edl.generate import TextStream, generate_text, stream_text  # noqa: E402
-from edl.io.checkpoint import latest_checkpoint, save_state  # noqa: E402
+from edl.io.checkpoint import (  # noqa: E402
+    latest_checkpoint,
+    load_state,
+    save_state,
+    verify_checkpoint,
+)
 from edl.io.export import export_model, load_model  # noqa: E402
 from edl.io.hf import save_pretrained  # noqa: E402
-from edl.lora import apply_lora, lora_trainable  # noqa: E402
+from edl.io.safetensors import CheckpointError  # noqa: E402
+from edl.lora import apply_lora, lora_trainable, unwrap_lora  # noqa: E402
 from edl.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
-from edl.quantize import QuantConfig, quantize  # noqa: E402
+from edl.quantize import QuantConfig, dequantize, quantize  # noqa: E402
 from edl.text import ByteTokenizer, load_tokenizer  # noqa: E402
 from edl.train import make_train_step, train  # noqa: E402
 
@@ -170,10 +176,10 @@ def test_stream_text_with_the_byte_tokenizer_equals_generate_text():
         generate_text(model, tok, "hi", chat=True)
 
 
-def _lora_model(vocab_size: int, quantized: bool = False):
+def _lora_model(vocab_size: int, quantized: bool | str = False):
     base = _model(vocab_size, eos=[2])
     if quantized:
-        base = quantize(base, QuantConfig("int8"))
+        base = quantize(base, QuantConfig("int8" if quantized is True else quantized))
     lora = apply_lora(base, rank=4, alpha=8, key=jax.random.key(1))
     b = lambda p, x: (jax.random.normal(jax.random.key(len(p)), x.shape, x.dtype) * 0.2
                       if p.endswith("lora_B.weight") else x)  # fmt: skip
@@ -204,11 +210,12 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
     ids = jnp.asarray([tokenizer.encode("Hello world", add_bos=True)])
     np.testing.assert_array_equal(np.asarray(load_model(checkpoint)(ids).logits),
                                   np.asarray(trained(ids).logits))  # fmt: skip
-    out = export_model(checkpoint, tmp_path / "export", merge_lora=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    with torch.no_grad():
-        want = hf(torch.tensor(np.asarray(ids))).logits.numpy()
-    np.testing.assert_allclose(np.asarray(trained(ids).logits), want, rtol=1e-4, atol=1e-4)
+    for source in (checkpoint, export_model(checkpoint, tmp_path / "export", merge_lora=True)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+        with torch.no_grad():
+            want = hf(torch.tensor(np.asarray(ids))).logits.numpy()
+        np.testing.assert_allclose(np.asarray(trained(ids).logits), want, rtol=1e-4, atol=1e-4)
+    out = tmp_path / "export"
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == CHATML
 
 
@@ -223,7 +230,7 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     want = np.asarray(model(jnp.asarray([ids])).logits)
 
     merged = export_model(checkpoint, tmp_path / "merged", merge_lora=True)
-    assert not (merged / "adapter").exists() and (merged / "tokenizer.json").is_file()
+    assert not (merged / "adapter_config.json").exists() and (merged / "tokenizer.json").is_file()
     hf = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         np.testing.assert_allclose(hf(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
@@ -233,20 +240,59 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     eos = hf_tokens.index(2) if 2 in hf_tokens else len(hf_tokens)
     assert edl_tokens == tokenizer.decode(hf_tokens[:eos], skip_special_tokens=True)
 
+    # Unmerged: the adapter beside the base, which transformers applies itself (peft).
     split = export_model(checkpoint, tmp_path / "split")
-    assert (split / "adapter" / "adapter_config.json").is_file()
-    base = transformers.AutoModelForCausalLM.from_pretrained(split)
-    peft_model = peft.PeftModel.from_pretrained(base, split / "adapter").eval()
+    assert (split / "adapter_config.json").is_file() and not (
+        split / "quantized.safetensors"
+    ).exists()
     with torch.no_grad():
+        embedded = transformers.AutoModelForCausalLM.from_pretrained(split).eval()
+        np.testing.assert_allclose(embedded(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
+        # The adapter alone, on the base from elsewhere.
+        base = unwrap_lora(dequantize(model) if quantized else model)
+        save_pretrained(base, tmp_path / "base")
+        base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        peft_model = peft.PeftModel.from_pretrained(base, split).eval()
         np.testing.assert_allclose(peft_model(torch.tensor([ids])).logits.numpy(), want,
                                    atol=1e-4)  # fmt: skip
     # An earlier export is replaced; any other non-empty directory is refused.
     assert export_model(checkpoint, split, merge_lora=True) == split
-    assert not (split / "adapter").exists()
+    assert not (split / "adapter_config.json").exists()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match=f"{tmp_path / 'other'} is not empty"):
         export_model(checkpoint, tmp_path / "other")
+
+
+# nf4 runs by default (QLoRA: dequantized base + codes); the float LoRA case is its subset.
+@pytest.mark.parametrize("quantized", [pytest.param(False, marks=pytest.mark.slow), "nf4"])
+def test_lora_checkpoint_loads_in_transformers_and_resumes_exactly(tmp_path, tokenizer,
+                                                                   quantized):  # fmt: skip
+    """A LoRA (QLoRA) checkpoint is the base under plain HF names with the PEFT adapter
+    beside it, so transformers (with peft) loads the fine-tuned model from it as it is,
+    while edl reads the exact state back (the quantized codes, not the dequantized copy)."""
+    model = _lora_model(tokenizer.vocab_size, quantized)
+    state = edl.create_state(model, optax.adam(1e-3), trainable=lora_trainable)
+    checkpoint = save_state(state, tmp_path / "run", tokenizer=tokenizer)
+    info = verify_checkpoint(checkpoint)
+    assert info["model_files"] == ["model", "adapter_model"] + (["quantized"] if quantized else [])
+    ids = tokenizer.encode("The quick brown fox", add_bos=True)
+    want = np.asarray(model(jnp.asarray([ids])).logits)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        np.testing.assert_allclose(hf(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
+    loaded, _ = load_state(checkpoint, jax.eval_shape(lambda: state))
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(state),
+                            strict=True):  # fmt: skip
+        assert a.dtype == b.dtype, path
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+    np.testing.assert_array_equal(np.asarray(load_model(checkpoint)(jnp.asarray([ids])).logits),
+                                  want)  # fmt: skip
+    with pytest.warns(UserWarning, match="also holds a PEFT adapter"):
+        edl.from_pretrained(checkpoint)  # the base alone, said so
+    (checkpoint / "adapter_model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="adapter_model"):
+        verify_checkpoint(checkpoint)
 
 
 @pytest.mark.slow  # four CLI generations, each compiled (~50 s)
@@ -284,7 +330,9 @@ def test_cli_export_of_a_lora_run_loads_in_transformers(tmp_path, tokenizer, cap
     main(["export", str(run), str(tmp_path / "merged"), "--merge-lora"])
     assert f"to {tmp_path / 'merged'}" in capsys.readouterr().out
     main(["export", str(run), str(tmp_path / "split"), "--dtype", "float32"])
-    assert f"adapter (PEFT) in {tmp_path / 'split' / 'adapter'}" in capsys.readouterr().out
+    assert (
+        f"beside the base: {tmp_path / 'split' / 'adapter_config.json'}" in capsys.readouterr().out
+    )
     prompt = "The quick brown fox"
     ids = tokenizer.encode(prompt, add_bos=True)
     hf_tokens = _hf_greedy(tmp_path / "merged", ids, 8)

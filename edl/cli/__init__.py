@@ -66,15 +66,16 @@ def _parser() -> argparse.ArgumentParser:
         "export", help="write a checkpoint or run as a plain Hugging Face model directory",
         description="Write the model of a checkpoint (a run directory: its newest) to OUT_DIR "
         "as transformers loads it: weights, config.json, generation_config.json, tokenizer "
-        "files. LoRA adapters are merged (--merge-lora) or written in PEFT's layout to "
-        "OUT_DIR/adapter; a quantized base is dequantized. OUT_DIR must be new, empty or an "
-        "earlier export (which is replaced).",
+        "files. LoRA adapters are merged (--merge-lora) or written in PEFT's layout beside "
+        "the base (transformers applies them, with peft); a quantized base is dequantized. "
+        "OUT_DIR must be new, empty or an earlier export (which is replaced).",
     )  # fmt: skip
     export.add_argument("source", type=Path, metavar="CHECKPOINT_OR_RUN_DIR",
                         help="a run directory, a checkpoint or a saved model")  # fmt: skip
     export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the directory to write")
     export.add_argument("--merge-lora", action="store_true",
-                        help="merge LoRA into the weights (else: OUT_DIR/adapter)")  # fmt: skip
+                        help="merge LoRA into the weights (else: a PEFT adapter beside "
+                        "the base)")  # fmt: skip
     export.add_argument("--dtype", choices=_DTYPES, default=None,
                         help="cast floating weights (default: as stored)")  # fmt: skip
     info = commands.add_parser("info", help="summarise a saved model, checkpoint or run")

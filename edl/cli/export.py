@@ -8,7 +8,8 @@ import jax.numpy as jnp
 
 from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
-from edl.io.export import ADAPTER_DIR, export_model
+from edl.io.export import export_model
+from edl.io.hf import ADAPTER_CONFIG
 
 __all__ = ["run_export"]
 
@@ -23,6 +24,6 @@ def run_export(source: Path, out_dir: Path, *, merge_lora: bool, dtype: str | No
                            dtype=None if dtype is None else jnp.dtype(dtype))  # fmt: skip
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
-    adapter = out / ADAPTER_DIR
-    extra = f"; LoRA adapter (PEFT) in {adapter}" if adapter.is_dir() else ""
+    adapter = out / ADAPTER_CONFIG
+    extra = f"; LoRA adapter (PEFT) beside the base: {adapter}" if adapter.is_file() else ""
     print(f"exported {directory} to {out}{extra}")

@@ -1,7 +1,7 @@
 """Files on disk: Hugging Face safetensors checkpoints, configs and the hub, training
 checkpoints, PEFT adapters, and exports of checkpoints as plain Hugging Face directories."""
 
-from edl.io import checkpoint, export, hf, peft, safetensors, structure
+from edl.io import checkpoint, export, hf, model_files, peft, safetensors, structure
 from edl.io.hf import (
     export_state_dict,
     from_pretrained,
@@ -18,6 +18,7 @@ __all__ = [
     "from_pretrained",
     "from_state_dict",
     "hf",
+    "model_files",
     "peft",
     "push_to_hub",
     "safetensors",

@@ -6,6 +6,9 @@ One directory per step, written atomically::
       checkpoint-00000100/
         config.json + model*.safetensors  # registered HF families: HF layout, so
                                           # edl.from_pretrained / transformers load it as is
+        adapter_config.json + adapter_model.safetensors, quantized.safetensors
+                                          # LoRA adapters (PEFT's layout) and quantized
+                                          # codes beside the base (edl.io.model_files)
         model*.safetensors                # any other pytree: arrays keyed by edl.tree paths
         optimizer*.safetensors            # opt_state arrays keyed by edl.tree paths
         state.json                        # step, versions, user metadata; written last
@@ -55,7 +58,8 @@ from edl.io.checkpoint_dir import (
     list_checkpoints,
 )
 from edl.io.files import fsync, read_json, write_json_atomic
-from edl.io.plan import LoadPlan, TensorSource, load_arrays, plan_load
+from edl.io.model_files import read_model_files, write_model_files
+from edl.io.plan import LoadPlan, TensorSource, load_arrays
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
 from edl.io.structure import layer_structure
 from edl.models import registry
@@ -96,7 +100,8 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
         except (OSError, ValueError) as e:
             raise CheckpointError(str(e)) from None
         raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
-    prefixes = [_MODEL] + ([_OPTIMIZER] if info.get("has_optimizer") else [])
+    prefixes = [*info.get("model_files", [_MODEL])]
+    prefixes += [_OPTIMIZER] if info.get("has_optimizer") else []
     for prefix in prefixes:
         with CheckpointReader(path, prefix=prefix):
             pass  # opening validates every header against its file's length
@@ -220,7 +225,7 @@ def save_state(
     tmp = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
-        info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer)
+        info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
         info["metadata"] = json.loads(meta_text)
         for file in tmp.rglob("*"):
             if file.is_file():
@@ -237,15 +242,19 @@ def save_state(
 
 def _write_contents(
     tmp: Path, state: TrainState, float_dtype: DTypeLike | None, save_optimizer: bool,
-    tokenizer: Any,
+    tokenizer: Any, final: Path,
 ) -> dict[str, Any]:  # fmt: skip
-    """Write the model (HF layout when its family has one), the tokenizer's files and the
-    optimizer state into ``tmp``; return ``state.json``'s fields but ``metadata``."""
+    """Write the model (HF layout when its family has one, ``edl.io.model_files``), the
+    tokenizer's files and the optimizer state into ``tmp``, which becomes ``final``; return
+    ``state.json``'s fields but ``metadata``."""
     model = edl_state.model(state)
     if _is_hf(model):
-        hf.save_pretrained(model, tmp, dtype=float_dtype)
+        # The adapter's base is this very directory (transformers 5 reads it from here anyway).
+        model_files = write_model_files(model, tmp, dtype=float_dtype,
+                                        base_model_name_or_path=str(final.resolve()))  # fmt: skip
     else:
         save_tensors(_host_tensors(_arrays(model, "model"), float_dtype), tmp, prefix=_MODEL)
+        model_files = [_MODEL]
     has_optimizer = save_optimizer and state.opt_state is not None
     if has_optimizer:
         tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
@@ -254,7 +263,8 @@ def _write_contents(
         "step": int(state.step), "format": FORMAT, "edl_version": _version(),
         "model_format": "hf" if _is_hf(model) else "tree", "has_optimizer": has_optimizer,
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
-        "layers": layer_structure(model), "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
+        "model_files": model_files, "layers": layer_structure(model),
+        "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
     }  # fmt: skip
 
 
@@ -286,21 +296,6 @@ def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dic
         _check_kinds(str(reader.path), {k: i.dtype for k, i in infos.items()}, targets)
         plan = LoadPlan.by_name(TensorSource.from_reader(reader), targets)
         return load_arrays(plan, targets)  # cast to the targets' dtypes
-
-
-def _read_hf(checkpoint: Path, model: Any, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Tensors of a HF-layout checkpoint, keyed by ``model``'s edl paths."""
-    family, _ = registry.family_of(model)
-    table = family.key_table_for(model.config)
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}
-    with CheckpointReader(checkpoint, prefix=_MODEL) as reader:
-        source = TensorSource.from_reader(reader)
-        try:
-            plan = plan_load(table, abstract, source, tie_word_embeddings=tied)
-        except ValueError as e:
-            raise ValueError(f"checkpoint {reader.path}: {e}") from None
-        return load_arrays(plan, targets)
 
 
 def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
@@ -363,7 +358,10 @@ def load_state(
                 f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
                 f"is a {type(model).__name__}, not a registered edl model class"
             )
-        loaded = _read_hf(checkpoint, model, targets)
+        try:
+            loaded = read_model_files(checkpoint, model, targets)
+        except ValueError as e:
+            raise ValueError(f"load_state: checkpoint {e}") from None
     elif model_format == "tree":
         loaded = _read_tree(checkpoint, _MODEL, targets)
     else:

@@ -1,24 +1,23 @@
 """Models out of checkpoints: ``load_model`` (any edl model directory, LoRA-wrapped and
 quantized checkpoints included) and ``export_model`` (a plain Hugging Face directory).
 
-A training checkpoint of a LoRA-wrapped (or quantized, QLoRA) model holds HF-named tensors
-with the adapters beside the base (``...q_proj.base_layer.weight``, ``...q_proj.lora_A
-.weight``; a quantized base as ``base_layer.qweight`` / ``base_layer.scales``) and the
-layers' settings in ``state.json``'s ``"layers"`` (``edl.io.structure``): neither
-transformers nor PEFT reads that layout. ``export_model`` writes what they do read::
+A training checkpoint of a LoRA-wrapped (or quantized, QLoRA) model already holds what
+transformers reads (``edl.io.model_files``: the base model, the adapter in PEFT's layout
+beside it) plus what only edl reads (the quantized codes, the optimizer state, the layers'
+settings in ``state.json``'s ``"layers"``). ``export_model`` writes the model alone::
 
     OUT_DIR/                        # export_model(checkpoint, OUT_DIR)
       config.json, model*.safetensors, generation_config.json, tokenizer files
                                     # the base model (a quantized base dequantized)
-      adapter/                      # only when the model has LoRA adapters
-        adapter_config.json, adapter_model.safetensors  # PEFT's layout
+      adapter_config.json, adapter_model.safetensors
+                                    # only when the model has LoRA adapters: PEFT's layout
       edl_export.json               # what was exported from where (marks an export)
 
-    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(OUT_DIR),
-                                   OUT_DIR / "adapter")
+    AutoModelForCausalLM.from_pretrained(OUT_DIR)   # with peft installed: base + adapter
+    peft.PeftModel.from_pretrained(base, OUT_DIR)   # the adapter on a base of your own
 
 With ``merge_lora=True`` the adapters are folded into the weights (after dequantizing a
-quantized base) and ``OUT_DIR`` is one plain model, no ``adapter/``.
+quantized base) and ``OUT_DIR`` is one plain model, no adapter files.
 """
 
 from __future__ import annotations
@@ -40,16 +39,16 @@ from edl import quantize as edl_quantize
 from edl.io import checkpoint as ckpt
 from edl.io import hf
 from edl.io.files import fsync, read_json, write_json_atomic
-from edl.io.peft import save_adapter
+from edl.io.hf import ADAPTER_CONFIG
+from edl.io.model_files import read_model_files, write_model_files
+from edl.io.peft import ADAPTER_WEIGHTS, load_adapter
 from edl.io.structure import rebuild
 from edl.models import registry
 from edl.module import require_float_dtype
 from edl.tree import find, flatten, is_array_like, named_map
 
-__all__ = ["ADAPTER_DIR", "EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
+__all__ = ["EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
 
-ADAPTER_DIR = "adapter"
-"""The PEFT adapter's subdirectory of an export that keeps LoRA unmerged."""
 EXPORT_MARKER = "edl_export.json"
 """The file that marks a directory as an ``export_model`` output (which may be replaced)."""
 TOKENIZER_FILES = (
@@ -66,17 +65,21 @@ def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
 
 def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     """The model in an edl model directory: a training checkpoint (LoRA-wrapped and
-    quantized models rebuilt from ``state.json``'s ``"layers"``), or a Hugging Face model
+    quantized models rebuilt from ``state.json``'s ``"layers"``, exactly as trained), a
+    Hugging Face model directory with an embedded PEFT adapter (the base with the adapter
+    applied, as transformers does with peft installed), or a plain Hugging Face model
     directory / hub repo id (``edl.io.hf.from_pretrained``). ``dtype`` casts floating
     weights (quantization codes and scales keep theirs)."""
     directory = Path(path)
     info = _checkpoint_info(directory) if directory.is_dir() else None
     if info is None or not info.get("layers"):
-        return hf.from_pretrained(path, dtype=dtype)
+        model = hf.from_pretrained(path, dtype=dtype)
+        if directory.is_dir() and (directory / ADAPTER_CONFIG).is_file():
+            model = load_adapter(model, directory, dtype=dtype)
+        return model
     if info.get("model_format") != "hf":
         raise ValueError(f"load_model: {directory} holds no Hugging Face-layout model "
                          f"(model_format {info.get('model_format')!r})")  # fmt: skip
-    config_file = directory / hf.CONFIG_NAME
     _, config, model_cls = registry.resolve(hf.load_config(directory))
     where = f"load_model: {directory / ckpt.STATE_NAME} 'layers'"
 
@@ -91,9 +94,9 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
                    if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
                    else x for p, x in targets.items()}  # fmt: skip
     try:
-        loaded = ckpt._read_hf(directory, abstract, targets)
+        loaded = read_model_files(directory, abstract, targets)
     except ValueError as e:
-        raise ValueError(f"load_model: {config_file.parent}: {e}") from None
+        raise ValueError(f"load_model: {e}") from None
     model = named_map(lambda p, x: loaded.get(p, x), abstract)
     generation = hf.load_generation_config(directory)
     if generation and hasattr(model, "generation_config"):
@@ -118,17 +121,15 @@ def _check_target(out: Path) -> None:
         )
 
 
-def _write_export(model: Any, tmp: Path, *, merge_lora: bool, dtype: Any) -> bool:
-    """The model's files in ``tmp``; returns whether an ``adapter/`` was written."""
+def _write_export(model: Any, tmp: Path, out: Path, *, merge_lora: bool, dtype: Any) -> bool:
+    """The model's files in ``tmp`` (to become ``out``); returns whether an adapter was
+    written beside the base."""
     has_lora = bool(find(model, lambda x: isinstance(x, edl_lora.LoraLinear)))
     dense = edl_quantize.dequantize(model) if edl_quantize.is_quantized(model) else model
     if has_lora and merge_lora:
         dense = edl_lora.merge_lora(dense)
-    hf.save_pretrained(edl_lora.unwrap_lora(dense) if has_lora and not merge_lora else dense,
-                       tmp, dtype=dtype)  # fmt: skip
-    if has_lora and not merge_lora:
-        save_adapter(dense, tmp / ADAPTER_DIR, base_model_name_or_path=None)
-    return has_lora and not merge_lora
+    parts = write_model_files(dense, tmp, dtype=dtype, base_model_name_or_path=str(out.resolve()))
+    return ADAPTER_WEIGHTS in parts
 
 
 def export_model(
@@ -141,9 +142,9 @@ def export_model(
     """Write the model of ``source`` (a checkpoint or model directory, see
     :func:`load_model`) to ``out_dir`` as a plain Hugging Face model directory (weights,
     ``config.json``, ``generation_config.json``, the tokenizer files of ``source``), and its
-    LoRA adapters, if any, either merged (``merge_lora``) or in PEFT's layout in
-    ``out_dir/adapter``. A quantized base is dequantized (transformers cannot read edl's
-    codes). ``dtype`` casts floating weights.
+    LoRA adapters, if any, either merged (``merge_lora``) or in PEFT's layout beside the
+    base (``adapter_config.json``, ``adapter_model.safetensors``). A quantized base is
+    dequantized (transformers cannot read edl's codes). ``dtype`` casts floating weights.
 
     ``out_dir`` must be new, empty, or an earlier export (``edl_export.json``), which is
     replaced; the export is written into a temporary sibling and renamed into place, so
@@ -158,12 +159,12 @@ def export_model(
     tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
-        adapter = _write_export(model, tmp, merge_lora=merge_lora, dtype=dtype)
+        adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
         for file in _tokenizer_files(source):
             shutil.copy2(file, tmp / file.name)
         info = _checkpoint_info(source)
         marker = {"source": str(source.resolve()), "step": info and info.get("step"),
-                  "merge_lora": merge_lora, "adapter": ADAPTER_DIR if adapter else None,
+                  "merge_lora": merge_lora, "adapter": adapter,
                   "dtype": None if dtype is None else jnp.dtype(dtype).name}  # fmt: skip
         write_json_atomic(tmp / EXPORT_MARKER, json.loads(json.dumps(marker)))
         for file in tmp.rglob("*"):

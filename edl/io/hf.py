@@ -16,6 +16,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"
+"""A PEFT adapter's config; beside ``config.json`` it makes an "embedded adapter" directory."""
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -258,6 +261,14 @@ def from_pretrained(
     generation = load_generation_config(directory)
     if generation and hasattr(model, "generation_config"):
         model = dataclasses.replace(model, generation_config=generation)
+    if (directory / ADAPTER_CONFIG).is_file():
+        warnings.warn(
+            f"from_pretrained: {directory} also holds a PEFT adapter ({ADAPTER_CONFIG}), which "
+            "this loads without: edl.io.export.load_model(directory) applies it (as "
+            "transformers does with peft installed), or edl.io.peft.load_adapter(model, "
+            "directory)",
+            stacklevel=2,
+        )
     return model
 
 

@@ -29,7 +29,7 @@ from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
 from edl.io.files import read_json, write_json_atomic
-from edl.io.hf import export_state_dict
+from edl.io.hf import ADAPTER_CONFIG, export_state_dict
 from edl.io.plan import TensorSource, load_arrays, plan_load
 from edl.io.safetensors import CheckpointReader, save_file
 from edl.lora import lora_layers, lora_params, lora_trainable, wrap_lora
@@ -45,9 +45,8 @@ __all__ = [
     "save_adapter",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model"  # + ".safetensors"
-_PEFT_PREFIX = "base_model.model."
+PEFT_PREFIX = "base_model.model."
 _PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
                "base": "FEATURE_EXTRACTION"}  # fmt: skip
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -70,23 +69,38 @@ def _number(x: float) -> int | float:
     return round(x) if abs(x - round(x)) < 1e-9 else x
 
 
-def _peft_config(model: PyTree, layers: dict[str, LoraLinear], task: str,
-                 base_model_name_or_path: str | None) -> dict[str, Any]:  # fmt: skip
-    """``adapter_config.json`` for ``layers``; PEFT targets modules by their last name, so
-    every layer of one name must carry the same adapter shape and every linear layer of
-    that name must be adapted."""
+def _settings(layers: dict[str, LoraLinear]) -> dict[str, tuple[int, float, float]]:
+    return {p: (layer.rank, layer.scaling, layer.dropout) for p, layer in layers.items()}
+
+
+def _targeting(model: PyTree, layers: dict[str, LoraLinear],
+               table: Any) -> dict[str, tuple[int, float, float]]:  # fmt: skip
+    """PEFT's ``target_modules`` names with each one's (rank, scaling, dropout).
+
+    PEFT matches a listed name against a module's whole name or its last dotted parts, so
+    the short names (``q_proj``) do when every layer of one name carries the same adapter
+    shape and every linear layer of that name is adapted; otherwise each adapted module
+    is listed by its whole HF name (``model.layers.3.self_attn.q_proj``, one per stacked
+    layer), which targets exactly it."""
     by_name: dict[str, set[tuple[int, float, float]]] = collections.defaultdict(set)
-    for path, layer in layers.items():
-        by_name[_name(path)].add((layer.rank, layer.scaling, layer.dropout))
-    mixed = {n: sorted(s) for n, s in by_name.items() if len(s) > 1}
-    bare = sorted(p for p, x in find(model, is_linear).items()
-                  if _name(p) in by_name and p not in layers)  # fmt: skip
-    if mixed or bare:
-        problems = [f"layers named {n} differ in (rank, scaling, dropout): {s}"
-                    for n, s in mixed.items()]  # fmt: skip
-        problems += [f"{p} shares its name with adapted layers but has no adapter" for p in bare]
-        raise ValueError("save_adapter: PEFT targets modules by name, but " + "; ".join(problems))
-    settings = {n: s.pop() for n, s in by_name.items()}
+    for path, setting in _settings(layers).items():
+        by_name[_name(path)].add(setting)
+    bare = any(_name(p) in by_name and p not in layers for p in find(model, is_linear))
+    if not bare and all(len(s) == 1 for s in by_name.values()):
+        return {n: s.pop() for n, s in by_name.items()}
+    return {
+        _Modules.name(table, path, tuple(int(i) for i in index)): setting
+        for path, setting in _settings(layers).items()
+        for index in np.ndindex(*leading_shape(layers[path]))
+    }
+
+
+def _peft_config(model: PyTree, layers: dict[str, LoraLinear], table: Any, task: str,
+                 base_model_name_or_path: str | None) -> dict[str, Any]:  # fmt: skip
+    """``adapter_config.json`` for ``layers`` (see :func:`_targeting`); the most common rank
+    and alpha are ``r`` / ``lora_alpha``, the others go in ``rank_pattern`` /
+    ``alpha_pattern``. PEFT has one ``lora_dropout``, so adapters must share theirs."""
+    settings = _targeting(model, layers, table)
     dropouts = {d for _, _, d in settings.values()}
     if len(dropouts) > 1:
         raise ValueError(f"save_adapter: PEFT has one lora_dropout, layers use {dropouts}")
@@ -117,15 +131,26 @@ def _peft_config(model: PyTree, layers: dict[str, LoraLinear], task: str,
 
 
 def save_adapter(
-    model: PyTree, directory: str | os.PathLike[str], *, base_model_name_or_path: str | None = None
+    model: PyTree,
+    directory: str | os.PathLike[str],
+    *,
+    base_model_name_or_path: str | None = None,
+    dtype: DTypeLike | None = None,
 ) -> Path:
     """Write the adapters as PEFT does: ``adapter_config.json`` + ``adapter_model.safetensors``
     (keys ``base_model.model.<HF module>.lora_A.weight``, one per layer), loadable by
-    ``peft.PeftModel.from_pretrained`` on the HF base model. Files are written atomically."""
+    ``peft.PeftModel.from_pretrained`` on the HF base model. ``dtype`` casts A and B on the
+    way out. Files are written atomically.
+
+    Written beside the base model's own files (``save_pretrained``), the directory is what
+    transformers calls a model with an embedded adapter: with peft installed,
+    ``AutoModelForCausalLM.from_pretrained(directory)`` loads the base and applies the
+    adapter. Raises ``ValueError`` when the adapters differ in dropout (PEFT has one)."""
     layers = lora_layers(model, "save_adapter")
-    _, task = _table(model, "save_adapter")
-    config = _peft_config(model, layers, task, base_model_name_or_path)
-    tensors = {_PEFT_PREFIX + k: t for k, t in export_state_dict(lora_params(model)).items()}
+    table, task = _table(model, "save_adapter")
+    config = _peft_config(model, layers, table, task, base_model_name_or_path)
+    tensors = export_state_dict(lora_params(model), dtype=dtype)
+    tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / f"{ADAPTER_WEIGHTS}.safetensors")
@@ -322,7 +347,7 @@ def _adapted_layers(
     present: dict[str, dict[str, str]] = collections.defaultdict(dict)
     ignored, strays = [], []
     for key in shapes:
-        name = key.removeprefix(_PEFT_PREFIX)
+        name = key.removeprefix(PEFT_PREFIX)
         split_key = _split_key(name)
         module = None if split_key is None else split_key[0]
         if module in targeted:
@@ -439,7 +464,7 @@ def load_adapter(
         try:
             plan = plan_load(table, targets, source)
         except ValueError as e:
-            where = f"{reader.path} (keys after {_PEFT_PREFIX!r})"
+            where = f"{reader.path} (keys after {PEFT_PREFIX!r})"
             raise ValueError(f"load_adapter: {where}: {e}") from None
         arrays = load_arrays(plan, flatten(like))  # cast to like's dtypes, placed as like
     return merge(load_into(like, arrays), rest)
