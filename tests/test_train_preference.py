@@ -346,14 +346,14 @@ def test_dpo_step_errors_name_what_is_wrong(tiny_llama):
 
 
 def _toy_preferences(n_batches, seed=0, batch=4, seq=8):
-    """Prompt: 3 random tokens; chosen completion repeats the prompt's first token, rejected
-    is random: a preference a tiny model can learn in a few steps."""
+    """Prompt: 3 random tokens (labels -100); the chosen completion is token 7 repeated, the
+    rejected one random: a preference a tiny model learns in a few steps."""
     rng = np.random.default_rng(seed)
     vocab = TINY_LLAMA["vocab_size"]
     out = []
     for _ in range(n_batches):
         prompt = rng.integers(1, vocab, (batch, 3))
-        chosen = np.concatenate([prompt, np.repeat(prompt[:, :1], seq - 3, 1)], 1)
+        chosen = np.concatenate([prompt, np.full((batch, seq - 3), 7)], 1)
         rejected = np.concatenate([prompt, rng.integers(1, vocab, (batch, seq - 3))], 1)
         labels = lambda ids: np.where(np.arange(seq)[None] >= 3, ids, -100)
         mask = np.ones((batch, seq), np.int32)
@@ -405,29 +405,35 @@ def test_lora_and_model_references_give_the_same_step(tiny_llama):
     np.asarray(tiny_llama.model.embed_tokens.weight)  # the reference was not donated
 
 
-@pytest.mark.slow  # trains tiny_llama + LoRA for 4 runs of a few steps (~25 s)
+# The least gain in rewards/margins after 10 steps: rewards are beta * summed log-ratios for
+# DPO / IPO (beta 0.1), beta * average log-probs for SimPO (beta 2) and ORPO (beta 0.1); the
+# observed gains are ~0.27, 0.27, 1.2 and 0.06.
+_MARGIN_GAIN = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 0.5, "orpo": 0.03}
+
+
+@pytest.mark.slow  # trains tiny_llama + LoRA for 10 steps, once per loss (~25 s in all)
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo", "orpo"])
 def test_dpo_training_raises_margins_and_accuracies(tiny_llama, loss_type):
     lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
-    tx = optax.adam(3e-2)
+    tx = optax.adam(1e-2)
     state = edl.create_state(lora, tx, trainable=lora_trainable)
-    step = make_dpo_step(tx, loss_type=loss_type, reference="lora", clip_norm=1.0)
-    batches, history = _toy_preferences(12), []
-    for batch in batches:
+    step = make_dpo_step(tx, loss_type=loss_type, reference="lora")
+    history = []
+    for batch in _toy_preferences(10):
         state, metrics = step(state, batch)
         history.append({k: float(v) for k, v in metrics.items()})
     first, last = history[0], history[-1]
-    assert last["rewards/margins"] > first["rewards/margins"] + 0.1, (first, last)
-    assert last["rewards/accuracies"] == 1.0 and first["rewards/accuracies"] <= 0.75
+    assert last["rewards/margins"] > first["rewards/margins"] + _MARGIN_GAIN[loss_type]
+    assert last["rewards/accuracies"] == 1.0 > first["rewards/accuracies"]
     assert last["loss"] < first["loss"]
 
 
-@pytest.mark.slow  # three edl.train runs of tiny_llama + LoRA with checkpoints (~15 s)
+@pytest.mark.slow  # three edl.train runs of tiny_llama + LoRA with checkpoints (~15-20 s)
 def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
-    lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
     tx = optax.adam(1e-2)
 
-    def run(directory, steps, **kw):
+    def run(directory, steps, **kw):  # a fresh LoRA model each run: the step donates params
+        lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
         state = edl.create_state(lora, tx, trainable=lora_trainable)
         step = make_dpo_step(tx, reference="model", reference_model=tiny_llama)
         return train(state, step, _Preferences(), steps=steps, output_dir=directory,
@@ -445,7 +451,7 @@ def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
     assert '"rewards/margins"' in log[-1]
 
 
-@pytest.mark.slow  # trains a tiny reward model for 12 steps (~6 s)
+@pytest.mark.slow  # trains a tiny reward model for 12 steps (~5 s)
 def test_reward_step_raises_accuracy(tiny_llama):
     from edl.models import LlamaConfig, LlamaForSequenceClassification
 
@@ -456,7 +462,12 @@ def test_reward_step_raises_accuracy(tiny_llama):
     step = make_reward_step(tx, center_rewards_coefficient=0.01)
     history = []
     for batch in _toy_preferences(12, seed=1):
+        # The random model happens to score the token-7 ending higher, so the preference is
+        # flipped here to make it learn (accuracy 0 at first, checked below).
+        batch = {k.replace("chosen", "x").replace("rejected", "chosen").replace("x", "rejected"): v
+                 for k, v in batch.items()}  # fmt: skip
         state, metrics = step(state, batch)
         history.append({k: float(v) for k, v in metrics.items()})
-    assert history[0]["accuracy"] <= 0.75 and history[-1]["accuracy"] == 1.0
-    assert history[-1]["rewards/margins"] > history[0]["rewards/margins"] + 0.5
+    assert history[0]["accuracy"] == 0.0 and history[-1]["accuracy"] == 1.0
+    assert history[-1]["rewards/margins"] > 0.5 > history[0]["rewards/margins"]
+    assert history[-1]["loss"] < history[0]["loss"]
