@@ -383,7 +383,7 @@ class _Preferences:
         self.count = position["count"]
 
 
-@pytest.mark.slow  # compiles two DPO train steps (~20 s)
+@pytest.mark.slow  # compiles two DPO train steps (~20-30 s)
 def test_lora_and_model_references_give_the_same_step(tiny_llama):
     """One DPO step with the LoRA-off reference equals one with the base model passed as
     ``reference_model`` (an argument of the compiled step, not donated): same metrics."""
@@ -408,7 +408,7 @@ def test_lora_and_model_references_give_the_same_step(tiny_llama):
 _MARGIN_GAIN = {"sigmoid": 0.1, "ipo": 0.1, "simpo": 0.5, "orpo": 0.03}
 
 
-@pytest.mark.slow  # trains tiny_llama + LoRA for 10 steps, once per loss (~25 s in all)
+@pytest.mark.slow  # trains tiny_llama + LoRA for 10 steps, once per loss (~6-12 s each)
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo", "orpo"])
 def test_dpo_training_raises_margins_and_accuracies(tiny_llama, loss_type):
     lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
@@ -425,7 +425,7 @@ def test_dpo_training_raises_margins_and_accuracies(tiny_llama, loss_type):
     assert last["loss"] < first["loss"]
 
 
-@pytest.mark.slow  # three edl.train runs of tiny_llama + LoRA with checkpoints (~15-20 s)
+@pytest.mark.slow  # three edl.train runs of tiny_llama + LoRA with checkpoints (~15-25 s)
 def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
     tx = optax.adam(1e-2)
 
@@ -448,7 +448,7 @@ def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
     assert '"rewards/margins"' in log[-1]
 
 
-@pytest.mark.slow  # trains a tiny reward model for 12 steps (~5 s)
+@pytest.mark.slow  # trains a tiny reward model for 12 steps (~5-9 s)
 def test_reward_step_raises_accuracy(tiny_llama):
     from edl.models import LlamaConfig, LlamaForSequenceClassification
 
