@@ -15,7 +15,7 @@ _MODULES = {
                        "pack_sequences", "pad_batch"),
     "edl.train.grpo": ("GRPOConfig", "GRPOStep", "RewardFn", "make_grpo_step",
                        "score_completions"),
-    "edl.train.grpo_loss": ("completion_logprobs", "completion_mask", "group_advantages",
+    "edl.train.grpo_objective": ("completion_logprobs", "completion_mask", "group_advantages",
                             "grpo_loss", "kl_k3"),
     "edl.train.loop": ("train",),
     "edl.train.options": ("NAN_POLICIES", "OPTIMIZERS", "SCHEDULES"),

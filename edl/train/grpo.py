@@ -48,7 +48,7 @@ from edl import lora as edl_lora
 from edl import state as edl_state
 from edl.generate import generate
 from edl.state import TrainState
-from edl.train.grpo_loss import (
+from edl.train.grpo_objective import (
     LOSS_TYPES,
     SCALE_REWARDS,
     completion_logprobs,
