@@ -113,6 +113,7 @@ def as_lists(pair):
 
 
 @pytest.mark.filterwarnings("ignore:encode_preference. the prompt")
+@pytest.mark.filterwarnings("ignore:load_tokenized. 1 of 3 records warned")
 @pytest.mark.parametrize("records", [STRINGS, CHATS], ids=["strings", "conversations"])
 def test_token_ids_and_batches_equal_trls(tmp_path, hf_tokenizer, records):
     pytest.importorskip("torch")  # TRL's collator returns torch tensors
@@ -354,3 +355,11 @@ def test_errors_name_the_record_and_the_document(tmp_path, hf_tokenizer):
                                max_length=8, pad_id=PAD, shuffle=False))  # fmt: skip
     with pytest.raises(ValueError, match=r"documents\[0\] must be a dict with \['prompt_ids'"):
         next(PreferenceBatches([{"input_ids": [1]}], batch_size=1, max_length=8, pad_id=PAD))
+
+
+def test_load_tokenized_sums_up_boundary_warnings_naming_the_first_record(tmp_path, hf_tokenizer):
+    tok, _ = hf_tokenizer
+    path = write_jsonl(tmp_path / "w.jsonl", [STRINGS[0], STRINGS[1], STRINGS[1]])
+    with pytest.warns(UserWarning, match=r"2 of 3 records warned; the first, .*w\.jsonl:2: "
+                                          r"encode_preference: the prompt's 3 tokens"):  # fmt: skip
+        load_tokenized(path, tok, cache=False, progress=False)

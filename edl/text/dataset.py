@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,7 @@ def _tokenize(
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     field_lengths: list[list[int]] = []
+    warned: list[str] = []
     formats: set[str] = set()
     bar = tqdm(validated_records(source, format), desc=f"tokenizing {source.description}",
                unit=" records", file=sys.stderr, mininterval=1.0, disable=not progress)  # fmt: skip
@@ -283,9 +285,16 @@ def _tokenize(
                 f"{where}: chat records need an HFTokenizer with a chat template, got {tokenizer!r}"
             )
         try:
-            tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
+        for w in caught:  # the encoders' per-record warnings are summed up below
+            if str(w.message).startswith("encode_"):
+                warned.append(f"{where}: {w.message}")
+            else:
+                warnings.warn(w.message, w.category, stacklevel=2)
         formats.add(kind)
         ids.append(np.asarray(tokens, dtype=np.int32))
         if kind == "preference":
@@ -294,6 +303,11 @@ def _tokenize(
             labels.append(labelled)  # type: ignore[arg-type]
     if not ids:
         raise ValueError(f"load_tokenized: {source.description} holds no record")
+    if warned:
+        warnings.warn(
+            f"load_tokenized: {len(warned)} of {len(ids)} records warned; the first, {warned[0]}",
+            stacklevel=3,
+        )
     lengths = np.array([len(a) for a in ids], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
     has_labels = bool(labels)
