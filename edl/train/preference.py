@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
+from jaxtyping import Int
 
 from edl.text import IGNORE_INDEX
 from edl.train.data import Batch, EpochCursor, _check
@@ -46,12 +47,12 @@ def _read_pair(doc: Any, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def preference_rows(
-    prompt_ids: np.ndarray,
-    response_ids: np.ndarray,
+    prompt_ids: Int[np.ndarray, " prompt"],
+    response_ids: Int[np.ndarray, " response"],
     max_length: int,
     truncation: Literal["keep_start", "keep_end"] = "keep_start",
     max_prompt_length: int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[Int[np.ndarray, " n"], Int[np.ndarray, " n"]]:
     """One side of a pair as a row: ``(input_ids, labels)``, ``int32 (n,)``, ``n <=
     max_length``, labels ``-100`` on the prompt.
 
