@@ -6,6 +6,8 @@ log-probs against an unpadded forward, the LoRA-off reference against a frozen c
 validation, and (slow) end-to-end runs through ``edl.train.train`` sharing the state's
 arrays with the sampler, with checkpoint resume."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import edl
 from edl.train import (
     ByteTokenizer,
     GRPOConfig,
+    PromptBatches,
     completion_logprobs,
     completion_mask,
     group_advantages,
@@ -336,5 +339,39 @@ def test_grpo_lora_with_kl_to_the_base_trains_only_the_adapters():
 def test_grpo_step_rejects_bad_prompts():
     step = make_grpo_step(optax.sgd(0.1), ByteTokenizer(), _count_a, GRPOConfig(),
                           key=jax.random.key(0))  # fmt: skip
-    with pytest.raises(ValueError, match="prompts must be a non-empty list of strings"):
+    with pytest.raises(ValueError, match="prompts must be a non-empty list of prompts"):
         step.rollout(None, "abc", jax.random.key(0))
+
+
+def test_reward_functions_receive_the_records_other_fields():
+    def exact(prompts, completions, completion_ids, answer):
+        return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
+
+    total, means = score_completions([exact], [1.0], ["2+2=", "2+2="], ["4", "5"], [[1], [2]],
+                                     {"answer": ["4", "4"]})  # fmt: skip
+    np.testing.assert_array_equal(total, [1.0, 0.0])
+    assert means == {"reward/exact": 0.5}
+
+
+def test_prompt_batches_are_seeded_split_and_resume_exactly():
+    prompts = [{"prompt": f"q{i}", "answer": str(i)} for i in range(7)]
+    whole = PromptBatches(prompts, batch_size=4, seed=3)
+    first = [next(whole) for _ in range(5)]  # past the end of epoch 0: it repeats
+    assert all(len(b) == 4 for b in first)
+    assert sorted(p["answer"] for b in first[:1] for p in b) != ["0", "1", "2", "3"]  # shuffled
+    epoch0 = [p["answer"] for b in first for p in b][:7]
+    assert sorted(epoch0) == [str(i) for i in range(7)]
+    halves = [PromptBatches(prompts, batch_size=4, seed=3, process_index=i, process_count=2)
+              for i in range(2)]  # fmt: skip
+    for batch in first:
+        assert [p for h in halves for p in next(h)] == batch
+    resumed = PromptBatches(prompts, batch_size=4, seed=3)
+    again = PromptBatches(prompts, batch_size=4, seed=3)
+    for _ in range(3):
+        next(again)
+    resumed.restore(json.loads(json.dumps(again.position)))
+    assert [next(resumed) for _ in range(2)] == first[3:5]
+    once = PromptBatches(["a", "b", "c"], batch_size=2, shuffle=False, repeat=False)
+    assert list(once) == [["a", "b"], ["c"]]
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be text, chat messages"):
+        PromptBatches(["ok", {"question": "no prompt"}], batch_size=1)

@@ -205,13 +205,14 @@ class EpochCursor(Cursor):
         if self.index == len(self.documents):
             self.epoch, self.index = self.epoch + 1, 0
 
-    def next_batch(self) -> Batch | None:
+    def next_batch(self) -> Any:
+        """The next batch (a subclass's kind: arrays, rows, prompts), or None at the end."""
         raise NotImplementedError
 
     def __iter__(self) -> EpochCursor:
         return self
 
-    def __next__(self) -> Batch:
+    def __next__(self) -> Any:
         saved = (self.epoch, self.index, self.offset)
         try:
             batch = self.next_batch()

@@ -48,6 +48,7 @@ from edl import lora as edl_lora
 from edl import state as edl_state
 from edl.generate import generate
 from edl.state import TrainState
+from edl.train.data import EpochCursor
 from edl.train.grpo_objective import (
     LOSS_TYPES,
     SCALE_REWARDS,
@@ -58,13 +59,26 @@ from edl.train.grpo_objective import (
 )
 from edl.train.step import make_train_step
 
-__all__ = ["GRPOConfig", "GRPOStep", "RewardFn", "make_grpo_step", "score_completions"]
+__all__ = [
+    "GRPOConfig",
+    "GRPOStep",
+    "PromptBatches",
+    "RewardFn",
+    "make_grpo_step",
+    "score_completions",
+]
 
-RewardFn = Callable[[list[str], list[str], list[list[int]]], Sequence[float]]
-"""``reward_fn(prompts, completions, completion_ids) -> rewards``: one float per completion.
-``prompts[i]`` is completion ``i``'s prompt (each repeated ``num_generations`` times),
-``completions[i]`` its decoded text (EOS and padding removed), ``completion_ids[i]`` its
-token ids up to and including EOS. Rewards must be finite, one per completion."""
+RewardFn = Callable[..., Sequence[float]]
+"""``reward_fn(prompts, completions, completion_ids, **columns) -> rewards``: one float per
+completion. ``prompts[i]`` is completion ``i``'s prompt as given (a string, or chat messages;
+each repeated ``num_generations`` times), ``completions[i]`` its decoded text (EOS and
+padding removed), ``completion_ids[i]`` its token ids up to and including EOS. When the
+prompts are records (``{"prompt": ..., "answer": ...}``), their other fields come as keyword
+lists aligned with the completions (TRL passes dataset columns the same way), so a reward can
+check against a reference answer. Rewards must be finite, one per completion."""
+Prompt = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+"""One GRPO prompt: text, chat messages (through the tokenizer's chat template with the
+generation prompt), or a record whose ``"prompt"`` is either, with extra reward columns."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,18 +140,20 @@ def _name(fn: Callable[..., Any]) -> str:
 def score_completions(
     reward_fns: Sequence[RewardFn],
     weights: Sequence[float],
-    prompts: list[str],
+    prompts: list[Any],
     completions: list[str],
     completion_ids: list[list[int]],
+    columns: Mapping[str, list[Any]] | None = None,
 ) -> tuple[np.ndarray, dict[str, float]]:
     """The weighted sum of every reward function's rewards ``(rows,)`` (float32) and each
-    function's mean (``reward/<name>``). A function that returns the wrong number of
-    rewards, a non-number or a non-finite one raises ``ValueError`` naming it."""
+    function's mean (``reward/<name>``); ``columns`` go to every function as keyword
+    arguments. A function that returns the wrong number of rewards, a non-number or a
+    non-finite one raises ``ValueError`` naming it."""
     total = np.zeros(len(completions), np.float64)
     means = {}
     for fn, weight in zip(reward_fns, weights, strict=True):
         name = _name(fn)
-        values = fn(prompts, completions, completion_ids)
+        values = fn(prompts, completions, completion_ids, **dict(columns or {}))
         try:
             rewards = np.asarray(values, np.float64)
         except (TypeError, ValueError) as e:
@@ -154,6 +170,18 @@ def score_completions(
         means[f"reward/{name}"] = float(rewards.mean())
         total += weight * rewards
     return total.astype(np.float32), means
+
+
+def _record(prompt: Prompt, index: int) -> Mapping[str, Any]:
+    """``prompt`` as a record ``{"prompt": text or messages, ...columns}``."""
+    record = prompt if isinstance(prompt, Mapping) else {"prompt": prompt}
+    text = record.get("prompt")
+    if not isinstance(text, str) and not (
+        isinstance(text, Sequence) and text and all(isinstance(m, Mapping) for m in text)
+    ):
+        raise ValueError(f"GRPO step: prompts[{index}] must be text, chat messages or a record "
+                         f"with a 'prompt' of either, got {prompt!r:.80}")  # fmt: skip
+    return record
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -235,15 +263,22 @@ class GRPOStep:
         self.last_rollout: dict[str, Any] | None = None  # for inspection: texts, rewards
 
     def rollout(
-        self, model: Any, prompts: Sequence[str], key: PRNGKeyArray
+        self, model: Any, prompts: Sequence[Prompt], key: PRNGKeyArray
     ) -> tuple[dict[str, Array], dict[str, float]]:
         """Sample, decode and reward ``num_generations`` completions per prompt with
         ``model``; returns the update's batch and the rollout's metrics."""
         c, g = self.config, self.config.num_generations
         if isinstance(prompts, str) or not prompts:
-            raise ValueError(f"GRPO step: prompts must be a non-empty list of strings, "
+            raise ValueError(f"GRPO step: prompts must be a non-empty list of prompts, "
                              f"got {prompts!r:.80}")  # fmt: skip
-        rows = [list(self.tokenizer.encode(p)) for p in prompts for _ in range(g)]
+        records = [_record(p, i) for i, p in enumerate(prompts)]
+        fields = [sorted(r) for r in records]
+        if any(f != fields[0] for f in fields):
+            raise ValueError(f"GRPO step: the prompt records' fields differ: {fields[0]} vs "
+                             f"{next(f for f in fields if f != fields[0])}")  # fmt: skip
+        prompts = [r["prompt"] for r in records]
+        encoded = [self._encode(p) for p in prompts]
+        rows = [ids for ids in encoded for _ in range(g)]
         ids, mask = _left_pad(rows, self.pad_id)
         t0 = time.perf_counter()
         out = generate(
@@ -257,8 +292,10 @@ class GRPOStep:
         completion_ids = [new_np[i, : num_new[i]].tolist() for i in range(len(rows))]
         texts = [self.tokenizer.decode([t for t in r if t != self.eos_id]) for r in completion_ids]
         row_prompts = [p for p in prompts for _ in range(g)]
+        columns = {k: [r[k] for r in records for _ in range(g)] for k in records[0]
+                   if k != "prompt"}  # fmt: skip
         rewards, per_fn = score_completions(self.reward_fns, self.weights, row_prompts, texts,
-                                            completion_ids)  # fmt: skip
+                                            completion_ids, columns)  # fmt: skip
         advantages = group_advantages(jnp.asarray(rewards), g, scale_rewards=c.scale_rewards)
         self.last_rollout = {"prompts": row_prompts, "completions": texts, "rewards": rewards}
         batch = {
@@ -272,7 +309,12 @@ class GRPOStep:
                    "reward_s": time.perf_counter() - t1}  # fmt: skip
         return batch, metrics
 
-    def __call__(self, state: TrainState, prompts: Sequence[str]) -> tuple[TrainState, dict]:
+    def _encode(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+
+    def __call__(self, state: TrainState, prompts: Sequence[Prompt]) -> tuple[TrainState, dict]:
         c, start = self.config, int(state.step)
         model = edl_state.model(state)  # the state's own arrays: nothing is copied
         batch, metrics = self.rollout(model, prompts, jax.random.fold_in(self.key, start))
@@ -336,3 +378,46 @@ def make_grpo_step(
     update = make_train_step(_loss_fn(config), tx, clip_norm=clip_norm,
                              compute_dtype=compute_dtype, donate=donate)  # fmt: skip
     return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference)
+
+
+class PromptBatches(EpochCursor):
+    """GRPO's input: ``batch_size`` prompts per step (:data:`Prompt` items: text, chat
+    messages or records) from ``prompts``, in a seeded order per epoch, repeated, split over
+    processes (each gets its contiguous share of the same global batch), and resumable
+    exactly by ``edl.train.train`` (``position`` / ``restore``, as ``TokenBatches``)."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        repeat: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> None:
+        super().__init__(prompts, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         repeat=repeat, process_index=process_index,
+                         process_count=process_count)  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            _record(prompt, i)  # every prompt checked before the run starts
+
+    def current(self) -> Prompt | None:
+        """The prompt at the cursor; None when ``repeat=False`` and epoch 0 is done."""
+        if not self.repeat and self.epoch >= 1:
+            return None
+        return self.documents[self._doc_id(self.epoch, self.index)]
+
+    def next_batch(self) -> list[Prompt] | None:
+        """This process's share of the next global batch of prompts (None when done)."""
+        prompts = []
+        for _ in range(self.batch_size):
+            prompt = self.current()
+            if prompt is None:
+                break
+            prompts.append(prompt)
+            self.advance()
+        share = self.batch_size // self.process_count
+        mine = prompts[self.process_index * share : (self.process_index + 1) * share]
+        return mine or None
