@@ -29,7 +29,11 @@ from edl.module import require_float_dtype
 from edl.nn.attention import KVCacheLike
 from edl.nn.layers import Linear
 from edl.ops.checks import check_ids
-from edl.ops.losses import causal_lm_loss, sequence_classification_loss
+from edl.ops.losses import (
+    causal_lm_loss,
+    mask_without_context,
+    sequence_classification_loss,
+)
 from edl.ops.moe import load_balancing_loss, router_z_loss
 from edl.ops.sharding import Rules
 
@@ -139,12 +143,9 @@ class DecoderForCausalLM(eqx.Module):
             labels = input_ids  # checked as input_ids
         elif c.run.check_inputs:
             labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
-        no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
-        if attention_mask is not None:
-            no_context |= ~attention_mask[:, :-1].astype(jnp.bool_)
-        if segment_ids is not None:
-            no_context |= segment_ids[:, 1:] != segment_ids[:, :-1]
-        labels = labels.at[:, 1:].set(jnp.where(no_context, -100, labels[:, 1:]))
+        labels = mask_without_context(
+            labels, attention_mask=attention_mask, segment_ids=segment_ids
+        )
         out = self.model(
             input_ids, attention_mask=attention_mask, position_ids=position_ids,
             segment_ids=segment_ids,

@@ -6,7 +6,9 @@ from edl.ops.cached_attention import cached_attention, paged_attention
 from edl.ops.losses import (
     causal_lm_loss,
     causal_lm_loss_from_logits,
+    causal_lm_token_logps,
     cross_entropy,
+    mask_without_context,
     sequence_classification_loss,
 )
 from edl.ops.matmul import linear, linear_many
@@ -46,6 +48,7 @@ __all__ = [
     "cached_attention",
     "causal_lm_loss",
     "causal_lm_loss_from_logits",
+    "causal_lm_token_logps",
     "compose",
     "cross_entropy",
     "dequantize_weight",
@@ -55,6 +58,7 @@ __all__ = [
     "linear",
     "linear_many",
     "load_balancing_loss",
+    "mask_without_context",
     "min_p",
     "paged_attention",
     "processors_for",

@@ -6,6 +6,9 @@ logits: it scans over chunks of the flattened tokens with a rematerialised body,
 forward pass nor the gradient ever holds the ``(batch, seq, vocab)`` float32 logits, only one
 ``(chunk, vocab)`` block at a time. ``causal_lm_loss_from_logits`` is the plain path for
 callers that already have logits (and the reference the chunked one is tested against).
+``causal_lm_token_logps`` is the same chunked scan returning each position's log-probability of
+its target (preference losses sum them per sequence); ``mask_without_context`` sets to
+``ignore_index`` the targets whose context is padding or another packed segment.
 
 Every loss returns ``(loss, metrics)``: a float32 scalar and a dict of scalars (the loss again,
 plus accuracy / counts) ready for logging. Cross entropy is the mean over the counted targets
@@ -24,7 +27,9 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 __all__ = [
     "causal_lm_loss",
     "causal_lm_loss_from_logits",
+    "causal_lm_token_logps",
     "cross_entropy",
+    "mask_without_context",
     "sequence_classification_loss",
 ]
 
@@ -195,28 +200,10 @@ def causal_lm_loss(
         in the backward pass, and the head's gradient is summed over chunks in its dtype.
     """
     name = "causal_lm_loss"
-    if hidden.ndim != 3:
-        raise ValueError(f"{name}: hidden must be (batch, seq, dim), got shape {hidden.shape}")
-    batch, seq, dim = hidden.shape
-    if head.ndim != 2 or head.shape[1] != dim:
-        raise ValueError(
-            f"{name}: head must be (vocab, dim) with hidden's dim {dim}, got shape {head.shape}"
-        )
-    if chunk_size <= 0:
-        raise ValueError(f"{name}: chunk_size must be positive, got {chunk_size}")
-    if softcap is not None and softcap <= 0:
-        raise ValueError(f"{name}: softcap must be positive, got {softcap}")
-    targets, valid = _lm_targets(name, labels, attention_mask, ignore_index, shift, (batch, seq))
-
-    n = batch * seq
-    chunk = max(1, min(chunk_size, n))
-    n_chunks = -(-n // chunk)
-    pad = n_chunks * chunk - n  # padded tokens are never counted
-    dtype = jnp.promote_types(hidden.dtype, head.dtype)
-    x = jnp.pad(hidden.astype(dtype).reshape(n, dim), ((0, pad), (0, 0)))
-    t = jnp.pad(targets.reshape(n), (0, pad))
-    v = jnp.pad(valid.reshape(n), (0, pad))
-    w = head.astype(dtype)
+    targets, valid = _lm_targets(
+        name, labels, attention_mask, ignore_index, shift, _check_head(name, hidden, head)
+    )
+    x, t, v, w = _chunked(name, hidden, head, targets, valid, chunk_size, softcap)
 
     # Rematerialised: the backward pass recomputes this chunk's logits rather than saving them.
     @functools.partial(jax.checkpoint, prevent_cse=False)
@@ -231,9 +218,107 @@ def causal_lm_loss(
         return (loss_sum + chunk_loss, correct + chunk_correct), None
 
     init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    xs = (x.reshape(n_chunks, chunk, dim), t.reshape(n_chunks, chunk), v.reshape(n_chunks, chunk))
-    (loss_sum, correct), _ = jax.lax.scan(body, init, xs)
+    (loss_sum, correct), _ = jax.lax.scan(body, init, (x, t, v))
     return _metrics(loss_sum, correct, jnp.sum(valid.astype(jnp.int32)))
+
+
+def causal_lm_token_logps(
+    hidden: Float[Array, "batch seq dim"],
+    head: Float[Array, "vocab dim"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Mask | None = None,
+    ignore_index: int = -100,
+    shift: bool = True,
+    chunk_size: int = 2048,
+    softcap: float | None = None,
+) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    """Each position's float32 log-probability of its target, chunked as ``causal_lm_loss``
+    (never the full ``(batch, seq, vocab)`` logits; arguments as there).
+
+    Returns:
+        ``(logps, counted)``, both ``(batch, seq)``: with ``shift``, ``logps[:, t]`` is
+        ``log p(labels[:, t + 1] | prefix)`` (log-softmax in float32, after ``softcap``), 0.0
+        where ``counted`` is False (``ignore_index`` labels, masked positions, the last
+        position). Gradients flow to ``hidden`` and ``head``; chunk logits are recomputed in
+        the backward pass.
+    """
+    name = "causal_lm_token_logps"
+    batch, seq = _check_head(name, hidden, head)
+    targets, valid = _lm_targets(name, labels, attention_mask, ignore_index, shift, (batch, seq))
+    x, t, v, w = _chunked(name, hidden, head, targets, valid, chunk_size, softcap)
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def chunk_logps(w, x, t, v):
+        logits = jnp.einsum("cd,vd->cv", x, w, preferred_element_type=jnp.float32)
+        nll, _ = _token_stats(_softcap(logits, softcap), t, v)
+        return -nll
+
+    _, logps = jax.lax.scan(lambda carry, xs: (carry, chunk_logps(w, *xs)), None, (x, t, v))
+    return logps.reshape(-1)[: batch * seq].reshape(batch, seq), valid
+
+
+def mask_without_context(
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Mask | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    ignore_index: int = -100,
+) -> Int[Array, "batch seq"]:
+    """``labels`` (HF-aligned, unshifted) with ``ignore_index`` where the token has no context
+    to be predicted from: after a padded position (left padding), and (with ``segment_ids``)
+    at the first token of each packed segment. Position 0 is never predicted anyway."""
+    no_context = jnp.zeros(labels[:, 1:].shape, jnp.bool_)
+    if attention_mask is not None:
+        no_context |= ~attention_mask[:, :-1].astype(jnp.bool_)
+    if segment_ids is not None:
+        no_context |= segment_ids[:, 1:] != segment_ids[:, :-1]
+    ignored = jnp.asarray(ignore_index, labels.dtype)
+    return labels.at[:, 1:].set(jnp.where(no_context, ignored, labels[:, 1:]))
+
+
+def _check_head(name: str, hidden: Array, head: Array) -> tuple[int, int]:
+    """``(batch, seq)`` of ``hidden (batch, seq, dim)``, checked against ``head (vocab, dim)``."""
+    if hidden.ndim != 3:
+        raise ValueError(f"{name}: hidden must be (batch, seq, dim), got shape {hidden.shape}")
+    if head.ndim != 2 or head.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"{name}: head must be (vocab, dim) with hidden's dim {hidden.shape[2]}, got shape "
+            f"{head.shape}"
+        )
+    return hidden.shape[0], hidden.shape[1]
+
+
+def _chunked(
+    name: str,
+    hidden: Array,
+    head: Array,
+    targets: Array,
+    valid: Array,
+    chunk_size: int,
+    softcap: float | None,
+) -> tuple[Array, Array, Array, Array]:
+    """The flattened tokens as ``(n_chunks, chunk, ...)`` blocks (padding never counted) and
+    the head in the common dtype: ``(x, targets, valid, head)`` for a scan over chunks."""
+    if chunk_size <= 0:
+        raise ValueError(f"{name}: chunk_size must be positive, got {chunk_size}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"{name}: softcap must be positive, got {softcap}")
+    batch, seq, dim = hidden.shape
+    n = batch * seq
+    chunk = max(1, min(chunk_size, n))
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    dtype = jnp.promote_types(hidden.dtype, head.dtype)
+    x = jnp.pad(hidden.astype(dtype).reshape(n, dim), ((0, pad), (0, 0)))
+    t = jnp.pad(targets.reshape(n), (0, pad))
+    v = jnp.pad(valid.reshape(n), (0, pad))
+    return (
+        x.reshape(n_chunks, chunk, dim),
+        t.reshape(n_chunks, chunk),
+        v.reshape(n_chunks, chunk),
+        head.astype(dtype),
+    )
 
 
 def sequence_classification_loss(

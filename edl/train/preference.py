@@ -1,0 +1,270 @@
+"""Preference losses (DPO and its IPO / hinge variants, SimPO, ORPO) on per-sequence
+log-probabilities, and those log-probabilities computed on the chunked LM-head path.
+
+    import edl, optax
+    from edl.train import make_dpo_step, train
+
+    model = edl.lora.apply_lora(edl.from_pretrained("..."), rank=8, alpha=16, key=key)
+    tx = optax.adamw(5e-6)
+    state = edl.create_state(model, tx, trainable=edl.lora.lora_trainable)
+    step = make_dpo_step(tx, beta=0.1, reference="lora")   # reference: the LoRA-off base
+    state, summary = train(state, step, batches, steps=1000)
+    # batches: dicts of chosen_/rejected_ input_ids, labels (-100 on prompt and padding,
+    # unshifted) and attention_mask, int32 (batch, seq); see edl.train.preference_step.
+
+The losses are pure functions of float32 ``(batch,)`` log-probabilities, each returning
+``(loss, metrics)`` with TRL's metric names as batch means (``rewards/chosen``,
+``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
+``logps/rejected``) plus ``loss``. They follow TRL 1.16 (``trl/trainer/dpo_trainer.py``
+``DPOTrainer._compute_loss``; ``trl/experimental/cpo/cpo_trainer.py`` ``CPOTrainer.cpo_loss``
+for SimPO; ``trl/experimental/orpo/orpo_trainer.py`` ``ORPOTrainer.odds_ratio_loss``), and
+the tests check them against those methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from edl.ops.checks import check_ids
+from edl.ops.losses import causal_lm_token_logps, mask_without_context
+
+__all__ = ["DPO_LOSS_TYPES", "dpo_loss", "orpo_loss", "sequence_logps", "simpo_loss", "token_logps"]
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+Logps = Float[Array, " batch"]
+Metrics = dict[str, Float[Array, ""]]
+
+
+def token_logps(
+    model: Any,
+    input_ids: Int[Array, "batch seq"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    chunk_size: int = 2048,
+) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
+    """``(logps, counted)`` ``(batch, seq)``: ``logps[:, t] = log p(labels[:, t + 1] |
+    prefix)`` in float32 (0.0 where not counted) and whether it is counted; see
+    :func:`sequence_logps`, which sums these."""
+    c = model.config
+    if c.run.check_inputs:
+        labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
+    labels = mask_without_context(labels, attention_mask=attention_mask, segment_ids=segment_ids)
+    out = model.model(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
+    return causal_lm_token_logps(
+        out.last_hidden_state, model.head_weight, labels, attention_mask=attention_mask,
+        chunk_size=chunk_size, softcap=c.final_softcap,
+    )  # fmt: skip
+
+
+def sequence_logps(
+    model: Any,
+    input_ids: Int[Array, "batch seq"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    average: bool = False,
+    chunk_size: int = 2048,
+) -> Float[Array, " batch"]:
+    """Per sequence, the sum (``average=True``: the mean over counted tokens, 0.0 when none)
+    of ``log p(labels[:, t + 1] | input_ids[:, :t + 1])`` under a causal LM
+    (``edl.models`` ``*ForCausalLM``), float32.
+
+    ``labels`` are HF-aligned (unshifted: usually ``input_ids`` with -100 on the prompt and
+    padding). Not counted: -100 labels, padded positions, a token whose context is padding,
+    and (with ``segment_ids``) the first token of each packed segment, exactly as
+    ``compute_loss`` counts them. Computed as ``compute_loss`` is, from the final hidden states
+    by ``edl.ops.causal_lm_token_logps`` in chunks of ``chunk_size`` tokens (never the full
+    ``(batch, seq, vocab)`` logits), log-softmax in float32, Gemma 2's final soft-cap applied.
+    """
+    logps, counted = token_logps(
+        model, input_ids, labels, attention_mask=attention_mask, segment_ids=segment_ids,
+        chunk_size=chunk_size,
+    )  # fmt: skip
+    total = jnp.sum(logps, axis=1)
+    if not average:
+        return total
+    return total / jnp.maximum(jnp.sum(counted.astype(jnp.int32), axis=1), 1).astype(jnp.float32)
+
+
+def _reward_metrics(
+    chosen_rewards: Logps, rejected_rewards: Logps, chosen_logps: Logps, rejected_logps: Logps
+) -> Metrics:
+    """TRL's logged metrics: batch means of the rewards, their margin, how often the chosen
+    one wins, and the policy log-probs (all without gradient)."""
+    sg = jax.lax.stop_gradient
+    chosen_rewards, rejected_rewards = sg(chosen_rewards), sg(rejected_rewards)
+    return {
+        "rewards/chosen": jnp.mean(chosen_rewards),
+        "rewards/rejected": jnp.mean(rejected_rewards),
+        "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+        "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
+        "logps/chosen": jnp.mean(sg(chosen_logps)),
+        "logps/rejected": jnp.mean(sg(rejected_logps)),
+    }
+
+
+def _check_logps(name: str, **logps: Array | None) -> None:
+    shapes = {k: v.shape for k, v in logps.items() if v is not None}
+    if len(set(shapes.values())) > 1 or any(len(s) != 1 for s in shapes.values()):
+        raise ValueError(f"{name}: log-probs must all be (batch,) of one size, got {shapes}")
+    dtypes = {k: v.dtype for k, v in logps.items() if v is not None and v.dtype != jnp.float32}
+    if dtypes:
+        raise ValueError(f"{name}: log-probs must be float32, got {dtypes}")
+
+
+def _sigmoid_loss(logits: Logps, label_smoothing: float) -> Logps:
+    """Conservative (label-smoothed) logistic loss: -(1-ε) log σ(x) - ε log σ(-x)."""
+    return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(logits) - label_smoothing * (
+        jax.nn.log_sigmoid(-logits)
+    )
+
+
+def dpo_loss(
+    policy_chosen_logps: Logps,
+    policy_rejected_logps: Logps,
+    ref_chosen_logps: Logps,
+    ref_rejected_logps: Logps,
+    *,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: Float[Array, " batch"] | Int[Array, " batch"] | None = None,
+    rejected_lengths: Float[Array, " batch"] | Int[Array, " batch"] | None = None,
+) -> tuple[Float[Array, ""], Metrics]:
+    """DPO on summed completion log-probs ``(batch,)`` float32 of the policy and the reference.
+
+    With ``h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)``:
+
+    - ``"sigmoid"`` (DPO): ``-(1 - ε) log σ(β h) - ε log σ(-β h)`` with ``ε =
+      label_smoothing`` (conservative DPO; TRL 1.16's DPO ``sigmoid`` is ``ε = 0``, its CPO
+      ``sigmoid`` has this form).
+    - ``"ipo"``: ``(h' - 1 / (2 β))²`` where ``h'`` divides each log-ratio by its completion
+      length, as TRL does: pass the summed log-probs as for the others plus
+      ``chosen_lengths`` / ``rejected_lengths`` ``(batch,)`` (counted completion tokens;
+      lengths below 1 count as 1). Equivalently, pass length-averaged log-probs for policy
+      and reference and lengths of 1 (the reward metrics are then per token).
+    - ``"hinge"`` (SLiC): ``relu(1 - β h)``.
+
+    Returns ``(loss, metrics)``: the batch mean, and TRL's metrics with rewards
+    ``β (policy - reference)`` per sequence (summed log-ratios, also for IPO).
+    """
+    name = "dpo_loss"
+    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
+                 policy_rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
+                 ref_rejected_logps=ref_rejected_logps)  # fmt: skip
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"{name}: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    if beta <= 0:
+        raise ValueError(f"{name}: beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    if loss_type == "sigmoid":
+        losses = _sigmoid_loss(beta * (chosen_logratios - rejected_logratios), label_smoothing)
+    elif loss_type == "hinge":
+        losses = jax.nn.relu(1.0 - beta * (chosen_logratios - rejected_logratios))
+    else:
+        if chosen_lengths is None or rejected_lengths is None:
+            raise ValueError(
+                f"{name}: loss_type='ipo' needs chosen_lengths and rejected_lengths (the "
+                "completion token counts TRL divides each log-ratio by)"
+            )
+        _check_logps(name, policy_chosen_logps=policy_chosen_logps,
+                     chosen_lengths=chosen_lengths.astype(jnp.float32),
+                     rejected_lengths=rejected_lengths.astype(jnp.float32))  # fmt: skip
+        per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
+        delta = per_token(chosen_logratios, chosen_lengths) - per_token(
+            rejected_logratios, rejected_lengths
+        )
+        losses = jnp.square(delta - 1.0 / (2.0 * beta))
+    loss = jnp.mean(losses)
+    metrics = _reward_metrics(beta * chosen_logratios, beta * rejected_logratios,
+                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
+    return loss, {"loss": loss, **metrics}
+
+
+def simpo_loss(
+    policy_chosen_logps: Logps,
+    policy_rejected_logps: Logps,
+    *,
+    beta: float = 2.0,
+    gamma: float = 0.5,
+    label_smoothing: float = 0.0,
+) -> tuple[Float[Array, ""], Metrics]:
+    """SimPO (reference-free) on length-averaged log-probs ``(batch,)`` float32
+    (``sequence_logps(..., average=True)``).
+
+    ``loss = -(1 - ε) log σ(β h - γ) - ε log σ(-(β h - γ))`` with ``h = chosen - rejected``:
+    TRL's ``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``. ``gamma`` is TRL's
+    ``simpo_gamma`` (the target reward margin); TRL subtracts ``gamma / beta`` from ``h``
+    (the SimPO repository's ``gamma_beta_ratio``), the same thing. Rewards are
+    ``β * logps``.
+    """
+    name = "simpo_loss"
+    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
+                 policy_rejected_logps=policy_rejected_logps)  # fmt: skip
+    if beta <= 0:
+        raise ValueError(f"{name}: beta must be > 0, got {beta}")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"{name}: label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    logits = policy_chosen_logps - policy_rejected_logps - gamma / beta
+    loss = jnp.mean(_sigmoid_loss(beta * logits, label_smoothing))
+    metrics = _reward_metrics(beta * policy_chosen_logps, beta * policy_rejected_logps,
+                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
+    return loss, {"loss": loss, **metrics}
+
+
+def _log1mexp(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Mächler's split at -log 2, as TRL's
+    ``log1mexp``); each branch sees only its own inputs, so neither leaks NaN gradients."""
+    near_zero = x > -0.6931471805599453
+    return jnp.where(
+        near_zero,
+        jnp.log(-jnp.expm1(jnp.where(near_zero, x, -1.0))),
+        jnp.log1p(-jnp.exp(jnp.where(near_zero, -1.0, x))),
+    )
+
+
+def orpo_loss(
+    policy_chosen_logps: Logps,
+    policy_rejected_logps: Logps,
+    chosen_nll: Float[Array, ""],
+    *,
+    beta: float = 0.1,
+) -> tuple[Float[Array, ""], Metrics]:
+    """ORPO (reference-free): ``chosen_nll - β mean(log σ(log_odds))`` with
+    ``log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))`` on length-averaged log-probs
+    ``c``, ``r`` ``(batch,)`` float32 (``sequence_logps(..., average=True)``, all < 0).
+
+    ``chosen_nll``: the SFT term, the chosen sequences' mean token NLL (TRL's ORPO takes it
+    over the whole chosen sequence, prompt included; ``make_dpo_step`` does the same).
+    Metrics as TRL's ``ORPOTrainer``: rewards ``β * logps``, plus ``log_odds_ratio`` (the mean
+    of ``log σ(log_odds)``), ``log_odds_chosen`` (the mean log odds) and ``nll_loss``.
+    """
+    name = "orpo_loss"
+    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
+                 policy_rejected_logps=policy_rejected_logps)  # fmt: skip
+    if beta <= 0:
+        raise ValueError(f"{name}: beta must be > 0, got {beta}")
+    log_odds = (policy_chosen_logps - policy_rejected_logps) - (
+        _log1mexp(policy_chosen_logps) - _log1mexp(policy_rejected_logps)
+    )
+    ratio = jax.nn.log_sigmoid(log_odds)
+    chosen_nll = chosen_nll.astype(jnp.float32)
+    loss = chosen_nll - beta * jnp.mean(ratio)
+    metrics = _reward_metrics(beta * policy_chosen_logps, beta * policy_rejected_logps,
+                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
+    sg = jax.lax.stop_gradient
+    return loss, {
+        "loss": loss, **metrics, "log_odds_ratio": jnp.mean(sg(ratio)),
+        "log_odds_chosen": jnp.mean(sg(log_odds)), "nll_loss": sg(chosen_nll),
+    }  # fmt: skip

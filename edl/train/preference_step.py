@@ -1,0 +1,377 @@
+"""Train steps for preference data: ``make_dpo_step`` (DPO / IPO / hinge against a
+reference, SimPO and ORPO without one) and ``make_reward_step`` (a Bradley-Terry reward
+model), both built on ``make_train_step`` and usable with ``edl.train.train``.
+
+The batch (what the preference data pipeline yields): a dict of int32 ``(batch, seq)``
+arrays ``chosen_input_ids``, ``chosen_labels``, ``chosen_attention_mask`` and the same three
+``rejected_*`` (labels HF-aligned, i.e. unshifted, -100 on the prompt and padding; chosen and
+rejected may have different ``seq``), plus, for ``reference="batch"``, float32 ``(batch,)``
+``ref_chosen_logps`` / ``ref_rejected_logps``: the reference's summed completion log-probs
+(TRL's precomputed columns; :func:`reference_logps` makes them). Chosen and rejected run
+through one forward pass, concatenated along the batch (right-padded to a common length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jaxtyping import Array, Float
+
+from edl import lora as edl_lora
+from edl.nn.lora import LoraLinear
+from edl.train.jitted import JittedStep
+from edl.train.preference import (
+    DPO_LOSS_TYPES,
+    dpo_loss,
+    orpo_loss,
+    simpo_loss,
+    token_logps,
+)
+from edl.train.step import make_train_step
+from edl.tree import find
+
+__all__ = [
+    "PREFERENCE_LOSS_TYPES",
+    "REFERENCES",
+    "make_dpo_step",
+    "make_reward_step",
+    "preference_logps",
+    "reference_logps",
+    "reward_loss",
+]
+
+PREFERENCE_LOSS_TYPES = (*DPO_LOSS_TYPES, "simpo", "orpo")
+REFERENCES = ("lora", "model", "batch")
+PAIR_KEYS = tuple(f"{side}_{k}" for side in ("chosen", "rejected")
+                  for k in ("input_ids", "labels", "attention_mask"))  # fmt: skip
+REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+Batch = Mapping[str, Array]
+Step = Callable[[Any, Batch], tuple[Any, dict[str, Array]]]
+
+
+def _check_batch(who: str, batch: Batch, keys: tuple[str, ...]) -> None:
+    """Every key present, and each side's arrays of one ``(batch, seq)`` shape."""
+    missing = [k for k in keys if k not in batch]
+    if missing:
+        raise ValueError(
+            f"{who}: the batch lacks {', '.join(missing)} (it has {', '.join(sorted(batch))})"
+        )
+    sizes = set()
+    for side in ("chosen", "rejected"):
+        shapes = {k: batch[k].shape for k in keys if k.startswith(side)}
+        if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
+            raise ValueError(
+                f"{who}: the {side}_* arrays must share one (batch, seq), got {shapes}"
+            )
+        sizes.add(next(iter(shapes.values()))[0])
+    for k in (k for k in REF_KEYS if k in keys):
+        sizes.add(batch[k].shape[0] if batch[k].ndim == 1 else -1)
+    if len(sizes) != 1:
+        shapes = {k: batch[k].shape for k in keys}
+        raise ValueError(f"{who}: chosen and rejected need the same batch size, got {shapes}")
+
+
+def _concatenated(batch: Batch, names: tuple[str, ...], pads: tuple[int, ...]) -> list[Array]:
+    """``chosen_<name>`` over ``rejected_<name>`` for each name, right-padded with ``pad`` to
+    their common length: ``(2 * batch, seq)``."""
+    seq = max(batch["chosen_" + names[0]].shape[1], batch["rejected_" + names[0]].shape[1])
+    out = []
+    for name, pad in zip(names, pads, strict=True):
+        sides = [batch[f"{side}_{name}"] for side in ("chosen", "rejected")]
+        widths = [((0, 0), (0, seq - x.shape[1])) for x in sides]
+        out.append(jnp.concatenate(
+            [jnp.pad(x, w, constant_values=pad) for x, w in zip(sides, widths, strict=True)]
+        ))  # fmt: skip
+    return out
+
+
+def preference_logps(
+    model: Any, batch: Batch, *, chunk_size: int = 2048, sft_nll: bool = False
+) -> dict[str, Float[Array, " ..."]]:
+    """Chosen and rejected in one forward pass of a causal LM: float32 ``(batch,)``
+    ``chosen_logps`` / ``rejected_logps`` (summed over counted completion tokens, as
+    ``sequence_logps``) and ``chosen_lengths`` / ``rejected_lengths`` (those token counts).
+
+    ``sft_nll``: also ``chosen_nll``, the chosen sequences' mean token NLL over every
+    attended token, prompt included (TRL's ORPO SFT term), from the same pass: each position
+    predicts its label where there is one, else the next input id.
+    """
+    _check_batch("preference_logps", batch, PAIR_KEYS)
+    ids, labels, mask = _concatenated(batch, ("input_ids", "labels", "attention_mask"),
+                                      (0, -100, 0))  # fmt: skip
+    targets = jnp.where(labels != -100, labels, ids) if sft_nll else labels
+    logps, counted = token_logps(model, ids, targets, attention_mask=mask, chunk_size=chunk_size)
+    completion = counted & jnp.pad(labels[:, 1:] != -100, ((0, 0), (0, 1)))
+    sums = jnp.sum(jnp.where(completion, logps, 0.0), axis=1)
+    lengths = jnp.sum(completion.astype(jnp.int32), axis=1).astype(jnp.float32)
+    n = batch["chosen_input_ids"].shape[0]
+    out = {"chosen_logps": sums[:n], "rejected_logps": sums[n:],
+           "chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}  # fmt: skip
+    if sft_nll:
+        full = counted[:n]
+        out["chosen_nll"] = -jnp.sum(logps[:n]) / jnp.maximum(
+            jnp.sum(full.astype(jnp.int32)), 1
+        ).astype(jnp.float32)
+    return out
+
+
+def reference_logps(model: Any, batch: Batch, *, chunk_size: int = 2048) -> dict[str, Array]:
+    """``batch`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` ``(batch,)`` float32
+    added: ``model``'s summed completion log-probs, for ``make_dpo_step(reference="batch")``
+    (compute them once, e.g. ``jax.jit(reference_logps)`` over the data set)."""
+    logps = preference_logps(model, batch, chunk_size=chunk_size)
+    return {**batch, "ref_chosen_logps": logps["chosen_logps"],
+            "ref_rejected_logps": logps["rejected_logps"]}  # fmt: skip
+
+
+def _dpo_loss_fn(
+    loss_type: str, beta: float, label_smoothing: float, gamma: float, reference: str,
+    chunk_size: int,
+) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:  # fmt: skip
+    """``loss_fn(model, batch, reference_model) -> (loss, metrics)`` (the reference model is
+    used only for ``reference="model"``)."""
+    who = f"make_dpo_step(loss_type={loss_type!r}, reference={reference!r})"
+    keys = PAIR_KEYS + (REF_KEYS if loss_type in DPO_LOSS_TYPES and reference == "batch" else ())
+
+    def loss_fn(model: Any, batch: Batch, reference_model: Any) -> tuple[Array, dict[str, Array]]:
+        _check_batch(who, batch, keys)
+        policy = preference_logps(model, batch, chunk_size=chunk_size,
+                                  sft_nll=loss_type == "orpo")  # fmt: skip
+        n = jnp.asarray(batch["chosen_input_ids"].shape[0], jnp.int32)  # weights micro-batches
+        if loss_type in ("simpo", "orpo"):
+            chosen = policy["chosen_logps"] / jnp.maximum(policy["chosen_lengths"], 1.0)
+            rejected = policy["rejected_logps"] / jnp.maximum(policy["rejected_lengths"], 1.0)
+            if loss_type == "simpo":
+                loss, metrics = simpo_loss(chosen, rejected, beta=beta, gamma=gamma,
+                                           label_smoothing=label_smoothing)  # fmt: skip
+            else:
+                loss, metrics = orpo_loss(chosen, rejected, policy["chosen_nll"], beta=beta)
+            return loss, {**metrics, "count": n}
+        if reference == "batch":
+            ref = {k: batch[f"ref_{k}"].astype(jnp.float32)
+                   for k in ("chosen_logps", "rejected_logps")}  # fmt: skip
+        else:
+            if reference == "lora":
+                if not find(model, lambda x: isinstance(x, LoraLinear)):
+                    raise ValueError(
+                        f"{who}: the model has no LoRA adapters to switch off for the "
+                        "reference; wrap it with edl.lora.apply_lora, or pass "
+                        "reference='model' with reference_model= (or reference='batch')"
+                    )
+                reference_model = edl_lora.unwrap_lora(model)
+            ref = preference_logps(reference_model, batch, chunk_size=chunk_size)
+        ref = jax.lax.stop_gradient(ref)
+        loss, metrics = dpo_loss(
+            policy["chosen_logps"], policy["rejected_logps"], ref["chosen_logps"],
+            ref["rejected_logps"], beta=beta, loss_type=loss_type,
+            label_smoothing=label_smoothing, chosen_lengths=policy["chosen_lengths"],
+            rejected_lengths=policy["rejected_lengths"],
+        )  # fmt: skip
+        return loss, {**metrics, "count": n}
+
+    return loss_fn
+
+
+def make_dpo_step(
+    optimizer: optax.GradientTransformation,
+    *,
+    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid",
+    beta: float | None = None,
+    label_smoothing: float = 0.0,
+    gamma: float = 0.5,
+    reference: Literal["lora", "model", "batch"] = "lora",
+    reference_model: Any = None,
+    chunk_size: int = 2048,
+    **step_options: Any,
+) -> Step:
+    """A preference-optimisation ``step(state, batch) -> (state, metrics)`` for a causal LM
+    state (``edl.create_state``), usable with ``edl.train.train``: ``make_train_step`` on the
+    loss below, so ``step_options`` are its options (``grad_accum_steps``, ``clip_norm``,
+    ``schedule``, ``skip_nonfinite``, ``compute_dtype``, ``donate``, ``jit``, ``mesh``,
+    ``rules``).
+
+    Args:
+        loss_type: ``"sigmoid"`` (DPO), ``"ipo"``, ``"hinge"``: :func:`dpo_loss` against a
+            reference; ``"simpo"`` (:func:`simpo_loss`) and ``"orpo"`` (:func:`orpo_loss`,
+            its SFT term the chosen sequences' token NLL): reference-free, on length-averaged
+            log-probs.
+        beta: the loss's β; None: 0.1, or 2.0 for SimPO (TRL's / the paper's defaults).
+        label_smoothing: ε of the conservative ``"sigmoid"`` loss and of SimPO.
+        gamma: SimPO's target reward margin (TRL's ``simpo_gamma``).
+        reference: where the DPO reference log-probs come from (unused by SimPO / ORPO):
+            ``"lora"``: the trained model with its LoRA adapters switched off
+            (``edl.lora.unwrap_lora`` inside the loss, no second copy of the weights);
+            ``"model"``: ``reference_model``, a frozen model passed to the compiled step as an
+            argument (never donated, never trained, not baked into the program);
+            ``"batch"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps``
+            (:func:`reference_logps`). Reference log-probs carry no gradient.
+        chunk_size: tokens per LM-head chunk (``edl.ops.causal_lm_token_logps``).
+
+    Metrics: the loss's (TRL's names: ``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO's
+    ``log_odds_ratio``, ``log_odds_chosen``, ``nll_loss``), ``count`` (pairs) and the train
+    step's. MoE router losses are not added. Batch errors (missing keys, shapes) and a
+    ``reference="lora"`` model without adapters raise when the step is first traced.
+    """
+    who = "make_dpo_step"
+    if loss_type not in PREFERENCE_LOSS_TYPES:
+        raise ValueError(
+            f"{who}: loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}"
+        )
+    if reference not in REFERENCES:
+        raise ValueError(f"{who}: reference must be one of {REFERENCES}, got {reference!r}")
+    uses_model = loss_type in DPO_LOSS_TYPES and reference == "model"
+    if uses_model != (reference_model is not None):
+        raise ValueError(
+            f"{who}: reference_model is needed exactly when loss_type is one of "
+            f"{DPO_LOSS_TYPES} and reference='model'; got loss_type={loss_type!r}, "
+            f"reference={reference!r}, reference_model "
+            f"{'given' if reference_model is not None else 'None'}"
+        )
+    if beta is None:
+        beta = 2.0 if loss_type == "simpo" else 0.1
+    if beta <= 0 or not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(
+            f"{who}: need beta > 0 and 0 <= label_smoothing < 0.5, got beta={beta}, "
+            f"label_smoothing={label_smoothing}"
+        )
+    loss_fn = _dpo_loss_fn(loss_type, beta, label_smoothing, gamma, reference, chunk_size)
+    if not uses_model:
+        return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
+    return _with_reference(loss_fn, optimizer, reference_model, step_options)
+
+
+def _with_reference(
+    loss_fn: Callable, optimizer: optax.GradientTransformation, reference_model: Any,
+    step_options: dict[str, Any],
+) -> Step:  # fmt: skip
+    """The train step with the reference model's arrays as a traced argument of the compiled
+    program (a closure would bake them into it as constants)."""
+    options = dict(step_options)
+    jit, donate = options.pop("jit", True), options.pop("donate", True)
+    if options.get("mesh") is not None:
+        raise ValueError(
+            "make_dpo_step: reference='model' does not run on a mesh yet; use "
+            "reference='lora' or precomputed reference='batch' log-probs there"
+        )
+    make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, jit=False, **options)  # checks
+    arrays, static = eqx.partition(reference_model, eqx.is_array)
+
+    def step(state: Any, batch_and_reference: tuple[Batch, Any]) -> tuple[Any, dict]:
+        batch, ref_arrays = batch_and_reference
+        ref = eqx.combine(ref_arrays, static)
+        pure = make_train_step(lambda m, b: loss_fn(m, b, ref), optimizer, jit=False, **options)
+        return pure(state, batch)
+
+    if not jit:
+        return lambda state, batch: step(state, (batch, arrays))
+    return ReferenceStep(JittedStep(step, donate=donate), arrays)
+
+
+class ReferenceStep:
+    """A jitted step ``inner(state, (batch, reference))`` called as ``step(state, batch)``:
+    the reference model's arrays go in as an argument (kept, not donated). Like a
+    :class:`JittedStep`, ``lower(state, batch).compile()`` gives a ``(state, batch)``
+    callable (``edl.train.train`` compiles ahead of time this way)."""
+
+    def __init__(self, inner: JittedStep, reference: Any) -> None:
+        self.inner, self.reference = inner, reference
+
+    def __call__(self, state: Any, batch: Batch) -> tuple[Any, dict[str, Array]]:
+        return self.inner(state, (batch, self.reference))
+
+    def lower(self, state: Any, batch: Batch) -> _BoundLowered:
+        return _BoundLowered(self.inner.lower(state, (batch, self.reference)), self.reference)
+
+
+class _BoundLowered:
+    def __init__(self, lowered: Any, reference: Any) -> None:
+        self.lowered, self.reference = lowered, reference
+
+    def compile(self) -> _BoundCompiled:
+        return _BoundCompiled(self.lowered.compile(), self.reference)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.lowered, name)
+
+
+class _BoundCompiled:
+    def __init__(self, compiled: Any, reference: Any) -> None:
+        self.compiled, self.reference = compiled, reference
+
+    def __call__(self, state: Any, batch: Batch) -> tuple[Any, dict[str, Array]]:
+        return self.compiled(state, (batch, self.reference))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.compiled, name)
+
+
+def reward_loss(
+    chosen_rewards: Float[Array, " batch"],
+    rejected_rewards: Float[Array, " batch"],
+    *,
+    center_rewards_coefficient: float | None = None,
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """Bradley-Terry: ``-mean(log σ(r_chosen - r_rejected))``, plus (TRL's
+    ``center_rewards_coefficient``) ``c * mean((r_chosen + r_rejected)²)``.
+
+    Metrics: ``loss``, ``accuracy`` (how often the chosen reward is higher),
+    ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins`` (batch means).
+    """
+    if chosen_rewards.shape != rejected_rewards.shape or chosen_rewards.ndim != 1:
+        raise ValueError(
+            f"reward_loss: rewards must be (batch,) of one size, got {chosen_rewards.shape} and "
+            f"{rejected_rewards.shape}"
+        )
+    chosen, rejected = chosen_rewards.astype(jnp.float32), rejected_rewards.astype(jnp.float32)
+    loss = -jnp.mean(jax.nn.log_sigmoid(chosen - rejected))
+    if center_rewards_coefficient is not None:
+        loss = loss + center_rewards_coefficient * jnp.mean(jnp.square(chosen + rejected))
+    chosen, rejected = jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
+    return loss, {
+        "loss": loss, "accuracy": jnp.mean((chosen > rejected).astype(jnp.float32)),
+        "rewards/chosen": jnp.mean(chosen), "rewards/rejected": jnp.mean(rejected),
+        "rewards/margins": jnp.mean(chosen - rejected),
+    }  # fmt: skip
+
+
+def make_reward_step(
+    optimizer: optax.GradientTransformation,
+    *,
+    center_rewards_coefficient: float | None = None,
+    **step_options: Any,
+) -> Step:
+    """A reward-model ``step(state, batch) -> (state, metrics)`` (``make_train_step`` on
+    :func:`reward_loss`; ``step_options`` are its options) for an ``edl.models``
+    ``*ForSequenceClassification`` with ``num_labels=1``, scored at each row's last non-pad
+    token. The batch needs ``chosen_input_ids``, ``chosen_attention_mask``,
+    ``rejected_input_ids`` and ``rejected_attention_mask`` (labels are not read); chosen and
+    rejected run in one forward pass. Metrics: :func:`reward_loss`'s and ``count`` (pairs).
+    """
+    keys = ("chosen_input_ids", "chosen_attention_mask", "rejected_input_ids",
+            "rejected_attention_mask")  # fmt: skip
+
+    def loss_fn(model: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
+        num_labels = getattr(model.config, "num_labels", None)
+        if not hasattr(model, "score") or num_labels != 1:
+            raise ValueError(
+                "make_reward_step: the model must be a sequence-classification model with "
+                f"num_labels=1, got {type(model).__name__} with num_labels={num_labels}"
+            )
+        _check_batch("make_reward_step", batch, keys)
+        pad = model.config.pad_token_id
+        ids, mask = _concatenated(batch, ("input_ids", "attention_mask"),
+                                  (0 if pad is None else pad, 0))  # fmt: skip
+        rewards = model(ids, attention_mask=mask).logits[:, 0]
+        n = batch["chosen_input_ids"].shape[0]
+        loss, metrics = reward_loss(
+            rewards[:n], rewards[n:], center_rewards_coefficient=center_rewards_coefficient
+        )
+        return loss, {**metrics, "count": jnp.asarray(n, jnp.int32)}
+
+    return make_train_step(loss_fn, optimizer, **step_options)

@@ -1,0 +1,462 @@
+"""edl.train.preference / preference_step: every preference loss and its metrics against TRL
+1.16's own methods, sequence log-probs against float64 numpy from full logits, the LoRA-off
+reference against a held frozen copy, and DPO / reward-model training through edl.train."""
+
+import dataclasses
+import os
+import types
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import TINY_LLAMA
+from jaxtyping import TypeCheckError
+
+import edl
+from edl.lora import apply_lora, lora_trainable, unwrap_lora
+from edl.train import (
+    dpo_loss,
+    make_dpo_step,
+    make_reward_step,
+    orpo_loss,
+    preference_logps,
+    reward_loss,
+    sequence_logps,
+    simpo_loss,
+    train,
+)
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+torch = pytest.importorskip("torch")
+
+# ---------------------------------------------------------------- losses vs TRL (torch) ---
+
+# Fixed per-sequence log-probs (summed over completions), with margins of both signs.
+_RNG = np.random.default_rng(0)
+_B = 6
+_PC = -_RNG.uniform(5.0, 40.0, _B)
+_PR = -_RNG.uniform(5.0, 40.0, _B)
+_RC = _PC + _RNG.normal(0.0, 3.0, _B)
+_RR = _PR + _RNG.normal(0.0, 3.0, _B)
+_LEN_C = _RNG.integers(1, 12, _B).astype(np.float64)
+_LEN_R = _RNG.integers(1, 12, _B).astype(np.float64)
+# Loss and metrics in float32 from float32 inputs of magnitude <= ~50: a few ulps of 50.
+_TOL = dict(rtol=2e-6, atol=2e-5)
+
+
+def _f32(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def _t64(x):
+    return torch.tensor(np.asarray(x, np.float32).astype(np.float64))
+
+
+def _accelerator():
+    return types.SimpleNamespace(device="cpu", gather=lambda x: x, gather_for_metrics=lambda x: x)
+
+
+class _StubModel:
+    """Stands in for the policy: returns fixed outputs, whatever it is given."""
+
+    training = True
+
+    def __init__(self, outputs):
+        self.outputs = outputs
+
+    def __call__(self, **kwargs):
+        return self.outputs
+
+
+def _trl_dpo(pc, pr, rc, rr, *, beta, loss_type):
+    """TRL's ``DPOTrainer._compute_loss`` (trl/trainer/dpo_trainer.py) run on a stand-in
+    trainer whose model returns per-token log-probs summing to the given sequence log-probs
+    (precomputed reference log-probs, completion lengths ``_LEN_C`` / ``_LEN_R``)."""
+    from trl import DPOTrainer
+
+    seq = int(max(_LEN_C.max(), _LEN_R.max())) + 1
+    n = len(pc)
+    log_probs = torch.zeros(2 * n, seq - 1, dtype=torch.float64)
+    log_probs[:, 0] = torch.cat([_t64(pc), _t64(pr)])
+    lengths = np.concatenate([_LEN_C, _LEN_R]).astype(int)
+    completion = torch.tensor(np.arange(seq)[None] < lengths[:, None], dtype=torch.long)
+    outputs = types.SimpleNamespace(
+        log_probs=log_probs, entropy=torch.zeros_like(log_probs),
+        mean_logits=torch.zeros_like(log_probs), is_top1=torch.zeros_like(log_probs).bool(),
+    )  # fmt: skip
+    model = _StubModel(outputs)
+    trainer = types.SimpleNamespace(
+        model=model, accelerator=_accelerator(), loss_types=[loss_type], loss_weights=[1.0],
+        beta=beta, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
+        use_weighting=False, aux_loss_enabled=False, label_smoothing=0.0,
+        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
+    )  # fmt: skip
+    inputs = {
+        "input_ids": torch.zeros(2 * n, seq, dtype=torch.long),
+        "attention_mask": torch.ones(2 * n, seq, dtype=torch.long),
+        "completion_mask": completion, "ref_chosen_logps": _t64(rc), "ref_rejected_logps": _t64(rr),
+    }  # fmt: skip
+    loss = DPOTrainer._compute_loss(trainer, model, inputs, False)
+    return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+
+def _trl_cpo(pc, pr, *, beta, loss_type, label_smoothing, simpo_gamma=0.5):
+    """TRL's ``CPOTrainer.cpo_loss`` (trl/experimental/cpo/cpo_trainer.py) with ``alpha=0``,
+    and the metrics its ``get_batch_loss_metrics`` derives from the returned rewards."""
+    from trl.experimental.cpo import CPOTrainer
+
+    trainer = types.SimpleNamespace(
+        alpha=0.0, loss_type=loss_type, beta=beta, simpo_gamma=simpo_gamma,
+        label_smoothing=label_smoothing, accelerator=_accelerator(),
+    )  # fmt: skip
+    pc, pr = _t64(pc), _t64(pr)
+    losses, chosen, rejected = CPOTrainer.cpo_loss(trainer, pc, pr)
+    return float(losses.mean()), _trl_reward_metrics(chosen, rejected, pc, pr)
+
+
+def _trl_reward_metrics(chosen, rejected, pc, pr):
+    return {
+        "rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
+        "rewards/accuracies": float((chosen > rejected).double().mean()),
+        "rewards/margins": float((chosen - rejected).mean()),
+        "logps/chosen": float(pc.mean()), "logps/rejected": float(pr.mean()),
+    }  # fmt: skip
+
+
+def _check(loss, metrics, want_loss, want_metrics):
+    assert loss.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), want_loss, **_TOL)
+    np.testing.assert_allclose(float(metrics["loss"]), want_loss, **_TOL)
+    for key, want in want_metrics.items():
+        assert metrics[key].dtype == jnp.float32, key
+        np.testing.assert_allclose(float(metrics[key]), want, **_TOL, err_msg=key)
+    assert set(want_metrics) <= set(metrics)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_dpo_loss_matches_trl(loss_type, beta):
+    loss, metrics = dpo_loss(
+        _f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta, loss_type=loss_type,
+        chosen_lengths=_f32(_LEN_C), rejected_lengths=jnp.asarray(_LEN_R, jnp.int32),
+    )  # fmt: skip
+    want_loss, want = _trl_dpo(_PC, _PR, _RC, _RR, beta=beta, loss_type=loss_type)
+    names = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+             "logps/chosen", "logps/rejected"]  # fmt: skip
+    _check(loss, metrics, want_loss, {k: want[k] for k in names})
+    assert 0 < float(metrics["rewards/accuracies"]) < 1  # both signs of margin present
+
+
+def test_dpo_label_smoothing_matches_trls_conservative_sigmoid():
+    """TRL 1.16's DPO ``sigmoid`` has no label smoothing; its conservative form is CPO's
+    ``sigmoid`` loss, which on the log-ratios ``policy - ref`` is exactly conservative DPO."""
+    beta, ls = 0.3, 0.2
+    loss, _ = dpo_loss(_f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta,
+                       label_smoothing=ls)  # fmt: skip
+    want_loss, _ = _trl_cpo(_PC - _RC, _PR - _RR, beta=beta, loss_type="sigmoid",
+                            label_smoothing=ls)  # fmt: skip
+    np.testing.assert_allclose(float(loss), want_loss, **_TOL)
+    unsmoothed, _ = dpo_loss(_f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta)
+    assert abs(float(loss) - float(unsmoothed)) > 1e-3
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_simpo_loss_matches_trl(label_smoothing):
+    pc, pr = _PC / _LEN_C, _PR / _LEN_R  # SimPO is on length-averaged log-probs
+    loss, metrics = simpo_loss(_f32(pc), _f32(pr), beta=2.0, gamma=0.7,
+                               label_smoothing=label_smoothing)  # fmt: skip
+    want_loss, want = _trl_cpo(pc, pr, beta=2.0, loss_type="simpo",
+                               label_smoothing=label_smoothing, simpo_gamma=0.7)  # fmt: skip
+    _check(loss, metrics, want_loss, want)
+
+
+def test_orpo_loss_matches_trl():
+    """TRL's ``ORPOTrainer.odds_ratio_loss`` (trl/experimental/orpo/orpo_trainer.py), loss
+    ``nll - losses.mean()`` and metrics as its ``get_batch_loss_metrics``."""
+    from trl.experimental.orpo import ORPOTrainer
+
+    # Average log-probs, some near 0 (log1mexp's other branch).
+    pc = np.r_[-0.01, -0.3, -1.2, -2.5, -0.7, -4.0]
+    pr = np.r_[-0.2, -0.05, -2.0, -1.0, -3.0, -0.9]
+    nll, beta = 1.7, 0.25
+    loss, metrics = orpo_loss(_f32(pc), _f32(pr), _f32(nll), beta=beta)
+    trainer = types.SimpleNamespace(beta=beta, accelerator=_accelerator())
+    losses, chosen, rejected, ratio, log_odds = ORPOTrainer.odds_ratio_loss(
+        trainer, _t64(pc), _t64(pr)
+    )
+    want = _trl_reward_metrics(chosen, rejected, _t64(pc), _t64(pr))
+    want |= {"log_odds_ratio": float(ratio), "log_odds_chosen": float(log_odds),
+             "nll_loss": float(np.float32(nll))}  # fmt: skip
+    _check(loss, metrics, float(np.float32(nll)) - float(losses.mean()), want)
+    grads = jax.grad(lambda c: orpo_loss(c, _f32(pr), _f32(nll), beta=beta)[0])(_f32(pc))
+    assert np.all(np.isfinite(grads))
+
+
+def test_reward_loss_matches_trls_formula():
+    """Float64 re-derivation of TRL's ``RewardTrainer.compute_loss``
+    (trl/trainer/reward_trainer.py, lines 788-795: -logsigmoid(chosen - rejected), plus
+    ``center_rewards_coefficient * mean((chosen + rejected)**2)``); its ``accuracy`` metric
+    is the fraction with chosen > rejected. (It needs a model forward, so it is not called.)"""
+    chosen, rejected = _RNG.normal(size=8), _RNG.normal(size=8)
+    c64, r64 = (np.float32(x).astype(np.float64) for x in (chosen, rejected))
+    for coef in (None, 0.01):
+        loss, metrics = reward_loss(_f32(chosen), _f32(rejected), center_rewards_coefficient=coef)
+        want = np.mean(np.logaddexp(0.0, -(c64 - r64))) + (coef or 0.0) * np.mean((c64 + r64) ** 2)
+        _check(loss, metrics, want, {
+            "accuracy": np.mean(c64 > r64), "rewards/chosen": c64.mean(),
+            "rewards/rejected": r64.mean(), "rewards/margins": np.mean(c64 - r64),
+        })  # fmt: skip
+
+
+def test_losses_reject_bad_inputs():
+    x = _f32(_PC)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        dpo_loss(x, x, x, x, loss_type="kto")
+    with pytest.raises(ValueError, match="'ipo' needs chosen_lengths and rejected_lengths"):
+        dpo_loss(x, x, x, x, loss_type="ipo")
+    with pytest.raises(ValueError, match="must be float32"):
+        simpo_loss(x.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
+    # jaxtyping's check under test, _check_logps's in production
+    with pytest.raises((ValueError, TypeCheckError), match="batch"):
+        dpo_loss(x, x[:3], x, x)
+
+
+# ---------------------------------------------------------------- sequence log-probs ---
+
+
+def _pair_batch(seed, batch=3, seq=9, vocab=TINY_LLAMA["vocab_size"], rejected_seq=None):
+    """A preference batch: prompts of 2-4 tokens (labels -100), completions, right padding."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for side, length in (("chosen", seq), ("rejected", rejected_seq or seq)):
+        ids = rng.integers(1, vocab, (batch, length))
+        prompt = rng.integers(2, 5, batch)
+        used = rng.integers(prompt + 2, length + 1)
+        pos = np.arange(length)[None]
+        mask = pos < used[:, None]
+        labels = np.where(mask & (pos >= prompt[:, None]), ids, -100)
+        ids = np.where(mask, ids, 0)
+        out |= {f"{side}_input_ids": ids, f"{side}_labels": labels,
+                f"{side}_attention_mask": mask.astype(np.int32)}  # fmt: skip
+    return {k: jnp.asarray(v, jnp.int32) for k, v in out.items()}
+
+
+def _numpy_logps(hidden, head, softcap, ids, labels, mask, average):
+    """Float64 reference from full logits (of edl's final hidden states): log_softmax, HF's
+    shift, counting a target when its label is not -100, it is attended, and so is its
+    context (the position before)."""
+    logits = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64).T
+    if softcap is not None:
+        logits = softcap * np.tanh(logits / softcap)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.sum(np.exp(logits - top), -1, keepdims=True))
+    labels, mask = np.asarray(labels), np.asarray(mask).astype(bool)
+    target = labels[:, 1:]
+    counted = (target != -100) & mask[:, 1:] & mask[:, :-1]
+    picked = np.take_along_axis(logp[:, :-1], np.where(counted, target, 0)[..., None], -1)[..., 0]
+    total = np.sum(np.where(counted, picked, 0.0), axis=1)
+    return total / np.maximum(counted.sum(1), 1) if average else total
+
+
+def _lora(tiny_llama):
+    """tiny_llama with LoRA adapters whose B is random, so the adapted model differs."""
+    model = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
+    params, other = edl.split(model, lora_trainable)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(3), len(leaves))
+    noise = [
+        0.2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    return edl.merge(tree.unflatten([x + e for x, e in zip(leaves, noise, strict=True)]), other)
+
+
+def _softcapped(model, cap):
+    """The same weights under Gemma 2's final soft-cap."""
+    config = model.config.replace(final_softcap=cap)
+    return dataclasses.replace(model, model=dataclasses.replace(model.model, config=config))
+
+
+def test_sequence_logps_match_float64_and_lora_off_equals_the_frozen_base(tiny_llama):
+    """One compiled program (one compile for the default suite): ``sequence_logps`` summed
+    (several chunks, ragged last one) and averaged (one chunk), and soft-capped, against float64
+    numpy from full logits (right and left padding, -100 prompts); and the ``reference="lora"``
+    path (adapters switched off inside the jitted loss) bit-for-bit equal to the separately
+    held frozen base, with chosen and rejected of different lengths."""
+    lora, capped = _lora(tiny_llama), _softcapped(tiny_llama, 0.05)
+    b = _pair_batch(0)
+    ids, labels = b["chosen_input_ids"], b["chosen_labels"].at[0, :2].set(-100)
+    mask = b["chosen_attention_mask"].at[0, :2].set(0)  # a left-padded row too
+    pairs = _pair_batch(1, rejected_seq=7)
+
+    @jax.jit
+    def run(base, capped, lora):
+        variants = [("sum", base, False, 5), ("mean", base, True, 2048),
+                     ("capped", capped, False, 5)]  # fmt: skip
+        out = {"hidden": base.model(ids, attention_mask=mask).last_hidden_state}
+        for name, model, average, chunk in variants:
+            out[name] = sequence_logps(model, ids, labels, attention_mask=mask, average=average,
+                                       chunk_size=chunk)  # fmt: skip
+        off = preference_logps(unwrap_lora(lora), pairs, chunk_size=8)
+        out["off"] = jax.lax.stop_gradient(off)
+        out["base"] = preference_logps(base, pairs, chunk_size=8)
+        return out
+
+    out = run(tiny_llama, capped, lora)
+    for name, cap, average in (("sum", None, False), ("mean", None, True), ("capped", 0.05, False)):
+        want = _numpy_logps(out["hidden"], tiny_llama.head_weight, cap, ids, labels, mask, average)
+        assert out[name].dtype == jnp.float32 and out[name].shape == (3,)
+        # float32 head matmul and log-softmax vs float64: ~1e-6 relative of ~60.
+        np.testing.assert_allclose(np.asarray(out[name]), want, rtol=1e-5, atol=1e-4)
+    assert not np.allclose(out["sum"], out["capped"])
+
+    for key in ("chosen_logps", "rejected_logps", "chosen_lengths", "rejected_lengths"):
+        np.testing.assert_array_equal(
+            np.asarray(out["off"][key]), np.asarray(out["base"][key]), err_msg=key
+        )
+    merged = edl.lora.merge_lora(lora)  # the adapters do change the model
+    assert not np.allclose(merged.model.layers.self_attn.q_proj.weight,
+                           tiny_llama.model.layers.self_attn.q_proj.weight)  # fmt: skip
+    counted = (np.asarray(pairs["rejected_labels"])[:, 1:] != -100).sum(1)
+    np.testing.assert_array_equal(np.asarray(out["base"]["rejected_lengths"]), counted)
+
+
+def test_dpo_step_errors_name_what_is_wrong(tiny_llama):
+    tx = optax.sgd(0.1)
+    state = edl.create_state(tiny_llama, tx)
+    batch = _pair_batch(2)
+    with pytest.raises(ValueError, match=r"no LoRA adapters.*reference='model'"):
+        make_dpo_step(tx, donate=False)(state, batch)
+    with pytest.raises(ValueError, match=r"batch lacks ref_chosen_logps, ref_rejected_logps"):
+        make_dpo_step(tx, reference="batch", donate=False)(state, batch)
+    lacking = {k: v for k, v in batch.items() if k != "rejected_labels"}
+    with pytest.raises(ValueError, match=r"batch lacks rejected_labels \(it has chosen_"):
+        make_dpo_step(tx, loss_type="simpo", donate=False)(state, lacking)
+    with pytest.raises(ValueError, match="reference_model is needed exactly when"):
+        make_dpo_step(tx, reference="model")
+    with pytest.raises((ValueError, TypeCheckError), match="loss_type"):
+        make_dpo_step(tx, loss_type="dpo")
+    with pytest.raises(ValueError, match="num_labels=1"):
+        make_reward_step(tx, donate=False)(state, batch)
+
+
+# ---------------------------------------------------------------- training ---
+
+
+def _toy_preferences(n_batches, seed=0, batch=4, seq=8):
+    """Prompt: 3 random tokens; chosen completion repeats the prompt's first token, rejected
+    is random: a preference a tiny model can learn in a few steps."""
+    rng = np.random.default_rng(seed)
+    vocab = TINY_LLAMA["vocab_size"]
+    out = []
+    for _ in range(n_batches):
+        prompt = rng.integers(1, vocab, (batch, 3))
+        chosen = np.concatenate([prompt, np.repeat(prompt[:, :1], seq - 3, 1)], 1)
+        rejected = np.concatenate([prompt, rng.integers(1, vocab, (batch, seq - 3))], 1)
+        labels = lambda ids: np.where(np.arange(seq)[None] >= 3, ids, -100)
+        mask = np.ones((batch, seq), np.int32)
+        out.append({k: jnp.asarray(v, jnp.int32) for k, v in {
+            "chosen_input_ids": chosen, "chosen_labels": labels(chosen),
+            "chosen_attention_mask": mask, "rejected_input_ids": rejected,
+            "rejected_labels": labels(rejected), "rejected_attention_mask": mask,
+        }.items()})  # fmt: skip
+    return out
+
+
+class _Preferences:
+    """Toy preference batches with a resumable position."""
+
+    def __init__(self, n=12):
+        self.count, self._all = 0, _toy_preferences(n)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.count += 1
+        return self._all[(self.count - 1) % len(self._all)]
+
+    @property
+    def position(self):
+        return {"count": self.count}
+
+    def restore(self, position):
+        self.count = position["count"]
+
+
+@pytest.mark.slow  # compiles two DPO train steps (~20 s)
+def test_lora_and_model_references_give_the_same_step(tiny_llama):
+    """One DPO step with the LoRA-off reference equals one with the base model passed as
+    ``reference_model`` (an argument of the compiled step, not donated): same metrics."""
+    lora = _lora(tiny_llama)
+    tx = optax.adam(1e-2)
+    batch = _toy_preferences(1)[0]
+    _, by_lora = make_dpo_step(tx, donate=False)(
+        edl.create_state(lora, tx, trainable=lora_trainable), batch
+    )
+    step = make_dpo_step(tx, reference="model", reference_model=tiny_llama)
+    state = edl.create_state(lora, tx, trainable=lora_trainable)
+    _, by_model = step.lower(state, batch).compile()(state, batch)
+    for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "grad_norm"):
+        np.testing.assert_array_equal(np.asarray(by_lora[key]), np.asarray(by_model[key]), key)
+    assert float(by_lora["rewards/margins"]) != 0.0
+    np.asarray(tiny_llama.model.embed_tokens.weight)  # the reference was not donated
+
+
+@pytest.mark.slow  # trains tiny_llama + LoRA for 4 runs of a few steps (~25 s)
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo", "orpo"])
+def test_dpo_training_raises_margins_and_accuracies(tiny_llama, loss_type):
+    lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
+    tx = optax.adam(3e-2)
+    state = edl.create_state(lora, tx, trainable=lora_trainable)
+    step = make_dpo_step(tx, loss_type=loss_type, reference="lora", clip_norm=1.0)
+    batches, history = _toy_preferences(12), []
+    for batch in batches:
+        state, metrics = step(state, batch)
+        history.append({k: float(v) for k, v in metrics.items()})
+    first, last = history[0], history[-1]
+    assert last["rewards/margins"] > first["rewards/margins"] + 0.1, (first, last)
+    assert last["rewards/accuracies"] == 1.0 and first["rewards/accuracies"] <= 0.75
+    assert last["loss"] < first["loss"]
+
+
+@pytest.mark.slow  # three edl.train runs of tiny_llama + LoRA with checkpoints (~15 s)
+def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
+    lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
+    tx = optax.adam(1e-2)
+
+    def run(directory, steps, **kw):
+        state = edl.create_state(lora, tx, trainable=lora_trainable)
+        step = make_dpo_step(tx, reference="model", reference_model=tiny_llama)
+        return train(state, step, _Preferences(), steps=steps, output_dir=directory,
+                     save_every=2, progress=False, **kw)  # fmt: skip
+
+    whole, _ = run(tmp_path / "whole", 6)
+    stop = edl.train.callback(lambda info: edl.train.Stop("pause") if info.step == 3 else None)
+    _, first = run(tmp_path / "split", 6, callbacks=[stop])
+    assert first["stop_reason"] == "pause"
+    resumed, summary = run(tmp_path / "split", 6)
+    assert summary["resumed_from"] == 3 and int(resumed.step) == 6
+    for a, b in zip(jax.tree.leaves(whole.params), jax.tree.leaves(resumed.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    log = [line for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert '"rewards/margins"' in log[-1]
+
+
+@pytest.mark.slow  # trains a tiny reward model for 12 steps (~6 s)
+def test_reward_step_raises_accuracy(tiny_llama):
+    from edl.models import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig(**TINY_LLAMA, num_labels=1, pad_token_id=0)
+    model = LlamaForSequenceClassification.init(config, key=jax.random.key(4))
+    tx = optax.adam(1e-2)
+    state = edl.create_state(model, tx)
+    step = make_reward_step(tx, center_rewards_coefficient=0.01)
+    history = []
+    for batch in _toy_preferences(12, seed=1):
+        state, metrics = step(state, batch)
+        history.append({k: float(v) for k, v in metrics.items()})
+    assert history[0]["accuracy"] <= 0.75 and history[-1]["accuracy"] == 1.0
+    assert history[-1]["rewards/margins"] > history[0]["rewards/margins"] + 0.5
