@@ -165,8 +165,8 @@ def test_completion_and_chat_are_tokenized_with_their_labels(tmp_path, loaded): 
     with pytest.raises(ValueError, match=r"bad\.jsonl:1: encode_chat: no assistant message"):
         load_tokenized(bad, tok, cache=False, progress=False)
     pref = write_jsonl(tmp_path / "p.jsonl", RECORDS["preference"])
-    with pytest.raises(ValueError, match=r"p\.jsonl:1: a preference record"):
-        load_tokenized(pref, BYTES, cache=False, progress=False)
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: chat records need an HFTokenizer"):
+        load_tokenized(pref, BYTES, cache=False, progress=False)  # record 1 is strings: fine
 
 
 def test_hf_datasets_from_local_json_and_parquet(tmp_path):

@@ -49,6 +49,31 @@ class TrainConfig:
     format: str = _option("text", "what --data records hold: text, prompt / completion, or chat "
                           "messages (loss on completions / assistant turns only)",
                           choices=("text", "completion", "chat"))  # fmt: skip
+    method: str = _option(
+        "sft",
+        "what to train: sft (next-token loss on --data), dpo (preference pairs: "
+        "prompt / chosen / rejected), reward (a reward model on preference pairs), grpo "
+        "(online RL on prompt records with --reward)",
+        choices=("sft", "dpo", "reward", "grpo"),
+    )
+    loss_type: str = _option("sigmoid", "--method dpo's loss: sigmoid (DPO), ipo, hinge, "
+                             "simpo or orpo (the last two need no reference)",
+                             choices=("sigmoid", "ipo", "hinge", "simpo", "orpo"))  # fmt: skip
+    beta: float = _option(
+        0.0, "DPO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)", low=0.0
+    )
+    reference: str = _option(
+        "auto", "DPO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
+        "frozen copy of --model), auto (lora with --lora-rank, else model)",
+        choices=("auto", "lora", "model"),
+    )  # fmt: skip
+    reward: str = _option("", "--method grpo: reward function(s), module:function[,...] "
+                          "(imported from the working directory or PYTHONPATH)")  # fmt: skip
+    num_generations: int = _option(8, "--method grpo: completions per prompt", low=2.0)
+    max_new_tokens: int = _option(64, "--method grpo: tokens per completion", low=1.0)
+    temperature: float = _option(1.0, "--method grpo: sampling temperature", low=0.0)
+    num_iterations: int = _option(1, "--method grpo: optimizer updates per batch of "
+                                  "completions", low=1.0)  # fmt: skip
     eval_data: str = _option("", "held-out data, read as --data (empty: none with --data)")
     packing: bool = _option(True, "pack several examples per row (segment ids keep them apart)")
     lora_rank: int = _option(0, "LoRA rank for --model runs (0: full fine-tuning)", low=0.0)
@@ -127,11 +152,40 @@ class TrainConfig:
             raise ConfigError(f"--format {self.format} needs --model (a chat / SFT tokenizer)")
         if self.eval_data and not self.data:
             raise ConfigError("--eval-data needs --data")
+        self._check_method()
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
                 f"({self.batch_size})"
             )
+
+    def _check_method(self) -> None:
+        method = self.method
+        if method == "sft":
+            return
+        if not self.model:
+            raise ConfigError(f"--method {method} needs --model (a pretrained model)")
+        if self.format != "text":
+            raise ConfigError(f"--format is for --method sft; --method {method} reads "
+                              + ("prompt records" if method == "grpo" else
+                                 "preference records (prompt / chosen / rejected)"))  # fmt: skip
+        if self.eval_data:
+            raise ConfigError(f"--eval-data is for --method sft, not {method}")
+        if method == "grpo" and not self.reward:
+            raise ConfigError("--method grpo needs --reward module:function")
+        if method != "grpo" and self.reward:
+            raise ConfigError(f"--reward is for --method grpo, not {method}")
+        if method == "grpo" and self.temperature <= 0:
+            raise ConfigError("--temperature must be > 0 for --method grpo (it samples)")
+        if self.reference == "lora" and not self.lora_rank:
+            raise ConfigError("--reference lora needs --lora-rank (the LoRA-off base)")
+
+    @property
+    def reference_kind(self) -> str:
+        """``reference``, with ``auto`` resolved: the LoRA-off base when training LoRA."""
+        if self.reference != "auto":
+            return self.reference
+        return "lora" if self.lora_rank else "model"
 
     @property
     def peak_learning_rate(self) -> float:

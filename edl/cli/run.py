@@ -25,7 +25,7 @@ from edl.train import (
     train,
 )
 
-__all__ = ["check_output_dir", "loss_fn", "train_model"]
+__all__ = ["check_output_dir", "loss_fn", "optimizer", "step_options", "train_model"]
 
 
 def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
@@ -47,6 +47,25 @@ def check_output_dir(config: TrainConfig) -> None:
         raise CommandError(str(e)) from None
 
 
+def optimizer(config: TrainConfig, *, updates: int | None = None) -> tuple[Any, Any]:
+    """``(tx, schedule)`` of ``config`` over ``updates`` optimizer updates (default
+    ``config.steps``)."""
+    updates = config.steps if updates is None else updates
+    return make_optimizer(OptimizerConfig(
+        name=config.optimizer, schedule=config.schedule,
+        learning_rate=config.peak_learning_rate,
+        warmup_steps=min(config.warmup_steps, updates), total_steps=updates,
+        weight_decay=config.weight_decay,
+    ))  # fmt: skip
+
+
+def step_options(config: TrainConfig) -> dict[str, Any]:
+    """``make_train_step``'s options from ``config`` (clipping, accumulation, precision)."""
+    compute = None if config.compute_dtype == config.param_dtype else config.compute_dtype
+    return {"grad_accum_steps": config.grad_accum_steps, "clip_norm": config.clip_norm or None,
+            "skip_nonfinite": config.nan_policy == "skip", "compute_dtype": compute}  # fmt: skip
+
+
 def train_model(
     config: TrainConfig,
     model: Any,
@@ -56,22 +75,17 @@ def train_model(
     trainable: Any = None,
     tokenizer: Any = None,
     callbacks: Sequence[Callback] = (),
+    step: Any = None,
+    tx: Any = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
     ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
+    ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training).
     Returns ``edl.train.train``'s ``(state, summary)``."""
-    tx, schedule = make_optimizer(OptimizerConfig(
-        name=config.optimizer, schedule=config.schedule,
-        learning_rate=config.peak_learning_rate,
-        warmup_steps=min(config.warmup_steps, config.steps), total_steps=config.steps,
-        weight_decay=config.weight_decay,
-    ))  # fmt: skip
-    compute = None if config.compute_dtype == config.param_dtype else config.compute_dtype
-    step = make_train_step(loss_fn, tx, grad_accum_steps=config.grad_accum_steps,
-                           clip_norm=config.clip_norm or None, schedule=schedule,
-                           skip_nonfinite=config.nan_policy == "skip",
-                           compute_dtype=compute)  # fmt: skip
+    if step is None:
+        tx, schedule = optimizer(config)
+        step = make_train_step(loss_fn, tx, schedule=schedule, **step_options(config))
     return train(
         edl.create_state(model, tx, trainable=trainable), step, data, steps=config.steps,
         eval_step=make_eval_step(loss_fn) if eval_batches else None, eval_data=eval_batches,

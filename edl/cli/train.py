@@ -54,6 +54,10 @@ def _model(config: TrainConfig, tokenizer: ByteTokenizer) -> LlamaForCausalLM:
 def run_train(config: TrainConfig) -> dict[str, Any]:
     """Train as ``config`` says; print one JSON line of results and a sample; return the
     loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``)."""
+    if config.method != "sft":
+        from edl.cli.post import run_post_training
+
+        return run_post_training(config)
     if config.model:
         from edl.cli.finetune import run_finetune
 

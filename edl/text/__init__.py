@@ -8,6 +8,8 @@ files and datasets. Pure Python and numpy: no jax; transformers only inside
   edl's names, token for token identical;
 - ``sft``: :func:`encode_completion` and :func:`encode_chat`, ``input_ids`` with
   ``labels`` (:data:`IGNORE_INDEX` where no loss is taken);
+- ``preference``: :func:`encode_preference`, a ``{"prompt", "chosen", "rejected"}``
+  record as prompt / chosen / rejected token ids, as TRL's ``DPOTrainer`` makes them;
 - ``sources``: records (text, prompt / completion, chat, preference) from text files,
   JSON Lines / JSON files (:func:`data_files`) and ``datasets`` (:func:`hf_dataset`),
   validated by :func:`read_records`;
@@ -23,6 +25,7 @@ from edl.text.dataset import (
     tokenizer_fingerprint,
 )
 from edl.text.hf import HFTokenizer, load_tokenizer
+from edl.text.preference import Preference, encode_preference
 from edl.text.sft import IGNORE_INDEX, Example, encode_chat, encode_completion
 from edl.text.sources import (
     FORMATS,
@@ -41,6 +44,7 @@ __all__ = [
     "ByteTokenizer",
     "Example",
     "HFTokenizer",
+    "Preference",
     "Source",
     "TokenizedDataset",
     "Tokenizer",
@@ -49,6 +53,7 @@ __all__ = [
     "detect_format",
     "encode_chat",
     "encode_completion",
+    "encode_preference",
     "hf_dataset",
     "load_tokenized",
     "load_tokenizer",

@@ -9,14 +9,19 @@ process split and resumption are ``TokenBatches``'s):
   ``{"input_ids"}`` (pretraining: packed as one stream, EOS between documents);
 - ``"completion"``: :func:`~edl.text.encode_completion`, ``{"input_ids", "labels"}``;
 - ``"chat"``: :func:`~edl.text.encode_chat` (an :class:`~edl.text.HFTokenizer` with a
-  chat template), ``{"input_ids", "labels"}``.
+  chat template), ``{"input_ids", "labels"}``;
+- ``"preference"``: :func:`~edl.text.encode_preference` (TRL's DPO tokenization),
+  ``{"prompt_ids", "chosen_ids", "rejected_ids"}``, the documents that
+  ``edl.train.PreferenceBatches`` batches.
 
 The cache (``cache_dir``, default :func:`default_cache_dir`) holds one entry per key, the
 SHA-256 of the source's fingerprint (its content), the tokenizer's
 (:func:`tokenizer_fingerprint`), the format and the options: ``<key>.safetensors``
 (``input_ids`` ``int32 (tokens,)``, ``labels`` ``int32 (tokens,)`` for labelled formats,
-``offsets`` ``int64 (documents + 1,)``: document ``i`` is ``[offsets[i], offsets[i+1])``)
-and ``<key>.json`` (what it was made from, and its sizes). Each file is written to a
+``offsets`` ``int64 (documents + 1,)``: document ``i`` is ``[offsets[i], offsets[i+1])``;
+for preference records ``input_ids`` holds each pair's prompt, chosen and rejected ids one
+after another and ``field_lengths`` ``int64 (documents, 3)`` their lengths) and
+``<key>.json`` (what it was made from, and its sizes). Each file is written to a
 temporary name and moved into place (``os.replace``), the JSON last: an entry without its
 JSON, or whose arrays disagree with it, is not read (it is rebuilt), so a killed write
 never leaves a readable partial entry. Arrays are read lazily, a document at a time.
@@ -30,6 +35,7 @@ import json
 import os
 import sys
 import uuid
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +44,7 @@ import numpy as np
 from jaxtyping import Int
 
 from edl.text.hf import HFTokenizer
+from edl.text.preference import encode_preference
 from edl.text.sft import encode_chat, encode_completion
 from edl.text.sources import Format, PathLike, Source, data_files, validated_records
 from edl.text.tokenizer import ByteTokenizer, Tokenizer
@@ -45,6 +52,8 @@ from edl.text.tokenizer import ByteTokenizer, Tokenizer
 __all__ = ["TokenizedDataset", "default_cache_dir", "load_tokenized", "tokenizer_fingerprint"]
 
 _VERSION = 1
+# The fields a preference document is cut into (the cache's `field_lengths` columns).
+PREFERENCE_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def default_cache_dir() -> Path:
@@ -82,11 +91,14 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 
 class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
     """Tokenized documents: ``dataset[i]`` is ``{"input_ids": int32 (n_i,)}``, plus
-    ``"labels"`` (``int32 (n_i,)``, ``-100`` where no loss) for labelled formats.
+    ``"labels"`` (``int32 (n_i,)``, ``-100`` where no loss) for labelled formats; for
+    preference data ``{"prompt_ids", "chosen_ids", "rejected_ids"}`` (``int32``, each of
+    its own length).
 
     Attributes:
         meta: what the dataset was made from (source, tokenizer, format, options) and its
-            sizes (``num_documents``, ``num_tokens``, ``has_labels``).
+            sizes (``num_documents``, ``num_tokens``, ``has_labels``; ``fields``, the
+            field names, for preference data).
         path: the cache entry's ``.safetensors`` file, or None when held in memory.
     """
 
@@ -97,10 +109,13 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
         offsets: Int[np.ndarray, " documents_plus_1"],
         meta: Mapping[str, Any],
         path: Path | None = None,
+        field_lengths: Int[np.ndarray, "documents fields"] | None = None,
     ) -> None:
         """Documents cut from flat ``input_ids`` / ``labels`` (arrays, or safetensors
-        slices read on access) at ``offsets``; use :func:`load_tokenized` or :meth:`open`."""
+        slices read on access) at ``offsets``, each cut further into ``meta["fields"]`` by
+        ``field_lengths`` when given; use :func:`load_tokenized` or :meth:`open`."""
         self._ids, self._labels, self.offsets = input_ids, labels, offsets
+        self.field_lengths = field_lengths
         self.meta, self.path = dict(meta), path
 
     @classmethod
@@ -121,7 +136,9 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
             )
         handle = safe_open(str(path), framework="np")
         keys = set(handle.keys())
+        fields = meta.get("fields")
         want = {"input_ids", "offsets"} | ({"labels"} if meta.get("has_labels") else set())
+        want |= {"field_lengths"} if fields else set()
         if keys != want:
             raise ValueError(f"{path}: arrays {sorted(keys)}, expected {sorted(want)}")
         offsets = handle.get_tensor("offsets")
@@ -136,7 +153,14 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
         if offsets[0] != 0 or offsets[-1] != end or (np.diff(offsets) < 0).any():
             raise ValueError(f"{path}: offsets do not cut [0, {end}) into documents")
         labels = handle.get_slice("labels") if meta.get("has_labels") else None
-        return cls(ids, labels, offsets, meta, path)
+        field_lengths = handle.get_tensor("field_lengths") if fields else None
+        if field_lengths is not None and (
+            field_lengths.shape != (sizes["num_documents"], len(fields))
+            or (field_lengths < 0).any()
+            or (field_lengths.sum(axis=1) != np.diff(offsets)).any()
+        ):
+            raise ValueError(f"{path}: field_lengths do not cut its documents into {fields}")
+        return cls(ids, labels, offsets, meta, path, field_lengths)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -147,6 +171,10 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
             raise IndexError(f"TokenizedDataset: index {index} out of range for {len(self)}")
         index = int(index) % len(self)
         start, stop = int(self.offsets[index]), int(self.offsets[index + 1])
+        if self.field_lengths is not None:
+            tokens = np.asarray(self._ids[start:stop], dtype=np.int32)
+            cuts = np.cumsum(self.field_lengths[index])[:-1]
+            return dict(zip(self.meta["fields"], np.split(tokens, cuts), strict=True))
         doc = {"input_ids": np.asarray(self._ids[start:stop], dtype=np.int32)}
         if self._labels is not None:
             doc["labels"] = np.asarray(self._labels[start:stop], dtype=np.int32)
@@ -164,9 +192,15 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
 
 def _encode(
     tokenizer: Tokenizer, format: str, record: Mapping[str, Any], add_bos: bool, add_eos: bool
-) -> tuple[list[int] | np.ndarray, np.ndarray | None]:
+) -> tuple[list[int] | np.ndarray, np.ndarray | list[int] | None]:
+    """A record's token ids and its labels (None for text); for preference records the
+    three fields' ids one after another and, in place of labels, their lengths."""
     if format == "text":
         return tokenizer.encode(record["text"], add_bos=add_bos, add_eos=add_eos), None
+    if format == "preference":
+        pair = encode_preference(tokenizer, record, add_bos=add_bos, add_eos=add_eos)
+        parts = [pair[field] for field in PREFERENCE_FIELDS]  # type: ignore[literal-required]
+        return np.concatenate(parts), [len(p) for p in parts]
     if format == "completion":
         example = encode_completion(tokenizer, record["prompt"], record["completion"],
                                     add_bos=add_bos)  # fmt: skip
@@ -191,19 +225,15 @@ def load_tokenized(
 
     ``add_bos=None`` starts documents with BOS exactly when the tokenizer's default
     encoding does (``tokenizer.adds_bos``); ``add_eos`` ends each text document with EOS
-    (completions always end with one). Progress (records, rate) goes to stderr, at most
+    (completions always end with one) and each preference response with EOS (TRL's rule:
+    :func:`~edl.text.encode_preference`). Progress (records, rate) goes to stderr, at most
     once a second, unless ``progress=False``. ``cache=False`` tokenizes into memory.
-    Raises ``ValueError`` naming the record (``file:line``) for a bad record, and for
-    ``"preference"`` records (read them with :func:`~edl.text.read_records`) or a
-    ``"chat"`` source with a tokenizer that is not an :class:`HFTokenizer`.
+    Raises ``ValueError`` naming the record (``file:line``) for a bad record, and for a
+    ``"chat"`` record or a conversational ``"preference"`` record with a tokenizer that is
+    not an :class:`HFTokenizer`.
     """
     if not isinstance(source, Source):
         source = data_files(source)
-    if format == "preference":
-        raise ValueError(
-            "load_tokenized: preference records are not tokenized here (each holds two "
-            "completions); read them with edl.text.read_records"
-        )
     if add_bos is None:
         add_bos = bool(getattr(tokenizer, "adds_bos", False))
     options = {"format": format, "add_bos": add_bos, "add_eos": add_eos}
@@ -243,36 +273,53 @@ def _tokenize(
 
     ids: list[np.ndarray] = []
     labels: list[np.ndarray] = []
+    field_lengths: list[list[int]] = []
+    warned: list[str] = []
     formats: set[str] = set()
     bar = tqdm(validated_records(source, format), desc=f"tokenizing {source.description}",
                unit=" records", file=sys.stderr, mininterval=1.0, disable=not progress)  # fmt: skip
     for where, kind, record in bar:
-        if kind == "preference":
-            raise ValueError(
-                f"{where}: a preference record; load_tokenized takes no preference data "
-                "(read it with edl.text.read_records)"
-            )
-        if kind == "chat" and not isinstance(tokenizer, HFTokenizer):
+        chat = kind == "chat" or (kind == "preference" and isinstance(record["prompt"], list))
+        if chat and not isinstance(tokenizer, HFTokenizer):
             raise ValueError(
                 f"{where}: chat records need an HFTokenizer with a chat template, got {tokenizer!r}"
             )
         try:
-            tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
+        for w in caught:  # the encoders' per-record warnings are summed up below
+            if str(w.message).startswith("encode_"):
+                warned.append(f"{where}: {w.message}")
+            else:
+                warnings.warn(w.message, w.category, stacklevel=2)
         formats.add(kind)
         ids.append(np.asarray(tokens, dtype=np.int32))
-        if labelled is not None:
-            labels.append(labelled)
+        if kind == "preference":
+            field_lengths.append(labelled)  # type: ignore[arg-type]
+        elif labelled is not None:
+            labels.append(labelled)  # type: ignore[arg-type]
     if not ids:
         raise ValueError(f"load_tokenized: {source.description} holds no record")
+    if warned:
+        warnings.warn(
+            f"load_tokenized: {len(warned)} of {len(ids)} records warned; the first, {warned[0]}",
+            stacklevel=3,
+        )
     lengths = np.array([len(a) for a in ids], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
     has_labels = bool(labels)
     meta = {**made_from, "num_documents": len(ids), "num_tokens": int(offsets[-1]),
             "has_labels": has_labels, "formats": sorted(formats)}  # fmt: skip
+    lengths_array = None
+    if field_lengths:
+        meta["fields"] = list(PREFERENCE_FIELDS)
+        lengths_array = np.asarray(field_lengths, dtype=np.int64)
     flat_labels = np.concatenate(labels) if has_labels else None
-    return TokenizedDataset(np.concatenate(ids), flat_labels, offsets, meta)
+    return TokenizedDataset(np.concatenate(ids), flat_labels, offsets, meta,
+                            field_lengths=lengths_array)  # fmt: skip
 
 
 def _write(dataset: TokenizedDataset, path: Path) -> None:
@@ -283,6 +330,8 @@ def _write(dataset: TokenizedDataset, path: Path) -> None:
     arrays = {"input_ids": np.asarray(dataset._ids), "offsets": dataset.offsets}
     if dataset._labels is not None:
         arrays["labels"] = np.asarray(dataset._labels)
+    if dataset.field_lengths is not None:
+        arrays["field_lengths"] = dataset.field_lengths
     meta_text = json.dumps(dataset.meta, indent=2, sort_keys=True) + "\n"
     for target, write in (
         (path, lambda tmp: save_file(arrays, str(tmp))),

@@ -27,6 +27,7 @@ from edl.train.packing import Cursor, Doc, Truncation, as_tokens, assemble, docu
 
 __all__ = [
     "IGNORE_INDEX",
+    "EpochCursor",
     "TokenBatches",
     "batches_from_iterable",
     "pack_sequences",
@@ -38,8 +39,6 @@ Document = TokenSeq | str | Mapping[str, Any]
 Batch = dict[str, np.ndarray]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
-# Fields of `TokenBatches.position` that must equal the iterator's own on `restore`.
-_CONFIG_FIELDS = ("seed", "batch_size", "max_length", "pack", "shuffle", "num_documents")
 
 
 def _check(where: str, **values: Any) -> None:
@@ -156,7 +155,114 @@ def _batch(cursor: Cursor, it: TokenBatches | _Options) -> Batch | None:
     return assemble(mine, it.max_length, it.pad_id)
 
 
-class TokenBatches(Cursor):
+class EpochCursor(Cursor):
+    """A resumable cursor over ``documents`` in a seeded order per epoch, split over
+    processes: what :class:`TokenBatches` and ``edl.train.PreferenceBatches`` share.
+
+    Epoch ``e`` visits the documents in the order
+    ``np.random.default_rng((seed, e)).permutation(n)`` (input order if not ``shuffle``);
+    ``epoch``, ``index`` (of the next document in that order) and ``offset`` (tokens of
+    it already emitted) are the cursor. :attr:`position` is the cursor plus the fields of
+    ``config_fields()`` (JSON-serialisable); :meth:`restore` takes it back, so
+    ``edl.train.train`` checkpoints and resumes any subclass exactly. Subclasses define
+    ``current()`` and ``next_batch()`` (the next batch, or None at the end).
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[Any],
+        *,
+        batch_size: int,
+        shuffle: bool,
+        seed: int,
+        repeat: bool,
+        process_index: int,
+        process_count: int,
+    ) -> None:
+        where = type(self).__name__
+        _check_split(where, batch_size, process_index, process_count)
+        if len(documents) == 0:
+            raise ValueError(f"{where}: documents is empty")
+        if seed < 0:
+            raise ValueError(f"{where}: seed must be >= 0, got {seed}")
+        self.documents, self.batch_size = documents, batch_size
+        self.shuffle, self.seed, self.repeat = shuffle, seed, repeat
+        self.process_index, self.process_count = process_index, process_count
+        self.epoch, self.index, self.offset = 0, 0, 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    def _doc_id(self, epoch: int, index: int) -> int:
+        if not self.shuffle:
+            return index
+        if self._order is None or self._order[0] != epoch:
+            rng = np.random.default_rng((self.seed, epoch))
+            self._order = (epoch, rng.permutation(len(self.documents)))
+        return int(self._order[1][index])
+
+    def advance(self) -> None:
+        """Move the cursor to the start of the next document (rolling over to a new epoch)."""
+        self.index, self.offset = self.index + 1, 0
+        if self.index == len(self.documents):
+            self.epoch, self.index = self.epoch + 1, 0
+
+    def next_batch(self) -> Any:
+        """The next batch (a subclass's kind: arrays, rows, prompts), or None at the end."""
+        raise NotImplementedError
+
+    def __iter__(self) -> EpochCursor:
+        return self
+
+    def __next__(self) -> Any:
+        saved = (self.epoch, self.index, self.offset)
+        try:
+            batch = self.next_batch()
+        except BaseException:
+            self.epoch, self.index, self.offset = saved  # a failed batch consumes nothing
+            raise
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def config_fields(self) -> dict[str, Any]:
+        """The settings a saved position is only valid for (checked by :meth:`restore`)."""
+        return {"seed": self.seed, "batch_size": self.batch_size, "shuffle": self.shuffle,
+                "num_documents": len(self.documents)}  # fmt: skip
+
+    @property
+    def position(self) -> dict[str, Any]:
+        """The cursor and the config it depends on, as a JSON-serialisable dict."""
+        cursor = {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+        return {**cursor, **self.config_fields()}
+
+    def restore(self, position: Mapping[str, Any]) -> None:
+        """Continue from ``position`` (from :attr:`position`, possibly via JSON).
+
+        Raises ``ValueError`` naming the field when a config field differs from this
+        iterator's or a cursor field is missing or out of range.
+        """
+        where = f"{type(self).__name__}.restore"
+        config = self.config_fields()
+        for field in (*config, "epoch", "index", "offset"):
+            if field not in position:
+                raise ValueError(f"{where}: position has no {field!r} field")
+        for field, value in config.items():
+            if position[field] != value:
+                raise ValueError(
+                    f"{where}: position field {field!r} is {position[field]!r} "
+                    f"but this iterator has {value!r}"
+                )
+        limits = {"epoch": None, "index": len(self.documents) - 1, "offset": None}
+        for field, high in limits.items():
+            value = position[field]
+            if not isinstance(value, int) or value < 0 or (high is not None and value > high):
+                raise ValueError(
+                    f"{where}: position field {field!r} must be an int in "
+                    f"[0, {'inf' if high is None else high}], got {value!r}"
+                )
+        self.epoch, self.index, self.offset = (position[f] for f in ("epoch", "index", "offset"))
+
+
+class TokenBatches(EpochCursor):
     """Deterministic, resumable iterator of ``(batch_size, max_length)`` training batches.
 
     ``documents`` are token-id sequences, strings (encoded with ``tokenizer``, default
@@ -221,27 +327,12 @@ class TokenBatches(Cursor):
             pad_id=self.pad_id,
             truncation=truncation,
         )
-        _check_split("TokenBatches", batch_size, process_index, process_count)
-        if len(documents) == 0:
-            raise ValueError("TokenBatches: documents is empty")
-        if seed < 0:
-            raise ValueError(f"TokenBatches: seed must be >= 0, got {seed}")
-        self.documents = documents
-        self.batch_size, self.max_length, self.pack = batch_size, max_length, pack
-        self.shuffle, self.seed, self.truncation = shuffle, seed, truncation
-        self.add_bos, self.add_eos, self.repeat = add_bos, add_eos, repeat
-        self.process_index, self.process_count = process_index, process_count
-        self.epoch, self.index, self.offset = 0, 0, 0
-        self._order: tuple[int, np.ndarray] | None = None
+        super().__init__(documents, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         repeat=repeat, process_index=process_index,
+                         process_count=process_count)  # fmt: skip
+        self.max_length, self.pack, self.truncation = max_length, pack, truncation
+        self.add_bos, self.add_eos = add_bos, add_eos
         self._doc: Doc | None = None
-
-    def _doc_id(self, epoch: int, index: int) -> int:
-        if not self.shuffle:
-            return index
-        if self._order is None or self._order[0] != epoch:
-            rng = np.random.default_rng((self.seed, epoch))
-            self._order = (epoch, rng.permutation(len(self.documents)))
-        return int(self._order[1][index])
 
     def current(self) -> Doc | None:
         """The document at the cursor (skipping empty ones); ``None`` when done."""
@@ -257,66 +348,13 @@ class TokenBatches(Cursor):
             self.advance()
         raise ValueError(f"TokenBatches: all {len(self.documents)} documents are empty")
 
-    def advance(self) -> None:
-        """Move the cursor to the start of the next document (rolling over to a new epoch)."""
-        self.index, self.offset = self.index + 1, 0
-        if self.index == len(self.documents):
-            self.epoch, self.index = self.epoch + 1, 0
+    def next_batch(self) -> Batch | None:
+        """The next batch, or None when ``repeat=False`` and epoch 0 is done."""
+        return _batch(self, self)
 
-    def __iter__(self) -> TokenBatches:
-        return self
-
-    def __next__(self) -> Batch:
-        saved = (self.epoch, self.index, self.offset)
-        try:
-            batch = _batch(self, self)
-        except BaseException:
-            self.epoch, self.index, self.offset = saved  # a failed batch consumes nothing
-            raise
-        if batch is None:
-            raise StopIteration
-        return batch
-
-    @property
-    def position(self) -> dict[str, Any]:
-        """The cursor and the config it depends on, as a JSON-serialisable dict."""
-        return {
-            "epoch": self.epoch,
-            "index": self.index,
-            "offset": self.offset,
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "max_length": self.max_length,
-            "pack": self.pack,
-            "shuffle": self.shuffle,
-            "num_documents": len(self.documents),
-        }
-
-    def restore(self, position: Mapping[str, Any]) -> None:
-        """Continue from ``position`` (from :attr:`position`, possibly via JSON).
-
-        Raises ``ValueError`` naming the field when a config field differs from this
-        iterator's or a cursor field is missing or out of range.
-        """
-        mine = self.position
-        for field in (*_CONFIG_FIELDS, "epoch", "index", "offset"):
-            if field not in position:
-                raise ValueError(f"TokenBatches.restore: position has no {field!r} field")
-        for field in _CONFIG_FIELDS:
-            if position[field] != mine[field]:
-                raise ValueError(
-                    f"TokenBatches.restore: position field {field!r} is {position[field]!r} "
-                    f"but this iterator has {mine[field]!r}"
-                )
-        limits = {"epoch": None, "index": len(self.documents) - 1, "offset": None}
-        for field, high in limits.items():
-            value = position[field]
-            if not isinstance(value, int) or value < 0 or (high is not None and value > high):
-                raise ValueError(
-                    f"TokenBatches.restore: position field {field!r} must be an int in "
-                    f"[0, {'inf' if high is None else high}], got {value!r}"
-                )
-        self.epoch, self.index, self.offset = (position[f] for f in ("epoch", "index", "offset"))
+    def config_fields(self) -> dict[str, Any]:
+        config = super().config_fields()
+        return {**config, "max_length": self.max_length, "pack": self.pack}
 
 
 class _IterableCursor(Cursor):

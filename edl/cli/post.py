@@ -1,0 +1,191 @@
+"""``edl train --method dpo|reward|grpo``: post-training a Hugging Face causal LM (full, LoRA
+or QLoRA, as ``--method sft``) with a preference loss, as a reward model, or by GRPO.
+
+- ``dpo``: ``--data`` holds preference records (``prompt`` / ``chosen`` / ``rejected``,
+  strings or chat messages), tokenized as TRL does (``edl.text.load_tokenized``) and batched
+  by ``edl.train.PreferenceBatches``; ``--loss-type`` picks DPO / IPO / hinge (against the
+  ``--reference``) or the reference-free SimPO / ORPO (``edl.train.make_dpo_step``).
+- ``reward``: the same records train a reward model: the model's backbone with a new
+  one-output ``score`` head (trained along with LoRA adapters), Bradley-Terry loss
+  (``edl.train.make_reward_step``); checkpoints are ``*ForSequenceClassification``.
+- ``grpo``: ``--data`` holds prompt records (``prompt``: text or chat messages, other fields
+  passed to the reward functions), ``--reward module:function`` scores completions sampled
+  from the model being trained (``edl.train.make_grpo_step``); ``--steps`` counts GRPO
+  iterations of ``--num-iterations`` updates each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+
+import edl
+from edl.cli.config import CommandError, TrainConfig
+from edl.cli.data import source_of
+from edl.cli.finetune import load_for_finetuning
+from edl.cli.run import check_output_dir, optimizer, step_options, train_model
+from edl.io.export import load_model
+from edl.lora import lora_trainable
+from edl.models import registry
+from edl.nn import Linear
+from edl.text import load_tokenized
+from edl.train import (
+    GRPOConfig,
+    PreferenceBatches,
+    PromptBatches,
+    make_dpo_step,
+    make_grpo_step,
+    make_reward_step,
+)
+
+__all__ = ["reward_functions", "run_post_training"]
+
+_REPORTED = {
+    "dpo": ("rewards/margins", "rewards/accuracies"),
+    "reward": ("accuracy", "rewards/margins"),
+    "grpo": ("reward_mean", "completion_length", "kl"),
+}
+
+
+def reward_functions(spec: str) -> list[Any]:
+    """The callables ``spec`` names (``module:function[,module:function...]``), imported
+    with the working directory on the path. ``CommandError`` names what cannot be found."""
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    out = []
+    for name in (n.strip() for n in spec.split(",")):
+        module, _, function = name.partition(":")
+        if not module or not function:
+            raise CommandError(f"--reward {name!r}: expected module:function")
+        try:
+            fn = getattr(importlib.import_module(module), function)
+        except ImportError as e:
+            raise CommandError(f"--reward {name}: cannot import {module!r}: {e}") from None
+        except AttributeError:
+            raise CommandError(f"--reward {name}: {module!r} has no {function!r}") from None
+        if not callable(fn):
+            raise CommandError(f"--reward {name}: {type(fn).__name__} is not callable")
+        out.append(fn)
+    return out
+
+
+def _preference_batches(config: TrainConfig, tokenizer: Any) -> PreferenceBatches:
+    try:
+        pairs = load_tokenized(source_of(config.data), tokenizer, format="preference")
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"{config.data}: {e}") from None
+    if len(pairs) == 0:
+        raise CommandError(f"{config.data}: no records")
+    return PreferenceBatches(pairs, batch_size=config.batch_size, max_length=config.seq_len,
+                             pad_id=tokenizer.pad_id, seed=config.seed)  # fmt: skip
+
+
+def _prompt_batches(config: TrainConfig) -> PromptBatches:
+    try:
+        records = [(where, r) for where, r in source_of(config.data).records()]
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"{config.data}: {e}") from None
+    bad = next((where for where, r in records if "prompt" not in r), None)
+    if bad is not None:
+        raise CommandError(f"{bad}: --method grpo reads records with a 'prompt' field")
+    if not records:
+        raise CommandError(f"{config.data}: no records")
+    try:
+        return PromptBatches([r for _, r in records], batch_size=config.batch_size,
+                             seed=config.seed)  # fmt: skip
+    except ValueError as e:
+        raise CommandError(f"{config.data}: {e}") from None
+
+
+def _reward_model(
+    model: Any, tokenizer: Any, trainable: Any, config: TrainConfig
+) -> tuple[Any, Any]:
+    """The causal LM's backbone under a new one-output ``score`` head (HF's initialisation),
+    pooling at the last non-pad token; the head is trained along with any LoRA adapters."""
+    family, _ = registry.family_of(model)
+    cls = family.tasks["sequence_classification"]
+    hf_config = model.config.replace(num_labels=1, pad_token_id=tokenizer.pad_id)
+    backbone = dataclasses.replace(model.model, config=hf_config)
+    score = Linear.init(hf_config.hidden_size, 1, std=hf_config.initializer_range,
+                        dtype=config.param_dtype,
+                        key=jax.random.fold_in(jax.random.key(config.seed), 1))  # fmt: skip
+    if trainable is not None:
+        trainable = re.compile(f"{lora_trainable.pattern}|^score\\.")
+    return cls(backbone, score), trainable
+
+
+def _reference_model(config: TrainConfig) -> Any:
+    """A frozen copy of ``--model`` (``--reference model``), in the trained weights' dtype."""
+    from edl.cli.finetune import _model_directory
+
+    return load_model(_model_directory(config.model), dtype=config.param_dtype)
+
+
+def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any) -> Any:
+    options = {**step_options(config), "schedule": schedule}
+    if config.method == "reward":
+        return make_reward_step(tx, **options)
+    reference = config.reference_kind
+    uses_reference = ((config.method == "dpo" and config.loss_type not in ("simpo", "orpo"))
+                      or (config.method == "grpo" and config.beta > 0))  # fmt: skip
+    frozen = _reference_model(config) if reference == "model" and uses_reference else None
+    if config.method == "dpo":
+        return make_dpo_step(tx, loss_type=config.loss_type, beta=config.beta or None,
+                             reference=reference, reference_model=frozen,
+                             **options)  # fmt: skip
+    grpo = GRPOConfig(num_generations=config.num_generations,
+                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                      beta=config.beta, num_iterations=config.num_iterations)  # fmt: skip
+    return make_grpo_step(tx, tokenizer, reward_functions(config.reward), grpo,
+                          key=jax.random.key(config.seed),
+                          reference="lora_base" if frozen is None else frozen,
+                          clip_norm=options["clip_norm"],
+                          compute_dtype=options["compute_dtype"])  # fmt: skip
+
+
+def _reported(config: TrainConfig) -> dict[str, Any]:
+    """The method's metrics at the first and last step, from the run's ``metrics.jsonl``."""
+    lines = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+    history = [m for m in map(json.loads, lines) if "loss" in m]
+    out = {}
+    for name in _REPORTED[config.method]:
+        values = [m[name] for m in history if name in m]
+        if values:
+            out[f"first_{name}"], out[f"final_{name}"] = values[0], values[-1]
+    return out
+
+
+def run_post_training(config: TrainConfig) -> dict[str, Any]:
+    """Post-train ``config.model`` by ``config.method`` on ``config.data``; print one JSON
+    line of results; return the loop's summary."""
+    check_output_dir(config)
+    model, tokenizer, trainable = load_for_finetuning(config)
+    if config.method == "reward":
+        model, trainable = _reward_model(model, tokenizer, trainable, config)
+    if config.method == "grpo":
+        data: Any = _prompt_batches(config)
+        reward_functions(config.reward)  # a wrong name fails before any work
+    else:
+        data = _preference_batches(config, tokenizer)
+    updates = config.steps * (config.num_iterations if config.method == "grpo" else 1)
+    tx, schedule = optimizer(config, updates=updates)
+    step = _step(config, tx, schedule, tokenizer)
+    trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
+    print(f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
+          f"parameters ({trained:,} trained), {len(data.documents)} records, {config.steps} "
+          f"steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
+    _, summary = train_model(config, model, data, None, trainable=trainable,
+                             tokenizer=tokenizer, step=step, tx=tx)  # fmt: skip
+    out = {k: summary.get(k) for k in ("start_step", "end_step", "stop_reason", "first_loss",
+                                       "final_loss")}  # fmt: skip
+    out.update(_reported(config))
+    out["seconds"] = round(summary["seconds"], 1)
+    print(json.dumps(out))
+    return summary

@@ -1,0 +1,423 @@
+"""GRPO (group relative policy optimisation) as a step function for ``edl.train.train``.
+
+    step = make_grpo_step(tx, tokenizer, [reward_fn], GRPOConfig(num_generations=8), key=key)
+    state, summary = edl.train.train(state, step, prompt_batches, steps=200, output_dir=run)
+
+Each call ``step(state, prompts)`` (``prompts``: a list of strings) does one GRPO iteration:
+
+1. rollout: ``num_generations`` completions per prompt, sampled by ``edl.generate.generate``
+   (compiled decode loop, KV cache) from ``edl.state.model(state)``, the state's own arrays:
+   the sampler and the train step are pure functions of the same parameter pytree, so there
+   is no weight copy and no trainer/engine synchronisation;
+2. rewards: plain Python callables over decoded text and token ids (:data:`RewardFn`),
+   weighted and summed, then group-normalised advantages (``group_advantages``);
+3. scoring: one jitted forward pass for the old-policy log-probs (only when
+   ``num_iterations > 1``; with one iteration the ratio is 1 and, as in TRL, the current
+   log-probs under ``stop_gradient`` stand in) and, with ``beta > 0``, the reference's.
+   ``edl.generate`` returns tokens, not their log-probs, and it samples from processed
+   logits (temperature, top-k/p), so the sampler's own numbers are not the policy's; the
+   forward pass gives exactly the log-probs the loss differentiates (logits / temperature,
+   TRL's convention, with top-k / top-p off by default so sampling draws from that policy);
+4. ``num_iterations`` optimiser updates (``make_train_step`` with the clipped-ratio
+   ``grpo_loss``) on the same rollouts; ``state.step`` then advances by one, so
+   ``train``'s ``steps``, checkpoints and resume count GRPO iterations. The optax schedule
+   counts updates: size ``OptimizerConfig.total_steps`` as ``steps * num_iterations``.
+
+The reference for the KL term (``beta > 0``): ``reference="lora_base"`` (default) is the
+model with its LoRA adapters dropped (``edl.lora.unwrap_lora``: the frozen base, shared,
+free); or pass a frozen model pytree of the same architecture. The sampling key for step
+``s`` is ``fold_in(key, s)``, so a resumed run samples what the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from edl import lora as edl_lora
+from edl import state as edl_state
+from edl.generate import generate
+from edl.state import TrainState
+from edl.train.data import EpochCursor
+from edl.train.grpo_objective import (
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    completion_logprobs,
+    completion_mask,
+    group_advantages,
+    grpo_loss,
+)
+from edl.train.step import make_train_step
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOStep",
+    "PromptBatches",
+    "RewardFn",
+    "make_grpo_step",
+    "score_completions",
+]
+
+RewardFn = Callable[..., Sequence[float]]
+"""``reward_fn(prompts, completions, completion_ids, **columns) -> rewards``: one float per
+completion. ``prompts[i]`` is completion ``i``'s prompt as given (a string, or chat messages;
+each repeated ``num_generations`` times), ``completions[i]`` its decoded text (EOS and
+padding removed), ``completion_ids[i]`` its token ids up to and including EOS. When the
+prompts are records (``{"prompt": ..., "answer": ...}``), their other fields come as keyword
+lists aligned with the completions (TRL passes dataset columns the same way), so a reward can
+check against a reference answer. Rewards must be finite, one per completion."""
+Prompt = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+"""One GRPO prompt: text, chat messages (through the tokenizer's chat template with the
+generation prompt), or a record whose ``"prompt"`` is either, with extra reward columns."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO settings; names and defaults as TRL's ``GRPOConfig`` where it has them.
+
+    ``num_generations`` completions per prompt of at most ``max_new_tokens`` tokens, sampled
+    at ``temperature`` (``top_k`` None and ``top_p`` 1: the full distribution, TRL's
+    default). ``beta``: KL coefficient (TRL default 0: no reference). ``epsilon`` /
+    ``epsilon_high`` (None: ``epsilon``): the clip range. ``num_iterations``: optimiser
+    updates per batch of rollouts (mu). ``loss_type``: ``"grpo"``, ``"bnpo"`` or
+    ``"dr_grpo"`` (TRL's default is ``"dapo"``, not implemented here). ``scale_rewards``:
+    ``"group"``, ``"batch"`` or ``"none"``. ``reward_weights``: one per reward function
+    (None: all 1). ``eos_token_id`` (None: the tokenizer's ``eos_id``) ends completions.
+    """
+
+    num_generations: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    reward_weights: tuple[float, ...] | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_generations": self.num_generations >= 2,
+            "max_new_tokens": self.max_new_tokens >= 1,
+            "num_iterations": self.num_iterations >= 1,
+            "temperature": self.temperature > 0,
+            "beta": self.beta >= 0,
+            "epsilon": 0 <= self.epsilon < 1,
+            "epsilon_high": self.epsilon_high is None or self.epsilon_high >= 0,
+            "top_p": 0 < self.top_p <= 1,
+            "loss_type": self.loss_type in LOSS_TYPES,
+            "scale_rewards": self.scale_rewards in SCALE_REWARDS,
+        }
+        allowed = {"num_generations": ">= 2", "max_new_tokens": ">= 1", "num_iterations": ">= 1",
+                   "temperature": "> 0", "beta": ">= 0", "epsilon": "in [0, 1)",
+                   "epsilon_high": ">= 0 or None", "top_p": "in (0, 1]",
+                   "loss_type": f"one of {LOSS_TYPES}",
+                   "scale_rewards": f"one of {SCALE_REWARDS}"}  # fmt: skip
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"GRPOConfig.{name} must be {allowed[name]}, "
+                                 f"got {getattr(self, name)!r}")  # fmt: skip
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def score_completions(
+    reward_fns: Sequence[RewardFn],
+    weights: Sequence[float],
+    prompts: list[Any],
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: Mapping[str, list[Any]] | None = None,
+) -> tuple[np.ndarray, dict[str, float]]:
+    """The weighted sum of every reward function's rewards ``(rows,)`` (float32) and each
+    function's mean (``reward/<name>``); ``columns`` go to every function as keyword
+    arguments. A function that returns the wrong number of rewards, a non-number or a
+    non-finite one raises ``ValueError`` naming it."""
+    total = np.zeros(len(completions), np.float64)
+    means = {}
+    for fn, weight in zip(reward_fns, weights, strict=True):
+        name = _name(fn)
+        values = fn(prompts, completions, completion_ids, **dict(columns or {}))
+        try:
+            rewards = np.asarray(values, np.float64)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"reward function {name!r} returned non-numbers: {e}") from e
+        if rewards.shape != (len(completions),):
+            raise ValueError(
+                f"reward function {name!r} returned shape {rewards.shape}, expected one "
+                f"reward per completion: ({len(completions)},)"
+            )
+        bad = np.flatnonzero(~np.isfinite(rewards))
+        if bad.size:
+            raise ValueError(f"reward function {name!r} returned non-finite rewards at "
+                             f"rows {bad[:8].tolist()}: {rewards[bad[:8]].tolist()}")  # fmt: skip
+        means[f"reward/{name}"] = float(rewards.mean())
+        total += weight * rewards
+    return total.astype(np.float32), means
+
+
+def _record(prompt: Prompt, index: int) -> Mapping[str, Any]:
+    """``prompt`` as a record ``{"prompt": text or messages, ...columns}``."""
+    record = prompt if isinstance(prompt, Mapping) else {"prompt": prompt}
+    text = record.get("prompt")
+    if not isinstance(text, str) and not (
+        isinstance(text, Sequence) and text and all(isinstance(m, Mapping) for m in text)
+    ):
+        raise ValueError(f"GRPO step: prompts[{index}] must be text, chat messages or a record "
+                         f"with a 'prompt' of either, got {prompt!r:.80}")  # fmt: skip
+    return record
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), bool)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = True
+    return ids, mask
+
+
+def _reference_model(model: Any, reference: Any) -> Any:
+    if isinstance(reference, str):
+        return edl_lora.unwrap_lora(model)  # "lora_base": the adapters' frozen base
+    return reference
+
+
+@eqx.filter_jit
+def _score(
+    model: Any,
+    reference: Any,
+    input_ids: Int[Array, "rows total"],
+    attention_mask: Bool[Array, "rows total"],
+    *,
+    num_new: int,
+    temperature: float,
+    old: bool,
+) -> tuple[Float[Array, "rows new"] | None, Float[Array, "rows new"] | None]:
+    """Old-policy and reference log-probs of the completions (either may be skipped)."""
+    logps = lambda m: jax.lax.stop_gradient(
+        completion_logprobs(m, input_ids, attention_mask, num_new, temperature)
+    )
+    ref = None if reference is None else logps(_reference_model(model, reference))
+    return (logps(model) if old else None), ref
+
+
+def _loss_fn(config: GRPOConfig) -> Callable[[Any, Mapping[str, Array]], Any]:
+    def loss_fn(model: Any, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
+        num_new = batch["completion_mask"].shape[1]
+        logps = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
+                                    num_new, config.temperature)  # fmt: skip
+        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        return grpo_loss(
+            logps, old, batch["advantages"], batch["completion_mask"],
+            ref_logps=batch.get("ref_logps"), beta=config.beta, epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high, loss_type=config.loss_type,
+            max_new_tokens=config.max_new_tokens,
+        )  # fmt: skip
+
+    return loss_fn
+
+
+class GRPOStep:
+    """``step(state, prompts) -> (state, metrics)``: one GRPO iteration (see the module
+    docstring). Built by :func:`make_grpo_step`; a host function (rollouts, Python rewards,
+    then the jitted updates), which ``edl.train.train`` runs like any step.
+
+    Metrics (host floats): the updates' mean ``loss``, ``kl``, ``clip_ratio``, ``grad_norm``
+    and their max ``nonfinite``; ``reward_mean`` / ``reward_std`` (the weighted sum),
+    ``reward/<fn name>`` (each function's mean), ``completion_length`` (mean tokens, EOS
+    included), ``count`` (completion tokens), ``sample_s`` (generation), ``reward_s``
+    (decoding and reward functions) and ``train_s`` (scoring and updates): host wall
+    seconds, each ended by ``block_until_ready``.
+    """
+
+    def __init__(self, update, tokenizer, reward_fns, weights, config, key, reference):
+        self.update, self.tokenizer, self.config = update, tokenizer, config
+        self.reward_fns, self.weights, self.key, self.reference = (
+            reward_fns, weights, key, reference,
+        )  # fmt: skip
+        eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_id
+        if eos is None:
+            raise ValueError("make_grpo_step: the tokenizer has no eos_id; set "
+                             "GRPOConfig.eos_token_id")  # fmt: skip
+        self.eos_id = int(eos)
+        pad = getattr(tokenizer, "pad_id", None)
+        self.pad_id = self.eos_id if pad is None else int(pad)
+        self.last_rollout: dict[str, Any] | None = None  # for inspection: texts, rewards
+
+    def rollout(
+        self, model: Any, prompts: Sequence[Prompt], key: PRNGKeyArray
+    ) -> tuple[dict[str, Array], dict[str, float]]:
+        """Sample, decode and reward ``num_generations`` completions per prompt with
+        ``model``; returns the update's batch and the rollout's metrics."""
+        c, g = self.config, self.config.num_generations
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError(f"GRPO step: prompts must be a non-empty list of prompts, "
+                             f"got {prompts!r:.80}")  # fmt: skip
+        records = [_record(p, i) for i, p in enumerate(prompts)]
+        fields = [sorted(r) for r in records]
+        if any(f != fields[0] for f in fields):
+            raise ValueError(f"GRPO step: the prompt records' fields differ: {fields[0]} vs "
+                             f"{next(f for f in fields if f != fields[0])}")  # fmt: skip
+        prompts = [r["prompt"] for r in records]
+        encoded = [self._encode(p) for p in prompts]
+        rows = [ids for ids in encoded for _ in range(g)]
+        ids, mask = _left_pad(rows, self.pad_id)
+        t0 = time.perf_counter()
+        out = generate(
+            model, ids, attention_mask=mask, max_new_tokens=c.max_new_tokens, key=key,
+            do_sample=True, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
+        )  # fmt: skip
+        new = jax.block_until_ready(out.sequences[:, ids.shape[1] :])
+        t1 = time.perf_counter()
+        new_np, num_new = np.asarray(new), np.asarray(out.num_new)
+        completion_ids = [new_np[i, : num_new[i]].tolist() for i in range(len(rows))]
+        texts = [self.tokenizer.decode([t for t in r if t != self.eos_id]) for r in completion_ids]
+        row_prompts = [p for p in prompts for _ in range(g)]
+        columns = {k: [r[k] for r in records for _ in range(g)] for k in records[0]
+                   if k != "prompt"}  # fmt: skip
+        rewards, per_fn = score_completions(self.reward_fns, self.weights, row_prompts, texts,
+                                            completion_ids, columns)  # fmt: skip
+        advantages = group_advantages(jnp.asarray(rewards), g, scale_rewards=c.scale_rewards)
+        self.last_rollout = {"prompts": row_prompts, "completions": texts, "rewards": rewards}
+        batch = {
+            "input_ids": jnp.concatenate([jnp.asarray(ids), new], axis=1),
+            "attention_mask": jnp.concatenate([jnp.asarray(mask), jnp.ones(new.shape, bool)], 1),
+            "completion_mask": completion_mask(new, (self.eos_id,)),
+            "advantages": advantages,
+        }
+        metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                   **per_fn, "completion_length": float(num_new.mean()), "sample_s": t1 - t0,
+                   "reward_s": time.perf_counter() - t1}  # fmt: skip
+        return batch, metrics
+
+    def _encode(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True))
+
+    def __call__(self, state: TrainState, prompts: Sequence[Prompt]) -> tuple[TrainState, dict]:
+        c, start = self.config, int(state.step)
+        model = edl_state.model(state)  # the state's own arrays: nothing is copied
+        batch, metrics = self.rollout(model, prompts, jax.random.fold_in(self.key, start))
+        t0 = time.perf_counter()
+        old, ref = _score(
+            model, self.reference if c.beta > 0 else None, batch["input_ids"],
+            batch["attention_mask"], num_new=batch["completion_mask"].shape[1],
+            temperature=c.temperature, old=c.num_iterations > 1,
+        )  # fmt: skip
+        batch.update({k: v for k, v in (("old_logps", old), ("ref_logps", ref)) if v is not None})
+        del model  # the updates donate the state's buffers
+        history = []
+        for _ in range(c.num_iterations):
+            state, step_metrics = self.update(state, batch)
+            history.append(step_metrics)
+        history = jax.block_until_ready(jax.device_get(history))
+        metrics["train_s"] = time.perf_counter() - t0
+        for k in ("loss", "kl", "clip_ratio", "grad_norm"):
+            metrics[k] = float(np.mean([h[k] for h in history]))
+        metrics["nonfinite"] = int(max(h["nonfinite"] for h in history))
+        metrics["count"] = float(history[0]["count"])
+        return edl_state.replace(state, step=start + 1), metrics
+
+
+def make_grpo_step(
+    tx: optax.GradientTransformation,
+    tokenizer: Any,
+    reward_fns: RewardFn | Sequence[RewardFn],
+    config: GRPOConfig,
+    *,
+    key: PRNGKeyArray,
+    reference: Literal["lora_base"] | Any = "lora_base",
+    clip_norm: float | None = None,
+    compute_dtype: Any = None,
+    donate: bool = True,
+) -> GRPOStep:
+    """Build the GRPO step ``step(state, prompts) -> (state, metrics)`` (see
+    :class:`GRPOStep`) for ``edl.train.train`` or a plain loop.
+
+    Args:
+        tx: the optimizer (``make_optimizer``); the updates are ``make_train_step``'s.
+        tokenizer: ``encode(str) -> ids``, ``decode(ids) -> str``, ``eos_id`` (unless
+            ``config.eos_token_id``), ``pad_id`` (else EOS pads).
+        reward_fns: one :data:`RewardFn` or several (summed with ``config.reward_weights``).
+        config: :class:`GRPOConfig`.
+        key: the sampling key; step ``s`` samples with ``fold_in(key, s)``.
+        reference: with ``config.beta > 0``: ``"lora_base"`` (the LoRA-off base of the
+            state's model) or a frozen model pytree. Ignored when ``beta == 0``.
+        clip_norm, compute_dtype, donate: as ``make_train_step``.
+    """
+    fns = [reward_fns] if callable(reward_fns) else list(reward_fns)
+    if not fns or not all(callable(f) for f in fns):
+        raise TypeError(f"make_grpo_step: reward_fns must be callables, got {reward_fns!r}")
+    weights = config.reward_weights or (1.0,) * len(fns)
+    if len(weights) != len(fns) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"GRPOConfig.reward_weights: need {len(fns)} finite weights (one per "
+                         f"reward function), got {config.reward_weights}")  # fmt: skip
+    if isinstance(reference, str) and reference != "lora_base":
+        raise ValueError(f"make_grpo_step: reference must be 'lora_base' or a model, "
+                         f"got {reference!r}")  # fmt: skip
+    update = make_train_step(_loss_fn(config), tx, clip_norm=clip_norm,
+                             compute_dtype=compute_dtype, donate=donate)  # fmt: skip
+    return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference)
+
+
+class PromptBatches(EpochCursor):
+    """GRPO's input: ``batch_size`` prompts per step (:data:`Prompt` items: text, chat
+    messages or records) from ``prompts``, in a seeded order per epoch, repeated, split over
+    processes (each gets its contiguous share of the same global batch), and resumable
+    exactly by ``edl.train.train`` (``position`` / ``restore``, as ``TokenBatches``)."""
+
+    def __init__(
+        self,
+        prompts: Sequence[Prompt],
+        *,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        repeat: bool = True,
+        process_index: int = 0,
+        process_count: int = 1,
+    ) -> None:
+        super().__init__(prompts, batch_size=batch_size, shuffle=shuffle, seed=seed,
+                         repeat=repeat, process_index=process_index,
+                         process_count=process_count)  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            _record(prompt, i)  # every prompt checked before the run starts
+
+    def current(self) -> Prompt | None:
+        """The prompt at the cursor; None when ``repeat=False`` and epoch 0 is done."""
+        if not self.repeat and self.epoch >= 1:
+            return None
+        return self.documents[self._doc_id(self.epoch, self.index)]
+
+    def next_batch(self) -> list[Prompt] | None:
+        """This process's share of the next global batch of prompts (None when done)."""
+        prompts = []
+        for _ in range(self.batch_size):
+            prompt = self.current()
+            if prompt is None:
+                break
+            prompts.append(prompt)
+            self.advance()
+        share = self.batch_size // self.process_count
+        mine = prompts[self.process_index * share : (self.process_index + 1) * share]
+        return mine or None
