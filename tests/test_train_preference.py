@@ -215,8 +215,13 @@ def test_losses_reject_bad_inputs():
     x = _f32(_PC)
     with pytest.raises(ValueError, match="loss_type must be one of"):
         dpo_loss(x, x, x, x, loss_type="kto")
-    with pytest.raises(ValueError, match="'ipo' needs chosen_lengths and rejected_lengths"):
-        dpo_loss(x, x, x, x, loss_type="ipo")
+    with pytest.raises(ValueError, match="'ipo' takes both chosen_lengths and rejected_lengths"):
+        dpo_loss(x, x, x, x, loss_type="ipo", chosen_lengths=x)
+    # Without lengths IPO reads the log-probs as per-token ones: (h - 1 / (2 beta))^2.
+    pc, pr, rc, rr = (np.asarray(v, np.float64) for v in (_PC, _PC[::-1], _PC * 0.5, _PC * 0.25))
+    h = (pc - rc) - (pr - rr)
+    loss, _ = dpo_loss(*(_f32(v) for v in (pc, pr, rc, rr)), beta=0.3, loss_type="ipo")
+    np.testing.assert_allclose(float(loss), np.mean((h - 1 / 0.6) ** 2), rtol=1e-5)
     with pytest.raises(ValueError, match="must be float32"):
         simpo_loss(x.astype(jnp.bfloat16), x.astype(jnp.bfloat16))
     # jaxtyping's check under test, _check_logps's in production

@@ -149,8 +149,8 @@ def dpo_loss(
     - ``"ipo"``: ``(h' - 1 / (2 β))²`` where ``h'`` divides each log-ratio by its completion
       length, as TRL does: pass the summed log-probs as for the others plus
       ``chosen_lengths`` / ``rejected_lengths`` ``(batch,)`` (counted completion tokens;
-      lengths below 1 count as 1). Equivalently, pass length-averaged log-probs for policy
-      and reference and lengths of 1 (the reward metrics are then per token).
+      lengths below 1 count as 1). Without lengths the log-probs are taken as given, i.e.
+      pass length-averaged ones (the reward metrics are then per token).
     - ``"hinge"`` (SLiC): ``relu(1 - β h)``.
 
     Returns ``(loss, metrics)``: the batch mean, and TRL's metrics with rewards
@@ -173,18 +173,18 @@ def dpo_loss(
     elif loss_type == "hinge":
         losses = jax.nn.relu(1.0 - beta * (chosen_logratios - rejected_logratios))
     else:
-        if chosen_lengths is None or rejected_lengths is None:
-            raise ValueError(
-                f"{name}: loss_type='ipo' needs chosen_lengths and rejected_lengths (the "
-                "completion token counts TRL divides each log-ratio by)"
+        if (chosen_lengths is None) != (rejected_lengths is None):
+            raise ValueError(f"{name}: loss_type='ipo' takes both chosen_lengths and "
+                             "rejected_lengths, or neither")  # fmt: skip
+        delta = chosen_logratios - rejected_logratios  # no lengths: per-token log-probs given
+        if chosen_lengths is not None and rejected_lengths is not None:
+            _check_logps(name, policy_chosen_logps=policy_chosen_logps,
+                         chosen_lengths=chosen_lengths.astype(jnp.float32),
+                         rejected_lengths=rejected_lengths.astype(jnp.float32))  # fmt: skip
+            per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
+            delta = per_token(chosen_logratios, chosen_lengths) - per_token(
+                rejected_logratios, rejected_lengths
             )
-        _check_logps(name, policy_chosen_logps=policy_chosen_logps,
-                     chosen_lengths=chosen_lengths.astype(jnp.float32),
-                     rejected_lengths=rejected_lengths.astype(jnp.float32))  # fmt: skip
-        per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
-        delta = per_token(chosen_logratios, chosen_lengths) - per_token(
-            rejected_logratios, rejected_lengths
-        )
         losses = jnp.square(delta - 1.0 / (2.0 * beta))
     loss = jnp.mean(losses)
     metrics = _reward_metrics(beta * chosen_logratios, beta * rejected_logratios,
