@@ -270,16 +270,18 @@ def _prompts():
 
 class _SharedCheck:
     """Wraps ``step.rollout``: records whether the model it samples from holds the state's
-    own arrays (the same objects), and the live bytes then."""
+    own arrays (the same objects), and the bytes then live that were not live before the run
+    (``baseline``: other tests' arrays in this process, such as session fixtures)."""
 
     def __init__(self, step):
         self.rollout, self.shared, self.live, self.state_leaves = step.rollout, [], [], []
+        self.baseline: set[int] = set()
         step.rollout = self
 
     def __call__(self, model, prompts, key):
         ids = {id(leaf) for leaf in self.state_leaves}
         self.shared.append(all(id(leaf) in ids for leaf in jax.tree.leaves(model)))
-        self.live.append(sum(x.nbytes for x in jax.live_arrays()))
+        self.live.append(sum(x.nbytes for x in jax.live_arrays() if id(x) not in self.baseline))
         return self.rollout(model, prompts, key)
 
 
@@ -298,6 +300,7 @@ def test_grpo_end_to_end_shares_params_and_resumes_exactly(tmp_path):
 
     def run(steps, out):
         shared.shared, shared.live = [], []
+        shared.baseline = {id(x) for x in jax.live_arrays()}
         state = edl.create_state(_byte_llama(), tx)
         state, summary = train(state, call, _prompts(), steps=steps, output_dir=out,
                                save_every=1, progress=False)  # fmt: skip
