@@ -209,6 +209,19 @@ class EpochCursor(Cursor):
         """The next batch (a subclass's kind: arrays, rows, prompts), or None at the end."""
         raise NotImplementedError
 
+    def global_batch(self) -> tuple[list[Any], list[Any]]:
+        """``(items, mine)``: the next global batch's items (``current()`` then ``advance()``,
+        ``batch_size`` of them, fewer at the end) and this process's contiguous share."""
+        items = []
+        for _ in range(self.batch_size):
+            item = self.current()
+            if item is None:
+                break
+            items.append(item)
+            self.advance()
+        share = self.batch_size // self.process_count
+        return items, items[self.process_index * share : (self.process_index + 1) * share]
+
     def __iter__(self) -> EpochCursor:
         return self
 

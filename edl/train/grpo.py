@@ -411,13 +411,5 @@ class PromptBatches(EpochCursor):
 
     def next_batch(self) -> list[Prompt] | None:
         """This process's share of the next global batch of prompts (None when done)."""
-        prompts = []
-        for _ in range(self.batch_size):
-            prompt = self.current()
-            if prompt is None:
-                break
-            prompts.append(prompt)
-            self.advance()
-        share = self.batch_size // self.process_count
-        mine = prompts[self.process_index * share : (self.process_index + 1) * share]
+        _, mine = self.global_batch()
         return mine or None

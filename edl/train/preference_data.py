@@ -159,18 +159,10 @@ class PreferenceBatches(EpochCursor):
     def next_batch(self) -> Batch | None:
         """This process's share of the next global batch; None when ``repeat=False`` and
         epoch 0 is done."""
-        pairs = []
-        for _ in range(self.batch_size):
-            rows = self.current()
-            if rows is None:
-                break
-            pairs.append(rows)
-            self.advance()
+        pairs, mine = self.global_batch()
         if not pairs:
             return None
-        share = self.batch_size // self.process_count
-        mine = pairs[self.process_index * share : (self.process_index + 1) * share]
-        return self._assemble(mine, share)
+        return self._assemble(mine, self.batch_size // self.process_count)
 
     def _assemble(self, pairs: list[list[tuple[np.ndarray, np.ndarray]]], rows: int) -> Batch:
         batch: Batch = {}
