@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int, UInt
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
 
-__all__ = ["SlotSampling", "model_step", "sample_rows"]
+__all__ = ["SlotSampling", "filter_logits", "model_step", "sample_rows"]
 
 
 class SlotSampling(eqx.Module):
@@ -42,20 +42,30 @@ class SlotSampling(eqx.Module):
     counter: Int[Array, " batch"]
 
 
-def _sample_row(logits, temperature, top_k, top_p, seed, counter):
-    """One row: temperature, top-k, top-p (HF's order and tie rules, as
-    ``edl.ops.sampling``), then a draw; the argmax when ``temperature == 0``."""
+def filter_logits(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> Float[Array, " vocab"]:
+    """One row's logits after temperature, top-k (0: off) and top-p (1: off), in HF's
+    order and with ``edl.ops.sampling``'s tie rules (ties with a cut-off are kept);
+    filtered logits are ``-inf``. ``temperature == 0`` leaves the logits unscaled."""
     vocab = logits.shape[0]
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    descending = jnp.sort(scaled)[::-1]
-    kth = descending[jnp.clip(top_k - 1, 0, vocab - 1)]
+    kth = jnp.sort(scaled)[::-1][jnp.clip(top_k - 1, 0, vocab - 1)]
     scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
     ascending = jnp.sort(scaled)
     cumulative = jnp.cumsum(jax.nn.softmax(ascending))
     remove = (cumulative <= 1.0 - top_p) & (jnp.arange(vocab) < vocab - 1)
     cutoff = jnp.min(jnp.where(remove, jnp.inf, ascending))
-    scaled = jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+    return jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+
+
+def _sample_row(logits, temperature, top_k, top_p, seed, counter):
+    """One row's token: a draw from its filtered logits, or the argmax at temperature 0."""
     key = jax.random.fold_in(jax.random.key(seed), counter)
+    scaled = filter_logits(logits, temperature, top_k, top_p)
     drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
 
