@@ -27,11 +27,15 @@ pages it shares with an earlier, still running request (same page-aligned token 
 ``edl.serve.pages``) are that request's pages, shared and reference-counted, and are not
 computed again (at least the prompt's last token always is, for the first logits).
 
+The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
+a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
+
 Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
 temperature, top-k and top-p in HF's order, each token drawn with the key
 ``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
-whatever else is in the batch. Output tokens include the EOS / stop token that ends a
-request (``finish_reason="stop"``).
+whatever else is in the batch (up to float rounding: the same request's logits come from
+a width-1 or a width-``prefill_chunk`` step depending on its company). Output tokens
+include the EOS / stop token that ends a request (``finish_reason="stop"``).
 
 STATUS (start of the serving work; continued in a later session):
 
