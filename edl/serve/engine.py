@@ -49,9 +49,12 @@ STATUS (start of the serving work; continued in a later session):
   request holding it runs); hashing generated tokens' blocks; a token budget per step
   (every prefilling slot takes a whole chunk); logits processors beyond temperature /
   top-k / top-p (repetition penalty, min-p), log-probs, stop strings; sharding over a
-  mesh; the Pallas paged kernel for chunked prefill (a width-``prefill_chunk`` step
-  attends through XLA's gathered-pages path); a benchmark in benchmarks/; an async
-  server (the server helper's branch).
+  mesh; a GPU run: there ``impl="auto"`` sends a width-``prefill_chunk`` step to the
+  Pallas paged *decode* kernel with ``prefill_chunk`` queries per row (built for a few),
+  untested and likely slow, so chunked prefill may want its own kernel or the XLA path;
+  a benchmark in benchmarks/; an async server (the server helper's branch).
+- ``eos_token_ids`` is taken as given (default none), not read from the model's
+  generation config.
 """
 
 from __future__ import annotations
