@@ -1,0 +1,111 @@
+"""The engine's device side: one pure, jitted model step over a paged KV cache.
+
+``model_step`` runs every batch slot's new tokens (``width`` columns, right-padded: a
+prefilling slot's prompt chunk, a decoding slot's last token, nothing for an empty slot)
+through the model and the paged cache, and samples each slot's next token with that slot's
+own settings (``SlotSampling``). The engine compiles it for exactly two widths: 1 (every
+busy slot decodes) and the prefill chunk (some slot prefills; decoding slots ride along
+with one token), each for a fixed ``(max_batch, pages_per_seq)`` page table, so a running
+engine never recompiles.
+
+Pages are allocated by the host (``edl.serve.pages``), which knows which pages requests
+share; the cache's ``page_table`` and ``lengths`` come from it every step and its ``free``
+mask is all False, so the model's own ``PagedKVCache.reserve`` has nothing to allocate and
+raises ("out of free pages") if the host ever gave a slot too few pages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, UInt
+
+from edl.generate.paged import PagedKVCache
+from edl.generate.steps import CausalLM
+
+__all__ = ["SlotSampling", "filter_logits", "model_step", "sample_rows"]
+
+
+class SlotSampling(eqx.Module):
+    """Per-slot sampling settings as arrays (``(batch,)`` each): ``temperature`` (0:
+    greedy), ``top_k`` (0: off), ``top_p`` (1: off), the request's ``seed`` and
+    ``counter``, the number of tokens it has generated so far (the key of its next token is
+    ``fold_in(key(seed), counter)``, so it does not depend on the batch it runs in)."""
+
+    temperature: Float[Array, " batch"]
+    top_k: Int[Array, " batch"]
+    top_p: Float[Array, " batch"]
+    seed: UInt[Array, " batch"]
+    counter: Int[Array, " batch"]
+
+
+def filter_logits(
+    logits: Float[Array, " vocab"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> Float[Array, " vocab"]:
+    """One row's logits after temperature, top-k (0: off) and top-p (1: off), in HF's
+    order and with ``edl.ops.sampling``'s tie rules (ties with a cut-off are kept);
+    filtered logits are ``-inf``. ``temperature == 0`` leaves the logits unscaled."""
+    vocab = logits.shape[0]
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    kth = jnp.sort(scaled)[::-1][jnp.clip(top_k - 1, 0, vocab - 1)]
+    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
+    ascending = jnp.sort(scaled)
+    cumulative = jnp.cumsum(jax.nn.softmax(ascending))
+    remove = (cumulative <= 1.0 - top_p) & (jnp.arange(vocab) < vocab - 1)
+    cutoff = jnp.min(jnp.where(remove, jnp.inf, ascending))
+    return jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+
+
+def _sample_row(logits, temperature, top_k, top_p, seed, counter):
+    """One row's token: a draw from its filtered logits, or the argmax at temperature 0."""
+    key = jax.random.fold_in(jax.random.key(seed), counter)
+    scaled = filter_logits(logits, temperature, top_k, top_p)
+    drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
+
+
+def sample_rows(
+    logits: Float[Array, "batch vocab"], sampling: SlotSampling
+) -> Int[Array, " batch"]:
+    """Each row's next token under its own settings (``SlotSampling``)."""
+    return jax.vmap(_sample_row)(
+        logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed,
+        sampling.counter,
+    )  # fmt: skip
+
+
+@functools.partial(jax.jit, donate_argnums=(1, 2))
+def model_step(
+    model: CausalLM,
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    page_table: Int[Array, "batch pages_per_seq"],
+    lengths: Int[Array, " batch"],
+    tokens: Int[Array, "batch width"],
+    num_new: Int[Array, " batch"],
+    sampling: SlotSampling,
+) -> tuple[
+    Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    Int[Array, " batch"],
+]:
+    """Slot ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
+    the model, their keys/values written to its pages; returns the updated pools and each
+    slot's next token, sampled after its last new token (meaningless where ``num_new`` is
+    0). The pools are donated: pass the returned ones to the next call."""
+    cache = PagedKVCache(
+        k_pages, v_pages, page_table, lengths, jnp.zeros((k_pages.shape[1],), jnp.bool_)
+    )
+    width = tokens.shape[1]
+    mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
+    out = model.model(tokens, attention_mask=mask, cache=cache)
+    last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
+    hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
+    logits = model.lm_logits(hidden).astype(jnp.float32)
+    return out.cache.k_pages, out.cache.v_pages, sample_rows(logits, sampling)

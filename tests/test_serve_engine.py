@@ -1,0 +1,309 @@
+"""edl.serve.Engine: continuous batching over the paged KV cache.
+
+The oracle for tokens is ``edl.generate.generate`` (itself tested against transformers):
+a request's greedy tokens must be exactly generate's for its prompt, whatever joins the
+batch and whether its prompt pages are shared. The scheduler's bookkeeping (pages, slots,
+prefix sharing) is checked over random schedules with the model step replaced by a stub,
+so hundreds of steps cost no compilation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edl.generate import generate
+from edl.serve import Engine, QueueFull, SamplingParams
+from edl.serve import engine as engine_module
+from edl.serve.pages import PagePool, block_hashes
+from edl.serve.step import filter_logits, model_step
+
+# One geometry for every test that runs the model, so the module compiles model_step twice
+# (widths 1 and CHUNK) and no more. 4 pages per sequence keeps the CPU attention's
+# live-length branches few (compile time).
+GEOMETRY = dict(max_batch=4, max_model_len=32, page_size=8, prefill_chunk=8)
+MAX_TOKENS = 8
+
+
+def _prompts(seed: int, lengths) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 64, n).tolist() for n in lengths]
+
+
+def _greedy_reference(model, prompts, max_new: int) -> list[list[int]]:
+    """generate's greedy tokens for each prompt (one left-padded batch)."""
+    width = max(map(len, prompts))
+    ids = np.array([[0] * (width - len(p)) + p for p in prompts])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False)
+    return np.asarray(out.sequences[:, width:]).tolist()
+
+
+def _run(engine: Engine, schedule: dict[int, list], *, watch=None):
+    """Step until done, adding ``schedule[step]``'s ``(prompt, params)`` before that step.
+    Returns ``(tokens, reasons)`` per request, in the order added; ``watch(step)`` is called
+    after each step."""
+    ids, tokens, reasons, step = [], {}, {}, 0
+    while engine.has_unfinished() or step <= max(schedule):
+        for prompt, params in schedule.get(step, []):
+            ids.append(engine.add_request(prompt, params))
+            tokens[ids[-1]] = []
+        for out in engine.step():
+            assert out.request_id not in reasons, "output after finishing"
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        if watch is not None:
+            watch(step)
+        step += 1
+        assert step < 500, "the engine does not finish"
+    return [tokens[i] for i in ids], [reasons[i] for i in ids]
+
+
+def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(tiny_llama):
+    # A: 19 tokens, prefilled in 3 chunks; C shares A's first two pages and joins while A
+    # decodes; D joins later; B is short. Then seeded sampling, alone and in company.
+    a, b, d = _prompts(0, (19, 5, 3))
+    c = [*a[:16], 7, 7, 3]
+    prompts = [a, b, c, d]
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    schedule = {0: [(a, greedy), (b, greedy)], 3: [(c, greedy)], 5: [(d, greedy)]}
+    want = _greedy_reference(tiny_llama, prompts, MAX_TOKENS)
+    compiled_before = model_step._cache_size()
+
+    free_after_join = {}
+    for caching in (True, False):
+        engine = Engine(tiny_llama, prefix_caching=caching, **GEOMETRY)
+        watch = lambda s, e=engine, k=caching: free_after_join.setdefault(k, e.num_free_pages)
+        got, reasons = _run(engine, schedule, watch=lambda s, w=watch: s == 3 and w(s))
+        assert got == want, f"prefix_caching={caching}"
+        assert reasons == ["length"] * 4
+        assert engine.num_free_pages == engine.num_total_pages
+        if caching:  # both shapes have run: nothing compiles from here on
+            warm = model_step._cache_size()
+            assert warm - compiled_before <= 2
+    # C took A's two whole prompt pages instead of two new ones.
+    assert free_after_join[True] == free_after_join[False] + 2
+
+    # An EOS id ends a request with its EOS included, as generate does.
+    eos = want[1][3]
+    engine = Engine(tiny_llama, eos_token_ids=(eos,), **GEOMETRY)
+    got, reasons = _run(engine, {0: [(b, greedy)]})
+    assert got == [want[1][: want[1].index(eos) + 1]] and reasons == ["stop"]
+
+    # Seeded sampling: the same tokens alone and joining a busy batch; another seed differs.
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9,
+                             seed=11)  # fmt: skip
+    engine = Engine(tiny_llama, **GEOMETRY)
+    (alone,), _ = _run(engine, {0: [(c, sampled)]})
+    busy = {0: [(a, greedy), (b, dataclasses.replace(sampled, seed=3))], 2: [(c, sampled)]}
+    (_, other_seed, batched), _ = _run(engine, busy)
+    assert batched == alone and other_seed != alone
+    assert model_step._cache_size() == warm
+
+
+def _filter_reference(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
+    """HF's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in float64 numpy
+    (ties with a cut-off kept, as edl.ops.sampling does)."""
+    x = logits.astype(np.float64) / t
+    if k:
+        x = np.where(x < np.sort(x)[::-1][k - 1], -np.inf, x)
+    if p < 1.0:
+        ascending = np.sort(x)
+        probs = np.exp(ascending - ascending.max())
+        cumulative = np.cumsum(probs / probs.sum())
+        remove = (cumulative <= 1 - p) & (np.arange(x.size) < x.size - 1)
+        x = np.where(x < ascending[~remove].min(), -np.inf, x)
+    return x
+
+
+def test_filter_logits_matches_hf_temperature_top_k_top_p():
+    logits = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32) * 3
+    t, k, p = (0.7, 1.0, 1.3, 1.0), (0, 5, 12, 0), (0.8, 1.0, 0.5, 1.0)
+    got = np.asarray(
+        jax.jit(jax.vmap(filter_logits))(
+            jnp.asarray(logits), jnp.array(t, jnp.float32), jnp.array(k, jnp.int32),
+            jnp.array(p, jnp.float32),
+        )
+    )  # fmt: skip
+    for i in range(4):
+        want = _filter_reference(logits[i], t[i], k[i], p[i])
+        kept = ~np.isinf(want)
+        assert 0 < kept.sum() < 64 or (k[i] == 0 and p[i] == 1.0)
+        np.testing.assert_array_equal(~np.isinf(got[i]), kept)
+        np.testing.assert_allclose(got[i][kept], want[kept], rtol=1e-6)  # float32 division
+
+
+def test_add_request_rejects_bad_input_and_a_full_queue(tiny_llama):
+    engine = Engine(tiny_llama, max_queue=2, **GEOMETRY)
+    params = SamplingParams(max_tokens=4)
+    cases = [
+        ([], "empty"),
+        ([1, 64], "not in"),
+        ([1, -1], "not in"),
+        ([1] * 30, "exceeds max_model_len"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, params)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        engine.add_request([1], SamplingParams(stop_token_ids=(64,)))
+    small = Engine(tiny_llama, num_pages=2, **GEOMETRY)
+    with pytest.raises(ValueError, match="the pool has 2"):
+        small.add_request([1] * 20, params)
+    for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5), dict(top_k=0),
+                dict(seed=-1), dict(stop_token_ids=(-2,))]:  # fmt: skip
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    first = engine.add_request([1], params)
+    engine.add_request([2], params)
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
+        engine.add_request([3], params)
+    engine.abort(first)  # a waiting request can go, which makes room
+    engine.add_request([3], params)
+
+
+@pytest.mark.slow  # ~200 engine steps and a wide generate batch, compiled (~20 s)
+def test_random_schedule_with_aborts_matches_generate_and_frees_pages(tiny_llama):
+    rng = np.random.default_rng(7)
+    engine = Engine(tiny_llama, num_pages=12, **GEOMETRY)
+    prefix = rng.integers(0, 64, 16).tolist()
+    prompts, tokens, aborted, finished = {}, {}, set(), {}
+    for _ in range(150):
+        if rng.random() < 0.4:
+            n = int(rng.integers(1, 21))
+            prompt = (prefix + rng.integers(0, 64, 4).tolist())[:n] if rng.random() < 0.5 \
+                else rng.integers(0, 64, n).tolist()  # fmt: skip
+            with contextlib.suppress(QueueFull):
+                rid = engine.add_request(prompt, SamplingParams(max_tokens=32 - n, temperature=0.0))
+                prompts[rid], tokens[rid] = prompt, []
+        if rng.random() < 0.05 and prompts:
+            rid = int(rng.choice(list(prompts)))
+            if rid not in finished:
+                engine.abort(rid)
+                aborted.add(rid)
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+    assert engine.num_free_pages == engine.num_total_pages
+    assert finished.keys() == prompts.keys() and len(prompts) > 40 and len(aborted) > 2
+    assert {r for r, why in finished.items() if why == "abort"} <= aborted
+    rids = sorted(prompts)
+    references = _greedy_reference(tiny_llama, [prompts[r] for r in rids], 31)
+    for rid, reference in zip(rids, references, strict=True):
+        prompt, got = prompts[rid], tokens[rid]
+        want = reference[: 32 - len(prompt)]
+        assert got == want[: len(got)], rid
+        assert finished[rid] == "abort" or len(got) == len(want)
+
+
+# -- the scheduler over random schedules (the model step stubbed) ------------------------------
+
+
+def _stub_step(page_size: int, rng: np.random.Generator, shared: list[int]):
+    """A ``model_step`` stand-in that checks what the scheduler hands the model: each busy
+    slot's page table covers its new tokens, empty slots hold no pages, and no slot writes
+    (its new tokens and the chunk's padding) into a page another slot holds. ``shared``
+    counts the steps in which slots shared pages."""
+
+    def step(model, k, v, table, lengths, tokens, num_new, sampling):
+        table, lengths, num_new = map(np.asarray, (table, lengths, num_new))
+        busy = num_new > 0
+        have = (table >= 0).sum(axis=1)
+        assert np.all(-(-(lengths + num_new) // page_size)[busy] <= have[busy])
+        assert np.all(have[~busy] == 0)
+        for row in np.flatnonzero(busy):
+            first = lengths[row] // page_size
+            end = -(-(lengths[row] + tokens.shape[1]) // page_size)
+            written = set(table[row, first:end].tolist()) - {-1}
+            others = set(np.delete(table, row, axis=0).ravel().tolist())
+            assert not written & others, f"slot {row} writes into a shared page"
+        held = table[table >= 0]
+        shared.append(int(len(held) > len(set(held.tolist()))))
+        return k, v, jnp.asarray(rng.integers(0, 64, table.shape[0]), jnp.int32)
+
+    return step
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch, prefix_caching):
+    rng = np.random.default_rng(0)
+    shared = []
+    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, shared))
+    engine = Engine(tiny_llama, num_pages=10, prefix_caching=prefix_caching, **GEOMETRY)
+    total, live, seen = engine.num_total_pages, set(), 0
+    shared_prefix = rng.integers(0, 64, 16).tolist()
+    for _ in range(250):
+        action = rng.random()
+        if action < 0.3:
+            n = int(rng.integers(1, 24))
+            prompt = (shared_prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
+                else rng.integers(0, 64, n).tolist()  # fmt: skip
+            params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)),
+                                    stop_token_ids=(5,), seed=0)  # fmt: skip
+            with contextlib.suppress(QueueFull):
+                live.add(engine.add_request(prompt, params))
+        elif action < 0.4 and live:
+            engine.abort(int(rng.choice(sorted(live))))
+        for out in engine.step():
+            seen += len(out.new_token_ids)
+            if out.finished:
+                live.discard(out.request_id)
+        assert 0 <= engine.num_free_pages <= total
+    while engine.has_unfinished():
+        live -= {out.request_id for out in engine.step() if out.finished}
+    assert not live and seen > 100
+    assert engine.num_free_pages == total
+    assert engine._pool._by_hash == {}  # the prefix cache forgets freed pages
+    assert (sum(shared) > 10) == prefix_caching
+
+
+def test_abort_frees_pages_at_once_and_reports_once(tiny_llama, monkeypatch):
+    rng = np.random.default_rng(1)
+    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, []))
+    engine = Engine(tiny_llama, **GEOMETRY)
+    rid = engine.add_request([1] * 9, SamplingParams(max_tokens=20))
+    engine.step()
+    assert engine.num_free_pages == engine.num_total_pages - 4
+    engine.abort(rid)
+    assert engine.num_free_pages == engine.num_total_pages
+    outs = engine.step()
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [(rid, True, "abort")]
+    engine.abort(rid)  # gone: nothing more
+    assert engine.step() == [] and not engine.has_unfinished()
+
+
+@settings(max_examples=30)
+@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
+       st.data())  # fmt: skip
+def test_page_pool_shares_prefixes_and_frees_with_the_last_user(prompts, data):
+    pool = PagePool(64)
+    held = []
+    for prompt in prompts:
+        hashes = block_hashes(prompt, 4)
+        shared = pool.match(hashes)
+        for page, h in zip(shared, hashes, strict=False):  # a hit is the same block
+            assert pool._by_hash[h] == page
+        own = pool.allocate(len(hashes) - len(shared) + 1)
+        pages = shared + own
+        for page, h in zip(pages, hashes, strict=False):
+            pool.publish(page, h)
+        held.append(pages)
+        if data.draw(st.booleans()):
+            pool.release(held.pop(data.draw(st.integers(0, len(held) - 1))))
+    for pages in held:
+        pool.release(pages)
+    assert pool.num_free == 64 and pool._by_hash == {} and pool._hash_of == {}
