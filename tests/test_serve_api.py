@@ -1,0 +1,405 @@
+"""The OpenAI-compatible server (edl.serve.server) against the official ``openai`` client on
+loopback, over a fake engine that implements edl.serve.types.Engine and 'generates' a
+deterministic byte-level reply (so every expected text is known exactly), plus unit tests of
+the incremental detokenizer's stop strings. The server runs in uvicorn in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import itertools
+import json
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+from edl.serve.detokenize import IncrementalText  # noqa: E402
+from edl.serve.server import create_app  # noqa: E402
+from edl.serve.types import Engine, QueueFull, RequestOutput, SamplingParams  # noqa: E402
+from edl.text import ByteTokenizer  # noqa: E402
+
+MODEL = "fake-model"
+EOS = ByteTokenizer.eos_id
+
+
+def reply_of(prompt_ids: Sequence[int]) -> str:
+    """The fake model's whole reply to a prompt (multi-byte characters on purpose)."""
+    return f"You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+
+
+class ChatBytes(ByteTokenizer):
+    """The byte tokenizer with a toy chat template."""
+
+    chat_template = "<role>content\\n ... <assistant>"
+
+    def apply_chat_template(self, messages, *, add_generation_prompt=False):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
+
+
+class FakeEngine:
+    """``edl.serve.types.Engine`` over ``reply_of``: one token per running request per step
+    (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
+    seconds per step. Records aborts, the largest batch and every calling thread."""
+
+    def __init__(self, *, max_running: int = 64, step_delay: float = 0.0) -> None:
+        self.max_running, self.step_delay = max_running, step_delay
+        self.running: dict[int, tuple[list[int], SamplingParams, list[int]]] = {}
+        self.ids = itertools.count()
+        self.aborted: list[int] = []
+        self.finished: list[int] = []
+        self.threads: set[int] = set()
+        self.largest_batch = 0
+
+    def _called(self) -> None:
+        self.threads.add(threading.get_ident())
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        self._called()
+        if not prompt_ids:
+            raise ValueError("empty prompt")
+        if len(self.running) >= self.max_running:
+            raise QueueFull(f"{len(self.running)} requests running")
+        request_id = next(self.ids)
+        tokens = [*ByteTokenizer().encode(reply_of(prompt_ids)), EOS]
+        self.running[request_id] = (tokens, params, [])
+        return request_id
+
+    def abort(self, request_id: int) -> None:
+        self._called()
+        self.aborted.append(request_id)
+        self.running.pop(request_id, None)
+
+    def step(self) -> list[RequestOutput]:
+        self._called()
+        time.sleep(self.step_delay)
+        self.largest_batch = max(self.largest_batch, len(self.running))
+        outputs = []
+        for request_id, (tokens, params, done) in list(self.running.items()):
+            token = tokens[len(done)]
+            done.append(token)
+            reason = ("stop" if token in params.stop_token_ids
+                      else "length" if len(done) == params.max_tokens else None)  # fmt: skip
+            if reason is not None:
+                del self.running[request_id]
+                self.finished.append(request_id)
+            outputs.append(RequestOutput(request_id, (token,), reason is not None, reason))
+        return outputs
+
+    def has_unfinished(self) -> bool:
+        self._called()
+        return bool(self.running)
+
+    @property
+    def num_free_pages(self) -> int:
+        return 100 - len(self.running)
+
+    @property
+    def num_total_pages(self) -> int:
+        return 100
+
+
+@contextlib.contextmanager
+def serving(engine: FakeEngine, *, max_model_len: int = 256, grace: float | None = None):
+    """``(base_url, uvicorn server)`` of the app over ``engine`` on a free loopback port."""
+    app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=max_model_len,
+                     stop_token_ids=[EOS])  # fmt: skip
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                            timeout_graceful_shutdown=grace)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def client(base_url: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def shared():
+    engine = FakeEngine()
+    with serving(engine) as (url, _):
+        yield engine, url
+
+
+def chat_prompt(messages) -> list[int]:
+    return ChatBytes().apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_completion_plain_and_stream(shared):
+    engine, url = shared
+    api = client(url)
+    expected = reply_of(ByteTokenizer().encode("Hello"))
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=200)
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+    n_reply = len(expected.encode()) + 1  # the EOS is a completion token
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (5, n_reply)
+    assert out.usage.total_tokens == 5 + n_reply
+    chunks = list(
+        api.completions.create(
+            model=MODEL,
+            prompt="Hello",
+            max_tokens=200,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == expected and len(texts) > 10  # streamed, not one piece
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_reply
+    # token-id prompts, and a cut by max_tokens (mid-character: U+FFFD, as decode gives it)
+    cut = api.completions.create(model=MODEL, prompt=[72, 105], max_tokens=21)
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.choices[0].text == reply_of([0, 0]).encode()[:21].decode(errors="replace")
+    assert engine.threads and len(engine.threads) == 1  # every engine call: one thread
+
+
+def test_chat_plain_and_stream(shared):
+    _, url = shared
+    api = client(url)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    expected = reply_of(chat_prompt(messages))
+    out = api.chat.completions.create(model=MODEL, messages=messages)
+    assert out.choices[0].message.content == expected and out.choices[0].message.role == "assistant"
+    assert out.choices[0].finish_reason == "stop" and out.object == "chat.completion"
+    assert out.usage.prompt_tokens == len(chat_prompt(messages))
+    chunks = list(api.chat.completions.create(model=MODEL, messages=messages, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert (
+        chunks[-1].choices[0].finish_reason == "stop"
+        and chunks[-1].object == "chat.completion.chunk"
+    )
+    # developer = system, text content parts joined
+    halves = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    parts = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": halves}]
+    again = api.chat.completions.create(model=MODEL, messages=parts)
+    assert again.choices[0].message.content == expected
+
+
+def test_stop_strings_trim_and_abort(shared):
+    engine, url = shared
+    api = client(url)
+    expected = reply_of(ByteTokenizer().encode("Hello"))
+    want = expected[: expected.index(" très")]
+    aborted_before = len(engine.aborted)
+    out = api.completions.create(model=MODEL, prompt="Hello", stop=["zzz", " très"])
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    # the tokens counted are those generated up to the stop string (no EOS)
+    assert out.usage.completion_tokens == len((want + " très").encode())
+    stream = api.completions.create(model=MODEL, prompt="Hello", stop=" très", stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       stop=["→"])  # fmt: skip
+    assert (
+        chat.choices[0].message.content
+        == reply_of(chat_prompt([{"role": "user", "content": "x"}])).split("→")[0]
+    )
+    deadline = time.monotonic() + 5
+    while len(engine.aborted) < aborted_before + 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(engine.aborted) == aborted_before + 3  # each stop string aborted its request
+
+
+def test_32_concurrent_streams():
+    engine = FakeEngine(step_delay=0.002)
+    with serving(engine) as (url, _):
+        api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+        async def one(i: int) -> tuple[str, str]:
+            prompt = "x" * (i + 1)
+            stream = await api.completions.create(model=MODEL, prompt=prompt, stream=True)
+            text = "".join([c.choices[0].text async for c in stream if c.choices])
+            return text, reply_of(ByteTokenizer().encode(prompt))
+
+        async def run_all():
+            try:
+                return await asyncio.gather(*(one(i) for i in range(32)))
+            finally:
+                await api.close()
+
+        results = asyncio.run(run_all())
+    assert all(text == want for text, want in results)
+    assert engine.largest_batch > 16  # they were batched, not served one after another
+    assert len(engine.finished) == 32 and not engine.running
+
+
+BAD = [
+    ({"model": "nope", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
+    ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ({"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
+    ({"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),  # > max_model_len 256
+    ({"model": MODEL, "prompt": "x" * 200, "max_tokens": 100}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+]
+BAD_CHAT = [
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ({"model": MODEL, "messages": ["hi"]}, 400, "messages[0]"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_completion_tokens": 0,
+        },
+        400,
+        "max_tokens",
+    ),
+]
+
+
+def _check_error(error, status: int, param: str) -> None:
+    assert error.status_code == status
+    full = error.response.json()
+    assert set(full) == {"error"} and set(full["error"]) == {"message", "type", "param", "code"}
+    assert full["error"]["param"] == param and isinstance(full["error"]["message"], str)
+    assert full["error"]["type"] == "invalid_request_error"
+    assert error.body == full["error"]  # what the client parsed
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD)
+def test_bad_completions(shared, body, status, param):
+    api = client(shared[1])
+    errors = openai.NotFoundError if status == 404 else openai.BadRequestError
+    extra = {k: v for k, v in body.items() if k not in ("model", "prompt")}
+    with pytest.raises(errors) as caught:
+        api.completions.create(model=body["model"], prompt=body["prompt"], extra_body=extra)
+    _check_error(caught.value, status, param)
+    if param == "prompt" and body["prompt"] == "x" * 300:
+        assert caught.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_CHAT)
+def test_bad_chats(shared, body, status, param):
+    api = client(shared[1])
+    extra = {k: v for k, v in body.items() if k not in ("model", "messages")}
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.chat.completions.create(model=MODEL, messages=body["messages"], extra_body=extra)
+    _check_error(caught.value, status, param)
+
+
+def _raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    status, data = response.status, json.loads(response.read())
+    conn.close()
+    return status, data
+
+
+def test_malformed_json_unknown_route_models_health(shared):
+    _, url = shared
+    status, body = _raw(url, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _raw(url, "GET", "/v1/nothing")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+    status, body = _raw(url, "GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["num_total_pages"] in (None, 100)
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_queue_full_is_429():
+    engine = FakeEngine(max_running=1, step_delay=0.01)
+    with serving(engine, grace=0.5) as (url, _):
+        api = client(url)
+        first = api.completions.create(model=MODEL, prompt="a", stream=True)
+        next(iter(first))  # the one slot is taken
+        with pytest.raises(openai.RateLimitError) as caught:
+            api.completions.create(model=MODEL, prompt="b")
+        assert caught.value.status_code == 429
+        assert caught.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        first.close()
+
+
+def _wait(condition, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_disconnect_aborts_stream_and_plain():
+    engine = FakeEngine(step_delay=0.05)  # a reply takes ~3 s
+    with serving(engine, grace=0.5) as (url, _):
+        api = client(url)
+        stream = api.completions.create(model=MODEL, prompt="a", stream=True)
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        stream.close()  # the client goes away mid-stream
+        _wait(lambda: engine.aborted == [0] and not engine.running)
+        assert engine.finished == []
+        # a plain request whose client gives up (times out) is aborted too
+        with pytest.raises(openai.APITimeoutError):
+            client(url, timeout=0.3).completions.create(model=MODEL, prompt="b")
+        _wait(lambda: engine.aborted == [0, 1] and not engine.running)
+
+
+def test_shutdown_aborts_in_flight_and_stops_the_engine_thread():
+    engine = FakeEngine(step_delay=0.05)
+    with serving(engine, grace=0.2) as (url, server):
+        stream = client(url).completions.create(model=MODEL, prompt="a", stream=True)
+        next(iter(stream))
+        driver = server.config.app.state.server.driver
+        server.should_exit = True  # what SIGTERM does
+        _wait(lambda: not engine.running)
+    assert engine.aborted == [0] and engine.finished == []
+    assert not driver.alive and not driver._thread.is_alive() and driver.error is None
+
+
+def test_incremental_text_stop_across_tokens():
+    tok = ByteTokenizer()
+    text = IncrementalText(tok, stop=["END", "→"], stop_token_ids=[EOS])
+    pieces = [text.push([t]) for t in tok.encode("ab EN")]
+    assert "".join(pieces) == "ab " and not text.stopped  # "EN" held back: may become "END"
+    assert text.push(tok.encode("x")) == "ENx"  # it did not
+    assert text.push(tok.encode("yEND and more")) == "y" and text.stopped
+    assert text.text == "ab ENxy" and text.push([65]) == "" and text.end() == ""
+    # a multi-byte stop string split over tokens; U+FFFD never leaks mid-character
+    text = IncrementalText(tok, stop=["→"])
+    out = [text.push([t]) for t in tok.encode("a→b")]
+    assert out == ["a", "", "", "", ""] and text.stopped and text.text == "a"
+    # no stop: end releases what was held back; EOS left out
+    text = IncrementalText(tok, stop=["ENDX"], stop_token_ids=[EOS])
+    assert text.push([*tok.encode("xEND"), EOS]) == "x" and text.end() == "END"
+    with pytest.raises(ValueError, match="non-empty"):
+        IncrementalText(tok, stop=[""])
+
+
+def test_fake_engine_is_an_engine():
+    assert isinstance(FakeEngine(), Engine)
