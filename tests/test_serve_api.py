@@ -11,6 +11,7 @@ import contextlib
 import http.client
 import itertools
 import json
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -403,3 +404,17 @@ def test_incremental_text_stop_across_tokens():
 
 def test_fake_engine_is_an_engine():
     assert isinstance(FakeEngine(), Engine)
+
+
+def test_cli_serve_checks_options_and_names_a_missing_engine(monkeypatch, capsys):
+    from edl.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--model", "m", "--max-batch", "0"])
+    assert caught.value.code == 2
+    assert "argument --max-batch: must be >= 1, got 0" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "edl.serve.engine", None)  # as in a build without it
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--model", "m"])
+    assert caught.value.code == 1
+    assert "no serving engine (edl.serve.engine is missing)" in capsys.readouterr().err

@@ -1,0 +1,60 @@
+"""``edl serve``: a model behind the OpenAI-compatible HTTP server (:mod:`edl.serve.server`).
+
+The engine is ``edl.serve.engine.Engine`` (continuous batching over paged KV caches), built
+as ``Engine(model, max_batch=..., max_model_len=...)``; that module is developed on its own
+branch, and the constructor call below is the one place to reconcile with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from edl.cli.config import CommandError
+
+__all__ = ["run_serve"]
+
+# Seconds uvicorn lets open requests finish after SIGTERM before cancelling (and so
+# aborting) them; the engine thread stops after.
+GRACEFUL_SHUTDOWN_S = 30
+
+
+def _engine_class() -> Any:
+    """``edl.serve.engine.Engine``, or a ``CommandError`` saying this build has none."""
+    try:
+        from edl.serve.engine import Engine
+    except ImportError as e:
+        if e.name not in ("edl.serve.engine", None):
+            raise
+        raise CommandError(
+            "this build of edl has no serving engine (edl.serve.engine is missing): "
+            "the HTTP server is here, the engine is not yet merged"
+        ) from None
+    return Engine
+
+
+def run_serve(args: argparse.Namespace) -> None:
+    """Load ``args.model`` and its tokenizer, build the engine and serve until SIGTERM."""
+    try:
+        import uvicorn
+
+        from edl.serve.server import create_app
+    except ImportError as e:
+        raise CommandError(
+            f"edl serve needs the serve extra (pip install 'edl[serve]'): {e}"
+        ) from None
+    engine_class = _engine_class()
+
+    from edl.cli.generate import load_model_and_tokenizer
+    from edl.generate import GenerationConfig
+
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    max_model_len = args.max_model_len or model.config.max_position_embeddings
+    eos = GenerationConfig.of_model(model).eos_ids
+    if not eos and getattr(tokenizer, "eos_id", None) is not None:
+        eos = (int(tokenizer.eos_id),)
+    engine = engine_class(model, max_batch=args.max_batch, max_model_len=max_model_len)
+    app = create_app(engine, tokenizer, model_name=args.served_model_name or args.model,
+                     max_model_len=max_model_len, stop_token_ids=eos)  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # fmt: skip
