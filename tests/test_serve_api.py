@@ -418,3 +418,112 @@ def test_cli_serve_checks_options_and_names_a_missing_engine(monkeypatch, capsys
         main(["serve", "--model", "m"])
     assert caught.value.code == 1
     assert "no serving engine (edl.serve.engine is missing)" in capsys.readouterr().err
+
+
+class GenerateEngine:
+    """``Engine`` over ``edl.generate`` (greedy only), one request computed at a time and its
+    tokens released one per step: a real model behind the interface, for the slow test."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.pending: dict[int, tuple[list[int], SamplingParams]] = {}
+        self.ready: dict[int, tuple[list[int], str]] = {}
+        self.ids = itertools.count()
+
+    def add_request(self, prompt_ids, params):
+        if params.temperature != 0:
+            raise ValueError("GenerateEngine is greedy only")
+        request_id = next(self.ids)
+        self.pending[request_id] = (list(prompt_ids), params)
+        return request_id
+
+    def abort(self, request_id):
+        self.pending.pop(request_id, None)
+        self.ready.pop(request_id, None)
+
+    def step(self):
+        import numpy as np
+
+        from edl.generate import GenerationConfig, generate
+
+        for request_id, (ids, params) in list(self.pending.items()):
+            config = GenerationConfig.of_model(self.model).replace(
+                max_new_tokens=params.max_tokens, do_sample=False, num_beams=1,
+                eos_token_id=list(params.stop_token_ids) or None)  # fmt: skip
+            out = generate(self.model, np.asarray([ids], np.int32), config=config)
+            new = np.asarray(out.sequences[0, len(ids) : len(ids) + int(out.num_new[0])])
+            new = [int(t) for t in new]
+            reason = "stop" if new and new[-1] in params.stop_token_ids else "length"
+            self.ready[request_id] = (new, reason)
+        self.pending.clear()
+        outputs = []
+        for request_id, (tokens, reason) in list(self.ready.items()):
+            token, rest = tokens[0], tokens[1:]
+            self.ready[request_id] = (rest, reason)
+            if not rest:
+                del self.ready[request_id]
+            outputs.append(
+                RequestOutput(request_id, (token,), not rest, reason if not rest else None)
+            )
+        return outputs
+
+    def has_unfinished(self):
+        return bool(self.pending or self.ready)
+
+    num_free_pages = 0
+    num_total_pages = 0
+
+
+@pytest.mark.slow  # a real tiny Llama and a trained BPE tokenizer, compiles per prompt (~40 s)
+def test_real_tiny_model_matches_generate_text(tmp_path):
+    import jax
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from edl.generate import generate_text
+    from edl.models import LlamaConfig, LlamaForCausalLM
+    from edl.text import load_tokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    raw.train_from_iterator(["Hello world, how are you?", "Grüße aus Köln: 東京 café"] * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>",
+                                                pad_token="<pad>")  # fmt: skip
+    fast.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    fast.save_pretrained(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    model = LlamaForCausalLM.init(
+        LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        key=jax.random.key(0),
+    )  # fmt: skip
+    app = create_app(GenerateEngine(model), tokenizer, model_name="tiny", max_model_len=64,
+                     stop_token_ids=[tokenizer.eos_id])  # fmt: skip
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started, 30)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    try:
+        api = client(url)
+        messages = [{"role": "user", "content": "Hello café"}]
+        want = generate_text(model, tokenizer, messages=messages, max_new_tokens=12)
+        out = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                          temperature=0)  # fmt: skip
+        assert out.choices[0].message.content == want and want
+        chunks = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
+                                             temperature=0, stream=True)  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+        want = generate_text(model, tokenizer, "how are", max_new_tokens=12)
+        out = api.completions.create(model="tiny", prompt="how are", max_tokens=12, temperature=0)
+        assert out.choices[0].text == want
+    finally:
+        server.should_exit = True
+        thread.join(10)
