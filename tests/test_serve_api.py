@@ -51,8 +51,10 @@ class FakeEngine:
     (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
     seconds per step. Records aborts, the largest batch and every calling thread."""
 
-    def __init__(self, *, max_running: int = 64, step_delay: float = 0.0) -> None:
+    def __init__(self, *, max_running: int = 64, step_delay: float = 0.0,
+                 fail_at_step: int | None = None) -> None:  # fmt: skip
         self.max_running, self.step_delay = max_running, step_delay
+        self.fail_at_step, self.steps = fail_at_step, 0
         self.running: dict[int, tuple[list[int], SamplingParams, list[int]]] = {}
         self.ids = itertools.count()
         self.aborted: list[int] = []
@@ -82,6 +84,9 @@ class FakeEngine:
     def step(self) -> list[RequestOutput]:
         self._called()
         time.sleep(self.step_delay)
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError("the fake engine's device fell over")
         self.largest_batch = max(self.largest_batch, len(self.running))
         outputs = []
         for request_id, (tokens, params, done) in list(self.running.items()):
@@ -381,6 +386,25 @@ def test_shutdown_aborts_in_flight_and_stops_the_engine_thread():
         _wait(lambda: not engine.running)
     assert engine.aborted == [0] and engine.finished == []
     assert not driver.alive and not driver._thread.is_alive() and driver.error is None
+
+
+def test_engine_failure_is_500_then_503(caplog):
+    engine = FakeEngine(fail_at_step=3)
+    with serving(engine) as (url, _):
+        api = client(url)
+        with pytest.raises(openai.InternalServerError) as caught:
+            api.completions.create(model=MODEL, prompt="a")
+        assert caught.value.status_code == 500 and "fell over" in caught.value.body["message"]
+        assert caught.value.body["type"] == "server_error"
+        with pytest.raises(openai.APIStatusError) as caught:
+            api.completions.create(model=MODEL, prompt="a")
+        assert caught.value.status_code == 503
+        assert _raw(url, "GET", "/health")[0] == 503
+    assert "the engine failed" in caplog.text
+    with serving(FakeEngine(fail_at_step=3)) as (url, _):  # mid-stream: an error event
+        stream = client(url).completions.create(model=MODEL, prompt="a", stream=True)
+        with pytest.raises(openai.APIError, match="fell over"):
+            list(stream)
 
 
 def test_incremental_text_stop_across_tokens():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from typing import Any
 from edl.serve.types import Engine, RequestOutput, SamplingParams
 
 __all__ = ["AsyncEngine", "EngineStopped", "RequestStream"]
+
+_log = logging.getLogger("edl.serve")
 
 
 class EngineStopped(RuntimeError):
@@ -163,7 +166,8 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop_forever()
-        except BaseException as e:
+        except BaseException as e:  # logged, kept in .error, raised to every request
+            _log.exception("edl.serve: the engine failed; every open request fails with it")
             self.error = e
             for queue in self._queues.values():
                 self._deliver(queue, e)
@@ -173,7 +177,6 @@ class AsyncEngine:
             for command in commands:
                 if command[0] == "add":
                     self._call_soon(self._failed, command[3], EngineStopped(repr(e)))
-            raise
 
     def _loop_forever(self) -> None:
         engine = self.engine

@@ -332,7 +332,12 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, max_model_len
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
     ]
-    handlers = {APIError: api_error, HTTPException: http_error}
+
+    async def server_error(request: Request, e: Exception) -> Response:
+        # Starlette logs the traceback; the client gets OpenAI's shape, not plain text.
+        return _error(APIError(500, f"internal error: {e!r}", type="server_error"))
+
+    handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = server
     return app
