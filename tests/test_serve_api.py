@@ -426,6 +426,47 @@ def test_incremental_text_stop_across_tokens():
         IncrementalText(tok, stop=[""])
 
 
+class _RawTokenizer:
+    """A ``tokenizers.Tokenizer`` under the decode signature of ``HFTokenizer``."""
+
+    def __init__(self, raw) -> None:
+        self.raw = raw
+
+    def decode(self, ids, *, skip_special_tokens: bool = False) -> str:
+        return self.raw.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "metaspace"])
+def test_windowed_decode_concatenates_to_the_full_decode(kind):
+    """Against the tokenizer's own decode of all ids: a byte-level BPE (ids that split
+    UTF-8 characters) and a SentencePiece-like Metaspace one (a leading space per word)."""
+    import numpy as np
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    if kind == "byte_level":
+        raw.pre_tokenizer, raw.decoder = pre_tokenizers.ByteLevel(), decoders.ByteLevel()
+        alphabet = pre_tokenizers.ByteLevel.alphabet()
+    else:
+        raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        alphabet = []
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["</s>"],
+                                  initial_alphabet=alphabet)  # fmt: skip
+    raw.train_from_iterator(["Grüße aus Köln: 東京 café, the quick brown fox."] * 4, trainer)
+    tokenizer = _RawTokenizer(raw)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        ids = rng.integers(0, raw.get_vocab_size(), 40).tolist()
+        text, pieces, at = IncrementalText(tokenizer), [], 0
+        while at < len(ids):
+            size = int(rng.integers(1, 4))
+            pieces.append(text.push(ids[at : at + size]))
+            at += size
+        pieces.append(text.end())
+        assert "".join(pieces) == raw.decode(ids, skip_special_tokens=True)
+        assert text.read <= len(ids) and text.prefix <= text.read
+
+
 def test_fake_engine_is_an_engine():
     assert isinstance(FakeEngine(), Engine)
 

@@ -30,8 +30,7 @@ STATUS (branch serve-api, to be continued):
   missing: the real engine (``edl.serve.engine``, another branch: ``edl serve`` names the
     constructor it expects in edl/cli/serve.py); ``n`` > 1, logprobs, penalties, tools,
     ``echo``, ``best_of`` (rejected with 400 naming the field); an API key; metrics
-    (Prometheus); a windowed incremental decode (now O(n^2) per reply, see detokenize.py);
-    a per-request timeout; batched prompts in one /v1/completions call.
+    (Prometheus); a per-request timeout; batched prompts in one /v1/completions call.
 """
 
 from __future__ import annotations
