@@ -175,6 +175,8 @@ def test_completion_plain_and_stream(shared):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_reply
     # token-id prompts, and a cut by max_tokens (mid-character: U+FFFD, as decode gives it)
+    default = api.completions.create(model=MODEL, prompt="Hello")  # OpenAI's default: 16
+    assert default.choices[0].text == expected[:16] and default.choices[0].finish_reason == "length"
     cut = api.completions.create(model=MODEL, prompt=[72, 105], max_tokens=21)
     assert cut.choices[0].finish_reason == "length"
     assert cut.choices[0].text == reply_of([0, 0]).encode()[:21].decode(errors="replace")
@@ -210,11 +212,13 @@ def test_stop_strings_trim_and_abort(shared):
     expected = reply_of(ByteTokenizer().encode("Hello"))
     want = expected[: expected.index(" très")]
     aborted_before = len(engine.aborted)
-    out = api.completions.create(model=MODEL, prompt="Hello", stop=["zzz", " très"])
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=100, stop=["zzz", " très"])
     assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
     # the tokens counted are those generated up to the stop string (no EOS)
     assert out.usage.completion_tokens == len((want + " très").encode())
-    stream = api.completions.create(model=MODEL, prompt="Hello", stop=" très", stream=True)
+    stream = api.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=100, stop=" très", stream=True
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == want
     chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        stop=["→"])  # fmt: skip
@@ -235,7 +239,9 @@ def test_32_concurrent_streams():
 
         async def one(i: int) -> tuple[str, str]:
             prompt = "x" * (i + 1)
-            stream = await api.completions.create(model=MODEL, prompt=prompt, stream=True)
+            stream = await api.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=100, stream=True
+            )
             text = "".join([c.choices[0].text async for c in stream if c.choices])
             return text, reply_of(ByteTokenizer().encode(prompt))
 
@@ -344,7 +350,7 @@ def test_queue_full_is_429():
     engine = FakeEngine(max_running=1, step_delay=0.01)
     with serving(engine, grace=0.5) as (url, _):
         api = client(url)
-        first = api.completions.create(model=MODEL, prompt="a", stream=True)
+        first = api.completions.create(model=MODEL, prompt="a", max_tokens=100, stream=True)
         next(iter(first))  # the one slot is taken
         with pytest.raises(openai.RateLimitError) as caught:
             api.completions.create(model=MODEL, prompt="b")
@@ -364,7 +370,7 @@ def test_disconnect_aborts_stream_and_plain():
     engine = FakeEngine(step_delay=0.05)  # a reply takes ~3 s
     with serving(engine, grace=0.5) as (url, _):
         api = client(url)
-        stream = api.completions.create(model=MODEL, prompt="a", stream=True)
+        stream = api.completions.create(model=MODEL, prompt="a", max_tokens=100, stream=True)
         chunks = iter(stream)
         next(chunks), next(chunks)
         stream.close()  # the client goes away mid-stream
@@ -372,14 +378,16 @@ def test_disconnect_aborts_stream_and_plain():
         assert engine.finished == []
         # a plain request whose client gives up (times out) is aborted too
         with pytest.raises(openai.APITimeoutError):
-            client(url, timeout=0.3).completions.create(model=MODEL, prompt="b")
+            client(url, timeout=0.3).completions.create(model=MODEL, prompt="b", max_tokens=100)
         _wait(lambda: engine.aborted == [0, 1] and not engine.running)
 
 
 def test_shutdown_aborts_in_flight_and_stops_the_engine_thread():
     engine = FakeEngine(step_delay=0.05)
     with serving(engine, grace=0.2) as (url, server):
-        stream = client(url).completions.create(model=MODEL, prompt="a", stream=True)
+        stream = client(url).completions.create(
+            model=MODEL, prompt="a", max_tokens=100, stream=True
+        )
         next(iter(stream))
         driver = server.config.app.state.server.driver
         server.should_exit = True  # what SIGTERM does

@@ -56,6 +56,7 @@ from edl.serve.types import Engine, QueueFull
 
 __all__ = ["create_app"]
 
+_COMPLETION_DEFAULT_MAX_TOKENS = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -150,8 +151,8 @@ class _Server:
                 f"the prompt has {prompt_tokens}: no room for a reply.",
                 "messages" if req.kind == "chat" else "prompt", "context_length_exceeded",
             )  # fmt: skip
-        if req.max_tokens is None:
-            return room
+        if req.max_tokens is None:  # OpenAI's defaults: 16 for completions, all room for chat
+            return min(room, _COMPLETION_DEFAULT_MAX_TOKENS) if req.kind == "completion" else room
         if req.max_tokens > room:
             raise protocol.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
