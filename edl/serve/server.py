@@ -84,6 +84,10 @@ class _EventStream(StreamingResponse):
                 task.cancel()
             await asyncio.gather(streaming, watcher, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+        # A failure of the body (not the client going away: OSError on send) is raised.
+        error = None if streaming.cancelled() else streaming.exception()
+        if error is not None and not isinstance(error, OSError):
+            raise error
 
 
 async def _disconnected(receive: Any) -> None:
