@@ -11,10 +11,14 @@ import contextlib
 import http.client
 import itertools
 import json
+import os
+import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -22,105 +26,21 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
+from serve_fakes import EOS, MODEL, ChatBytes, FakeEngine, reply_of  # noqa: E402
+
 from edl.serve.detokenize import IncrementalText  # noqa: E402
-from edl.serve.server import create_app  # noqa: E402
-from edl.serve.types import Engine, QueueFull, RequestOutput, SamplingParams  # noqa: E402
+from edl.serve.server import create_app, make_server  # noqa: E402
+from edl.serve.types import Engine, RequestOutput, SamplingParams  # noqa: E402
 from edl.text import ByteTokenizer  # noqa: E402
-
-MODEL = "fake-model"
-EOS = ByteTokenizer.eos_id
-
-
-def reply_of(prompt_ids: Sequence[int]) -> str:
-    """The fake model's whole reply to a prompt (multi-byte characters on purpose)."""
-    return f"You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
-
-
-class ChatBytes(ByteTokenizer):
-    """The byte tokenizer with a toy chat template."""
-
-    chat_template = "<role>content\\n ... <assistant>"
-
-    def apply_chat_template(self, messages, *, add_generation_prompt=False):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
-        return self.encode(text + ("<assistant>" if add_generation_prompt else ""))
-
-
-class FakeEngine:
-    """``edl.serve.types.Engine`` over ``reply_of``: one token per running request per step
-    (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
-    seconds per step. Records aborts, the largest batch and every calling thread."""
-
-    def __init__(self, *, max_running: int = 64, step_delay: float = 0.0,
-                 fail_at_step: int | None = None) -> None:  # fmt: skip
-        self.max_running, self.step_delay = max_running, step_delay
-        self.fail_at_step, self.steps = fail_at_step, 0
-        self.running: dict[int, tuple[list[int], SamplingParams, list[int]]] = {}
-        self.ids = itertools.count()
-        self.aborted: list[int] = []
-        self.finished: list[int] = []
-        self.threads: set[int] = set()
-        self.largest_batch = 0
-
-    def _called(self) -> None:
-        self.threads.add(threading.get_ident())
-
-    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
-        self._called()
-        if not prompt_ids:
-            raise ValueError("empty prompt")
-        if len(self.running) >= self.max_running:
-            raise QueueFull(f"{len(self.running)} requests running")
-        request_id = next(self.ids)
-        tokens = [*ByteTokenizer().encode(reply_of(prompt_ids)), EOS]
-        self.running[request_id] = (tokens, params, [])
-        return request_id
-
-    def abort(self, request_id: int) -> None:
-        self._called()
-        self.aborted.append(request_id)
-        self.running.pop(request_id, None)
-
-    def step(self) -> list[RequestOutput]:
-        self._called()
-        time.sleep(self.step_delay)
-        self.steps += 1
-        if self.steps == self.fail_at_step:
-            raise RuntimeError("the fake engine's device fell over")
-        self.largest_batch = max(self.largest_batch, len(self.running))
-        outputs = []
-        for request_id, (tokens, params, done) in list(self.running.items()):
-            token = tokens[len(done)]
-            done.append(token)
-            reason = ("stop" if token in params.stop_token_ids
-                      else "length" if len(done) == params.max_tokens else None)  # fmt: skip
-            if reason is not None:
-                del self.running[request_id]
-                self.finished.append(request_id)
-            outputs.append(RequestOutput(request_id, (token,), reason is not None, reason))
-        return outputs
-
-    def has_unfinished(self) -> bool:
-        self._called()
-        return bool(self.running)
-
-    @property
-    def num_free_pages(self) -> int:
-        return 100 - len(self.running)
-
-    @property
-    def num_total_pages(self) -> int:
-        return 100
 
 
 @contextlib.contextmanager
-def serving(engine: FakeEngine, *, max_model_len: int = 256, grace: float | None = None):
-    """``(base_url, uvicorn server)`` of the app over ``engine`` on a free loopback port."""
+def serving(engine: FakeEngine, *, max_model_len: int = 256, drain_s: float = 1.0):
+    """``(base_url, uvicorn server)`` of the app over ``engine`` on a free loopback port
+    (``make_server``, as ``edl serve``); leaving it sends the server SIGTERM's handling."""
     app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=max_model_len,
                      stop_token_ids=[EOS])  # fmt: skip
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                            timeout_graceful_shutdown=grace)  # fmt: skip
-    server = uvicorn.Server(config)
+    server = make_server(app, port=0, drain_s=drain_s, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -131,7 +51,7 @@ def serving(engine: FakeEngine, *, max_model_len: int = 256, grace: float | None
     try:
         yield f"http://127.0.0.1:{port}", server
     finally:
-        server.should_exit = True
+        server.handle_exit(signal.SIGTERM, None)
         thread.join(10)
         assert not thread.is_alive()
 
@@ -348,7 +268,7 @@ def test_malformed_json_unknown_route_models_health(shared):
 
 def test_queue_full_is_429():
     engine = FakeEngine(max_running=1, step_delay=0.01)
-    with serving(engine, grace=0.5) as (url, _):
+    with serving(engine, drain_s=0.5) as (url, _):
         api = client(url)
         first = api.completions.create(model=MODEL, prompt="a", max_tokens=100, stream=True)
         next(iter(first))  # the one slot is taken
@@ -368,7 +288,7 @@ def _wait(condition, timeout: float = 5.0) -> None:
 
 def test_disconnect_aborts_stream_and_plain():
     engine = FakeEngine(step_delay=0.05)  # a reply takes ~3 s
-    with serving(engine, grace=0.5) as (url, _):
+    with serving(engine, drain_s=0.5) as (url, _):
         api = client(url)
         stream = api.completions.create(model=MODEL, prompt="a", max_tokens=100, stream=True)
         chunks = iter(stream)
@@ -382,18 +302,67 @@ def test_disconnect_aborts_stream_and_plain():
         _wait(lambda: engine.aborted == [0, 1] and not engine.running)
 
 
-def test_shutdown_aborts_in_flight_and_stops_the_engine_thread():
-    engine = FakeEngine(step_delay=0.05)
-    with serving(engine, grace=0.2) as (url, server):
-        stream = client(url).completions.create(
-            model=MODEL, prompt="a", max_tokens=100, stream=True
-        )
-        next(iter(stream))
+def test_shutdown_drains_then_aborts_and_stops_the_engine_thread():
+    engine = FakeEngine(step_delay=0.05)  # a 100-token reply takes ~3.5 s, 5 tokens ~0.3 s
+    with serving(engine, drain_s=1.0) as (url, server):
+        api = client(url)
+        long = iter(api.completions.create(model=MODEL, prompt="a", max_tokens=100, stream=True))
+        short = iter(api.completions.create(model=MODEL, prompt="b", max_tokens=5, stream=True))
+        first = next(long).choices[0].text
         driver = server.config.app.state.server.driver
-        server.should_exit = True  # what SIGTERM does
-        _wait(lambda: not engine.running)
-    assert engine.aborted == [0] and engine.finished == []
-    assert not driver.alive and not driver._thread.is_alive() and driver.error is None
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+        finished = list(short)  # within the drain: answered in full
+        assert finished[-1].choices[0].finish_reason == "length"
+        rest = list(long)  # after it: aborted, and the stream ends cleanly ([DONE])
+        assert rest[-1].choices[0].finish_reason == "abort"
+        text = first + "".join(c.choices[0].text for c in rest)
+        assert reply_of([97]).startswith(text) and len(text) < len(reply_of([97]))
+        _wait(lambda: not driver.alive)
+    assert engine.aborted == [0] and engine.finished == [1] and not engine.running
+    assert not driver._thread.is_alive() and driver.error is None
+
+
+def test_sigterm_finishes_or_aborts_open_requests_and_exits():
+    """The real signal: uvicorn stops accepting, the open stream (a 3.5 s reply) gets
+    ``--drain-s`` and is then aborted (its reply ends with "abort"), the engine thread
+    stops and the process exits."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = Path(__file__).with_name("serve_fakes.py")
+    paths = [str(script.parents[1]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--step-delay",
+                             "0.05", "--drain-s", "0.3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            try:
+                return _raw(url, "GET", "/health")[0] == 200
+            except OSError:
+                return False
+
+        _wait(up, 20)
+        stream = client(url).completions.create(model=MODEL, prompt="a", max_tokens=100,
+                                                stream=True)  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    # uvicorn re-raises the signal once shut down, so the status says SIGTERM ended it
+    assert proc.returncode in (0, -signal.SIGTERM), stderr
+    assert "Traceback" not in stderr, stderr  # no request was cancelled under uvicorn
+    record = json.loads(stdout.strip().splitlines()[-1])
+    assert record == {"aborted": [0], "finished": [], "running": [],
+                      "engine_thread_alive": False}  # fmt: skip
+    rest = list(chunks)  # the stream was aborted, cleanly
+    assert rest[-1].choices[0].finish_reason == "abort"
+    with pytest.raises(openai.APIConnectionError):  # nothing accepts any more
+        client(url).models.list()
 
 
 def test_engine_failure_is_500_then_503(caplog):

@@ -14,9 +14,8 @@ from edl.cli.config import CommandError
 
 __all__ = ["run_serve"]
 
-# Seconds uvicorn lets open requests finish after SIGTERM before cancelling (and so
-# aborting) them; the engine thread stops after.
-GRACEFUL_SHUTDOWN_S = 30
+# Seconds open requests get to finish after SIGTERM before they are aborted.
+DRAIN_S = 30.0
 
 
 def _engine_class() -> Any:
@@ -36,9 +35,7 @@ def _engine_class() -> Any:
 def run_serve(args: argparse.Namespace) -> None:
     """Load ``args.model`` and its tokenizer, build the engine and serve until SIGTERM."""
     try:
-        import uvicorn
-
-        from edl.serve.server import create_app
+        from edl.serve.server import create_app, serve
     except ImportError as e:
         raise CommandError(
             f"edl serve needs the serve extra (pip install 'edl[serve]'): {e}"
@@ -56,5 +53,4 @@ def run_serve(args: argparse.Namespace) -> None:
     engine = engine_class(model, max_batch=args.max_batch, max_model_len=max_model_len)
     app = create_app(engine, tokenizer, model_name=args.served_model_name or args.model,
                      max_model_len=max_model_len, stop_token_ids=eos)  # fmt: skip
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)  # fmt: skip
+    serve(app, host=args.host, port=args.port, drain_s=DRAIN_S)

@@ -11,6 +11,7 @@ any request is unfinished, and hands each ``RequestOutput`` to its request's
     async for output in request:            # RequestOutput until finished
         ...
     driver.abort(request.request_id)        # frees its pages; its stream ends ("abort")
+    driver.abort_all()                      # every open request, as above
     await driver.stop()                     # aborts what is left, joins the thread
 """
 
@@ -114,6 +115,11 @@ class AsyncEngine:
         with ``finish_reason="abort"``. Aborting a finished request does nothing."""
         self._submit(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Abort every open request (their streams end with ``"abort"``); the engine keeps
+        running and takes new requests."""
+        self._submit(("abort_all",))
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineStopped(f"the engine failed: {self.error!r}") from self.error
@@ -156,6 +162,9 @@ class AsyncEngine:
                 return
             self._queues[request_id] = queue
             self._call_soon(self._resolved, future, request_id)
+        elif command[0] == "abort_all":
+            for request_id in list(self._queues):
+                self._run_command(("abort", request_id))
         else:
             request_id = command[1]
             queue = self._queues.pop(request_id, None)

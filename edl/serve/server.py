@@ -3,7 +3,7 @@ uvicorn: the ``edl[serve]`` extra).
 
     app = create_app(engine, tokenizer, model_name="tiny", max_model_len=2048,
                      stop_token_ids=[tokenizer.eos_id])
-    uvicorn.run(app, host="127.0.0.1", port=8000)      # or: edl serve --model DIR
+    serve(app, host="127.0.0.1", port=8000)            # or: edl serve --model DIR
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain, or server-sent
 events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format, then
@@ -13,15 +13,18 @@ events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format
 temperature / top_p out of range, a prompt that leaves no room in ``max_model_len``), 404
 for an unknown model or route, 429 when the engine's queue is full, 503 when the engine is
 stopped or failed. A chat is rendered by the tokenizer's chat template with the generation
-prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``.
+prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``;
+``max_tokens`` defaults to 16 for completions (OpenAI's default) and to the room left in
+``max_model_len`` for chat.
 
 One background thread runs the engine (:class:`edl.serve.driver.AsyncEngine`); text is
 detokenized incrementally with stop strings (:mod:`edl.serve.detokenize`): a stop string
 ends the reply before it and aborts the request in the engine. A client that disconnects
 (mid-stream, or while waiting for a plain reply) aborts its request, which frees its
-pages. Shutdown (uvicorn's SIGTERM / SIGINT): uvicorn stops accepting and waits for the
-open requests (``timeout_graceful_shutdown``, after which they are cancelled and aborted),
-then the lifespan stops the engine thread, aborting whatever is left.
+pages. Shutdown (SIGTERM / SIGINT, :func:`serve` / :func:`make_server`): uvicorn stops
+accepting, new requests on open connections get 503, the open requests get ``drain_s``
+seconds to finish and are then aborted (their replies end with ``finish_reason: "abort"``,
+streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 STATUS (branch serve-api, to be continued):
   done: the routes above, plain and streamed, usage counts (``stream_options.include_usage``
@@ -40,8 +43,10 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import Any
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -54,7 +59,7 @@ from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "make_server", "serve"]
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -67,8 +72,12 @@ def _error(e: APIError) -> JSONResponse:
 
 class _EventStream(StreamingResponse):
     """A streaming response that always watches for the client's disconnect and then
-    cancels the body iterator (whose ``finally`` aborts the request), whatever ASGI spec
-    version the server reports."""
+    cancels the body iterator, whatever ASGI spec version the server reports; ``on_close``
+    runs at the end in any case (even if the body never started)."""
+
+    def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         async def body() -> None:
@@ -84,6 +93,7 @@ class _EventStream(StreamingResponse):
                 task.cancel()
             await asyncio.gather(streaming, watcher, return_exceptions=True)
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
         # A failure of the body (not the client going away: OSError on send) is raised.
         error = None if streaming.cancelled() else streaming.exception()
         if error is not None and not isinstance(error, OSError):
@@ -104,6 +114,20 @@ class _Server:
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.stop_token_ids = max_model_len, tuple(stop_token_ids)
         self.created = int(time.time())
+        self.open_replies = 0  # requests added and not yet answered in full
+        self.draining = False  # shutting down: no new requests
+
+    async def drain(self, drain_s: float) -> None:
+        """Shutdown's first half (a signal, :func:`make_server`): refuse new requests, give
+        the open ones ``drain_s`` seconds, then abort the rest, whose replies end at once
+        (``finish_reason: "abort"``, streams with ``[DONE]``), so every connection closes
+        cleanly before uvicorn's own timeout would cancel it."""
+        self.draining = True
+        deadline = time.monotonic() + drain_s
+        while self.open_replies and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.open_replies:
+            self.driver.abort_all()
 
     # --- plain routes ----------------------------------------------------------------
 
@@ -171,6 +195,9 @@ class _Server:
             raise APIError(404, f"The model '{req.model}' does not exist (this server serves "
                            f"'{self.model_name}')", param="model",
                            code="model_not_found")  # fmt: skip
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="server_error",
+                           code="shutting_down")  # fmt: skip
         ids = self._prompt_ids(req)
         params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
         try:
@@ -183,8 +210,9 @@ class _Server:
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
         reply = _Reply(self, req, stream, len(ids))
+        self.open_replies += 1  # _Reply's plain / sse take it off when they end
         if req.stream:
-            return _EventStream(reply.sse(), media_type="text/event-stream",
+            return _EventStream(reply.sse(), reply.close, media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache"})  # fmt: skip
         return await reply.plain(request)
 
@@ -207,7 +235,7 @@ class _Reply:
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(server.tokenizer, stop=req.stop,
                                     stop_token_ids=server.stop_token_ids)  # fmt: skip
-        self.done = False
+        self.done = self.closed = False
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """``(text, finish_reason)``; the last has a finish reason."""
@@ -226,7 +254,13 @@ class _Reply:
             if piece:
                 yield piece, None
 
-    def _abort_unless_done(self) -> None:
+    def close(self) -> None:
+        """The reply's end (once; from ``finally`` blocks): the request leaves the engine
+        if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.server.open_replies -= 1
         if not self.done:
             self.server.driver.abort(self.stream.request_id)
 
@@ -254,7 +288,7 @@ class _Reply:
             for task in (collecting, watcher):
                 task.cancel()
             await asyncio.gather(collecting, watcher, return_exceptions=True)
-            self._abort_unless_done()
+            self.close()
         build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
         return JSONResponse(build(self.id, self.server.model_name, text, finish,
                                   self.prompt_tokens, self.completion_tokens))  # fmt: skip
@@ -293,7 +327,7 @@ class _Reply:
                 yield self._chunk(None, None, usage)
             yield "data: [DONE]\n\n"
         finally:
-            self._abort_unless_done()
+            self.close()
 
 
 def create_app(engine: Engine, tokenizer: Any, *, model_name: str, max_model_len: int,
@@ -345,3 +379,40 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, max_model_len
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
     app.state.server = server
     return app
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first exit signal also starts the app's drain."""
+
+    def __init__(self, config: uvicorn.Config, server: _Server, drain_s: float) -> None:
+        super().__init__(config)
+        self.app_server, self.drain_s = server, drain_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        if first and self.loop is not None:  # the signal may come in any thread: wake the loop
+            drain = partial(self.app_server.drain, self.drain_s)
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(drain()))
+
+
+def make_server(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000,
+                drain_s: float = 30.0, log_level: str = "info") -> uvicorn.Server:  # fmt: skip
+    """A uvicorn server for ``app`` (:func:`create_app`); ``.run()`` serves until SIGTERM /
+    SIGINT, then: uvicorn stops accepting, the open requests get ``drain_s`` seconds to
+    finish and are then aborted (their replies end with ``finish_reason: "abort"``), the
+    lifespan stops the engine thread. ``port=0`` picks a free port
+    (``server.servers[0].sockets[0].getsockname()`` once ``server.started``)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=drain_s + 10)  # fmt: skip
+    return _DrainingServer(config, app.state.server, drain_s)
+
+
+def serve(app: Starlette, **options: Any) -> None:
+    """``make_server(app, **options).run()``: serve until SIGTERM / SIGINT."""
+    make_server(app, **options).run()
