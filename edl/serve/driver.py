@@ -80,7 +80,8 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         """Started, not stopping, and the engine has not failed."""
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._stopping and not self.error
 
     async def start(self) -> None:
         """Start the engine thread; it delivers outputs to the running loop."""

@@ -62,7 +62,7 @@ from edl.serve.types import Engine, QueueFull
 __all__ = ["create_app", "make_server", "serve"]
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH_REASONS = ("stop", "length", "abort")
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -137,11 +137,12 @@ class _Server:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
-        stats = self.driver.stats
-        body = {"status": "ok" if self.driver.alive else "unavailable",
+        stats, up = self.driver.stats, self.driver.alive and not self.draining
+        status = "ok" if up else "draining" if self.draining else "unavailable"
+        body = {"status": status,
                 "running": stats.running, "num_free_pages": stats.num_free_pages,
                 "num_total_pages": stats.num_total_pages}  # fmt: skip
-        return JSONResponse(body, status_code=200 if self.driver.alive else 503)
+        return JSONResponse(body, status_code=200 if up else 503)
 
     # --- generation ------------------------------------------------------------------
 
@@ -248,8 +249,12 @@ class _Reply:
                 yield piece, "stop"
                 return
             if out.finished:
+                if out.finish_reason not in _FINISH_REASONS:  # the engine broke the contract
+                    raise RuntimeError(f"the engine finished request {out.request_id} with "
+                                       f"finish_reason {out.finish_reason!r}, not one of "
+                                       f"{_FINISH_REASONS}")  # fmt: skip
                 self.done = True
-                yield piece + self.text.end(), _FINISH.get(out.finish_reason or "", "stop")
+                yield piece + self.text.end(), out.finish_reason
                 return
             if piece:
                 yield piece, None
