@@ -26,14 +26,26 @@ accepting, new requests on open connections get 503, the open requests get ``dra
 seconds to finish and are then aborted (their replies end with ``finish_reason: "abort"``,
 streams with ``[DONE]``), then the lifespan stops the engine thread.
 
-STATUS (branch serve-api, to be continued):
-  done: the routes above, plain and streamed, usage counts (``stream_options.include_usage``
-    too), stop strings, disconnect -> abort, 429 on ``QueueFull``, graceful shutdown,
-    ``edl serve`` (edl/cli/serve.py), tests with a fake engine (tests/test_serve_api.py).
-  missing: the real engine (``edl.serve.engine``, another branch: ``edl serve`` names the
-    constructor it expects in edl/cli/serve.py); ``n`` > 1, logprobs, penalties, tools,
-    ``echo``, ``best_of`` (rejected with 400 naming the field); an API key; metrics
-    (Prometheus); a per-request timeout; batched prompts in one /v1/completions call.
+STATUS (branch serve-api; the next session continues it):
+  done: the routes above, plain and streamed (chat opens with the assistant role; usage
+    with ``stream_options.include_usage``); OpenAI's sampling fields (``max_tokens`` /
+    ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``);
+    windowed incremental detokenization with stop strings (trim + abort); usage counts;
+    OpenAI error bodies (400 / 404 / 429 / 500 / 503); client disconnect -> abort (streams
+    and plain replies); engine failure -> 500 / error event, then 503; drain on SIGTERM
+    (:func:`serve`); ``edl serve`` (edl/cli/serve.py). Tests: tests/test_serve_api.py
+    (the ``openai`` client against a fake engine, tests/serve_fakes.py; slow: a real tiny
+    Llama behind the interface via ``edl.generate``, and the CLI's wiring).
+  missing: the real engine (``edl.serve.engine``, another branch); ``edl serve`` builds it
+    as ``Engine(model, max_batch=, max_model_len=)`` (edl/cli/serve.py, to reconcile) and
+    ``types.py`` must be the engine's own ``SamplingParams`` / ``RequestOutput`` /
+    ``QueueFull`` (one definition). Not implemented, rejected with a 400 naming the field:
+    ``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools, ``response_format``,
+    ``echo``, ``best_of``, ``suffix``, several prompts in one /v1/completions call. Also
+    missing: an API key, metrics (Prometheus), per-request timeouts, a queue in the
+    driver in front of ``QueueFull`` (now 429 at once), tokenization off the event loop
+    (chat templates of long conversations take milliseconds there), an end-to-end run of
+    ``edl serve`` with the real engine and a hub model.
 """
 
 from __future__ import annotations
