@@ -36,9 +36,11 @@ def test_help_imports_no_jax():
     code = (
         "import sys\nfrom edl.cli import main\n"
         "for argv in (['--help'], ['train', '--help'], ['generate', '--help'],\n"
-        "             ['export', '--help'], ['generate', '--model', 'm', '--top-k', '0']):\n"
+        "             ['export', '--help'], ['generate', '--model', 'm', '--top-k', '0'],\n"
+        "             ['serve', '--help'], ['serve', '--model', 'm', '--port', '-1']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n"
+        "assert not {'starlette', 'uvicorn'} & set(sys.modules), 'the serve extra was imported'\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)  # fmt: skip

@@ -1,4 +1,5 @@
-"""The ``edl`` command: ``edl train``, ``edl generate``, ``edl export``, ``edl info``.
+"""The ``edl`` command: ``edl train``, ``edl generate``, ``edl export``, ``edl info``,
+``edl serve``.
 
 ``edl train`` with no arguments trains a small Llama on the embedded corpus (the Python
 standard library's own sources, byte-level) for a few minutes on a CPU, then prints a
@@ -54,7 +55,9 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="edl", description="edl's command line: train, generate, export, info.")
+    parser = _Parser(
+        prog="edl", description="edl's command line: train, generate, export, info, serve."
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
         "train", help="train a model (defaults: a tiny Llama on the embedded corpus)",
@@ -78,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                         "the base)")  # fmt: skip
     export.add_argument("--dtype", choices=_DTYPES, default=None,
                         help="cast floating weights (default: as stored)")  # fmt: skip
+    _add_serve(commands)
     info = commands.add_parser("info", help="summarise a saved model, checkpoint or run")
     info.add_argument("path", type=Path, help="a run directory, checkpoint or saved model")
     return parser
@@ -117,6 +121,37 @@ def _add_generate(commands: Any) -> None:
     gen.add_argument("--dtype", choices=_DTYPES, default=None,
                      help="compute in this dtype (default: as stored)")  # fmt: skip
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+
+
+def _add_serve(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model at /v1/chat/completions, /v1/completions, /v1/models and "
+        "/health (OpenAI's API, streaming included) with continuous batching. Needs the "
+        "serve extra (pip install 'edl[serve]'). SIGTERM / Ctrl-C stop it gracefully.",
+    )  # fmt: skip
+    serve.add_argument("--model", required=True, metavar="DIR_OR_REPO",
+                       help="a run directory, checkpoint, saved model or hub repo id")  # fmt: skip
+    serve.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model name clients send (default: --model as given)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    serve.add_argument("--max-batch", type=int, default=32, metavar="N",
+                       help="requests decoded together at most (default: 32)")  # fmt: skip
+    serve.add_argument("--max-model-len", type=int, default=None, metavar="L",
+                       help="prompt + reply tokens at most (default: the model's "
+                       "max_position_embeddings)")  # fmt: skip
+    serve.add_argument("--dtype", choices=_DTYPES, default=None,
+                       help="compute in this dtype (default: as stored)")  # fmt: skip
+
+
+def _check_serve(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"argument --port: must be in [0, 65535], got {args.port}")
+    if args.max_batch < 1:
+        raise ConfigError(f"argument --max-batch: must be >= 1, got {args.max_batch}")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
 
 
 def _usage(parser: argparse.ArgumentParser, message: str) -> NoReturn:
@@ -163,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
             config = _train_config(args)
         elif args.command == "generate":
             _check_generate(parser, args)
+        elif args.command == "serve":
+            _check_serve(args)
     except ConfigError as e:
         parser.exit(2, f"edl {args.command}: error: {e}\n")
     try:  # the commands import jax: only after every option was checked
@@ -184,6 +221,10 @@ def _run(args: argparse.Namespace, config: TrainConfig | None) -> None:
         from edl.cli.export import run_export
 
         run_export(args.source, args.out_dir, merge_lora=args.merge_lora, dtype=args.dtype)
+    elif args.command == "serve":
+        from edl.cli.serve import run_serve
+
+        run_serve(args)
     else:
         from edl.cli.info import run_info
 

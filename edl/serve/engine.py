@@ -61,8 +61,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
-import numbers
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -73,60 +71,9 @@ from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
 from edl.serve.pages import PagePool, block_hashes
 from edl.serve.step import SlotSampling, model_step
+from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
 __all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """How one request is decoded. ``temperature=0`` is greedy; ``top_k=None`` and
-    ``top_p=1`` are off; ``seed=None`` draws a fresh one; ``stop_token_ids`` end the
-    request like the engine's EOS ids."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int | None = None
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
-
-    def __post_init__(self):
-        problems = []
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        t = self.temperature
-        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 <= t < math.inf:
-            problems.append(f"temperature must be a finite number >= 0, got {t!r}")
-        p = self.top_p
-        if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 <= p <= 1:
-            problems.append(f"top_p must be in [0, 1], got {p!r}")
-        if self.top_k is not None and (not _is_int(self.top_k) or self.top_k < 1):
-            problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**32):
-            problems.append(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
-        stop = self.stop_token_ids
-        if not isinstance(stop, tuple) or not all(_is_int(i) and i >= 0 for i in stop):
-            problems.append(f"stop_token_ids must be a tuple of ids >= 0, got {stop!r}")
-        if problems:
-            raise ValueError("SamplingParams: " + "; ".join(problems))
-
-
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-    """What ``Engine.step`` produced for one request."""
-
-    request_id: int
-    new_token_ids: tuple[int, ...]  # tokens produced by this step for this request
-    finished: bool
-    finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort"
-
-
-class QueueFull(Exception):
-    """``Engine.add_request`` when ``max_queue`` requests are waiting already."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -171,16 +118,16 @@ class Engine:
                             f"{type(model).__name__}")  # fmt: skip
         sizes = dict(max_batch=max_batch, max_model_len=max_model_len, page_size=page_size,
                      max_queue=max_queue, prefill_chunk=prefill_chunk)  # fmt: skip
-        bad = {k: v for k, v in sizes.items() if not _is_int(v) or v < 1}
+        bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
         if bad:
             raise ValueError(f"Engine: these must be integers >= 1: {bad}")
         self.vocab_size = model.config.vocab_size
         eos = tuple(eos_token_ids)
-        if not all(_is_int(i) and 0 <= i < self.vocab_size for i in eos):
+        if not all(is_int(i) and 0 <= i < self.vocab_size for i in eos):
             raise ValueError(f"Engine: eos_token_ids must lie in [0, {self.vocab_size}): {eos}")
         self.pages_per_seq = -(-max_model_len // page_size)
         num_pages = max_batch * self.pages_per_seq if num_pages is None else num_pages
-        if not _is_int(num_pages) or num_pages < 1:
+        if not is_int(num_pages) or num_pages < 1:
             raise ValueError(f"Engine: num_pages must be an integer >= 1, got {num_pages!r}")
         self.max_batch, self.max_model_len, self.page_size = max_batch, max_model_len, page_size
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
@@ -220,7 +167,7 @@ class Engine:
         prompt = tuple(prompt_ids)
         if not prompt:
             raise ValueError("add_request: the prompt is empty")
-        bad = [i for i in prompt if not _is_int(i) or not 0 <= i < self.vocab_size]
+        bad = [i for i in prompt if not is_int(i) or not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"add_request: prompt ids {bad[:8]} are not in [0, "
                              f"{self.vocab_size})")  # fmt: skip

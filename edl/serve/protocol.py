@@ -1,0 +1,283 @@
+"""OpenAI's HTTP API as plain data: request validation and response shapes.
+
+``parse_completion`` / ``parse_chat`` check a decoded JSON body against what this server
+supports and return a :class:`GenerationRequest`; anything else raises :class:`APIError`,
+whose ``body()`` is OpenAI's error object ``{"error": {"message", "type", "param",
+"code"}}``. The response builders return the JSON objects of OpenAI's completions and chat
+completions (plain, and the chunks of a stream). No web framework here.
+
+Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
+``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
+off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
+(``include_usage``). Fields OpenAI defines but this server does not implement are accepted
+only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
+field is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from edl.serve.types import SamplingParams
+
+__all__ = [
+    "APIError",
+    "GenerationRequest",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "parse_chat",
+    "parse_completion",
+]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error body with HTTP ``status``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code)  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 ``invalid_request_error``."""
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request: the prompt (text, or token ids for completions; messages for
+    chat), the sampling options with ``max_tokens`` still None when the client left it to
+    the model length, the stop strings, and how to stream."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+    def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, seed=self.seed,
+                              stop_token_ids=tuple(stop_token_ids))  # fmt: skip
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+           "stream", "stream_options", "user"}  # fmt: skip
+# Defined by OpenAI, not implemented: accepted at the value that means "off" only.
+_NO_OP = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+          "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+          "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
+          "parallel_tool_calls": (None, True, False), "tools": (None, []),
+          "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}  # fmt: skip
+_FIELDS = {"completion": _COMMON | {"prompt"},
+           "chat": _COMMON | {"messages", "max_completion_tokens"}}  # fmt: skip
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float,
+            *, low_open: bool = False) -> float:  # fmt: skip
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a number, got {value!r}", name)
+    if value < low or value > high or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise bad(f"'{name}' must be in {interval}, got {value}", name)
+    return float(value)
+
+
+def _integer(body: Mapping[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise bad(f"'{name}' must be an integer, got {value!r}", name)
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value
+    if value is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise bad(f"'stop' must be a non-empty string or a list of them, got {value!r}", "stop")
+    if len(stops) > 4:
+        raise bad(f"'stop' takes at most 4 strings, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def _common(body: Any, kind: str) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
+    for name, value in body.items():
+        if name in _NO_OP and value not in _NO_OP[name]:
+            raise bad(f"'{name}' is not supported by this server (got {value!r})", name)
+        if name not in _FIELDS[kind] and name not in _NO_OP:
+            raise bad(f"unknown field '{name}' (supported: {sorted(_FIELDS[kind])})", name)
+    if not isinstance(body.get("model"), str):
+        raise bad(f"'model' must be a string, got {body.get('model')!r}", "model")
+    if body.get("n") not in (None, 1):
+        raise bad(f"'n' must be 1 (one choice per request), got {body.get('n')!r}", "n")
+    max_tokens = _integer(body, "max_tokens")
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = _integer(body, "max_completion_tokens")
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    top_k = _integer(body, "top_k")
+    if top_k is not None and top_k < 1 and top_k != -1:
+        raise bad(f"'top_k' must be >= 1 (or -1: off), got {top_k}", "top_k")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool | None):
+        raise bad(f"'stream' must be a boolean, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad(f"'stream_options' takes only 'include_usage', got {options!r}",
+                  "stream_options")  # fmt: skip
+    if options and not stream:
+        raise bad("'stream_options' needs 'stream': true", "stream_options")
+    return dict(
+        kind=kind, model=body["model"], max_tokens=max_tokens,
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=None if top_k in (None, -1) else top_k, seed=_integer(body, "seed"),
+        stop=_stop(body.get("stop")), stream=bool(stream),
+        include_usage=bool(options.get("include_usage", False)),
+    )  # fmt: skip
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """A ``/v1/completions`` body: ``prompt`` is a string, a list of token ids, or a list
+    of one of either."""
+    fields = _common(body, "completion")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return GenerationRequest(prompt=list(prompt), messages=None, **fields)
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
+                  f"request), got {prompt!r}"[:300], "prompt")  # fmt: skip
+    return GenerationRequest(prompt=prompt, messages=None, **fields)
+
+
+def _content(message: Mapping[str, Any], where: str) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):  # fmt: skip
+                raise bad(f"{where}.content[{j}]: only text parts "
+                          f"({{'type': 'text', 'text': ...}}) are supported, got {part!r}",
+                          f"{where}.content")  # fmt: skip
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"{where}.content must be a string or a list of text parts, got {content!r}",
+              f"{where}.content")  # fmt: skip
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body: ``messages`` of roles system / developer (sent to
+    the template as system) / user / assistant, text content."""
+    fields = _common(body, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad(f"'messages' must be a non-empty list, got {messages!r}"[:300], "messages")
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad(f"{where} must be an object, got {message!r}", where)
+        role = message.get("role")
+        if role not in _ROLES:
+            raise bad(f"{where}.role must be one of {list(_ROLES)}, got {role!r}",
+                      f"{where}.role")  # fmt: skip
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise bad(f"{where}: unsupported fields {sorted(extra)}", where)
+        role = "system" if role == "developer" else role
+        turns.append({"role": role, "content": _content(message, where)})
+    return GenerationRequest(prompt=None, messages=turns, **fields)
+
+
+# --- responses -----------------------------------------------------------------------
+
+
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def _envelope(id: str, object: str, model: str, choices: list, **extra: Any) -> dict[str, Any]:
+    return {"id": id, "object": object, "created": int(time.time()), "model": model,
+            "choices": choices, **extra}  # fmt: skip
+
+
+def completion_response(id: str, model: str, text: str, finish_reason: str | None,
+                        prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(id, "text_completion", model, [choice],
+                     usage=usage(prompt_tokens, completion_tokens))  # fmt: skip
+
+
+def chat_response(id: str, model: str, text: str, finish_reason: str | None,
+                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
+    return _envelope(id, "chat.completion", model, [choice],
+                     usage=usage(prompt_tokens, completion_tokens))  # fmt: skip
+
+
+def completion_chunk(id: str, model: str, text: str | None, finish_reason: str | None,
+                     usage: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A stream chunk; ``text=None`` is the usage-only last chunk (no choices)."""
+    choices = (
+        []
+        if text is None
+        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    extra = {} if usage is None else {"usage": usage}
+    return _envelope(id, "text_completion", model, choices, **extra)
+
+
+def chat_chunk(id: str, model: str, delta: dict[str, str] | None, finish_reason: str | None,
+               usage: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """A stream chunk; ``delta=None`` is the usage-only last chunk (no choices)."""
+    choices = (
+        []
+        if delta is None
+        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    )
+    extra = {} if usage is None else {"usage": usage}
+    return _envelope(id, "chat.completion.chunk", model, choices, **extra)
