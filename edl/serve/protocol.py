@@ -246,6 +246,7 @@ def _envelope(id: str, object: str, model: str, choices: list, **extra: Any) -> 
 
 def completion_response(id: str, model: str, text: str, finish_reason: str | None,
                         prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """A whole ``/v1/completions`` reply (``object: text_completion``) with its usage."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     return _envelope(id, "text_completion", model, [choice],
                      usage=usage(prompt_tokens, completion_tokens))  # fmt: skip
@@ -253,6 +254,7 @@ def completion_response(id: str, model: str, text: str, finish_reason: str | Non
 
 def chat_response(id: str, model: str, text: str, finish_reason: str | None,
                   prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
     choice = {"index": 0, "message": {"role": "assistant", "content": text},
               "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
     return _envelope(id, "chat.completion", model, [choice],
