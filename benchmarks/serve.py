@@ -1,0 +1,180 @@
+"""Serving throughput and latency: ``edl serve``'s app (``edl.serve``: continuous batching over
+the paged KV cache) driven over loopback by the official ``openai`` client at several
+concurrencies, against the same requests run one after another through ``edl.generate`` and
+through transformers' ``generate``.
+
+The model is a random-weight byte-level Llama (``--hidden``/``--layers``; the defaults are
+~20M parameters so a run takes a few minutes on a 2-core CPU; ``--hidden 768 --layers 12``
+is ~100M). Every request is a ``--prompt-len``-token prompt (token ids, so the length is
+exact) and asks for exactly ``--max-tokens`` greedy tokens (no EOS ids: nothing stops early).
+Per concurrency ``c``: ``2 c`` streamed requests from ``c`` client threads; output tokens/s
+(all completion tokens / wall time), time to first token and inter-token latency (p50, p99,
+from the stream's chunk arrival times). The engine is warmed up first (its two compiled
+shapes), so compile time is not measured.
+
+    python -m benchmarks.serve [--concurrency 1 4 16] [--prompt-len 100] [--max-tokens 32]
+
+Prints a table, then LAST one JSON line with every number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import edl
+from edl.generate import generate
+from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.serve.engine import Engine
+from edl.serve.server import create_app, make_server
+from edl.train import ByteTokenizer
+
+
+def _model(hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=hidden,
+                         intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 128),
+                         max_position_embeddings=max_len)  # fmt: skip
+    return LlamaForCausalLM.init(config, key=jax.random.key(0))
+
+
+def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 259, length).tolist() for _ in range(n)]
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p99": float("nan")}
+    return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
+
+
+def _one_stream(client, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    """``(ttft, inter-token gaps, completion tokens)`` of one streamed completion."""
+    start = time.perf_counter()
+    arrivals, tokens = [], 0
+    stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            arrivals.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    ttft = arrivals[0] - start if arrivals else float("nan")
+    return ttft, list(np.diff(arrivals)), tokens
+
+
+def _served(model, args) -> dict[str, dict]:
+    max_batch = max(args.concurrency)
+    engine = Engine(model, max_batch=max_batch, max_model_len=args.prompt_len + args.max_tokens,
+                    page_size=16, prefill_chunk=args.prefill_chunk)  # fmt: skip
+    app = create_app(engine, ByteTokenizer(), model_name="bench",
+                     max_model_len=args.prompt_len + args.max_tokens)  # fmt: skip
+    server = make_server(app, port=0, log_level="warning")
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    results = {}
+    try:
+        # Warm-up: both compiled shapes (a prefill chunk with decoding rows, then decode).
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: _one_stream(client, p, args.max_tokens),
+                          _prompts(2, args.prompt_len, 99)))  # fmt: skip
+        for c in args.concurrency:
+            prompts = _prompts(2 * c, args.prompt_len, c)
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(c) as pool:
+                runs = list(pool.map(lambda p: _one_stream(client, p, args.max_tokens), prompts))
+            wall = time.perf_counter() - start
+            tokens = sum(n for _, _, n in runs)
+            results[str(c)] = {
+                "requests": len(runs), "output_tokens": tokens, "seconds": wall,
+                "tokens_per_s": tokens / wall,
+                "ttft_s": _percentiles([t for t, _, _ in runs]),
+                "itl_s": _percentiles([g for _, gaps, _ in runs for g in gaps]),
+            }  # fmt: skip
+            print(f"  {c:>3} clients: {tokens / wall:8.1f} tok/s, ttft p50 "
+                  f"{results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
+                  f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+        results["free_pages_after"] = engine.num_free_pages == engine.num_total_pages
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    return results
+
+
+def _sequential_edl(model, prompts: list[list[int]], max_tokens: int) -> float:
+    # The random model has no generation_config, so no EOS id: every run makes max_tokens.
+    run = lambda p: generate(model, jnp.asarray([p]), max_new_tokens=max_tokens)
+    jax.block_until_ready(run(prompts[0]).sequences)  # compile
+    start = time.perf_counter()
+    for p in prompts:
+        jax.block_until_ready(run(p).sequences)
+    return len(prompts) * max_tokens / (time.perf_counter() - start)
+
+
+def _sequential_torch(model, prompts: list[list[int]], max_tokens: int) -> float | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    hf = edl.to_torch(model).eval()
+    with torch.no_grad():
+        run = lambda p: hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                    dtype=torch.long), max_new_tokens=max_tokens,
+                                    min_new_tokens=max_tokens, do_sample=False)  # fmt: skip
+        run(prompts[0])
+        start = time.perf_counter()
+        for p in prompts:
+            run(p)
+    return len(prompts) * max_tokens / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--prompt-len", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
+    args = parser.parse_args()
+    model = _model(args.hidden, args.layers, args.prompt_len + args.max_tokens)
+    params = edl.count_params(model)
+    print(f"serve benchmark: {params:,} parameters, prompt {args.prompt_len}, "
+          f"{args.max_tokens} new tokens, jax {jax.__version__} on {jax.devices()[0].platform}",
+          flush=True)  # fmt: skip
+    served = _served(model, args)
+    prompts = _prompts(args.sequential, args.prompt_len, 7)
+    edl_seq = _sequential_edl(model, prompts, args.max_tokens)
+    torch_seq = _sequential_torch(model, prompts, args.max_tokens)
+    print(
+        f"  sequential edl.generate: {edl_seq:.1f} tok/s; transformers generate: "
+        f"{torch_seq if torch_seq is None else round(torch_seq, 1)} tok/s",
+        flush=True,
+    )
+    best = max(v["tokens_per_s"] for k, v in served.items() if k.isdigit())
+    print(json.dumps({"parameters": params, "prompt_len": args.prompt_len,
+                      "max_tokens": args.max_tokens, "served": served,
+                      "sequential_edl_tokens_per_s": edl_seq,
+                      "sequential_transformers_tokens_per_s": torch_seq,
+                      "best_over_sequential_edl": best / edl_seq}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
