@@ -28,10 +28,10 @@ from edl.text import HFTokenizer, load_tokenizer
 from edl.train import TokenBatches
 from edl.tree import find
 
-__all__ = ["load_for_finetuning", "run_finetune"]
+__all__ = ["load_for_finetuning", "model_directory", "run_finetune"]
 
 
-def _model_directory(source: str) -> str:
+def model_directory(source: str) -> str:
     """A local run directory or checkpoint resolves to its newest whole checkpoint; anything
     else (a model directory, a hub repo id) is passed on as given."""
     path = Path(source).expanduser()
@@ -44,7 +44,7 @@ def load_for_finetuning(config: TrainConfig) -> tuple[Any, HFTokenizer, Any]:
     (``config.lora_rank``) as asked; ``trainable`` is what ``edl.create_state`` trains
     (``None``: every weight). A checkpoint of an earlier LoRA run is continued from its
     merged weights."""
-    source = _model_directory(config.model)
+    source = model_directory(config.model)
     try:
         tokenizer = load_tokenizer(source)
         model = load_model(source, dtype=jnp.dtype(config.param_dtype))

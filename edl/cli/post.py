@@ -29,7 +29,7 @@ import jax
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import source_of
-from edl.cli.finetune import load_for_finetuning
+from edl.cli.finetune import load_for_finetuning, model_directory
 from edl.cli.run import check_output_dir, optimizer, step_options, train_model
 from edl.io.export import load_model
 from edl.lora import lora_trainable
@@ -123,12 +123,11 @@ def _reward_model(
 
 def _reference_model(config: TrainConfig) -> Any:
     """A frozen copy of ``--model`` (``--reference model``), in the trained weights' dtype."""
-    from edl.cli.finetune import _model_directory
-
-    return load_model(_model_directory(config.model), dtype=config.param_dtype)
+    return load_model(model_directory(config.model), dtype=config.param_dtype)
 
 
-def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any) -> Any:
+def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any,
+          reward_fns: list[Any]) -> Any:  # fmt: skip
     options = {**step_options(config), "schedule": schedule}
     if config.method == "reward":
         return make_reward_step(tx, **options)
@@ -143,7 +142,7 @@ def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any) -> Any:
     grpo = GRPOConfig(num_generations=config.num_generations,
                       max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                       beta=config.beta, num_iterations=config.num_iterations)  # fmt: skip
-    return make_grpo_step(tx, tokenizer, reward_functions(config.reward), grpo,
+    return make_grpo_step(tx, tokenizer, reward_fns, grpo,
                           key=jax.random.key(config.seed),
                           reference="lora_base" if frozen is None else frozen,
                           clip_norm=options["clip_norm"],
@@ -169,14 +168,15 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     model, tokenizer, trainable = load_for_finetuning(config)
     if config.method == "reward":
         model, trainable = _reward_model(model, tokenizer, trainable, config)
+    reward_fns = []
     if config.method == "grpo":
         data: Any = _prompt_batches(config)
-        reward_functions(config.reward)  # a wrong name fails before any work
+        reward_fns = reward_functions(config.reward)  # a wrong name fails before any work
     else:
         data = _preference_batches(config, tokenizer)
     updates = config.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
-    step = _step(config, tx, schedule, tokenizer)
+    step = _step(config, tx, schedule, tokenizer, reward_fns)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
           f"parameters ({trained:,} trained), {len(data.documents)} records, {config.steps} "
