@@ -3,18 +3,22 @@ the paged KV cache) driven over loopback by the official ``openai`` client at se
 concurrencies, against the same requests run one after another through ``edl.generate`` and
 through transformers' ``generate``.
 
-The model is a random-weight byte-level Llama (``--hidden``/``--layers``; the defaults are
-~20M parameters so a run takes a few minutes on a 2-core CPU; ``--hidden 768 --layers 12``
-is ~100M). Every request is a ``--prompt-len``-token prompt (token ids, so the length is
-exact) and asks for exactly ``--max-tokens`` greedy tokens (no EOS ids: nothing stops early).
-Per concurrency ``c``: ``2 c`` streamed requests from ``c`` client threads; output tokens/s
-(all completion tokens / wall time), time to first token and inter-token latency (p50, p99,
-from the stream's chunk arrival times). The engine is warmed up first (its two compiled
-shapes), so compile time is not measured.
+The model is a random-weight byte-level Llama (``--hidden``/``--layers``; the defaults,
+hidden 768 and 16 layers, are ~104M parameters; ``--quick`` is a ~10M model and fewer
+requests, a smoke run of a few minutes). Every request is a ``--prompt-len``-token prompt
+(token ids, so the length is exact) and asks for exactly ``--max-tokens`` greedy tokens (no
+EOS ids: nothing stops early). Per concurrency ``c``: ``2 c`` streamed requests from ``c``
+client threads; output tokens/s (all completion tokens / wall time), time to first token and
+inter-token latency (p50, p99, from the stream's chunk arrival times). The engine compiles
+every step shape first (``Engine.warmup``, timed and reported), so compile time is not in
+the serving numbers. Baselines: the same requests one after another through
+``edl.generate`` (its default, and ``unstack_layers=True``, the form the engine runs) and
+through transformers' ``generate``.
 
-    python -m benchmarks.serve [--concurrency 1 4 16] [--prompt-len 100] [--max-tokens 32]
+    python -m benchmarks.serve [--quick] [--concurrency 1 4 16 64] [--prompt-len 100]
+                               [--max-tokens 128] [--out results.json]
 
-Prints a table, then LAST one JSON line with every number.
+Prints a table, then LAST one JSON line with every number (also written to ``--out``).
 """
 
 from __future__ import annotations
@@ -76,7 +80,13 @@ def _one_stream(client, prompt: list[int], max_tokens: int) -> tuple[float, list
 def _served(model, args) -> dict[str, dict]:
     max_batch = max(args.concurrency)
     engine = Engine(model, max_batch=max_batch, max_model_len=args.prompt_len + args.max_tokens,
-                    page_size=16, prefill_chunk=args.prefill_chunk)  # fmt: skip
+                    page_size=16, prefill_chunk=args.prefill_chunk,
+                    prefill_tokens=args.prefill_tokens)  # fmt: skip
+    start = time.perf_counter()
+    engine.warmup()
+    warmup = {"shapes": len(engine.step_shapes()), "seconds": time.perf_counter() - start}
+    print(f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
+          flush=True)  # fmt: skip
     app = create_app(engine, ByteTokenizer(), model_name="bench",
                      max_model_len=args.prompt_len + args.max_tokens)  # fmt: skip
     server = make_server(app, port=0, log_level="warning")
@@ -88,12 +98,9 @@ def _served(model, args) -> dict[str, dict]:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    results = {}
+    results = {"warmup": warmup}
     try:
-        # Warm-up: both compiled shapes (a prefill chunk with decoding rows, then decode).
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda p: _one_stream(client, p, args.max_tokens),
-                          _prompts(2, args.prompt_len, 99)))  # fmt: skip
+        _one_stream(client, _prompts(1, args.prompt_len, 99)[0], 4)  # the HTTP path, once
         for c in args.concurrency:
             prompts = _prompts(2 * c, args.prompt_len, c)
             start = time.perf_counter()
@@ -117,9 +124,10 @@ def _served(model, args) -> dict[str, dict]:
     return results
 
 
-def _sequential_edl(model, prompts: list[list[int]], max_tokens: int) -> float:
+def _sequential_edl(model, prompts: list[list[int]], max_tokens: int, unstack: bool) -> float:
     # The random model has no generation_config, so no EOS id: every run makes max_tokens.
-    run = lambda p: generate(model, jnp.asarray([p]), max_new_tokens=max_tokens)
+    run = lambda p: generate(model, jnp.asarray([p]), max_new_tokens=max_tokens,
+                             unstack_layers=unstack)  # fmt: skip
     jax.block_until_ready(run(prompts[0]).sequences)  # compile
     start = time.perf_counter()
     for p in prompts:
@@ -146,14 +154,19 @@ def _sequential_torch(model, prompts: list[list[int]], max_tokens: int) -> float
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--quick", action="store_true", help="a ~10M model, 1 / 4 clients")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--prompt-len", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prefill-chunk", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--prefill-tokens", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
+    parser.add_argument("--out", help="also write the JSON results to this file")
     args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.concurrency, args.max_tokens = 384, 6, [1, 4], 32
     model = _model(args.hidden, args.layers, args.prompt_len + args.max_tokens)
     params = edl.count_params(model)
     print(f"serve benchmark: {params:,} parameters, prompt {args.prompt_len}, "
@@ -161,19 +174,29 @@ def main() -> None:
           flush=True)  # fmt: skip
     served = _served(model, args)
     prompts = _prompts(args.sequential, args.prompt_len, 7)
-    edl_seq = _sequential_edl(model, prompts, args.max_tokens)
+    edl_seq = _sequential_edl(model, prompts, args.max_tokens, unstack=False)
+    edl_unstacked = _sequential_edl(model, prompts, args.max_tokens, unstack=True)
     torch_seq = _sequential_torch(model, prompts, args.max_tokens)
     print(
-        f"  sequential edl.generate: {edl_seq:.1f} tok/s; transformers generate: "
+        f"  sequential edl.generate: {edl_seq:.1f} tok/s (unstack_layers=True: "
+        f"{edl_unstacked:.1f}); transformers generate: "
         f"{torch_seq if torch_seq is None else round(torch_seq, 1)} tok/s",
         flush=True,
     )
-    best = max(v["tokens_per_s"] for k, v in served.items() if k.isdigit())
-    print(json.dumps({"parameters": params, "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "served": served,
-                      "sequential_edl_tokens_per_s": edl_seq,
-                      "sequential_transformers_tokens_per_s": torch_seq,
-                      "best_over_sequential_edl": best / edl_seq}))  # fmt: skip
+    ratios = {c: served[c]["tokens_per_s"] / edl_seq for c in served if c.isdigit()}
+    print("  served / sequential edl.generate: "
+          + ", ".join(f"{c} clients {r:.2f}x" for c, r in ratios.items()), flush=True)  # fmt: skip
+    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+               "platform": jax.devices()[0].platform, "parameters": params,
+               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "served": served,
+               "sequential_edl_tokens_per_s": edl_seq,
+               "sequential_edl_unstacked_tokens_per_s": edl_unstacked,
+               "sequential_transformers_tokens_per_s": torch_seq,
+               "served_over_sequential_edl": ratios}  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":

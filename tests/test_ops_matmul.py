@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edl.ops import linear
-from edl.ops.matmul import SMALL_ROWS, linear_many
+from edl.ops.matmul import SMALL_ROWS
 
 # float32 sums of <= 96 products of N(0, 1) x N(0, 0.5) terms: the error is a few ulps of
 # the largest partial sum (|.| <~ 30), so 1e-5 absolute + relative leaves a wide margin.
@@ -73,60 +73,6 @@ def test_computes_in_input_dtype_and_names_bad_shapes():
         unchecked(jnp.ones((8, 16)), jnp.ones((4, 15)))
 
 
-@settings(deadline=None, max_examples=25)
-@given(
-    batch=st.lists(st.integers(1, 12), min_size=0, max_size=3),
-    fan_in=st.integers(1, 64),
-    fan_outs=st.lists(st.integers(1, 48), min_size=1, max_size=3),
-    seed=st.integers(0, 2**16),
-)
-def test_linear_many_matches_float64(batch, fan_in, fan_outs, seed):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(*batch, fan_in))
-    ws = [rng.normal(size=(n, fan_in)) * 0.5 for n in fan_outs]
-    f32 = lambda a: jnp.asarray(a, jnp.float32)
-    outs = jax.jit(linear_many)(f32(x), [f32(w) for w in ws])
-    assert len(outs) == len(ws)
-    for out, w in zip(outs, ws, strict=True):
-        assert out.shape == (*batch, w.shape[0])
-        np.testing.assert_allclose(out, x @ w.T, **TOL)
-
-
-@pytest.mark.parametrize("rows", [1, 8, SMALL_ROWS + 1])
-def test_linear_many_is_one_product_only_at_few_rows_on_cpu(rows):
-    x, ws = jnp.ones((rows, 16)), [jnp.ones((24, 16)), jnp.ones((8, 16)), jnp.ones((8, 16))]
-    hlo = jax.jit(linear_many).lower(x, ws).compile().as_text()
-    fused = 1 < rows <= SMALL_ROWS and jax.default_backend() == "cpu"
-    # Optimised HLO: one dot over the concatenated weights, or one dot per weight.
-    assert hlo.count(" dot(") == (1 if fused else 3), hlo
-
-
-def test_linear_many_gradients_match_float64():
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(2, 3, 16))  # 6 rows: the fused form on CPU
-    ws = [rng.normal(size=(n, 16)) * 0.5 for n in (24, 8)]
-    cts = [rng.normal(size=(2, 3, n)) for n in (24, 8)]
-
-    def loss(x, ws):
-        outs = linear_many(x, ws)
-        return sum(jnp.sum(o * jnp.asarray(c, jnp.float32)) for o, c in zip(outs, cts, strict=True))
-
-    gx, gws = jax.jit(jax.grad(loss, argnums=(0, 1)))(
-        jnp.asarray(x, jnp.float32), [jnp.asarray(w, jnp.float32) for w in ws]
-    )
-    np.testing.assert_allclose(gx, sum(c @ w for c, w in zip(cts, ws, strict=True)), **TOL)
-    for gw, c in zip(gws, cts, strict=True):
-        np.testing.assert_allclose(gw, np.einsum("bso,bsi->oi", c, x), rtol=1e-5, atol=1e-4)
-
-
-def test_linear_many_names_the_bad_weight():
-    unchecked = getattr(linear_many, "__wrapped__", linear_many)
-    with pytest.raises(ValueError, match=r"weight 1 is \(4, 15\); want \(out, 16\)"):
-        unchecked(jnp.ones((8, 16)), [jnp.ones((4, 16)), jnp.ones((4, 15))])
-    with pytest.raises(ValueError, match="no weights"):
-        unchecked(jnp.ones((8, 16)), [])
-
-
 def _rope_and_norm(y, residual):
     """What consumes q/k (RoPE) and o/down (residual add + RMS norm): XLA fuses them with
     whatever produces ``y``."""
@@ -147,27 +93,19 @@ def test_a_zero_addend_changes_no_bit_of_what_consumes_the_product(batch):
     # fuse it into the consumers if it were added after the product.
     scaled = lambda a: None if a is None else 2.0 * a
     one = jax.jit(lambda x, w, a: _rope_and_norm(linear(x, w, addend=scaled(a)), residual))
-    many = jax.jit(lambda x, ws, a: _rope_and_norm(
-        linear_many(x, ws, addends=[scaled(a), None])[0], residual))  # fmt: skip
-    for f, w in ((one, ws[0]), (many, ws)):
-        for got, want in zip(f(x, w, jnp.zeros_like(residual)), f(x, w, None), strict=True):
-            np.testing.assert_array_equal(got, want)
-        addend = f32(*batch, 24)
-        reference = _rope_and_norm(x @ ws[0].T + 2.0 * addend, residual)
-        for got, want in zip(f(x, w, addend), reference, strict=True):
-            np.testing.assert_allclose(got, want, **TOL)
+    for got, want in zip(one(x, ws[0], jnp.zeros_like(residual)), one(x, ws[0], None), strict=True):
+        np.testing.assert_array_equal(got, want)
+    addend = f32(*batch, 24)
+    reference = _rope_and_norm(x @ ws[0].T + 2.0 * addend, residual)
+    for got, want in zip(one(x, ws[0], addend), reference, strict=True):
+        np.testing.assert_allclose(got, want, **TOL)
     # The gradient is that of a plain sum, for a zero addend too (a LoRA B starting at 0).
     ct = f32(*batch, 24)
     grad = jax.jit(jax.grad(lambda a: jnp.sum(linear(x, ws[0], addend=a) * ct)))
     np.testing.assert_array_equal(grad(jnp.zeros_like(ct)), ct)
-    outs = jax.jit(linear_many)(x, ws, addends=[None, f32(*batch, 8)])
-    np.testing.assert_array_equal(outs[0], jax.jit(linear)(x, ws[0]))
 
 
 def test_addend_shape_is_checked():
     unchecked = getattr(linear, "__wrapped__", linear)
     with pytest.raises(ValueError, match=r"addend \(8, 5\) != the product's shape \(8, 4\)"):
         unchecked(jnp.ones((8, 16)), jnp.ones((4, 16)), addend=jnp.ones((8, 5)))
-    unchecked = getattr(linear_many, "__wrapped__", linear_many)
-    with pytest.raises(ValueError, match=r"1 addends for 2 weights"):
-        unchecked(jnp.ones((8, 16)), [jnp.ones((4, 16))] * 2, addends=[None])

@@ -25,9 +25,8 @@ from edl.serve import engine as engine_module
 from edl.serve.pages import PagePool, block_hashes
 from edl.serve.step import filter_logits, model_step
 
-# One geometry for every test that runs the model, so the module compiles model_step twice
-# (widths 1 and CHUNK) and no more. 4 pages per sequence keeps the CPU attention's
-# live-length branches few (compile time).
+# One geometry for every test that runs the model, so the module compiles model_step for
+# its eight step shapes (rows 1 | 2 | 4 x width 1, or 1 x 8; 1 or 4 pages) and no more.
 GEOMETRY = dict(max_batch=4, max_model_len=32, page_size=8, prefill_chunk=8)
 MAX_TOKENS = 8
 
@@ -77,6 +76,13 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
     schedule = {0: [(a, greedy), (b, greedy)], 3: [(c, greedy)], 5: [(d, greedy)]}
     want = _greedy_reference(tiny_llama, prompts, MAX_TOKENS)
     compiled_before = model_step._cache_size()
+    engine = Engine(tiny_llama, **GEOMETRY)
+    widths = [(1, 1), (2, 1), (4, 1), (1, 8)]
+    assert engine.step_shapes() == [(*w, pages) for w in widths for pages in (1, 4)]
+    engine.warmup()  # every shape: nothing compiles from here on
+    warm = model_step._cache_size()
+    assert warm - compiled_before <= 8
+    assert engine.num_free_pages == engine.num_total_pages and not engine.has_unfinished()
 
     free_after_join = {}
     for caching in (True, False):
@@ -86,9 +92,6 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
         assert got == want, f"prefix_caching={caching}"
         assert reasons == ["length"] * 4
         assert engine.num_free_pages == engine.num_total_pages
-        if caching:  # both shapes have run: nothing compiles from here on
-            warm = model_step._cache_size()
-            assert warm - compiled_before <= 2
     # C took A's two whole prompt pages instead of two new ones.
     assert free_after_join[True] == free_after_join[False] + 2
 
@@ -213,14 +216,15 @@ def test_random_schedule_with_aborts_matches_generate_and_frees_pages(tiny_llama
 # -- the scheduler over random schedules (the model step stubbed) ------------------------------
 
 
-def _stub_step(page_size: int, rng: np.random.Generator, shared: list[int]):
-    """A ``model_step`` stand-in that checks what the scheduler hands the model: each busy
-    slot's page table covers its new tokens, empty slots hold no pages, and no slot writes
-    (its new tokens and the chunk's padding) into a page another slot holds. ``shared``
-    counts the steps in which slots shared pages."""
+def _stub_step(page_size: int, rng: np.random.Generator, shapes):
+    """A ``model_step`` stand-in that checks what the scheduler hands the model: the token
+    shape is one of the engine's, each busy row's page table covers its new tokens, padding
+    rows hold no pages and no row writes (its new tokens and the chunk's padding) into a
+    page another row holds."""
 
     def step(model, k, v, table, lengths, tokens, num_new, sampling):
         table, lengths, num_new = map(np.asarray, (table, lengths, num_new))
+        assert (*tokens.shape, table.shape[1]) in shapes, (tokens.shape, table.shape)
         busy = num_new > 0
         have = (table >= 0).sum(axis=1)
         assert np.all(-(-(lengths + num_new) // page_size)[busy] <= have[busy])
@@ -230,9 +234,7 @@ def _stub_step(page_size: int, rng: np.random.Generator, shared: list[int]):
             end = -(-(lengths[row] + tokens.shape[1]) // page_size)
             written = set(table[row, first:end].tolist()) - {-1}
             others = set(np.delete(table, row, axis=0).ravel().tolist())
-            assert not written & others, f"slot {row} writes into a shared page"
-        held = table[table >= 0]
-        shared.append(int(len(held) > len(set(held.tolist()))))
+            assert not written & others, f"row {row} writes into a shared page"
         return k, v, jnp.asarray(rng.integers(0, 64, table.shape[0]), jnp.int32)
 
     return step
@@ -241,9 +243,13 @@ def _stub_step(page_size: int, rng: np.random.Generator, shared: list[int]):
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch, prefix_caching):
     rng = np.random.default_rng(0)
-    shared = []
-    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, shared))
-    engine = Engine(tiny_llama, num_pages=10, prefix_caching=prefix_caching, **GEOMETRY)
+    shared = 0  # steps after which running requests share pages
+    # A wider prefill budget than GEOMETRY's, so prefill calls take several rows.
+    engine = Engine(tiny_llama, num_pages=12, prefix_caching=prefix_caching,
+                    **{**GEOMETRY, "prefill_tokens": 16})  # fmt: skip
+    shapes = engine.step_shapes()
+    assert (2, 8, 4) in shapes
+    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, shapes))
     total, live, seen = engine.num_total_pages, set(), 0
     shared_prefix = rng.integers(0, 64, 16).tolist()
     for _ in range(250):
@@ -263,18 +269,20 @@ def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch,
             if out.finished:
                 live.discard(out.request_id)
         assert 0 <= engine.num_free_pages <= total
+        held = [page for r in engine._running for page in r.pages]
+        shared += len(held) > len(set(held))
     while engine.has_unfinished():
         live -= {out.request_id for out in engine.step() if out.finished}
     assert not live and seen > 100
     assert engine.num_free_pages == total
     assert engine._pool._by_hash == {}  # the prefix cache forgets freed pages
-    assert (sum(shared) > 10) == prefix_caching
+    assert (shared > 10) == prefix_caching
 
 
 def test_abort_frees_pages_at_once_and_reports_once(tiny_llama, monkeypatch):
     rng = np.random.default_rng(1)
-    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, []))
     engine = Engine(tiny_llama, **GEOMETRY)
+    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, engine.step_shapes()))
     rid = engine.add_request([1] * 9, SamplingParams(max_tokens=20))
     engine.step()
     assert engine.num_free_pages == engine.num_total_pages - 4

@@ -97,7 +97,12 @@ def paged_cache_config(
 
 class PagedKVCache(eqx.Module):
     """Pages ``(layers, num_pages, page_size, kv_heads, head_dim)``, each row's
-    ``page_table`` (``-1`` = no page), its ``lengths``, and which pages are ``free``."""
+    ``page_table`` (``-1`` = no page), its ``lengths``, and which pages are ``free``.
+
+    ``whole_table`` (static): the page table's width is already what a step needs (the
+    serving engine trims it on the host to a few fixed widths), so attention reads every page
+    of it instead of choosing, in the program, how much of it is live (``edl.ops.
+    paged_attention``'s ``live_prefix``: one compiled branch per live length and layer)."""
 
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
     v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
@@ -105,6 +110,7 @@ class PagedKVCache(eqx.Module):
     lengths: Int[Array, " batch"]
     free: Bool[Array, " num_pages"]
     fresh: bool = eqx.field(static=True, default=False)
+    whole_table: bool = eqx.field(static=True, default=False)
 
     @property
     def num_pages(self) -> int:
@@ -178,7 +184,7 @@ class PagedKVCache(eqx.Module):
         out = paged_attention(
             q.astype(self.k_pages.dtype), self.k_pages, self.v_pages, self.page_table,
             self.lengths + q.shape[1], layer=layer, window=window, softcap=softcap, scale=scale,
-            impl=impl,
+            impl=impl, live_prefix=not self.whole_table,
         )  # fmt: skip
         return out.astype(q.dtype)
 

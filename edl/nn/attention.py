@@ -11,7 +11,6 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear, RMSNorm
-from edl.nn.projection import project
 from edl.ops.attention import SegmentIds, attention
 from edl.ops.rope import apply_rope
 
@@ -144,7 +143,7 @@ class Attention(eqx.Module):
     def _project(self, x, cos, sin):
         """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated."""
         b, s, _ = x.shape
-        q, k, v = project(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)

@@ -9,7 +9,6 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.nn.layers import Linear
-from edl.nn.projection import project
 from edl.ops.activations import activation
 
 __all__ = [
@@ -48,5 +47,5 @@ class GatedMLP(eqx.Module):
         )
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        gate, up = project(x, self.gate_proj, self.up_proj)
+        gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(activation(self.act)(gate) * up)

@@ -11,7 +11,7 @@ from edl.ops.losses import (
     mask_without_context,
     sequence_classification_loss,
 )
-from edl.ops.matmul import linear, linear_many
+from edl.ops.matmul import linear
 from edl.ops.moe import (
     RouterStats,
     expert_mlp,
@@ -56,7 +56,6 @@ __all__ = [
     "greedy",
     "inv_frequencies",
     "linear",
-    "linear_many",
     "load_balancing_loss",
     "mask_without_context",
     "min_p",

@@ -132,13 +132,15 @@ def paged_attention(
     softcap: float | None = None,
     scale: float | None = None,
     impl: str = "auto",
+    live_prefix: bool = True,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
     ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
     pools stacked over layers). ``"pallas"`` runs ``edl.kernels.paged_decode_attention``
     (pages read in place); ``"reference"``/``"xla"`` gather each row's pages into a contiguous
     cache first (``"xla"`` on CPU only the pages below the longest row's length, see the
-    module docstring); ``"auto"`` as in the module docstring."""
+    module docstring, unless ``live_prefix=False``: every page of the table, for a caller
+    that trimmed the table to what is live); ``"auto"`` as in the module docstring."""
     _check_layer("paged_attention", k_pages, layer)
     if _use_pallas(impl, q, k_pages, "paged_attention"):
         if layer is not None:
@@ -155,6 +157,8 @@ def paged_attention(
         mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
         return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
 
+    if not live_prefix:
+        return read(page_table.shape[1])
     bound = -(-jnp.max(lengths) // page_size)  # pages holding the longest row
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 

@@ -6,8 +6,8 @@ where said); the caller keeps the plain form as its definition and picks the for
 one place, only when lowering for CPU (``jax.lax.platform_dependent`` keeps only the branch
 of the platform being lowered for):
 
-- ``weight_left`` / ``weight_left_many``: ``x @ W.T`` at few rows as ``(W @ x.T).T``, and
-  several weights as one such product (``edl.ops.matmul``, at ``SMALL_ROWS`` rows or fewer).
+- ``weight_left``: ``x @ W.T`` at few rows as ``(W @ x.T).T`` (``edl.ops.matmul``, at
+  ``SMALL_ROWS`` rows or fewer).
 - ``add_unless_zero``: a LoRA update added to a product as a conditional (``edl.ops.matmul``).
 - ``live_lengths`` / ``read_live``: a decode step reads only the live prefix of a cache
   (``edl.ops.cached_attention``, ``"xla"``).
@@ -15,15 +15,14 @@ of the platform being lowered for):
   (``edl.ops.cached_attention``, ``"xla"``).
 
 Measurements are in ``benchmarks/RESULTS.md``, sections "linear: few-row GEMMs on CPU",
-"generate: one GEMM for q/k/v and gate/up", "generate: a decode step's attention reads the
+"serve: unstacked decoding without weight copies", "generate: a decode step's attention reads the
 cache in place" and "generate: a decode step reads only the live part of the cache".
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +38,6 @@ __all__ = [
     "one_token_attention",
     "read_live",
     "weight_left",
-    "weight_left_many",
 ]
 
 # -- products ---------------------------------------------------------------------------------
@@ -91,27 +89,6 @@ def weight_left(
     y = jax.lax.optimization_barrier(jnp.einsum("oi,...i->o...", weight, x))
     y = add_unless_zero(y, None if addend is None else jnp.moveaxis(addend, -1, 0))
     return jnp.moveaxis(y, 0, -1)
-
-
-def weight_left_many(
-    x: Float[Array, "*batch in"],
-    weights: Sequence[Float[Array, "_ in"]],
-    addends: Sequence[Float[Array, "*batch _"] | None],
-) -> tuple[Float[Array, "*batch _"], ...]:
-    """``weight_left(x, w, a)`` for each weight and addend, as one ``weight_left`` over the
-    weights concatenated along ``out`` (the addends likewise, zeros where there is none),
-    split afterwards: fewer, wider products. Inside a layer scan XLA:CPU copies each layer's
-    weights out of the stack anyway, and the concatenation fuses into that copy."""
-    addend = None
-    if any(a is not None for a in addends):
-        addend = jnp.concatenate(
-            [jnp.zeros((*x.shape[:-1], w.shape[0]), x.dtype) if a is None else a
-             for w, a in zip(weights, addends, strict=True)],
-            axis=-1,
-        )  # fmt: skip
-    y = weight_left(x, jnp.concatenate(weights, axis=0), addend)
-    ends = itertools.accumulate(w.shape[0] for w in weights)
-    return tuple(jnp.split(y, list(ends)[:-1], axis=-1))
 
 
 # -- reading a KV cache -----------------------------------------------------------------------

@@ -1,22 +1,26 @@
-"""``linear``: ``x @ weight.T`` for a torch-layout ``(out, in)`` weight; ``linear_many``: several
-weights applied to one input (q/k/v, gate/up).
+"""``linear``: ``x @ weight.T`` for a torch-layout ``(out, in)`` weight.
 
-Both take an ``addend`` (a LoRA update), added to the product before anything the caller's
+It takes an ``addend`` (a LoRA update), added to the product before anything the caller's
 consumers could fuse with it, so that an all-zero update changes no bit of what they compute.
 
 Lowered for CPU, two XLA:CPU arrangements of the same maths take over (``edl.ops.cpu`` says
-why, ``benchmarks/RESULTS.md`` "linear: few-row GEMMs on CPU" and "generate: one GEMM for
-q/k/v and gate/up" measure them): at 2 to ``SMALL_ROWS`` rows, known statically, the product
-is computed weight-left (``cpu.weight_left``, and ``linear_many`` one such product over the
-concatenated weights, ``cpu.weight_left_many``); and the addend is added by
-``cpu.add_unless_zero``, a conditional that hands on the product itself when the addend is
-all zeros. Elsewhere both are the plain product and sum.
+why, ``benchmarks/RESULTS.md`` "linear: few-row GEMMs on CPU" measures them): at 2 to
+``SMALL_ROWS`` rows, known statically, the product is computed weight-left
+(``cpu.weight_left``); and the addend is added by ``cpu.add_unless_zero``, a conditional that
+hands on the product itself when the addend is all zeros. Elsewhere both are the plain product
+and sum.
+
+Several projections of one input (q/k/v, gate/up) are separate ``linear`` calls. One product
+over the concatenated weights was tried and dropped: inside a layer scan the concatenation
+fused into the copy XLA:CPU makes of each layer's weights anyway (a few percent faster), but
+over unstacked layers (``DecoderModel.unstacked``, how the serving engine decodes) it copied
+every weight on every call and made a 4-row decode step 5x slower (``benchmarks/RESULTS.md``,
+"serve: unstacked decoding without weight copies").
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,7 @@ from jaxtyping import Array, Float
 
 from edl.ops import cpu
 
-__all__ = ["SMALL_ROWS", "linear", "linear_many"]
+__all__ = ["SMALL_ROWS", "linear"]
 
 SMALL_ROWS = 64
 """Up to this many rows (``prod(x.shape[:-1])``), ``linear`` on CPU uses ``cpu.weight_left``
@@ -87,51 +91,3 @@ def linear(
             x, weight, addend, cpu=cpu.weight_left, default=_weight_right
         )
     return _weight_right(x, weight, addend)
-
-
-def linear_many(
-    x: Float[Array, "*batch in"],
-    weights: Sequence[Float[Array, "_ in"]],
-    *,
-    addends: Sequence[Float[Array, "*batch _"] | None] | None = None,
-) -> tuple[Float[Array, "*batch _"], ...]:
-    """``linear(x, w, addend=a)`` for each ``w`` in ``weights`` (one input, several
-    projections).
-
-    Args:
-        x: activations ``(*batch, in)``.
-        weights: ``(out_i, in)`` each, cast to ``x.dtype``.
-        addends: ``None``, or per weight a ``(*batch, out_i)`` array or ``None`` (LoRA
-            updates), each added to its product as ``linear`` adds its ``addend``.
-
-    Returns:
-        ``(*batch, out_i)`` per weight. With few rows on CPU (the module docstring) they are
-        slices of one product with the concatenated weights (the addends, zeros where there
-        is none, are added to that product); otherwise separate ``linear`` calls. Equal to
-        separate calls up to summation order.
-    """
-    if not weights:
-        raise ValueError("linear_many: no weights")
-    for i, w in enumerate(weights):
-        if w.ndim != 2 or w.shape[1] != x.shape[-1]:
-            raise ValueError(
-                f"linear_many: weight {i} is {w.shape}; want (out, {x.shape[-1]}) for input "
-                f"{x.shape}"
-            )
-    addends = [None] * len(weights) if addends is None else list(addends)
-    if len(addends) != len(weights):
-        raise ValueError(f"linear_many: {len(addends)} addends for {len(weights)} weights")
-    addends = [
-        None if a is None else _check_addend(f"linear_many: addend {i}", a, x, w.shape[0])
-        for i, (w, a) in enumerate(zip(weights, addends, strict=True))
-    ]
-    if len(weights) == 1 or not _few_rows(x):
-        return tuple(linear(x, w, addend=a) for w, a in zip(weights, addends, strict=True))
-    weights = tuple(w.astype(x.dtype) for w in weights)
-
-    def separate(x, weights, addends):
-        return tuple(_weight_right(x, w, a) for w, a in zip(weights, addends, strict=True))
-
-    return jax.lax.platform_dependent(
-        x, weights, addends, cpu=cpu.weight_left_many, default=separate
-    )

@@ -1,23 +1,40 @@
 """A continuous-batching inference engine over edl's paged KV cache.
 
     engine = Engine(model, max_batch=8, max_model_len=2048, eos_token_ids=(2,))
+    engine.warmup()  # optional: compile every step shape now rather than on first use
     rid = engine.add_request(prompt_ids, SamplingParams(max_tokens=32, temperature=0.0))
     while engine.has_unfinished():
         for out in engine.step():
             print(out.request_id, out.new_token_ids, out.finished, out.finish_reason)
 
-Requests wait in a FIFO queue (``max_queue``; ``QueueFull`` beyond it) until a batch slot
-and their pages are free. Each ``step`` admits what fits, then runs ONE model call
-(``edl.serve.step.model_step``) in which every prefilling slot advances by up to
-``prefill_chunk`` prompt tokens and every decoding slot by one token, so a long prompt is
-prefilled over several steps while the other requests keep decoding. The call has one of
-two fixed shapes, ``(max_batch, 1)`` or ``(max_batch, prefill_chunk)`` tokens over a
-``(max_batch, pages_per_seq)`` page table: two compilations, then none.
+Requests wait in a FIFO queue (``max_queue``; ``QueueFull`` beyond it) until one of the
+``max_batch`` batch places and their pages are free. Each ``step`` admits what fits, then
+makes at most two model calls (``edl.serve.step.model_step``): one token for every decoding
+request, then one prompt chunk (up to ``prefill_chunk`` tokens) for each of the oldest
+prefilling requests that fit the step's prefill budget (``prefill_tokens``: padded rows x
+width). A long prompt is so prefilled over several steps while the other requests keep
+decoding, and decoding rows never run at a prefill's width.
+
+Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
+requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
+narrowest holding its longest chunk; its page table is cut to a power of four pages (or
+``pages_per_seq``), the fewest holding its longest row after the step, and attention reads
+exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode: width 1;
+prefill: ``rows * width <= prefill_tokens``): a busy engine never compiles after
+``warmup()``, one request decodes at one row's cost instead of ``max_batch`` rows', and short
+sequences do not read a ``max_model_len`` cache.
+
+The model runs with its layer stacks cut into separate layers once, at construction
+(``model.unstacked()``): inside a compiled layer scan XLA:CPU copies every layer's weights out
+of the stack on every call, which at batch 1 costs more than the step's own arithmetic
+(``benchmarks/RESULTS.md``, "serve: unstacked decoding without weight copies"). The engine
+holds that copy (one more copy of the weights while the caller keeps its model); compile time
+grows with depth.
 
 Split of state: the device side is pure (``model_step``: model, page pools, page table,
 tokens, sampling settings in; pools and next tokens out). The ``Engine`` object holds the
-host scheduler (queue, slots, ``PagePool``) and, between steps, the latest page pools: a
-serving loop has to keep the cache somewhere from one call to the next, and each call
+host scheduler (queue, batch places, ``PagePool``) and, between steps, the latest page pools:
+a serving loop has to keep the cache somewhere from one call to the next, and each call
 donates the pools it is given, so the engine must own the only reference to them.
 
 Pages: a request gets every page it can ever need (prompt + ``max_tokens``) when it is
@@ -34,27 +51,16 @@ Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
 temperature, top-k and top-p in HF's order, each token drawn with the key
 ``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
 whatever else is in the batch (up to float rounding: the same request's logits come from
-a width-1 or a width-``prefill_chunk`` step depending on its company). Output tokens
-include the EOS / stop token that ends a request (``finish_reason="stop"``).
+calls of different shapes depending on its company). Output tokens include the EOS / stop
+token that ends a request (``finish_reason="stop"``); stop *strings* are the server's
+(``edl.serve.server`` detokenizes, trims and aborts the request, which frees its pages).
 
-STATUS (start of the serving work; continued in a later session):
-
-- done: the API below; chunked prefill interleaved with decoding in two fixed shapes;
-  per-request greedy / temperature / top-k / top-p with seeds; upfront page allocation
-  and freeing on finish / abort; prompt-prefix sharing of whole pages with reference
-  counts; tests against ``edl.generate`` (tests/test_serve_engine.py).
-- missing: lazy page allocation with preemption (pages are reserved for ``max_tokens``
-  up front, which over-reserves when requests stop early); keeping freed prefix pages
-  cached for later requests (LRU, as vLLM does: here a prefix is shared only while some
-  request holding it runs); hashing generated tokens' blocks; a token budget per step
-  (every prefilling slot takes a whole chunk); logits processors beyond temperature /
-  top-k / top-p (repetition penalty, min-p), log-probs, stop strings; sharding over a
-  mesh; a GPU run: there ``impl="auto"`` sends a width-``prefill_chunk`` step to the
-  Pallas paged *decode* kernel with ``prefill_chunk`` queries per row (built for a few),
-  untested and likely slow, so chunked prefill may want its own kernel or the XLA path;
-  a benchmark in benchmarks/; an async server (the server helper's branch).
-- ``eos_token_ids`` is taken as given (default none), not read from the model's
-  generation config.
+Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
+over-reserves when requests stop early); keeping a finished request's prefix pages cached
+for later requests (LRU, as vLLM does: here a prefix is shared only while some request
+holding it runs); logits processors beyond temperature / top-k / top-p, log-probs; sharding
+over a mesh. On GPU ``impl="auto"`` sends a prefill call to the Pallas paged *decode* kernel
+with ``width`` queries per row, untested there.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ __all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
 
 @dataclasses.dataclass(eq=False)
 class _Request:
-    """Host bookkeeping of one request: its slot, pages and progress."""
+    """Host bookkeeping of one request: its pages and progress."""
 
     id: int
     prompt: tuple[int, ...]
@@ -86,7 +92,7 @@ class _Request:
     seed: int
     stop_ids: frozenset[int]
     hashes: list[bytes]
-    slot: int | None = None
+    running: bool = False
     pages: list[int] = dataclasses.field(default_factory=list)
     computed: int = 0  # tokens whose keys/values are in the cache
     published: int = 0  # prompt blocks offered to the prefix cache
@@ -95,6 +101,20 @@ class _Request:
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
+
+
+def _buckets(top: int, smallest: int, factor: int) -> tuple[int, ...]:
+    """``smallest * factor ** i`` below ``top``, then ``top``."""
+    sizes, size = [], smallest
+    while size < top:
+        sizes.append(size)
+        size *= factor
+    return (*sizes, top)
+
+
+def _bucket(buckets: tuple[int, ...], size: int) -> int:
+    """The smallest bucket holding ``size``."""
+    return next(b for b in buckets if b >= size)
 
 
 class Engine:
@@ -110,17 +130,36 @@ class Engine:
         num_pages: int | None = None,
         max_queue: int = 256,
         prefill_chunk: int = 256,
+        prefill_tokens: int | None = None,
         eos_token_ids: Sequence[int] = (),
         prefix_caching: bool = True,
     ):
+        """Args:
+        model: a causal LM (``edl.generate.CausalLM``).
+        max_batch: requests running at once (decoding or prefilling).
+        max_model_len: prompt + generated tokens of one request, at most.
+        page_size: tokens per KV-cache page.
+        num_pages: the page pool (default: ``max_batch`` full-length requests).
+        max_queue: waiting requests, at most (``QueueFull`` beyond).
+        prefill_chunk: prompt tokens one request prefills per step, at most.
+        prefill_tokens: a prefill call's padded size (rows x width), at most (default
+            ``prefill_chunk``; at least that).
+        eos_token_ids: ids that end every request (``finish_reason="stop"``).
+        prefix_caching: share whole prompt pages between running requests.
+        """
         if not isinstance(model, CausalLM):
             raise TypeError(f"Engine needs a causal LM (edl.generate.CausalLM), got "
                             f"{type(model).__name__}")  # fmt: skip
+        prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
         sizes = dict(max_batch=max_batch, max_model_len=max_model_len, page_size=page_size,
-                     max_queue=max_queue, prefill_chunk=prefill_chunk)  # fmt: skip
+                     max_queue=max_queue, prefill_chunk=prefill_chunk,
+                     prefill_tokens=prefill_tokens)  # fmt: skip
         bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
         if bad:
             raise ValueError(f"Engine: these must be integers >= 1: {bad}")
+        if prefill_tokens < prefill_chunk:
+            raise ValueError(f"Engine: prefill_tokens ({prefill_tokens}) must be at least "
+                             f"prefill_chunk ({prefill_chunk})")  # fmt: skip
         self.vocab_size = model.config.vocab_size
         eos = tuple(eos_token_ids)
         if not all(is_int(i) and 0 <= i < self.vocab_size for i in eos):
@@ -131,8 +170,13 @@ class Engine:
             raise ValueError(f"Engine: num_pages must be an integer >= 1, got {num_pages!r}")
         self.max_batch, self.max_model_len, self.page_size = max_batch, max_model_len, page_size
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
+        self.prefill_tokens = prefill_tokens
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
-        self._model = _without_id_checks(model)  # prompts are checked in add_request
+        self.row_buckets = _buckets(max_batch, 1, 2)
+        self.width_buckets = _buckets(prefill_chunk, min(16, prefill_chunk), 4)
+        self.page_buckets = _buckets(self.pages_per_seq, 1, 4)
+        # Prompts are checked in add_request; the layers are cut apart once (module docstring).
+        self._model = _without_id_checks(model).unstacked()
         cache = init_paged_cache(
             model.config, num_pages, page_size, batch=1, cache_len=max_model_len,
             dtype=model.model.embed_tokens.weight.dtype,
@@ -140,7 +184,7 @@ class Engine:
         # Two buffers (init_paged_cache shares one zero array), as each step donates both.
         self._k_pages, self._v_pages = cache.k_pages, jnp.zeros_like(cache.v_pages)
         self._pool = PagePool(num_pages)
-        self._slots: list[_Request | None] = [None] * max_batch
+        self._running: list[_Request] = []  # admitted, oldest first (at most max_batch)
         self._waiting: collections.deque[_Request] = collections.deque()
         self._live: dict[int, _Request] = {}  # waiting or running, by id
         self._pending: list[RequestOutput] = []  # abort notices for the next step
@@ -199,7 +243,7 @@ class Engine:
         request = self._live.pop(request_id, None)
         if request is None:
             return
-        if request.slot is None:
+        if not request.running:
             self._waiting.remove(request)
         else:
             self._release(request)
@@ -211,11 +255,12 @@ class Engine:
     def _release(self, request: _Request) -> None:
         self._pool.release(request.pages)
         request.pages = []
-        self._slots[request.slot] = None
+        self._running.remove(request)
+        request.running = False
 
     def _admit(self) -> None:
-        """Move waiting requests, oldest first, into free slots while their pages fit."""
-        while self._waiting and None in self._slots:
+        """Move waiting requests, oldest first, into the batch while their pages fit."""
+        while self._waiting and len(self._running) < self.max_batch:
             request = self._waiting[0]
             shareable = (len(request.prompt) - 1) // self.page_size  # the last token runs
             shared = self._pool.match(request.hashes[:shareable])
@@ -227,48 +272,92 @@ class Engine:
             request.pages = shared + self._pool.allocate(fresh)
             request.computed = len(shared) * self.page_size
             request.published = len(shared)
-            request.slot = self._slots.index(None)
-            self._slots[request.slot] = request
+            request.running = True
+            self._running.append(request)
             self._waiting.popleft()
 
-    def _batch(self, running: list[_Request], width: int):
-        """The step's host arrays: every running slot's new tokens and settings."""
-        b = self.max_batch
-        tokens, num_new = np.zeros((b, width), np.int32), np.zeros(b, np.int32)
-        lengths = np.zeros(b, np.int32)
-        table = np.full((b, self.pages_per_seq), -1, np.int32)
-        temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-        top_k, seed, counter = np.zeros(b, np.int32), np.zeros(b, np.uint32), np.zeros(b, np.int32)
-        for r in running:
-            s, p = r.slot, r.params
-            new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
-            tokens[s, : len(new)], num_new[s], lengths[s] = new, len(new), r.computed
-            table[s, : len(r.pages)] = r.pages
-            temperature[s], top_p[s], top_k[s] = p.temperature, p.top_p, p.top_k or 0
-            seed[s], counter[s] = r.seed, len(r.generated)
-        sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
-        return tokens, num_new, lengths, table, sampling
+    def step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every ``(rows, width, pages)`` a step may call the model with (the module
+        docstring): decode (``width == 1``), then prefill."""
+        widths = [(rows, 1) for rows in self.row_buckets]
+        widths += [(rows, width) for width in self.width_buckets for rows in self.row_buckets
+                   if rows * width <= self.prefill_tokens]  # fmt: skip
+        return [(rows, width, pages) for rows, width in widths for pages in self.page_buckets]
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration: admit, one model call (a prefill chunk for prefilling requests,
-        one token for decoding ones), then report and free what finished."""
-        outputs, self._pending = self._pending, []
-        self._admit()
-        running = [r for r in self._slots if r is not None]
-        if not running:
-            return outputs
-        width = self.prefill_chunk if any(r.prefilling for r in running) else 1
-        tokens, num_new, lengths, table, sampling = self._batch(running, width)
+    def warmup(self) -> None:
+        """Compile ``model_step`` for every shape of ``step_shapes()`` now (each call runs
+        rows with no tokens: the cache is unchanged), so serving never waits on XLA. Takes
+        seconds per shape for a deep model (the layers are unrolled)."""
+        for rows, width, pages in self.step_shapes():
+            self._call([], rows, width, pages)
+
+    def _call(self, requests: list[_Request], rows: int, width: int, pages: int) -> np.ndarray:
+        """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
+        tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
+        to ``pages``; returns each row's sampled token and advances each request's
+        ``computed`` by its new tokens."""
+        tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        table = np.full((rows, pages), -1, np.int32)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        top_k, seed = np.zeros(rows, np.int32), np.zeros(rows, np.uint32)
+        counter = np.zeros(rows, np.int32)
+        for i, r in enumerate(requests):
+            p = r.params
+            new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
+            tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
+            table[i, : min(len(r.pages), pages)] = r.pages[:pages]
+            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
+            seed[i], counter[i] = r.seed, len(r.generated)
+        sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
         self._k_pages, self._v_pages, next_tokens = model_step(
             self._model, self._k_pages, self._v_pages, jnp.asarray(table),
             jnp.asarray(lengths), jnp.asarray(tokens), jnp.asarray(num_new), sampling,
         )  # fmt: skip
         next_tokens = np.asarray(next_tokens)
-        for r in running:
-            r.computed += int(num_new[r.slot])
-            self._publish(r)
+        for i, r in enumerate(requests):
+            r.computed += int(num_new[i])
+        return next_tokens
+
+    def _pages_after(self, requests: list[_Request], width: int) -> int:
+        """The page bucket holding every request's tokens after a call of ``width``."""
+        longest = max(min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
+                      for r in requests)  # fmt: skip
+        return _bucket(self.page_buckets, self._pages_for(longest))
+
+    def _prefill_batch(self) -> tuple[list[_Request], int, int]:
+        """The oldest prefilling requests whose padded chunks fit ``prefill_tokens``, and the
+        call's ``(rows, width)`` (the first always fits: ``prefill_tokens >= prefill_chunk``)."""
+        chosen, rows, width = [], 0, 0
+        for r in self._running:
             if not r.prefilling:
-                outputs.append(self._emit(r, int(next_tokens[r.slot])))
+                continue
+            chunk = min(len(r.prompt) - r.computed, self.prefill_chunk)
+            w = _bucket(self.width_buckets, max(width, chunk))
+            n = _bucket(self.row_buckets, len(chosen) + 1)
+            if n * w > self.prefill_tokens:
+                break
+            chosen.append(r)
+            rows, width = n, w
+        return chosen, rows, width
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admit, one token for every decoding request, one prompt chunk for
+        the oldest prefilling ones (module docstring); report and free what finished."""
+        outputs, self._pending = self._pending, []
+        self._admit()
+        decoding = [r for r in self._running if not r.prefilling]
+        if decoding:
+            rows, pages = _bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
+            next_tokens = self._call(decoding, rows, 1, pages)
+            outputs += [self._emit(r, int(t)) for r, t in zip(decoding, next_tokens, strict=False)]
+        prefilling, rows, width = self._prefill_batch()
+        if prefilling:
+            next_tokens = self._call(prefilling, rows, width, self._pages_after(prefilling, width))
+            for r, t in zip(prefilling, next_tokens, strict=False):  # padding rows last
+                self._publish(r)
+                if not r.prefilling:  # its prompt is done: the first token is out
+                    outputs.append(self._emit(r, int(t)))
         return outputs
 
     def _publish(self, request: _Request) -> None:

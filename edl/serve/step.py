@@ -1,12 +1,12 @@
 """The engine's device side: one pure, jitted model step over a paged KV cache.
 
-``model_step`` runs every batch slot's new tokens (``width`` columns, right-padded: a
-prefilling slot's prompt chunk, a decoding slot's last token, nothing for an empty slot)
-through the model and the paged cache, and samples each slot's next token with that slot's
-own settings (``SlotSampling``). The engine compiles it for exactly two widths: 1 (every
-busy slot decodes) and the prefill chunk (some slot prefills; decoding slots ride along
-with one token), each for a fixed ``(max_batch, pages_per_seq)`` page table, so a running
-engine never recompiles.
+``model_step`` runs every row's new tokens (``width`` columns, right-padded: a prefilling
+request's prompt chunk, a decoding request's last token, nothing for a padding row) through
+the model and the paged cache, and samples each row's next token with that row's own
+settings (``SlotSampling``). The engine calls it with a fixed set of shapes: ``(rows,
+width)`` tokens over a ``(rows, pages)`` page table trimmed to the pages the step touches
+(``Engine.step_shapes``), so a running engine never recompiles; attention reads the whole
+trimmed table (``PagedKVCache.whole_table``).
 
 Pages are allocated by the host (``edl.serve.pages``), which knows which pages requests
 share; the cache's ``page_table`` and ``lengths`` come from it every step and its ``free``
@@ -85,7 +85,7 @@ def model_step(
     model: CausalLM,
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
     v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    page_table: Int[Array, "batch pages_per_seq"],
+    page_table: Int[Array, "batch pages"],
     lengths: Int[Array, " batch"],
     tokens: Int[Array, "batch width"],
     num_new: Int[Array, " batch"],
@@ -95,13 +95,13 @@ def model_step(
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Int[Array, " batch"],
 ]:
-    """Slot ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
-    the model, their keys/values written to its pages; returns the updated pools and each
-    slot's next token, sampled after its last new token (meaningless where ``num_new`` is
-    0). The pools are donated: pass the returned ones to the next call."""
-    cache = PagedKVCache(
-        k_pages, v_pages, page_table, lengths, jnp.zeros((k_pages.shape[1],), jnp.bool_)
-    )
+    """Row ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
+    the model, their keys/values written to its pages (``page_table[b]`` must cover
+    ``lengths[b] + num_new[b]`` tokens; attention reads all of it); returns the updated
+    pools and each row's next token, sampled after its last new token (meaningless where
+    ``num_new`` is 0). The pools are donated: pass the returned ones to the next call."""
+    free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
+    cache = PagedKVCache(k_pages, v_pages, page_table, lengths, free, whole_table=True)
     width = tokens.shape[1]
     mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
     out = model.model(tokens, attention_mask=mask, cache=cache)
