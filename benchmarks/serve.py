@@ -26,9 +26,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import subprocess
+import sys
 import threading
 import time
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,7 +50,15 @@ def _model(hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
                          num_attention_heads=max(1, hidden // 64),
                          num_key_value_heads=max(1, hidden // 128),
                          max_position_embeddings=max_len)  # fmt: skip
-    return LlamaForCausalLM.init(config, key=jax.random.key(0))
+    model = LlamaForCausalLM.init(config, key=jax.random.key(0))
+    # Only printable ASCII bytes win the argmax (the other rows of the head are zero, below
+    # the best of 95 random logits): every token is text at once, so each streamed chunk is
+    # one token (an incomplete UTF-8 sequence would be held back, skewing TTFT and
+    # inter-token times; the first benchmark run measured that by mistake).
+    head = model.lm_head.weight
+    ids = np.arange(head.shape[0])
+    keep = (ids >= 32) & (ids < 127)
+    return eqx.tree_at(lambda m: m.lm_head.weight, model, jnp.where(keep[:, None], head, 0.0))
 
 
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -61,8 +72,10 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
-def _one_stream(client, prompt: list[int], max_tokens: int) -> tuple[float, list[float], int]:
-    """``(ttft, inter-token gaps, completion tokens)`` of one streamed completion."""
+def _one_stream(client, prompt: list[int], max_tokens: int,
+                first=None) -> tuple[float, list[float], int]:  # fmt: skip
+    """``(ttft, inter-token gaps, completion tokens)`` of one streamed completion;
+    ``first()`` is called when its first token arrives."""
     start = time.perf_counter()
     arrivals, tokens = [], 0
     stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
@@ -71,30 +84,71 @@ def _one_stream(client, prompt: list[int], max_tokens: int) -> tuple[float, list
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter())
+            if first is not None and len(arrivals) == 1:
+                first()
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     ttft = arrivals[0] - start if arrivals else float("nan")
     return ttft, list(np.diff(arrivals)), tokens
 
 
-def _served(model, args) -> dict[str, dict]:
-    max_batch = max(args.concurrency)
-    engine = Engine(model, max_batch=max_batch, max_model_len=args.prompt_len + args.max_tokens,
-                    page_size=16, prefill_chunk=args.prefill_chunk,
+def _ttft_while_decoding(client, args: argparse.Namespace, busy: int = 15,
+                         probes: int = 8) -> dict[str, float]:  # fmt: skip
+    """The issue's latency case: ``busy`` streams decoding (each past its first token),
+    then ``probes`` new ``--prompt-len``-token requests one after another; their time to
+    first token (p50, p99)."""
+    decoding = threading.Semaphore(0)
+    with concurrent.futures.ThreadPoolExecutor(busy) as pool:
+        background = [pool.submit(_one_stream, client, p, args.max_tokens, decoding.release)
+                      for p in _prompts(busy, args.prompt_len, 1234)]  # fmt: skip
+        for _ in range(busy):
+            decoding.acquire()
+        ttfts = [_one_stream(client, p, 1)[0] for p in _prompts(probes, args.prompt_len, 4321)]
+        still_decoding = sum(not f.done() for f in background)
+        for f in background:
+            f.result()
+    return {**_percentiles(ttfts), "busy_streams_left_after_probes": still_decoding}
+
+
+def _server_process(args: argparse.Namespace) -> None:
+    """``--server``: the server, in its own process (the client threads' Python work does
+    not share its GIL). Builds the model and engine, compiles every step shape, serves on a
+    free loopback port, prints ``{"port", "warmup"}`` as one JSON line, and when a line
+    arrives on stdin stops and prints ``{"free_pages_after"}``."""
+    max_len = args.prompt_len + args.max_tokens
+    model = _model(args.hidden, args.layers, max_len)
+    engine = Engine(model, max_batch=max(args.concurrency), max_model_len=max_len, page_size=16,
+                    prefill_chunk=args.prefill_chunk,
                     prefill_tokens=args.prefill_tokens)  # fmt: skip
     start = time.perf_counter()
     engine.warmup()
     warmup = {"shapes": len(engine.step_shapes()), "seconds": time.perf_counter() - start}
-    print(f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
-          flush=True)  # fmt: skip
-    app = create_app(engine, ByteTokenizer(), model_name="bench",
-                     max_model_len=args.prompt_len + args.max_tokens)  # fmt: skip
+    app = create_app(engine, ByteTokenizer(), model_name="bench", max_model_len=max_len)
     server = make_server(app, port=0, log_level="warning")
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.run)
     thread.start()
     while not server.started:
         time.sleep(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
+    print(json.dumps({"port": port, "warmup": warmup}), flush=True)
+    sys.stdin.readline()
+    server.should_exit = True
+    thread.join(60)
+    print(json.dumps({"free_pages_after": engine.num_free_pages == engine.num_total_pages}),
+          flush=True)  # fmt: skip
+
+
+def _served(args: argparse.Namespace) -> dict[str, dict]:
+    options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+               if k in ("prompt_len", "max_tokens", "prefill_chunk", "prefill_tokens", "hidden",
+                        "layers")]  # fmt: skip
+    options += ["--concurrency", *map(str, args.concurrency)]
+    command = [sys.executable, "-m", "benchmarks.serve", "--server", *options]
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    started = json.loads(process.stdout.readline())
+    port, warmup = started["port"], started["warmup"]
+    print(f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
+          flush=True)  # fmt: skip
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -117,10 +171,16 @@ def _served(model, args) -> dict[str, dict]:
             print(f"  {c:>3} clients: {tokens / wall:8.1f} tok/s, ttft p50 "
                   f"{results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
                   f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms", flush=True)  # fmt: skip
-        results["free_pages_after"] = engine.num_free_pages == engine.num_total_pages
+        busy = min(15, max(args.concurrency) - 1)  # one batch place left for the probe
+        ttft = _ttft_while_decoding(client, args, busy=busy)
+        results["ttft_while_decoding_s"] = {"busy": busy, **ttft}
+        print(f"  TTFT of a {args.prompt_len}-token prompt while {busy} requests decode: p50 "
+              f"{ttft['p50']:.3f} s, p99 {ttft['p99']:.3f} s", flush=True)  # fmt: skip
     finally:
-        server.should_exit = True
-        thread.join(30)
+        process.stdin.write("stop\n")
+        process.stdin.flush()
+        results.update(json.loads(process.stdout.readline()))
+        process.wait(60)
     return results
 
 
@@ -164,7 +224,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
     parser.add_argument("--out", help="also write the JSON results to this file")
+    parser.add_argument("--server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.server:
+        return _server_process(args)
     if args.quick:
         args.hidden, args.layers, args.concurrency, args.max_tokens = 384, 6, [1, 4], 32
     model = _model(args.hidden, args.layers, args.prompt_len + args.max_tokens)
@@ -172,7 +235,7 @@ def main() -> None:
     print(f"serve benchmark: {params:,} parameters, prompt {args.prompt_len}, "
           f"{args.max_tokens} new tokens, jax {jax.__version__} on {jax.devices()[0].platform}",
           flush=True)  # fmt: skip
-    served = _served(model, args)
+    served = _served(args)
     prompts = _prompts(args.sequential, args.prompt_len, 7)
     edl_seq = _sequential_edl(model, prompts, args.max_tokens, unstack=False)
     edl_unstacked = _sequential_edl(model, prompts, args.max_tokens, unstack=True)

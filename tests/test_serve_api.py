@@ -457,7 +457,7 @@ def test_cli_serve_checks_options(capsys):
     assert "argument --max-batch: must be >= 1, got 0" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the real engine on a tiny Llama, through the openai client (~30 s)
+@pytest.mark.slow  # the real engine on a tiny Llama, through the openai client (~40 s)
 def test_real_tiny_model_matches_generate_text(tmp_path):
     import jax
     import transformers
@@ -517,9 +517,18 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
                                             temperature=0, stream=True)  # fmt: skip
             return "".join(c.choices[0].text for c in chunks)
 
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:  # batched in the real engine
-            assert list(pool.map(stream, range(8))) == [want] * 8
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:  # batched in the real engine
+            assert list(pool.map(stream, range(32))) == [want] * 32
         _wait(lambda: engine.num_free_pages == engine.num_total_pages, 10)  # no page leaks
+        # Clients that go away mid-stream: their requests are aborted and every page is back.
+        for _ in range(3):
+            stream = api.completions.create(model="tiny", prompt="Hello world", max_tokens=40,
+                                            temperature=0, stream=True)  # fmt: skip
+            chunks = iter(stream)
+            next(chunks), next(chunks)
+            stream.close()
+        _wait(lambda: engine.num_free_pages == engine.num_total_pages, 10)
+        assert not engine.has_unfinished()
     finally:
         server.should_exit = True
         thread.join(10)

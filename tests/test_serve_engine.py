@@ -94,6 +94,19 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
         assert engine.num_free_pages == engine.num_total_pages
     # C took A's two whole prompt pages instead of two new ones.
     assert free_after_join[True] == free_after_join[False] + 2
+    # Those pages stay cached after everyone finished: C alone again skips its first 16
+    # tokens (its first token comes out of the first step, not the third) and still decodes
+    # exactly generate's tokens.
+    engine = Engine(tiny_llama, **GEOMETRY)
+    _run(engine, {0: [(a, greedy)]})
+    assert engine._pool.num_cached == 2 and engine.num_free_pages == engine.num_total_pages
+    rid = engine.add_request(c, greedy)
+    assert [out.new_token_ids for out in engine.step()] == [tuple(want[2][:1])]
+    assert engine._pool.users(engine._running[0].pages[0]) == 1  # shared, in use again
+    engine.abort(rid)
+    engine.step()
+    got, _ = _run(engine, {0: [(c, greedy)]})
+    assert got == [want[2]]
 
     # An EOS id ends a request with its EOS included, as generate does.
     eos = want[1][3]
@@ -275,8 +288,46 @@ def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch,
         live -= {out.request_id for out in engine.step() if out.finished}
     assert not live and seen > 100
     assert engine.num_free_pages == total
-    assert engine._pool._by_hash == {}  # the prefix cache forgets freed pages
+    # Freed prompt pages stay cached (unused) for later requests until evicted.
+    assert all(engine._pool.users(page) == 0 for page in engine._pool._hash_of)
+    assert (engine._pool.num_cached > 0) == prefix_caching
     assert (shared > 10) == prefix_caching
+
+
+def test_thousands_of_requests_keep_the_page_invariant_and_never_stall(tiny_llama, monkeypatch):
+    """2,000+ requests (shared prefixes, aborts, stop tokens) through a small pool: after
+    every step the free pages plus the distinct pages running requests hold are the pool
+    (no leak, no double use), the queue keeps moving, and everything finishes."""
+    rng = np.random.default_rng(3)
+    engine = Engine(tiny_llama, num_pages=16, max_queue=8,
+                    **{**GEOMETRY, "prefill_tokens": 16})  # fmt: skip
+    monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, engine.step_shapes()))
+    prefix, live, added, idle = rng.integers(0, 64, 16).tolist(), set(), 0, 0
+    while added < 2000:
+        for _ in range(int(rng.integers(0, 3))):
+            n = int(rng.integers(1, 24))
+            prompt = (prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
+                else rng.integers(0, 64, n).tolist()  # fmt: skip
+            params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)),
+                                    stop_token_ids=(5,), seed=0)  # fmt: skip
+            with contextlib.suppress(QueueFull):
+                live.add(engine.add_request(prompt, params))
+                added += 1
+        if rng.random() < 0.05 and live:
+            engine.abort(int(rng.choice(sorted(live))))
+        outputs = engine.step()
+        live -= {out.request_id for out in outputs if out.finished}
+        held = {page for r in engine._running for page in r.pages}
+        assert engine.num_free_pages + len(held) == engine.num_total_pages
+        idle = 0 if outputs or not engine._waiting else idle + 1
+        assert idle < 5, "requests wait while nothing runs"
+    for _ in range(500):
+        if not engine.has_unfinished():
+            break
+        live -= {out.request_id for out in engine.step() if out.finished}
+    assert not live and not engine.has_unfinished()
+    assert engine.num_free_pages == engine.num_total_pages
+    assert all(engine._pool.users(page) == 0 for page in engine._pool._hash_of)
 
 
 def test_abort_frees_pages_at_once_and_reports_once(tiny_llama, monkeypatch):
@@ -314,4 +365,9 @@ def test_page_pool_shares_prefixes_and_frees_with_the_last_user(prompts, data):
             pool.release(held.pop(data.draw(st.integers(0, len(held) - 1))))
     for pages in held:
         pool.release(pages)
-    assert pool.num_free == 64 and pool._by_hash == {} and pool._hash_of == {}
+    assert pool.num_free == 64 and len(pool._by_hash) == len(pool._hash_of) == pool.num_cached
+    cached = pool.num_cached
+    if cached:  # an unused cached page is matched again, and evicted last-released first
+        first = next(iter(pool._unused_cached))
+        assert pool.allocate(64 - cached + 1)[-1] == first and first not in pool._hash_of
+    assert pool.num_cached == max(cached - 1, 0)

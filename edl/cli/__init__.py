@@ -143,6 +143,9 @@ def _add_serve(commands: Any) -> None:
                        "max_position_embeddings)")  # fmt: skip
     serve.add_argument("--dtype", choices=_DTYPES, default=None,
                        help="compute in this dtype (default: as stored)")  # fmt: skip
+    serve.add_argument("--warmup", action="store_true",
+                       help="compile every step shape before listening (seconds per shape "
+                       "for a deep model; otherwise each compiles on first use)")  # fmt: skip
 
 
 def _check_serve(args: argparse.Namespace) -> None:

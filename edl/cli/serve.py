@@ -1,9 +1,6 @@
-"""``edl serve``: a model behind the OpenAI-compatible HTTP server (:mod:`edl.serve.server`).
-
-The engine is ``edl.serve.engine.Engine`` (continuous batching over paged KV caches), built
-as ``Engine(model, max_batch=..., max_model_len=...)``; that module is developed on its own
-branch, and the constructor call below is the one place to reconcile with it.
-"""
+"""``edl serve``: a model behind the OpenAI-compatible HTTP server (:mod:`edl.serve.server`),
+batched by ``edl.serve.engine.Engine`` (continuous batching over a paged KV cache) with the
+model's EOS ids; ``--warmup`` compiles the engine's step shapes before it listens."""
 
 from __future__ import annotations
 
@@ -37,6 +34,9 @@ def run_serve(args: argparse.Namespace) -> None:
 
     engine = Engine(model, max_batch=args.max_batch, max_model_len=max_model_len,
                     eos_token_ids=eos)  # fmt: skip
+    if args.warmup:
+        print(f"edl serve: compiling {len(engine.step_shapes())} step shapes", flush=True)
+        engine.warmup()
     app = create_app(engine, tokenizer, model_name=args.served_model_name or args.model,
                      max_model_len=max_model_len, stop_token_ids=eos)  # fmt: skip
     serve(app, host=args.host, port=args.port, drain_s=DRAIN_S)

@@ -40,9 +40,11 @@ donates the pools it is given, so the engine must own the only reference to them
 Pages: a request gets every page it can ever need (prompt + ``max_tokens``) when it is
 admitted, so a running request never waits for memory and nothing is ever preempted; they
 go back the moment it finishes or is aborted. With ``prefix_caching``, the whole prompt
-pages it shares with an earlier, still running request (same page-aligned token blocks,
+pages it shares with an earlier request (same page-aligned token blocks,
 ``edl.serve.pages``) are that request's pages, shared and reference-counted, and are not
-computed again (at least the prompt's last token always is, for the first logits).
+computed again (at least the prompt's last token always is, for the first logits); a
+finished request's prompt pages stay cached, counted as free, until a fresh page is
+needed (least recently released first), so a system prompt is computed once.
 
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
@@ -56,11 +58,10 @@ token that ends a request (``finish_reason="stop"``); stop *strings* are the ser
 (``edl.serve.server`` detokenizes, trims and aborts the request, which frees its pages).
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
-over-reserves when requests stop early); keeping a finished request's prefix pages cached
-for later requests (LRU, as vLLM does: here a prefix is shared only while some request
-holding it runs); logits processors beyond temperature / top-k / top-p, log-probs; sharding
-over a mesh. On GPU ``impl="auto"`` sends a prefill call to the Pallas paged *decode* kernel
-with ``width`` queries per row, untested there.
+over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
+chats reuse only their prompt's blocks); logits processors beyond temperature / top-k /
+top-p, log-probs; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
+Pallas paged *decode* kernel with ``width`` queries per row, untested there.
 """
 
 from __future__ import annotations

@@ -5,12 +5,18 @@ Pages are handed out lowest id first. A page holding a whole, computed block of
 including that block (vLLM's block hash: a chain over page-aligned token blocks, so equal
 hashes mean equal prefixes); a later request whose prompt starts with the same blocks takes
 those pages instead of computing them again (``match``), and every user holds a reference.
-A page returns to the free list, and leaves the prefix cache, when its last user lets go.
-Host state by nature (Python dicts and lists), never traced.
+
+When its last user lets go, a published page keeps its block and stays in the prefix cache,
+unused, until a fresh page is needed and no never-cached one is left: then the least
+recently released cached page is evicted and handed out (vLLM's evictor). So a system
+prompt shared by requests that never overlap in time is computed once; a cached page counts
+as free (``num_free``), and a page without a published block returns to the free list at
+once. Host state by nature (Python dicts and lists), never traced.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import heapq
 from collections.abc import Sequence
@@ -33,7 +39,7 @@ def block_hashes(tokens: Sequence[int], page_size: int) -> list[bytes]:
 
 class PagePool:
     """``num_pages`` pages: which are free, how many users each has, and the prefix cache
-    (block hash -> page)."""
+    (block hash -> page; unused cached pages in least recently released order)."""
 
     def __init__(self, num_pages: int):
         if num_pages < 1:
@@ -43,27 +49,42 @@ class PagePool:
         self._refs = np.zeros(num_pages, np.int64)
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        # Unused pages that still hold a published block, least recently released first.
+        self._unused_cached: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages ``allocate`` can hand out: never-cached ones and unused cached ones."""
+        return len(self._free) + len(self._unused_cached)
+
+    @property
+    def num_cached(self) -> int:
+        """Pages holding a published block (in use or not)."""
+        return len(self._hash_of)
 
     def allocate(self, count: int) -> list[int]:
-        """``count`` fresh pages with one user each (ValueError if fewer are free)."""
-        if count > len(self._free):
-            raise ValueError(f"PagePool: {count} pages wanted, {len(self._free)} free")
-        pages = [heapq.heappop(self._free) for _ in range(count)]
+        """``count`` fresh pages with one user each, never-cached ones first, then evicting
+        the least recently released cached ones (ValueError if fewer are free)."""
+        if count > self.num_free:
+            raise ValueError(f"PagePool: {count} pages wanted, {self.num_free} free")
+        pages = [heapq.heappop(self._free) for _ in range(min(count, len(self._free)))]
+        while len(pages) < count:
+            page, _ = self._unused_cached.popitem(last=False)
+            del self._by_hash[self._hash_of.pop(page)]
+            pages.append(page)
         self._refs[pages] = 1
         return pages
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The cached pages of the longest prefix of ``hashes``, each given one more user."""
+        """The cached pages of the longest prefix of ``hashes``, each given one more user
+        (an unused one leaves the eviction order)."""
         pages = []
         for h in hashes:
             page = self._by_hash.get(h)
             if page is None:
                 break
             pages.append(page)
+            self._unused_cached.pop(page, None)
         self._refs[pages] += 1
         return pages
 
@@ -77,16 +98,17 @@ class PagePool:
             self._hash_of[page] = block_hash
 
     def release(self, pages: Sequence[int]) -> None:
-        """Drop one user of each page; pages left with none are free again."""
+        """Drop one user of each page; a page left with none is free again, and keeps its
+        published block in the cache until it is evicted (module docstring)."""
         for page in pages:
             if self._refs[page] < 1:
                 raise ValueError(f"PagePool.release: page {page} is already free")
             self._refs[page] -= 1
             if self._refs[page] == 0:
-                block_hash = self._hash_of.pop(page, None)
-                if block_hash is not None:
-                    del self._by_hash[block_hash]
-                heapq.heappush(self._free, page)
+                if page in self._hash_of:
+                    self._unused_cached[page] = None
+                else:
+                    heapq.heappush(self._free, page)
 
     def users(self, page: int) -> int:
         return int(self._refs[page])

@@ -26,26 +26,14 @@ accepting, new requests on open connections get 503, the open requests get ``dra
 seconds to finish and are then aborted (their replies end with ``finish_reason: "abort"``,
 streams with ``[DONE]``), then the lifespan stops the engine thread.
 
-STATUS (branch serve-api; the next session continues it):
-  done: the routes above, plain and streamed (chat opens with the assistant role; usage
-    with ``stream_options.include_usage``); OpenAI's sampling fields (``max_tokens`` /
-    ``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``);
-    windowed incremental detokenization with stop strings (trim + abort); usage counts;
-    OpenAI error bodies (400 / 404 / 429 / 500 / 503); client disconnect -> abort (streams
-    and plain replies); engine failure -> 500 / error event, then 503; drain on SIGTERM
-    (:func:`serve`); ``edl serve`` (edl/cli/serve.py). Tests: tests/test_serve_api.py
-    (the ``openai`` client against a fake engine, tests/serve_fakes.py; slow: a real tiny
-    Llama behind the interface via ``edl.generate``, and the CLI's wiring).
-  missing: the real engine (``edl.serve.engine``, another branch); ``edl serve`` builds it
-    as ``Engine(model, max_batch=, max_model_len=)`` (edl/cli/serve.py, to reconcile) and
-    ``types.py`` must be the engine's own ``SamplingParams`` / ``RequestOutput`` /
-    ``QueueFull`` (one definition). Not implemented, rejected with a 400 naming the field:
-    ``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools, ``response_format``,
-    ``echo``, ``best_of``, ``suffix``, several prompts in one /v1/completions call. Also
-    missing: an API key, metrics (Prometheus), per-request timeouts, a queue in the
-    driver in front of ``QueueFull`` (now 429 at once), tokenization off the event loop
-    (chat templates of long conversations take milliseconds there), an end-to-end run of
-    ``edl serve`` with the real engine and a hub model.
+Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
+tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
+wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
+penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
+several prompts in one /v1/completions call. Also not done: an API key, metrics
+(Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
+once), tokenization off the event loop (chat templates of long conversations take
+milliseconds there).
 """
 
 from __future__ import annotations
