@@ -253,6 +253,17 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
     return step
 
 
+def _random_request(rng: np.random.Generator, prefix: list[int]):
+    """A 1-23 token prompt (half of them starting with ``prefix``) and settings that fit
+    GEOMETRY's 32 tokens, ending early at a stop id."""
+    n = int(rng.integers(1, 24))
+    prompt = (prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
+        else rng.integers(0, 64, n).tolist()  # fmt: skip
+    params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)), stop_token_ids=(5,),
+                            seed=0)  # fmt: skip
+    return prompt, params
+
+
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch, prefix_caching):
     rng = np.random.default_rng(0)
@@ -268,13 +279,8 @@ def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch,
     for _ in range(250):
         action = rng.random()
         if action < 0.3:
-            n = int(rng.integers(1, 24))
-            prompt = (shared_prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
-                else rng.integers(0, 64, n).tolist()  # fmt: skip
-            params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)),
-                                    stop_token_ids=(5,), seed=0)  # fmt: skip
             with contextlib.suppress(QueueFull):
-                live.add(engine.add_request(prompt, params))
+                live.add(engine.add_request(*_random_request(rng, shared_prefix)))
         elif action < 0.4 and live:
             engine.abort(int(rng.choice(sorted(live))))
         for out in engine.step():
@@ -294,6 +300,7 @@ def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch,
     assert (shared > 10) == prefix_caching
 
 
+@pytest.mark.slow  # ~2,000 requests, ~10,000 stubbed steps (~18 s)
 def test_thousands_of_requests_keep_the_page_invariant_and_never_stall(tiny_llama, monkeypatch):
     """2,000+ requests (shared prefixes, aborts, stop tokens) through a small pool: after
     every step the free pages plus the distinct pages running requests hold are the pool
@@ -305,13 +312,8 @@ def test_thousands_of_requests_keep_the_page_invariant_and_never_stall(tiny_llam
     prefix, live, added, idle = rng.integers(0, 64, 16).tolist(), set(), 0, 0
     while added < 2000:
         for _ in range(int(rng.integers(0, 3))):
-            n = int(rng.integers(1, 24))
-            prompt = (prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
-                else rng.integers(0, 64, n).tolist()  # fmt: skip
-            params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)),
-                                    stop_token_ids=(5,), seed=0)  # fmt: skip
             with contextlib.suppress(QueueFull):
-                live.add(engine.add_request(prompt, params))
+                live.add(engine.add_request(*_random_request(rng, prefix)))
                 added += 1
         if rng.random() < 0.05 and live:
             engine.abort(int(rng.choice(sorted(live))))
