@@ -17,9 +17,9 @@ decoding, and decoding rows never run at a prefill's width.
 
 Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
 requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
-narrowest holding its longest chunk; its page table is cut to a power of four pages (or
-``pages_per_seq``), the fewest holding its longest row after the step, and attention reads
-exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode: width 1;
+narrowest holding its longest chunk; its page table is cut to a power of four pages from 4
+(or ``pages_per_seq``), the fewest holding its longest row after the step, and attention
+reads exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode: width 1;
 prefill: ``rows * width <= prefill_tokens``): a busy engine never compiles after
 ``warmup()``, one request decodes at one row's cost instead of ``max_batch`` rows', and short
 sequences do not read a ``max_model_len`` cache.
@@ -175,7 +175,8 @@ class Engine:
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
         self.row_buckets = _buckets(max_batch, 1, 2)
         self.width_buckets = _buckets(prefill_chunk, min(16, prefill_chunk), 4)
-        self.page_buckets = _buckets(self.pages_per_seq, 1, 4)
+        # From 4 pages: reading a few unused pages costs less than compiling more shapes.
+        self.page_buckets = _buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
         cache = init_paged_cache(
