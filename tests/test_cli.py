@@ -61,6 +61,9 @@ def test_help_imports_no_jax():
         (["--model", "m", "--data", "d", "--quantize", "nf4"], "it needs --lora-rank"),
         (["--eval-data", "e.jsonl"], "--eval-data needs --data"),
         (["--format", "json"], "invalid choice: 'json' (choose from 'text', 'completion'"),
+        (["--trackers", "mlflow"], "--trackers: 'mlflow' is not one of tensorboard, wandb"),
+        (["--profile", "3"], "--profile must be START:COUNT"),
+        (["--profile", "0:2"], "--profile must be START:COUNT"),
     ],
 )
 def test_invalid_flags_fail_before_any_work_in_one_line(tmp_path, capsys, argv, message):
@@ -137,7 +140,8 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     )
     old = os.umask(0o022)
     try:
-        main(["train", "--config", str(config), "--steps", "4", "--save-every", "2"])
+        main(["train", "--config", str(config), "--steps", "4", "--save-every", "2",
+              "--trackers", "none", "--profile", "2:1"])  # fmt: skip
     finally:
         os.umask(old)
     captured = capsys.readouterr()
@@ -153,6 +157,7 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
         assert written.stat().st_mode & 0o777 == 0o644, written  # the umask, not 0o600
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("bits_per_byte" in m for m in lines)
+    assert not (run / "tensorboard").exists() and any((run / "profile").rglob("*.xplane.pb"))
 
     err = _fails(["train", "--config", str(config)], capsys, code=1)  # the run exists
     assert f"{run} holds an earlier run" in err and "--resume" in err and "--overwrite" in err

@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from edl.train.options import NAN_POLICIES, OPTIMIZERS, SCHEDULES
+from edl.train.options import NAN_POLICIES, OPTIMIZERS, SCHEDULES, TRACKERS
 
 __all__ = ["CommandError", "ConfigError", "TrainConfig", "check_option", "read_toml"]
 
@@ -122,6 +122,13 @@ class TrainConfig:
     save_every: int = _option(250, "checkpoint every this many steps (0: only at the end)", low=0.0)
     keep: int = _option(3, "checkpoints to keep", low=1.0)
     log_every: int = _option(1, "metrics.jsonl interval in steps", low=1.0)
+    trackers: str = _option(
+        "auto",
+        "where metrics and the config also go: a comma list of tensorboard, wandb (W&B's "
+        "WANDB_MODE / WANDB_PROJECT apply), or none; auto: tensorboard when installed",
+    )
+    profile: str = _option("", "START:COUNT: a jax.profiler trace of steps START to "
+                           "START+COUNT-1 into OUTPUT_DIR/profile (empty: none)")  # fmt: skip
     prompt: str = _option("def ", "prompt of the sample printed at the end")
     sample_tokens: int = _option(200, "bytes to sample at the end", low=1.0)
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
@@ -153,6 +160,7 @@ class TrainConfig:
         if self.eval_data and not self.data:
             raise ConfigError("--eval-data needs --data")
         self._check_method()
+        _ = self.tracker_names, self.profile_steps  # parsed here to check them early
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
@@ -186,6 +194,31 @@ class TrainConfig:
         if self.reference != "auto":
             return self.reference
         return "lora" if self.lora_rank else "model"
+
+    @property
+    def tracker_names(self) -> tuple[str, ...] | None:
+        """``trackers`` as ``edl.train.train`` takes it (``None``: its default)."""
+        if self.trackers == "auto":
+            return None
+        if self.trackers == "none":
+            return ()
+        names = tuple(n.strip() for n in self.trackers.split(","))
+        unknown = [n for n in names if n not in TRACKERS]
+        if unknown:
+            raise ConfigError(f"--trackers: {unknown[0]!r} is not one of {', '.join(TRACKERS)} "
+                              f"(or auto / none); got {self.trackers!r}")  # fmt: skip
+        return names
+
+    @property
+    def profile_steps(self) -> tuple[int, int] | None:
+        """``profile`` as ``(start, count)`` (``None``: no profile)."""
+        if not self.profile:
+            return None
+        start, sep, count = self.profile.partition(":")
+        if not (sep and start.isdigit() and count.isdigit() and int(start) and int(count)):
+            raise ConfigError(f"--profile must be START:COUNT, two ints >= 1 (e.g. 10:3), "
+                              f"got {self.profile!r}")  # fmt: skip
+        return int(start), int(count)
 
     @property
     def peak_learning_rate(self) -> float:

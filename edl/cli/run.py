@@ -95,5 +95,6 @@ def train_model(
         time_limit=config.time_limit or None, log_every=config.log_every,
         flops_per_token=flops_per_token(model.config, config.seq_len),
         peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
-        tokenizer=tokenizer, callbacks=callbacks,
+        tokenizer=tokenizer, callbacks=callbacks, trackers=config.tracker_names,
+        profile=config.profile_steps,
     )  # fmt: skip

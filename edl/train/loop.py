@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import jax
+
 from edl import module as edl_module
 from edl.state import TrainState
 from edl.train import run_dir
@@ -27,18 +29,20 @@ from edl.train.callbacks import (
     NonFiniteLossError,
     NonFinitePolicy,
     ParamNorm,
+    Profile,
     ProgressBar,
     RunReport,
     StopOnSignal,
     TensorBoardLog,
     Throughput,
     TimeLimit,
+    WandbLog,
 )
 from edl.train.callbacks.progress import console
 from edl.train.callbacks.run_report import summarize
 from edl.train.callbacks.tensorboard import tensorboard_available
 from edl.train.core import Callback, RunEnd, StepFn, run_loop
-from edl.train.options import NAN_POLICIES
+from edl.train.options import NAN_POLICIES, TRACKERS
 
 __all__ = ["NonFiniteLossError", "train"]
 
@@ -49,6 +53,7 @@ def _check_options(
     *, steps: int, nan_policy: str, eval_every: int, eval_batches: int, save_every: int,
     log_every: int, stats_every: int, keep: int | None, time_limit: float | None,
     max_consecutive_skips: int, has_eval: bool, has_output: bool, callbacks: Sequence[Any],
+    trackers: Sequence[str] | None, profile: tuple[int, int] | None,
 ) -> None:  # fmt: skip
     """Every option checked before any work, naming the option and what it allows."""
     if nan_policy not in NAN_POLICIES:
@@ -68,6 +73,21 @@ def _check_options(
         raise ValueError("train: eval_every > 0 needs eval_step and eval_data")
     if save_every and not has_output:
         raise ValueError("train: save_every > 0 needs an output_dir for the checkpoints")
+    if trackers is not None:
+        unknown = [t for t in trackers if t not in TRACKERS]
+        if isinstance(trackers, str) or unknown:
+            raise ValueError(f"train: trackers must be a sequence of {TRACKERS}, got {trackers!r}")
+        if trackers and not has_output:
+            raise ValueError("train: trackers write into the run directory: they need an "
+                             "output_dir")  # fmt: skip
+    if profile is not None:
+        if not has_output:
+            raise ValueError("train: profile writes its trace into output_dir/profile: it "
+                             "needs an output_dir")  # fmt: skip
+        ok = isinstance(profile, tuple) and len(profile) == 2
+        if not ok or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in profile):
+            raise ValueError(f"train: profile must be (start_step, count), ints >= 1, got "
+                             f"{profile!r}")  # fmt: skip
     bad = [c for c in callbacks if not isinstance(c, Callback)]
     if bad:
         raise TypeError(
@@ -107,6 +127,8 @@ def train(
     progress: bool = True,
     callbacks: Sequence[Callback] = (),
     tokenizer: Any = None,
+    trackers: Sequence[str] | None = None,
+    profile: tuple[int, int] | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run ``step_fn`` until ``state.step == steps``; returns ``(state, summary)``.
 
@@ -150,6 +172,16 @@ def train(
         tokenizer: written into every checkpoint when it has files (``edl.text.HFTokenizer``;
             the byte tokenizer has none), so each checkpoint is a model directory that
             transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load as is.
+        trackers: where metrics (and ``config``) also go, besides ``metrics.jsonl``:
+            ``"tensorboard"`` (``tensorboard/``, the ``tensorboard`` extra) and ``"wandb"``
+            (Weights & Biases, the ``wandb`` extra; ``WANDB_MODE=offline`` keeps it local,
+            ``WANDB_PROJECT`` names the project). ``None``: TensorBoard when installed.
+        profile: ``(start, count)``: a ``jax.profiler`` trace of steps ``start`` to
+            ``start + count - 1`` into ``output_dir/profile``.
+
+    In a multi-process run (``jax.distributed``) only process 0 writes ``metrics.jsonl``,
+    the trackers, ``run.md``, ``loss.png`` and the profile; every process keeps the
+    metrics history for its summary.
 
     The summary: ``start_step``, ``end_step``, ``stop_reason``, ``resumed_from``,
     ``compile_seconds``, ``seconds`` (the whole run), ``parameters``, ``first_loss`` /
@@ -161,7 +193,8 @@ def train(
         save_every=save_every, log_every=log_every, stats_every=stats_every, keep=keep,
         time_limit=time_limit, max_consecutive_skips=max_consecutive_skips,
         has_eval=eval_step is not None and eval_data is not None,
-        has_output=output_dir is not None, callbacks=callbacks,
+        has_output=output_dir is not None, callbacks=callbacks, trackers=trackers,
+        profile=profile,
     )  # fmt: skip
     echo = _echo(progress)
     out = None if output_dir is None else Path(output_dir)
@@ -175,7 +208,7 @@ def train(
         nan_policy=nan_policy, max_consecutive_skips=max_consecutive_skips,
         time_limit=time_limit, log_every=log_every, stats_every=stats_every,
         flops_per_token=flops_per_token, peak_flops=peak_flops, config=config,
-        progress=progress, tokenizer=tokenizer,
+        progress=progress, tokenizer=tokenizer, trackers=trackers, profile=profile,
     )  # fmt: skip
     state, end = run_loop(prepared.state, step_fn, data, steps=steps,
                           callbacks=[*standard, *callbacks], elapsed=prepared.elapsed)  # fmt: skip
@@ -189,17 +222,19 @@ def _standard_callbacks(
     max_consecutive_skips: int, time_limit: float | None, log_every: int, stats_every: int,
     flops_per_token: float | None, peak_flops: float | None,
     config: Mapping[str, Any] | None, progress: bool, tokenizer: Any = None,
+    trackers: Sequence[str] | None = None, profile: tuple[int, int] | None = None,
 ) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:  # fmt: skip
     """``train``'s callbacks, in the order they run, for its options (``out`` is the run
     directory, ``None`` for a run that writes nothing), and the function that turns the
     run's end into its summary."""
-    metrics_log = MetricsLog(None if out is None else out / run_dir.METRICS_FILE,
+    lead = out if jax.process_index() == 0 else None  # where process 0 alone writes
+    metrics_log = MetricsLog(None if lead is None else lead / run_dir.METRICS_FILE,
                              interval=log_every, history=prepared.history)  # fmt: skip
     checkpoints = None
     if out is not None:
         checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
                                  data=data, tokenizer=tokenizer, echo=echo)  # fmt: skip
-    plot = None if out is None else LossPlot(out / "loss.png", metrics_log)
+    plot = None if lead is None else LossPlot(lead / "loss.png", metrics_log)
     state = prepared.state
     parameters = edl_module.count_params(edl_module.merge(state.params, state.other))
 
@@ -216,8 +251,9 @@ def _standard_callbacks(
         Evaluate(eval_step, eval_data, every=eval_every, max_batches=eval_batches)
         if evaluates else None,
         metrics_log,
-        TensorBoardLog(out / "tensorboard", interval=log_every)
-        if out is not None and tensorboard_available() else None,
+        *_trackers(lead, trackers, log_every, config),
+        Profile(lead / "profile", *profile, echo=echo)
+        if lead is not None and profile is not None else None,
         NonFinitePolicy(nan_policy, max_consecutive_skips=max_consecutive_skips,
                         newest_checkpoint=checkpoints.newest if checkpoints else lambda: None),
         ProgressBar() if progress else None,
@@ -225,6 +261,25 @@ def _standard_callbacks(
         TimeLimit(time_limit, echo=echo) if time_limit is not None else None,
         StopOnSignal(echo=echo),
         plot,
-        RunReport(out / "run.md", summary, config=config) if out is not None else None,
+        RunReport(lead / "run.md", summary, config=config) if lead is not None else None,
     ]  # fmt: skip
     return [c for c in standard if c is not None], summary
+
+
+def _trackers(
+    lead: Path | None, names: Sequence[str] | None, interval: int,
+    config: Mapping[str, Any] | None,
+) -> list[Callback]:  # fmt: skip
+    """The trackers ``names`` chose (``None``: TensorBoard if installed), writing under the
+    run directory ``lead`` (``None``: this process writes nothing)."""
+    if lead is None:
+        return []
+    if names is None:
+        names = ("tensorboard",) if tensorboard_available() else ()
+    made: dict[str, Callable[[], Callback]] = {
+        "tensorboard": lambda: TensorBoardLog(
+            lead / "tensorboard", interval=interval, config=config
+        ),
+        "wandb": lambda: WandbLog(lead, interval=interval, config=config),
+    }
+    return [made[name]() for name in dict.fromkeys(names)]

@@ -1,7 +1,7 @@
 """The named choices of the training options, in a module that imports nothing (the ``edl``
 command lists them in ``--help`` without loading jax)."""
 
-__all__ = ["NAN_POLICIES", "OPTIMIZERS", "SCHEDULES"]
+__all__ = ["NAN_POLICIES", "OPTIMIZERS", "SCHEDULES", "TRACKERS"]
 
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 """``OptimizerConfig.name``: optax's ``adamw``, ``adafactor``, ``lion``, ``sgd``."""
@@ -9,3 +9,5 @@ SCHEDULES = ("cosine", "linear", "constant")
 """``OptimizerConfig.schedule``: the learning rate after warmup."""
 NAN_POLICIES = ("stop", "skip")
 """``train(nan_policy=...)``: raise at a non-finite step, or go on past skipped ones."""
+TRACKERS = ("tensorboard", "wandb")
+"""``train(trackers=...)``: where metrics go besides ``metrics.jsonl`` (always written)."""

@@ -1,13 +1,14 @@
 """A run's output directory: never mixing two runs, and resuming from the newest checkpoint
 that loads.
 
-A run directory holds ``metrics.jsonl``, ``checkpoints/``, ``run.md``, ``loss.png`` and
-``tensorboard/``. :func:`prepare` decides what a new call of ``edl.train.train`` does with
-what is there: refuse (an earlier run, neither ``resume`` nor ``overwrite``), delete it
-(``overwrite``), or continue it (``resume``): the newest checkpoint whose files are whole is
-loaded (newer, corrupt ones are moved aside as ``checkpoint-N.corrupt``, saying why), the data
-position restored, and ``metrics.jsonl`` cut back to the checkpoint's step, so the log holds
-one line per step whatever was killed when.
+A run directory holds ``metrics.jsonl``, ``checkpoints/``, ``run.md``, ``loss.png`` and,
+as chosen, ``tensorboard/``, ``wandb/`` and ``profile/``. :func:`prepare` decides what a
+new call of ``edl.train.train`` does with what is there: refuse (an earlier run, neither
+``resume`` nor ``overwrite``), delete it (``overwrite``), or continue it (``resume``): the
+newest checkpoint whose files are whole is loaded (newer, corrupt ones are moved aside as
+``checkpoint-N.corrupt``, saying why), the data position restored, and ``metrics.jsonl``
+cut back to the checkpoint's step, so the log holds one line per step whatever was killed
+when.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ __all__ = [
 ]
 
 CHECKPOINTS = "checkpoints"
-RUN_ARTEFACTS = (METRICS_FILE, CHECKPOINTS, "run.md", "loss.png", "tensorboard")
+RUN_ARTEFACTS = (METRICS_FILE, CHECKPOINTS, "run.md", "loss.png", "tensorboard", "wandb", "profile")
 """What a run writes into its directory (and ``overwrite`` deletes; nothing else is touched)."""
 
 

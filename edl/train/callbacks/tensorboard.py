@@ -4,7 +4,9 @@ extra, ``tensorboardX``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,14 +23,22 @@ def tensorboard_available() -> bool:
 
 class TensorBoardLog(Callback):
     """Every numeric metric as a scalar at the step, on the steps a ``MetricsLog`` with
-    the same ``interval`` writes, into ``directory`` (created on the first write)."""
+    the same ``interval`` writes, into ``directory`` (created on the first write); the
+    run's ``config``, when given, as the text ``config`` (JSON) with the first write."""
 
     every = 1
 
-    def __init__(self, directory: str | os.PathLike[str], *, interval: int = 1) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        interval: int = 1,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         if not tensorboard_available():
             raise ImportError("TensorBoardLog needs tensorboardX: pip install 'edl[tensorboard]'")
         self.directory, self.interval = Path(directory), interval
+        self.config = None if config is None else dict(config)
         self._writer: Any = None
 
     def on_step(self, info: StepInfo) -> None:
@@ -38,6 +48,9 @@ class TensorBoardLog(Callback):
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(self.directory))
+            if self.config is not None:
+                text = json.dumps(self.config, indent=2, default=str)
+                self._writer.add_text("config", f"```\n{text}\n```", info.step)
         for key, value in info.metrics.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 self._writer.add_scalar(key, value, info.step)
