@@ -7,7 +7,10 @@ coordinator (process 0 listens on ``--port``), see one global device list (every
 forced host devices) and train the same small Llama for ``--steps`` steps on each mesh in
 ``--mesh``, each process feeding only its own rows of the global batch. Cross-process CPU
 collectives are gloo over TCP (``jax_cpu_collectives_implementation``). Process 0 writes
-``{"losses": {"dp,fsdp,tp,sp": [loss per step]}}`` as JSON to ``--output``.
+``{"losses": {"dp,fsdp,tp,sp": [loss per step]}}`` as JSON to ``--output``. With
+``--checkpoint DIR`` every process then saves the last mesh's state there together
+(``edl.io.checkpoint.save_state``: each its own pieces, process 0 the metadata), and
+process 0 writes the same state all-gathered to ``DIR/gathered.safetensors``.
 
 By hand, two processes of four devices each (eight global devices), in two shells or
 backgrounded, from the repository root::
@@ -66,8 +69,9 @@ def setup():
     return edl.create_state(model, tx), make_train_step(loss_fn, tx, donate=False)
 
 
-def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int) -> list[float]:
-    """Losses of ``steps`` train steps on a mesh of ``dims``; ``ids`` are this process's rows."""
+def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int):
+    """``(losses, state)`` after ``steps`` train steps on a mesh of ``dims``; ``ids`` are this
+    process's rows."""
     from edl.models.llama import PARTITION_RULES
     from edl.sharding import gather, make_mesh, shard_batch, shard_state
 
@@ -81,7 +85,7 @@ def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int) -> list[fl
         for _ in range(steps):
             state, metrics = step(state, batch)
             losses.append(float(gather(metrics["loss"])))
-    return losses
+    return losses, state
 
 
 def main() -> None:
@@ -93,6 +97,7 @@ def main() -> None:
     parser.add_argument("--mesh", nargs="+", default=list(MESHES), help="e.g. 2,2,2,1")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch rows")
+    parser.add_argument("--checkpoint", default=None, help="save the last mesh's state here")
     args = parser.parse_args()
 
     # Before the backend starts (in initialize): CPU, 4 host devices unless told otherwise.
@@ -115,9 +120,21 @@ def main() -> None:
     losses = {}
     for spec in args.mesh:
         start = time.perf_counter()
-        losses[spec] = train_on_mesh(tuple(int(d) for d in spec.split(",")), local, args.steps)
+        losses[spec], state = train_on_mesh(tuple(int(d) for d in spec.split(",")), local,
+                                            args.steps)  # fmt: skip
         print(f"process {args.process_id}: mesh {spec} losses {losses[spec]} "
               f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+    if args.checkpoint:
+        from edl import tree
+        from edl.io.checkpoint import save_state
+        from edl.io.safetensors import save_file
+        from edl.sharding import gather_state
+
+        save_state(state, args.checkpoint, metadata={"steps": args.steps})
+        gathered = tree.flatten(gather_state(state))  # what was saved, whole, to compare
+        if args.process_id == 0:
+            save_file({k: v for k, v in gathered.items() if hasattr(v, "shape")},
+                      os.path.join(args.checkpoint, "gathered.safetensors"))  # fmt: skip
     if args.process_id == 0 and args.output:
         payload = {
             "losses": losses,

@@ -165,10 +165,9 @@ def _state(model_type, **overrides):
     return hf_model.config.to_dict(), hf_model.state_dict()
 
 
-@pytest.mark.parametrize(
-    "model_type",
-    ["gemma2", pytest.param("qwen3_moe", marks=pytest.mark.slow)],
-)
+# Slow: scan vs unrolled is checked by default on the Llama variants (test_models_llama).
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["gemma2", "qwen3_moe"])
 def test_scan_and_unrolled_agree(model_type):
     """Gemma 2 scans pairs of (sliding, global) layers plus a tail; Qwen3-MoE runs two stacks
     in schedule order. Unrolling must not change a number (remat over every kind of schedule

@@ -4,7 +4,9 @@ Two worker processes (tests/sharding_worker.py) of four forced host devices each
 ``jax.distributed.initialize`` into one eight-device system (gloo CPU collectives), shard a
 small Llama over meshes spanning both processes, each feed only their own half of the batch
 rows through ``shard_batch`` (``make_array_from_process_local_data``), and train 3 steps. The
-losses must equal those of the same model trained here on one device, without a mesh.
+losses must equal those of the same model trained here on one device, without a mesh. Then
+both save the last mesh's state as one checkpoint (each process its own pieces), which this
+single process loads onto one device and onto a mesh of its own eight devices.
 """
 
 import importlib.util
@@ -16,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,7 +55,7 @@ def _start_workers(tmp: Path) -> list[subprocess.Popen]:
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
                  str(NUM_PROCESSES), "--port", str(port), "--output", str(tmp / "losses.json"),
-                 "--steps", str(STEPS)],
+                 "--steps", str(STEPS), "--checkpoint", str(tmp / "checkpoints")],
                 env=env, stdout=out, stderr=err, text=True,
             ))  # fmt: skip
     return procs
@@ -83,15 +86,16 @@ def _finish_workers(procs: list[subprocess.Popen], tmp: Path) -> dict:
     return json.loads((tmp / "losses.json").read_text())
 
 
-def _reference_losses(worker) -> list[float]:
-    """The same model, optimizer and global batch on this process's first device."""
+def _reference(worker):
+    """``(losses, state)``: the same model, optimizer and global batch on this process's
+    first device."""
     state, step = worker.setup()
     batch = {"ids": jnp.asarray(worker.global_batch())}
     losses = []
     for _ in range(STEPS):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
-    return losses
+    return losses, state
 
 
 @pytest.mark.slow  # two coordinated jax processes, each compiling the whole step
@@ -99,7 +103,7 @@ def test_two_processes_match_single_device(tmp_path):
     worker = _worker_module()
     procs = _start_workers(tmp_path)
     try:
-        expected = _reference_losses(worker)  # while the workers compile
+        expected, reference = _reference(worker)  # while the workers compile
     finally:
         result = _finish_workers(procs, tmp_path)
     assert result["process_count"] == NUM_PROCESSES
@@ -109,3 +113,23 @@ def test_two_processes_match_single_device(tmp_path):
     assert set(result["losses"]) == set(worker.MESHES)
     for mesh, losses in result["losses"].items():
         np.testing.assert_allclose(losses, expected, rtol=1e-5, err_msg=f"mesh {mesh}")
+
+    # The two processes' checkpoint, onto one device and onto this process's 8 devices.
+    import edl
+    from edl.io.checkpoint import load_state, verify_checkpoint
+    from edl.io.safetensors import load_file
+    from edl.sharding import make_mesh, shard_state
+
+    checkpoint = tmp_path / "checkpoints" / f"checkpoint-{STEPS:08d}"
+    info = verify_checkpoint(checkpoint)
+    assert info["model_files"] == ["model.process-00000", "model.process-00001"]
+    like, _ = worker.setup()
+    saved = load_file(tmp_path / "checkpoints" / "gathered.safetensors")
+    for target in (like, shard_state(like, None, make_mesh((2, 4, 1, 1)))):
+        loaded, metadata = load_state(checkpoint, target)
+        assert metadata == {"steps": STEPS} and int(loaded.step) == STEPS
+        for path, got in edl.tree.flatten(loaded).items():
+            np.testing.assert_array_equal(np.asarray(got), saved[path], err_msg=path)
+    # And the two-process training itself stays close to one device's (float rounding).
+    for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(reference), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)

@@ -22,8 +22,17 @@ step first renames the old ``checkpoint-N`` to ``checkpoint-N.old``, which still
 step N's checkpoint until the new one is in place, so at every instant a complete checkpoint
 exists. :func:`verify_checkpoint` checks a checkpoint's files without loading them (a
 truncated or missing tensor file fails there). Everything is safetensors and JSON (no
-pickle). One process writes to a directory at a time, and arrays must be fully addressable
-from it (single host).
+pickle).
+
+With several processes (``jax.distributed``), or ``sharded=True``, the model and optimizer
+arrays are written as the pieces each process holds (``edl.io.sharded``: one file set per
+process and ``shards.json``), nothing gathered to one host. Every process calls
+``save_state`` with the same state and directory, on a filesystem they share; the
+temporary directory's name comes from process 0, and only after every process has
+written and fsync'd its pieces (a barrier) does process 0 write ``state.json`` and rename
+the directory, so a kill of any process during a save leaves the previous checkpoint the
+newest complete one. ``load_state`` reads such a checkpoint onto any mesh and any number
+of processes, each process reading only the blocks its devices hold.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ from jaxtyping import PyTree
 from edl import state as edl_state
 from edl import tree as edl_tree
 from edl.io import hf
+from edl.io import sharded as sharded_io
 from edl.io.checkpoint_dir import (
     _TMP,
     STATE_NAME,
@@ -101,7 +111,13 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
             raise CheckpointError(str(e)) from None
         raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
     prefixes = [*info.get("model_files", [_MODEL])]
-    prefixes += [_OPTIMIZER] if info.get("has_optimizer") else []
+    if info.get("has_optimizer"):
+        prefixes += info.get("optimizer_files", [_OPTIMIZER])
+    if info.get("model_format") == "sharded":
+        try:
+            read_json(path / sharded_io.INDEX_NAME, what="sharded checkpoint index")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
     for prefix in prefixes:
         with CheckpointReader(path, prefix=prefix):
             pass  # opening validates every header against its file's length
@@ -182,6 +198,7 @@ def save_state(
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = 3,
     tokenizer: Any = None,
+    sharded: bool | None = None,
 ) -> Path:
     """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
 
@@ -197,6 +214,9 @@ def save_state(
             stays); ``None`` keeps all.
         tokenizer: its files (``edl.text.HFTokenizer.save``; none for the byte tokenizer)
             are written into the checkpoint with the rest, so a checkpoint never lacks them.
+        sharded: write every array as the pieces the processes hold (module docstring)
+            instead of whole tensors (HF layout for registered families); ``None``: when
+            ``jax.process_count() > 1``, where whole tensors would need a gather.
 
     ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and, for a
     model with LoRA adapters or quantized layers, their settings (``"layers"``,
@@ -219,25 +239,92 @@ def save_state(
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_state: metadata is not JSON-serialisable: {e}") from e
 
+    processes = jax.process_count()
+    sharded = processes > 1 if sharded is None else sharded
+    if processes > 1 and not sharded:
+        raise ValueError(f"save_state: sharded=False needs one process; {processes} run")
+    lead = jax.process_index() == 0
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"checkpoint-{step:08d}"
-    tmp = root / f"{_TMP}{step:08d}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    tmp = root / f"{_TMP}{step:08d}-{_shared_token()}"
+    if lead:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _barrier(f"edl-save-{step}-begin")
     try:
-        info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
-        info["metadata"] = json.loads(meta_text)
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                fsync(file)
-        write_json_atomic(tmp / STATE_NAME, info)  # fsync'd; the checkpoint is now complete
-        fsync(tmp)
-        _replace_atomically(tmp, final)
+        if sharded:
+            info = _write_sharded(tmp, state, float_dtype, save_optimizer, tokenizer)
+            _fsync_files(tmp, f".process-{jax.process_index():05d}")
+            _barrier(f"edl-save-{step}-written")  # every process's pieces are on disk
+        else:
+            info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
+        if lead:
+            info["metadata"] = json.loads(meta_text)
+            _fsync_files(tmp, "")
+            write_json_atomic(tmp / STATE_NAME, info)  # fsync'd; the checkpoint is complete
+            fsync(tmp)
+            _replace_atomically(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _prune(root, final, keep)
+    if lead:
+        _prune(root, final, keep)
+    _barrier(f"edl-save-{step}-done")  # no process goes on before the checkpoint counts
     return final
+
+
+def _shared_token() -> str:
+    """A fresh hex token, process 0's in every process (the temporary directory's name)."""
+    token = np.frombuffer(uuid.uuid4().bytes[:6], np.uint8)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
+    return token.tobytes().hex()
+
+
+def _barrier(name: str) -> None:
+    """Wait until every process gets here (nothing to wait for in a single process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _fsync_files(directory: Path, marker: str) -> None:
+    """fsync the files under ``directory`` whose names contain ``marker``."""
+    for file in directory.rglob(f"*{marker}*" if marker else "*"):
+        if file.is_file():
+            fsync(file)
+
+
+def _write_sharded(
+    tmp: Path, state: TrainState, float_dtype: DTypeLike | None, save_optimizer: bool,
+    tokenizer: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Write this process's pieces (and, from process 0, ``shards.json`` and the tokenizer's
+    files) into ``tmp``; return ``state.json``'s fields but ``metadata``."""
+    model = edl_state.model(state)
+    sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, _arrays(model, "model"), float_dtype)}
+    has_optimizer = save_optimizer and state.opt_state is not None
+    if has_optimizer:
+        arrays = _arrays(state.opt_state, "opt_state")
+        sections[_OPTIMIZER] = sharded_io.write_pieces(tmp, _OPTIMIZER, arrays, None)
+    lead = jax.process_index() == 0
+    if lead:
+        sharded_io.write_index(tmp, sections)
+    prefixes = {kind: [f"{kind}.process-{p:05d}" for p in range(jax.process_count())]
+                for kind in (_MODEL, _OPTIMIZER)}  # fmt: skip
+    return {
+        "step": int(state.step), "format": FORMAT, "edl_version": _version(),
+        "model_format": "sharded", "has_optimizer": has_optimizer,
+        "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
+        "model_files": prefixes[_MODEL],
+        "optimizer_files": prefixes[_OPTIMIZER] if has_optimizer else [],
+        "layers": layer_structure(model),
+        "tokenizer_files": hf.save_tokenizer(tokenizer, tmp) if lead else [],
+    }  # fmt: skip
 
 
 def _write_contents(
@@ -364,6 +451,8 @@ def load_state(
             raise ValueError(f"load_state: checkpoint {e}") from None
     elif model_format == "tree":
         loaded = _read_tree(checkpoint, _MODEL, targets)
+    elif model_format == "sharded":
+        loaded = sharded_io.read_pieces(checkpoint, _MODEL, targets)
     else:
         raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
 
@@ -371,7 +460,8 @@ def load_state(
     if like.opt_state is not None:
         opt_targets = _targets(like.opt_state)
         if info.get("has_optimizer"):
-            opt_state = _fill(like.opt_state, _read_tree(checkpoint, _OPTIMIZER, opt_targets))
+            read = sharded_io.read_pieces if model_format == "sharded" else _read_tree
+            opt_state = _fill(like.opt_state, read(checkpoint, _OPTIMIZER, opt_targets))
         elif opt_targets and not allow_missing_optimizer:
             raise ValueError(
                 f"load_state: {checkpoint} has no optimizer state (saved with "
