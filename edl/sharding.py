@@ -58,6 +58,7 @@ __all__ = [
     "shard_state",
     "shard_with_shape",
     "state_shardings",
+    "sync_processes",
 ]
 
 
@@ -194,6 +195,16 @@ def _merge_arrays(arrays: PyTree, static: PyTree) -> PyTree:
     import equinox as eqx
 
     return eqx.combine(arrays, static)
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process of a multi-process run (``jax.distributed``) gets here;
+    ``name`` is the same in all of them and new for every crossing. Nothing to wait for in
+    a single process."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def shard_batch(batch: PyTree, mesh: Mesh, *, seq_axis: bool = False) -> PyTree:

@@ -133,6 +133,14 @@ class TrainConfig:
     sample_tokens: int = _option(200, "bytes to sample at the end", low=1.0)
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
     peak_flops: float = _option(1e11, "the machine's peak FLOP/s, for MFU", low=0.0)
+    mesh: str = _option("", "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest); "
+                        "empty: one device, or data parallel over all with several "
+                        "processes")  # fmt: skip
+    coordinator: str = _option("", "HOST:PORT of process 0, for a run of several processes "
+                               "(jax.distributed)")  # fmt: skip
+    num_processes: int = _option(1, "processes of the run (each on its own machine or "
+                                 "devices; all with the same options)", low=1.0)  # fmt: skip
+    process_id: int = _option(0, "this process's rank, 0 .. --num-processes - 1", low=0.0)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -160,7 +168,8 @@ class TrainConfig:
         if self.eval_data and not self.data:
             raise ConfigError("--eval-data needs --data")
         self._check_method()
-        _ = self.tracker_names, self.profile_steps  # parsed here to check them early
+        _ = self.tracker_names, self.profile_steps, self.mesh_dims  # parsed: checked early
+        self._check_processes()
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
@@ -194,6 +203,38 @@ class TrainConfig:
         if self.reference != "auto":
             return self.reference
         return "lora" if self.lora_rank else "model"
+
+    def _check_processes(self) -> None:
+        if self.process_id >= self.num_processes:
+            raise ConfigError(f"--process-id ({self.process_id}) must be below "
+                              f"--num-processes ({self.num_processes})")  # fmt: skip
+        if self.num_processes > 1:
+            host, _, port = self.coordinator.rpartition(":")
+            if not (host and port.isdigit()):
+                raise ConfigError(f"--num-processes {self.num_processes} needs --coordinator "
+                                  f"HOST:PORT (process 0's address), got "
+                                  f"{self.coordinator!r}")  # fmt: skip
+            if self.method != "sft":
+                raise ConfigError(f"--num-processes > 1 is for --method sft, not "
+                                  f"{self.method}")  # fmt: skip
+        elif self.coordinator:
+            raise ConfigError("--coordinator is for runs of several processes "
+                              "(--num-processes N)")  # fmt: skip
+
+    @property
+    def mesh_dims(self) -> tuple[int, ...] | None:
+        """``mesh`` as ``(dp, fsdp, tp, sp)`` sizes (``None``: no mesh asked for)."""
+        if not self.mesh:
+            return None
+        parts = self.mesh.split(",")
+        try:
+            dims = tuple(int(p) for p in parts)
+        except ValueError:
+            dims = ()
+        if len(dims) != 4 or any(d == 0 or d < -1 for d in dims) or dims.count(-1) > 1:
+            raise ConfigError(f"--mesh must be DP,FSDP,TP,SP: four sizes >= 1, one of them "
+                              f"may be -1, got {self.mesh!r}")  # fmt: skip
+        return dims
 
     @property
     def tracker_names(self) -> tuple[str, ...] | None:

@@ -7,6 +7,7 @@ import glob
 from pathlib import Path
 
 from edl.cli.config import CommandError, TrainConfig
+from edl.cli.distributed import process_split
 from edl.text import Source, Tokenizer, data_files, hf_dataset, load_tokenized
 from edl.train import TokenBatches
 
@@ -24,7 +25,8 @@ def source_of(spec: str) -> Source:
 
 def batches(config: TrainConfig, spec: str, tokenizer: Tokenizer, *, shuffle: bool) -> TokenBatches:
     """``config.batch_size`` rows of ``config.seq_len`` tokens from ``spec``'s records, read
-    as ``config.format``; shuffled and repeated for training, one ordered pass otherwise.
+    as ``config.format``; shuffled and repeated for training, one ordered pass otherwise;
+    with several processes, this process's rows of each batch.
     ``CommandError`` names ``spec`` when it cannot be read."""
     try:
         dataset = load_tokenized(source_of(spec), tokenizer, format=config.format)
@@ -34,4 +36,4 @@ def batches(config: TrainConfig, spec: str, tokenizer: Tokenizer, *, shuffle: bo
         raise CommandError(f"{spec}: no records")
     return TokenBatches(dataset, batch_size=config.batch_size, max_length=config.seq_len,
                         tokenizer=tokenizer, pack=config.packing, shuffle=shuffle,
-                        seed=config.seed, repeat=shuffle)  # fmt: skip
+                        seed=config.seed, repeat=shuffle, **process_split())  # fmt: skip

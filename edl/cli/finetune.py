@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import batches
+from edl.cli.distributed import is_lead
 from edl.cli.info import resolve_model
 from edl.cli.run import check_output_dir, train_model
 from edl.io.export import load_model
@@ -86,5 +87,6 @@ def run_finetune(config: TrainConfig) -> dict[str, Any]:
     if "eval_loss" in summary.get("final_eval", {}):
         out["eval_loss"] = summary["final_eval"]["eval_loss"]
     out["seconds"] = round(summary["seconds"], 1)
-    print(json.dumps(out))
+    if is_lead():
+        print(json.dumps(out))
     return summary

@@ -5,15 +5,19 @@ built from a ``TrainConfig``."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 import edl
 from edl.cli.config import CommandError, TrainConfig
+from edl.cli.distributed import GlobalBatches, mesh_of
 from edl.models import flops_per_token
+from edl.sharding import shard_batch
 from edl.state import TrainState
 from edl.train import (
     Callback,
@@ -82,17 +86,32 @@ def train_model(
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
     ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
     ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training).
-    Returns ``edl.train.train``'s ``(state, summary)``."""
+    With ``--mesh`` (or several processes) the state, batches and evaluation live on the
+    mesh (``edl.cli.distributed``). Returns ``edl.train.train``'s ``(state, summary)``."""
+    mesh = mesh_of(config)
     if step is None:
         tx, schedule = optimizer(config)
-        step = make_train_step(loss_fn, tx, schedule=schedule, **step_options(config))
+        step = make_train_step(loss_fn, tx, schedule=schedule, mesh=mesh,
+                               **step_options(config))  # fmt: skip
+    state = edl.create_state(model, tx, trainable=trainable)
+    if mesh is not None:
+        if not hasattr(step, "place"):
+            raise CommandError(f"--mesh is for --method sft, not {config.method}")
+        state = step.place(state)  # a resumed checkpoint is read straight onto the mesh
+        data = GlobalBatches(data, mesh)
+        eval_batches = [shard_batch(b, mesh) for b in eval_batches or ()] or None
+    several = jax.process_count() > 1
+    if several and config.time_limit:
+        print("edl train: --time-limit is off with several processes (each would stop at "
+              "its own step); size the run by --steps", file=sys.stderr)  # fmt: skip
     return train(
-        edl.create_state(model, tx, trainable=trainable), step, data, steps=config.steps,
-        eval_step=make_eval_step(loss_fn) if eval_batches else None, eval_data=eval_batches,
+        state, step, data, steps=config.steps,
+        eval_step=make_eval_step(loss_fn, mesh=mesh) if eval_batches else None,
+        eval_data=eval_batches,
         eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
         save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
         overwrite=config.overwrite, nan_policy=config.nan_policy,
-        time_limit=config.time_limit or None, log_every=config.log_every,
+        time_limit=None if several else config.time_limit or None, log_every=config.log_every,
         flops_per_token=flops_per_token(model.config, config.seq_len),
         peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
         tokenizer=tokenizer, callbacks=callbacks, trackers=config.tracker_names,

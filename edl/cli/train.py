@@ -11,9 +11,11 @@ import jax
 
 import edl
 from edl.cli.config import TrainConfig
+from edl.cli.distributed import is_lead, process_split, start
 from edl.cli.generate import sample
 from edl.cli.run import check_output_dir, train_model
 from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.sharding import gather_state
 from edl.train import (
     ByteTokenizer,
     Callback,
@@ -53,7 +55,9 @@ def _model(config: TrainConfig, tokenizer: ByteTokenizer) -> LlamaForCausalLM:
 
 def run_train(config: TrainConfig) -> dict[str, Any]:
     """Train as ``config`` says; print one JSON line of results and a sample; return the
-    loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``)."""
+    loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``). With several
+    processes every one runs this; process 0 prints."""
+    start(config)
     if config.method != "sft":
         from edl.cli.post import run_post_training
 
@@ -69,12 +73,16 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     print(f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
           f"{config.steps} steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
     state, summary = train_model(config, model, data, eval_batches, callbacks=[BitsPerByte()])
-    _report(summary)
-    text = tokenizer.decode(sample(edl.state.model(state), tokenizer.encode(config.prompt),
+    # Sampled on each host from the whole model (all-gathered from several processes).
+    trained = edl.state.model(state if jax.process_count() == 1 else gather_state(state))
+    text = tokenizer.decode(sample(trained, tokenizer.encode(config.prompt),
                                    config.sample_tokens, key=jax.random.key(config.seed),
                                    temperature=config.sample_temperature))  # fmt: skip
-    print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
-    print(text)
+    if is_lead():
+        _report(summary)
+        print(f"--- sample (temperature {config.sample_temperature}, prompt "
+              f"{config.prompt!r}) ---")  # fmt: skip
+        print(text)
     return summary
 
 
@@ -93,10 +101,10 @@ def _byte_data(
         train_docs, eval_docs = split_corpus(load_corpus(max_bytes=config.corpus_bytes))
         data = TokenBatches(train_docs, batch_size=config.batch_size,
                             max_length=config.seq_len, tokenizer=tokenizer,
-                            seed=config.seed)  # fmt: skip
+                            seed=config.seed, **process_split())  # fmt: skip
         held_out = TokenBatches(eval_docs, batch_size=config.batch_size,
                                 max_length=config.seq_len, tokenizer=tokenizer, shuffle=False,
-                                repeat=False)  # fmt: skip
+                                repeat=False, **process_split())  # fmt: skip
     if held_out is None:
         return data, None
     return data, [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]

@@ -74,6 +74,7 @@ from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, sa
 from edl.io.structure import layer_structure
 from edl.models import registry
 from edl.module import require_float_dtype
+from edl.sharding import sync_processes
 from edl.state import TrainState
 
 __all__ = [
@@ -250,12 +251,12 @@ def save_state(
     if lead:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-    _barrier(f"edl-save-{step}-begin")
+    sync_processes(f"edl-save-{step}-begin")
     try:
         if sharded:
             info = _write_sharded(tmp, state, float_dtype, save_optimizer, tokenizer)
             _fsync_files(tmp, f".process-{jax.process_index():05d}")
-            _barrier(f"edl-save-{step}-written")  # every process's pieces are on disk
+            sync_processes(f"edl-save-{step}-written")  # every process's pieces are on disk
         else:
             info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
         if lead:
@@ -270,7 +271,7 @@ def save_state(
         raise
     if lead:
         _prune(root, final, keep)
-    _barrier(f"edl-save-{step}-done")  # no process goes on before the checkpoint counts
+    sync_processes(f"edl-save-{step}-done")  # no process goes on before the checkpoint counts
     return final
 
 
@@ -282,14 +283,6 @@ def _shared_token() -> str:
 
         token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
     return token.tobytes().hex()
-
-
-def _barrier(name: str) -> None:
-    """Wait until every process gets here (nothing to wait for in a single process)."""
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _fsync_files(directory: Path, marker: str) -> None:

@@ -22,9 +22,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from edl.io.checkpoint import list_checkpoints, load_state, verify_checkpoint
 from edl.io.files import write_text_atomic
 from edl.io.safetensors import CheckpointError
+from edl.sharding import sync_processes
 from edl.state import TrainState
 from edl.train.callbacks.metrics_log import METRICS_FILE
 
@@ -76,9 +79,9 @@ def _remove_run(directory: Path, names: list[str]) -> None:
     shutil.rmtree(trash)
 
 
-def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
-    """The lines of ``metrics.jsonl`` with ``step <= upto``; the file is rewritten
-    (atomically) to hold exactly those."""
+def _read_history(path: Path, upto: int, *, rewrite: bool = True) -> list[dict[str, Any]]:
+    """The lines of ``metrics.jsonl`` with ``step <= upto``; with ``rewrite`` the file is
+    rewritten (atomically) to hold exactly those."""
     if not path.exists():
         return []
     kept, lines = [], []
@@ -96,7 +99,8 @@ def _read_history(path: Path, upto: int) -> list[dict[str, Any]]:
         if isinstance(step, int) and step <= upto:
             kept.append(record)
             lines.append(line)
-    write_text_atomic(path, "".join(f"{line}\n" for line in lines))
+    if rewrite:
+        write_text_atomic(path, "".join(f"{line}\n" for line in lines))
     return kept
 
 
@@ -162,23 +166,35 @@ def prepare(
 ) -> Prepared:
     """Get ``directory`` ready for a run starting from ``state`` (see the module docstring).
 
+    In a multi-process run every process calls it; process 0 alone changes the directory
+    (deletes, sets corrupt checkpoints aside, cuts ``metrics.jsonl``), the others wait
+    for it, then read the same checkpoint.
+
     Raises ``FileExistsError`` for an earlier run without ``resume`` or ``overwrite``,
     ``CheckpointError`` when checkpoints exist but none is whole, and ``ValueError`` when
     ``resume`` and ``overwrite`` are both set.
     """
     out = Path(directory)
     found = check(out, resume=resume, overwrite=overwrite)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in out.glob(f"{TRASH_PREFIX}*"):  # an earlier overwrite killed mid-delete
-        shutil.rmtree(stale)
-    if found and overwrite:
-        _remove_run(out, found)
-        echo(f"overwrite: deleted the earlier run in {out} ({', '.join(found)})")
+    lead = jax.process_index() == 0  # the one process that changes the directory
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob(f"{TRASH_PREFIX}*"):  # an earlier overwrite killed mid-delete
+            shutil.rmtree(stale)
+        if found and overwrite:
+            _remove_run(out, found)
+            echo(f"overwrite: deleted the earlier run in {out} ({', '.join(found)})")
     if not resume:
+        sync_processes("edl-run-dir-ready")
         return Prepared(state, [], 0.0, None)
-    checkpoint, info = _newest_loadable(out / CHECKPOINTS, echo)
+    if lead:
+        checkpoint, info = _newest_loadable(out / CHECKPOINTS, echo)
+    sync_processes("edl-run-dir-ready")  # corrupt checkpoints are set aside by now
+    if not lead:
+        checkpoint, info = _newest_loadable(out / CHECKPOINTS, echo)
     if checkpoint is None:
-        history = _read_history(out / METRICS_FILE, 0)  # a run killed before its first save
+        # A run killed before its first save.
+        history = _read_history(out / METRICS_FILE, 0, rewrite=lead)
         return Prepared(state, history, 0.0, None)
     state, meta = load_state(checkpoint, like=state)
     step = int(info["step"])
@@ -187,7 +203,7 @@ def prepare(
     elif not hasattr(data, "restore"):
         echo("resume: the data iterator has no position/restore, so it starts from its "
              "beginning (use TokenBatches for exact resumption)")  # fmt: skip
-    history = _read_history(out / METRICS_FILE, step)
+    history = _read_history(out / METRICS_FILE, step, rewrite=lead)
     elapsed = float(meta.get("elapsed", history[-1]["time"] if history else 0.0))
     echo(f"resuming from {checkpoint.name} (step {step})")
     return Prepared(state, history, elapsed, step)
