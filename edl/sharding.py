@@ -47,6 +47,7 @@ __all__ = [
     "BATCH",
     "Rules",
     "batch_spec",
+    "broadcast_text",
     "constrain",
     "fit_spec",
     "gather",
@@ -197,14 +198,43 @@ def _merge_arrays(arrays: PyTree, static: PyTree) -> PyTree:
     return eqx.combine(arrays, static)
 
 
-def sync_processes(name: str) -> None:
+def _coordination_client() -> Any:
+    """The ``jax.distributed`` client of this process (``None`` when not initialised).
+    jax exposes it only privately; orbax reaches it the same way."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def sync_processes(name: str, *, timeout_s: float = 1800.0) -> None:
     """Wait until every process of a multi-process run (``jax.distributed``) gets here;
-    ``name`` is the same in all of them and new for every crossing. Nothing to wait for in
-    a single process."""
-    if jax.process_count() > 1:
+    ``name`` is the same in all of them and new for every crossing. A barrier of the
+    coordination service, not a device computation, so a background thread may wait
+    while the main one runs collectives; raises after ``timeout_s`` (a process died).
+    Nothing to wait for in a single process."""
+    if jax.process_count() == 1:
+        return
+    client = _coordination_client()
+    if client is None:  # processes joined some other way: a device-level barrier
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+        return
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def broadcast_text(key: str, value: str, *, timeout_s: float = 1800.0) -> str:
+    """Process 0's ``value`` in every process, through the coordination service's key-value
+    store under ``key`` (new for every call); ``value`` in a single process."""
+    if jax.process_count() == 1:
+        return value
+    client = _coordination_client()
+    if client is None:
+        raise RuntimeError("broadcast_text: jax.distributed is not initialised")
+    if jax.process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    return client.blocking_key_value_get(key, int(timeout_s * 1000))
 
 
 def shard_batch(batch: PyTree, mesh: Mesh, *, seq_axis: bool = False) -> PyTree:

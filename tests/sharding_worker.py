@@ -88,6 +88,26 @@ def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int):
     return losses, state
 
 
+def _die_in_save(state, args) -> None:
+    """Save ``state`` as the next step; process 1 dies right after writing its pieces (before
+    the barrier that lets process 0 complete the checkpoint)."""
+    import edl.io.sharded
+    from edl import state as edl_state
+    from edl.io.checkpoint import save_state
+
+    if args.process_id == 1:
+        real = edl.io.sharded.save_tensors
+
+        def write_then_die(*a, **kw):
+            real(*a, **kw)
+            print("process 1: pieces written, dying", flush=True)
+            os._exit(9)
+
+        edl.io.sharded.save_tensors = write_then_die
+    save_state(edl_state.replace(state, step=state.step + 1), args.checkpoint)
+    raise AssertionError("the save completed although process 1 died in it")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--process-id", type=int, required=True)
@@ -98,6 +118,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch rows")
     parser.add_argument("--checkpoint", default=None, help="save the last mesh's state here")
+    parser.add_argument("--die-in-second-save", action="store_true",
+                        help="then save as the next step, process 1 exiting (9) once its "
+                             "pieces are written")  # fmt: skip
     args = parser.parse_args()
 
     # Before the backend starts (in initialize): CPU, 4 host devices unless told otherwise.
@@ -135,6 +158,8 @@ def main() -> None:
         if args.process_id == 0:
             save_file({k: v for k, v in gathered.items() if hasattr(v, "shape")},
                       os.path.join(args.checkpoint, "gathered.safetensors"))  # fmt: skip
+        if args.die_in_second_save:
+            _die_in_save(state, args)
     if args.process_id == 0 and args.output:
         payload = {
             "losses": losses,

@@ -40,7 +40,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_workers(tmp: Path) -> list[subprocess.Popen]:
+def _start_workers(tmp: Path, extra=()) -> list[subprocess.Popen]:
     """The workers, logging to files (pipes could fill and stall one while we wait on the
     other, which would stall both at their next collective)."""
     env = {
@@ -55,7 +55,7 @@ def _start_workers(tmp: Path) -> list[subprocess.Popen]:
             procs.append(subprocess.Popen(
                 [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
                  str(NUM_PROCESSES), "--port", str(port), "--output", str(tmp / "losses.json"),
-                 "--steps", str(STEPS), "--checkpoint", str(tmp / "checkpoints")],
+                 "--steps", str(STEPS), "--checkpoint", str(tmp / "checkpoints"), *extra],
                 env=env, stdout=out, stderr=err, text=True,
             ))  # fmt: skip
     return procs
@@ -133,3 +133,29 @@ def test_two_processes_match_single_device(tmp_path):
     # And the two-process training itself stays close to one device's (float rounding).
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(reference), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.slow  # two coordinated jax processes
+def test_a_process_killed_during_a_save_leaves_the_previous_checkpoint_newest(tmp_path):
+    """Process 1 dies once its pieces of step 4's checkpoint are written, before the barrier;
+    process 0, waiting there, is killed too. Step 3's checkpoint stays the newest complete
+    one and loads; step 4's pieces lie in a temporary directory, never renamed."""
+    from edl.io.checkpoint import latest_checkpoint, list_checkpoints, load_state
+
+    procs = _start_workers(tmp_path, ["--mesh", "1,8,1,1", "--die-in-second-save"])
+    try:
+        assert procs[1].wait(timeout=TIMEOUT_S) == 9, (tmp_path / "worker1.err").read_text()
+        time.sleep(2)  # process 0 waits at the barrier (or has failed on the lost peer)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    checkpoints = tmp_path / "checkpoints"
+    assert latest_checkpoint(checkpoints).name == f"checkpoint-{STEPS:08d}"
+    assert [p.name for p in list_checkpoints(checkpoints)] == [f"checkpoint-{STEPS:08d}"]
+    leftovers = list(checkpoints.glob(f".tmp-checkpoint-{STEPS + 1:08d}-*"))
+    assert len(leftovers) == 1 and any(leftovers[0].glob("model.process-00001*"))
+    worker = _worker_module()
+    loaded, _ = load_state(checkpoints, worker.setup()[0])
+    assert int(loaded.step) == STEPS

@@ -121,6 +121,8 @@ class TrainConfig:
     eval_batches: int = _option(4, "batches per held-out evaluation", low=1.0)
     save_every: int = _option(250, "checkpoint every this many steps (0: only at the end)", low=0.0)
     keep: int = _option(3, "checkpoints to keep", low=1.0)
+    save_async: bool = _option(False, "write checkpoints in the background while training goes "
+                               "on (one at a time)")  # fmt: skip
     log_every: int = _option(1, "metrics.jsonl interval in steps", low=1.0)
     trackers: str = _option(
         "auto",

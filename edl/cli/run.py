@@ -115,5 +115,5 @@ def train_model(
         flops_per_token=flops_per_token(model.config, config.seq_len),
         peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
         tokenizer=tokenizer, callbacks=callbacks, trackers=config.tracker_names,
-        profile=config.profile_steps,
+        profile=config.profile_steps, save_async=config.save_async,
     )  # fmt: skip

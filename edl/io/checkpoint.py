@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import itertools
 import json
 import logging
 import os
@@ -74,7 +75,7 @@ from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, sa
 from edl.io.structure import layer_structure
 from edl.models import registry
 from edl.module import require_float_dtype
-from edl.sharding import sync_processes
+from edl.sharding import broadcast_text, sync_processes
 from edl.state import TrainState
 
 __all__ = [
@@ -247,16 +248,17 @@ def save_state(
     lead = jax.process_index() == 0
     root = Path(directory)
     final = root / f"checkpoint-{step:08d}"
-    tmp = root / f"{_TMP}{step:08d}-{_shared_token()}"
+    token = _shared_token(step)
+    tmp = root / f"{_TMP}{step:08d}-{token}"
     if lead:
         root.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
-    sync_processes(f"edl-save-{step}-begin")
+    sync_processes(f"edl-save-{token}-begin")
     try:
         if sharded:
             info = _write_sharded(tmp, state, float_dtype, save_optimizer, tokenizer)
             _fsync_files(tmp, f".process-{jax.process_index():05d}")
-            sync_processes(f"edl-save-{step}-written")  # every process's pieces are on disk
+            sync_processes(f"edl-save-{token}-written")  # every process's pieces are on disk
         else:
             info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
         if lead:
@@ -271,18 +273,16 @@ def save_state(
         raise
     if lead:
         _prune(root, final, keep)
-    sync_processes(f"edl-save-{step}-done")  # no process goes on before the checkpoint counts
+    sync_processes(f"edl-save-{token}-done")  # no process goes on before the checkpoint counts
     return final
 
 
-def _shared_token() -> str:
-    """A fresh hex token, process 0's in every process (the temporary directory's name)."""
-    token = np.frombuffer(uuid.uuid4().bytes[:6], np.uint8)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+_saves = itertools.count()  # every process saves as often as the others: same numbers
 
-        token = np.asarray(multihost_utils.broadcast_one_to_all(token), np.uint8)
-    return token.tobytes().hex()
+
+def _shared_token(step: int) -> str:
+    """A fresh hex token, process 0's in every process (the temporary directory's name)."""
+    return broadcast_text(f"edl/save/{next(_saves)}/{step}", uuid.uuid4().hex[:12])
 
 
 def _fsync_files(directory: Path, marker: str) -> None:

@@ -129,6 +129,7 @@ def train(
     tokenizer: Any = None,
     trackers: Sequence[str] | None = None,
     profile: tuple[int, int] | None = None,
+    save_async: bool = False,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run ``step_fn`` until ``state.step == steps``; returns ``(state, summary)``.
 
@@ -178,6 +179,9 @@ def train(
             ``WANDB_PROJECT`` names the project). ``None``: TensorBoard when installed.
         profile: ``(start, count)``: a ``jax.profiler`` trace of steps ``start`` to
             ``start + count - 1`` into ``output_dir/profile``.
+        save_async: write checkpoints in a background thread while the steps go on (one
+            at a time, from a copy of the state on its devices; ``Checkpoint``'s
+            ``asynchronous``); the run returns once the last one is on disk.
 
     In a multi-process run (``jax.distributed``) only process 0 writes ``metrics.jsonl``,
     the trackers, ``run.md``, ``loss.png`` and the profile; every process keeps the
@@ -209,6 +213,7 @@ def train(
         time_limit=time_limit, log_every=log_every, stats_every=stats_every,
         flops_per_token=flops_per_token, peak_flops=peak_flops, config=config,
         progress=progress, tokenizer=tokenizer, trackers=trackers, profile=profile,
+        save_async=save_async,
     )  # fmt: skip
     state, end = run_loop(prepared.state, step_fn, data, steps=steps,
                           callbacks=[*standard, *callbacks], elapsed=prepared.elapsed)  # fmt: skip
@@ -223,6 +228,7 @@ def _standard_callbacks(
     flops_per_token: float | None, peak_flops: float | None,
     config: Mapping[str, Any] | None, progress: bool, tokenizer: Any = None,
     trackers: Sequence[str] | None = None, profile: tuple[int, int] | None = None,
+    save_async: bool = False,
 ) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:  # fmt: skip
     """``train``'s callbacks, in the order they run, for its options (``out`` is the run
     directory, ``None`` for a run that writes nothing), and the function that turns the
@@ -233,7 +239,8 @@ def _standard_callbacks(
     checkpoints = None
     if out is not None:
         checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
-                                 data=data, tokenizer=tokenizer, echo=echo)  # fmt: skip
+                                 data=data, tokenizer=tokenizer, echo=echo,
+                                 asynchronous=save_async)  # fmt: skip
     plot = None if lead is None else LossPlot(lead / "loss.png", metrics_log)
     state = prepared.state
     parameters = edl_module.count_params(edl_module.merge(state.params, state.other))

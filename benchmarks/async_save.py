@@ -1,0 +1,97 @@
+"""Step time while a checkpoint is written in the background (``train(save_async=True)``).
+
+A byte-level Llama's train step (AdamW, donating) runs in rounds: a checkpoint save is
+started through ``edl.train.callbacks.Checkpoint(asynchronous=True)`` and the steps that
+run until its writer thread finishes are timed ("during a save"); then as many steps with no
+save in flight ("no save"). Also timed: what the loop itself waits to start a background save
+(the on-device copy of the state), and a synchronous ``save_state`` of the same state, which
+an ordinary save would stall the loop for.
+
+    python -m benchmarks.async_save [--quick] [--rounds 5] [--hidden 512] [--layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import edl
+from benchmarks._common import table, write_json
+from edl.io.checkpoint import save_state
+from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.train import make_train_step
+from edl.train.callbacks import Checkpoint
+
+
+def _setup(hidden: int, layers: int, batch: int, seq: int):
+    config = LlamaConfig(vocab_size=259, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
+                         num_key_value_heads=max(1, hidden // 128))  # fmt: skip
+    model = LlamaForCausalLM.init(config, key=jax.random.key(0))
+    tx = optax.adamw(1e-4)
+    step = make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx)
+    ids = np.random.default_rng(0).integers(3, 259, (batch, seq), dtype=np.int32)
+    return edl.create_state(model, tx), step, {"ids": jnp.asarray(ids)}
+
+
+def _timed_step(step, state, batch):
+    start = time.perf_counter()
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    return state, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.rounds = 128, 2, 2
+    state, step, batch = _setup(args.hidden, args.layers, args.batch, args.seq)
+    for _ in range(3):  # compile and warm up
+        state, _ = _timed_step(step, state, batch)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
+    during, idle, starts, syncs = [], [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        saver = Checkpoint(f"{tmp}/async", keep=1, asynchronous=True, echo=lambda _: None)
+        for _ in range(args.rounds):
+            begin = time.perf_counter()
+            saver._save(state, int(state.step), 0.0)  # what the loop waits for
+            starts.append(time.perf_counter() - begin)
+            steps = 0
+            while saver._writer is not None and saver._writer.is_alive():
+                state, seconds = _timed_step(step, state, batch)
+                during.append(seconds)
+                steps += 1
+            saver.wait()
+            for _ in range(max(steps, 3)):
+                state, seconds = _timed_step(step, state, batch)
+                idle.append(seconds)
+            begin = time.perf_counter()
+            save_state(state, f"{tmp}/sync", keep=1)
+            syncs.append(time.perf_counter() - begin)
+    ms = lambda xs: 1e3 * statistics.median(xs)
+    row = {"state_mb": state_bytes / 2**20, "step_ms_no_save": ms(idle),
+           "step_ms_during_save": ms(during), "ratio": ms(during) / ms(idle),
+           "steps_during_saves": len(during), "async_start_ms": ms(starts),
+           "sync_save_ms": ms(syncs)}  # fmt: skip
+    print(table(list(row), [list(row.values())]))
+    path = write_json("async_save", [row], hidden=args.hidden, layers=args.layers,
+                      batch=args.batch, seq=args.seq, rounds=args.rounds)  # fmt: skip
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
