@@ -9,8 +9,9 @@ forced host devices) and train the same small Llama for ``--steps`` steps on eac
 collectives are gloo over TCP (``jax_cpu_collectives_implementation``). Process 0 writes
 ``{"losses": {"dp,fsdp,tp,sp": [loss per step]}}`` as JSON to ``--output``. With
 ``--checkpoint DIR`` every process then saves the last mesh's state there together
-(``edl.io.checkpoint.save_state``: each its own pieces, process 0 the metadata), and
-process 0 writes the same state all-gathered to ``DIR/gathered.safetensors``.
+(``edl.io.checkpoint.save_state``: each its own pieces, process 0 the metadata),
+process 0 writes the same state all-gathered to ``DIR/gathered.safetensors``, and all
+stream the model out as a Hugging Face directory ``DIR/hf`` (``save_pretrained``).
 
 By hand, two processes of four devices each (eight global devices), in two shells or
 backgrounded, from the repository root::
@@ -158,6 +159,11 @@ def main() -> None:
         if args.process_id == 0:
             save_file({k: v for k, v in gathered.items() if hasattr(v, "shape")},
                       os.path.join(args.checkpoint, "gathered.safetensors"))  # fmt: skip
+        from edl import state as edl_state
+        from edl.io.hf import save_pretrained
+
+        # Every process streams the sharded model out with process 0, tensor by tensor.
+        save_pretrained(edl_state.model(state), os.path.join(args.checkpoint, "hf"))
         if args.die_in_second_save:
             _die_in_save(state, args)
     if args.process_id == 0 and args.output:

@@ -6,7 +6,8 @@ embedded byte-level job on a mesh spanning both, checkpointing every 10 steps in
 sharded checkpoint. Killed with SIGKILL (both) after a checkpoint and resumed, the
 per-step losses equal an uninterrupted two-process run's exactly; one process of eight
 devices gives the same losses to 1e-4; the two processes' checkpoint resumes in one
-process of eight devices and in one process of one device.
+process of eight devices and in one process of one device, and ``edl info`` / ``edl
+export`` read it.
 """
 
 import contextlib
@@ -20,6 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+import edl
+from edl.cli import main
 
 STEPS, SAVE_EVERY, TIMEOUT_S = 40, 10, 300
 TINY = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
@@ -79,7 +83,7 @@ def _losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path):
+def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path, capsys):
     two = dict(processes=2, devices=4, extra=["--mesh", "1,-1,1,1"])
     expected = _run(tmp_path / "whole", steps=STEPS, **two)
     assert sorted(expected) == list(range(1, STEPS + 1))
@@ -114,3 +118,10 @@ def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path):
         more = _run(run, steps=steps, processes=1, devices=devices, extra=[*extra, "--resume"])
         assert sorted(more) == list(range(1, steps + 1))
         assert {s: more[s] for s in expected} == expected
+
+    # The two-process run's sharded checkpoint: summarised, and exported as one HF model.
+    main(["info", str(tmp_path / "whole")])
+    assert "sharded over 2 process(es)" in capsys.readouterr().out
+    main(["export", str(tmp_path / "whole"), str(tmp_path / "exported")])
+    exported = edl.from_pretrained(tmp_path / "exported")
+    assert edl.count_params(exported) > 0

@@ -12,6 +12,8 @@ from test_io_checkpoint import LLAMA, _assert_same, _trained
 
 import edl
 from edl.io.checkpoint import load_state, save_state, verify_checkpoint
+from edl.io.export import export_model
+from edl.io.hf import save_pretrained
 from edl.io.safetensors import CheckpointError, load_file
 from edl.models import LlamaForCausalLM
 from edl.sharding import make_mesh, shard_state
@@ -75,3 +77,22 @@ def test_damaged_pieces_and_mismatched_targets_are_named(tmp_path):
     file.write_bytes(file.read_bytes()[:-10])
     with pytest.raises(CheckpointError, match=r"optimizer\.process-00000\.safetensors"):
         verify_checkpoint(path)
+
+
+def test_a_sharded_checkpoint_exports_as_save_pretrained_writes_it(tmp_path):
+    """``export_model`` streams a sharded checkpoint into HF files, tensor by tensor: the
+    same tensors, names and config as ``save_pretrained`` of the model itself."""
+    state = _state((2, 4, 1, 1))
+    checkpoint = save_state(state, tmp_path / "run", sharded=True)
+    assert json.loads((checkpoint / "config.json").read_text())["architectures"] == [
+        "LlamaForCausalLM"
+    ]
+    out = export_model(checkpoint, tmp_path / "export", dtype="bfloat16")
+    expected = save_pretrained(edl.state.model(state), tmp_path / "direct", dtype="bfloat16")
+    got, want = load_file(out / "model.safetensors"), load_file(expected / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (expected / "config.json").read_text()
+    )

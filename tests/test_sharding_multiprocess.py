@@ -130,6 +130,11 @@ def test_two_processes_match_single_device(tmp_path):
         assert metadata == {"steps": STEPS} and int(loaded.step) == STEPS
         for path, got in edl.tree.flatten(loaded).items():
             np.testing.assert_array_equal(np.asarray(got), saved[path], err_msg=path)
+    # The model streamed out of both processes by save_pretrained: the same weights.
+    exported = edl.from_pretrained(tmp_path / "checkpoints" / "hf")
+    for path, got in edl.tree.flatten(exported).items():
+        if hasattr(got, "shape"):
+            np.testing.assert_array_equal(np.asarray(got), saved[f"params.{path}"], err_msg=path)
     # And the two-process training itself stays close to one device's (float rounding).
     for got, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(reference), strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-3, atol=1e-5)

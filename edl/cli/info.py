@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from edl.io.checkpoint import STATE_NAME, list_checkpoints, verify_checkpoint
 from edl.io.files import read_json
 from edl.io.hf import CONFIG_NAME
 from edl.io.safetensors import CheckpointError
+from edl.io.sharded import INDEX_NAME as SHARDS_INDEX
 
 __all__ = ["resolve_model", "run_info"]
 
@@ -51,4 +53,22 @@ def run_info(path: Path) -> None:
         print(f"{_checkpoints_dir(path)}: {len(found)} checkpoint(s); newest {found[-1].name}")
         info = read_json(found[-1] / STATE_NAME, what="checkpoint state")
         print(json.dumps({k: v for k, v in info.items() if k != "metadata"}, indent=2))
-    print(edl.summary(load_model(resolve_model(path))))
+    model_dir = resolve_model(path)
+    if (model_dir / SHARDS_INDEX).is_file():
+        print(_sharded_summary(model_dir))
+        return
+    print(edl.summary(load_model(model_dir)))
+
+
+def _sharded_summary(checkpoint: Path) -> str:
+    """A sharded checkpoint's model in one line, from its index (no tensor is read)."""
+    index = read_json(checkpoint / SHARDS_INDEX, what="sharded checkpoint index")
+    shapes = [entry["shape"] for entry in index["model"].values()]
+    count = sum(math.prod(shape) for shape in shapes)
+    architecture = "a pytree"
+    if (checkpoint / CONFIG_NAME).is_file():
+        config = read_json(checkpoint / CONFIG_NAME, what="model config")
+        architecture = config.get("architectures", ["a model"])[0]
+    return (f"{architecture}: {count:,} parameters in {len(shapes)} arrays, sharded over "
+            f"{index['process_count']} process(es) (edl export writes it as one HF "
+            f"model)")  # fmt: skip

@@ -307,6 +307,10 @@ def _write_sharded(
     lead = jax.process_index() == 0
     if lead:
         sharded_io.write_index(tmp, sections)
+        if _is_hf(model):  # the architecture, for tools that rebuild or export the model
+            floats = {v["dtype"] for v in sections[_MODEL].values()
+                      if jnp.issubdtype(np.dtype(v["dtype"]), jnp.floating)}  # fmt: skip
+            hf.write_config(model, tmp, floats.pop() if len(floats) == 1 else None)
     prefixes = {kind: [f"{kind}.process-{p:05d}" for p in range(jax.process_count())]
                 for kind in (_MODEL, _OPTIMIZER)}  # fmt: skip
     return {

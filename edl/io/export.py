@@ -33,6 +33,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from edl import lora as edl_lora
 from edl import quantize as edl_quantize
@@ -42,6 +43,8 @@ from edl.io.files import fsync, read_json, write_json_atomic
 from edl.io.hf import ADAPTER_CONFIG
 from edl.io.model_files import read_model_files, write_model_files
 from edl.io.peft import ADAPTER_WEIGHTS, load_adapter
+from edl.io.safetensors import LazyTensor, save_tensors
+from edl.io.sharded import StoredArrays
 from edl.io.structure import rebuild
 from edl.models import registry
 from edl.module import require_float_dtype
@@ -72,6 +75,10 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     weights (quantization codes and scales keep theirs)."""
     directory = Path(path)
     info = _checkpoint_info(directory) if directory.is_dir() else None
+    if info is not None and info.get("model_format") == "sharded":
+        raise ValueError(f"load_model: {directory} is a sharded checkpoint (one file set per "
+                         f"process): edl export streams it into a Hugging Face directory, "
+                         f"edl.io.checkpoint.load_state reads it onto a mesh")  # fmt: skip
     if info is None or not info.get("layers"):
         model = hf.from_pretrained(path, dtype=dtype)
         if directory.is_dir() and (directory / ADAPTER_CONFIG).is_file():
@@ -132,6 +139,47 @@ def _write_export(model: Any, tmp: Path, out: Path, *, merge_lora: bool, dtype: 
     return ADAPTER_WEIGHTS in parts
 
 
+def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtype: Any) -> bool:
+    """A sharded checkpoint's model as HF files in ``tmp``, one tensor at a time (a stacked
+    array one layer at a time), read from the processes' pieces: the whole model is never
+    in memory. Plain registered models only (LoRA / quantized layers: resume the run in one
+    process and export its checkpoint). Returns False (no adapter)."""
+    if info.get("layers"):
+        raise ValueError(f"export: {source} is a sharded checkpoint of a model with LoRA or "
+                         f"quantized layers, which export does not stream yet; resume the "
+                         f"run in one process and export its checkpoint")  # fmt: skip
+    _, config, model_cls = registry.resolve(hf.load_config(source))
+    abstract = eqx.filter_eval_shape(lambda: model_cls.init(config, key=jax.random.key(0)))
+    table = registry.family_of(abstract)[0].key_table_for(config)
+    with StoredArrays(source, "model") as stored:
+        tensors = {}
+        for path, entry in stored.arrays.items():
+            shape, depth = tuple(entry["shape"]), table.stack_depth(path)
+            stored_dtype = np.dtype(entry["dtype"])
+            cast = dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating)
+            want = np.dtype(dtype) if cast else stored_dtype
+
+            def load(index: tuple[int, ...], path: str = path, shape: tuple = shape,
+                     want: np.dtype = want) -> np.ndarray:  # fmt: skip
+                rest = shape[len(index) :]
+                block = stored.block(path, (*index, *(0,) * len(rest)),
+                                     (*(1,) * len(index), *rest))  # fmt: skip
+                stored.done()  # one block in memory at a time
+                return block.reshape(rest).astype(want, copy=False)
+
+            for index in np.ndindex(*shape[:depth]):
+                index = tuple(int(i) for i in index)
+                tensors[table.to_hf(path, index or None)] = LazyTensor(
+                    shape[depth:], want, lambda index=index, load=load: load(index)
+                )
+        save_tensors(tensors, tmp, metadata={"format": "pt"})
+    floats = {t.dtype.name for t in tensors.values() if jnp.issubdtype(t.dtype, jnp.floating)}
+    hf.write_config(abstract, tmp, floats.pop() if len(floats) == 1 else None)
+    if (source / hf.GENERATION_CONFIG_NAME).is_file():
+        shutil.copy2(source / hf.GENERATION_CONFIG_NAME, tmp / hf.GENERATION_CONFIG_NAME)
+    return False
+
+
 def export_model(
     source: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -154,12 +202,17 @@ def export_model(
         require_float_dtype(dtype, "export_model: dtype")
     source, out = Path(source), Path(out_dir)
     _check_target(out)
-    model = load_model(source)
+    info = _checkpoint_info(source) if source.is_dir() else None
+    sharded = info is not None and info.get("model_format") == "sharded"
+    model = None if sharded else load_model(source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
-        adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
+        if sharded:
+            adapter = _write_sharded_export(source, info, tmp, dtype=dtype)
+        else:
+            adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
         for file in _tokenizer_files(source):
             shutil.copy2(file, tmp / file.name)
         info = _checkpoint_info(source)

@@ -325,7 +325,7 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
 
         def load(index: tuple[int, ...], leaf: Any = leaf, cast: Any = cast) -> np.ndarray:
             x = leaf[index] if index else leaf
-            return np.asarray(x if cast is None else x.astype(cast))
+            return _on_host(x if cast is None else x.astype(cast))
 
         depth = table.stack_depth(path)
         for index in np.ndindex(*leaf.shape[:depth]):
@@ -334,6 +334,16 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
                 tuple(leaf.shape[depth:]), out_dtype, lambda index=index, load=load: load(index)
             )
     return out
+
+
+def _on_host(x: Any) -> np.ndarray:
+    """``x`` as one host array; an array spread over several processes is all-gathered (a
+    collective: every process asks for the same tensors in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def _stored_dtype_name(tensors: Mapping[str, LazyTensor]) -> str | None:
@@ -359,24 +369,37 @@ def save_pretrained(
     has any (anything with ``save(directory)``, such as ``edl.text.HFTokenizer``; the byte
     tokenizer has none), so ``AutoTokenizer.from_pretrained(directory)`` reads it. Each file
     is written atomically.
+
+    A model spread over several processes streams out one tensor at a time: every process
+    calls ``save_pretrained`` (same model, same directory), each tensor is all-gathered in
+    turn, and process 0 writes it; no host ever holds more than one tensor of the model.
     """
     if dtype is not None:
         require_float_dtype(dtype, "save_pretrained: dtype")
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = export_state_dict(model, dtype=dtype)
-    config = model.config.to_hf(architectures=[registry.architecture(model)])
-    stored = _stored_dtype_name(tensors)
-    if stored is not None:
-        config["torch_dtype"] = config["dtype"] = stored  # transformers 4 / 5 spellings
+    if jax.process_index() != 0:  # gather each tensor with process 0, which writes it
+        for tensor in tensors.values():
+            tensor.load()
+        return directory
     save_tensors(tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"})
-    write_json_atomic(directory / CONFIG_NAME, config)
+    write_config(model, directory, _stored_dtype_name(tensors))
+    save_tokenizer(tokenizer, directory)
+    return directory
+
+
+def write_config(model: Any, directory: str | os.PathLike[str], stored_dtype: str | None) -> None:
+    """``model``'s ``config.json`` (``stored_dtype``: the weights' one floating dtype, as
+    ``torch_dtype``) and, when it has one, ``generation_config.json`` into ``directory``."""
+    config = model.config.to_hf(architectures=[registry.architecture(model)])
+    if stored_dtype is not None:
+        config["torch_dtype"] = config["dtype"] = stored_dtype  # transformers 4 / 5 spellings
+    write_json_atomic(Path(directory) / CONFIG_NAME, config)
     generation = getattr(model, "generation_config", ())
     if generation:
         values = {k: json.loads(v) for k, v in generation}
-        write_json_atomic(directory / GENERATION_CONFIG_NAME, values)
-    save_tokenizer(tokenizer, directory)
-    return directory
+        write_json_atomic(Path(directory) / GENERATION_CONFIG_NAME, values)
 
 
 def save_tokenizer(tokenizer: Any, directory: str | os.PathLike[str]) -> list[str]:

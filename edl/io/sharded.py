@@ -36,6 +36,7 @@ from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, sa
 __all__ = [
     "INDEX_NAME",
     "Piece",
+    "StoredArrays",
     "file_prefixes",
     "pieces",
     "read_pieces",
@@ -128,8 +129,10 @@ def file_prefixes(checkpoint: Path, kind: str) -> list[str]:
     return [_file_prefix(kind, p) for p in range(int(index["process_count"]))]
 
 
-class _Stored:
-    """The pieces of one section, readable by tensor name across the processes' files."""
+class StoredArrays:
+    """The arrays of one section (``kind``) of a sharded checkpoint, read block by block
+    across the processes' files (a context manager: closes the files). ``arrays`` is the
+    section of ``shards.json``: path -> shape, dtype, pieces."""
 
     def __init__(self, checkpoint: Path, kind: str) -> None:
         index = read_json(checkpoint / INDEX_NAME, what="sharded checkpoint index")
@@ -153,6 +156,18 @@ class _Stored:
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
+
+    def __enter__(self) -> StoredArrays:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def block(self, path: str, start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        """The stored array ``path``'s block of ``shape`` at ``start``, in its stored dtype."""
+        out = np.empty(shape, np.dtype(self.arrays[path]["dtype"]))
+        self.fill(path, start, out)
+        return out
 
     def fill(self, path: str, start: tuple[int, ...], out: np.ndarray) -> None:
         """``out`` = the stored array ``path``'s block beginning at ``start``."""
@@ -196,7 +211,7 @@ def read_pieces(checkpoint: Path, kind: str, targets: Mapping[str, Any]) -> dict
     """``kind``'s arrays placed as ``targets`` (array-likes: shape, dtype and, where they have
     one, sharding): each process reads only the blocks its own devices need, whatever mesh
     and process count wrote them. Checked against ``targets`` before any data is read."""
-    stored = _Stored(checkpoint, kind)
+    stored = StoredArrays(checkpoint, kind)
     try:
         _check_targets(f"checkpoint {checkpoint} ({kind})", stored.arrays, targets)
         out = {}
