@@ -1,13 +1,14 @@
 """Step time while a checkpoint is written in the background (``train(save_async=True)``).
 
-A byte-level Llama's train step (AdamW, donating) runs in rounds: a checkpoint save is
-started through ``edl.train.callbacks.Checkpoint(asynchronous=True)`` and the steps that
-run until its writer thread finishes are timed ("during a save"); then as many steps with no
-save in flight ("no save"). Also timed: what the loop itself waits to start a background save
-(the on-device copy of the state), and a synchronous ``save_state`` of the same state, which
-an ordinary save would stall the loop for.
+A byte-level Llama's train step (AdamW, donating) runs in rounds. In each round, for each
+``--shares`` value in turn, a checkpoint save is started through
+``edl.train.callbacks.Checkpoint(asynchronous=True, write_share=share)`` and the steps that
+run until its writer thread finishes are timed ("during a save"); then as many steps with
+no save in flight ("no save"). Also timed: what the loop itself waits to start a background
+save (the on-device copy of the state), and a synchronous ``save_state`` of the same state,
+which an ordinary save would stall the loop for.
 
-    python -m benchmarks.async_save [--quick] [--rounds 5] [--hidden 512] [--layers 8]
+    python -m benchmarks.async_save [--quick] [--rounds 5] [--shares 1.0 0.25] [--hidden 512]
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.25])
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
     args = parser.parse_args()
     if args.quick:
@@ -63,32 +65,40 @@ def main() -> None:
     for _ in range(3):  # compile and warm up
         state, _ = _timed_step(step, state, batch)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-    during, idle, starts, syncs = [], [], [], []
+    during = {share: [] for share in args.shares}
+    idle, starts, syncs = [], {share: [] for share in args.shares}, []
     with tempfile.TemporaryDirectory() as tmp:
-        saver = Checkpoint(f"{tmp}/async", keep=1, asynchronous=True, echo=lambda _: None)
+        savers = {share: Checkpoint(f"{tmp}/async-{share}", keep=1, asynchronous=True,
+                                    write_share=share, echo=lambda _: None)
+                  for share in args.shares}  # fmt: skip
         for _ in range(args.rounds):
-            begin = time.perf_counter()
-            saver._save(state, int(state.step), 0.0)  # what the loop waits for
-            starts.append(time.perf_counter() - begin)
-            steps = 0
-            while saver._writer is not None and saver._writer.is_alive():
-                state, seconds = _timed_step(step, state, batch)
-                during.append(seconds)
-                steps += 1
-            saver.wait()
-            for _ in range(max(steps, 3)):
-                state, seconds = _timed_step(step, state, batch)
-                idle.append(seconds)
+            for share, saver in savers.items():
+                begin = time.perf_counter()
+                saver._save(state, int(state.step), 0.0)  # what the loop waits for
+                starts[share].append(time.perf_counter() - begin)
+                steps = 0
+                while saver._writer is not None and saver._writer.is_alive():
+                    state, seconds = _timed_step(step, state, batch)
+                    during[share].append(seconds)
+                    steps += 1
+                saver.wait()
+                for _ in range(max(steps, 3)):
+                    state, seconds = _timed_step(step, state, batch)
+                    idle.append(seconds)
             begin = time.perf_counter()
             save_state(state, f"{tmp}/sync", keep=1)
             syncs.append(time.perf_counter() - begin)
-    ms = lambda xs: 1e3 * statistics.median(xs)
-    row = {"state_mb": state_bytes / 2**20, "step_ms_no_save": ms(idle),
-           "step_ms_during_save": ms(during), "ratio": ms(during) / ms(idle),
-           "steps_during_saves": len(during), "async_start_ms": ms(starts),
-           "sync_save_ms": ms(syncs)}  # fmt: skip
-    print(table(list(row), [list(row.values())]))
-    path = write_json("async_save", [row], hidden=args.hidden, layers=args.layers,
+
+    def ms(xs: list[float]) -> float:
+        return 1e3 * statistics.median(xs)
+
+    rows = [{"write_share": share, "state_mb": state_bytes / 2**20,
+             "step_ms_no_save": ms(idle), "step_ms_during_save": ms(during[share]),
+             "ratio": ms(during[share]) / ms(idle), "steps_during_saves": len(during[share]),
+             "async_start_ms": ms(starts[share]), "sync_save_ms": ms(syncs)}
+            for share in args.shares]  # fmt: skip
+    print(table(list(rows[0]), [list(r.values()) for r in rows]))
+    path = write_json("async_save", rows, hidden=args.hidden, layers=args.layers,
                       batch=args.batch, seq=args.seq, rounds=args.rounds)  # fmt: skip
     print(f"wrote {path}")
 

@@ -58,3 +58,8 @@ def test_a_failed_background_save_fails_the_run(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         _run(tmp_path, steps=6, save_every=2, save_async=True)
     assert (tmp_path / "checkpoints" / "checkpoint-00000002" / "state.json").exists()
+
+
+def test_write_share_is_checked(tmp_path):
+    with pytest.raises(ValueError, match=r"write_share must be in \(0, 1\], got 0\.0"):
+        checkpoint_module.Checkpoint(tmp_path, asynchronous=True, write_share=0.0)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -24,7 +26,9 @@ from typing import IO, Any
 __all__ = [
     "atomic_file",
     "read_json",
+    "write_chunked",
     "write_json_atomic",
+    "write_share",
     "write_text_atomic",
 ]
 
@@ -106,3 +110,38 @@ def _json_type(value: Any) -> str:
     if type(value) in names:
         return names[type(value)]
     return f"the number {value!r}" if isinstance(value, int | float) else type(value).__name__
+
+
+_pacing = threading.local()
+WRITE_CHUNK = 8 * 2**20  # bytes per write call when pacing
+
+
+@contextlib.contextmanager
+def write_share(share: float) -> Iterator[None]:
+    """Within the block, this thread's large writes (``write_chunked``: the safetensors
+    writer's tensor data) take at most ``share`` of its wall time: after each chunk it
+    sleeps ``1 / share - 1`` times as long as the chunk took. A background checkpoint so
+    leaves the cores and memory bandwidth to the training step most of the time, at the
+    price of taking ``1 / share`` times as long (``benchmarks/RESULTS.md``, "train:
+    checkpoints written in the background")."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"write_share: share must be in (0, 1], got {share!r}")
+    previous = getattr(_pacing, "share", 1.0)
+    _pacing.share = share
+    try:
+        yield
+    finally:
+        _pacing.share = previous
+
+
+def write_chunked(f: IO[bytes], data: memoryview) -> None:
+    """``f.write(data)``, paced by the calling thread's ``write_share``."""
+    share = getattr(_pacing, "share", 1.0)
+    if share >= 1.0:
+        f.write(data)
+        return
+    data = data.cast("B")
+    for start in range(0, len(data), WRITE_CHUNK):
+        began = time.perf_counter()
+        f.write(data[start : start + WRITE_CHUNK])
+        time.sleep((time.perf_counter() - began) * (1.0 / share - 1.0))

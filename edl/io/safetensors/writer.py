@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from edl.io.files import atomic_file
+from edl.io.files import atomic_file, write_chunked
 from edl.io.safetensors.format import (
     _CODES,
     CheckpointError,
@@ -99,7 +99,7 @@ def _write_safetensors(path: Path, planned: Sequence[_Planned], metadata: dict[s
         for p in planned:
             arr = _materialise(p, path)
             if arr.size:
-                f.write(memoryview(_byte_view(arr)))
+                write_chunked(f, memoryview(_byte_view(arr)))
             del arr
 
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from edl.io.checkpoint import latest_checkpoint, save_state
+from edl.io.files import write_share
 from edl.train.core import Callback, RunEnd, StepInfo
 
 __all__ = ["Checkpoint"]
@@ -40,8 +41,11 @@ class Checkpoint(Callback):
     state on its devices (the next step donates the state's buffers) and a background thread
     writes that copy (device to host one tensor at a time, as ``save_state`` always does):
     one save at a time (the next waits for the previous), at most one extra copy of the
-    state, and the run's end waits for the last save. A failed background save raises at
-    the next save or at the end. A kill during a save leaves the previous checkpoint the
+    state, and the run's end waits for the last save. The writer runs at the lowest CPU
+    priority and writes tensor data for at most ``write_share`` of its time (sleeping in
+    between, ``edl.io.files.write_share``), so the steps it overlaps barely slow down; a
+    save then takes about ``1 / write_share`` times as long. A failed background save
+    raises at the next save or at the end. A kill during a save leaves the previous checkpoint the
     newest complete one, as for a synchronous save."""
 
     _copy = staticmethod(jax.jit(lambda tree: jax.tree.map(jnp.copy, tree)))
@@ -56,10 +60,13 @@ class Checkpoint(Callback):
         tokenizer: Any = None,
         echo: Callable[[str], None] = print,
         asynchronous: bool = False,
+        write_share: float = 0.25,
     ) -> None:
         self.directory, self.every, self.keep = Path(directory), every, keep
         self.data, self.tokenizer, self.echo = data, tokenizer, echo
-        self.asynchronous = asynchronous
+        if not 0.0 < write_share <= 1.0:
+            raise ValueError(f"Checkpoint: write_share must be in (0, 1], got {write_share!r}")
+        self.asynchronous, self.write_share = asynchronous, write_share
         self._saved_step: int | None = None
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -92,7 +99,8 @@ class Checkpoint(Callback):
     def _write_in_background(self, state: Any, step: int, metadata: dict[str, Any]) -> None:
         _lower_priority()
         try:
-            self._write(state, step, metadata)
+            with write_share(self.write_share):
+                self._write(state, step, metadata)
         except BaseException as e:  # handed to the loop's thread by wait()
             self._error = e
 
