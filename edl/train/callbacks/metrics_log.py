@@ -11,7 +11,7 @@ from typing import IO, Any
 
 from edl.train.core import Callback, StepInfo
 
-__all__ = ["METRICS_FILE", "MetricsLog", "logged"]
+__all__ = ["METRICS_FILE", "MetricsLog", "logged", "scalars"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -26,6 +26,12 @@ def logged(info: StepInfo, interval: int) -> bool:
         or bool(metrics.get("skipped"))
         or any(k.startswith("eval_") for k in metrics)
     )
+
+
+def scalars(metrics: Mapping[str, Any]) -> dict[str, int | float]:
+    """The numeric scalar metrics (what trackers plot), booleans left out."""
+    return {k: v for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
 
 
 class MetricsLog(Callback):

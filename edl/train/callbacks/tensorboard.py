@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edl.train.callbacks.metrics_log import logged
+from edl.train.callbacks.metrics_log import logged, scalars
 from edl.train.core import Callback, StepInfo
 
 __all__ = ["TensorBoardLog", "tensorboard_available"]
@@ -51,9 +51,8 @@ class TensorBoardLog(Callback):
             if self.config is not None:
                 text = json.dumps(self.config, indent=2, default=str)
                 self._writer.add_text("config", f"```\n{text}\n```", info.step)
-        for key, value in info.metrics.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                self._writer.add_scalar(key, value, info.step)
+        for key, value in scalars(info.metrics).items():
+            self._writer.add_scalar(key, value, info.step)
         self._writer.flush()
 
     def close(self) -> None:

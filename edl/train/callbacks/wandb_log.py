@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from edl.io.files import write_text_atomic
-from edl.train.callbacks.metrics_log import logged
+from edl.train.callbacks.metrics_log import logged, scalars
 from edl.train.core import Callback, RunStart, StepInfo
 
 __all__ = ["WandbLog", "wandb_available"]
@@ -48,9 +48,10 @@ def _run_id(directory: Path) -> str:
 
 class WandbLog(Callback):
     """Every numeric metric at its step, on the steps a ``MetricsLog`` with the same
-    ``interval`` writes, and ``config`` as the W&B run's config; the run's files under
-    ``directory``. A resumed run logs again from its checkpoint's step: W&B keeps the
-    first value it got for a step it has seen (it warns and drops the repeat)."""
+    ``interval`` writes, and ``config`` as the W&B run's config; W&B writes its files under
+    ``directory/wandb/`` (``directory``: the edl run directory). A resumed run logs again
+    from its checkpoint's step: W&B keeps the first value it got for a step it has seen (it
+    warns and drops the repeat)."""
 
     every = 1
 
@@ -78,9 +79,7 @@ class WandbLog(Callback):
     def on_step(self, info: StepInfo) -> None:
         if self._run is None or not logged(info, self.interval):
             return
-        scalars = {k: v for k, v in info.metrics.items()
-                   if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
-        self._run.log(scalars, step=info.step)
+        self._run.log(scalars(info.metrics), step=info.step)
 
     def close(self) -> None:
         if self._run is not None:
