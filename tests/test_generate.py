@@ -447,7 +447,10 @@ def test_paged_cache_runs_out_of_pages_loudly():
 
 
 # On CPU "auto" is the XLA form; the Pallas paged kernel is checked in test_kernels_paged.
-@pytest.mark.parametrize("impl", ["auto", pytest.param("pallas", marks=pytest.mark.slow)])
+# Slow: by default the serving engine's paged steps are checked against edl.generate's
+# contiguous cache (test_serve_engine); this one adds sliding windows and sampling.
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["auto", "pallas"])
 def test_paged_generation_equals_contiguous(impl):
     model = _tiny_model(layer_windows=(None, 4), attention_impl=impl)
     ids, mask = _prompts()
