@@ -219,8 +219,11 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == CHATML
 
 
-# The plain-float LoRA base is the quantized case's path without the dequantization: slow.
-@pytest.mark.parametrize("quantized", [pytest.param(False, marks=pytest.mark.slow), True])
+# Slow (both): a LoRA run's export reaching transformers is checked by default through the
+# CLI (test_cli_export_of_a_lora_run_loads_in_transformers); these add PEFT's adapter layout
+# and a quantized base.
+@pytest.mark.slow
+@pytest.mark.parametrize("quantized", [False, True])
 def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     peft = pytest.importorskip("peft")
     model = _lora_model(tokenizer.vocab_size, quantized)
