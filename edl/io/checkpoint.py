@@ -245,9 +245,23 @@ def save_state(
     sharded = processes > 1 if sharded is None else sharded
     if processes > 1 and not sharded:
         raise ValueError(f"save_state: sharded=False needs one process; {processes} run")
-    lead = jax.process_index() == 0
     root = Path(directory)
     final = root / f"checkpoint-{step:08d}"
+    _write_and_commit(root, final, state, json.loads(meta_text), sharded=sharded, keep=keep,
+                      float_dtype=float_dtype, save_optimizer=save_optimizer,
+                      tokenizer=tokenizer)  # fmt: skip
+    return final
+
+
+def _write_and_commit(
+    root: Path, final: Path, state: TrainState, metadata: Any, *, sharded: bool,
+    keep: int | None, float_dtype: DTypeLike | None, save_optimizer: bool, tokenizer: Any,
+) -> None:  # fmt: skip
+    """Every process writes its files into one temporary directory; once all have (a
+    barrier), process 0 writes ``state.json``, renames the directory to ``final`` and
+    prunes; a last barrier holds every process until the checkpoint counts."""
+    step = int(state.step)
+    lead = jax.process_index() == 0
     token = _shared_token(step)
     tmp = root / f"{_TMP}{step:08d}-{token}"
     if lead:
@@ -257,12 +271,12 @@ def save_state(
     try:
         if sharded:
             info = _write_sharded(tmp, state, float_dtype, save_optimizer, tokenizer)
-            _fsync_files(tmp, f".process-{jax.process_index():05d}")
+            _fsync_files(tmp, sharded_io.file_prefix("", jax.process_index()))
             sync_processes(f"edl-save-{token}-written")  # every process's pieces are on disk
         else:
             info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
         if lead:
-            info["metadata"] = json.loads(meta_text)
+            info["metadata"] = metadata
             _fsync_files(tmp, "")
             write_json_atomic(tmp / STATE_NAME, info)  # fsync'd; the checkpoint is complete
             fsync(tmp)
@@ -274,7 +288,6 @@ def save_state(
     if lead:
         _prune(root, final, keep)
     sync_processes(f"edl-save-{token}-done")  # no process goes on before the checkpoint counts
-    return final
 
 
 _saves = itertools.count()  # every process saves as often as the others: same numbers
@@ -311,7 +324,7 @@ def _write_sharded(
             floats = {v["dtype"] for v in sections[_MODEL].values()
                       if jnp.issubdtype(np.dtype(v["dtype"]), jnp.floating)}  # fmt: skip
             hf.write_config(model, tmp, floats.pop() if len(floats) == 1 else None)
-    prefixes = {kind: [f"{kind}.process-{p:05d}" for p in range(jax.process_count())]
+    prefixes = {kind: [sharded_io.file_prefix(kind, p) for p in range(jax.process_count())]
                 for kind in (_MODEL, _OPTIMIZER)}  # fmt: skip
     return {
         "step": int(state.step), "format": FORMAT, "edl_version": _version(),

@@ -37,7 +37,7 @@ __all__ = [
     "INDEX_NAME",
     "Piece",
     "StoredArrays",
-    "file_prefixes",
+    "file_prefix",
     "pieces",
     "read_pieces",
     "write_index",
@@ -79,7 +79,8 @@ def pieces(x: Any) -> list[tuple[Piece, Any]]:
     return [(Piece(d.process_index, *region), d) for region, d in sorted(by_region.items())]
 
 
-def _file_prefix(kind: str, process: int) -> str:
+def file_prefix(kind: str, process: int) -> str:
+    """The file-name stem of process ``process``'s pieces of ``kind``."""
     return f"{kind}.process-{process:05d}"
 
 
@@ -113,7 +114,7 @@ def write_pieces(
             tensors[piece.tensor_name(path)] = LazyTensor(
                 tuple(b - a for a, b in zip(piece.start, piece.stop, strict=True)), want, load
             )
-    save_tensors(tensors, directory, prefix=_file_prefix(kind, me))
+    save_tensors(tensors, directory, prefix=file_prefix(kind, me))
     return index
 
 
@@ -121,12 +122,6 @@ def write_index(directory: Path, sections: Mapping[str, Any]) -> None:
     """``shards.json``: the process count and every section's arrays and pieces."""
     write_json_atomic(directory / INDEX_NAME,
                       {"process_count": jax.process_count(), **sections})  # fmt: skip
-
-
-def file_prefixes(checkpoint: Path, kind: str) -> list[str]:
-    """The file prefixes of ``kind``'s pieces, one per process that wrote the checkpoint."""
-    index = read_json(checkpoint / INDEX_NAME, what="sharded checkpoint index")
-    return [_file_prefix(kind, p) for p in range(int(index["process_count"]))]
 
 
 class StoredArrays:
@@ -139,8 +134,8 @@ class StoredArrays:
         if kind not in index:
             raise CheckpointError(f"{checkpoint / INDEX_NAME}: has no {kind!r} section")
         self.arrays: dict[str, Any] = index[kind]
-        self.readers = [CheckpointReader(checkpoint, prefix=prefix)
-                        for prefix in file_prefixes(checkpoint, kind)]  # fmt: skip
+        self.readers = [CheckpointReader(checkpoint, prefix=file_prefix(kind, p))
+                        for p in range(int(index["process_count"]))]  # fmt: skip
         self._read: dict[str, np.ndarray] = {}  # the pieces of the array being filled
 
     def _piece(self, entry: Mapping[str, Any]) -> np.ndarray:
