@@ -138,8 +138,10 @@ def _check_layer_count(config: Any, keys: Iterable[str], where: str) -> None:
     (tensors ``model.layers.{i}.*``) for a config of ``num_hidden_layers != m``. Gaps and
     stray indices are left to the load plan, which lists every missing and unexpected key."""
     layers = {int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))}
+    if not layers:
+        return
     n = config.num_hidden_layers
-    if layers and len(layers) != n and layers == set(range(len(layers))):
+    if len(layers) != n and layers == set(range(len(layers))):
         raise ValueError(
             f"{where}: num_hidden_layers is {n}, but the checkpoint holds {len(layers)} layers "
             f"(tensors model.layers.0 to model.layers.{len(layers) - 1})"

@@ -9,10 +9,18 @@ task; ``register`` files it under the HF ``model_type``s it covers. ``resolve`` 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from edl.models import gemma, llama, mixtral, qwen3_moe
+from edl.models import clip, gemma, llama, mixtral, qwen3_moe, siglip
+from edl.models.encoder_config import (
+    CLIPConfig,
+    CLIPTextConfig,
+    CLIPVisionConfig,
+    SiglipConfig,
+    SiglipTextConfig,
+    SiglipVisionConfig,
+)
 from edl.models.keymap import KeyTable
 
 __all__ = ["TASKS", "Family", "architecture", "family_of", "register", "resolve"]
@@ -21,23 +29,30 @@ __all__ = ["TASKS", "Family", "architecture", "family_of", "register", "resolve"
 TASKS = {
     "causal_lm": "ForCausalLM",
     "sequence_classification": "ForSequenceClassification",
+    "conditional_generation": "ForConditionalGeneration",
+    "with_projection": "ModelWithProjection",
     "base": "Model",
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    """``config_cls.from_hf(dict)`` reads configs; ``tasks`` maps task -> model class;
-    ``hf_names`` maps each covered ``model_type`` to its HF class prefix ("Llama")."""
+    """``config_cls.from_hf(dict)`` reads configs; ``tasks`` maps task -> model class (the
+    first is the default); ``hf_names`` maps each covered ``model_type`` to its HF class
+    prefix ("Llama"). ``key_table``: the family's table, or a function of the config giving
+    it (a model whose parts come from other families: LLaVA's language model)."""
 
     name: str
     config_cls: type
-    key_table: KeyTable
+    key_table: KeyTable | Callable[[Any], KeyTable]
     tasks: Mapping[str, type]
     hf_names: Mapping[str, str]
 
     def key_table_for(self, config: Any) -> KeyTable:
-        """The key table bound to ``config``'s layer groups (mixed dense / MoE stacks)."""
+        """The key table for ``config``: bound to its layer groups (mixed dense / MoE
+        stacks), or built from it."""
+        if not isinstance(self.key_table, KeyTable):
+            return self.key_table(config)
         return self.key_table.with_layer_groups(getattr(config, "layer_groups", None))
 
 
@@ -65,7 +80,8 @@ def _task_of_architecture(arch: str) -> str | None:
 def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Family, Any, type]:
     """``(family, config, model_class)`` for a HF ``config.json`` dict.
 
-    ``task`` defaults to the one named by ``architectures[0]`` (else ``"causal_lm"``).
+    ``task`` defaults to the one named by ``architectures[0]`` (else the family's first:
+    ``"causal_lm"`` for decoders).
     """
     if not isinstance(hf_config, Mapping):
         raise ValueError(
@@ -80,7 +96,7 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
     family = _BY_MODEL_TYPE[model_type]
     if task is None:
         archs = hf_config.get("architectures") or []
-        task = (_task_of_architecture(archs[0]) if archs else None) or "causal_lm"
+        task = (_task_of_architecture(archs[0]) if archs else None) or next(iter(family.tasks))
     if task not in family.tasks:
         raise ValueError(
             f"{model_type!r} models have no task {task!r}; available: {sorted(family.tasks)}"
@@ -103,6 +119,9 @@ def architecture(model: Any) -> str:
     return family.hf_names[model.config.model_type] + TASKS[task]
 
 
+_DECODER_TASKS = ("causal_lm", "sequence_classification", "base")
+
+
 def _family(name: str, module: Any, config_cls: type, prefix: str, hf_names: Mapping) -> Family:
     """A family whose classes are ``<prefix>Model`` / ``ForCausalLM`` /
     ``ForSequenceClassification`` in ``module``."""
@@ -111,7 +130,7 @@ def _family(name: str, module: Any, config_cls: type, prefix: str, hf_names: Map
             name=name,
             config_cls=config_cls,
             key_table=module.HF_KEYS,
-            tasks={task: getattr(module, prefix + suffix) for task, suffix in TASKS.items()},
+            tasks={task: getattr(module, prefix + TASKS[task]) for task in _DECODER_TASKS},
             hf_names=hf_names,
         )
     )
@@ -127,3 +146,27 @@ MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtra
 QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
 )
+
+# Vision and vision-language models.
+CLIP = register(Family("clip", CLIPConfig, clip.dual_key_table(), {"base": clip.CLIPModel},
+                       {"clip": "CLIP"}))  # fmt: skip
+CLIP_TEXT = register(Family(
+    "clip_text_model", CLIPTextConfig, clip.bare_tower_key_table("text_model."),
+    {"base": clip.CLIPTextModel, "with_projection": clip.CLIPTextModelWithProjection},
+    {"clip_text_model": "CLIPText"},
+))  # fmt: skip
+CLIP_VISION = register(Family(
+    "clip_vision_model", CLIPVisionConfig, clip.bare_tower_key_table("vision_model."),
+    {"base": clip.CLIPVisionModel, "with_projection": clip.CLIPVisionModelWithProjection},
+    {"clip_vision_model": "CLIPVision"},
+))  # fmt: skip
+SIGLIP = register(Family("siglip", SiglipConfig, clip.dual_key_table(),
+                         {"base": siglip.SiglipModel}, {"siglip": "Siglip"}))  # fmt: skip
+SIGLIP_TEXT = register(Family(
+    "siglip_text_model", SiglipTextConfig, clip.bare_tower_key_table("text_model."),
+    {"base": siglip.SiglipTextModel}, {"siglip_text_model": "SiglipText"},
+))  # fmt: skip
+SIGLIP_VISION = register(Family(
+    "siglip_vision_model", SiglipVisionConfig, clip.bare_tower_key_table("vision_model."),
+    {"base": siglip.SiglipVisionModel}, {"siglip_vision_model": "SiglipVision"},
+))  # fmt: skip

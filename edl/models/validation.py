@@ -35,6 +35,12 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "num_experts_per_tok": (1, 2**14),
     "moe_intermediate_size": (1, 2**20),
     "num_labels": (1, 2**24),
+    # Vision towers (the largest released use ~1k-pixel images, 14-16 pixel patches).
+    "image_size": (1, 2**16),
+    "patch_size": (1, 2**12),
+    "num_channels": (1, 64),
+    "projection_dim": (1, 2**18),
+    "projection_size": (1, 2**18),
 }
 
 
@@ -70,6 +76,7 @@ FLOAT_SIGNS = {
     "attn_scale": "positive", "moe_capacity_factor": "positive",
     "query_pre_attn_scalar": "positive", "initializer_range": "non-negative",
     "router_aux_loss_coef": "non-negative", "router_z_loss_coef": "non-negative",
+    "layer_norm_eps": "positive",
 }  # fmt: skip
 
 # HF config.json keys (of every family) checked before a config is built: they size tuples

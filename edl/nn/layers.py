@@ -1,4 +1,4 @@
-"""Leaf layers with Hugging Face weight layouts: Linear, Embedding, RMSNorm.
+"""Leaf layers with Hugging Face weight layouts: Linear, Embedding, RMSNorm, LayerNorm.
 
 Each is an ``eqx.Module`` holding arrays and static config, built by ``Module.init(...,
 key=...)``; they compute in the input's dtype (weights are cast), so float32 master weights
@@ -14,10 +14,11 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.ops.matmul import linear
-from edl.ops.norms import rms_norm
+from edl.ops.norms import layer_norm, rms_norm
 
 __all__ = [
     "Embedding",
+    "LayerNorm",
     "Linear",
     "RMSNorm",
 ]
@@ -104,3 +105,18 @@ class RMSNorm(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
         return rms_norm(x, self.weight, self.eps, offset=self.offset)
+
+
+class LayerNorm(eqx.Module):
+    """torch's ``LayerNorm`` over the last axis: ``weight`` (ones) and ``bias`` (zeros)."""
+
+    weight: Float[Array, " dim"]
+    bias: Float[Array, " dim"]
+    eps: float = eqx.field(static=True, default=1e-5)
+
+    @classmethod
+    def init(cls, dim: int, *, eps: float = 1e-5, dtype: DTypeLike = jnp.float32) -> LayerNorm:
+        return cls(jnp.ones((dim,), dtype), jnp.zeros((dim,), dtype), eps=eps)
+
+    def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -20,7 +20,7 @@ from edl.ops.moe import (
     router_stats,
     router_z_loss,
 )
-from edl.ops.norms import rms_norm
+from edl.ops.norms import layer_norm, rms_norm
 from edl.ops.quant import NF4_CODE, dequantize_weight, quantize_weight, quantized_matmul
 from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
 from edl.ops.sampling import (
@@ -55,6 +55,7 @@ __all__ = [
     "expert_mlp",
     "greedy",
     "inv_frequencies",
+    "layer_norm",
     "linear",
     "load_balancing_loss",
     "mask_without_context",

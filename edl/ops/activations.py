@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import Array
 
 __all__ = ["ACTIVATIONS", "activation"]
@@ -17,6 +18,8 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
     "relu": jax.nn.relu,
+    # CLIP's sigmoid approximation of GELU.
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(jnp.asarray(1.702, x.dtype) * x),
 }
 
 
