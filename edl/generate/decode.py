@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from edl.generate import steps
 from edl.generate.beam import beam_search
 from edl.generate.config import GenerateOutput, GenerationConfig
-from edl.generate.steps import CausalLM
+from edl.generate.steps import CausalLM, ImagePrompt, ImageTextLM
 from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
@@ -97,14 +97,16 @@ def _sample_step(
     jax.jit, static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers")
 )
 def _generate_compiled(
-    model, input_ids, attention_mask, key, *, config, processor, max_new, page_size=None,
-    unstack_layers=False,
+    model, input_ids, attention_mask, key, images=None, *, config, processor, max_new,
+    page_size=None, unstack_layers=False,
 ):  # fmt: skip
     if config.num_beams > 1:
         return beam_search(model, input_ids, attention_mask, key, config=config,
                            processor=processor, max_new=max_new,
                            unstack_layers=unstack_layers)  # fmt: skip
-    logits, cache, prompt, mask = steps.start(model, input_ids, attention_mask, max_new, page_size)
+    logits, cache, prompt, mask = steps.start(
+        model, input_ids, attention_mask, max_new, page_size, images
+    )
     state = DecodeState.start(logits, cache, max_new, config.pad_id)
     body = functools.partial(
         _sample_step, steps.decoder(model, unstack_layers), prompt=prompt, mask=mask,
@@ -164,6 +166,43 @@ def _check_inputs(model, input_ids, attention_mask, key, config, page_size):
     return jnp.asarray(ids, jnp.int32), jnp.asarray(mask)
 
 
+_image_features = eqx.filter_jit(lambda model, pixels: model.get_image_features(pixels))
+
+
+def _text_and_images(
+    model: CausalLM | ImageTextLM, pixel_values: ArrayLike | None, num_beams: int
+) -> tuple[CausalLM, ImagePrompt | None]:
+    """The causal LM to decode with and the prompt's image features: a vision-language
+    model's images are encoded once (their own compiled program) and its language model
+    decodes; any other model must come without ``pixel_values``."""
+    if not isinstance(model, ImageTextLM):
+        if pixel_values is not None:
+            raise TypeError(
+                f"generate: pixel_values need a vision-language model (such as "
+                f"edl.models.LlavaForConditionalGeneration), got {type(model).__name__}"
+            )
+        return model, None
+    if pixel_values is None:
+        return model.text_lm(), None
+    if num_beams > 1:
+        raise ValueError("generate: beam search does not take pixel_values; use num_beams=1")
+    features = _image_features(model, jnp.asarray(pixel_values))
+    return model.text_lm(), ImagePrompt(features, model.config.image_token_index)
+
+
+def _check_image_tokens(ids: jax.Array, images: ImagePrompt | None) -> None:
+    """The prompts hold exactly one placeholder per image feature (checked before compiling)."""
+    if images is None:
+        return
+    found = int(np.sum(np.asarray(ids) == images.image_token))
+    count, tokens = images.features.shape[:2]
+    if found != count * tokens:
+        raise ValueError(
+            f"generate: input_ids hold {found} image tokens (id {images.image_token}); "
+            f"{count} images need {count * tokens} ({tokens} per image)"
+        )
+
+
 def _without_id_checks(model: CausalLM) -> CausalLM:
     """``model`` with its in-program token-id check off (``config.run.check_inputs``), where it
     has one: ``_check_inputs`` has checked the prompt and ``pad_token_id``, and sampled ids
@@ -212,9 +251,10 @@ def _resolve(model, config, max_new_tokens, overrides):
 
 
 def generate(
-    model: CausalLM,
+    model: CausalLM | ImageTextLM,
     input_ids: ArrayLike,
     *,
+    pixel_values: ArrayLike | None = None,
     attention_mask: ArrayLike | None = None,
     max_new_tokens: int | None = None,
     key: PRNGKeyArray | None = None,
@@ -228,9 +268,13 @@ def generate(
     """Generate continuations of a batch of prompts (one compiled program per setting).
 
     Args:
-        model: a causal LM such as ``edl.models.LlamaForCausalLM``.
+        model: a causal LM such as ``edl.models.LlamaForCausalLM``, or a vision-language
+            model (``edl.models.LlavaForConditionalGeneration``).
         input_ids: prompts ``(batch, seq)`` of integer ids (numpy or jax), left-padded as HF
             expects (``attention_mask`` ``(batch, seq)``, 0 on padding); checked eagerly.
+        pixel_values: ``(images, channels, height, width)`` for a vision-language model:
+            their features replace the prompts' image tokens, in order, in the prefill
+            (the KV cache holds them after); one image token per feature (checked).
         max_new_tokens: overrides ``config.max_new_tokens``.
         key: PRNG key for sampling (required with ``do_sample``).
         config: decoding settings (default: the model's own, from its
@@ -261,7 +305,9 @@ def generate(
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
     """
     config = _resolve(model, config, max_new_tokens, overrides)
+    model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    _check_image_tokens(ids, images)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
@@ -270,7 +316,7 @@ def generate(
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
     out = _generate_compiled(
-        model, ids, mask, key, config=config, processor=processor, max_new=max_new,
+        model, ids, mask, key, images, config=config, processor=processor, max_new=max_new,
         page_size=page_size, unstack_layers=unstack_layers,
     )  # fmt: skip
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
@@ -278,8 +324,12 @@ def generate(
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
-def _stream_setup(model, input_ids, attention_mask, *, config, max_new, page_size, unstack_layers):
-    logits, cache, prompt, mask = steps.start(model, input_ids, attention_mask, max_new, page_size)
+def _stream_setup(
+    model, input_ids, attention_mask, images, *, config, max_new, page_size, unstack_layers
+):
+    logits, cache, prompt, mask = steps.start(
+        model, input_ids, attention_mask, max_new, page_size, images
+    )
     state = DecodeState.start(logits, cache, max_new, config.pad_id)
     # Sliced once here; every streamed step then reuses these layers.
     return steps.decoder(model, unstack_layers), state, prompt, mask
@@ -293,9 +343,10 @@ def _stream_step(model, state, prompt, mask, key, *, config, processor):
 
 
 def generate_stream(
-    model: CausalLM,
+    model: CausalLM | ImageTextLM,
     input_ids: ArrayLike,
     *,
+    pixel_values: ArrayLike | None = None,
     attention_mask: ArrayLike | None = None,
     max_new_tokens: int | None = None,
     key: PRNGKeyArray | None = None,
@@ -312,15 +363,17 @@ def generate_stream(
     config = _resolve(model, config, max_new_tokens, overrides)
     if config.num_beams > 1:
         raise ValueError("generate_stream: beam search cannot be streamed; use generate")
+    model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    _check_image_tokens(ids, images)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
     model, state, prompt, mask = _stream_setup(
-        _without_id_checks(model), ids, mask, config=config, max_new=max_new, page_size=page_size,
-        unstack_layers=unstack_layers,
+        _without_id_checks(model), ids, mask, images, config=config, max_new=max_new,
+        page_size=page_size, unstack_layers=unstack_layers,
     )  # fmt: skip
     for _ in range(max_new):
         state, token = _stream_step(

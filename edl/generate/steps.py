@@ -9,17 +9,21 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.generate.cache import init_cache
 from edl.generate.paged import init_paged_cache
+from edl.models.llava import merge_image_features
 from edl.nn.attention import KVCacheLike
 
 __all__ = [
     "CausalLM",
     "CausalTrunk",
+    "ImagePrompt",
+    "ImageTextLM",
     "decoder",
     "prefill",
     "start",
@@ -91,20 +95,51 @@ def new_cache(model: CausalLM, rows: int, cache_len: int, page_size: int | None)
     )
 
 
+@runtime_checkable
+class ImageTextLM(Protocol):
+    """A vision-language model as generation uses it (``edl.models.LlavaForConditionalGeneration``):
+    ``get_image_features`` encodes images into the language model's width, ``text_lm()``
+    is the language model with its head (a ``CausalLM``) and ``config.image_token_index``
+    the placeholder id the features replace."""
+
+    @property
+    def config(self) -> Any: ...
+
+    def get_image_features(
+        self, pixel_values: Float[Array, "images channels height width"]
+    ) -> Float[Array, "images tokens dim"]: ...
+
+    def text_lm(self) -> CausalLM: ...
+
+
+class ImagePrompt(eqx.Module):
+    """Image features to merge into a prompt's embeddings at the ``image_token`` ids."""
+
+    features: Float[Array, "images tokens dim"]
+    image_token: int = eqx.field(static=True)
+
+    def embed(self, model: CausalLM, ids: Int[Array, "batch seq"]) -> Float[Array, "b s d"]:
+        """The prompt's token embeddings with the placeholders replaced (in order)."""
+        return merge_image_features(model.model.embed(ids), ids, self.features, self.image_token)
+
+
 def start(
     model: CausalLM,
     input_ids: Int[Array, "batch seq"],
     attention_mask: Bool[Array, "batch seq"],
     max_new: int,
     page_size: int | None = None,
+    images: ImagePrompt | None = None,
 ) -> tuple[
     Float[Array, "batch vocab"], KVCacheLike, Int[Array, "batch seq"], Bool[Array, "batch seq"]
 ]:
     """Compaction, a fresh cache with room for ``max_new`` tokens and the prefill:
-    ``(logits, cache, prompt, mask)`` (the compacted prompt and its mask)."""
+    ``(logits, cache, prompt, mask)`` (the compacted prompt and its mask). ``images``: their
+    features replace the image placeholders of the (compacted) prompt in the prefill."""
     ids, mask, lengths = compact_prompts(input_ids, attention_mask)
     cache = new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
-    logits, cache = prefill(model, ids, mask, lengths, cache)
+    embeds = None if images is None else images.embed(model, ids)
+    logits, cache = prefill(model, ids, mask, lengths, cache, inputs_embeds=embeds)
     return logits, cache, ids, mask
 
 
@@ -114,10 +149,16 @@ def prefill(
     mask: Bool[Array, "batch seq"],
     lengths: Int[Array, " batch"],
     cache: KVCacheLike,
+    *,
+    inputs_embeds: Float[Array, "batch seq dim"] | None = None,
 ) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
     """Run right-padded prompts through a fresh ``cache``: the logits after each row's last
-    prompt token and the filled cache."""
-    out = model.model(ids, attention_mask=mask, cache=cache)
+    prompt token and the filled cache. ``inputs_embeds``: the prompt's embeddings, used
+    instead of ``ids``' (images merged in)."""
+    if inputs_embeds is None:
+        out = model.model(ids, attention_mask=mask, cache=cache)
+    else:
+        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache)
     last = jnp.take_along_axis(out.last_hidden_state, (lengths - 1)[:, None, None], axis=1)
     return model.lm_logits(last[:, 0]).astype(jnp.float32), out.cache
 

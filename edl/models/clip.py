@@ -73,18 +73,20 @@ ENCODER_PARTITION_RULES: Rules = (
 def tower_key_table(hf_prefix: str, edl_prefix: str, *, legacy: tuple[str, ...] = ()) -> tuple:
     """Key rules of one tower whose HF keys start with ``hf_prefix`` and edl paths with
     ``edl_prefix`` (the layer stack under ``encoder.layers``); ``legacy``: other HF prefixes
-    that load the same tower (older files), never written."""
-    rules = [
-        (f"{hf_prefix}encoder.layers.{{layer}}.{{name}}", f"{edl_prefix}encoder.layers.{{name}}"),
-        (f"{hf_prefix}{{name}}", f"{edl_prefix}{{name}}"),
-    ]
+    that load the same tower (older files), never written. They come first: the main
+    prefix's catch-all would otherwise claim their keys."""
+    rules = []
     for old in legacy:
         rules += [
             (f"{old}encoder.layers.{{layer}}.{{name}}", f"{edl_prefix}encoder.layers.{{name}}",
              None, True),
             (f"{old}{{name}}", f"{edl_prefix}{{name}}", None, True),
         ]  # fmt: skip
-    return tuple(rules)
+    return (
+        *rules,
+        (f"{hf_prefix}encoder.layers.{{layer}}.{{name}}", f"{edl_prefix}encoder.layers.{{name}}"),
+        (f"{hf_prefix}{{name}}", f"{edl_prefix}{{name}}"),
+    )
 
 
 # Buffers older files saved; edl computes positions in the forward pass.

@@ -118,9 +118,10 @@ class DecoderForCausalLM(eqx.Module):
 
     def compute_loss(
         self,
-        input_ids: Ids,
+        input_ids: Ids | None = None,
         labels: Ids | None = None,
         *,
+        inputs_embeds: Hidden | None = None,
         attention_mask: Mask | None = None,
         position_ids: Positions | None = None,
         segment_ids: Ids | None = None,
@@ -128,7 +129,9 @@ class DecoderForCausalLM(eqx.Module):
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Next-token cross entropy (HF semantics), without ever forming full logits.
 
-        ``labels`` default to ``input_ids``; given ones must be -100 or in
+        The inputs are ``input_ids`` or ``inputs_embeds`` ``(batch, seq, dim)`` (exactly
+        one; with embeddings, ``labels`` are required). ``labels`` default to
+        ``input_ids``; given ones must be -100 or in
         ``[0, vocab_size)`` (else ``ValueError``, see ``DecoderModel.embed``). Not predicted:
         ``-100`` labels, padded tokens, the token after a padded one (its context is
         padding), and (with ``segment_ids``) the first token of each packed segment. MoE
@@ -140,6 +143,8 @@ class DecoderForCausalLM(eqx.Module):
         """
         c = self.config
         if labels is None:
+            if input_ids is None:
+                raise ValueError("compute_loss: with inputs_embeds, pass labels (batch, seq)")
             labels = input_ids  # checked as input_ids
         elif c.run.check_inputs:
             labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
@@ -147,8 +152,8 @@ class DecoderForCausalLM(eqx.Module):
             labels, attention_mask=attention_mask, segment_ids=segment_ids
         )
         out = self.model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            segment_ids=segment_ids,
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids, segment_ids=segment_ids,
         )  # fmt: skip
         loss, metrics = causal_lm_loss(
             out.last_hidden_state, self.head_weight, labels, attention_mask=attention_mask,
@@ -226,22 +231,29 @@ class DecoderForSequenceClassification(eqx.Module):
 
     def compute_loss(
         self,
-        input_ids: Ids,
-        labels: jax.Array,
+        input_ids: Ids | None = None,
+        labels: jax.Array | None = None,
         *,
+        inputs_embeds: Hidden | None = None,
         attention_mask: Mask | None = None,
         position_ids: Positions | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
-        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``).
-        Single-label integer labels must be -100 or in ``[0, num_labels)`` (else
-        ``ValueError``, also inside ``jax.jit``)."""
+        """HF's sequence-classification loss (MSE / CE / BCE by ``config.problem_type``) on
+        ``input_ids`` or ``inputs_embeds`` (pooled as ``__call__`` does). Single-label
+        integer labels must be -100 or in ``[0, num_labels)`` (else ``ValueError``, also
+        inside ``jax.jit``)."""
+        if labels is None:
+            raise ValueError("compute_loss: labels are required for sequence classification")
         c = self.config
         single = c.problem_type == "single_label_classification" or (
             c.problem_type is None and c.num_labels > 1
         )
         if c.run.check_inputs and single and jnp.issubdtype(labels.dtype, jnp.integer):
             labels = check_ids(labels, c.num_labels, name="labels", what="num_labels", ignore=-100)
-        logits = self(input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+        logits = self(
+            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            position_ids=position_ids,
+        ).logits  # fmt: skip
         return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
 
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from edl.models import clip, gemma, llama, mixtral, qwen3_moe, siglip
+from edl.models import clip, gemma, llama, llava, mixtral, qwen3_moe, siglip
 from edl.models.encoder_config import (
     CLIPConfig,
     CLIPTextConfig,
@@ -23,7 +23,7 @@ from edl.models.encoder_config import (
 )
 from edl.models.keymap import KeyTable
 
-__all__ = ["TASKS", "Family", "architecture", "family_of", "register", "resolve"]
+__all__ = ["TASKS", "Family", "architecture", "family_for", "family_of", "register", "resolve"]
 
 # task name -> HF architecture suffix
 TASKS = {
@@ -104,6 +104,15 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
     return family, family.config_cls.from_hf(hf_config), family.tasks[task]
 
 
+def family_for(model_type: str) -> Family:
+    """The family registered for a HF ``model_type`` (``ValueError`` naming the known ones)."""
+    if model_type not in _BY_MODEL_TYPE:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; edl builds {sorted(_BY_MODEL_TYPE)}"
+        )
+    return _BY_MODEL_TYPE[model_type]
+
+
 def family_of(model: Any) -> tuple[Family, str]:
     """``(family, task)`` of a model instance."""
     for family in {id(f): f for f in _BY_MODEL_TYPE.values()}.values():
@@ -169,4 +178,9 @@ SIGLIP_TEXT = register(Family(
 SIGLIP_VISION = register(Family(
     "siglip_vision_model", SiglipVisionConfig, clip.bare_tower_key_table("vision_model."),
     {"base": siglip.SiglipVisionModel}, {"siglip_vision_model": "SiglipVision"},
+))  # fmt: skip
+LLAVA = register(Family(
+    "llava", llava.LlavaConfig, llava.key_table,
+    {"conditional_generation": llava.LlavaForConditionalGeneration, "base": llava.LlavaModel},
+    {"llava": "Llava"},
 ))  # fmt: skip
