@@ -150,7 +150,7 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
                          f"run in one process and export its checkpoint")  # fmt: skip
     _, config, model_cls = registry.resolve(hf.load_config(source))
     abstract = eqx.filter_eval_shape(lambda: model_cls.init(config, key=jax.random.key(0)))
-    table = registry.family_of(abstract)[0].key_table_for(config)
+    table = registry.family_of(abstract)[0].key_table_for(config, type(abstract))
     with StoredArrays(source, "model") as stored:
         tensors = {}
         for path, entry in stored.arrays.items():

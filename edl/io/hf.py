@@ -258,7 +258,7 @@ def from_pretrained(
     with CheckpointReader.open(directory) as reader:
         _check_layer_count(config, reader.keys(), str(file))
         source = TensorSource.from_reader(reader)
-        table = family.key_table_for(config)
+        table = family.key_table_for(config, model_cls)
         model = _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
     generation = load_generation_config(directory)
     if generation and hasattr(model, "generation_config"):
@@ -303,7 +303,7 @@ def from_state_dict(
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
     _check_layer_count(config, mapping.keys(), "from_state_dict: config")
-    source, table = TensorSource.from_mapping(mapping), family.key_table_for(config)
+    source, table = TensorSource.from_mapping(mapping), family.key_table_for(config, model_cls)
     return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
 
 
@@ -317,7 +317,7 @@ def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]
     if dtype is not None:
         require_float_dtype(dtype, "export_state_dict: dtype")
     family, _ = registry.family_of(model)
-    table = family.key_table_for(model.config)
+    table = family.key_table_for(model.config, type(model))
     out: dict[str, LazyTensor] = {}
     for path, leaf in flatten(model).items():
         if not is_array_like(leaf):

@@ -125,7 +125,7 @@ def read_model_files(
     or mis-shaped key."""
     directory = Path(directory)
     family, _ = registry.family_of(model)
-    table = family.key_table_for(model.config)
+    table = family.key_table_for(model.config, type(model))
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected = _expected_names(table, targets)
     abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}

@@ -58,7 +58,7 @@ def _table(model: PyTree, what: str) -> tuple[Any, str]:
         family, task = registry.family_of(model)
     except TypeError as e:
         raise TypeError(f"{what}: PEFT key names need a registered edl model class: {e}") from e
-    return family.key_table_for(model.config), task
+    return family.key_table_for(model.config, type(model)), task
 
 
 def _name(path: str) -> str:

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from edl.models.config import RUN_OPTIONS, RunOptions, _route_run_options
-from edl.models.validation import check_fields
+from edl.models.validation import check_fields, check_hf_values
 from edl.ops.activations import activation
 
 __all__ = [
@@ -99,6 +99,7 @@ class TowerConfig:
         ``vision_config``, whose ``model_type`` may be missing); ``overrides`` set fields or
         run options. Wrong types and values raise ``ValueError`` naming the key."""
         c = _check_model_type(cls, config, cls.MODEL_TYPES[0])
+        check_hf_values(c)
         names = frozenset(f.name for f in dataclasses.fields(cls)) - {"hf_extra", "run"}
         fields = {k: c[k] for k in names if k in c}
         fields["hf_extra"] = _extra(c, names)

@@ -47,10 +47,15 @@ class Family:
     key_table: KeyTable | Callable[[Any], KeyTable]
     tasks: Mapping[str, type]
     hf_names: Mapping[str, str]
+    task_tables: Mapping[str, KeyTable] = dataclasses.field(default_factory=dict)
 
-    def key_table_for(self, config: Any) -> KeyTable:
-        """The key table for ``config``: bound to its layer groups (mixed dense / MoE
-        stacks), or built from it."""
+    def key_table_for(self, config: Any, model_cls: type | None = None) -> KeyTable:
+        """The key table for ``config`` (and, where a task lays its keys out its own way,
+        ``model_cls``: CLIP's ``...WithProjection`` towers): bound to its layer groups
+        (mixed dense / MoE stacks), or built from it."""
+        for task, table in self.task_tables.items():
+            if model_cls is self.tasks[task]:
+                return table
         if not isinstance(self.key_table, KeyTable):
             return self.key_table(config)
         return self.key_table.with_layer_groups(getattr(config, "layer_groups", None))
@@ -162,12 +167,12 @@ CLIP = register(Family("clip", CLIPConfig, clip.dual_key_table(), {"base": clip.
 CLIP_TEXT = register(Family(
     "clip_text_model", CLIPTextConfig, clip.bare_tower_key_table("text_model."),
     {"base": clip.CLIPTextModel, "with_projection": clip.CLIPTextModelWithProjection},
-    {"clip_text_model": "CLIPText"},
+    {"clip_text_model": "CLIPText"}, {"with_projection": clip.dual_key_table()},
 ))  # fmt: skip
 CLIP_VISION = register(Family(
     "clip_vision_model", CLIPVisionConfig, clip.bare_tower_key_table("vision_model."),
     {"base": clip.CLIPVisionModel, "with_projection": clip.CLIPVisionModelWithProjection},
-    {"clip_vision_model": "CLIPVision"},
+    {"clip_vision_model": "CLIPVision"}, {"with_projection": clip.dual_key_table()},
 ))  # fmt: skip
 SIGLIP = register(Family("siglip", SiglipConfig, clip.dual_key_table(),
                          {"base": siglip.SiglipModel}, {"siglip": "Siglip"}))  # fmt: skip
