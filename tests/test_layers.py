@@ -2,6 +2,7 @@
 
     base utilities (edl, edl._lazy, edl.module, edl.tree): any layer may use them
     kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
+                                                               / images
                                                             <- train / serve / cli
 
 The check reads source only (``ast``, nothing is imported): every ``import edl.x`` and
@@ -24,7 +25,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("kernels", ("edl.kernels",)),
     ("ops", ("edl.ops",)),
     ("models", ("edl.nn", "edl.models", "edl.lora", "edl.quantize", "edl.state")),
-    ("io", ("edl.io", "edl.generate", "edl.sharding", "edl.text")),
+    ("io", ("edl.io", "edl.generate", "edl.sharding", "edl.text", "edl.images")),
     ("apps", ("edl.train", "edl.serve", "edl.cli")),
 )
 
