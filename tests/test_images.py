@@ -39,7 +39,7 @@ def _images() -> dict[str, object]:
     y, x = np.mgrid[0:517, 0:333]
     gradient = np.stack([x * 255 // 332, y * 255 // 516, (x + y) * 255 // 848], -1)
     palette_alpha = PIL_Image.fromarray(noise(64, 80)).convert("P")
-    palette_alpha.info["transparency"] = 3  # a palette index drawn transparent
+    palette_alpha.info["transparency"] = palette_alpha.getpixel((0, 0))  # drawn transparent
     return {
         "rgb 640x480": PIL_Image.fromarray(noise(480, 640)),
         "gradient 333x517": PIL_Image.fromarray(gradient.astype(np.uint8)),
@@ -170,7 +170,9 @@ def test_save_and_from_pretrained_round_trip(tmp_path):
     assert not [p.name for p in tmp_path.iterdir() if p.name != CONFIG_NAME]  # no temporaries
 
 
-@pytest.mark.parametrize("config", ["clip 336, odd crop", "siglip 384x383 bilinear, own mean/std"])
+@pytest.mark.parametrize(
+    "config", ["clip", "siglip", "clip 336, odd crop", "siglip 384x383 bilinear, own mean/std"]
+)
 def test_files_written_by_transformers_and_by_edl_read_alike(tmp_path, config):
     make, reference_cls, settings = CONFIGS[config]
     reference_cls(**settings).save_pretrained(tmp_path / "hf")
@@ -195,17 +197,17 @@ def test_older_files_read_as_transformers_reads_them(tmp_path):
         "square": {"image_processor_type": "CLIPImageProcessor", "size": 150,
                    "default_to_square": True},
     }  # fmt: skip
+    cases["nested"] = cases["clip-legacy"]
     for name, config in cases.items():
         (tmp_path / name).mkdir()
         (tmp_path / name / CONFIG_NAME).write_text(json.dumps(config))
-    nested = tmp_path / "clip-legacy"
+    nested = tmp_path / "nested"  # transformers reads processor_config.json's entry instead
     entry = {"image_processor_type": "CLIPImageProcessor", "crop_size": 128}
     processor = {"processor_class": "CLIPProcessor", "image_processor": entry}
     (nested / PROCESSOR_NAME).write_text(json.dumps(processor))
     batch = [IMAGES["rgb 640x480"], IMAGES["gradient 333x517"]]
-    for name, cls in [("clip-legacy", CLIPImageProcessorPil),
-                      ("siglip-nulls", SiglipImageProcessorPil),
-                      ("square", CLIPImageProcessorPil)]:  # fmt: skip
+    for name in cases:
+        cls = SiglipImageProcessorPil if name.startswith("siglip") else CLIPImageProcessorPil
         ours = ImageProcessor.from_pretrained(tmp_path / name)
         theirs = cls.from_pretrained(tmp_path / name)(batch, return_tensors="np")["pixel_values"]
         _same(ours(batch), theirs)
