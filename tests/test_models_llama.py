@@ -139,8 +139,17 @@ def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
     # HF: embeddings, each layer's output, except the last entry is after the final norm.
     for i in range(n):
         np.testing.assert_allclose(out.hidden_states[i], ref[i].numpy(), atol=TOL)
-    by_embeds = model(inputs_embeds=model.model.embed_tokens(jnp.asarray(ids))).logits
+    embeds = model.model.embed_tokens(jnp.asarray(ids))
+    by_embeds = model(inputs_embeds=embeds).logits
     np.testing.assert_array_equal(by_embeds, out.logits)
+    # compute_loss takes the embeddings too (with labels), and HF agrees on the loss.
+    loss, _ = model.compute_loss(inputs_embeds=embeds, labels=jnp.asarray(ids))
+    with torch.no_grad():
+        ref_loss = hf_model(inputs_embeds=torch.tensor(np.asarray(embeds)),
+                            labels=torch.tensor(ids)).loss  # fmt: skip
+    assert abs(float(loss) - float(ref_loss)) <= TOL
+    with pytest.raises(ValueError, match="with inputs_embeds, pass labels"):
+        model.compute_loss(inputs_embeds=embeds)
 
 
 @pytest.mark.parametrize(

@@ -90,7 +90,9 @@ def test_forward_and_loss_match_transformers(llava):
 
 
 def test_greedy_generation_with_an_image_matches_transformers(llava):
-    _, hf, _, model = llava
+    kind, hf, _, model = llava
+    if kind != "clip":
+        pytest.skip("the towers differ before the language model: the forward test has both")
     ids, pixels = _inputs()
     ids, pixels = ids[1:], pixels[1:]
     with torch.no_grad():
@@ -123,7 +125,9 @@ def _keys(path):
 
 
 def test_files_both_ways_and_older_layouts(llava, tmp_path):
-    _, _, directory, model = llava
+    kind, _, directory, model = llava
+    if kind != "clip":
+        pytest.skip("the key tables differ only inside the tower: the tower tests have both")
     edl.save_pretrained(model, tmp_path / "edl")
     ours, theirs = (_keys(d / "model.safetensors") for d in (tmp_path / "edl", directory))
     assert set(ours) == set(theirs)
@@ -147,6 +151,7 @@ def test_files_both_ways_and_older_layouts(llava, tmp_path):
     _assert_same_arrays(edl.from_pretrained(tmp_path / "old"), model)
 
 
+@pytest.mark.slow  # a LoRA train step of the whole LLaVA compiled (~18 s)
 def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava):
     kind, _, _, model = llava
     if kind != "clip":
@@ -176,6 +181,7 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava):
     assert all(bool(jnp.all(vision_before[k] == vision_after[k])) for k in vision_before)
 
 
+@pytest.mark.slow  # the forward compiled on one device and on a 2 x 4 mesh (~14 s)
 def test_sharded_over_a_mesh_equals_one_device(llava):
     kind, _, _, model = llava
     if kind != "siglip":
