@@ -84,9 +84,17 @@ def test_forward_and_loss_match_transformers(llava):
     diff = np.abs(np.asarray(logits) - ref.logits.numpy()).max()
     assert diff <= TOL, f"max |edl - hf| = {diff:.2e}"
     # Default labels: the ids with the image tokens ignored, as given to transformers.
-    loss, metrics = model.compute_loss(jnp.asarray(ids), pixel_values=jnp.asarray(pixels))
+    loss_fn = jax.jit(lambda m, i, p: m.compute_loss(i, pixel_values=p))
+    loss, metrics = loss_fn(model, jnp.asarray(ids), jnp.asarray(pixels))
     assert abs(float(loss) - float(ref.loss)) <= TOL * float(ref.loss)
     assert int(metrics["count"]) == int((labels[:, 1:] != -100).sum())
+    # One placeholder too few: named eagerly, and still refused inside a compiled program.
+    short = ids.copy()
+    short[0, 2] = 1
+    with pytest.raises(ValueError, match=r"hold 7 image tokens \(id 100\) but 2 images"):
+        model(jnp.asarray(short), jnp.asarray(pixels))
+    with pytest.raises(Exception, match="image token count != images"):
+        loss_fn(model, jnp.asarray(short), jnp.asarray(pixels))[0].block_until_ready()
 
 
 def test_greedy_generation_with_an_image_matches_transformers(llava):

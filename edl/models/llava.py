@@ -278,7 +278,7 @@ def merge_image_features(
     the message, and inside compiled code (``eqx.error_if``)."""
     is_image = input_ids == image_token_index
     want = image_features.shape[0] * image_features.shape[1]
-    if not isinstance(input_ids, jax.core.Tracer):
+    if not isinstance(is_image, jax.core.Tracer):  # eager (not under jit)
         found = int(np.sum(np.asarray(is_image)))
         if found != want:
             raise ValueError(
