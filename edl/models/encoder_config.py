@@ -36,6 +36,11 @@ __all__ = [
 _REWRITTEN = frozenset({"architectures", "dtype", "torch_dtype", "transformers_version"})
 
 
+_DUAL_KEYS = frozenset(
+    {"model_type", "text_config", "vision_config", "text_config_dict", "vision_config_dict"}
+)
+
+
 def _extra(c: Mapping[str, Any], read: frozenset[str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, json.dumps(v)) for k, v in c.items() if k not in read | _REWRITTEN))
 
@@ -254,10 +259,13 @@ class DualEncoderConfig:
                              f"only: {sorted(RUN_OPTIONS)})")  # fmt: skip
         towers = {}
         for name, tower in (("text_config", cls.TEXT), ("vision_config", cls.VISION)):
-            sub = c.get(name) or {}
-            if not isinstance(sub, Mapping):
-                raise ValueError(f"config.json: {name} must be an object, got {sub!r:.80}")
-            towers[name] = tower.from_hf(sub, **overrides)
+            sub, legacy = c.get(name) or {}, c.get(f"{name}_dict") or {}
+            for key, value in ((name, sub), (f"{name}_dict", legacy)):
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"config.json: {key} must be an object, got {value!r:.80}")
+            # Early CLIP files kept the tower settings in ``*_config_dict``, which
+            # transformers lets win over ``*_config``.
+            towers[name] = tower.from_hf({**sub, **legacy}, **overrides)
         return towers
 
     def _to_hf(self, fields: dict[str, Any], architectures: list[str] | None) -> dict[str, Any]:
@@ -297,8 +305,7 @@ class CLIPConfig(DualEncoderConfig):
         """Read a HF ``config.json`` dict; ``overrides``: run options for both towers."""
         c = _check_model_type(cls, config, "clip")
         towers = cls._towers_from_hf(c, overrides)
-        read = frozenset({"model_type", "text_config", "vision_config", "projection_dim",
-                          "logit_scale_init_value"})  # fmt: skip
+        read = _DUAL_KEYS | {"projection_dim", "logit_scale_init_value"}
         kept = {k: c[k] for k in ("projection_dim", "logit_scale_init_value") if k in c}
         try:
             return cls(**towers, **kept, hf_extra=_extra(c, read))
@@ -330,7 +337,7 @@ class SiglipConfig(DualEncoderConfig):
         """Read a HF ``config.json`` dict; ``overrides``: run options for both towers."""
         c = _check_model_type(cls, config, "siglip")
         towers = cls._towers_from_hf(c, overrides)
-        read = frozenset({"model_type", "text_config", "vision_config"})
+        read = _DUAL_KEYS
         return cls(**towers, hf_extra=_extra(c, read))
 
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:
