@@ -159,9 +159,9 @@ def test_files_both_ways_and_older_layouts(llava, tmp_path):
     _assert_same_arrays(edl.from_pretrained(tmp_path / "old"), model)
 
 
-@pytest.mark.slow  # a LoRA train step of the whole LLaVA compiled (~18 s)
-def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava):
-    kind, _, _, model = llava
+@pytest.mark.slow  # a LoRA train step of the whole LLaVA compiled, PEFT's forward (~25 s)
+def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava, tmp_path):
+    kind, _, directory, model = llava
     if kind != "clip":
         pytest.skip("one tower suffices")
     lora = edl.lora.apply_lora(
@@ -187,6 +187,21 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava):
     vision_before = edl.tree.flatten(lora.model.vision_tower)
     vision_after = edl.tree.flatten(trained.model.vision_tower)
     assert all(bool(jnp.all(vision_before[k] == vision_after[k])) for k in vision_before)
+
+    # The trained adapter as PEFT writes it (module names of transformers 5's LLaVA):
+    # peft applies it to the transformers model with the same result.
+    peft = pytest.importorskip("peft")
+    from edl.io.peft import load_adapter, save_adapter
+
+    save_adapter(trained, tmp_path / "adapter")
+    base = transformers.LlavaForConditionalGeneration.from_pretrained(directory)
+    with_adapter = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        ref = with_adapter(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels)).logits
+    mine = trained(batch["input_ids"], batch["pixel_values"]).logits
+    np.testing.assert_allclose(np.asarray(mine), ref.numpy(), atol=TOL)
+    again = load_adapter(model, tmp_path / "adapter")
+    np.testing.assert_array_equal(again(batch["input_ids"], batch["pixel_values"]).logits, mine)
 
 
 @pytest.mark.slow  # the forward compiled on one device and on a 2 x 4 mesh (~14 s)

@@ -310,14 +310,17 @@ def from_state_dict(
 # -- saving -------------------------------------------------------------------------------
 
 
-def export_state_dict(model: Any, *, dtype: Any = None) -> dict[str, LazyTensor]:
+def export_state_dict(
+    model: Any, *, dtype: Any = None, key_table: KeyTable | None = None
+) -> dict[str, LazyTensor]:
     """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
     layer). Nothing is copied to the host until a tensor is loaded. ``dtype`` (casting
-    floating weights) must be a floating dtype."""
+    floating weights) must be a floating dtype. ``key_table``: other names than the
+    family's files use (PEFT adapters name HF's in-memory modules)."""
     if dtype is not None:
         require_float_dtype(dtype, "export_state_dict: dtype")
     family, _ = registry.family_of(model)
-    table = family.key_table_for(model.config, type(model))
+    table = key_table or family.key_table_for(model.config, type(model))
     out: dict[str, LazyTensor] = {}
     for path, leaf in flatten(model).items():
         if not is_array_like(leaf):

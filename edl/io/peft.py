@@ -48,6 +48,7 @@ __all__ = [
 ADAPTER_WEIGHTS = "adapter_model"  # + ".safetensors"
 PEFT_PREFIX = "base_model.model."
 _PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
+               "conditional_generation": "CAUSAL_LM", "with_projection": "FEATURE_EXTRACTION",
                "base": "FEATURE_EXTRACTION"}  # fmt: skip
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _BASE_SUFFIX = ".base_layer.weight"
@@ -58,7 +59,7 @@ def _table(model: PyTree, what: str) -> tuple[Any, str]:
         family, task = registry.family_of(model)
     except TypeError as e:
         raise TypeError(f"{what}: PEFT key names need a registered edl model class: {e}") from e
-    return family.key_table_for(model.config, type(model)), task
+    return family.module_table_for(model.config, type(model)), task
 
 
 def _name(path: str) -> str:
@@ -149,7 +150,7 @@ def save_adapter(
     layers = lora_layers(model, "save_adapter")
     table, task = _table(model, "save_adapter")
     config = _peft_config(model, layers, table, task, base_model_name_or_path)
-    tensors = export_state_dict(lora_params(model), dtype=dtype)
+    tensors = export_state_dict(lora_params(model), dtype=dtype, key_table=table)
     tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

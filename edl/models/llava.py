@@ -52,6 +52,7 @@ __all__ = [
     "LlavaMultiModalProjector",
     "key_table",
     "merge_image_features",
+    "module_key_table",
 ]
 
 Ids = Int[Array, "batch seq"]
@@ -213,7 +214,6 @@ def key_table(config: LlavaConfig) -> KeyTable:
     """HF <-> edl keys of a LLaVA model: the language model's own table moved under
     ``language_model.`` (HF) / ``model.language_model.`` (edl), the vision tower's under
     ``vision_tower.`` / ``model.vision_tower.``; the older layouts load only."""
-    text = _text_family(config.text_config.model_type).key_table_for(config.text_config)
     rules: list[KeyRule | tuple] = [
         *tower_key_table("vision_tower.", "model.vision_tower.", legacy=(
             "vision_tower.vision_model.", "model.vision_tower.vision_model.",
@@ -223,21 +223,45 @@ def key_table(config: LlavaConfig) -> KeyTable:
         ("lm_head.weight", "lm_head.weight", None, True),
         ("language_model.lm_head.weight", "lm_head.weight"),
     ]  # fmt: skip
-    for rule in text.rules:  # the causal LM's trunk rules: HF model.* <-> edl model.*
-        if not (rule.hf.startswith("model.") and rule.edl_templates[0].startswith("model.")):
-            continue
-        edl = tuple("model.language_model." + e.removeprefix("model.") for e in rule.edl_templates)
-        edl_one = edl[0] if len(edl) == 1 else edl
-        tail = rule.hf.removeprefix("model.")
-        rules.append(dataclasses.replace(rule, hf="model.language_model." + tail, edl=edl_one,
-                                         load_only=True))  # fmt: skip
-        rules.append(dataclasses.replace(rule, hf="language_model.model." + tail, edl=edl_one))
+    for rule in _trunk_rules(config):
+        tail = rule.hf.removeprefix("model.language_model.")
+        rules.append(dataclasses.replace(rule, load_only=True))
+        rules.append(dataclasses.replace(rule, hf="language_model.model." + tail))
     rules += [  # the trunk's other arrays (embed_tokens, norm), after its layer rules
         ("model.language_model.{name}", "model.language_model.{name}", None, True),
         ("language_model.model.{name}", "model.language_model.{name}"),
     ]
-    ignore = (r"(.*\.)?embeddings\.position_ids", r".*rotary_emb\.inv_freq")
-    return KeyTable(tuple(rules), ignore_hf=ignore)
+    return KeyTable(tuple(rules), ignore_hf=_IGNORED)
+
+
+_IGNORED = (r"(.*\.)?embeddings\.position_ids", r".*rotary_emb\.inv_freq")
+
+
+def _trunk_rules(config: LlavaConfig) -> list[KeyRule]:
+    """The language model family's trunk rules (HF ``model.*`` <-> edl ``model.*`` of its
+    causal LM) moved to transformers 5's module names, ``model.language_model.*`` both ways."""
+    text = _text_family(config.text_config.model_type).key_table_for(config.text_config)
+    out = []
+    for rule in text.rules:
+        if not (rule.hf.startswith("model.") and rule.edl_templates[0].startswith("model.")):
+            continue
+        edl = tuple("model.language_model." + e.removeprefix("model.") for e in rule.edl_templates)
+        hf = "model.language_model." + rule.hf.removeprefix("model.")
+        out.append(dataclasses.replace(rule, hf=hf, edl=edl[0] if len(edl) == 1 else edl))
+    return out
+
+
+def module_key_table(config: LlavaConfig) -> KeyTable:
+    """The names of transformers 5's modules (``model.language_model.layers.0.self_attn``,
+    ``model.vision_tower.encoder.layers.0.mlp``), which PEFT adapters use: edl's paths with
+    each layer's index, unlike the files' ``language_model.model.*``."""
+    rules = [
+        *tower_key_table("model.vision_tower.", "model.vision_tower."),
+        *_trunk_rules(config),
+        ("model.language_model.{name}", "model.language_model.{name}"),
+        ("{name}", "{name}"),
+    ]
+    return KeyTable(tuple(rules), ignore_hf=_IGNORED)
 
 
 class LlavaMultiModalProjector(eqx.Module):

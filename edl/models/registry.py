@@ -48,6 +48,14 @@ class Family:
     tasks: Mapping[str, type]
     hf_names: Mapping[str, str]
     task_tables: Mapping[str, KeyTable] = dataclasses.field(default_factory=dict)
+    module_table: Callable[[Any], KeyTable] | None = None
+
+    def module_table_for(self, config: Any, model_cls: type | None = None) -> KeyTable:
+        """The table of HF's in-memory module names (PEFT adapters name modules): the file
+        table unless the family's files use other names (LLaVA's, under transformers 5)."""
+        if self.module_table is not None:
+            return self.module_table(config)
+        return self.key_table_for(config, model_cls)
 
     def key_table_for(self, config: Any, model_cls: type | None = None) -> KeyTable:
         """The key table for ``config`` (and, where a task lays its keys out its own way,
@@ -187,5 +195,5 @@ SIGLIP_VISION = register(Family(
 LLAVA = register(Family(
     "llava", llava.LlavaConfig, llava.key_table,
     {"conditional_generation": llava.LlavaForConditionalGeneration, "base": llava.LlavaModel},
-    {"llava": "Llava"},
+    {"llava": "Llava"}, module_table=llava.module_key_table,
 ))  # fmt: skip
