@@ -30,6 +30,7 @@ __all__ = [
     "TextTowerConfig",
     "TowerConfig",
     "VisionTowerConfig",
+    "replace_nested",
 ]
 
 # Keys that describe the stored file rather than the model; save_pretrained rewrites them.
@@ -217,6 +218,17 @@ class SiglipVisionConfig(VisionTowerConfig):
     vision_use_head: bool | None = True
 
 
+def replace_nested(config: Any, changes: Mapping[str, Any]) -> Any:
+    """``config`` (holding a ``text_config`` and a ``vision_config``) with ``changes``: its
+    own fields, and run options (``scan_layers=False``) applied to both nested configs."""
+    options = {k: v for k, v in changes.items() if k in RUN_OPTIONS}
+    fields = {k: v for k, v in changes.items() if k not in RUN_OPTIONS}
+    if options:
+        for name in ("text_config", "vision_config"):
+            fields[name] = fields.get(name, getattr(config, name)).replace(**options)
+    return dataclasses.replace(config, **fields)
+
+
 @dataclasses.dataclass(frozen=True)
 class DualEncoderConfig:
     """A text tower and a vision tower (HF ``text_config`` / ``vision_config``)."""
@@ -244,12 +256,7 @@ class DualEncoderConfig:
 
     def replace(self, **changes: Any) -> DualEncoderConfig:
         """A copy with ``changes``; run options (``scan_layers=False``) go to both towers."""
-        options = {k: v for k, v in changes.items() if k in RUN_OPTIONS}
-        fields = {k: v for k, v in changes.items() if k not in RUN_OPTIONS}
-        if options:
-            for name in ("text_config", "vision_config"):
-                fields[name] = fields.get(name, getattr(self, name)).replace(**options)
-        return dataclasses.replace(self, **fields)
+        return replace_nested(self, changes)
 
     @classmethod
     def _towers_from_hf(cls, c: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:

@@ -35,7 +35,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from edl.models.clip import ENCODER_PARTITION_RULES, CLIPVisionModel, tower_key_table
 from edl.models.config import RUN_OPTIONS, DecoderConfig
 from edl.models.decoder import PARTITION_RULES, CausalLMOutput, DecoderModel, ModelOutput
-from edl.models.encoder_config import CLIPVisionConfig, SiglipVisionConfig
+from edl.models.encoder_config import CLIPVisionConfig, SiglipVisionConfig, replace_nested
 from edl.models.heads import DecoderForCausalLM
 from edl.models.keymap import KeyRule, KeyTable
 from edl.models.siglip import SiglipVisionModel
@@ -144,12 +144,7 @@ class LlavaConfig:
 
     def replace(self, **changes: Any) -> LlavaConfig:
         """A copy with ``changes``; run options (``scan_layers=False``) go to both models."""
-        options = {k: v for k, v in changes.items() if k in RUN_OPTIONS}
-        fields = {k: v for k, v in changes.items() if k not in RUN_OPTIONS}
-        if options:
-            for name in ("text_config", "vision_config"):
-                fields[name] = fields.get(name, getattr(self, name)).replace(**options)
-        return dataclasses.replace(self, **fields)
+        return replace_nested(self, changes)
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides: Any) -> LlavaConfig:
