@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 import edl
 from edl.generate import generate, generate_stream
+from edl.models.llava import merge_image_features
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -80,21 +81,23 @@ def test_forward_and_loss_match_transformers(llava):
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
                  labels=torch.tensor(labels))  # fmt: skip
-    logits = jax.jit(lambda m, i, p: m(i, p).logits)(model, jnp.asarray(ids), jnp.asarray(pixels))
+    # One program: the logits and the loss with its default labels (the ids with the image
+    # tokens ignored, as given to transformers).
+    run = jax.jit(lambda m, i, p: (m(i, p).logits, m.compute_loss(i, pixel_values=p)))
+    logits, (loss, metrics) = run(model, jnp.asarray(ids), jnp.asarray(pixels))
     diff = np.abs(np.asarray(logits) - ref.logits.numpy()).max()
     assert diff <= TOL, f"max |edl - hf| = {diff:.2e}"
-    # Default labels: the ids with the image tokens ignored, as given to transformers.
-    loss_fn = jax.jit(lambda m, i, p: m.compute_loss(i, pixel_values=p))
-    loss, metrics = loss_fn(model, jnp.asarray(ids), jnp.asarray(pixels))
     assert abs(float(loss) - float(ref.loss)) <= TOL * float(ref.loss)
     assert int(metrics["count"]) == int((labels[:, 1:] != -100).sum())
     # One placeholder too few: named eagerly, and still refused inside a compiled program.
     short = ids.copy()
     short[0, 2] = 1
+    features = jnp.zeros((2, 4, TEXT["hidden_size"]))
+    embeds = jnp.zeros((*short.shape, TEXT["hidden_size"]))
     with pytest.raises(ValueError, match=r"hold 7 image tokens \(id 100\) but 2 images"):
-        model(jnp.asarray(short), jnp.asarray(pixels))
+        merge_image_features(embeds, jnp.asarray(short), features, IMAGE)
     with pytest.raises(Exception, match="image token count != images"):
-        loss_fn(model, jnp.asarray(short), jnp.asarray(pixels))[0].block_until_ready()
+        run(model, jnp.asarray(short), jnp.asarray(pixels))[0].block_until_ready()
 
 
 def test_greedy_generation_with_an_image_matches_transformers(llava):
