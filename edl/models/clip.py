@@ -31,10 +31,10 @@ from edl.models.towers import (
     EncoderOutput,
     TextEmbeddings,
     VisionEmbeddings,
-    padding_segments,
 )
 from edl.module import require_float_dtype
 from edl.nn.layers import LayerNorm, Linear
+from edl.ops.attention import padding_segments
 from edl.ops.contrastive import clip_loss, image_text_logits, l2_normalize
 from edl.ops.sharding import Rules
 

@@ -34,6 +34,7 @@ from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import SparseMoE
 from edl.nn.stack import run_stack, stack, unstack
+from edl.ops.attention import padding_segments
 from edl.ops.checks import check_ids
 from edl.ops.moe import RouterStats
 from edl.ops.rope import rope_tables
@@ -226,20 +227,6 @@ def _positions_from_segments(segment_ids: Ids) -> Ids:
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def _attention_segments(
-    batch: int, seq: int, attention_mask: Mask | None, segment_ids: Ids | None
-) -> tuple[Ids, Ids] | None:
-    """``(q_ids, kv_ids)`` for ``edl.ops.attention``: padded keys (mask 0) match no query."""
-    if attention_mask is None and segment_ids is None:
-        return None
-    q_ids = (
-        jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    )
-    if attention_mask is None:
-        return q_ids, q_ids
-    return q_ids, jnp.where(attention_mask.astype(jnp.bool_), q_ids, -1)
-
-
 def _check_2d(name: str, x: jax.Array | None, batch: int, seq: int) -> None:
     if x is not None and x.shape != (batch, seq):
         raise ValueError(f"{name} must be (batch, seq) = {(batch, seq)}, got {x.shape}")
@@ -379,7 +366,7 @@ class DecoderModel(eqx.Module):
             )
         position_ids = _broadcast_positions(position_ids, batch, seq)
         cos, sin = rope_tables(position_ids, c.rope)
-        segments = _attention_segments(batch, seq, attention_mask, segment_ids)
+        segments = padding_segments(attention_mask, segment_ids)
         token_mask = None if attention_mask is None else attention_mask.astype(jnp.float32)
 
         def apply(layer: DecoderLayer, carry, window: int | None, _):

@@ -63,6 +63,12 @@ VisionTower = CLIPVisionModel | SiglipVisionModel
 _VISION = {"clip_vision_model": CLIPVisionConfig, "siglip_vision_model": SiglipVisionConfig}
 _TOWERS = {CLIPVisionConfig: CLIPVisionModel, SiglipVisionConfig: SiglipVisionModel}
 _STRATEGIES = ("default", "full")
+# LlavaConfig's own fields, read as they are.
+_OWN = frozenset({
+    "image_token_index", "image_seq_length", "projector_hidden_act",
+    "vision_feature_select_strategy", "vision_feature_layer", "multimodal_projector_bias",
+    "tie_word_embeddings",
+})  # fmt: skip
 _READ = frozenset({
     "model_type", "text_config", "vision_config", "image_token_index", "image_token_id",
     "image_seq_length", "projector_hidden_act", "vision_feature_select_strategy",
@@ -165,10 +171,7 @@ class LlavaConfig:
                 f"config.json: vision_config.model_type {vision['model_type']!r} is not one of "
                 f"{sorted(_VISION)}"
             )
-        fields = {k: c[k] for k in _READ & set(c) if k in {f.name for f in dataclasses.fields(cls)}}
-        fields.pop("model_type", None)
-        for name in ("text_config", "vision_config"):
-            fields.pop(name, None)
+        fields = {k: c[k] for k in _OWN & set(c)}
         if "image_token_id" in c and "image_token_index" not in c:
             fields["image_token_index"] = c["image_token_id"]
         if isinstance(fields.get("vision_feature_layer"), list):

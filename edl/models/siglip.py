@@ -26,10 +26,10 @@ from edl.models.towers import (
     EncoderOutput,
     TextEmbeddings,
     VisionEmbeddings,
-    padding_segments,
 )
 from edl.module import require_float_dtype
 from edl.nn.layers import LayerNorm, Linear
+from edl.ops.attention import padding_segments
 from edl.ops.contrastive import image_text_logits, l2_normalize, sigmoid_loss
 from edl.ops.sharding import Rules
 

@@ -31,7 +31,6 @@ __all__ = [
     "PatchEmbedding",
     "TextEmbeddings",
     "VisionEmbeddings",
-    "padding_segments",
 ]
 
 Hidden = Float[Array, "batch seq dim"]
@@ -47,15 +46,6 @@ class EncoderOutput(eqx.Module):
     last_hidden_state: Hidden
     pooler_output: Float[Array, "batch out"] | None
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
-
-
-def padding_segments(attention_mask: Int[Array, "batch seq"] | None) -> SegmentIds | None:
-    """``edl.ops.attention`` segment ids under which padded keys (mask 0) match no query,
-    as HF's padding mask does (padded queries still attend to the real keys)."""
-    if attention_mask is None:
-        return None
-    q_ids = jnp.ones(attention_mask.shape, jnp.int32)
-    return q_ids, jnp.where(attention_mask.astype(jnp.bool_), q_ids, -1)
 
 
 class Encoder(eqx.Module):

@@ -27,6 +27,7 @@ __all__ = [
     "attention",
     "attention_mask",
     "masked_attention",
+    "padding_segments",
     "reference_attention",
 ]
 
@@ -45,6 +46,25 @@ def _segment_pair(segment_ids: SegmentIds | None, q_len: int, kv_len: int):
             f"{q_len} / kv_len {kv_len}; pass a (q_ids, kv_ids) pair when they differ"
         )
     return q_ids, kv_ids
+
+
+def padding_segments(
+    attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+) -> SegmentIds | None:
+    """``(q_ids, kv_ids)`` for ``attention``'s ``segment_ids``: each query sees its own
+    segment (``segment_ids``, default one segment per row) and no padded key (mask 0), as
+    HF's padding mask does (padded queries still see the real keys). ``None`` when neither
+    is given."""
+    if attention_mask is None and segment_ids is None:
+        return None
+    if segment_ids is None:
+        q_ids = jnp.ones(attention_mask.shape, jnp.int32)
+    else:
+        q_ids = segment_ids.astype(jnp.int32)
+    if attention_mask is None:
+        return q_ids, q_ids
+    return q_ids, jnp.where(attention_mask.astype(jnp.bool_), q_ids, -1)
 
 
 def attention_mask(
