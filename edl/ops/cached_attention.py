@@ -33,12 +33,24 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.kernels import decode_attention, gather_pages, paged_decode_attention
+from edl.kernels import decode_attention, gather_pages, native, paged_decode_attention
 from edl.ops import cpu
 from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths
 
-__all__ = ["LIVE_BRANCHES", "cache_mask", "cached_attention", "live_lengths", "paged_attention"]
+__all__ = [
+    "LIVE_BRANCHES",
+    "NATIVE_MAX_NEW_TOKENS",
+    "cache_mask",
+    "cached_attention",
+    "live_lengths",
+    "paged_attention",
+]
+
+# The native CPU kernel's loops are scalar code over one key at a time: right for decode
+# steps, slower than XLA's GEMMs for prompt chunks (benchmarks/RESULTS.md, "serve: paged
+# attention read in place on CPU").
+NATIVE_MAX_NEW_TOKENS = 4
 
 _warned: set[str] = set()
 
@@ -136,12 +148,37 @@ def paged_attention(
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
     ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
-    pools stacked over layers). ``"pallas"`` runs ``edl.kernels.paged_decode_attention``
-    (pages read in place); ``"reference"``/``"xla"`` gather each row's pages into a contiguous
-    cache first (``"xla"`` on CPU only the pages below the longest row's length, see the
-    module docstring, unless ``live_prefix=False``: every page of the table, for a caller
-    that trimmed the table to what is live); ``"auto"`` as in the module docstring."""
+    pools stacked over layers).
+
+    ``impl``:
+
+    - ``"pallas"``: ``edl.kernels.paged_decode_attention`` (pages read in place).
+    - ``"native"``: ``edl.kernels.native.paged_attention_cpu``, a C++ kernel for CPU that
+      reads the pages in place (float32 / bfloat16; built on first use).
+    - ``"reference"`` / ``"xla"``: each row's pages gathered into a contiguous cache first
+      (``"xla"`` on CPU only the pages below the longest row's length, see the module
+      docstring, unless ``live_prefix=False``: every page of the table, for a caller that
+      trimmed the table to what is live).
+    - ``"auto"``: the Pallas kernel on GPU; on CPU the native kernel for at most
+      ``NATIVE_MAX_NEW_TOKENS`` new tokens per row where it can run (else ``"xla"``, with a
+      warning naming why once).
+    """
     _check_layer("paged_attention", k_pages, layer)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if _use_native(impl, q, k_pages):
+        if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
+            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        native_call = functools.partial(
+            native.paged_attention_cpu, scale=scale, window=window, softcap=softcap
+        )
+        if impl == "native":
+            return native_call(q, k_pages, v_pages, page_table, lengths, layer)
+        return jax.lax.platform_dependent(
+            q, k_pages, v_pages, page_table, lengths, jnp.asarray(layer, jnp.int32),
+            cpu=native_call,
+            default=functools.partial(_paged_xla, impl="xla", window=window, softcap=softcap,
+                                      scale=scale, live_prefix=live_prefix),
+        )  # fmt: skip
     if _use_pallas(impl, q, k_pages, "paged_attention"):
         if layer is not None:
             k_pages, v_pages = k_pages[layer], v_pages[layer]
@@ -149,6 +186,17 @@ def paged_attention(
             q, k_pages, v_pages, page_table, lengths, window=window, softcap=softcap,
             scale=scale,
         )  # fmt: skip
+    return _paged_xla(
+        q, k_pages, v_pages, page_table, lengths, layer, impl=impl, window=window,
+        softcap=softcap, scale=scale, live_prefix=live_prefix,
+    )  # fmt: skip
+
+
+def _paged_xla(
+    q, k_pages, v_pages, page_table, lengths, layer, *, impl, window, softcap, scale,
+    live_prefix,
+):  # fmt: skip
+    """``paged_attention``'s gathered form (``"xla"`` / ``"reference"``)."""
     page_size = k_pages.shape[-3]
 
     def read(num_pages: int) -> jax.Array:
@@ -176,11 +224,33 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
     )  # fmt: skip
 
 
+def _use_native(impl: str, q: jax.Array, pages: jax.Array) -> bool:
+    """Whether ``impl`` means the native CPU kernel here (``"native"``: always, raising if it
+    cannot run; ``"auto"``: on a CPU backend, for a few new tokens, when it can run)."""
+    if impl == "native":
+        reason = native.unavailable()
+        if reason is not None:
+            raise ValueError(f"paged_attention: impl='native' cannot run: {reason}")
+        return True
+    if impl != "auto" or jax.default_backend() != "cpu" or q.shape[1] > NATIVE_MAX_NEW_TOKENS:
+        return False
+    if q.dtype not in native.DTYPES or pages.dtype != q.dtype:
+        return False
+    reason = native.unavailable()
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"edl paged_attention: {reason}; using impl='xla'", stacklevel=3)
+    return reason is None
+
+
 def _use_pallas(impl: str, q: jax.Array, cache: jax.Array, name: str) -> bool:
     """Whether ``impl`` means the Pallas kernel here (``"auto"``: on GPU; it warns once when
     the kernel cannot run there)."""
     if impl not in IMPLS or impl == "cudnn":
-        raise ValueError(f"{name}: impl must be one of auto/pallas/xla/reference, got {impl!r}")
+        natives = "/native" if name == "paged_attention" else ""
+        raise ValueError(
+            f"{name}: impl must be one of auto/pallas{natives}/xla/reference, got {impl!r}"
+        )
     if impl not in ("auto", "pallas"):
         return False
     if impl == "auto" and jax.default_backend() == "cpu":

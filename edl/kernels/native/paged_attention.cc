@@ -1,0 +1,271 @@
+// Paged attention for a few new tokens per row, read from the page pool in place: the CPU
+// kernel behind edl.kernels.native.paged_attention_cpu (see that module for why it exists).
+//
+// Operands (row-major, as XLA:CPU hands them over):
+//   q          (batch, new_tokens, heads, head_dim)                       f32 | bf16
+//   k_pages    (layers, num_pages, page_size, kv_heads, head_dim)         same dtype as q
+//   v_pages    (layers, num_pages, page_size, kv_heads, head_dim)         same dtype as q
+//   page_table (batch, pages_per_seq)                                     s32
+//   lengths    (batch,)                                                   s32
+//   layer      ()                                                         s32
+// Attributes: scale (f32), softcap (f32, 0: none), window (s64, 0: none).
+// Result:     (batch, new_tokens, heads, head_dim), q's dtype.
+//
+// Semantics are edl.ops.cached_attention.cache_mask + masked_attention over each row's
+// gathered pages: row b's query i sits at position q = lengths[b] - new_tokens + i and sees
+// key positions p with p <= q, p < lengths[b], p < pages_per_seq * page_size and, with a
+// window, q - p < window; a query that sees nothing gives zeros. Logits, softmax and sums are
+// float32; with bf16 operands the probabilities are rounded to bf16 before the value sum, as
+// the reference does. Page ids are clamped into the pool (XLA's gather clamps too); pages at
+// or past a row's length are never read.
+//
+// Work is split over (row, kv head) items, shared by the calling thread and helpers from
+// XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+template <typename T>
+struct Elem;
+template <>
+struct Elem<float> {
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+  static float round(float x) { return x; }
+};
+template <>
+struct Elem<uint16_t> {  // bfloat16 bits
+  static float load(uint16_t x) { return bf16_to_f32(x); }
+  static uint16_t store(float x) { return f32_to_bf16(x); }
+  static float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+};
+
+struct Shape {
+  int64_t batch, new_tokens, heads, head_dim;
+  int64_t num_pages, page_size, kv_heads, pages_per_seq;
+  int64_t layer;  // already checked to be in range
+  float scale, softcap;
+  int64_t window;
+};
+
+// One (row, kv head) item: its new_tokens * group queries against the row's pages.
+template <typename T>
+void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
+                 const int32_t* lengths, T* out, int64_t b, int64_t j,
+                 std::vector<float>& logits, std::vector<float>& acc, std::vector<float>& qf) {
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads, rows = s.new_tokens * group;
+  const int64_t capacity = s.pages_per_seq * s.page_size;
+  const int64_t length = lengths[b];
+  const int64_t keys = std::max<int64_t>(0, std::min(length, capacity));
+
+  // Query rows r = i * group + g: token i, head j * group + g; scale folded in.
+  qf.assign(rows * d, 0.0f);
+  for (int64_t i = 0; i < s.new_tokens; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q + ((b * s.new_tokens + i) * s.heads + j * group + g) * d;
+      float* dst = qf.data() + (i * group + g) * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::load(src[c]);
+    }
+  // The key range each query row sees: [first, last).
+  auto first_of = [&](int64_t i) -> int64_t {
+    const int64_t qpos = length - s.new_tokens + i;
+    return s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
+  };
+  auto last_of = [&](int64_t i) -> int64_t {
+    const int64_t qpos = length - s.new_tokens + i;
+    return std::max<int64_t>(0, std::min(keys, qpos + 1));
+  };
+  int64_t lo = keys, hi = 0;
+  for (int64_t i = 0; i < s.new_tokens; ++i) {
+    if (first_of(i) < last_of(i)) {
+      lo = std::min(lo, first_of(i));
+      hi = std::max(hi, last_of(i));
+    }
+  }
+  const int64_t span = std::max<int64_t>(0, hi - lo);
+  logits.assign(rows * std::max<int64_t>(span, 1), -std::numeric_limits<float>::infinity());
+  acc.assign(rows * d, 0.0f);
+
+  const int64_t pos_stride = s.kv_heads * d;  // between positions within a page
+  const int64_t page_stride = s.page_size * pos_stride;
+  const int64_t layer_offset = s.layer * s.num_pages * page_stride + j * d;
+  std::vector<float> kf(d);
+  auto row_at = [&](const T* pool, int64_t p) -> const T* {
+    int64_t page = table[b * s.pages_per_seq + p / s.page_size];
+    page = std::min<int64_t>(std::max<int64_t>(page, 0), s.num_pages - 1);
+    return pool + layer_offset + page * page_stride + (p % s.page_size) * pos_stride;
+  };
+
+  // Pass 1: logits.
+  for (int64_t p = lo; p < hi; ++p) {
+    const T* kp = row_at(k, p);
+    for (int64_t c = 0; c < d; ++c) kf[c] = Elem<T>::load(kp[c]);
+    for (int64_t i = 0; i < s.new_tokens; ++i) {
+      if (p < first_of(i) || p >= last_of(i)) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = i * group + g;
+        const float* qr = qf.data() + r * d;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < d; ++c) dot += qr[c] * kf[c];
+        float x = dot * s.scale;
+        if (s.softcap > 0.0f) x = s.softcap * std::tanh(x / s.softcap);
+        logits[r * span + (p - lo)] = x;
+      }
+    }
+  }
+  // Softmax per query row over the keys it sees (unseen entries are -inf: weight 0).
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / group;
+    const int64_t a = std::max(first_of(i), lo), e = std::min(last_of(i), hi);
+    if (a >= e) continue;
+    float* row = logits.data() + r * span;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = a; p < e; ++p) m = std::max(m, row[p - lo]);
+    float sum = 0.0f;
+    for (int64_t p = a; p < e; ++p) sum += (row[p - lo] = std::exp(row[p - lo] - m));
+    const float inv = 1.0f / sum;
+    for (int64_t p = a; p < e; ++p) row[p - lo] = Elem<T>::round(row[p - lo] * inv);
+  }
+  // Pass 2: probability-weighted values, only over seen keys (stale data elsewhere).
+  for (int64_t p = lo; p < hi; ++p) {
+    const T* vp = row_at(v, p);
+    for (int64_t c = 0; c < d; ++c) kf[c] = Elem<T>::load(vp[c]);
+    for (int64_t i = 0; i < s.new_tokens; ++i) {
+      if (p < first_of(i) || p >= last_of(i)) continue;
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t r = i * group + g;
+        const float w = logits[r * span + (p - lo)];
+        float* ar = acc.data() + r * d;
+        for (int64_t c = 0; c < d; ++c) ar[c] += w * kf[c];
+      }
+    }
+  }
+  for (int64_t i = 0; i < s.new_tokens; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      T* dst = out + ((b * s.new_tokens + i) * s.heads + j * group + g) * d;
+      const float* src = acc.data() + (i * group + g) * d;
+      for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::store(src[c]);
+    }
+}
+
+// Items are claimed from a shared counter; helpers that start after all are claimed return
+// at once, and the caller waits only for items in progress (it never waits on a helper that
+// has not started, so a busy or one-thread pool cannot deadlock it).
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+};
+
+template <typename T>
+void run_items(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
+               const int32_t* lengths, T* out, Work& work) {
+  std::vector<float> logits, acc, qf;
+  for (;;) {
+    const int64_t item = work.next.fetch_add(1);
+    if (item >= work.total) return;
+    attend_item<T>(s, q, k, v, table, lengths, out, item / s.kv_heads, item % s.kv_heads,
+                   logits, acc, qf);
+    work.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <typename T>
+void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
+         const int32_t* lengths, T* out, ffi::ThreadPool& pool) {
+  auto work = std::make_shared<Work>();
+  work->total = s.batch * s.kv_heads;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
+  for (int64_t h = 0; h < helpers; ++h) {
+    // The shared_ptr keeps the counters alive for a helper that starts late.
+    pool.Schedule([=] { run_items<T>(s, q, k, v, table, lengths, out, *work); });
+  }
+  run_items<T>(s, q, k, v, table, lengths, out, *work);
+  while (work->done.load(std::memory_order_acquire) < work->total) {
+    // Items still in progress on helpers: a few microseconds at most.
+  }
+}
+
+ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                              ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> page_table,
+                              ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
+                              ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                              int64_t window) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  auto td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "edl paged_attention_cpu: expected q 4-d, pools 5-d, page table 2-d");
+  Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], 0, scale, softcap, window};
+  const int64_t layers = kd[0];
+  s.layer = layer.typed_data()[0];
+  if (s.layer < 0 || s.layer >= layers)
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: layer out of range");
+  if (kd[4] != s.head_dim || s.heads % s.kv_heads != 0 || td[0] != s.batch)
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: inconsistent shapes");
+  if (q.element_type() != k_pages.element_type() || q.element_type() != v_pages.element_type())
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: q and pools differ in dtype");
+  const int32_t* table = page_table.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  switch (q.element_type()) {
+    case ffi::F32:
+      run<float>(s, static_cast<const float*>(q.untyped_data()),
+                 static_cast<const float*>(k_pages.untyped_data()),
+                 static_cast<const float*>(v_pages.untyped_data()), table, lens,
+                 static_cast<float*>(out->untyped_data()), pool);
+      return ffi::Error::Success();
+    case ffi::BF16:
+      run<uint16_t>(s, static_cast<const uint16_t*>(q.untyped_data()),
+                    static_cast<const uint16_t*>(k_pages.untyped_data()),
+                    static_cast<const uint16_t*>(v_pages.untyped_data()), table, lens,
+                    static_cast<uint16_t*>(out->untyped_data()), pool);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("edl paged_attention_cpu: dtype must be f32 or bf16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EdlPagedAttention, PagedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k_pages
+                                  .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window"));
