@@ -161,7 +161,7 @@ def paged_attention(
       trimmed the table to what is live).
     - ``"auto"``: the Pallas kernel on GPU; on CPU the native kernel for at most
       ``NATIVE_MAX_NEW_TOKENS`` new tokens per row where it can run (else ``"xla"``, with a
-      warning naming why once).
+      warning naming why once; none with ``EDL_NATIVE_KERNELS=0``).
     """
     _check_layer("paged_attention", k_pages, layer)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -233,6 +233,8 @@ def _use_native(impl: str, q: jax.Array, pages: jax.Array) -> bool:
             raise ValueError(f"paged_attention: impl='native' cannot run: {reason}")
         return True
     if impl != "auto" or jax.default_backend() != "cpu" or q.shape[1] > NATIVE_MAX_NEW_TOKENS:
+        return False
+    if native.turned_off():  # asked for: no warning
         return False
     if q.dtype not in native.DTYPES or pages.dtype != q.dtype:
         return False

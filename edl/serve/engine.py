@@ -31,6 +31,13 @@ of the stack on every call, which at batch 1 costs more than the step's own arit
 holds that copy (one more copy of the weights while the caller keeps its model); compile time
 grows with depth.
 
+Attention on CPU: decode calls (width 1) read each row's pages where they lie, through edl's
+native kernel (``edl.kernels.native``, picked by ``edl.ops.paged_attention``); XLA alone
+must first gather every row's pages into a contiguous copy per layer, which made attention
+half of a 16-row decode step (``benchmarks/RESULTS.md``, "serve: paged attention read in
+place on CPU"). Prefill calls (width 16 and up) keep the gathered form: there XLA's GEMMs
+beat the kernel's per-key loops.
+
 Split of state: the device side is pure (``model_step``: model, page pools, page table,
 tokens, sampling settings in; pools and next tokens out). The ``Engine`` object holds the
 host scheduler (queue, batch places, ``PagePool``) and, between steps, the latest page pools:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -34,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-__all__ = ["DTYPES", "build_library", "paged_attention_cpu", "unavailable"]
+__all__ = ["DTYPES", "build_library", "paged_attention_cpu", "turned_off", "unavailable"]
 
 _SOURCE = Path(__file__).with_name("paged_attention.cc")
 _TARGET = "edl_paged_attention"
@@ -77,7 +78,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
     for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(),
-                 jax.lib.__version__.encode(), platform.machine().encode(),
+                 importlib.metadata.version("jaxlib").encode(), platform.machine().encode(),
                  _cpu_model().encode()):  # fmt: skip
         key.update(part)
         key.update(b"\0")
@@ -102,12 +103,17 @@ def build_library(cache_dir: Path | None = None) -> Path:
     return library
 
 
+def turned_off() -> bool:
+    """Whether the environment turns the native kernels off (``EDL_NATIVE_KERNELS=0``)."""
+    return os.environ.get("EDL_NATIVE_KERNELS", "1") == "0"
+
+
 @functools.cache
 def _registered() -> str | None:
     """Build (or find) the library and register its handler with XLA once per process;
     None when ready, else why not."""
-    if os.environ.get("EDL_NATIVE_KERNELS", "1") == "0":
-        return "EDL_NATIVE_KERNELS=0"
+    if turned_off():
+        return "turned off by EDL_NATIVE_KERNELS=0"
     try:
         library = ctypes.CDLL(str(build_library()))
     except (RuntimeError, OSError) as error:

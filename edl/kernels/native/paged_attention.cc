@@ -19,8 +19,9 @@
 // the reference does. Page ids are clamped into the pool (XLA's gather clamps too); pages at
 // or past a row's length are never read.
 //
-// Work is split over (row, kv head) items, shared by the calling thread and helpers from
-// XLA's intra-op thread pool.
+// Work is split over items, rows or (row, block of kv heads), shared by the calling thread and
+// helpers from XLA's intra-op thread pool; an item reads its pages' positions in order, so
+// within a page the memory it reads is contiguous.
 
 #include <algorithm>
 #include <atomic>
@@ -59,12 +60,18 @@ struct Elem<float> {
   static float load(float x) { return x; }
   static float store(float x) { return x; }
   static float round(float x) { return x; }
+  // A key or value row as float32: the pool's own memory, no copy.
+  static const float* row(const float* src, int64_t, float*) { return src; }
 };
 template <>
 struct Elem<uint16_t> {  // bfloat16 bits
   static float load(uint16_t x) { return bf16_to_f32(x); }
   static uint16_t store(float x) { return f32_to_bf16(x); }
   static float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+  static const float* row(const uint16_t* src, int64_t d, float* buffer) {
+    for (int64_t c = 0; c < d; ++c) buffer[c] = bf16_to_f32(src[c]);
+    return buffer;
+  }
 };
 
 struct Shape {
@@ -75,25 +82,28 @@ struct Shape {
   int64_t window;
 };
 
-// One (row, kv head) item: its new_tokens * group queries against the row's pages.
+// One item: row b's queries of kv heads [j0, j1) (their new_tokens * (j1 - j0) * group query
+// rows) against the row's pages. Within a page the item reads the positions' (j1 - j0) *
+// head_dim contiguous values one after another.
 template <typename T>
 void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
-                 const int32_t* lengths, T* out, int64_t b, int64_t j,
-                 std::vector<float>& logits, std::vector<float>& acc, std::vector<float>& qf) {
-  const int64_t d = s.head_dim, group = s.heads / s.kv_heads, rows = s.new_tokens * group;
+                 const int32_t* lengths, T* out, int64_t b, int64_t j0, int64_t j1,
+                 std::vector<float>& logits, std::vector<float>& acc, std::vector<float>& qf,
+                 std::vector<float>& buffer) {
+  const int64_t d = s.head_dim, group = s.heads / s.kv_heads;
+  const int64_t heads = (j1 - j0) * group, rows = s.new_tokens * heads;
   const int64_t capacity = s.pages_per_seq * s.page_size;
   const int64_t length = lengths[b];
   const int64_t keys = std::max<int64_t>(0, std::min(length, capacity));
 
-  // Query rows r = i * group + g: token i, head j * group + g; scale folded in.
+  // Query row r = i * heads + h: token i, head j0 * group + h (kv head j0 + h / group).
   qf.assign(rows * d, 0.0f);
-  for (int64_t i = 0; i < s.new_tokens; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = q + ((b * s.new_tokens + i) * s.heads + j * group + g) * d;
-      float* dst = qf.data() + (i * group + g) * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::load(src[c]);
-    }
-  // The key range each query row sees: [first, last).
+  for (int64_t i = 0; i < s.new_tokens; ++i) {
+    const T* src = q + ((b * s.new_tokens + i) * s.heads + j0 * group) * d;
+    float* dst = qf.data() + i * heads * d;
+    for (int64_t c = 0; c < heads * d; ++c) dst[c] = Elem<T>::load(src[c]);
+  }
+  // The key range token i sees: [first_of(i), last_of(i)).
   auto first_of = [&](int64_t i) -> int64_t {
     const int64_t qpos = length - s.new_tokens + i;
     return s.window > 0 ? std::max<int64_t>(0, qpos - s.window + 1) : 0;
@@ -110,70 +120,71 @@ void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32
     }
   }
   const int64_t span = std::max<int64_t>(0, hi - lo);
-  logits.assign(rows * std::max<int64_t>(span, 1), -std::numeric_limits<float>::infinity());
+  logits.assign(rows * std::max<int64_t>(span, 1), 0.0f);
   acc.assign(rows * d, 0.0f);
 
   const int64_t pos_stride = s.kv_heads * d;  // between positions within a page
   const int64_t page_stride = s.page_size * pos_stride;
-  const int64_t layer_offset = s.layer * s.num_pages * page_stride + j * d;
-  std::vector<float> kf(d);
-  auto row_at = [&](const T* pool, int64_t p) -> const T* {
+  const int64_t layer_offset = s.layer * s.num_pages * page_stride + j0 * d;
+  buffer.resize((j1 - j0) * d);  // a bf16 position converted to float32
+  auto position = [&](const T* pool, int64_t p) -> const float* {
     int64_t page = table[b * s.pages_per_seq + p / s.page_size];
     page = std::min<int64_t>(std::max<int64_t>(page, 0), s.num_pages - 1);
-    return pool + layer_offset + page * page_stride + (p % s.page_size) * pos_stride;
+    const T* at = pool + layer_offset + page * page_stride + (p % s.page_size) * pos_stride;
+    return Elem<T>::row(at, (j1 - j0) * d, buffer.data());
   };
 
   // Pass 1: logits.
   for (int64_t p = lo; p < hi; ++p) {
-    const T* kp = row_at(k, p);
-    for (int64_t c = 0; c < d; ++c) kf[c] = Elem<T>::load(kp[c]);
+    const float* kp = position(k, p);
     for (int64_t i = 0; i < s.new_tokens; ++i) {
       if (p < first_of(i) || p >= last_of(i)) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = i * group + g;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t r = i * heads + h;
         const float* qr = qf.data() + r * d;
+        const float* kh = kp + (h / group) * d;
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < d; ++c) dot += qr[c] * kf[c];
+        for (int64_t c = 0; c < d; ++c) dot += qr[c] * kh[c];
         float x = dot * s.scale;
         if (s.softcap > 0.0f) x = s.softcap * std::tanh(x / s.softcap);
         logits[r * span + (p - lo)] = x;
       }
     }
   }
-  // Softmax per query row over the keys it sees (unseen entries are -inf: weight 0).
+  // Softmax per query row over the keys its token sees.
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / group;
-    const int64_t a = std::max(first_of(i), lo), e = std::min(last_of(i), hi);
+    const int64_t i = r / heads;
+    const int64_t a = first_of(i), e = last_of(i);
     if (a >= e) continue;
-    float* row = logits.data() + r * span;
+    float* row = logits.data() + r * span - lo;  // row[p]: position p's logit
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = a; p < e; ++p) m = std::max(m, row[p - lo]);
+    for (int64_t p = a; p < e; ++p) m = std::max(m, row[p]);
     float sum = 0.0f;
-    for (int64_t p = a; p < e; ++p) sum += (row[p - lo] = std::exp(row[p - lo] - m));
+    for (int64_t p = a; p < e; ++p) sum += (row[p] = std::exp(row[p] - m));
     const float inv = 1.0f / sum;
-    for (int64_t p = a; p < e; ++p) row[p - lo] = Elem<T>::round(row[p - lo] * inv);
+    for (int64_t p = a; p < e; ++p) row[p] = Elem<T>::round(row[p] * inv);
   }
   // Pass 2: probability-weighted values, only over seen keys (stale data elsewhere).
   for (int64_t p = lo; p < hi; ++p) {
-    const T* vp = row_at(v, p);
-    for (int64_t c = 0; c < d; ++c) kf[c] = Elem<T>::load(vp[c]);
+    const float* vp = position(v, p);
     for (int64_t i = 0; i < s.new_tokens; ++i) {
       if (p < first_of(i) || p >= last_of(i)) continue;
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t r = i * group + g;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t r = i * heads + h;
         const float w = logits[r * span + (p - lo)];
+        const float* vh = vp + (h / group) * d;
         float* ar = acc.data() + r * d;
-        for (int64_t c = 0; c < d; ++c) ar[c] += w * kf[c];
+#pragma omp simd
+        for (int64_t c = 0; c < d; ++c) ar[c] += w * vh[c];
       }
     }
   }
-  for (int64_t i = 0; i < s.new_tokens; ++i)
-    for (int64_t g = 0; g < group; ++g) {
-      T* dst = out + ((b * s.new_tokens + i) * s.heads + j * group + g) * d;
-      const float* src = acc.data() + (i * group + g) * d;
-      for (int64_t c = 0; c < d; ++c) dst[c] = Elem<T>::store(src[c]);
-    }
+  for (int64_t i = 0; i < s.new_tokens; ++i) {
+    T* dst = out + ((b * s.new_tokens + i) * s.heads + j0 * group) * d;
+    const float* src = acc.data() + i * heads * d;
+    for (int64_t c = 0; c < heads * d; ++c) dst[c] = Elem<T>::store(src[c]);
+  }
 }
 
 // Items are claimed from a shared counter; helpers that start after all are claimed return
@@ -187,13 +198,16 @@ struct Work {
 
 template <typename T>
 void run_items(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
-               const int32_t* lengths, T* out, Work& work) {
-  std::vector<float> logits, acc, qf;
+               const int32_t* lengths, T* out, int64_t head_blocks, Work& work) {
+  std::vector<float> logits, acc, qf, buffer;
+  const int64_t per_block = (s.kv_heads + head_blocks - 1) / head_blocks;
   for (;;) {
     const int64_t item = work.next.fetch_add(1);
     if (item >= work.total) return;
-    attend_item<T>(s, q, k, v, table, lengths, out, item / s.kv_heads, item % s.kv_heads,
-                   logits, acc, qf);
+    const int64_t b = item / head_blocks, j0 = (item % head_blocks) * per_block;
+    const int64_t j1 = std::min(s.kv_heads, j0 + per_block);
+    if (j0 < j1)
+      attend_item<T>(s, q, k, v, table, lengths, out, b, j0, j1, logits, acc, qf, buffer);
     work.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -201,14 +215,19 @@ void run_items(const Shape& s, const T* q, const T* k, const T* v, const int32_t
 template <typename T>
 void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
          const int32_t* lengths, T* out, ffi::ThreadPool& pool) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Whole rows (every kv head: a position's values are contiguous) where there are rows
+  // enough to keep every thread busy, else rows cut into blocks of kv heads.
+  const int64_t head_blocks =
+      std::min(s.kv_heads, std::max<int64_t>(1, (2 * threads + s.batch - 1) / s.batch));
   auto work = std::make_shared<Work>();
-  work->total = s.batch * s.kv_heads;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total - 1);
+  work->total = s.batch * head_blocks;
+  const int64_t helpers = std::min<int64_t>(threads, work->total - 1);
   for (int64_t h = 0; h < helpers; ++h) {
     // The shared_ptr keeps the counters alive for a helper that starts late.
-    pool.Schedule([=] { run_items<T>(s, q, k, v, table, lengths, out, *work); });
+    pool.Schedule([=] { run_items<T>(s, q, k, v, table, lengths, out, head_blocks, *work); });
   }
-  run_items<T>(s, q, k, v, table, lengths, out, *work);
+  run_items<T>(s, q, k, v, table, lengths, out, head_blocks, *work);
   while (work->done.load(std::memory_order_acquire) < work->total) {
     // Items still in progress on helpers: a few microseconds at most.
   }
