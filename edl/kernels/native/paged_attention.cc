@@ -30,6 +30,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -229,7 +230,8 @@ void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* tabl
   }
   run_items<T>(s, q, k, v, table, lengths, out, head_blocks, *work);
   while (work->done.load(std::memory_order_acquire) < work->total) {
-    // Items still in progress on helpers: a few microseconds at most.
+    // Items still in progress on helpers; yield in case one was descheduled on a busy CPU.
+    std::this_thread::yield();
   }
 }
 
