@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from edl.cli.config import FIELDS, CommandError, ConfigError, TrainConfig, flag, read_toml
 
-__all__ = ["TrainConfig", "main"]
+__all__ = ["TrainConfig", "entry", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -192,8 +192,17 @@ def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         args.prompt = "def "
 
 
+def entry() -> None:
+    """The ``edl`` console script: ``main`` in a process whose malloc uses huge pages
+    (``edl.cli.allocator``: the script re-executes itself once to set them)."""
+    from edl.cli.allocator import reexec_with_huge_pages
+
+    reexec_with_huge_pages()
+    main()
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``edl`` console script."""
+    """The ``edl`` command on ``argv`` (default: ``sys.argv[1:]``), in this process."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
