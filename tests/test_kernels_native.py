@@ -25,9 +25,12 @@ from edl.ops.cached_attention import NATIVE_MAX_NEW_TOKENS, paged_attention
 # The module, not edl.ops' function of the same name.
 cached = importlib.import_module("edl.ops.cached_attention")
 
-pytestmark = pytest.mark.skipif(
-    native.unavailable() is not None, reason=f"native kernel: {native.unavailable()}"
-)
+pytestmark = [
+    pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is CPU-only"),
+    pytest.mark.skipif(
+        native.unavailable() is not None, reason=f"native kernel: {native.unavailable()}"
+    ),
+]
 
 
 def _paged_case(seed, *, batch, new, heads, kv_heads, d, page_size, pages_per_seq, layers,
