@@ -17,6 +17,7 @@ from hf_parity import TOL, VOCAB, assert_close_on_real_tokens, padded_batch, ran
 import edl
 from edl.io import hf
 from edl.io.safetensors import load_file
+from edl.kernels import native
 from edl.models import LlamaConfig, LlamaForCausalLM, configure, flops_per_token
 
 torch = pytest.importorskip("torch")
@@ -273,18 +274,28 @@ def test_from_state_dict_takes_a_bf16_torch_state_dict():
     np.testing.assert_array_equal(np.asarray(weight[1], np.float32), expected)
 
 
-def test_default_attention_path_is_the_pallas_kernel():
-    """Models use impl="auto", which is the Pallas kernel (interpreted on CPU), in the forward
-    pass and in the gradient; attention_impl="xla" computes the same loss without it."""
+def test_default_attention_path_is_the_backends_kernel():
+    """Models use impl="auto": on CPU the native kernel (where it can be built), elsewhere the
+    Pallas kernel, in the forward pass and in the gradient; attention_impl="pallas" and "xla"
+    compute the same loss by their own paths."""
     model = hf.from_state_dict(*_state("qwen2"))
     ids, mask = (jnp.asarray(x) for x in padded_batch())
 
     def loss(m):
         return m.compute_loss(ids, attention_mask=mask, chunk_size=16)[0]
 
-    names = {"edl_flash_attention_fwd", "edl_flash_attention_dq", "edl_flash_attention_dkdv"}
-    jaxpr = str(jax.make_jaxpr(jax.value_and_grad(loss))(model))
-    assert "pallas_call" in jaxpr and all(name in jaxpr for name in names)
+    def jaxpr(m):
+        return str(jax.make_jaxpr(jax.value_and_grad(loss))(m))
+
+    pallas_names = {"edl_flash_attention_fwd", "edl_flash_attention_dq",
+                    "edl_flash_attention_dkdv"}  # fmt: skip
+    native_names = {"edl_flash_attention_forward", "edl_flash_attention_backward"}
+    on_native = jax.default_backend() == "cpu" and native.unavailable() is None
+    auto = jaxpr(model)
+    assert all(name in auto for name in (native_names if on_native else pallas_names))
+    pallas = configure(model, attention_impl="pallas")
+    assert "pallas_call" in jaxpr(pallas) and all(name in jaxpr(pallas) for name in pallas_names)
+    np.testing.assert_allclose(loss(pallas), loss(model), rtol=1e-6)
     xla = configure(model, attention_impl="xla")
-    assert "pallas_call" not in str(jax.make_jaxpr(loss)(xla))
+    assert "pallas_call" not in jaxpr(xla) and "edl_flash_attention_forward" not in jaxpr(xla)
     np.testing.assert_allclose(loss(xla), loss(model), rtol=1e-6)

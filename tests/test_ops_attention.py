@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 
 from edl import ops
+from edl.kernels import native
 
 
 def numpy_attention(q, k, v, *, causal, window, softcap, scale, q_ids, kv_ids):
@@ -182,10 +183,14 @@ def test_attention_errors_name_the_problem():
         ops.attention(kv[:, :2], kv, kv, segment_ids=jnp.ones((1, 4), jnp.int32))
 
 
-def test_auto_dispatches_to_the_pallas_kernel():
+def test_auto_dispatches_to_the_backends_kernel():
+    """The native kernel on CPU (where it can be built), the Pallas kernel elsewhere."""
     q = jnp.ones((1, 8, 2, 8))
     jaxpr = str(jax.make_jaxpr(lambda q: ops.attention(q, q, q, causal=True))(q))
-    assert "pallas_call" in jaxpr
+    on_native = jax.default_backend() == "cpu" and native.unavailable() is None
+    assert ("edl_flash_attention_forward" if on_native else "pallas_call") in jaxpr
+    pallas = jax.make_jaxpr(lambda q: ops.attention(q, q, q, causal=True, impl="pallas"))(q)
+    assert "pallas_call" in str(pallas)
 
 
 def test_auto_falls_back_with_one_warning_where_pallas_cannot_run(recwarn):

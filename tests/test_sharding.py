@@ -166,7 +166,8 @@ def test_activations_are_constrained_and_attention_runs_per_shard():
     with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(lambda m, i: m(i).logits)(model, ids))
     assert "sharding_constraint" in jaxpr
-    assert "shard_map" in jaxpr and "pallas_call" in jaxpr
+    kernel = "pallas_call" in jaxpr or "edl_flash_attention_forward" in jaxpr  # GPU / CPU
+    assert "shard_map" in jaxpr and kernel
 
 
 def test_checkpoints_move_between_meshes(tmp_path):

@@ -63,7 +63,8 @@ class RunOptions:
         scan_layers: run each stack of identical layers as one ``lax.scan`` (one compiled
             layer) rather than unrolled.
         remat: what the backward pass recomputes (``edl.nn.stack.remat_policy`` names).
-        attention_impl: ``edl.ops.attention`` implementation (``"auto"``: Pallas on GPU).
+        attention_impl: ``edl.ops.attention`` implementation (``"auto"``: Pallas on GPU, the
+            native C++ kernel on CPU).
         moe_impl: ``edl.ops.moe`` expert dispatch.
         moe_capacity_factor: tokens each expert takes, as a multiple of its even share
             (``None``: every token; a factor may drop tokens, changing the outputs).

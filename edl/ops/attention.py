@@ -17,7 +17,7 @@ from einops import rearrange
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.kernels import flash_attention
+from edl.kernels import flash_attention, native
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
 from edl.ops.sharding import BATCH, fit_spec
@@ -31,7 +31,7 @@ __all__ = [
     "reference_attention",
 ]
 
-IMPLS = ("auto", "pallas", "xla", "reference", "cudnn")
+IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn")
 _warned: set[str] = set()  # fallback reasons already reported
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
 
@@ -182,6 +182,30 @@ def pallas_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     return None
 
 
+def _use_native(impl: str, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether ``impl`` means the native CPU kernel here: ``"native"`` always (raising when
+    it cannot run); ``"auto"`` on a CPU backend for float32 / bfloat16 operands when the
+    kernel can run (else Pallas, with a warning once naming why; none when
+    ``EDL_NATIVE_KERNELS=0`` asked for that)."""
+    if impl == "native":
+        reason = native.unavailable()
+        if reason is None and (q.dtype not in native.DTYPES or k.dtype != q.dtype
+                               or v.dtype != q.dtype):  # fmt: skip
+            reason = f"it takes float32 or bfloat16 operands, got {q.dtype}/{k.dtype}/{v.dtype}"
+        if reason is not None:
+            raise ValueError(f"attention: impl='native' cannot run: {reason}")
+        return True
+    if impl != "auto" or jax.default_backend() != "cpu" or native.turned_off():
+        return False
+    if q.dtype not in native.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    reason = native.unavailable()
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"edl attention: {reason}; using impl='pallas'", stacklevel=3)
+    return reason is None
+
+
 def _cudnn_attention(q, k, v, *, causal, segment_ids, window, softcap, scale):
     """``jax.nn.dot_product_attention(implementation="cudnn")``: a GPU baseline."""
     if jax.default_backend() != "gpu":
@@ -222,11 +246,14 @@ def attention(
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
         impl: ``"pallas"`` (``edl.kernels.flash_attention``: Triton on GPU, interpreted on
-            CPU), ``"reference"`` (the plain-jnp definition tests compare against),
-            ``"xla"`` (the reference's maths with a memory-saving hand-written backward),
-            ``"cudnn"`` (``jax.nn.dot_product_attention``'s cuDNN kernel, GPU only, no
-            softcap) or ``"auto"``: Pallas wherever it can run, otherwise ``"xla"`` with a
-            one-time warning saying why (see :func:`pallas_unsupported`).
+            CPU), ``"native"`` (``edl.kernels.native.flash_attention_cpu``: a C++ kernel for
+            CPU, float32 / bfloat16), ``"reference"`` (the plain-jnp definition tests compare
+            against), ``"xla"`` (the reference's maths with a memory-saving hand-written
+            backward), ``"cudnn"`` (``jax.nn.dot_product_attention``'s cuDNN kernel, GPU only,
+            no softcap) or ``"auto"``: on a CPU backend the native kernel where it can run
+            (else Pallas, warning once why; none with ``EDL_NATIVE_KERNELS=0``), elsewhere
+            Pallas wherever it can run, otherwise ``"xla"`` with a one-time warning saying why
+            (see :func:`pallas_unsupported`).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
@@ -242,6 +269,12 @@ def attention(
         raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
+    if _use_native(impl, q, k, v):
+        kernel = functools.partial(
+            native.flash_attention_cpu, causal=causal, window=window, softcap=softcap,
+            scale=scale,
+        )  # fmt: skip
+        return _per_shard(kernel, q, k, v, q_ids, kv_ids)
     if impl in ("auto", "pallas"):
         reason = pallas_unsupported(q, k)
         if reason is None:

@@ -1,133 +1,54 @@
-"""A native CPU kernel: paged attention that reads the page pool in place.
+"""Native CPU kernels: paged attention that reads the page pool in place, and blocked
+attention with its backward pass for training.
 
-Why edl keeps a C++ kernel here. On CPU, XLA has no way to read a row's scattered pages
-without first gathering them into a contiguous copy (it fuses no gather into a dot), and
-Pallas only interprets kernels there. In a 16-row serving decode step that copy made
-attention half the step (``benchmarks/RESULTS.md``, "serve: where a 16-row decode step's time
-goes"). ``paged_attention.cc`` walks each row's page table and reads keys and values where
-they lie, split over (row, kv head) items on XLA's intra-op thread pool, through XLA's FFI
-(``jax.ffi``).
+Why edl keeps C++ kernels here. On CPU, Pallas only interprets kernels (each grid step a
+loop of small XLA ops), and XLA alone cannot do what these two need:
 
-The source is compiled on first use with the machine's C++ compiler (``$CXX``, else ``c++``
-or ``g++``) against the headers jaxlib ships (``jax.ffi.include_dir()``), for this CPU
-(``-march=native``), into a cache directory (``$EDL_KERNEL_CACHE``, else
-``$XDG_CACHE_HOME/edl/kernels`` or ``~/.cache/edl/kernels``), keyed by the source, the flags,
-jaxlib's version and the CPU; later processes load the cached library. Where no compiler is
-found or the build fails, :func:`unavailable` says why and callers fall back to XLA
-(``edl.ops.paged_attention`` warns once). ``EDL_NATIVE_KERNELS=0`` turns the kernel off.
+- **Paged attention** (serving). XLA has no way to read a row's scattered pages without
+  first gathering them into a contiguous copy (it fuses no gather into a dot). In a 16-row
+  serving decode step that copy made attention half the step (``benchmarks/RESULTS.md``,
+  "serve: where a 16-row decode step's time goes"). ``paged_attention.cc`` walks each row's
+  page table and reads keys and values where they lie.
+- **Blocked attention for training** (``flash_attention.cc``). XLA materialises each head's
+  ``(q_len, kv_len)`` logits and probabilities in memory several times over the forward and
+  backward passes, and the interpreted Pallas kernel pays for its loop; in the issue-31 train
+  step (Llama, 4 layers, batch 4 x 256) attention was ~40% of the step either way
+  (``benchmarks/RESULTS.md``, "train step: attention on CPU"). The kernel keeps a block of
+  logits in cache, skips key blocks the causal or sliding-window mask hides, and recomputes
+  probabilities in the backward pass from each row's log-sum-exp (the FlashAttention-2
+  scheme).
+
+Both split their work over items on XLA's intra-op thread pool, through XLA's FFI
+(``jax.ffi``). The sources are compiled on first use with the machine's C++ compiler
+(``$CXX``, else ``c++`` or ``g++``) against the headers jaxlib ships
+(``jax.ffi.include_dir()``), for this CPU (``-march=native``), into one library in a cache
+directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels`` or
+``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
+later processes load the cached library. Where no compiler is found or the build fails,
+:func:`unavailable` says why and callers fall back to XLA (with a warning, once).
+``EDL_NATIVE_KERNELS=0`` turns the kernels off.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import importlib.metadata
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-__all__ = ["DTYPES", "build_library", "paged_attention_cpu", "turned_off", "unavailable"]
+from edl.kernels.native._build import build_library, turned_off, unavailable
 
-_SOURCE = Path(__file__).with_name("paged_attention.cc")
-_TARGET = "edl_paged_attention"
-_FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _cache_dir() -> Path:
-    if "EDL_KERNEL_CACHE" in os.environ:
-        return Path(os.environ["EDL_KERNEL_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "edl" / "kernels"
-
-
-def build_library(cache_dir: Path | None = None) -> Path:
-    """Compile ``paged_attention.cc`` into ``cache_dir`` (default: the module docstring's),
-    unless a library built from the same source, flags, jaxlib and CPU is there already.
-    Returns its path; raises ``RuntimeError`` naming the compiler command and its output if
-    the build fails. The library is written to a temporary file and renamed, so concurrent
-    processes never load a half-written one."""
-    compiler = _compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(_FLAGS).encode(), compiler.encode(),
-                 importlib.metadata.version("jaxlib").encode(), platform.machine().encode(),
-                 _cpu_model().encode()):  # fmt: skip
-        key.update(part)
-        key.update(b"\0")
-    cache_dir = _cache_dir() if cache_dir is None else cache_dir
-    library = cache_dir / f"paged_attention-{key.hexdigest()[:20]}.so"
-    if library.exists():
-        return library
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-", suffix=".so")
-    os.close(fd)
-    command = [compiler, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"building {_SOURCE.name} failed ({' '.join(command)}):\n{done.stderr[-4000:]}"
-            )
-        os.replace(tmp, library)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return library
-
-
-def turned_off() -> bool:
-    """Whether the environment turns the native kernels off (``EDL_NATIVE_KERNELS=0``)."""
-    return os.environ.get("EDL_NATIVE_KERNELS", "1") == "0"
-
-
-@functools.cache
-def _registered() -> str | None:
-    """Build (or find) the library and register its handler with XLA once per process;
-    None when ready, else why not."""
-    if turned_off():
-        return "turned off by EDL_NATIVE_KERNELS=0"
-    try:
-        library = ctypes.CDLL(str(build_library()))
-    except (RuntimeError, OSError) as error:
-        return f"the native CPU kernel is unavailable: {error}"
-    capsule = jax.ffi.pycapsule(library.EdlPagedAttention)
-    jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu")
-    return None
-
-
-def unavailable() -> str | None:
-    """None when the native kernel can run in this process (building it on first call), else
-    the reason it cannot."""
-    return _registered()
-
+__all__ = [
+    "DTYPES",
+    "build_library",
+    "flash_attention_cpu",
+    "paged_attention_cpu",
+    "turned_off",
+    "unavailable",
+]
 
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the kernel takes
 
@@ -158,10 +79,106 @@ def paged_attention_cpu(
             f"paged_attention_cpu: q and pools must share float32 or bfloat16, got "
             f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
         )
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call("edl_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
         jnp.asarray(layer, jnp.int32),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
         window=np.int64(window or 0),
     )  # fmt: skip
+
+
+class _Options(NamedTuple):  # static: hashable, part of the custom_vjp's signature
+    causal: bool
+    window: int
+    softcap: float
+    scale: float
+
+
+def _attrs(options: _Options) -> dict:
+    return {
+        "scale": np.float32(options.scale),
+        "softcap": np.float32(options.softcap),
+        "window": np.int64(options.window),
+        "causal": bool(options.causal),
+    }
+
+
+def _forward(q, k, v, q_ids, kv_ids, options):
+    batch, q_len, heads, _ = q.shape
+    call = jax.ffi.ffi_call(
+        "edl_flash_attention_forward",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
+        vmap_method="sequential",
+    )  # fmt: skip
+    return call(q, k, v, q_ids, kv_ids, **_attrs(options))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_ids, kv_ids, options):
+    return _forward(q, k, v, q_ids, kv_ids, options)[0]
+
+
+def _flash_fwd(q, k, v, q_ids, kv_ids, options):
+    out, lse = _forward(q, k, v, q_ids, kv_ids, options)
+    return out, (q, k, v, q_ids, kv_ids, out, lse)
+
+
+def _flash_bwd(options, residuals, d_out):
+    q, k, v, q_ids, kv_ids, out, lse = residuals
+    call = jax.ffi.ffi_call(
+        "edl_flash_attention_backward",
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)),
+        vmap_method="sequential",
+    )
+    dq, dk, dv = call(q, k, v, q_ids, kv_ids, out, lse, d_out.astype(q.dtype), **_attrs(options))
+    return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_cpu(
+    q: Float[Array, "batch q_len heads head_dim"],
+    k: Float[Array, "batch kv_len kv_heads head_dim"],
+    v: Float[Array, "batch kv_len kv_heads head_dim"],
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
+    scale: float | None = None,
+    q_segment_ids: Int[Array, "batch q_len"] | None = None,
+    kv_segment_ids: Int[Array, "batch kv_len"] | None = None,
+) -> Float[Array, "batch q_len heads head_dim"]:
+    """``edl.ops.attention``'s maths (``attention_mask`` + ``masked_attention``) as a blocked
+    C++ kernel with a matching backward pass (``jax.custom_vjp``), for CPU training.
+
+    float32 sums and softmax; float32 or bfloat16 operands, one dtype for ``q``, ``k`` and
+    ``v``; GQA as in ``edl.ops.attention`` (``heads`` a multiple of ``kv_heads``). ``window``
+    implies ``causal``. Segment ids: a query sees only keys of its own id (both or neither).
+    CPU only; call :func:`unavailable` first. Differentiable in ``q``, ``k``, ``v``.
+    """
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"flash_attention_cpu: q, k, v must share float32 or bfloat16, got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError(
+            "flash_attention_cpu: pass both q_segment_ids and kv_segment_ids or neither"
+        )
+    if q_segment_ids is None:
+        q_ids = kv_ids = jnp.zeros((0,), jnp.int32)  # empty: no segments
+    else:
+        q_ids, kv_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    options = _Options(
+        causal=bool(causal or window is not None),
+        window=int(window or 0),
+        softcap=float(softcap or 0.0),
+        scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+    )
+    return _flash(q, k, v, q_ids, kv_ids, options)

@@ -24,56 +24,17 @@
 // within a page the memory it reads is contiguous.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN kept NaN
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-template <typename T>
-struct Elem;
-template <>
-struct Elem<float> {
-  static float load(float x) { return x; }
-  static float store(float x) { return x; }
-  static float round(float x) { return x; }
-  // A key or value row as float32: the pool's own memory, no copy.
-  static const float* row(const float* src, int64_t, float*) { return src; }
-};
-template <>
-struct Elem<uint16_t> {  // bfloat16 bits
-  static float load(uint16_t x) { return bf16_to_f32(x); }
-  static uint16_t store(float x) { return f32_to_bf16(x); }
-  static float round(float x) { return bf16_to_f32(f32_to_bf16(x)); }
-  static const float* row(const uint16_t* src, int64_t d, float* buffer) {
-    for (int64_t c = 0; c < d; ++c) buffer[c] = bf16_to_f32(src[c]);
-    return buffer;
-  }
-};
+using edl::Elem;
+namespace ffi = xla::ffi;
 
 struct Shape {
   int64_t batch, new_tokens, heads, head_dim;
@@ -188,30 +149,9 @@ void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32
   }
 }
 
-// Items are claimed from a shared counter; helpers that start after all are claimed return
-// at once, and the caller waits only for items in progress (it never waits on a helper that
-// has not started, so a busy or one-thread pool cannot deadlock it).
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
-template <typename T>
-void run_items(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
-               const int32_t* lengths, T* out, int64_t head_blocks, Work& work) {
+struct Scratch {
   std::vector<float> logits, acc, qf, buffer;
-  const int64_t per_block = (s.kv_heads + head_blocks - 1) / head_blocks;
-  for (;;) {
-    const int64_t item = work.next.fetch_add(1);
-    if (item >= work.total) return;
-    const int64_t b = item / head_blocks, j0 = (item % head_blocks) * per_block;
-    const int64_t j1 = std::min(s.kv_heads, j0 + per_block);
-    if (j0 < j1)
-      attend_item<T>(s, q, k, v, table, lengths, out, b, j0, j1, logits, acc, qf, buffer);
-    work.done.fetch_add(1, std::memory_order_release);
-  }
-}
+};
 
 template <typename T>
 void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
@@ -221,18 +161,14 @@ void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* tabl
   // enough to keep every thread busy, else rows cut into blocks of kv heads.
   const int64_t head_blocks =
       std::min(s.kv_heads, std::max<int64_t>(1, (2 * threads + s.batch - 1) / s.batch));
-  auto work = std::make_shared<Work>();
-  work->total = s.batch * head_blocks;
-  const int64_t helpers = std::min<int64_t>(threads, work->total - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    // The shared_ptr keeps the counters alive for a helper that starts late.
-    pool.Schedule([=] { run_items<T>(s, q, k, v, table, lengths, out, head_blocks, *work); });
-  }
-  run_items<T>(s, q, k, v, table, lengths, out, head_blocks, *work);
-  while (work->done.load(std::memory_order_acquire) < work->total) {
-    // Items still in progress on helpers; yield in case one was descheduled on a busy CPU.
-    std::this_thread::yield();
-  }
+  const int64_t per_block = (s.kv_heads + head_blocks - 1) / head_blocks;
+  edl::parallel_items<Scratch>(pool, s.batch * head_blocks, [=](int64_t item, Scratch& w) {
+    const int64_t b = item / head_blocks, j0 = (item % head_blocks) * per_block;
+    const int64_t j1 = std::min(s.kv_heads, j0 + per_block);
+    if (j0 < j1)
+      attend_item<T>(s, q, k, v, table, lengths, out, b, j0, j1, w.logits, w.acc, w.qf,
+                     w.buffer);
+  });
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
