@@ -1,4 +1,5 @@
-"""Attention throughput: the Pallas kernel against the plain-jnp reference (and cuDNN on GPU).
+"""Attention throughput: the Pallas kernel against the plain-jnp reference (and cuDNN on GPU,
+the native C++ kernel and XLA's custom-VJP form on CPU).
 
 FLOPs follow the usual convention: forward ``4 * batch * heads * q_len * kv_len * head_dim``,
 halved when causal; backward 2.5x forward, so forward+backward counts 3.5x. Every impl of a
@@ -8,8 +9,8 @@ row is timed in the same run, side by side. The number of tokens per call is fix
     python -m benchmarks.attention [--quick] [--seqs 512,1024] [--dtype bfloat16]
 
 Defaults: on GPU seq 512..16k, head_dim 64/128, bf16, causal and not, impls
-pallas/reference/cudnn; on CPU (interpret mode) seq 256..2048 in float32, where XLA:CPU's
-bf16 matmuls are slower than float32 ones.
+pallas/reference/cudnn; on CPU seq 256..2048 in float32 (XLA:CPU's bf16 matmuls are slower
+than float32 ones), impls native/pallas (interpreted)/reference/xla.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048 if gpu else 256)
     parser.add_argument("--kv-group", type=int, default=1, help="query heads per kv head")
     parser.add_argument(
-        "--impls", default="pallas,reference,cudnn" if gpu else "pallas,reference,xla"
+        "--impls", default="pallas,reference,cudnn" if gpu else "native,pallas,reference,xla"
     )
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()

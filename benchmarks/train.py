@@ -11,6 +11,7 @@ packed batches of random tokens, after an ahead-of-time compile. MFU = tokens/s 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -19,6 +20,7 @@ import numpy as np
 
 import edl
 from benchmarks._common import table, write_json
+from edl.cli.allocator import reexec_with_huge_pages
 from edl.models import LlamaConfig, LlamaForCausalLM, flops_per_token
 from edl.train import OptimizerConfig, make_optimizer, make_train_step
 
@@ -70,6 +72,8 @@ def _measure(name: str, dtype, steps: int, peak: float) -> dict:
 
 
 def main() -> None:
+    # As the edl command does (edl.cli.allocator); EDL_HUGE_PAGES=0 keeps the environment.
+    reexec_with_huge_pages(["-m", "benchmarks.train", *sys.argv[1:]])
     gpu = jax.default_backend() == "gpu"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="default,1b" if gpu else "default")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 __all__ = ["HUGE_PAGES", "huge_pages_environment", "reexec_with_huge_pages"]
 
@@ -50,15 +50,20 @@ def huge_pages_environment(
     return {**environ, "GLIBC_TUNABLES": f"{tunables}:{HUGE_PAGES}" if tunables else HUGE_PAGES}
 
 
-def reexec_with_huge_pages() -> None:
-    """Replace this process by the same command under ``huge_pages_environment`` (same pid,
-    arguments and standard streams), when it says so and the command is a script file (the
-    console script); otherwise return. The new process finds the tunable set and goes on."""
-    script = sys.argv[0] if sys.argv else ""
-    if sys.platform != "linux" or not os.path.isfile(script):
+def reexec_with_huge_pages(arguments: Sequence[str] | None = None) -> None:
+    """Replace this process by ``python *arguments`` (default: the running script and its
+    arguments) under ``huge_pages_environment`` (same pid and standard streams), when it says
+    so; otherwise return. The new process finds the tunable set and goes on. The console
+    script passes nothing; a benchmark run as a module passes ``["-m", name, *argv]``."""
+    if arguments is None:
+        script = sys.argv[0] if sys.argv else ""
+        if not os.path.isfile(script):
+            return
+        arguments = [script, *sys.argv[1:]]
+    if sys.platform != "linux":
         return
     environ = huge_pages_environment(os.environ, _glibc_version())
     if environ is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, script, *sys.argv[1:]], environ)
+        os.execve(sys.executable, [sys.executable, *arguments], environ)
