@@ -62,7 +62,8 @@ class RunOptions:
     Attributes:
         scan_layers: run each stack of identical layers as one ``lax.scan`` (one compiled
             layer) rather than unrolled.
-        remat: what the backward pass recomputes (``edl.nn.stack.remat_policy`` names).
+        remat: what the backward pass recomputes (``edl.nn.stack.remat_policy`` names;
+            ``"auto"``: ``"dots"`` on CPU, ``"none"`` elsewhere).
         attention_impl: ``edl.ops.attention`` implementation (``"auto"``: Pallas on GPU, the
             native C++ kernel on CPU).
         moe_impl: ``edl.ops.moe`` expert dispatch.
@@ -74,7 +75,7 @@ class RunOptions:
     """
 
     scan_layers: bool = True
-    remat: str = "none"
+    remat: str = "auto"
     attention_impl: str = "auto"
     moe_impl: str = "blocked"
     moe_capacity_factor: float | None = None

@@ -36,23 +36,37 @@ __all__ = [
     "unstack",
 ]
 
-RematPolicy = Literal["none", "full", "dots", "dots_no_batch"]
+RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
 
 # "none": keep every activation; "full": recompute the whole layer in the backward pass;
-# "dots": save matmul outputs only; "dots_no_batch": save only matmuls without batch dims
-# (weight-stationary projections), recompute attention.
+# "dots": save matmul outputs (and the native CPU attention kernel's output and log-sum-exp,
+# which edl.kernels.native names) only; "dots_no_batch": save only matmuls without batch dims
+# (weight-stationary projections), recompute attention. "auto" (remat_policy) is "dots" on a
+# CPU backend and "none" elsewhere.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots,
+        jax.checkpoint_policies.save_only_these_names("edl_attention_out", "edl_attention_lse"),
+    ),
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
 
 def remat_policy(name: str) -> Callable[..., bool] | None:
-    """The ``jax.checkpoint`` policy called ``name`` (``None`` for ``"none"``: no remat)."""
+    """The ``jax.checkpoint`` policy called ``name`` (``None`` for ``"none"``: no remat).
+
+    ``"auto"`` is ``"dots"`` where the default backend is the CPU and ``"none"`` elsewhere: on
+    XLA:CPU a scanned stack's saved activations cost more to write and read back than the
+    elementwise work that recomputes them (a small Llama's train step 13-15% faster,
+    ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on GPUs keeping everything
+    stays the default."""
+    if name == "auto":
+        return REMAT_POLICIES["dots" if jax.default_backend() == "cpu" else "none"]
     if name not in REMAT_POLICIES:
-        raise ValueError(f"unknown remat policy {name!r}; choose from {sorted(REMAT_POLICIES)}")
+        choices = sorted([*REMAT_POLICIES, "auto"])
+        raise ValueError(f"unknown remat policy {name!r}; choose from {choices}")
     return REMAT_POLICIES[name]
 
 

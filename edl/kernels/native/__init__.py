@@ -37,11 +37,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from edl.kernels.native._build import build_library, turned_off, unavailable
 
 __all__ = [
+    "ATTENTION_LSE",
+    "ATTENTION_OUT",
     "DTYPES",
     "build_library",
     "flash_attention_cpu",
@@ -88,6 +91,10 @@ def paged_attention_cpu(
     )  # fmt: skip
 
 
+ATTENTION_OUT = "edl_attention_out"  # checkpoint names of the kernel's forward results
+ATTENTION_LSE = "edl_attention_lse"
+
+
 class _Options(NamedTuple):  # static: hashable, part of the custom_vjp's signature
     causal: bool
     window: int
@@ -122,6 +129,9 @@ def _flash(q, k, v, q_ids, kv_ids, options):
 
 def _flash_fwd(q, k, v, q_ids, kv_ids, options):
     out, lse = _forward(q, k, v, q_ids, kv_ids, options)
+    # Named for remat policies (edl.nn.stack's "dots" saves them): recomputing the kernel's
+    # forward costs more than keeping its output and one float per query row.
+    out, lse = checkpoint_name(out, ATTENTION_OUT), checkpoint_name(lse, ATTENTION_LSE)
     return out, (q, k, v, q_ids, kv_ids, out, lse)
 
 
