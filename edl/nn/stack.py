@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 
+from edl.kernels.native import ATTENTION_LSE, ATTENTION_OUT
 from edl.nn.schedule import Segment, plan_schedule, schedule_period
+from edl.ops.moe import MOE_OUT, MOE_ROWS
 
 __all__ = [
     "REMAT_POLICIES",
@@ -39,16 +41,19 @@ __all__ = [
 RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
 
 # "none": keep every activation; "full": recompute the whole layer in the backward pass;
-# "dots": save matmul outputs (and the native CPU attention kernel's output and log-sum-exp,
-# which edl.kernels.native names) only; "dots_no_batch": save only matmuls without batch dims
-# (weight-stationary projections), recompute attention. "auto" (remat_policy) is "dots" on a
-# CPU backend and "none" elsewhere.
+# "dots": save matmul outputs only, with the other results a backward pass would otherwise
+# recompute at a matmul's cost: the native CPU attention kernel's output and log-sum-exp, and
+# an MoE layer's dispatched rows and expert outputs (named where they are computed);
+# "dots_no_batch": save only matmuls without batch dims (weight-stationary projections),
+# recompute attention. "auto" (remat_policy) is "dots" on a CPU backend and "none" elsewhere.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.save_from_both_policies(
         jax.checkpoint_policies.checkpoint_dots,
-        jax.checkpoint_policies.save_only_these_names("edl_attention_out", "edl_attention_lse"),
+        jax.checkpoint_policies.save_only_these_names(
+            ATTENTION_OUT, ATTENTION_LSE, MOE_ROWS, MOE_OUT
+        ),
     ),
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }

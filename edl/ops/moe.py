@@ -31,12 +31,15 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int, Shaped
 
 from edl.ops.activations import activation
 
 __all__ = [
     "MOE_IMPLS",
+    "MOE_OUT",
+    "MOE_ROWS",
     "RouterStats",
     "expert_mlp",
     "load_balancing_loss",
@@ -46,6 +49,11 @@ __all__ = [
 ]
 
 MOE_IMPLS = ("blocked", "capacity", "ragged", "dense")
+# checkpoint names of the dispatched rows and the experts' outputs: remat policies that save
+# matmul outputs ("dots" in edl.nn.stack) keep these too, so that the backward pass does not
+# run the sorted dispatch and every expert's forward a second time.
+MOE_ROWS = "edl_moe_rows"
+MOE_OUT = "edl_moe_out"
 
 Tokens = Float[Array, "tokens dim"]
 Gate = Float[Array, "experts intermediate dim"]
@@ -159,7 +167,7 @@ def expert_mlp(
     sorted_experts = flat[order]
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     rank = jnp.arange(flat.shape[0], dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_experts]
-    rows = x[order // k]  # (assignments, dim)
+    rows = checkpoint_name(x[order // k], MOE_ROWS)  # (assignments, dim)
     if impl == "capacity":
         capacity = max(1, math.ceil(flat.shape[0] / num_experts * (capacity_factor or 1.0)))
         y_sorted = _capacity_mlp(rows, sorted_experts, rank, capacity, gate, up, down, act)
@@ -167,6 +175,7 @@ def expert_mlp(
         y_sorted = _ragged_mlp(rows, sizes, gate, up, down, act)
     else:
         y_sorted = _blocked_mlp(rows, sorted_experts, sizes, rank, gate, up, down, act, block_size)
+    y_sorted = checkpoint_name(y_sorted, MOE_OUT)
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True)
     y = y.reshape(tokens, k, dim).astype(acc)
     return jnp.einsum("tkh,tk->th", y, weights.astype(acc)).astype(x.dtype)
