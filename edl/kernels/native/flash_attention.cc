@@ -131,7 +131,7 @@ inline float exp_block(const float* logits, float shift, const float* visible, f
 
 // Per-thread scratch, reused across a thread's items.
 struct Scratch {
-  std::vector<float> kt, vt;      // (head_dim, kv_padded): keys / values transposed
+  std::vector<float> kt, vt;      // keys / values transposed, block by block (load_head)
   std::vector<float> kf, vf;      // (kv_padded, head_dim)
   std::vector<float> dk, dv;      // (kv_padded, head_dim): gradient accumulators
   std::vector<float> qb, ob, dob, dqb;  // (kBlockQ, head_dim)
@@ -142,7 +142,9 @@ struct Scratch {
 };
 
 // The item's kv head as float32, zero-padded to kv_padded keys: rows (kv_padded, d) and,
-// when `transposed` is given, also (d, kv_padded).
+// when `transposed` is given, also each block of kBlockK keys transposed, (d, kBlockK), the
+// blocks one after another: a block's slab is contiguous however long the sequence (a
+// whole-sequence (d, kv_padded) layout put each of its d rows on another page).
 template <typename T>
 void load_head(const Spec& s, const T* src, int64_t b, int64_t hk, std::vector<float>& rows,
                std::vector<float>* transposed) {
@@ -154,7 +156,8 @@ void load_head(const Spec& s, const T* src, int64_t b, int64_t hk, std::vector<f
   if (transposed == nullptr) return;
   transposed->assign(d * s.kv_padded, 0.0f);
   for (int64_t j = 0; j < s.kv_len; ++j)
-    for (int64_t c = 0; c < d; ++c) (*transposed)[c * s.kv_padded + j] = rows[j * d + c];
+    for (int64_t c = 0; c < d; ++c)
+      (*transposed)[(j - j % kBlockK) * d + c * kBlockK + j % kBlockK] = rows[j * d + c];
 }
 
 // Query rows [i0, i0 + n) of head h as float32 (n, d), times `factor`.
@@ -256,7 +259,7 @@ inline void key_blocks(const Spec& s, int64_t i0, int64_t i1, int64_t& first, in
 inline void logits_block(const Spec& s, const float* qb, int64_t n, const float* kt,
                          int64_t j0, float* out, float* tanh_s) {
   std::fill(out, out + n * kBlockK, 0.0f);
-  gemm(n, kBlockK, s.head_dim, qb, s.head_dim, kt + j0, s.kv_padded, out, kBlockK);
+  gemm(n, kBlockK, s.head_dim, qb, s.head_dim, kt + j0 * s.head_dim, kBlockK, out, kBlockK);
   if (s.softcap <= 0.0f) return;
   for (int64_t e = 0; e < n * kBlockK; ++e) {
     const float t = std::tanh(out[e] / s.softcap);
@@ -356,7 +359,8 @@ void backward_item(const Spec& s, const T* q, const T* k, const T* v, const int3
         const int64_t j0 = jb * kBlockK;
         logits_block(s, w.qb.data(), n, w.kt.data(), j0, w.s.data(), w.tanh_s.data());
         std::fill(w.dp.begin(), w.dp.end(), 0.0f);
-        gemm(n, kBlockK, d, w.dob.data(), d, w.vt.data() + j0, s.kv_padded, w.dp.data(), kBlockK);
+        gemm(n, kBlockK, d, w.dob.data(), d, w.vt.data() + j0 * d, kBlockK, w.dp.data(),
+             kBlockK);
         // p = softmax probabilities; s becomes dS, the gradient of the (capped) logits
         // carried back through the cap: p * (dp - delta) * (1 - tanh^2).
         for (int64_t r = 0; r < n; ++r) {
