@@ -3,6 +3,9 @@ in order, with its own weights, setting and global index, whether scanned (over 
 blocks, then runs), unrolled or unstacked, with or without remat, collecting per-layer
 outputs."""
 
+import subprocess
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,17 @@ import numpy as np
 import pytest
 
 from edl.nn.schedule import Segment
-from edl.nn.stack import num_layers, run_segments, run_stack, schedule_period, stack, unstack
+from edl.nn.stack import (
+    REMAT_POLICIES,
+    check_remat,
+    num_layers,
+    remat_policy,
+    run_segments,
+    run_stack,
+    schedule_period,
+    stack,
+    unstack,
+)
 
 
 class Scale(eqx.Module):
@@ -134,3 +147,21 @@ def test_mismatched_groups_are_named():
         run_stack(stacks, jnp.ones(3), _apply, groups=["a", "a", "a"])
     with pytest.raises(ValueError, match="3 settings for 2 layers"):
         run_stack(stacks["a"], jnp.ones(3), _apply, settings=(1, 2, 3))
+
+
+def test_remat_auto_resolves_by_backend_only_when_used():
+    """Remat "auto" is "dots" on CPU and "none" elsewhere; checking the name (as a config does
+    when it is built) never touches the backend, which multi-process runs initialise first."""
+    expected = REMAT_POLICIES["dots" if jax.default_backend() == "cpu" else "none"]
+    assert remat_policy("auto") is expected
+    check_remat("auto")
+    with pytest.raises(ValueError, match=r"unknown remat policy 'some'; choose from \['auto'"):
+        check_remat("some")
+    script = (
+        "import jax._src.xla_bridge as xb\n"
+        "from edl.models import LlamaConfig\n"
+        "LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,\n"
+        "            num_attention_heads=2)\n"
+        "assert not xb._backends, xb._backends\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)

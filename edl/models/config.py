@@ -33,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 from edl.models.validation import check_fields, check_hf_values
-from edl.nn.stack import remat_policy
+from edl.nn.stack import check_remat
 from edl.ops.activations import activation
 from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
@@ -89,7 +89,7 @@ class RunOptions:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
-        remat_policy(self.remat)
+        check_remat(self.remat)
 
 
 RUN_OPTIONS = frozenset(f.name for f in dataclasses.fields(RunOptions))

@@ -28,6 +28,7 @@ from edl.ops.moe import MOE_OUT, MOE_ROWS
 __all__ = [
     "REMAT_POLICIES",
     "RematPolicy",
+    "check_remat",
     "map_stacked",
     "num_layers",
     "remat_policy",
@@ -59,6 +60,15 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 
+def check_remat(name: str) -> None:
+    """Raise ``ValueError`` unless ``name`` is a remat policy name (``"auto"`` included),
+    without resolving ``"auto"``: a config may be built before the backend may be touched
+    (``jax.distributed.initialize`` must come first)."""
+    if name != "auto" and name not in REMAT_POLICIES:
+        choices = sorted([*REMAT_POLICIES, "auto"])
+        raise ValueError(f"unknown remat policy {name!r}; choose from {choices}")
+
+
 def remat_policy(name: str) -> Callable[..., bool] | None:
     """The ``jax.checkpoint`` policy called ``name`` (``None`` for ``"none"``: no remat).
 
@@ -67,11 +77,9 @@ def remat_policy(name: str) -> Callable[..., bool] | None:
     elementwise work that recomputes them (a small Llama's train step 13-15% faster,
     ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on GPUs keeping everything
     stays the default."""
+    check_remat(name)
     if name == "auto":
         return REMAT_POLICIES["dots" if jax.default_backend() == "cpu" else "none"]
-    if name not in REMAT_POLICIES:
-        choices = sorted([*REMAT_POLICIES, "auto"])
-        raise ValueError(f"unknown remat policy {name!r}; choose from {choices}")
     return REMAT_POLICIES[name]
 
 
