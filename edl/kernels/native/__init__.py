@@ -11,8 +11,8 @@ loop of small XLA ops), and XLA alone cannot do what these two need:
   page table and reads keys and values where they lie.
 - **Blocked attention for training** (``flash_attention.cc``). XLA materialises each head's
   ``(q_len, kv_len)`` logits and probabilities in memory several times over the forward and
-  backward passes, and the interpreted Pallas kernel pays for its loop; in the issue-31 train
-  step (Llama, 4 layers, batch 4 x 256) attention was ~40% of the step either way
+  backward passes, and the interpreted Pallas kernel pays for its loop; in a small Llama's
+  train step (4 layers, batch 4 x 256, head_dim 32) attention was ~40% of the step either way
   (``benchmarks/RESULTS.md``, "train step: attention on CPU"). The kernel keeps a block of
   logits in cache, skips key blocks the causal or sliding-window mask hides, and recomputes
   probabilities in the backward pass from each row's log-sum-exp (the FlashAttention-2
@@ -25,7 +25,8 @@ Both split their work over items on XLA's intra-op thread pool, through XLA's FF
 directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels`` or
 ``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
 later processes load the cached library. Where no compiler is found or the build fails,
-:func:`unavailable` says why and callers fall back to XLA (with a warning, once).
+:func:`unavailable` says why and callers fall back, warning once (paged attention to XLA's
+gathered form, ``edl.ops.attention`` to the interpreted Pallas kernel).
 ``EDL_NATIVE_KERNELS=0`` turns the kernels off.
 """
 
