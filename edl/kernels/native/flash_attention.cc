@@ -136,7 +136,6 @@ struct Scratch {
   std::vector<float> dk, dv;      // (kv_padded, head_dim): gradient accumulators
   std::vector<float> qb, ob, dob, dqb;  // (kBlockQ, head_dim)
   std::vector<float> s, p, dp;    // (kBlockQ, kBlockK)
-  std::vector<float> pt, st;      // (kBlockK, kBlockQ): p and ds transposed
   std::vector<float> m, l, delta, lse;  // (kBlockQ,)
   std::vector<float> tanh_s;      // (kBlockQ, kBlockK): tanh(logits / softcap)
 };
@@ -171,12 +170,13 @@ void load_rows(const Spec& s, const T* src, int64_t b, int64_t h, int64_t i0, in
   }
 }
 
-// c (n, m) += a (n, k) @ b (k, m), all row-major with leading dimensions lda, ldb, ldc.
-// Register blocks of 4 rows x 16 columns (8 accumulators); column tails of 8 lanes, then
-// scalars; a row tail one row at a time.
+// c (n, m) += a (n, k) @ b (k, m): b and c row-major with leading dimensions ldb, ldc; a's
+// element (r, t) at a[r * a_row + t * a_col], so a transposed operand needs no copy.
+// Register blocks of kRows rows x 16 columns (8 accumulators); column tails of 8 lanes,
+// then scalars.
 template <int64_t kRows>
-inline void gemm_rows(int64_t m, int64_t k, const float* a, int64_t lda, const float* b,
-                      int64_t ldb, float* c, int64_t ldc) {
+inline void gemm_rows(int64_t m, int64_t k, const float* a, int64_t a_row, int64_t a_col,
+                      const float* b, int64_t ldb, float* c, int64_t ldc) {
   int64_t j = 0;
   for (; j + 2 * kLanes <= m; j += 2 * kLanes) {
     Lanes acc[kRows][2];
@@ -187,7 +187,7 @@ inline void gemm_rows(int64_t m, int64_t k, const float* a, int64_t lda, const f
     for (int64_t t = 0; t < k; ++t) {
       const Lanes b0 = load(b + t * ldb + j), b1 = load(b + t * ldb + j + kLanes);
       for (int64_t r = 0; r < kRows; ++r) {
-        const float x = a[r * lda + t];
+        const float x = a[r * a_row + t * a_col];
         acc[r][0] += x * b0;
         acc[r][1] += x * b1;
       }
@@ -202,29 +202,77 @@ inline void gemm_rows(int64_t m, int64_t k, const float* a, int64_t lda, const f
     for (int64_t r = 0; r < kRows; ++r) acc[r] = load(c + r * ldc + j);
     for (int64_t t = 0; t < k; ++t) {
       const Lanes b0 = load(b + t * ldb + j);
-      for (int64_t r = 0; r < kRows; ++r) acc[r] += a[r * lda + t] * b0;
+      for (int64_t r = 0; r < kRows; ++r) acc[r] += a[r * a_row + t * a_col] * b0;
     }
     for (int64_t r = 0; r < kRows; ++r) store(c + r * ldc + j, acc[r]);
   }
   for (; j < m; ++j)
     for (int64_t r = 0; r < kRows; ++r) {
       float acc = c[r * ldc + j];
-      for (int64_t t = 0; t < k; ++t) acc += a[r * lda + t] * b[t * ldb + j];
+      for (int64_t t = 0; t < k; ++t) acc += a[r * a_row + t * a_col] * b[t * ldb + j];
       c[r * ldc + j] = acc;
     }
 }
 
-inline void gemm(int64_t n, int64_t m, int64_t k, const float* a, int64_t lda, const float* b,
-                 int64_t ldb, float* c, int64_t ldc) {
+constexpr int64_t kGroup = 4;  // rows per register block
+
+inline void gemm_strided(int64_t n, int64_t m, int64_t k, const float* a, int64_t a_row,
+                         int64_t a_col, const float* b, int64_t ldb, float* c, int64_t ldc) {
   int64_t i = 0;
-  for (; i + 4 <= n; i += 4) gemm_rows<4>(m, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
-  for (; i < n; ++i) gemm_rows<1>(m, k, a + i * lda, lda, b, ldb, c + i * ldc, ldc);
+  for (; i + kGroup <= n; i += kGroup)
+    gemm_rows<kGroup>(m, k, a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc);
+  for (; i < n; ++i) gemm_rows<1>(m, k, a + i * a_row, a_row, a_col, b, ldb, c + i * ldc, ldc);
 }
 
-// dst (m, n) = src (n, m) transposed; both row-major with their own widths.
-inline void transpose(const float* src, int64_t n, int64_t m, float* dst) {
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < m; ++j) dst[j * n + i] = src[i * m + j];
+// c (n, m) += a (n, k) @ b (k, m), a row-major with leading dimension lda.
+inline void gemm(int64_t n, int64_t m, int64_t k, const float* a, int64_t lda, const float* b,
+                 int64_t ldb, float* c, int64_t ldc) {
+  gemm_strided(n, m, k, a, lda, 1, b, ldb, c, ldc);
+}
+
+// The causal mask's shape within a block, for the products below: a group of query rows
+// sees no key of the block at or past keys_seen (rounded up to whole register blocks, at
+// most kBlockK), and a key is seen by no query row before rows_from. Products over a
+// block's diagonal so skip about half their work; what they skip is masked (zero) anyway.
+inline int64_t keys_seen(const Spec& s, int64_t i_last, int64_t j0) {
+  const int64_t end = std::min(s.last(i_last), s.kv_len) - j0;
+  const int64_t rounded = (std::max<int64_t>(0, end) + 2 * kLanes - 1) / (2 * kLanes) * 2 * kLanes;
+  return std::min(kBlockK, rounded);
+}
+inline int64_t rows_from(const Spec& s, int64_t j, int64_t i0, int64_t n) {
+  return s.causal ? std::min(n, std::max<int64_t>(0, j - s.offset() - i0)) : 0;
+}
+
+// out (n, kBlockK) += a (n, k) @ b (k, kBlockK) (b: a block's transposed slab), each group
+// of rows only over the keys it may see.
+inline void gemm_seen_keys_out(const Spec& s, int64_t i0, int64_t n, int64_t j0, int64_t k,
+                               const float* a, const float* b, float* out) {
+  for (int64_t r = 0; r < n; r += kGroup) {
+    const int64_t rows = std::min(kGroup, n - r), m = keys_seen(s, i0 + r + rows - 1, j0);
+    if (m > 0) gemm(rows, m, k, a + r * k, k, b, kBlockK, out + r * kBlockK, kBlockK);
+  }
+}
+
+// c (n, d) += p (n, kBlockK) @ x (kBlockK, d) (x: the block's key rows), each group of rows
+// only over the keys it may see.
+inline void gemm_seen_keys_in(const Spec& s, int64_t i0, int64_t n, int64_t j0, int64_t d,
+                              const float* p, const float* x, float* c) {
+  for (int64_t r = 0; r < n; r += kGroup) {
+    const int64_t rows = std::min(kGroup, n - r), k = keys_seen(s, i0 + r + rows - 1, j0);
+    if (k > 0) gemm(rows, d, k, p + r * kBlockK, kBlockK, x, d, c + r * d, d);
+  }
+}
+
+// c (kBlockK, d) += p^T (kBlockK, n) @ x (n, d): each group of keys only over the query rows
+// that may see it.
+inline void gemm_seen_rows(const Spec& s, int64_t i0, int64_t n, int64_t j0, int64_t d,
+                           const float* p, const float* x, float* c) {
+  for (int64_t j = 0; j < kBlockK; j += kGroup) {
+    const int64_t from = rows_from(s, j0 + j, i0, n);
+    if (from < n)
+      gemm_strided(kGroup, d, n - from, p + from * kBlockK + j, 1, kBlockK, x + from * d, d,
+                   c + j * d, d);
+  }
 }
 
 // Whether query row i sees key j0 + j, for the block's kBlockK keys (1.0f / 0.0f).
@@ -256,10 +304,10 @@ inline void key_blocks(const Spec& s, int64_t i0, int64_t i1, int64_t& first, in
 
 // Logits of a block: a @ kt (already scaled through a), soft-capped when asked; keeps
 // tanh(logits / softcap) in tanh_s for the backward pass.
-inline void logits_block(const Spec& s, const float* qb, int64_t n, const float* kt,
-                         int64_t j0, float* out, float* tanh_s) {
+inline void logits_block(const Spec& s, const float* qb, int64_t i0, int64_t n,
+                         const float* kt, int64_t j0, float* out, float* tanh_s) {
   std::fill(out, out + n * kBlockK, 0.0f);
-  gemm(n, kBlockK, s.head_dim, qb, s.head_dim, kt + j0 * s.head_dim, kBlockK, out, kBlockK);
+  gemm_seen_keys_out(s, i0, n, j0, s.head_dim, qb, kt + j0 * s.head_dim, out);
   if (s.softcap <= 0.0f) return;
   for (int64_t e = 0; e < n * kBlockK; ++e) {
     const float t = std::tanh(out[e] / s.softcap);
@@ -294,7 +342,7 @@ void forward_item(const Spec& s, const T* q, const T* k, const T* v, const int32
       key_blocks(s, i0, i0 + n, first, last);
       for (int64_t jb = first; jb < last; ++jb) {
         const int64_t j0 = jb * kBlockK;
-        logits_block(s, w.qb.data(), n, w.kt.data(), j0, w.s.data(), w.tanh_s.data());
+        logits_block(s, w.qb.data(), i0, n, w.kt.data(), j0, w.s.data(), w.tanh_s.data());
         for (int64_t r = 0; r < n; ++r) {
           float* sr = w.s.data() + r * kBlockK;
           float* pr = w.p.data() + r * kBlockK;
@@ -312,7 +360,7 @@ void forward_item(const Spec& s, const T* q, const T* k, const T* v, const int32
           for (int64_t c = 0; c < d; ++c) orow[c] *= alpha;
         }
         // ob += p @ v[j0 : j0 + kBlockK]
-        gemm(n, d, kBlockK, w.p.data(), kBlockK, w.vf.data() + j0 * d, d, w.ob.data(), d);
+        gemm_seen_keys_in(s, i0, n, j0, d, w.p.data(), w.vf.data() + j0 * d, w.ob.data());
       }
       for (int64_t r = 0; r < n; ++r) {
         const float l = w.l[r];
@@ -335,8 +383,7 @@ void backward_item(const Spec& s, const T* q, const T* k, const T* v, const int3
   w.dk.assign(s.kv_padded * d, 0.0f);
   w.dv.assign(s.kv_padded * d, 0.0f);
   for (auto* buffer : {&w.qb, &w.ob, &w.dob, &w.dqb}) buffer->resize(kBlockQ * d);
-  for (auto* buffer : {&w.s, &w.p, &w.dp, &w.tanh_s, &w.pt, &w.st})
-    buffer->resize(kBlockQ * kBlockK);
+  for (auto* buffer : {&w.s, &w.p, &w.dp, &w.tanh_s}) buffer->resize(kBlockQ * kBlockK);
   w.delta.resize(kBlockQ);
   w.lse.resize(kBlockQ);
   float visible[kBlockK];
@@ -357,10 +404,9 @@ void backward_item(const Spec& s, const T* q, const T* k, const T* v, const int3
       key_blocks(s, i0, i0 + n, first, last);
       for (int64_t jb = first; jb < last; ++jb) {
         const int64_t j0 = jb * kBlockK;
-        logits_block(s, w.qb.data(), n, w.kt.data(), j0, w.s.data(), w.tanh_s.data());
+        logits_block(s, w.qb.data(), i0, n, w.kt.data(), j0, w.s.data(), w.tanh_s.data());
         std::fill(w.dp.begin(), w.dp.end(), 0.0f);
-        gemm(n, kBlockK, d, w.dob.data(), d, w.vt.data() + j0 * d, kBlockK, w.dp.data(),
-             kBlockK);
+        gemm_seen_keys_out(s, i0, n, j0, d, w.dob.data(), w.vt.data() + j0 * d, w.dp.data());
         // p = softmax probabilities; s becomes dS, the gradient of the (capped) logits
         // carried back through the cap: p * (dp - delta) * (1 - tanh^2).
         for (int64_t r = 0; r < n; ++r) {
@@ -384,11 +430,9 @@ void backward_item(const Spec& s, const T* q, const T* k, const T* v, const int3
         }
         // dv += p^T dob; dk += ds^T qb (qb carries the scale); dqb += ds k (scaled when
         // written). Rows of p / ds past n are stale: only the first n are read.
-        transpose(w.p.data(), n, kBlockK, w.pt.data());
-        transpose(w.s.data(), n, kBlockK, w.st.data());
-        gemm(kBlockK, d, n, w.pt.data(), n, w.dob.data(), d, w.dv.data() + j0 * d, d);
-        gemm(kBlockK, d, n, w.st.data(), n, w.qb.data(), d, w.dk.data() + j0 * d, d);
-        gemm(n, d, kBlockK, w.s.data(), kBlockK, w.kf.data() + j0 * d, d, w.dqb.data(), d);
+        gemm_seen_rows(s, i0, n, j0, d, w.p.data(), w.dob.data(), w.dv.data() + j0 * d);
+        gemm_seen_rows(s, i0, n, j0, d, w.s.data(), w.qb.data(), w.dk.data() + j0 * d);
+        gemm_seen_keys_in(s, i0, n, j0, d, w.s.data(), w.kf.data() + j0 * d, w.dqb.data());
       }
       for (int64_t r = 0; r < n; ++r) {
         T* dst = dq + ((b * s.q_len + i0 + r) * s.heads + h) * d;
