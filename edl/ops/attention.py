@@ -29,6 +29,7 @@ __all__ = [
     "masked_attention",
     "padding_segments",
     "reference_attention",
+    "use_native",
 ]
 
 IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn")
@@ -182,27 +183,39 @@ def pallas_unsupported(q: jax.Array, k: jax.Array) -> str | None:
     return None
 
 
-def _use_native(impl: str, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """Whether ``impl`` means the native CPU kernel here: ``"native"`` always (raising when
-    it cannot run); ``"auto"`` on a CPU backend for float32 / bfloat16 operands when the
-    kernel can run (else Pallas, with a warning once naming why; none when
-    ``EDL_NATIVE_KERNELS=0`` asked for that)."""
+def use_native(
+    impl: str,
+    name: str,
+    operands: tuple[jax.Array, ...],
+    *,
+    fallback: str,
+    warned: set[str],
+    eligible: bool = True,
+) -> bool:
+    """Whether ``impl`` means an ``edl.kernels.native`` kernel for a call of op ``name``:
+    ``"native"`` always (raising, with the reason, when the kernel cannot run or
+    ``operands`` are not all of one float32 / bfloat16 dtype); ``"auto"`` on a CPU backend
+    when the call is ``eligible``, the operands fit and the kernel can run. When it cannot
+    run, ``"auto"`` warns once per reason (kept in ``warned``) that ``fallback`` runs
+    instead; ``EDL_NATIVE_KERNELS=0`` asked for that, so then it says nothing."""
+    dtype = operands[0].dtype
+    fits = dtype in native.DTYPES and all(x.dtype == dtype for x in operands)
     if impl == "native":
         reason = native.unavailable()
-        if reason is None and (q.dtype not in native.DTYPES or k.dtype != q.dtype
-                               or v.dtype != q.dtype):  # fmt: skip
-            reason = f"it takes float32 or bfloat16 operands, got {q.dtype}/{k.dtype}/{v.dtype}"
+        if reason is None and not fits:
+            got = "/".join(str(x.dtype) for x in operands)
+            reason = f"it takes float32 or bfloat16 operands, got {got}"
         if reason is not None:
-            raise ValueError(f"attention: impl='native' cannot run: {reason}")
+            raise ValueError(f"{name}: impl='native' cannot run: {reason}")
         return True
-    if impl != "auto" or jax.default_backend() != "cpu" or native.turned_off():
+    if impl != "auto" or not eligible or jax.default_backend() != "cpu" or not fits:
         return False
-    if q.dtype not in native.DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+    if native.turned_off():
         return False
     reason = native.unavailable()
-    if reason is not None and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"edl attention: {reason}; using impl='pallas'", stacklevel=3)
+    if reason is not None and reason not in warned:
+        warned.add(reason)
+        warnings.warn(f"edl {name}: {reason}; using impl={fallback!r}", stacklevel=3)
     return reason is None
 
 
@@ -269,7 +282,7 @@ def attention(
         raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
-    if _use_native(impl, q, k, v):
+    if use_native(impl, "attention", (q, k, v), fallback="pallas", warned=_warned):
         kernel = functools.partial(
             native.flash_attention_cpu, causal=causal, window=window, softcap=softcap,
             scale=scale,

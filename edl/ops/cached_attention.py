@@ -35,7 +35,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import decode_attention, gather_pages, native, paged_decode_attention
 from edl.ops import cpu
-from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported
+from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported, use_native
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths
 
 __all__ = [
@@ -165,7 +165,9 @@ def paged_attention(
     """
     _check_layer("paged_attention", k_pages, layer)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if _use_native(impl, q, k_pages):
+    few_tokens = q.shape[1] <= NATIVE_MAX_NEW_TOKENS
+    if use_native(impl, "paged_attention", (q, k_pages, v_pages), fallback="xla",
+                  warned=_warned, eligible=few_tokens):  # fmt: skip
         if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
             k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
         native_call = functools.partial(
@@ -222,27 +224,6 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
         cpu=functools.partial(cpu.one_token_attention, softcap=softcap, scale=scale),
         default=functools.partial(masked_attention, softcap=softcap, scale=scale),
     )  # fmt: skip
-
-
-def _use_native(impl: str, q: jax.Array, pages: jax.Array) -> bool:
-    """Whether ``impl`` means the native CPU kernel here (``"native"``: always, raising if it
-    cannot run; ``"auto"``: on a CPU backend, for a few new tokens, when it can run)."""
-    if impl == "native":
-        reason = native.unavailable()
-        if reason is not None:
-            raise ValueError(f"paged_attention: impl='native' cannot run: {reason}")
-        return True
-    if impl != "auto" or jax.default_backend() != "cpu" or q.shape[1] > NATIVE_MAX_NEW_TOKENS:
-        return False
-    if native.turned_off():  # asked for: no warning
-        return False
-    if q.dtype not in native.DTYPES or pages.dtype != q.dtype:
-        return False
-    reason = native.unavailable()
-    if reason is not None and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"edl paged_attention: {reason}; using impl='xla'", stacklevel=3)
-    return reason is None
 
 
 def _use_pallas(impl: str, q: jax.Array, cache: jax.Array, name: str) -> bool:
