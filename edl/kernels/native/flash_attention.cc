@@ -56,14 +56,21 @@ struct Spec {
   }
 };
 
-// Sixteen floats per vector, through GCC / clang vector extensions so that the same source
-// compiles for any target: one AVX-512 register, two AVX or four NEON ones. Against eight
-// floats (one AVX register) the kernels' products ran ~1.5x faster on AVX-512 (Zen 4): one
-// accumulator per row instead of two halves the loads and loop overhead per multiply-add.
-typedef float Lanes __attribute__((vector_size(64)));
-typedef float HalfLanes __attribute__((vector_size(32)));  // column tails of 8
-constexpr int64_t kLanes = 16;
-static_assert(kBlockK % kLanes == 0, "blocks are whole vectors");
+// Vectors through GCC / clang vector extensions, so that one source compiles for any target:
+// sixteen floats (one register) where AVX-512 is there, eight elsewhere (one AVX register, two
+// NEON ones). Wider vectors than the target's registers compile to slow code (measured 5x on
+// AVX2), narrower ones left AVX-512 products ~1.5x slower (Zen 4).
+#if defined(__AVX512F__)
+#define EDL_LANES 16
+#else
+#define EDL_LANES 8
+#endif
+typedef float Lanes __attribute__((vector_size(EDL_LANES * sizeof(float))));
+typedef int32_t IntLanes __attribute__((vector_size(EDL_LANES * sizeof(int32_t))));
+typedef float EightLanes __attribute__((vector_size(8 * sizeof(float))));  // column tails
+constexpr int64_t kLanes = EDL_LANES;
+constexpr int64_t kCols = 16;  // columns of a product's register block: 1-2 vectors per row
+static_assert(kCols % kLanes == 0 && kBlockK % kCols == 0, "blocks are whole vectors");
 
 template <typename V>
 inline V load_as(const float* p) {
@@ -79,7 +86,6 @@ inline Lanes load(const float* p) { return load_as<Lanes>(p); }
 inline void store(float* p, Lanes x) { store_as(p, x); }
 inline Lanes splat(float x) { return Lanes{} + x; }
 
-typedef int32_t IntLanes __attribute__((vector_size(64)));
 inline IntLanes load_ints(const int32_t* p) {
   IntLanes x;
   std::memcpy(&x, p, sizeof x);
@@ -183,30 +189,38 @@ void load_rows(const Spec& s, const T* src, int64_t b, int64_t h, int64_t i0, in
   }
 }
 
-// c[:, j : j + width of V] += a @ b[:, j : ...] for kRows rows, one accumulator per row.
-template <int64_t kRows, typename V>
+// c[:, j : j + kVecs * width of V] += a @ b[:, j : ...] for kRows rows: kRows x kVecs
+// accumulators.
+template <int64_t kRows, int64_t kVecs, typename V>
 inline void gemm_columns(int64_t j, int64_t k, const float* a, int64_t a_row, int64_t a_col,
                          const float* b, int64_t ldb, float* c, int64_t ldc) {
-  V acc[kRows];
-  for (int64_t r = 0; r < kRows; ++r) acc[r] = load_as<V>(c + r * ldc + j);
+  constexpr int64_t width = sizeof(V) / sizeof(float);
+  V acc[kRows][kVecs];
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t u = 0; u < kVecs; ++u) acc[r][u] = load_as<V>(c + r * ldc + j + u * width);
   for (int64_t t = 0; t < k; ++t) {
-    const V bt = load_as<V>(b + t * ldb + j);
-    for (int64_t r = 0; r < kRows; ++r) acc[r] += a[r * a_row + t * a_col] * bt;
+    V bt[kVecs];
+    for (int64_t u = 0; u < kVecs; ++u) bt[u] = load_as<V>(b + t * ldb + j + u * width);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float x = a[r * a_row + t * a_col];
+      for (int64_t u = 0; u < kVecs; ++u) acc[r][u] += x * bt[u];
+    }
   }
-  for (int64_t r = 0; r < kRows; ++r) store_as(c + r * ldc + j, acc[r]);
+  for (int64_t r = 0; r < kRows; ++r)
+    for (int64_t u = 0; u < kVecs; ++u) store_as(c + r * ldc + j + u * width, acc[r][u]);
 }
 
 // c (kRows, m) += a (kRows, k) @ b (k, m): b and c row-major with leading dimensions ldb, ldc;
 // a's element (r, t) at a[r * a_row + t * a_col], so a transposed operand needs no copy.
-// Columns in vectors of 16, a tail of 8, then scalars.
+// Columns in blocks of kCols, a tail of 8, then scalars.
 template <int64_t kRows>
 inline void gemm_rows(int64_t m, int64_t k, const float* a, int64_t a_row, int64_t a_col,
                       const float* b, int64_t ldb, float* c, int64_t ldc) {
   int64_t j = 0;
-  for (; j + kLanes <= m; j += kLanes)
-    gemm_columns<kRows, Lanes>(j, k, a, a_row, a_col, b, ldb, c, ldc);
-  for (; j + kLanes / 2 <= m; j += kLanes / 2)
-    gemm_columns<kRows, HalfLanes>(j, k, a, a_row, a_col, b, ldb, c, ldc);
+  for (; j + kCols <= m; j += kCols)
+    gemm_columns<kRows, kCols / kLanes, Lanes>(j, k, a, a_row, a_col, b, ldb, c, ldc);
+  for (; j + 8 <= m; j += 8)
+    gemm_columns<kRows, 1, EightLanes>(j, k, a, a_row, a_col, b, ldb, c, ldc);
   for (; j < m; ++j)
     for (int64_t r = 0; r < kRows; ++r) {
       float acc = c[r * ldc + j];
@@ -237,7 +251,7 @@ inline void gemm(int64_t n, int64_t m, int64_t k, const float* a, int64_t lda, c
 // block's diagonal so skip about half their work; what they skip is masked (zero) anyway.
 inline int64_t keys_seen(const Spec& s, int64_t i_last, int64_t j0) {
   const int64_t end = std::min(s.last(i_last), s.kv_len) - j0;
-  const int64_t rounded = (std::max<int64_t>(0, end) + kLanes - 1) / kLanes * kLanes;
+  const int64_t rounded = (std::max<int64_t>(0, end) + kCols - 1) / kCols * kCols;
   return std::min(kBlockK, rounded);
 }
 inline int64_t rows_from(const Spec& s, int64_t j, int64_t i0, int64_t n) {
