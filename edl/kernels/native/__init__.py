@@ -21,7 +21,9 @@ loop of small XLA ops), and XLA alone cannot do what these two need:
 Both split their work over items on XLA's intra-op thread pool, through XLA's FFI
 (``jax.ffi``). The sources are compiled on first use with the machine's C++ compiler
 (``$CXX``, else ``c++`` or ``g++``) against the headers jaxlib ships
-(``jax.ffi.include_dir()``), for this CPU (``-march=native``), into one library in a cache
+(``jax.ffi.include_dir()``), for this CPU (``-march=native``; ``$EDL_NATIVE_CXXFLAGS`` adds
+flags after edl's, e.g. ``-march=x86-64-v3`` for a library that other machines load), into one
+library in a cache
 directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels`` or
 ``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
 later processes load the cached library. Where no compiler is found or the build fails,

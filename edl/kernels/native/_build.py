@@ -54,17 +54,19 @@ def _cache_dir() -> Path:
 
 def build_library(cache_dir: Path | None = None) -> Path:
     """Compile the kernels' sources into one library in ``cache_dir`` (default: the package
-    docstring's), unless a library built from the same sources, flags, jaxlib and CPU is there
-    already. Returns its path; raises ``RuntimeError`` naming the compiler command and its
-    output if the build fails. The library is written to a temporary file and renamed, so
-    concurrent processes never load a half-written one."""
+    docstring's), unless a library built from the same sources, flags (edl's, then
+    ``$EDL_NATIVE_CXXFLAGS``), jaxlib and CPU is there already. Returns its path; raises
+    ``RuntimeError`` naming the compiler command and its output if the build fails. The
+    library is written to a temporary file and renamed, so concurrent processes never load a
+    half-written one."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++, clang++)")
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
     parts = [path.read_bytes() for path in (*_SOURCES, *_HEADERS)]
-    parts += [" ".join(_FLAGS).encode(), compiler.encode(),
+    flags = (*_FLAGS, *os.environ.get("EDL_NATIVE_CXXFLAGS", "").split())
+    parts += [" ".join(flags).encode(), compiler.encode(),
               importlib.metadata.version("jaxlib").encode(), platform.machine().encode(),
               _cpu_model().encode()]  # fmt: skip
     for part in parts:
@@ -77,7 +79,7 @@ def build_library(cache_dir: Path | None = None) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".build-", suffix=".so")
     os.close(fd)
-    command = [compiler, *_FLAGS, f"-I{include}", *map(str, _SOURCES), "-o", tmp]
+    command = [compiler, *flags, f"-I{include}", *map(str, _SOURCES), "-o", tmp]
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode != 0:
