@@ -258,7 +258,23 @@ def test_chunk_size_sets_the_number_of_chunks():
     labels = jnp.zeros((2, 5), jnp.int32)
     for chunk_size, n_chunks in ((1, 10), (3, 4), (10, 1), (2048, 1)):
         fn = lambda h, w, cs=chunk_size: losses.causal_lm_loss(h, w, labels, chunk_size=cs)
-        assert scan_lengths(fn, hidden, head) == [n_chunks]
+        # One chunk is computed directly, without a scan.
+        assert scan_lengths(fn, hidden, head) == ([n_chunks] if n_chunks > 1 else [])
+
+
+def test_one_chunk_computes_the_head_product_once():
+    hidden, head = jnp.ones((2, 5, 4)), jnp.ones((9, 4))
+    labels = jnp.zeros((2, 5), jnp.int32)
+
+    def head_products(chunk_size):
+        fn = lambda h, w: losses.causal_lm_loss(h, w, labels, chunk_size=chunk_size)[0]
+        jaxpr = jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(hidden, head).jaxpr
+        return sum(e.primitive.name == "dot_general" for e in all_eqns(jaxpr))
+
+    # Forward, then the gradients of hidden and head; several chunks also recompute the
+    # logits in the backward pass (the rematerialised scan body).
+    assert head_products(10) == 3
+    assert head_products(3) == 4
 
 
 @pytest.mark.parametrize("case", ["all_ignored", "all_masked", "single_position"])

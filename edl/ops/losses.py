@@ -4,7 +4,8 @@ entropy, and the sequence-classification losses.
 ``causal_lm_loss`` takes the final hidden states and the output-projection weight instead of
 logits: it scans over chunks of the flattened tokens with a rematerialised body, so neither the
 forward pass nor the gradient ever holds the ``(batch, seq, vocab)`` float32 logits, only one
-``(chunk, vocab)`` block at a time. ``causal_lm_loss_from_logits`` is the plain path for
+``(chunk, vocab)`` block at a time (tokens that fit one chunk skip the scan and the
+recomputation). ``causal_lm_loss_from_logits`` is the plain path for
 callers that already have logits (and the reference the chunked one is tested against).
 ``causal_lm_token_logps`` is the same chunked scan returning each position's log-probability of
 its target (preference losses sum them per sequence); ``mask_without_context`` sets to
@@ -17,8 +18,6 @@ lets a caller renormalise over gradient-accumulation steps as HF's ``num_items_i
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -196,8 +195,9 @@ def causal_lm_loss(
     Returns:
         ``(loss, {"loss", "accuracy", "count"})``: the float32 mean over counted targets (0.0
         when there are none), the fraction of them that are the argmax of the logits, and their
-        int32 count. Gradients flow to ``hidden`` and ``head``; the chunk logits are recomputed
-        in the backward pass, and the head's gradient is summed over chunks in its dtype.
+        int32 count. Gradients flow to ``hidden`` and ``head``; with more than one chunk the
+        chunk logits are recomputed in the backward pass, and the head's gradient is summed
+        over chunks in its dtype.
     """
     name = "causal_lm_loss"
     targets, valid = _lm_targets(
@@ -205,20 +205,13 @@ def causal_lm_loss(
     )
     x, t, v, w = _chunked(name, hidden, head, targets, valid, chunk_size, softcap)
 
-    # Rematerialised: the backward pass recomputes this chunk's logits rather than saving them.
-    @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk_stats(w, x, t, v):
         logits = jnp.einsum("cd,vd->cv", x, w, preferred_element_type=jnp.float32)
         nll, correct = _token_stats(_softcap(logits, softcap), t, v)
         return jnp.sum(nll), jnp.sum(correct.astype(jnp.int32))
 
-    def body(carry, xs):
-        loss_sum, correct = carry
-        chunk_loss, chunk_correct = chunk_stats(w, *xs)
-        return (loss_sum + chunk_loss, correct + chunk_correct), None
-
-    init = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (loss_sum, correct), _ = jax.lax.scan(body, init, (x, t, v))
+    chunk_losses, chunk_correct = _map_chunks(chunk_stats, w, x, t, v)
+    loss_sum, correct = jnp.sum(chunk_losses), jnp.sum(chunk_correct)
     return _metrics(loss_sum, correct, jnp.sum(valid.astype(jnp.int32)))
 
 
@@ -240,21 +233,20 @@ def causal_lm_token_logps(
         ``(logps, counted)``, both ``(batch, seq)``: with ``shift``, ``logps[:, t]`` is
         ``log p(labels[:, t + 1] | prefix)`` (log-softmax in float32, after ``softcap``), 0.0
         where ``counted`` is False (``ignore_index`` labels, masked positions, the last
-        position). Gradients flow to ``hidden`` and ``head``; chunk logits are recomputed in
-        the backward pass.
+        position). Gradients flow to ``hidden`` and ``head``; with more than one chunk the
+        chunk logits are recomputed in the backward pass.
     """
     name = "causal_lm_token_logps"
     batch, seq = _check_head(name, hidden, head)
     targets, valid = _lm_targets(name, labels, attention_mask, ignore_index, shift, (batch, seq))
     x, t, v, w = _chunked(name, hidden, head, targets, valid, chunk_size, softcap)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
     def chunk_logps(w, x, t, v):
         logits = jnp.einsum("cd,vd->cv", x, w, preferred_element_type=jnp.float32)
         nll, _ = _token_stats(_softcap(logits, softcap), t, v)
         return -nll
 
-    _, logps = jax.lax.scan(lambda carry, xs: (carry, chunk_logps(w, *xs)), None, (x, t, v))
+    logps = _map_chunks(chunk_logps, w, x, t, v)
     return logps.reshape(-1)[: batch * seq].reshape(batch, seq), valid
 
 
@@ -319,6 +311,19 @@ def _chunked(
         v.reshape(n_chunks, chunk),
         head.astype(dtype),
     )
+
+
+def _map_chunks(fn, head: Array, x: Array, targets: Array, valid: Array):
+    """``fn(head, x, targets, valid)`` on each chunk of ``_chunked``'s blocks, its outputs
+    stacked over chunks. Several chunks are scanned with a rematerialised body: the backward
+    pass recomputes a chunk's logits rather than keeping them all. A single chunk is called
+    directly: its logits are what the chunk size lets memory hold anyway (and at the same
+    point, the end of the forward pass), while the scan would run the head's product twice."""
+    if x.shape[0] == 1:
+        return jax.tree.map(lambda y: y[None], fn(head, x[0], targets[0], valid[0]))
+    body = jax.checkpoint(fn, prevent_cse=False)
+    _, out = jax.lax.scan(lambda carry, xs: (carry, body(head, *xs)), None, (x, targets, valid))
+    return out
 
 
 def sequence_classification_loss(
