@@ -39,6 +39,7 @@ import optax
 
 BATCH, SEQ, VOCAB = 8, 16, 64
 MESHES = ("2,2,2,1", "1,8,1,1")
+LEARNING_RATE = 1e-2  # AdamW
 
 
 def config():
@@ -62,7 +63,7 @@ def setup():
     from edl.train import make_train_step
 
     model = LlamaForCausalLM.init(config(), key=jax.random.key(0))
-    tx = optax.adamw(1e-2)
+    tx = optax.adamw(LEARNING_RATE)
 
     def loss_fn(model, batch):
         return model.compute_loss(batch["ids"])
