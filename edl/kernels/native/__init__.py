@@ -22,10 +22,9 @@ Both split their work over items on XLA's intra-op thread pool, through XLA's FF
 (``jax.ffi``). The sources are compiled on first use with the machine's C++ compiler
 (``$CXX``, else ``c++`` or ``g++``) against the headers jaxlib ships
 (``jax.ffi.include_dir()``), for this CPU (``-march=native``; ``$EDL_NATIVE_CXXFLAGS`` adds
-flags after edl's, e.g. ``-march=x86-64-v3`` for a library that other machines load), into one
-library in a cache
-directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels`` or
-``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
+flags after edl's, e.g. ``-march=x86-64-v3`` for a library that other machines load), into
+one library in a cache directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels``
+or ``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
 later processes load the cached library. Where no compiler is found or the build fails,
 :func:`unavailable` says why and callers fall back, warning once (paged attention to XLA's
 gathered form, ``edl.ops.attention`` to the interpreted Pallas kernel).
@@ -59,6 +58,18 @@ __all__ = [
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the kernel takes
 
 
+def _check_operands(what: str, *arrays: Array) -> None:
+    """Raise unless the kernels can run here (``RuntimeError``, saying why) and ``arrays``
+    share one dtype the kernels take (``ValueError`` naming ``what`` and the dtypes)."""
+    reason = unavailable()
+    if reason is not None:
+        raise RuntimeError(reason)
+    dtypes = [np.dtype(x.dtype) for x in arrays]
+    if dtypes[0] not in DTYPES or any(d != dtypes[0] for d in dtypes):
+        raise ValueError(
+            f"{what} must share float32 or bfloat16, got {', '.join(map(str, dtypes))}"
+        )
+
 def paged_attention_cpu(
     q: Float[Array, "batch new_tokens heads head_dim"],
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
@@ -77,14 +88,7 @@ def paged_attention_cpu(
     and the pools. CPU only; call :func:`unavailable` first. Meant for a few new tokens per
     row (decode steps): its inner loops are scalar code over one key at a time, so long
     prompt chunks are faster through XLA's GEMMs. Not differentiable."""
-    reason = unavailable()
-    if reason is not None:
-        raise RuntimeError(reason)
-    if q.dtype not in DTYPES or k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(
-            f"paged_attention_cpu: q and pools must share float32 or bfloat16, got "
-            f"{q.dtype}, {k_pages.dtype}, {v_pages.dtype}"
-        )
+    _check_operands("paged_attention_cpu: q and pools", q, k_pages, v_pages)
     call = jax.ffi.ffi_call("edl_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
         q, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
@@ -172,14 +176,7 @@ def flash_attention_cpu(
     implies ``causal``. Segment ids: a query sees only keys of its own id (both or neither).
     CPU only; call :func:`unavailable` first. Differentiable in ``q``, ``k``, ``v``.
     """
-    reason = unavailable()
-    if reason is not None:
-        raise RuntimeError(reason)
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"flash_attention_cpu: q, k, v must share float32 or bfloat16, got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
+    _check_operands("flash_attention_cpu: q, k, v", q, k, v)
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError(
             "flash_attention_cpu: pass both q_segment_ids and kv_segment_ids or neither"
