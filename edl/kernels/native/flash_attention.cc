@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -578,38 +579,39 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k
   }
 }
 
+// The operands both passes take first: q, k, v and the segment ids.
+inline auto bind_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()           // q
+      .Arg<ffi::AnyBuffer>()           // k
+      .Arg<ffi::AnyBuffer>()           // v
+      .Arg<ffi::Buffer<ffi::S32>>()    // q_ids
+      .Arg<ffi::Buffer<ffi::S32>>();   // kv_ids
+}
+
+// The attributes both passes take last (edl.kernels.native's _attrs).
+template <typename Binding>
+auto bind_attributes(Binding binding) {
+  return std::move(binding)
+      .template Attr<float>("scale")
+      .template Attr<float>("softcap")
+      .template Attr<int64_t>("window")
+      .template Attr<bool>("causal");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EdlFlashAttentionForward, ForwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k
-                                  .Arg<ffi::AnyBuffer>()          // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_ids
-                                  .Ret<ffi::AnyBuffer>()          // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("causal"));
+                              bind_attributes(bind_operands()
+                                                  .Ret<ffi::AnyBuffer>()           // out
+                                                  .Ret<ffi::Buffer<ffi::F32>>()));  // lse
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EdlFlashAttentionBackward, BackwardImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::AnyBuffer>()          // k
-                                  .Arg<ffi::AnyBuffer>()          // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // q_ids
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_ids
-                                  .Arg<ffi::AnyBuffer>()          // out
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Arg<ffi::AnyBuffer>()          // d_out
-                                  .Ret<ffi::AnyBuffer>()          // dq
-                                  .Ret<ffi::AnyBuffer>()          // dk
-                                  .Ret<ffi::AnyBuffer>()          // dv
-                                  .Attr<float>("scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int64_t>("window")
-                                  .Attr<bool>("causal"));
+                              bind_attributes(bind_operands()
+                                                  .Arg<ffi::AnyBuffer>()           // out
+                                                  .Arg<ffi::Buffer<ffi::F32>>()    // lse
+                                                  .Arg<ffi::AnyBuffer>()           // d_out
+                                                  .Ret<ffi::AnyBuffer>()           // dq
+                                                  .Ret<ffi::AnyBuffer>()           // dk
+                                                  .Ret<ffi::AnyBuffer>()));        // dv
