@@ -70,6 +70,7 @@ def _check_operands(what: str, *arrays: Array) -> None:
             f"{what} must share float32 or bfloat16, got {', '.join(map(str, dtypes))}"
         )
 
+
 def paged_attention_cpu(
     q: Float[Array, "batch new_tokens heads head_dim"],
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
