@@ -61,14 +61,14 @@ class BlockSizes:
         for field in dataclasses.fields(self):
             size = getattr(self, field.name)
             if size <= 0 or size % kernels.LANES:
-                raise ValueError(f"BlockSizes.{field.name} must be a positive multiple of 128, "
-                                 f"got {size}")  # fmt: skip
+                msg = f"BlockSizes.{field.name} must be a positive multiple of 128, got {size}"
+                raise ValueError(msg)
 
 
 def _tiles(a: int, b: int, length: int) -> tuple[int, int, int]:
-    """The two tiles (forward, backward) used along a sequence of ``length``, and the length
-    it is padded to: whole tiles of both. A tile is cut to the length rounded up to 128, or
-    to a multiple of the other tile that covers it, so short sequences pad little."""
+    """The forward and backward tiles used along a sequence of ``length``, and the length it
+    is padded to (whole tiles of both). Short sequences pad little: the smaller tile is cut
+    to the length rounded up to 128, the larger to the least multiple of it covering that."""
     rounded = cdiv(length, kernels.LANES) * kernels.LANES
     small = min(a, b, rounded)
     cap = cdiv(rounded, small) * small
@@ -108,10 +108,16 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def _check(q, k, v, q_segment_ids, kv_segment_ids, window) -> None:
     """Raise early, naming the problem."""
-    if q.ndim != 4 or k.shape != v.shape or k.ndim != 4 or k.shape[0] != q.shape[0] \
-            or k.shape[3] != q.shape[3]:  # fmt: skip
-        raise ValueError(f"flash_attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}; "
-                         "want (batch, len, heads, head_dim) with k and v alike")  # fmt: skip
+    same_batch_and_dim = k.ndim == 4 and (k.shape[0], k.shape[3]) == (q.shape[0], q.shape[3])
+    if q.ndim != 4 or k.shape != v.shape or not same_batch_and_dim:
+        raise ValueError(
+            f"flash_attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}; want "
+            "(batch, len, heads, head_dim) with k and v alike"
+        )
+    if q.shape[1] == 0 or k.shape[1] == 0:
+        raise ValueError(
+            f"flash_attention: empty sequence (q_len {q.shape[1]}, kv_len {k.shape[1]})"
+        )
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"flash_attention: {q.shape[2]} heads not a multiple of "
                          f"{k.shape[2]} kv heads")  # fmt: skip
