@@ -23,7 +23,7 @@ from edl.kernels import native
 from edl.ops.cached_attention import NATIVE_MAX_NEW_TOKENS, paged_attention
 
 # The module, not edl.ops' function of the same name.
-cached = importlib.import_module("edl.ops.cached_attention")
+platforms = importlib.import_module("edl.platforms")
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is CPU-only"),
@@ -151,7 +151,7 @@ def test_without_the_kernel_auto_falls_back_with_one_warning(monkeypatch):
     )  # fmt: skip
     k_pool, v_pool = jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)  # XLA's form reads them
     monkeypatch.setattr(native, "unavailable", lambda: "no C++ compiler found (test)")
-    monkeypatch.setattr(cached, "_warned", set())
+    monkeypatch.setattr(platforms, "_noticed", set())
     with pytest.warns(UserWarning, match=r"no C\+\+ compiler found \(test\); using impl='xla'"):
         out = paged_attention(q, k_pool, v_pool, table, lengths, layer=layer)
     with warnings.catch_warnings():

@@ -28,7 +28,7 @@ from test_kernels_attention import _float64_reference, _inputs, _rel_err, _segme
 from edl import ops
 from edl.kernels import native
 
-attention_module = __import__("edl.ops.attention", fromlist=["_warned"])
+platforms = __import__("edl.platforms", fromlist=["_noticed"])
 
 pytestmark = [
     pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel is CPU-only"),
@@ -138,7 +138,7 @@ def test_auto_picks_native_on_cpu_for_float32_and_bfloat16_only():
 def test_without_the_kernel_auto_falls_back_to_pallas_with_one_warning(monkeypatch):
     q, k, v, d_out = _inputs(7, 1, 24, 24, 2, 1, 8)
     monkeypatch.setattr(native, "unavailable", lambda: "no C++ compiler found (test)")
-    monkeypatch.setattr(attention_module, "_warned", set())
+    monkeypatch.setattr(platforms, "_noticed", set())
     with pytest.warns(UserWarning, match=r"no C\+\+ compiler found \(test\); using impl='pallas'"):
         out = ops.attention(q, k, v, causal=True)
     with warnings.catch_warnings():

@@ -14,15 +14,14 @@ import pytest
 
 from edl.nn.schedule import Segment
 from edl.nn.stack import (
-    REMAT_POLICIES,
     check_remat,
     num_layers,
-    remat_policy,
     run_segments,
     run_stack,
     schedule_period,
     stack,
     unstack,
+    with_remat,
 )
 
 
@@ -149,11 +148,24 @@ def test_mismatched_groups_are_named():
         run_stack(stacks["a"], jnp.ones(3), _apply, settings=(1, 2, 3))
 
 
-def test_remat_auto_resolves_by_backend_only_when_used():
-    """Remat "auto" is "dots" on CPU and "none" elsewhere; checking the name (as a config does
-    when it is built) never touches the backend, which multi-process runs initialise first."""
-    expected = REMAT_POLICIES["dots" if jax.default_backend() == "cpu" else "none"]
-    assert remat_policy("auto") is expected
+def _remats(remat: str, platform: str) -> int:
+    """How many recomputations (each behind an optimisation barrier) the gradient of
+    ``sum(sin(x @ w))`` under ``remat``, lowered for ``platform``, holds."""
+
+    def loss(x, w):
+        return jnp.sum(with_remat(lambda x, w: jnp.sin(x @ w), remat)(x, w))
+
+    lowered = jax.jit(jax.grad(loss)).trace(jnp.ones((4, 4)), jnp.ones((4, 4)))
+    return lowered.lower(lowering_platforms=(platform,)).as_text().count("optimization_barrier")
+
+
+def test_remat_auto_is_chosen_by_the_lowering_platform_and_checked_without_a_backend():
+    """Remat "auto" is "dots" in a program lowered for CPU and "none" in one lowered for an
+    accelerator; checking the name (as a config does when it is built) never touches the
+    backend, which multi-process runs initialise first."""
+    assert _remats("dots", "cpu") > 0 and _remats("none", "cpu") == 0
+    assert _remats("auto", "cpu") == _remats("dots", "cpu")
+    assert _remats("auto", "cuda") == _remats("auto", "tpu") == 0
     check_remat("auto")
     with pytest.raises(ValueError, match=r"unknown remat policy 'some'; choose from \['auto'"):
         check_remat("some")

@@ -1,29 +1,50 @@
 """Pieces shared by edl's Pallas kernels: where they run, block sizes, padding and masks.
 
-Kernels run through Pallas' Triton lowering on NVIDIA GPUs and with ``interpret=True``
-elsewhere (CPU), where Pallas turns the kernel body into an ordinary jitted XLA loop over
-the grid. Both see the same kernel code; only the block sizes differ. Triton wants every
-in-kernel array to have power-of-two dimensions, with matrix-multiply operands of at least
-16 in each, so on GPU head dims are zero-padded to a power of two (zeros add nothing to
-``q @ k.T`` and give zero output columns that are sliced off) and sequence blocks are
-powers of two; in interpret mode any block size works.
+Kernels run through Pallas' Triton lowering in programs lowered for GPUs and with
+``interpret=True`` elsewhere (CPU), where Pallas turns the kernel body into an ordinary XLA
+loop over the grid (``by_interpret`` chooses by the platform a program is lowered for). Both
+see the same kernel code; only the block sizes differ. Triton wants every in-kernel array to
+have power-of-two dimensions, with matrix-multiply operands of at least 16 in each, so on GPU
+head dims are zero-padded to a power of two (zeros add nothing to ``q @ k.T`` and give zero
+output columns that are sliced off) and sequence blocks are powers of two; in interpret mode
+any block size works.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pl_triton
 
+from edl.platforms import fail_when_lowered
+
 LOG2E = math.log2(math.e)
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def resolve_interpret(interpret: bool | None) -> bool:
-    """``interpret`` as given, else True unless the default backend is a GPU."""
-    return jax.default_backend() != "gpu" if interpret is None else interpret
+def by_interpret(kernel: Callable[..., jax.Array], interpret: bool | None, *args: Any) -> jax.Array:
+    """``kernel(*args, interpret=interpret)``; with ``interpret=None``, per platform the program
+    is lowered for (``jax.lax.platform_dependent``): compiled through Triton on GPUs,
+    interpreted elsewhere. A limit of the compiled kernel (a ``ValueError`` raised while
+    tracing it, such as a cache length Triton cannot tile) then fails only when lowered for a
+    GPU."""
+    if interpret is not None:
+        return kernel(*args, interpret=interpret)
+
+    def compiled(*args):
+        try:
+            return kernel(*args, interpret=False)
+        except ValueError as error:
+            out = jax.eval_shape(functools.partial(kernel, interpret=True), *args)
+            return fail_when_lowered(jnp.zeros(out.shape, out.dtype), str(error))
+
+    interpreted = functools.partial(kernel, interpret=True)
+    return jax.lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 from edl.kernels._common import (
     KERNEL_DTYPES,
     LOG2E,
+    by_interpret,
     cdiv,
     compiler_params,
     decode_splits,
@@ -34,7 +35,6 @@ from edl.kernels._common import (
     online_softmax_step,
     pad_axis,
     query_rows,
-    resolve_interpret,
     scores,
     visible,
 )
@@ -166,12 +166,23 @@ def decode_attention(
         num_splits: cache splits processed in parallel (default: enough programs to fill a
             GPU; 1 in interpret mode).
         num_warps, num_stages: Triton launch settings (GPU only).
-        interpret: as in ``flash_attention``.
+        interpret: as in ``flash_attention`` (default: by the platform lowered for).
     """
     _check_inputs(q, k_cache, v_cache, lengths, kv_start)
+    kernel = functools.partial(
+        _decode, window=window, softcap=softcap, scale=scale, block_k=block_k,
+        num_splits=num_splits, params=compiler_params(num_warps, num_stages),
+    )  # fmt: skip
+    return by_interpret(kernel, interpret, q, k_cache, v_cache, lengths, kv_start)
+
+
+def _decode(
+    q, k_cache, v_cache, lengths, kv_start, *, window, softcap, scale, block_k, num_splits,
+    params, interpret: bool,
+):  # fmt: skip
+    """``decode_attention`` for ``interpret`` or Triton (block and split choices differ)."""
     batch, new_tokens, heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    interpret = resolve_interpret(interpret)
     group = heads // kv_heads
     block = _cache_block(cache_len, block_k or (512 if interpret else 64), interpret)
     num_blocks = cache_len // block
@@ -191,9 +202,8 @@ def decode_attention(
     if kv_start is not None:
         scalars.append(kv_start.astype(jnp.int32))
     call = functools.partial(
-        _decode_call, plan=plan, num_splits=num_splits,
-        params=compiler_params(num_warps, num_stages), interpret=interpret,
-    )  # fmt: skip
+        _decode_call, plan=plan, num_splits=num_splits, params=params, interpret=interpret
+    )
     if interpret and batch * kv_heads > 1:
         out, lse = _call_per_head(call, scalars, q_rows, k_cache, v_cache, num_splits)
     else:

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from edl.kernels._common import (
     KERNEL_DTYPES,
     LOG2E,
+    by_interpret,
     cdiv,
     compiler_params,
     online_softmax_finish,
@@ -34,7 +35,6 @@ from edl.kernels._common import (
     online_softmax_step,
     pad_axis,
     padded_head_dim,
-    resolve_interpret,
     scores,
     seq_block,
     visible,
@@ -426,10 +426,11 @@ def flash_attention(
         softcap: logits become ``softcap * tanh(logits / softcap)`` (after ``scale``).
         scale: logit scale, default ``1/sqrt(head_dim)``.
         block_sizes: tiles and Triton settings; default :func:`default_block_sizes`.
-        interpret: run the kernels with ``interpret=True``; default: unless on a GPU.
+        interpret: run the kernels with ``interpret=True``; default: by the platform the
+            program is lowered for, compiled through Triton on GPUs, interpreted elsewhere.
     """
-    batch, q_len, heads, head_dim = q.shape
-    kv_len, kv_heads = k.shape[1], k.shape[2]
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
     if k.shape != v.shape or k.shape[0] != batch or k.shape[3] != head_dim:
         raise ValueError(f"flash_attention: incompatible q {q.shape}, k {k.shape}, v {v.shape}")
     if heads % kv_heads:
@@ -443,7 +444,26 @@ def flash_attention(
         raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids or neither")
     if window is not None and window <= 0:
         raise ValueError(f"flash_attention: window must be positive, got {window}")
-    interpret = resolve_interpret(interpret)
+    q_ids = kv_ids = None
+    if q_segment_ids is not None:
+        q_ids, kv_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    kernel = functools.partial(
+        _padded_call,
+        causal=causal or window is not None,
+        window=window,
+        softcap=softcap,
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        block_sizes=block_sizes,
+    )
+    return by_interpret(kernel, interpret, q, k, v, q_ids, kv_ids)
+
+
+def _padded_call(
+    q, k, v, q_ids, kv_ids, *, causal, window, softcap, scale, block_sizes, interpret: bool
+):
+    """The kernels on inputs padded to whole blocks (for ``interpret`` or Triton), sliced back."""
+    q_len, head_dim = q.shape[1], q.shape[3]
+    kv_len = k.shape[1]
     blocks = block_sizes or default_block_sizes(head_dim, q.dtype, interpret=interpret)
     bq, bk = (
         seq_block(blocks.block_q, q_len, interpret),
@@ -454,19 +474,17 @@ def flash_attention(
     padded_q = cdiv(q_len, math.lcm(bq, bq_bwd)) * math.lcm(bq, bq_bwd)
     padded_kv = cdiv(kv_len, math.lcm(bk, bk_bwd)) * math.lcm(bk, bk_bwd)
     plan = _FlashPlan(
-        causal=causal or window is not None, window=window,
-        softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), q_len=q_len, kv_len=kv_len,
-        padded_q=padded_q, padded_kv=padded_kv, block_q=bq, block_k=bk, block_q_bwd=bq_bwd,
-        block_k_bwd=bk_bwd, blocks=blocks, interpret=interpret,
+        causal=causal, window=window, softcap=None if softcap is None else float(softcap),
+        scale=scale, q_len=q_len, kv_len=kv_len, padded_q=padded_q, padded_kv=padded_kv,
+        block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd, blocks=blocks,
+        interpret=interpret,
     )  # fmt: skip
     dim = padded_head_dim(head_dim, interpret)
     q_p = pad_axis(pad_axis(q, 1, padded_q), 3, dim)
     k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, dim)
     v_p = pad_axis(pad_axis(v, 1, padded_kv), 3, dim)
     q_seg = kv_seg = None
-    if q_segment_ids is not None:
-        q_seg = pad_axis(q_segment_ids.astype(jnp.int32), 1, padded_q)
-        kv_seg = pad_axis(kv_segment_ids.astype(jnp.int32), 1, padded_kv)
+    if q_ids is not None:
+        q_seg, kv_seg = pad_axis(q_ids, 1, padded_q), pad_axis(kv_ids, 1, padded_kv)
     out = _flash(q_p, k_p, v_p, q_seg, kv_seg, plan)
     return out[:, :q_len, :, :head_dim]

@@ -4,7 +4,10 @@ Layout: ``k_pages``/``v_pages`` are one pool ``(num_pages, page_size, kv_heads, 
 shared by all rows; row ``b``'s logical cache position ``p`` lives at
 ``pool[page_table[b, p // page_size], p % page_size]``. Only the first
 ``ceil(lengths[b] / page_size)`` entries of a row's table are used; the rest may hold
-anything (-1, out of range) and are never read.
+anything (-1, out of range) and are never read. Pools stacked over layers ``(layers,
+num_pages, ...)``, as serving keeps them, are read at ``layer`` in place: the kernel takes the
+whole stack and indexes the layer itself, since slicing a layer's pool out first would copy
+it on every call.
 
 Program mapping is that of ``decode_attention``: one program per ``(batch row, kv head,
 split)`` owns the ``new_tokens * group`` query rows of the query heads sharing that kv head,
@@ -39,6 +42,7 @@ from jaxtyping import Array, Float, Int
 from edl.kernels._common import (
     KERNEL_DTYPES,
     LOG2E,
+    by_interpret,
     cdiv,
     compiler_params,
     decode_splits,
@@ -48,7 +52,6 @@ from edl.kernels._common import (
     online_softmax_step,
     pad_axis,
     query_rows,
-    resolve_interpret,
     scores,
     visible,
 )
@@ -72,8 +75,10 @@ class _PagedPlan:
     blocks_per_split: int
 
 
-def _paged_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: _PagedPlan):
-    length = len_ref[()]
+def _paged_kernel(
+    len_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: _PagedPlan
+):
+    length, layer = len_ref[()], layer_ref[()]
     head, split = pl.program_id(1), pl.program_id(2)
     page_size, per_block = plan.page_size, plan.pages_per_block
     block_k = page_size * per_block
@@ -99,7 +104,7 @@ def _paged_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pl
         for i in range(per_block):
             entry = jnp.minimum(j * per_block + i, used_pages - 1)  # never an unused entry
             page = jnp.clip(table_ref[entry], 0, plan.num_pages - 1)
-            tiles.append(ref[page, :, head, :])
+            tiles.append(ref[layer, page, :, head, :])
         return tiles[0] if per_block == 1 else jnp.concatenate(tiles)
 
     def body(j, carry):
@@ -114,15 +119,18 @@ def _paged_kernel(len_ref, table_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, pl
     o_ref[...], lse_ref[...] = online_softmax_finish(carry, empty_lse=-jnp.inf)
 
 
-def _paged_call(lengths, table, q_rows, k_pages, v_pages, *, plan, num_splits, params, interpret):
+def _paged_call(
+    lengths, table, layer, q_rows, k_pages, v_pages, *, plan, num_splits, params, interpret
+):
     batch, kv_heads, rows, dim = q_rows.shape
-    pool = pl.BlockSpec(k_pages.shape, lambda b, h, s: (0, 0, 0, 0))
+    pool = pl.BlockSpec(k_pages.shape, lambda b, h, s: (0,) * 5)  # every layer's pool, whole
     return pl.pallas_call(
         functools.partial(_paged_kernel, plan=plan),
         grid=(batch, kv_heads, num_splits),
         in_specs=[
             pl.BlockSpec((None,), lambda b, h, s: (b,)),
             pl.BlockSpec((None, plan.pages_per_seq), lambda b, h, s: (b, 0)),
+            pl.BlockSpec((None,), lambda b, h, s: (0,)),
             pl.BlockSpec((None, None, rows, dim), lambda b, h, s: (b, h, 0, 0)),
             pool,
             pool,
@@ -138,20 +146,23 @@ def _paged_call(lengths, table, q_rows, k_pages, v_pages, *, plan, num_splits, p
         compiler_params=params,
         interpret=interpret,
         name="edl_paged_decode_attention",
-    )(lengths, table, q_rows, k_pages, v_pages)
+    )(lengths, table, layer, q_rows, k_pages, v_pages)
 
 
-def _check(q, k_pages, v_pages, page_table, lengths, interpret: bool) -> None:
+def _check(q, k_pages, v_pages, page_table, lengths) -> None:
+    """The shapes and dtypes ``paged_decode_attention`` takes (pools stacked over layers),
+    each problem named."""
+
     def fail(what, expected, actual, error=ValueError):
         raise error(f"paged_decode_attention: {what} must be {expected}, got {actual}")
 
     batch, _, heads, head_dim = q.shape
-    if k_pages.ndim != 4 or k_pages.shape[3] != head_dim:
-        fail("k_pages", f"(num_pages, page_size, kv_heads, {head_dim})", k_pages.shape)
+    if k_pages.ndim != 5 or k_pages.shape[4] != head_dim:
+        fail("k_pages", f"([layers,] num_pages, page_size, kv_heads, {head_dim})", k_pages.shape)
     if v_pages.shape != k_pages.shape:
         fail("v_pages", f"the shape of k_pages {k_pages.shape}", v_pages.shape)
-    if heads % k_pages.shape[2]:
-        fail("q's heads", f"a multiple of the {k_pages.shape[2]} kv heads", heads)
+    if heads % k_pages.shape[3]:
+        fail("q's heads", f"a multiple of the {k_pages.shape[3]} kv heads", heads)
     if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in KERNEL_DTYPES:
         dtypes = f"{q.dtype}/{k_pages.dtype}/{v_pages.dtype}"
         fail("q/k_pages/v_pages", "one shared float32/bfloat16/float16", dtypes, TypeError)
@@ -162,18 +173,16 @@ def _check(q, k_pages, v_pages, page_table, lengths, interpret: bool) -> None:
     for name, arr in (("page_table", page_table), ("lengths", lengths)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             fail(name, "integers", arr.dtype, TypeError)
-    page_size = k_pages.shape[1]
-    if not interpret and (page_size < 16 or page_size & (page_size - 1)):
-        fail("on GPU the page size", "a power of two >= 16", page_size)
 
 
 def paged_decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "num_pages page_size kv_heads head_dim"],
+    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],  # _: edl checks it and names the problem
     lengths: Int[Array, " _batch"],
     *,
+    layer: Int[Array, ""] | int | None = None,
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -190,13 +199,35 @@ def paged_decode_attention(
     Args:
         page_table: ``(batch, pages_per_seq)`` pool indices; entries at or past
             ``ceil(lengths[b] / page_size)`` are never read.
+        layer: with pools stacked over layers ``(layers, num_pages, ...)``, the layer to read;
+            its pool is read where it lies (never copied out of the stack). None: one layer's
+            pools.
         window, softcap, scale, num_splits, num_warps, num_stages, interpret: as in
             ``decode_attention``.
     """
-    interpret = resolve_interpret(interpret)
-    _check(q, k_pages, v_pages, page_table, lengths, interpret)
+    if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    _check(q, k_pages, v_pages, page_table, lengths)
+    kernel = functools.partial(
+        _paged, window=window, softcap=softcap, scale=scale, num_splits=num_splits,
+        params=compiler_params(num_warps, num_stages),
+    )  # fmt: skip
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    return by_interpret(kernel, interpret, q, k_pages, v_pages, page_table, lengths, layer)
+
+
+def _paged(
+    q, k_pages, v_pages, page_table, lengths, layer, *, window, softcap, scale, num_splits,
+    params, interpret: bool,
+):  # fmt: skip
+    """``paged_decode_attention`` for ``interpret`` or Triton (blocks and splits differ)."""
     batch, new_tokens, heads, head_dim = q.shape
-    num_pages, page_size, kv_heads, _ = k_pages.shape
+    _, num_pages, page_size, kv_heads, _ = k_pages.shape
+    if not interpret and (page_size < 16 or page_size & (page_size - 1)):
+        raise ValueError(
+            f"paged_decode_attention: on GPU the page size must be a power of two >= 16, "
+            f"got {page_size}"
+        )
     pages_per_seq = page_table.shape[1]
     per_block = max(1, min(pages_per_seq, _CPU_BLOCK_KEYS // page_size)) if interpret else 1
     num_blocks = cdiv(pages_per_seq, per_block)
@@ -211,10 +242,9 @@ def paged_decode_attention(
     q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
     dim = q_rows.shape[3]  # GPU: head_dim padded to a power of two (copies the pool if so)
     out, lse = _paged_call(
-        lengths.astype(jnp.int32), page_table.astype(jnp.int32), q_rows,
-        pad_axis(k_pages, 3, dim), pad_axis(v_pages, 3, dim), plan=plan,
-        num_splits=num_splits, params=compiler_params(num_warps, num_stages),
-        interpret=interpret,
+        lengths.astype(jnp.int32), page_table.astype(jnp.int32), layer, q_rows,
+        pad_axis(k_pages, 4, dim), pad_axis(v_pages, 4, dim), plan=plan,
+        num_splits=num_splits, params=params, interpret=interpret,
     )  # fmt: skip
     return merge_query_rows(out, lse, q)
 

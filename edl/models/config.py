@@ -62,10 +62,10 @@ class RunOptions:
     Attributes:
         scan_layers: run each stack of identical layers as one ``lax.scan`` (one compiled
             layer) rather than unrolled.
-        remat: what the backward pass recomputes (``edl.nn.stack.remat_policy`` names;
-            ``"auto"``: ``"dots"`` on CPU, ``"none"`` elsewhere).
-        attention_impl: ``edl.ops.attention`` implementation (``"auto"``: Pallas on GPU, the
-            native C++ kernel on CPU).
+        remat: what the backward pass recomputes (``edl.nn.stack.REMAT_POLICIES`` names;
+            ``"auto"``: ``"dots"`` in programs lowered for CPU, ``"none"`` elsewhere).
+        attention_impl: ``edl.ops.attention`` implementation (``"auto"``: per platform the
+            program is lowered for, the native C++ kernel on CPU, Pallas on GPU and TPU).
         moe_impl: ``edl.ops.moe`` expert dispatch.
         moe_capacity_factor: tokens each expert takes, as a multiple of its even share
             (``None``: every token; a factor may drop tokens, changing the outputs).

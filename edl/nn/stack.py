@@ -31,12 +31,12 @@ __all__ = [
     "check_remat",
     "map_stacked",
     "num_layers",
-    "remat_policy",
     "run_segments",
     "run_stack",
     "schedule_period",
     "stack",
     "unstack",
+    "with_remat",
 ]
 
 RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
@@ -46,7 +46,7 @@ RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
 # recompute at a matmul's cost: the native CPU attention kernel's output and log-sum-exp, and
 # an MoE layer's dispatched rows and expert outputs (named where they are computed);
 # "dots_no_batch": save only matmuls without batch dims (weight-stationary projections),
-# recompute attention. "auto" (remat_policy) is "dots" on a CPU backend and "none" elsewhere.
+# recompute attention. "auto" (with_remat) is "dots" lowered for CPU and "none" elsewhere.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -69,18 +69,24 @@ def check_remat(name: str) -> None:
         raise ValueError(f"unknown remat policy {name!r}; choose from {choices}")
 
 
-def remat_policy(name: str) -> Callable[..., bool] | None:
-    """The ``jax.checkpoint`` policy called ``name`` (``None`` for ``"none"``: no remat).
+def with_remat(
+    fn: Callable[..., PyTree], name: str, *, prevent_cse: bool = True
+) -> Callable[..., PyTree]:
+    """``fn`` under the remat policy ``name`` (``fn`` itself for ``"none"``).
 
-    ``"auto"`` is ``"dots"`` where the default backend is the CPU and ``"none"`` elsewhere: on
-    XLA:CPU a scanned stack's saved activations cost more to write and read back than the
-    elementwise work that recomputes them (a small Llama's train step 13-15% faster,
-    ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on GPUs keeping everything
-    stays the default."""
+    ``"auto"`` is ``"dots"`` in programs lowered for CPU and ``"none"`` elsewhere (one
+    ``jax.lax.platform_dependent``): on XLA:CPU a scanned stack's saved activations cost more
+    to write and read back than the elementwise work that recomputes them (a small Llama's
+    train step 13-15% faster, ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on
+    accelerators keeping everything stays the default. Differentiated, the two branches'
+    residuals are merged by jax; the CPU program computes zeros for those only the other
+    branch saves, which XLA removes (the step's temporary memory is unchanged)."""
     check_remat(name)
     if name == "auto":
-        return REMAT_POLICIES["dots" if jax.default_backend() == "cpu" else "none"]
-    return REMAT_POLICIES[name]
+        saving = with_remat(fn, "dots", prevent_cse=prevent_cse)
+        return lambda *args: jax.lax.platform_dependent(*args, cpu=saving, default=fn)
+    policy = REMAT_POLICIES[name]
+    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
 def stack(
@@ -196,7 +202,7 @@ def run_segments(
 
     ``stacks`` maps each group of the plan to its stack (or ``unstack``ed tuple);
     ``apply``, ``remat`` and ``collect`` are ``run_stack``'s, and so is the result."""
-    policy = remat_policy(remat)
+    check_remat(remat)
     unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
     arrays, statics = {}, {}
     for g, s in stacks.items():
@@ -208,9 +214,7 @@ def run_segments(
         def one(c: PyTree, params: PyTree, index: Array) -> PyTree:
             return apply(eqx.combine(params, statics[group]), c, setting, index)
 
-        if policy is None:
-            return one
-        return jax.checkpoint(one, policy=policy, prevent_cse=unrolled)
+        return with_remat(one, remat, prevent_cse=unrolled)
 
     indices = jnp.arange(segments[-1].stop if segments else 0, dtype=jnp.int32)
     outputs: list[PyTree] = []

@@ -8,32 +8,33 @@ the end, as in HF (the queries are the last ``q_len`` positions).
 
 from __future__ import annotations
 
-import functools
-import warnings
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from einops import rearrange
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.kernels import flash_attention, native
+from edl.kernels import flash_attention, native, tpu
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
+from edl.ops.dispatch import Kernel, by_platform
 from edl.ops.sharding import BATCH, fit_spec
 
 __all__ = [
     "IMPLS",
+    "KERNELS",
     "attention",
     "attention_mask",
+    "dtype_reason",
     "masked_attention",
     "padding_segments",
     "reference_attention",
-    "use_native",
 ]
 
 IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn")
-_warned: set[str] = set()  # fallback reasons already reported
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
 
 
@@ -150,90 +151,125 @@ def masked_attention(
 
 
 def _per_shard(kernel, q, k, v, q_ids, kv_ids):
-    """Run the Pallas kernel once per shard under the current mesh (``jax.set_mesh``):
-    batch split over dp/fsdp and heads over tp (when tp divides the kv heads), sequences
-    whole. XLA cannot partition a kernel's custom call itself; without a mesh, one call."""
-
-    def call(q, k, v, q_ids=None, kv_ids=None):
-        return kernel(q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
-
+    """Run ``kernel(q, k, v, q_ids, kv_ids)`` once per shard under the current mesh
+    (``jax.set_mesh``): batch split over dp/fsdp and heads over tp (when tp divides the kv
+    heads), sequences whole. XLA cannot partition a kernel's custom call itself; without a
+    mesh, one call."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return call(q, k, v, q_ids, kv_ids)
+        return kernel(q, k, v, q_ids, kv_ids)
     heads = "tp" if k.shape[2] % dict(mesh.shape).get("tp", 1) == 0 else None
     head_spec = fit_spec(P(BATCH, None, heads, None), q.shape, mesh.shape, unknown_axes="drop")
     kv_spec = fit_spec(P(*head_spec), k.shape, mesh.shape, unknown_axes="drop")
     ids = [] if q_ids is None else [q_ids, kv_ids]
     id_spec = P(head_spec[0], None)
+
+    def per_shard(q, k, v, *ids):
+        return kernel(q, k, v, *(ids or (None, None)))
+
     return jax.shard_map(
-        call, in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
+        per_shard, in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
         out_specs=head_spec, check_vma=False,
     )(q, k, v, *ids)  # fmt: skip
 
 
-def pallas_unsupported(q: jax.Array, k: jax.Array) -> str | None:
-    """Why the Pallas kernel cannot run on these inputs here, or None when it can."""
-    backend = jax.default_backend()
-    if backend not in ("cpu", "gpu"):
-        return f"edl's Pallas attention kernel has no lowering for backend {backend!r}"
-    if q.dtype not in KERNEL_DTYPES or k.dtype != q.dtype:
-        return f"the Pallas kernel takes float32/bfloat16/float16 inputs, got {q.dtype}/{k.dtype}"
-    if backend == "gpu" and q.shape[-1] > 256:
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """``attention``'s static settings, as every kernel of the table takes them."""
+
+    causal: bool
+    window: int | None
+    softcap: float | None
+    scale: float | None
+
+
+def dtype_reason(name: str, dtypes: tuple, *arrays: jax.Array) -> str | None:
+    """Why ``name`` cannot take ``arrays``' dtypes (one of ``dtypes``, all alike), or None."""
+    got = [np.dtype(x.dtype) for x in arrays]
+    if got[0] in dtypes and all(d == got[0] for d in got):
+        return None
+    want = "/".join(np.dtype(d).name for d in dtypes)
+    return f"{name} takes {want} inputs, got {'/'.join(d.name for d in got)}"
+
+
+def _native_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    return native.unavailable() or dtype_reason("the native CPU kernel", native.DTYPES, q, k, v)
+
+
+def _native(options: _Options, q, k, v, q_ids, kv_ids):
+    return native.flash_attention_cpu(
+        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **dataclasses.asdict(options)
+    )
+
+
+def _pallas_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
+
+
+def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    if q.shape[-1] > 256:
         return f"head_dim {q.shape[-1]} > 256 does not fit the GPU kernel's shared memory"
-    return None
+    return _pallas_unsupported(options, q, k, v, q_ids, kv_ids)
 
 
-def use_native(
-    impl: str,
-    name: str,
-    operands: tuple[jax.Array, ...],
-    *,
-    fallback: str,
-    warned: set[str],
-    eligible: bool = True,
-) -> bool:
-    """Whether ``impl`` means an ``edl.kernels.native`` kernel for a call of op ``name``:
-    ``"native"`` always (raising, with the reason, when the kernel cannot run or
-    ``operands`` are not all of one float32 / bfloat16 dtype); ``"auto"`` on a CPU backend
-    when the call is ``eligible``, the operands fit and the kernel can run. When it cannot
-    run, ``"auto"`` warns once per reason (kept in ``warned``) that ``fallback`` runs
-    instead; ``EDL_NATIVE_KERNELS=0`` asked for that, so then it says nothing."""
-    dtype = operands[0].dtype
-    fits = dtype in native.DTYPES and all(x.dtype == dtype for x in operands)
-    if impl == "native":
-        reason = native.unavailable()
-        if reason is None and not fits:
-            got = "/".join(str(x.dtype) for x in operands)
-            reason = f"it takes float32 or bfloat16 operands, got {got}"
-        if reason is not None:
-            raise ValueError(f"{name}: impl='native' cannot run: {reason}")
-        return True
-    if impl != "auto" or not eligible or jax.default_backend() != "cpu" or not fits:
-        return False
-    if native.turned_off():
-        return False
-    reason = native.unavailable()
-    if reason is not None and reason not in warned:
-        warned.add(reason)
-        warnings.warn(f"edl {name}: {reason}; using impl={fallback!r}", stacklevel=3)
-    return reason is None
+def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
-def _cudnn_attention(q, k, v, *, causal, segment_ids, window, softcap, scale):
+def _pallas(interpret: bool):
+    def call(options: _Options, q, k, v, q_ids, kv_ids):
+        return flash_attention(
+            q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret,
+            **dataclasses.asdict(options),
+        )  # fmt: skip
+
+    return call
+
+
+def _pallas_tpu(options: _Options, q, k, v, q_ids, kv_ids):
+    return tpu.flash_attention(
+        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **dataclasses.asdict(options)
+    )
+
+
+def _cudnn_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    return "cuDNN attention has no softcap" if options.softcap is not None else None
+
+
+def _cudnn(options: _Options, q, k, v, q_ids, kv_ids):
     """``jax.nn.dot_product_attention(implementation="cudnn")``: a GPU baseline."""
-    if jax.default_backend() != "gpu":
-        raise ValueError("attention: impl='cudnn' needs an NVIDIA GPU (cuDNN)")
-    if softcap is not None:
-        raise ValueError("attention: impl='cudnn' does not support softcap")
     q_len, kv_len = q.shape[1], k.shape[1]
-    if segment_ids is None and window is None and q_len == kv_len:
-        mask, is_causal = None, causal  # cuDNN's own causal mask: the fast path
+    if q_ids is None and options.window is None and q_len == kv_len:
+        mask, is_causal = None, options.causal  # cuDNN's own causal mask: the fast path
     else:  # explicit mask: end-aligned diagonal, windows and segments as edl defines them
-        mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
+        segments = None if q_ids is None else (q_ids, kv_ids)
+        mask = attention_mask(
+            q_len, kv_len, causal=options.causal, window=options.window, segment_ids=segments
+        )
         mask, is_causal = mask[:, None], False
+    scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=scale, is_causal=is_causal, implementation="cudnn"
     )
+
+
+def _turned_off() -> bool:
+    return native.turned_off()
+
+
+_TRITON = Kernel("pallas", _pallas(interpret=False), _triton_unsupported)
+# Per platform the kernels ``impl="auto"`` prefers, in order (edl.ops.dispatch): the native
+# C++ kernel on CPU (the interpreted Pallas kernel where it cannot run), Pallas through Triton
+# on GPUs and through Mosaic on TPUs; XLA (``xla_attention``) where none can.
+KERNELS: dict[str, tuple[Kernel, ...]] = {
+    "cpu": (
+        Kernel("native", _native, _native_unsupported, quiet=_turned_off),
+        Kernel("pallas", _pallas(interpret=True), _pallas_unsupported),
+    ),
+    "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported)),
+    "rocm": (_TRITON,),
+    "tpu": (Kernel("pallas", _pallas_tpu, _tpu_unsupported),),
+}
 
 
 def attention(
@@ -258,15 +294,24 @@ def attention(
         window: left sliding window (Mistral); implies causal.
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
-        impl: ``"pallas"`` (``edl.kernels.flash_attention``: Triton on GPU, interpreted on
-            CPU), ``"native"`` (``edl.kernels.native.flash_attention_cpu``: a C++ kernel for
-            CPU, float32 / bfloat16), ``"reference"`` (the plain-jnp definition tests compare
-            against), ``"xla"`` (the reference's maths with a memory-saving hand-written
-            backward), ``"cudnn"`` (``jax.nn.dot_product_attention``'s cuDNN kernel, GPU only,
-            no softcap) or ``"auto"``: on a CPU backend the native kernel where it can run
-            (else Pallas, warning once why; none with ``EDL_NATIVE_KERNELS=0``), elsewhere
-            Pallas wherever it can run, otherwise ``"xla"`` with a one-time warning saying why
-            (see :func:`pallas_unsupported`).
+        impl: which implementation computes it:
+
+            - ``"auto"``: per platform the program is lowered for, the first kernel of
+              :data:`KERNELS` that can take these inputs, else ``"xla"``, warning once (when
+              lowered) why: on CPU the native C++ kernel, else the interpreted Pallas kernel
+              (no warning with ``EDL_NATIVE_KERNELS=0``); on GPUs the Pallas kernel through
+              Triton; on TPUs the Pallas kernel through Mosaic (``edl.kernels.tpu``).
+            - ``"pallas"``: the Pallas kernel of the platform (``edl.kernels.flash_attention``:
+              Triton on GPU, interpreted on CPU; ``edl.kernels.tpu.flash_attention`` on TPU).
+            - ``"native"``: ``edl.kernels.native.flash_attention_cpu``, a C++ kernel for CPU
+              (float32 / bfloat16).
+            - ``"cudnn"``: ``jax.nn.dot_product_attention``'s cuDNN kernel (NVIDIA GPUs, no
+              softcap).
+            - ``"xla"``: the reference's maths with a memory-saving hand-written backward.
+            - ``"reference"``: the plain-jnp definition tests compare against.
+
+            A kernel named that cannot run on the platform a program is lowered for raises
+            ``ValueError`` when lowered (at once, when it runs nowhere).
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
@@ -282,35 +327,24 @@ def attention(
         raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
-    if use_native(impl, "attention", (q, k, v), fallback="pallas", warned=_warned):
-        kernel = functools.partial(
-            native.flash_attention_cpu, causal=causal, window=window, softcap=softcap,
-            scale=scale,
-        )  # fmt: skip
-        return _per_shard(kernel, q, k, v, q_ids, kv_ids)
-    if impl in ("auto", "pallas"):
-        reason = pallas_unsupported(q, k)
-        if reason is None:
-            kernel = functools.partial(
-                flash_attention, causal=causal, window=window, softcap=softcap, scale=scale
-            )
-            return _per_shard(kernel, q, k, v, q_ids, kv_ids)
-        if impl == "pallas":
-            raise ValueError(f"attention: impl='pallas' cannot run: {reason}")
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(f"edl attention: {reason}; using impl='xla'", stacklevel=2)
-        impl = "xla"
     if impl == "reference":
         return reference_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
             scale=scale,
         )  # fmt: skip
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if impl == "cudnn":
-        return _cudnn_attention(
-            q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
-            scale=scale,
-        )  # fmt: skip
-    mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segment_ids)
-    return xla_attention(q, k, v, mask, scale=scale, softcap=softcap)
+    options = _Options(causal=causal, window=window, softcap=softcap, scale=scale)
+
+    def plain(q, k, v, q_ids, kv_ids):
+        segments = None if q_ids is None else (q_ids, kv_ids)
+        mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segments)
+        logit_scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return xla_attention(q, k, v, mask, scale=logit_scale, softcap=softcap)
+
+    if impl == "xla":
+        return plain(q, k, v, q_ids, kv_ids)
+
+    def kernel(q, k, v, q_ids, kv_ids):
+        arrays = (q, k, v, q_ids, kv_ids)
+        return by_platform("attention", impl, KERNELS, options, arrays, fallback=plain)
+
+    return _per_shard(kernel, q, k, v, q_ids, kv_ids)

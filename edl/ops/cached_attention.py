@@ -5,16 +5,21 @@ per-row valid lengths; ``paged_attention`` the same logical cache stored in page
 pool, ``(num_pages, page_size, kv_heads, head_dim)``, through a ``(batch, pages_per_seq)``
 page table. Row ``b``'s queries are its newest tokens, at cache positions
 ``lengths[b] - new_tokens + i``; they see the cached keys below ``lengths[b]``, causally and
-within the sliding window. ``impl`` chooses the Pallas decode kernel or plain XLA:
+within the sliding window. ``impl`` chooses, per platform the program is lowered for
+(``edl.ops.dispatch``, tables :data:`DECODE_KERNELS` and :data:`PAGED_KERNELS`):
 
-- ``"pallas"``: ``edl.kernels.decode_attention`` / ``paged_decode_attention`` (Triton on GPU,
-  interpreted on CPU).
+- ``"pallas"``: the platform's Pallas decode kernel: ``edl.kernels.decode_attention`` /
+  ``paged_decode_attention`` (Triton on GPU, interpreted on CPU), ``edl.kernels.tpu``'s
+  (Mosaic) on TPU.
+- ``"native"`` (paged only): ``edl.kernels.native.paged_attention_cpu``, a C++ kernel for CPU.
 - ``"reference"``: ``masked_attention`` under :func:`cache_mask`, the definition.
 - ``"xla"``: the same maths arranged for XLA. With one new token per row (a decode step) and
   lowering for CPU it reads the cache in place (``edl.ops.cpu.one_token_attention``).
-- ``"auto"``: the Pallas kernel on GPU; ``"xla"`` on CPU, where Pallas only interprets the
-  kernel one (row, kv head) program at a time and is the slower path in a decode step
-  (``benchmarks/RESULTS.md``, "generate: a decode step's attention reads the cache in place").
+- ``"auto"``: the Pallas kernel on GPUs and TPUs; on CPU ``"xla"`` for a contiguous cache
+  (Pallas only interprets the kernel there, one (row, kv head) program at a time: the slower
+  path in a decode step, ``benchmarks/RESULTS.md``, "generate: a decode step's attention reads
+  the cache in place") and the native kernel for a paged one (at most
+  ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -25,22 +30,26 @@ Pallas kernels visit only blocks below each row's length already.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.kernels import decode_attention, gather_pages, native, paged_decode_attention
+from edl.kernels import decode_attention, gather_pages, native, paged_decode_attention, tpu
+from edl.kernels._common import KERNEL_DTYPES
 from edl.ops import cpu
-from edl.ops.attention import IMPLS, masked_attention, pallas_unsupported, use_native
+from edl.ops.attention import dtype_reason, masked_attention
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths
+from edl.ops.dispatch import Kernel, by_platform
 
 __all__ = [
+    "DECODE_KERNELS",
     "LIVE_BRANCHES",
     "NATIVE_MAX_NEW_TOKENS",
+    "PAGED_KERNELS",
     "cache_mask",
     "cached_attention",
     "live_lengths",
@@ -51,8 +60,8 @@ __all__ = [
 # steps, slower than XLA's GEMMs for prompt chunks (benchmarks/RESULTS.md, "serve: paged
 # attention read in place on CPU").
 NATIVE_MAX_NEW_TOKENS = 4
-
-_warned: set[str] = set()
+IMPLS = ("auto", "pallas", "xla", "reference")
+PAGED_IMPLS = ("auto", "pallas", "native", "xla", "reference")
 
 
 def _read_live(
@@ -119,17 +128,22 @@ def cached_attention(
         impl: ``"pallas"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module docstring).
     """
     _check_layer("cached_attention", k_cache, layer)
+    _check_impl("cached_attention", impl, IMPLS)
     cache_len = k_cache.shape[-3]
-    if _use_pallas(impl, q, k_cache, "cached_attention"):
-        k, v = (_at_layer(x, layer, cache_len) for x in (k_cache, v_cache))
-        return decode_attention(q, k, v, lengths, window=window, softcap=softcap, scale=scale)
+    options = _Options(window=window, softcap=softcap, scale=scale)
 
-    def read(length: int) -> jax.Array:
-        k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
-        mask = cache_mask(q.shape[1], length, lengths, window=window)
-        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+    def plain(q, k_cache, v_cache, lengths, layer):
+        def read(length: int) -> jax.Array:
+            k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
+            mask = cache_mask(q.shape[1], length, lengths, window=window)
+            return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
 
-    return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
+        return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
+
+    arrays = (q, k_cache, v_cache, lengths, _layer_index(layer))
+    if impl in ("xla", "reference"):
+        return plain(*arrays)
+    return by_platform("cached_attention", impl, DECODE_KERNELS, options, arrays, fallback=plain)
 
 
 def paged_attention(
@@ -150,48 +164,23 @@ def paged_attention(
     ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
     pools stacked over layers).
 
-    ``impl``:
-
-    - ``"pallas"``: ``edl.kernels.paged_decode_attention`` (pages read in place).
-    - ``"native"``: ``edl.kernels.native.paged_attention_cpu``, a C++ kernel for CPU that
-      reads the pages in place (float32 / bfloat16; built on first use).
-    - ``"reference"`` / ``"xla"``: each row's pages gathered into a contiguous cache first
-      (``"xla"`` on CPU only the pages below the longest row's length, see the module
-      docstring, unless ``live_prefix=False``: every page of the table, for a caller that
-      trimmed the table to what is live).
-    - ``"auto"``: the Pallas kernel on GPU; on CPU the native kernel for at most
-      ``NATIVE_MAX_NEW_TOKENS`` new tokens per row where it can run (else ``"xla"``, with a
-      warning naming why once; none with ``EDL_NATIVE_KERNELS=0``).
+    ``impl``: as in the module docstring; ``"reference"`` / ``"xla"`` gather each row's pages
+    into a contiguous cache first (``"xla"`` on CPU only the pages below the longest row's
+    length, unless ``live_prefix=False``: every page of the table, for a caller that trimmed
+    the table to what is live). The kernels read the pages where they lie (and the pools at
+    ``layer`` without copying that layer's pool out).
     """
     _check_layer("paged_attention", k_pages, layer)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    few_tokens = q.shape[1] <= NATIVE_MAX_NEW_TOKENS
-    if use_native(impl, "paged_attention", (q, k_pages, v_pages), fallback="xla",
-                  warned=_warned, eligible=few_tokens):  # fmt: skip
-        if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
-            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-        native_call = functools.partial(
-            native.paged_attention_cpu, scale=scale, window=window, softcap=softcap
-        )
-        if impl == "native":
-            return native_call(q, k_pages, v_pages, page_table, lengths, layer)
-        return jax.lax.platform_dependent(
-            q, k_pages, v_pages, page_table, lengths, jnp.asarray(layer, jnp.int32),
-            cpu=native_call,
-            default=functools.partial(_paged_xla, impl="xla", window=window, softcap=softcap,
-                                      scale=scale, live_prefix=live_prefix),
-        )  # fmt: skip
-    if _use_pallas(impl, q, k_pages, "paged_attention"):
-        if layer is not None:
-            k_pages, v_pages = k_pages[layer], v_pages[layer]
-        return paged_decode_attention(
-            q, k_pages, v_pages, page_table, lengths, window=window, softcap=softcap,
-            scale=scale,
-        )  # fmt: skip
-    return _paged_xla(
-        q, k_pages, v_pages, page_table, lengths, layer, impl=impl, window=window,
-        softcap=softcap, scale=scale, live_prefix=live_prefix,
+    _check_impl("paged_attention", impl, PAGED_IMPLS)
+    options = _Options(window=window, softcap=softcap, scale=scale)
+    plain = functools.partial(
+        _paged_xla, impl=impl, window=window, softcap=softcap, scale=scale,
+        live_prefix=live_prefix,
     )  # fmt: skip
+    arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer))
+    if impl in ("xla", "reference"):
+        return plain(*arrays)
+    return by_platform("paged_attention", impl, PAGED_KERNELS, options, arrays, fallback=plain)
 
 
 def _paged_xla(
@@ -226,24 +215,133 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
     )  # fmt: skip
 
 
-def _use_pallas(impl: str, q: jax.Array, cache: jax.Array, name: str) -> bool:
-    """Whether ``impl`` means the Pallas kernel here (``"auto"``: on GPU; it warns once when
-    the kernel cannot run there)."""
-    if impl not in IMPLS or impl == "cudnn":
-        natives = "/native" if name == "paged_attention" else ""
-        raise ValueError(
-            f"{name}: impl must be one of auto/pallas{natives}/xla/reference, got {impl!r}"
-        )
-    if impl not in ("auto", "pallas"):
-        return False
-    if impl == "auto" and jax.default_backend() == "cpu":
-        return False  # the interpreted kernel is the slower path on CPU (module docstring)
-    reason = pallas_unsupported(q, cache)
-    if reason is None:
-        return True
-    if impl == "pallas":
-        raise ValueError(f"{name}: impl='pallas' cannot run: {reason}")
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"edl {name}: {reason}; using impl='xla'", stacklevel=3)
+def _check_impl(name: str, impl: str, impls: tuple[str, ...]) -> None:
+    if impl not in impls:
+        raise ValueError(f"{name}: impl must be one of {'/'.join(impls)}, got {impl!r}")
+
+
+def _layer_index(layer: Int[Array, ""] | int | None) -> Int[Array, ""] | None:
+    return None if layer is None else jnp.asarray(layer, jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """The decode ops' static settings, as every kernel of their tables takes them."""
+
+    window: int | None
+    softcap: float | None
+    scale: float | None
+
+
+def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
+    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
+
+
+def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
+    return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
+
+
+def _never(*_) -> bool:
     return False
+
+
+# -- contiguous caches --------------------------------------------------------------------------
+
+
+def _decode(kernel, **kernel_options):
+    def call(options: _Options, q, k_cache, v_cache, lengths, layer):
+        k, v = (_at_layer(x, layer, k_cache.shape[-3]) for x in (k_cache, v_cache))
+        return kernel(q, k, v, lengths, **dataclasses.asdict(options), **kernel_options)
+
+    return call
+
+
+def _triton_decode_unsupported(options: _Options, q, k_cache, v_cache, *_) -> str | None:
+    if k_cache.shape[-3] % 16:
+        return (
+            f"the GPU kernel needs a cache length that is a multiple of 16, got {k_cache.shape[-3]}"
+        )
+    return _pallas_dtypes(options, q, k_cache, v_cache)
+
+
+_TRITON_DECODE = Kernel(
+    "pallas", _decode(decode_attention, interpret=False), _triton_decode_unsupported
+)
+# Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the interpreted
+# kernel only when asked for by name (XLA reads the cache faster there).
+DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
+    "cpu": (
+        Kernel(
+            "pallas", _decode(decode_attention, interpret=True), _pallas_dtypes, preferred=_never
+        ),
+    ),
+    "cuda": (_TRITON_DECODE,),
+    "rocm": (_TRITON_DECODE,),
+    "tpu": (Kernel("pallas", _decode(tpu.decode_attention), _tpu_dtypes),),
+}
+
+
+# -- paged caches -------------------------------------------------------------------------------
+
+
+def _paged(kernel, **kernel_options):
+    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+        return kernel(
+            q, k_pages, v_pages, page_table, lengths, layer=layer,
+            **dataclasses.asdict(options), **kernel_options,
+        )  # fmt: skip
+
+    return call
+
+
+def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+    if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+    scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
+    return native.paged_attention_cpu(
+        q, k_pages, v_pages, page_table, lengths, layer, scale=scale, window=options.window,
+        softcap=options.softcap,
+    )  # fmt: skip
+
+
+def _native_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
+    return native.unavailable() or dtype_reason(
+        "the native CPU kernel", native.DTYPES, q, k_pages, v_pages
+    )
+
+
+def _few_tokens(options: _Options, q, *_) -> bool:
+    return q.shape[1] <= NATIVE_MAX_NEW_TOKENS
+
+
+def _triton_paged_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
+    page_size = k_pages.shape[-3]
+    if page_size < 16 or page_size & (page_size - 1):
+        return f"the GPU kernel needs a page size that is a power of two >= 16, got {page_size}"
+    return _pallas_dtypes(options, q, k_pages, v_pages)
+
+
+_TRITON_PAGED = Kernel(
+    "pallas", _paged(paged_decode_attention, interpret=False), _triton_paged_unsupported
+)
+# Per platform the kernels of ``paged_attention`` (edl.ops.dispatch).
+PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
+    "cpu": (
+        Kernel(
+            "native",
+            _native_paged,
+            _native_unsupported,
+            preferred=_few_tokens,
+            quiet=lambda: native.turned_off(),
+        ),
+        Kernel(
+            "pallas",
+            _paged(paged_decode_attention, interpret=True),
+            _pallas_dtypes,
+            preferred=_never,
+        ),
+    ),
+    "cuda": (_TRITON_PAGED,),
+    "rocm": (_TRITON_PAGED,),
+    "tpu": (Kernel("pallas", _paged(tpu.paged_decode_attention), _tpu_dtypes),),
+}

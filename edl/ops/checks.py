@@ -35,6 +35,12 @@ to back), within the noise on ``edl train``'s default model. ``generate`` checks
 eagerly and decodes without it; ``RunOptions(check_inputs=False)`` turns the models' check
 off.
 
+A program lowered where it cannot call back to this process (ahead of time for an
+accelerator this host has no backend for, e.g. ``lowering_platforms=("tpu",)`` on a CPU host,
+or for several platforms in one ``jax.export``) holds no check: the ids pass unchecked there
+(``edl.platforms.host_check``), since jax can only build a host callback against the backend
+it lowers for. Run on the device itself, the same program checks.
+
 A program split over several devices without a mesh set (jit inferring the split from the
 inputs' shardings) cannot be told apart from a one-device program while tracing; there the
 callback runs on device 0 only, with the hazard above. Trace sharded programs under
@@ -43,12 +49,16 @@ callback runs on device 0 only, with the hazard above. Trace sharded programs un
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 from jaxtyping import Array, Int
+
+from edl.platforms import host_check
 
 __all__ = ["check_ids"]
 
@@ -92,6 +102,18 @@ def check_ids(
             if message is not None:
                 raise ValueError(message)
         return ids
+    checked = functools.partial(_traced_check, upper=upper, name=name, what=what, ignore=ignore)
+    # A host callback lowers only where the program's platform has a backend in this
+    # process (edl.platforms.host_check); elsewhere (lowered ahead of time for an accelerator
+    # this host lacks, or for several platforms at once) the ids pass unchecked.
+    return host_check(ids, check=checked)
+
+
+def _traced_check(
+    ids: Int[Array, "*shape"], *, upper: int, name: str, what: str, ignore: int | None
+) -> Int[Array, "*shape"]:
+    """``check_ids`` inside a traced program: ``ids`` tied to a conditional host callback that
+    raises when the minimum or maximum is out of range."""
     kept = ids if ignore is None else jnp.where(ids == ignore, 0, ids)
     low, high = jnp.min(kept), jnp.max(kept)
 

@@ -1,0 +1,155 @@
+"""Choosing code by the platform a program is lowered for.
+
+JAX traces a program once and lowers it later, for a platform that tracing does not know:
+``jax.jit(f)(x)`` lowers for the device ``x`` lives on, ``jax.jit(f).trace(...).lower(
+lowering_platforms=("tpu",))`` compiles ahead of time for a TPU fleet from a CPU host, and
+``jax.export`` may lower one program for several platforms at once. So edl never asks the
+process (``jax.default_backend()``) which kernel to use: each choice is one
+``jax.lax.platform_dependent`` over :data:`PLATFORMS`, whose branches are all traced and of
+which lowering keeps only the one for the platform lowered for (a program exported for
+several platforms keeps one per platform and picks when it is compiled).
+
+What can only be decided once the platform is known is decided when a branch is lowered, by
+identities on an array that act then (run eagerly, with nothing to lower, they act at once,
+for the process's own platform):
+
+- :func:`notice_when_lowered` warns, once per message, when its branch is lowered (a kernel
+  that cannot take these inputs on that platform, and the fallback that runs instead);
+- :func:`fail_when_lowered` raises ``ValueError`` when its branch is lowered (a kernel asked
+  for by name that cannot run on that platform); :func:`failing` makes such a branch;
+- :func:`host_check` applies a check that calls back to the host (``jax.pure_callback``) only
+  where the program can hold one: jax builds a host callback against the backend of the
+  platform it lowers for, which a program lowered for ``"tpu"`` on a CPU-only host, or for
+  several platforms at once, does not have. Elsewhere the value passes unchecked.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import jax
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.interpreters import ad, batching, mlir
+from jaxtyping import Array
+
+__all__ = [
+    "PLATFORMS",
+    "fail_when_lowered",
+    "failing",
+    "host_check",
+    "notice_when_lowered",
+]
+
+# The platforms edl chooses kernels for (jax's lowering-platform names); any other platform
+# gets a choice's ``default`` branch.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+_noticed: set[str] = set()  # warnings already given (once per message and process)
+
+
+def _platform(ctx) -> str:
+    return "/".join(ctx.platforms or ctx.module_context.platforms)
+
+
+# -- notices: warn or fail when a branch is lowered --------------------------------------------
+
+
+def _act(message: str, error: bool, platform: str) -> None:
+    text = message.replace("{platform}", platform)  # not format(): reasons may hold braces
+    if error:
+        raise ValueError(text)
+    if text not in _noticed:
+        _noticed.add(text)
+        warnings.warn(text, stacklevel=4)
+
+
+def _notice_impl(x, *, message: str, error: bool):
+    _act(message, error, jax.default_backend())  # eager: this process runs it
+    return x
+
+
+def _notice_lowering(ctx, x, *, message: str, error: bool):
+    _act(message, error, _platform(ctx))
+    return [x]
+
+
+_notice_p = Primitive("edl_lowering_notice")
+_notice_p.def_impl(_notice_impl)
+_notice_p.def_abstract_eval(lambda x, **_: x)
+mlir.register_lowering(_notice_p, _notice_lowering)
+# Tangents and batches pass straight through: the notice is about the branch, once is enough.
+ad.primitive_jvps[_notice_p] = lambda primals, tangents, **params: (
+    _notice_p.bind(*primals, **params),
+    tangents[0],
+)
+batching.primitive_batchers[_notice_p] = lambda args, dims, **params: (
+    _notice_p.bind(*args, **params),
+    dims[0],
+)
+
+
+def notice_when_lowered(x: Array, message: str) -> Array:
+    """``x``, warning ``message`` (once per process) when the branch holding it is lowered.
+    ``{platform}`` in ``message`` becomes the platform lowered for."""
+    return _notice_p.bind(x, message=message, error=False)
+
+
+def fail_when_lowered(x: Array, message: str) -> Array:
+    """``x``, raising ``ValueError(message)`` when the branch holding it is lowered.
+    ``{platform}`` in ``message`` becomes the platform lowered for."""
+    return _notice_p.bind(x, message=message, error=True)
+
+
+def failing(message: str, like: Callable[..., Array]) -> Callable[..., Array]:
+    """A ``platform_dependent`` branch that fails with ``message`` when lowered; ``like(*args)``
+    gives it an output of the right shape (traced, never computed)."""
+
+    def branch(*args):
+        return fail_when_lowered(like(*args), message)
+
+    return branch
+
+
+# -- host checks: callbacks only where the program can hold them -------------------------------
+
+
+def _callbacks_lower(ctx) -> bool:
+    """Whether a host callback lowers here: one platform, this process's backend for it."""
+    return ctx.module_context.get_backend(optional=True) is not None
+
+
+def _host_check_lowering(ctx, x, *operands, check: ClosedJaxpr):
+    if not _callbacks_lower(ctx):
+        return [x]
+    return mlir.lower_fun(jaxpr_as_fun(check), multiple_results=True)(ctx, x, *operands)
+
+
+def _host_check_batch(args, dims, *, check: ClosedJaxpr):
+    batched = jax.vmap(jaxpr_as_fun(check), in_axes=tuple(dims))
+    closed = jax.make_jaxpr(batched)(*args)
+    return _host_check_p.bind(*args, check=closed)[0], 0
+
+
+_host_check_p = Primitive("edl_host_check")
+_host_check_p.multiple_results = True
+_host_check_p.def_impl(lambda *args, check: jaxpr_as_fun(check)(*args))
+_host_check_p.def_abstract_eval(lambda x, *_, check: [x])
+mlir.register_lowering(_host_check_p, _host_check_lowering)
+ad.primitive_jvps[_host_check_p] = lambda primals, tangents, **params: (
+    _host_check_p.bind(*primals, **params),
+    [tangents[0]],
+)
+batching.primitive_batchers[_host_check_p] = _host_check_batch
+
+
+def host_check(x: Array, *operands: Array, check: Callable[..., Array]) -> Array:
+    """``check(x, *operands)``, a function returning ``x`` tied to a check that may call back
+    to the host (raising from there), where the program can hold a host callback (one
+    lowering platform whose backend this process has); ``x`` unchanged elsewhere. Derivatives
+    pass through ``x`` as an identity; ``operands`` are not differentiated.
+
+    ``check`` is traced here, where it is called (a mesh set with ``jax.set_mesh`` applies),
+    and lowered later only where callbacks lower."""
+    closed = jax.make_jaxpr(check)(x, *operands)
+    return _host_check_p.bind(x, *operands, check=closed)[0]
