@@ -6,7 +6,7 @@ Pages are taken from the pool as rows grow (``reserve``, called by the model bef
 writes) and given back by ``free_rows``, so sequences of very different lengths share memory
 instead of each holding ``cache_len`` slots. Allocation is a pure function of the cache (the
 lowest-numbered free pages go to rows in row order), so it runs inside the compiled decode
-loop. Running out of pages is a checked runtime error (``equinox.error_if``).
+loop. Running out of pages is a checked runtime error (``edl.ops.checks.error_if``).
 
 Size the pool from the device's free memory with ``paged_cache_config``, then build it with
 ``init_paged_cache``. The interface is ``edl.generate.KVCache``'s (see ``edl.generate.cache``).
@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.generate.cache import cache_dims
 from edl.ops.attention import attention
 from edl.ops.cached_attention import paged_attention
+from edl.ops.checks import error_if
 
 __all__ = [
     "PagedCacheConfig",
@@ -132,8 +133,8 @@ class PagedKVCache(eqx.Module):
         free_ids = jnp.nonzero(self.free, size=self.num_pages, fill_value=self.num_pages)[0]
         short = jnp.sum(wanted) > jnp.sum(self.free)
         too_long = jnp.any(needed > pages_per_seq)
-        table = eqx.error_if(table, short, "PagedKVCache: out of free pages")
-        table = eqx.error_if(table, too_long, "PagedKVCache: a row outgrew pages_per_seq")
+        table = error_if(table, short, "PagedKVCache: out of free pages")
+        table = error_if(table, too_long, "PagedKVCache: a row outgrew pages_per_seq")
         new_pages = jnp.take(free_ids, rank, mode="clip").astype(jnp.int32)
         table = jnp.where(wanted, new_pages, table)
         taken = jnp.where(wanted, new_pages, self.num_pages).reshape(-1)

@@ -43,6 +43,7 @@ from edl.module import require_float_dtype
 from edl.nn.attention import KVCacheLike
 from edl.nn.layers import Linear
 from edl.ops.activations import activation
+from edl.ops.checks import error_if
 from edl.ops.sharding import Rules
 
 __all__ = [
@@ -297,7 +298,7 @@ def merge_image_features(
     """``inputs_embeds`` with the ``image_token_index`` positions of ``input_ids`` replaced,
     in row-major order, by the rows of ``image_features`` (transformers' ``masked_scatter``).
     The placeholder count must equal ``images * tokens``: checked eagerly with the counts in
-    the message, and inside compiled code (``eqx.error_if``)."""
+    the message, and inside compiled code (``edl.ops.checks.error_if``)."""
     is_image = input_ids == image_token_index
     want = image_features.shape[0] * image_features.shape[1]
     if not isinstance(is_image, jax.core.Tracer):  # eager (not under jit)
@@ -313,7 +314,7 @@ def merge_image_features(
     gathered = jnp.take(flat, jnp.clip(index, 0, want - 1), axis=0).reshape(inputs_embeds.shape)
     merged = jnp.where(is_image[..., None], gathered, inputs_embeds)
     count = jnp.sum(is_image.astype(jnp.int32))
-    return eqx.error_if(merged, count != want, "image token count != images * tokens per image")
+    return error_if(merged, count != want, "image token count != images * tokens per image")
 
 
 class LlavaModel(eqx.Module):

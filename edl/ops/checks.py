@@ -51,16 +51,17 @@ from __future__ import annotations
 
 import functools
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
-from jaxtyping import Array, Int
+from jaxtyping import Array, Bool, Int
 
 from edl.platforms import host_check
 
-__all__ = ["check_ids"]
+__all__ = ["check_ids", "error_if"]
 
 
 def _out_of_range(
@@ -140,3 +141,11 @@ def _traced_check(
     bad = (low < 0) | (high >= upper)
     zero = jax.lax.cond(bad, fail, lambda low, high: jnp.zeros_like(low), low, high)
     return ids + zero.astype(ids.dtype)
+
+
+def error_if(x: Array, pred: Bool[Array, "*shape"], message: str) -> Array:
+    """``equinox.error_if(x, pred, message)`` (``x``, raising ``message`` where ``pred`` holds)
+    in programs that can call back to this process; elsewhere (lowered ahead of time for an
+    accelerator this host has no backend for, or for several platforms at once) ``x``
+    unchecked (``edl.platforms.host_check``)."""
+    return host_check(x, pred, check=lambda x, pred: eqx.error_if(x, pred, message))

@@ -15,7 +15,7 @@ shardings derived from the state) keep the function's interface: ``step(state, b
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -119,10 +119,18 @@ class JittedStep:
         new_updated, metrics = jitted(updated, other, batch)
         return edl_state.join_other(layout, new_updated, other), metrics
 
-    def lower(self, state: TrainState, batch: PyTree) -> _Lowered:
-        """The step lowered for ``state`` and ``batch`` (``.compile()`` it)."""
+    def lower(
+        self, state: TrainState, batch: PyTree, *, platforms: Sequence[str] | None = None
+    ) -> _Lowered:
+        """The step lowered for ``state`` and ``batch`` (``.compile()`` it; arrays or
+        ``jax.ShapeDtypeStruct`` leaves). ``platforms``: lower for these platforms instead
+        of the devices' (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), e.g. ahead of time for
+        a TPU fleet from a CPU host; kernels follow the platform (``edl.platforms``), and such
+        a program compiles only where that platform's backend is."""
         layout, updated, other, jitted = self._jit(state, batch)
-        return _Lowered(jitted.lower(updated, other, batch), layout)
+        traced = jitted.trace(updated, other, batch)
+        lowering = {} if platforms is None else {"lowering_platforms": tuple(platforms)}
+        return _Lowered(traced.lower(**lowering), layout)
 
 
 class ShardedStep(JittedStep):
@@ -169,7 +177,9 @@ class ShardedStep(JittedStep):
         with jax.set_mesh(self.mesh):
             return super().__call__(state, batch)
 
-    def lower(self, state: TrainState, batch: PyTree) -> _Lowered:
-        """The step lowered for ``state`` and ``batch`` (``.compile()`` it)."""
+    def lower(
+        self, state: TrainState, batch: PyTree, *, platforms: Sequence[str] | None = None
+    ) -> _Lowered:
+        """As :meth:`JittedStep.lower`, on this step's mesh."""
         with jax.set_mesh(self.mesh):
-            return super().lower(state, batch)
+            return super().lower(state, batch, platforms=platforms)

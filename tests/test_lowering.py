@@ -1,0 +1,198 @@
+"""edl's programs lowered for every platform from this CPU host (abstract shapes, no memory):
+each holds its platform's kernels and nothing that only runs elsewhere.
+
+A program lowered for ``"cuda"`` holds the Pallas kernels compiled through Triton, one
+lowered for ``"tpu"`` the Pallas kernels compiled through Mosaic, one lowered for ``"cpu"``
+edl's native C++ kernels; none of them holds another platform's kernel or a host callback it
+could not run (``edl.platforms``). Covered: attention forward and backward, train steps of a
+Llama, a Gemma 2 (soft-capped logits, sliding windows) and a Mixtral (MoE) model, with and
+without a mesh of the 8 host devices under the models' fsdp / tp rules, ``generate``'s decode
+step over contiguous and paged caches and its whole decode loop, and the serving engine's
+``model_step``.
+
+Only lowering is checked: compiling needs the platform's backend. The names a kernel leaves
+in the lowered text: Triton calls are ``__gpu$xla.gpu.triton`` custom calls naming the Pallas
+kernel; Mosaic ones ``tpu_custom_call`` with the kernel's name; the native kernels are
+custom calls to their FFI targets; host callbacks call ``xla_ffi_python_cpu_callback``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import edl
+from edl.generate import steps
+from edl.generate.cache import init_cache
+from edl.generate.paged import init_paged_cache
+from edl.models import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+)
+from edl.serve.step import SlotSampling, model_step
+from edl.sharding import make_mesh
+from edl.train import make_train_step
+
+ACCELERATORS = ("cuda", "tpu")
+# What only runs on a CPU: the native kernels' FFI targets and host callbacks.
+CPU_ONLY = re.compile(r"edl_flash_attention_(forward|backward)|edl_paged_attention|python_cpu")
+KERNEL_CALLS = {  # a platform's Pallas kernel calls, as the lowered text names them
+    "cuda": re.compile(r"__gpu\$xla\.gpu\.triton"),
+    "tpu": re.compile(r"tpu_custom_call"),
+}
+
+COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+MODELS = {
+    "llama": (LlamaForCausalLM, LlamaConfig(**COMMON)),
+    "gemma2": (Gemma2ForCausalLM, Gemma2Config(**COMMON, sliding_window=64)),
+    "mixtral": (
+        MixtralForCausalLM,
+        MixtralConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+    ),
+}
+
+
+def _abstract(cls, config):
+    return eqx.filter_eval_shape(cls.init, config, key=jax.random.key(0))
+
+
+def _lowered_text(fn, *args, platform: str) -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _check(text: str, platform: str, *kernels: str) -> None:
+    """``text`` holds ``platform``'s kernel calls, among them ``kernels`` (names), and no
+    CPU-only call (on CPU: holds the native kernel instead)."""
+    if platform == "cpu":
+        assert CPU_ONLY.search(text), "no native kernel in the CPU program"
+        return
+    assert KERNEL_CALLS[platform].search(text), f"no {platform} kernel call"
+    for name in kernels:
+        assert name in text, f"{name} missing from the {platform} program"
+    found = CPU_ONLY.search(text)
+    assert found is None, f"the {platform} program holds {found.group()}"
+
+
+@pytest.mark.parametrize("platform", ["cpu", *ACCELERATORS])
+def test_attention_forward_and_backward(platform):
+    def loss(q, k, v, ids):
+        out = edl.ops.attention(q, k, v, causal=True, segment_ids=ids, softcap=30.0)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((2, 512, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+    text = _lowered_text(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, ids, platform=platform)
+    prefix = "edl_tpu_flash_attention" if platform == "tpu" else "edl_flash_attention"
+    kernels = () if platform == "cpu" else (f"{prefix}_fwd", f"{prefix}_dq", f"{prefix}_dkdv")
+    _check(text, platform, *kernels)
+
+
+def _train_step_text(name: str, platform: str, mesh) -> str:
+    cls, config = MODELS[name]
+    tx = optax.adamw(1e-3)
+    state = jax.eval_shape(lambda m: edl.create_state(m, tx), _abstract(cls, config))
+
+    def loss_fn(model, batch):
+        return model.compute_loss(batch["input_ids"], segment_ids=batch["segment_ids"])
+
+    step = make_train_step(loss_fn, tx, clip_norm=1.0, mesh=mesh)
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+        "segment_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+    }
+    return step.lower(state, batch, platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_step(name, platform):
+    prefix = "edl_tpu_flash_attention" if platform == "tpu" else "edl_flash_attention"
+    _check(_train_step_text(name, platform, None), platform, f"{prefix}_fwd", f"{prefix}_dkdv")
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_train_step_on_a_mesh(platform):
+    """fsdp x tp over the 8 host devices, the models' own partition rules: the kernels run
+    once per shard (``shard_map``), the program is partitioned for 8 devices."""
+    mesh = make_mesh((1, 4, 2, 1))  # dp, fsdp, tp, sp
+    text = _train_step_text("llama", platform, mesh)
+    _check(text, platform)
+    assert "mhlo.num_partitions = 8" in text
+
+
+def _llama(dtype=jnp.bfloat16):
+    cls, config = MODELS["llama"]
+    return jax.eval_shape(lambda m: edl.module.to_dtype(m, dtype), _abstract(cls, config))
+
+
+DECODE_KERNELS = {
+    (None, "cuda"): "edl_decode_attention",
+    (None, "tpu"): "edl_tpu_decode_attention",
+    (16, "cuda"): "edl_paged_decode_attention",
+    (16, "tpu"): "edl_tpu_paged_decode_attention",
+}
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_generate_prefill_and_decode_step(page_size, platform):
+    """``generate``'s program pieces: the prefill into a fresh cache (the flash kernel) and
+    one decode step through it (the decode kernel of the cache's kind)."""
+    model = _llama()
+
+    def prefill_then_decode(model, ids, mask):
+        logits, cache, _, _ = steps.start(model, ids, mask, 64, page_size)
+        return steps.decode_step(model, jnp.argmax(logits, axis=-1).astype(jnp.int32), cache)
+
+    ids = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    mask = jax.ShapeDtypeStruct((4, 128), jnp.bool_)
+    text = _lowered_text(prefill_then_decode, model, ids, mask, platform=platform)
+    _check(text, platform, DECODE_KERNELS[page_size, platform])
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged"])
+def test_generate_decode_step_alone(page_size, platform):
+    """A decode step over a filled cache (not ``fresh``), as ``generate``'s loop runs it."""
+    model, config = _llama(), MODELS["llama"][1]
+    if page_size is None:
+        cache = init_cache(config, 4, 1024, jnp.bfloat16)
+    else:
+        cache = init_paged_cache(
+            config, 256, page_size, batch=4, cache_len=1024, dtype=jnp.bfloat16
+        )
+    cache = jax.eval_shape(lambda: dataclasses.replace(cache, fresh=False))
+    tokens = jax.ShapeDtypeStruct((4,), jnp.int32)
+    text = _lowered_text(steps.decode_step, model, tokens, cache, platform=platform)
+    _check(text, platform, DECODE_KERNELS[page_size, platform])
+
+
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_serving_model_step(platform):
+    """The engine's one jitted call (its model unstacked, pools stacked over layers and
+    donated), for a decode-sized and a prefill-sized width."""
+    model = jax.eval_shape(lambda m: m.unstacked(), _llama())
+    config = MODELS["llama"][1]
+    pools = jax.ShapeDtypeStruct((config.num_hidden_layers, 512, 16, 2, 64), jnp.bfloat16)
+    dtypes = (jnp.float32, jnp.int32, jnp.float32, jnp.uint32, jnp.int32)
+    sampling = jax.eval_shape(lambda: SlotSampling(*(jnp.zeros((8,), d) for d in dtypes)))
+    for width in (1, 64):
+        args = (
+            model, pools, pools, jax.ShapeDtypeStruct((8, 32), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8, width), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32), sampling,
+        )  # fmt: skip
+        text = model_step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        _check(text, platform, DECODE_KERNELS[16, platform])
