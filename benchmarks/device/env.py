@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import io
+import os
 import platform
 import re
 import subprocess
@@ -22,6 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "equinox", "optax",
             "jaxtyping", "beartype", "numpy", "einops", "starlette", "uvicorn", "pytest",
             "transformers", "torch")  # fmt: skip
+# Environment variables that change what runs, recorded as found.
+ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
+            "XLA_PYTHON_CLIENT_PREALLOCATE", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
+            "EDL_NATIVE_KERNELS")  # fmt: skip
 # pytest's outcome words in its summary line ("3 passed, 1 failed, 10 deselected in 4s").
 OUTCOMES = ("passed", "failed", "errors", "error", "skipped", "deselected", "xfailed",
             "xpassed")  # fmt: skip
@@ -91,8 +96,6 @@ def _device_row() -> dict[str, Any]:
 
 def run_environment(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
     """Section 1: what ran, where: versions, device, driver, CUDA, commit, wheels."""
-    import os
-
     import jax
 
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
@@ -100,15 +103,17 @@ def run_environment(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         jax.print_environment_info()
+    commit = _run(["git", "rev-parse", "HEAD"])  # None where no .git travelled
     row = _device_row()
     row["driver"] = smi.split(",")[1].strip() if smi and smi.count(",") >= 1 else None
     sink.row(row)
     sink.set(
         python=sys.version.split()[0], platform=platform.platform(), packages=_versions(),
         wheels=os.environ.get("EDL_DEVICE_WHEELS", "not run through run.sh"),
-        git_commit=_run(["git", "rev-parse", "HEAD"]),
-        git_dirty=bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+        git_commit=commit, git_dirty=None if commit is None else bool(
+            _run(["git", "status", "--porcelain", "--untracked-files=no"])),
         tree_digest=tree_digest(), nvidia_smi=smi, cuda=_cuda_versions(),
+        env={k: os.environ.get(k) for k in ENV_VARS},
         environment_info=buffer.getvalue(), dry_run=dry,
         headline=f"{row['device']} x{row['devices']}, jax {jax.__version__}, "
         f"driver {row['driver']}",
@@ -148,12 +153,14 @@ def run_tests(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
     """Section 2: ``pytest -m gpu -q -x`` bounded by ``timeout`` (the dry run:
     ``--collect-only``); the output's tail to ``out/tests.log``, counts parsed."""
     limit = max(5, int(budget - 10))  # leave time to parse and write before the driver's kill
-    cmd = ["timeout", "-k", "5", str(limit), sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-           "-x", "-p", "no:cacheprovider"]  # fmt: skip
+    # --foreground: timeout stays in this process group, so the driver's kill of the
+    # section reaches pytest too (by default timeout makes a group of its own).
+    cmd = ["timeout", "--foreground", "-k", "5", str(limit), sys.executable, "-m", "pytest",
+           "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider"]  # fmt: skip
     if dry:
         cmd.append("--collect-only")
     registered = gpu_marker_registered()
-    sink.set(command=" ".join(cmd[4:]), timeout_s=limit, gpu_marker_registered=registered)
+    sink.set(command=" ".join(cmd[5:]), timeout_s=limit, gpu_marker_registered=registered)
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, check=False)  # fmt: skip

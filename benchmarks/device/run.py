@@ -39,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[2]
 BUDGETS = {"environment": 30, "tests": 120, "attention": 75, "train": 150, "decode": 75,
            "serve": 75}  # fmt: skip
 DRY_BUDGETS = dict.fromkeys(SECTIONS, 45)
+# One section at a time has the GPU: let jax take 92% of its memory rather than its default
+# 75% (the 1B train step without remat needs ~50 GB); an explicit setting wins.
+GPU_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                                                            "0.92")}  # fmt: skip
 MARGIN = 3.0  # seconds kept back per section for killing it and writing the report
 MIN_SECTION = 5.0  # a section with less time left than this is skipped
 
@@ -89,19 +93,19 @@ def _start(name: str, limit: float, args: argparse.Namespace, scratch: Path) -> 
     cmd = [sys.executable, "-m", "benchmarks.device.section", name, "--result", str(result),
            "--out", str(args.out), "--budget", f"{limit:.0f}",
            *(["--dry-run"] if args.dry_run else [])]  # fmt: skip
-    env = {**os.environ, **(_dry_env(scratch) if args.dry_run else {})}
+    env = {**os.environ, **(_dry_env(scratch) if args.dry_run else GPU_ENV)}
     print(f"== {name}: started (limit {limit:.0f} s)", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
     return Running(name, proc, time.perf_counter(), limit, result)
 
 
-def _record(running: Running, code: int | None) -> dict[str, Any]:
+def _record(running: Running, code: int | None, status: str | None = None) -> dict[str, Any]:
     """A finished (``code``) or killed (``None``) section's record: status, seconds,
     budget, error, meta and rows (what it finished, even when killed)."""
     seconds = time.perf_counter() - running.start
-    if code is None:
+    if status is None and code is None:
         status = f"timed out (killed at {running.limit:.0f} s)"
-    else:
+    elif status is None:
         status = "ok" if code == 0 else f"error (exit {code})"
     try:
         data = json.loads(running.result.read_text())
@@ -132,24 +136,38 @@ def run_sections(args: argparse.Namespace, state: dict[str, Any], deadline: floa
     rewritten as each ends."""
     budgets = DRY_BUDGETS if args.dry_run else BUDGETS
     pending, running = list(args.sections), []
-    while pending or running:
-        while pending and len(running) < args.jobs:
-            name = pending.pop(0)
-            later = sum(budgets[n] for n in pending) / args.jobs
-            limit = section_limit(budgets[name], deadline - time.perf_counter(), later)
-            if limit >= MIN_SECTION:
-                running.append(_start(name, limit, args, scratch))
-                continue
-            state["sections"][name]["status"] = "skipped (no time left)"
-            report.write(state, args.out)
-        time.sleep(0.05)
-        for job in list(running):
-            record = poll(job)
-            if record is not None:
-                state["sections"][job.name] = record
-                state["run"]["elapsed_s"] = time.perf_counter() - deadline + args.budget
-                running.remove(job)
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                name = pending.pop(0)
+                later = sum(budgets[n] for n in pending) / args.jobs
+                limit = section_limit(budgets[name], deadline - time.perf_counter(), later)
+                if limit >= MIN_SECTION:
+                    running.append(_start(name, limit, args, scratch))
+                    continue
+                state["sections"][name]["status"] = "skipped (no time left)"
                 report.write(state, args.out)
+            time.sleep(0.05)
+            for job in list(running):
+                record = poll(job)
+                if record is not None:
+                    state["sections"][job.name] = record
+                    state["run"]["elapsed_s"] = time.perf_counter() - deadline + args.budget
+                    running.remove(job)
+                    report.write(state, args.out)
+    finally:  # the driver itself was stopped: no section may outlive it
+        for job in running:
+            _stop(job.proc)
+            state["sections"][job.name] = _record(job, None, "stopped with the driver")
+        report.write(state, args.out)
+
+
+class Stopped(Exception):
+    """SIGTERM reached the driver (``run.sh``'s outer ``timeout``, say)."""
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -185,16 +203,20 @@ def main(argv: list[str] | None = None) -> int:
                      for name in args.sections},
     }  # fmt: skip
     report.write(state, args.out)
-    with tempfile.TemporaryDirectory(prefix="edl-device-") as scratch:
-        run_sections(args, state, deadline, Path(scratch))
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        with tempfile.TemporaryDirectory(prefix="edl-device-") as scratch:
+            run_sections(args, state, deadline, Path(scratch))
+        state["run"]["finished"] = True
+    except (Stopped, KeyboardInterrupt) as err:
+        state["run"]["stopped_by"] = str(err) or type(err).__name__
     state["run"]["elapsed_s"] = time.perf_counter() - start
-    state["run"]["finished"] = True
     report.write(state, args.out)
     rows = [[n, s, sec, hl[:90]] for n, s, sec, _, hl in report.summary_rows(state)]
     print(f"\nedl device run ({'dry run' if args.dry_run else 'full'}), "
           f"{state['run']['elapsed_s']:.0f} s, report in {args.out}")  # fmt: skip
     print(table(["section", "status", "s", "headline"], rows))
-    return 0
+    return 0 if state["run"]["finished"] else 1
 
 
 if __name__ == "__main__":
