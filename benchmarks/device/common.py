@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,28 @@ class Sink:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"meta": self.meta, "rows": self.rows}, default=str))
         os.replace(tmp, self.path)
+
+
+class Deadline:
+    """The end of a section's time limit (started when the section's process started), so
+    that a section can skip what would not finish rather than be killed in the middle of
+    it. ``margin`` seconds are kept back for writing results."""
+
+    def __init__(self, budget: float, margin: float = 3.0):
+        self.end = time.perf_counter() + budget - margin
+
+    def left(self) -> float:
+        """Seconds left."""
+        return self.end - time.perf_counter()
+
+    def allows(self, seconds: float) -> bool:
+        """Whether ``seconds`` more of work fit."""
+        return seconds < self.left()
+
+
+def skip_note(what: str, need: float, deadline: Deadline) -> str:
+    """Why ``what`` was not run: it needs about ``need`` s, fewer are left."""
+    return f"{what}: needs ~{need:.0f} s, {max(0.0, deadline.left()):.0f} s left"
 
 
 def is_oom(err: BaseException) -> bool:

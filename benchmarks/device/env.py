@@ -17,7 +17,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from benchmarks.device.common import Sink
+from benchmarks.device.common import Deadline, Sink
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "equinox", "optax",
@@ -94,7 +94,7 @@ def _device_row() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_environment(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
+def run_environment(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 1: what ran, where: versions, device, driver, CUDA, commit, wheels."""
     import jax
 
@@ -149,14 +149,14 @@ def parse_pytest(output: str) -> dict[str, int]:
     return counts
 
 
-def run_tests(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
+def run_tests(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 2: ``pytest -m gpu -q -x`` bounded by ``timeout`` (the dry run:
     ``--collect-only``); the output's tail to ``out/tests.log``, counts parsed."""
-    limit = max(5, int(budget - 10))  # leave time to parse and write before the driver's kill
+    limit = max(5, int(deadline.left() - 5))  # time to parse and write before the driver's kill
     # --foreground: timeout stays in this process group, so the driver's kill of the
     # section reaches pytest too (by default timeout makes a group of its own).
     cmd = ["timeout", "--foreground", "-k", "5", str(limit), sys.executable, "-m", "pytest",
-           "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider"]  # fmt: skip
+           "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider", "--durations=15"]  # fmt: skip
     if dry:
         cmd.append("--collect-only")
     registered = gpu_marker_registered()

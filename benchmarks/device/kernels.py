@@ -19,7 +19,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.device.common import Sink, is_oom, relative_error, short_error
+from benchmarks.device.common import (
+    Deadline,
+    Sink,
+    is_oom,
+    relative_error,
+    short_error,
+    skip_note,
+)
 
 # Relative error between two impls above which a check fails: each bf16 output carries
 # ~4e-3 of rounding (METHOD.md: bf16 operands land between 1e-3 and 1e-2).
@@ -126,6 +133,15 @@ def _check(rows: list[dict], outputs: list, dtype: str) -> None:
             row["check"] = "pass" if all(errs[n] <= tol[n] for n in errs) else "FAIL"
 
 
+def _next_need(rows: list[dict], seconds: float) -> float:
+    """The next (doubled) sequence length's likely seconds, from this one's ``seconds``:
+    the first calls (compiles, about constant) again, the timed calls (work grows with
+    the length at a fixed token count) twice over."""
+    first = sum(r.get(f"{k}_first_call_s", 0.0) for r in rows for k in ("fwd", "fwd_bwd"))
+    first = first if first == first else seconds  # NaN (out of memory): assume all of it
+    return first + 2.0 * max(0.0, seconds - first)
+
+
 def _headline(rows: list[dict]) -> str:
     """Each impl's best forward+backward TFLOP/s (and where), and the checks passed."""
     best: dict[str, tuple[float, int]] = {}
@@ -138,14 +154,21 @@ def _headline(rows: list[dict]) -> str:
     return ", ".join([*cells, f"checks {checks}/{len(rows)} pass"])
 
 
-def run_attention(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
-    """Section 3: every impl at every sequence length, checked against each other."""
+def run_attention(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
+    """Section 3: every impl at every sequence length, checked against each other; a
+    length is skipped when its likely time (``_next_need``) does not fit what is left."""
     from benchmarks.attention import _flops
 
     shapes = DRY if dry else GPU
     sink.set(**dataclasses.asdict(shapes), causal=True, tolerance=TOLERANCE[shapes.dtype],
              flops="fwd 4*b*h*s*s*d/2 (causal), fwd+bwd 3.5x fwd")  # fmt: skip
+    need = 0.0
     for seq in shapes.seqs:
+        if not deadline.allows(need):
+            sink.set(skipped=[skip_note(f"seq {s}", need, deadline) for s in shapes.seqs
+                              if s >= seq])  # fmt: skip
+            break
+        start = time.perf_counter()
         qkv = _inputs(seq, shapes)
         batch = qkv[0].shape[0]
         flops = _flops(batch, shapes.heads, seq, shapes.head_dim, causal=True)
@@ -156,3 +179,4 @@ def run_attention(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
             sink.row(row)
         sink.set(headline=_headline(sink.rows))
         del qkv, cells
+        need = _next_need(rows, time.perf_counter() - start)

@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,12 @@ import numpy as np
 from benchmarks.device.common import (
     CPU_PEAK_TFLOPS,
     H100_BF16_PEAK_TFLOPS,
+    Deadline,
     Sink,
     is_oom,
     percentile,
     short_error,
+    skip_note,
 )
 
 # The dry run's stand-in for the 1B model: the same code paths, seconds of compile on CPU.
@@ -129,18 +132,48 @@ def _train_row(shapes: ModelShapes, remat: str) -> dict[str, Any]:
         row["oom_at_batch"], batch = batch, batch // 2
 
 
-def run_train(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
+def _rows_in_time(
+    sink: Sink,
+    items: Sequence[Any],
+    measure: Callable[[Any], dict[str, Any]],
+    deadline: Deadline,
+    headline: Callable[[list[dict[str, Any]]], str],
+    factor: float = 1.2,
+    label: Callable[[Any], str] = str,
+) -> None:
+    """``sink.row(measure(item))`` for each item, the headline updated after each, while the
+    next item's likely time (``factor`` x the slowest so far) fits the deadline; the items
+    left are noted in ``meta["skipped"]``."""
+    need = 0.0
+    for i, item in enumerate(items):
+        if not deadline.allows(need):
+            sink.set(skipped=[skip_note(label(rest), need, deadline) for rest in items[i:]])
+            return
+        start = time.perf_counter()
+        sink.row(measure(item))
+        sink.set(headline=headline(sink.rows))
+        need = max(need, factor * (time.perf_counter() - start))
+
+
+def run_train(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 4: train-step tokens/s and MFU for each remat policy."""
     shapes = shapes_for(dry)
     sink.set(model=shapes.fields, dtype=shapes.dtype, peak_tflops=shapes.peak_tflops,
              mfu="tokens/s * flops_per_token (6N + attention, edl.models) / peak",
              steps=shapes.train_steps)  # fmt: skip
-    for remat in shapes.remats:
-        sink.row(_train_row(shapes, remat))
-        best = max(sink.rows, key=lambda r: _number(r["tokens_per_s"]))
-        sink.set(headline=f"best remat {best['remat']}: {best['tokens_per_s']:.4g} tok/s, "
-                 f"MFU {best['mfu']:.3g} (peak {shapes.peak_tflops} TF/s)")  # fmt: skip
+
+    def measure(remat: str) -> dict[str, Any]:
+        row = _train_row(shapes, remat)
         _free()
+        return row
+
+    def headline(rows: list[dict[str, Any]]) -> str:
+        best = max(rows, key=lambda r: _number(r["tokens_per_s"]))
+        return (f"best remat {best['remat']}: {best['tokens_per_s']:.4g} tok/s, "
+                f"MFU {best['mfu']:.3g} (peak {shapes.peak_tflops} TF/s)")  # fmt: skip
+
+    _rows_in_time(sink, shapes.remats, measure, deadline, headline,
+                  label=lambda remat: f"remat {remat}")  # fmt: skip
 
 
 def _model(shapes: ModelShapes) -> Any:
@@ -187,7 +220,7 @@ def _decode_row(model: Any, batch: int, unstack: bool, shapes: ModelShapes) -> d
             "ms_per_step": seconds / shapes.new_tokens * 1e3}  # fmt: skip
 
 
-def run_decode(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
+def run_decode(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 5: ``generate`` new tokens/s at each batch (bf16, random weights)."""
     shapes = shapes_for(dry)
     start = time.perf_counter()
@@ -195,16 +228,21 @@ def run_decode(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
     sink.set(model=shapes.fields, dtype=shapes.dtype, model_init_s=time.perf_counter() - start,
              note="tokens/s = batch * new_tokens / one generate call (prefill included), "
              f"median of {shapes.decode_repeats} after a compiling call")  # fmt: skip
-    for batch, unstack in shapes.decode:
+
+    def measure(setting: tuple[int, bool]) -> dict[str, Any]:
+        batch, unstack = setting
         try:
-            sink.row(_decode_row(model, batch, unstack, shapes))
+            return _decode_row(model, batch, unstack, shapes)
         except Exception as err:
-            nan = float("nan")
-            sink.row({"batch": batch, "unstack_layers": unstack, "tokens_per_s": nan,
-                      "error": short_error(err)})  # fmt: skip
-        sink.set(headline=", ".join(
-            f"b{r['batch']}{'/unstacked' if r['unstack_layers'] else ''} "
-            f"{r['tokens_per_s']:.4g} tok/s" for r in sink.rows))  # fmt: skip
+            return {"batch": batch, "unstack_layers": unstack, "tokens_per_s": float("nan"),
+                    "error": short_error(err)}  # fmt: skip
+
+    def headline(rows: list[dict[str, Any]]) -> str:
+        return ", ".join(f"b{r['batch']}{'/unstacked' if r['unstack_layers'] else ''} "
+                         f"{r['tokens_per_s']:.4g} tok/s" for r in rows)  # fmt: skip
+
+    _rows_in_time(sink, shapes.decode, measure, deadline, headline,
+                  label=lambda s: f"batch {s[0]}{' unstacked' if s[1] else ''}")  # fmt: skip
 
 
 def _serve_pass(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -270,7 +308,7 @@ def _serve_row(model: Any, impl: str, shapes: ModelShapes) -> dict[str, Any]:
     return row
 
 
-def run_serve(sink: Sink, *, dry: bool, budget: float, out: Path) -> None:
+def run_serve(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 6: ``Engine`` output tokens/s and TTFT, all requests added at once; on an
     error the next attention impl of ``serve_impls`` is tried."""
     shapes = shapes_for(dry)

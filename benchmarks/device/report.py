@@ -60,6 +60,8 @@ def _section_markdown(name: str, section: dict[str, Any]) -> list[str]:
     lines = [f"## {name}", "", f"status: {section['status']}"]
     if section.get("error"):
         lines += ["", f"error: `{cell(section['error'])}`"]
+    for note in section.get("meta", {}).get("skipped", []):
+        lines += ["", f"skipped {note}"]
     rows = section.get("rows", [])
     columns = [c for c in COLUMNS.get(name, []) if any(c in r for r in rows)]
     if rows and columns:

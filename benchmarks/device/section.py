@@ -4,7 +4,9 @@
 
 The driver (``benchmarks.device.run``) starts one such process per section, so a section
 that crashes, runs out of memory or overruns its time (killed) costs only itself, and each
-starts with the whole accelerator. The result file holds ``{"meta", "rows"}``
+starts with the whole accelerator. A section function is called as ``fn(sink, dry=...,
+deadline=common.Deadline, out=...)``; it skips (and notes in ``meta["skipped"]``) the
+measurements its deadline leaves no time for. The result file holds ``{"meta", "rows"}``
 (``common.Sink``); an exception is recorded in ``meta["error"]`` and the exit code is 1.
 """
 
@@ -17,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks.device.common import Sink, short_error
+from benchmarks.device.common import Deadline, Sink, short_error
 
 # name -> "module:function"; the order is the run's order.
 SECTIONS = {
@@ -45,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds this section has")
     args = parser.parse_args(argv)
+    deadline = Deadline(args.budget)
     sink = Sink(args.result)
     sink.write()
     try:
-        section_function(args.name)(sink, dry=args.dry_run, budget=args.budget, out=args.out)
+        section_function(args.name)(sink, dry=args.dry_run, deadline=deadline, out=args.out)
     except Exception as err:
         sink.set(error=short_error(err), traceback=traceback.format_exc()[-3000:])
         print(traceback.format_exc(), file=sys.stderr)
