@@ -52,6 +52,6 @@ export PYTHONUNBUFFERED=1
 # Nothing here may reach the network (the device has none; a dry run must not either).
 export PIP_NO_INDEX=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
-timeout -k 10 "$((BUDGET + 30))" "$PY" -m benchmarks.device.run --out "$OUT" "${args[@]}" \
+timeout -k 10 "$((BUDGET + 30))" "$PY" -m benchmarks.device.run --out "$OUT" ${args[@]+"${args[@]}"} \
     2>&1 | tee "$OUT/run.log"
 exit "${PIPESTATUS[0]}"
