@@ -16,8 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) leaves the root off
     sys.path.insert(0, str(ROOT))
@@ -32,36 +30,33 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, float]:
-    """``run.sh --dry-run`` into a fresh OUT: ``(out, process, seconds)``."""
-    out = tmp_path_factory.mktemp("device")
+def _dry_run(out: Path) -> subprocess.CompletedProcess:
+    """``run.sh --dry-run`` into ``out``."""
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     env.pop("XLA_FLAGS", None)  # conftest's 8 host devices: not what a plain run sees
-    start = time.perf_counter()
     cmd = ["bash", "benchmarks/device/run.sh", "--dry-run", "--budget", "150"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return out, done, time.perf_counter() - start
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_dry_run_reports_every_section(dry_run):
-    out, done, _ = dry_run
+def _check_run(out: Path, done: subprocess.CompletedProcess) -> dict:
+    """Every section ran to the end with rows and a headline; the summary table is printed
+    last and kept in run.log. Returns the sections."""
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((out / "device.json").read_text())
     assert report["run"]["finished"] and report["run"]["dry_run"]
     assert list(report["sections"]) == list(SECTIONS)
     for name, section in report["sections"].items():
         assert section["status"] == "ok", (name, section)
-        assert section["rows"], name
-        assert section["meta"].get("headline"), name
+        assert section["rows"] and section["meta"].get("headline"), (name, section)
+        assert not section["meta"].get("skipped"), (name, section)
     summary = done.stdout.strip().splitlines()[-len(SECTIONS) - 2 :]
     assert summary[0].split() == ["section", "status", "s", "headline"]
     assert (out / "run.log").read_text().strip().endswith(done.stdout.strip().splitlines()[-1])
+    return report["sections"]
 
 
-def test_dry_run_numbers(dry_run):
-    out = dry_run[0]
-    sections = json.loads((out / "device.json").read_text())["sections"]
+def _check_numbers(sections: dict, out: Path) -> None:
+    """The numbers the dry run must produce are there and finite."""
     env = sections["environment"]
     assert env["rows"][0]["backend"] == "cpu" and env["meta"]["packages"]["jax"]
     tests = sections["tests"]["rows"][0]
@@ -80,6 +75,7 @@ def test_dry_run_numbers(dry_run):
     assert [r["remat"] for r in train] == ["none", "dots", "full"]
     for row in train:
         assert all(_finite(row[k]) and row[k] > 0 for k in ("tokens_per_s", "mfu", "compile_s"))
+    assert len(sections["decode"]["rows"]) == 2
     for row in sections["decode"]["rows"]:
         assert _finite(row["tokens_per_s"]) and row["tokens_per_s"] > 0, row
     serve = sections["serve"]["rows"][-1]
@@ -88,8 +84,13 @@ def test_dry_run_numbers(dry_run):
     assert serve["recompiled"] is False
 
 
-def test_dry_run_markdown(dry_run):
-    text = (dry_run[0] / "device.md").read_text()
+def test_dry_run(tmp_path):
+    """One test (so pytest-xdist never runs the dry run twice): run.sh --dry-run writes
+    device.json with every section's numbers and device.md with their tables."""
+    done = _dry_run(tmp_path)
+    sections = _check_run(tmp_path, done)
+    _check_numbers(sections, tmp_path)
+    text = (tmp_path / "device.md").read_text()
     assert "| section | status | seconds | budget s | headline |" in text
     for name in SECTIONS:
         assert f"## {name}" in text
