@@ -21,7 +21,7 @@ import numpy as np
 import edl
 from benchmarks._common import table, write_json
 from edl.cli.allocator import reexec_with_huge_pages
-from edl.models import LlamaConfig, LlamaForCausalLM, flops_per_token
+from edl.models import LlamaConfig, LlamaForCausalLM, RunOptions, flops_per_token
 from edl.train import OptimizerConfig, make_optimizer, make_train_step
 
 CONFIGS = {
@@ -31,7 +31,7 @@ CONFIGS = {
     # Llama-3.2-1B's shape (1.24B parameters), batch 8 x 2048.
     "1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
                 num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                remat="dots_no_batch"), 8, 2048),
+                run=RunOptions(remat="dots_no_batch")), 8, 2048),
 }  # fmt: skip
 
 

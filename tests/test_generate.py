@@ -33,6 +33,10 @@ VOCAB = 64
 PAD = 0
 
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
 def _hf_model(model_type: str, seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=PAD)
     config = {

@@ -27,6 +27,9 @@ from edl.kernels import BlockSizes, flash_attention
 from edl.kernels.decode_attention import decode_attention
 from edl.kernels.flash_attention import _backward, _FlashPlan, _forward
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
 
 def _rel_err(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)

@@ -21,6 +21,10 @@ _paged = jax.jit(
 )
 
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
 def _rel_err(actual, expected) -> float:
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return float(np.max(np.abs(actual - expected)) / max(1.0, np.abs(expected).max()))

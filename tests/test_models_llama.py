@@ -24,6 +24,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
 def _hf_configs():
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=0)
     return {

@@ -16,6 +16,9 @@ from hypothesis import given, settings
 from edl import ops
 from edl.kernels import native
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
 
 def numpy_attention(q, k, v, *, causal, window, softcap, scale, q_ids, kv_ids):
     """float64; K/V repeated per query head; mask by explicit position arithmetic."""

@@ -30,6 +30,10 @@ from edl.ops.cpu import one_token_attention
 _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale", "impl"))
 
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
 @st.composite
 def cases(draw):
     kv_heads = draw(st.sampled_from([1, 2, 4]))

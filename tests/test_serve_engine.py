@@ -31,6 +31,10 @@ GEOMETRY = dict(max_batch=4, max_model_len=32, page_size=8, prefill_chunk=8)
 MAX_TOKENS = 8
 
 
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
 def _prompts(seed: int, lengths) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 64, n).tolist() for n in lengths]
