@@ -126,9 +126,10 @@ def _host_check_lowering(ctx, x, *operands, check: ClosedJaxpr):
 
 
 def _host_check_batch(args, dims, *, check: ClosedJaxpr):
+    # The check of a batch is the check vmapped (its callbacks see batched values).
     batched = jax.vmap(jaxpr_as_fun(check), in_axes=tuple(dims))
     closed = jax.make_jaxpr(batched)(*args)
-    return _host_check_p.bind(*args, check=closed)[0], 0
+    return _host_check_p.bind(*args, check=closed), [0]
 
 
 _host_check_p = Primitive("edl_host_check")

@@ -31,6 +31,7 @@ import edl
 from edl.generate import steps
 from edl.generate.cache import init_cache
 from edl.generate.paged import init_paged_cache
+from edl.kernels import native
 from edl.models import (
     Gemma2Config,
     Gemma2ForCausalLM,
@@ -196,3 +197,28 @@ def test_serving_model_step(platform):
         )  # fmt: skip
         text = model_step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
         _check(text, platform, DECODE_KERNELS[16, platform])
+
+
+@pytest.mark.skipif(native.unavailable() is not None, reason="needs the native CPU kernel")
+def test_choosing_by_platform_costs_the_cpu_program_nothing():
+    """Lowered for CPU, the defaults (remat and attention "auto": platform_dependent branches
+    for every platform) compile to the buffers of the CPU choices named outright (remat
+    "dots", the native kernel): the other branches' residuals are gone."""
+    config = LlamaConfig(**{**COMMON, "hidden_size": 64, "intermediate_size": 128})
+    tx = optax.adamw(1e-3)
+    batch = {
+        "input_ids": jnp.zeros((2, 64), jnp.int32),
+        "segment_ids": jnp.ones((2, 64), jnp.int32),
+    }
+
+    def temp_bytes(remat: str, attention_impl: str) -> int:
+        model = LlamaForCausalLM.init(
+            config.replace(remat=remat, attention_impl=attention_impl), key=jax.random.key(0)
+        )
+        step = make_train_step(
+            lambda m, b: m.compute_loss(b["input_ids"], segment_ids=b["segment_ids"]), tx
+        )
+        compiled = step.lower(edl.create_state(model, tx), batch).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp_bytes("auto", "auto") == temp_bytes("dots", "native")

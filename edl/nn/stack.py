@@ -13,6 +13,7 @@ and ``run_segments`` runs each segment as one ``lax.scan`` over its blocks, or u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -46,7 +47,7 @@ RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
 # recompute at a matmul's cost: the native CPU attention kernel's output and log-sum-exp, and
 # an MoE layer's dispatched rows and expert outputs (named where they are computed);
 # "dots_no_batch": save only matmuls without batch dims (weight-stationary projections),
-# recompute attention. "auto" (with_remat) is "dots" lowered for CPU and "none" elsewhere.
+# recompute attention. "auto" (run_segments) is "dots" lowered for CPU and "none" elsewhere.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -72,19 +73,11 @@ def check_remat(name: str) -> None:
 def with_remat(
     fn: Callable[..., PyTree], name: str, *, prevent_cse: bool = True
 ) -> Callable[..., PyTree]:
-    """``fn`` under the remat policy ``name`` (``fn`` itself for ``"none"``).
-
-    ``"auto"`` is ``"dots"`` in programs lowered for CPU and ``"none"`` elsewhere (one
-    ``jax.lax.platform_dependent``): on XLA:CPU a scanned stack's saved activations cost more
-    to write and read back than the elementwise work that recomputes them (a small Llama's
-    train step 13-15% faster, ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on
-    accelerators keeping everything stays the default. Differentiated, the two branches'
-    residuals are merged by jax; the CPU program computes zeros for those only the other
-    branch saves, which XLA removes (the step's temporary memory is unchanged)."""
+    """``fn`` under the remat policy ``name`` of ``REMAT_POLICIES`` (``fn`` itself for
+    ``"none"``). ``"auto"`` is not one policy: :func:`run_segments` resolves it."""
     check_remat(name)
     if name == "auto":
-        saving = with_remat(fn, "dots", prevent_cse=prevent_cse)
-        return lambda *args: jax.lax.platform_dependent(*args, cpu=saving, default=fn)
+        raise ValueError("remat 'auto' depends on the lowering platform: run_segments picks it")
     policy = REMAT_POLICIES[name]
     return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
@@ -201,7 +194,18 @@ def run_segments(
     or, with ``scan=False`` or any ``unstack``ed group, layer by layer in a Python loop.
 
     ``stacks`` maps each group of the plan to its stack (or ``unstack``ed tuple);
-    ``apply``, ``remat`` and ``collect`` are ``run_stack``'s, and so is the result."""
+    ``apply``, ``remat`` and ``collect`` are ``run_stack``'s, and so is the result.
+
+    Remat ``"auto"`` is ``"dots"`` in programs lowered for CPU and ``"none"`` elsewhere: on
+    XLA:CPU a scanned stack's saved activations cost more to write and read back than the
+    elementwise work that recomputes them (a small Llama's train step 13-15% faster,
+    ``benchmarks/RESULTS.md``, "train step: attention on CPU"); on accelerators keeping
+    everything stays the default. It is one ``jax.lax.platform_dependent`` around the whole
+    run, not around each layer: differentiated, a conditional's residuals are its outputs,
+    and a layer's weights saved that way were copied into a stacked buffer on every step
+    (scan forwards weights it saves only when they reach it directly). Around the run, each
+    branch's scan forwards them, and the zeros the CPU program computes for what only the
+    other branch saves are removed by XLA."""
     check_remat(remat)
     unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
     arrays, statics = {}, {}
@@ -209,6 +213,30 @@ def run_segments(
         arrays[g], statics[g] = eqx.partition(s, eqx.is_array)
         if isinstance(s, tuple):  # one layer's static parts stand for all
             statics[g] = statics[g][0]
+    if remat == "auto":
+        run = functools.partial(
+            _run_segments, statics, segments, apply=apply, unrolled=unrolled, collect=collect
+        )
+        return jax.lax.platform_dependent(
+            arrays, carry, cpu=functools.partial(run, remat="dots"),
+            default=functools.partial(run, remat="none"),
+        )  # fmt: skip
+    return _run_segments(statics, segments, arrays, carry, apply=apply, unrolled=unrolled,
+                         remat=remat, collect=collect)  # fmt: skip
+
+
+def _run_segments(
+    statics: Mapping[str, PyTree],
+    segments: Sequence[Segment],
+    arrays: Mapping[str, PyTree],
+    carry: PyTree,
+    *,
+    apply: Apply,
+    unrolled: bool,
+    remat: str,
+    collect: bool,
+) -> tuple[PyTree, PyTree | None]:
+    """``run_segments`` on the stacks' ``arrays`` and static parts, ``remat`` a policy."""
 
     def layer_fn(group: str, setting: Any) -> Callable[[PyTree, PyTree, Array], PyTree]:
         def one(c: PyTree, params: PyTree, index: Array) -> PyTree:
