@@ -24,8 +24,10 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
+from jax import export
 
 import edl
 from edl.generate import steps
@@ -40,6 +42,7 @@ from edl.models import (
     MixtralConfig,
     MixtralForCausalLM,
 )
+from edl.platforms import PLATFORMS
 from edl.serve.step import SlotSampling, model_step
 from edl.sharding import make_mesh
 from edl.train import make_train_step
@@ -124,11 +127,12 @@ def test_train_step(name, platform):
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
-def test_train_step_on_a_mesh(platform):
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_step_on_a_mesh(name, platform):
     """fsdp x tp over the 8 host devices, the models' own partition rules: the kernels run
     once per shard (``shard_map``), the program is partitioned for 8 devices."""
     mesh = make_mesh((1, 4, 2, 1))  # dp, fsdp, tp, sp
-    text = _train_step_text("llama", platform, mesh)
+    text = _train_step_text(name, platform, mesh)
     _check(text, platform)
     assert "mhlo.num_partitions = 8" in text
 
@@ -222,3 +226,53 @@ def test_choosing_by_platform_costs_the_cpu_program_nothing():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp_bytes("auto", "auto") == temp_bytes("dots", "native")
+
+
+# What jax.export must be told it may serialise, per platform (docs/ARCHITECTURE.md).
+UNSTABLE_CALLS = {
+    "tpu": (),  # Mosaic calls are on jax's list of stable custom calls
+    "cuda": ("__gpu$xla.gpu.triton",),
+    "cpu": ("edl_flash_attention_forward", "edl_flash_attention_backward"),
+}
+
+
+@pytest.mark.parametrize("platform", ["cpu", *ACCELERATORS])
+def test_export_for_one_platform(platform):
+    def loss(q, k, v):
+        return jnp.sum(edl.ops.attention(q, k, v, causal=True).astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((2, 256, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in UNSTABLE_CALLS[platform]]
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    exported = export.export(grad, platforms=[platform], disabled_checks=checks)(q, kv, kv)
+    assert exported.platforms == (platform,)
+    if UNSTABLE_CALLS[platform]:
+        with pytest.raises(ValueError, match="custom calls whose targets have no compatib"):
+            export.export(grad, platforms=[platform])(q, kv, kv)
+
+
+def test_export_for_several_platforms_without_pallas_kernels():
+    """One export for cpu, cuda, rocm and tpu: a Llama train loss with XLA attention exports
+    and runs here as the jitted function does. With Pallas kernels jax refuses
+    (it lowers each platform's branch for every platform of the export)."""
+    config = LlamaConfig(**{**COMMON, "hidden_size": 64, "intermediate_size": 128})
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)), jnp.int32)
+
+    def value_and_grad(attention_impl: str):
+        model = LlamaForCausalLM.init(config.replace(attention_impl=attention_impl),
+                                      key=jax.random.key(0))  # fmt: skip
+        params, other = edl.split(model)
+        loss = lambda params, ids: edl.merge(params, other).compute_loss(ids)[0]
+        return jax.jit(jax.value_and_grad(loss)), params
+
+    fn, params = value_and_grad("xla")
+    exported = export.export(fn, platforms=PLATFORMS)(params, ids)
+    assert exported.platforms == PLATFORMS
+    (value, grads), (want, want_grads) = exported.call(params, ids), fn(params, ids)
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+    for got, expected in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-7)
+    fn, params = value_and_grad("pallas")
+    with pytest.raises(ValueError, match=r"cannot be used for tpu lowering|Only interpret mode"):
+        export.export(fn, platforms=PLATFORMS)(params, ids)

@@ -1,12 +1,15 @@
 """Pallas kernels: flash attention (forward + backward), decode and paged decode attention.
 
-Each kernel lowers through Triton on NVIDIA GPUs and runs with ``interpret=True`` on CPU;
-``edl.ops.attention`` is the entry point models use. ``edl.kernels.native`` holds the one
-kernel written for CPU instead: paged attention reading the page pool in place (C++ through
-XLA's FFI, built on first use), which ``edl.ops.paged_attention`` picks on CPU.
+The kernels here are written for Triton: compiled in programs lowered for GPUs, run with
+``interpret=True`` elsewhere (CPU). ``edl.kernels.tpu`` holds the same three written for TPUs
+(Mosaic), ``edl.kernels.native`` the ones written for CPUs (C++ through XLA's FFI, built on
+first use): blocked attention with its backward pass, and paged attention reading the page
+pool in place. ``edl.ops.attention`` / ``cached_attention`` / ``paged_attention`` are the
+entry points models use; they pick among these by the platform a program is lowered for
+(``edl.ops.dispatch``).
 """
 
-from edl.kernels import native
+from edl.kernels import native, tpu
 from edl.kernels.decode_attention import decode_attention
 from edl.kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
 from edl.kernels.paged_attention import gather_pages, paged_decode_attention
@@ -19,4 +22,5 @@ __all__ = [
     "gather_pages",
     "native",
     "paged_decode_attention",
+    "tpu",
 ]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pl_triton
 
-from edl.platforms import fail_when_lowered
+from edl.platforms import fail_when_lowered, platform_dependent
 
 LOG2E = math.log2(math.e)
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -44,7 +44,7 @@ def by_interpret(kernel: Callable[..., jax.Array], interpret: bool | None, *args
             return fail_when_lowered(jnp.zeros(out.shape, out.dtype), str(error))
 
     interpreted = functools.partial(kernel, interpret=True)
-    return jax.lax.platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
+    return platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
 
 
 def cdiv(a: int, b: int) -> int:

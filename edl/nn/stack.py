@@ -25,6 +25,7 @@ from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 from edl.kernels.native import ATTENTION_LSE, ATTENTION_OUT
 from edl.nn.schedule import Segment, plan_schedule, schedule_period
 from edl.ops.moe import MOE_OUT, MOE_ROWS
+from edl.platforms import platform_dependent
 
 __all__ = [
     "REMAT_POLICIES",
@@ -217,7 +218,7 @@ def run_segments(
         run = functools.partial(
             _run_segments, statics, segments, apply=apply, unrolled=unrolled, collect=collect
         )
-        return jax.lax.platform_dependent(
+        return platform_dependent(
             arrays, carry, cpu=functools.partial(run, remat="dots"),
             default=functools.partial(run, remat="none"),
         )  # fmt: skip

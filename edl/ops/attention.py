@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from einops import rearrange
@@ -233,6 +234,9 @@ def _pallas_tpu(options: _Options, q, k, v, q_ids, kv_ids):
 
 
 def _cudnn_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+    if "cuda" not in jax.extend.backend.backends():
+        # jax looks for cuDNN while tracing, so only a process with CUDA can trace it.
+        return "cuDNN attention is traced only where jax has a CUDA backend"
     return "cuDNN attention has no softcap" if options.softcap is not None else None
 
 
@@ -253,6 +257,10 @@ def _cudnn(options: _Options, q, k, v, q_ids, kv_ids):
     )
 
 
+def _never(*_) -> bool:  # a kernel "auto" never picks: a baseline asked for by name
+    return False
+
+
 def _turned_off() -> bool:
     return native.turned_off()
 
@@ -266,7 +274,7 @@ KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel("native", _native, _native_unsupported, quiet=_turned_off),
         Kernel("pallas", _pallas(interpret=True), _pallas_unsupported),
     ),
-    "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported)),
+    "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=_never)),
     "rocm": (_TRITON,),
     "tpu": (Kernel("pallas", _pallas_tpu, _tpu_unsupported),),
 }

@@ -44,6 +44,7 @@ from edl.ops import cpu
 from edl.ops.attention import dtype_reason, masked_attention
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths
 from edl.ops.dispatch import Kernel, by_platform
+from edl.platforms import platform_dependent
 
 __all__ = [
     "DECODE_KERNELS",
@@ -72,7 +73,7 @@ def _read_live(
     if impl == "reference":
         return read(sizes[-1])
     live = functools.partial(cpu.read_live, read, sizes=sizes)
-    return jax.lax.platform_dependent(bound, cpu=live, default=lambda _: read(sizes[-1]))
+    return platform_dependent(bound, cpu=live, default=lambda _: read(sizes[-1]))
 
 
 def _at_layer(stack: jax.Array, layer: Int[Array, ""] | int | None, length: int) -> jax.Array:
@@ -208,7 +209,7 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
         return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # platform_dependent keeps only the branch of the platform being lowered for.
-    return jax.lax.platform_dependent(
+    return platform_dependent(
         q, k, v, mask,
         cpu=functools.partial(cpu.one_token_attention, softcap=softcap, scale=scale),
         default=functools.partial(masked_attention, softcap=softcap, scale=scale),

@@ -30,6 +30,7 @@ from einops import rearrange
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.ops.attention import masked_softmax
+from edl.platforms import platform_dependent
 
 __all__ = [
     "LIVE_BRANCHES",
@@ -69,7 +70,7 @@ def add_unless_zero(y: jax.Array, addend: jax.Array | None) -> jax.Array:
     """
     if addend is None:
         return y
-    return jax.lax.platform_dependent(y, addend, cpu=_add_skipping_zeros, default=jnp.add)
+    return platform_dependent(y, addend, cpu=_add_skipping_zeros, default=jnp.add)
 
 
 def weight_left(

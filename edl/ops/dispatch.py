@@ -13,7 +13,9 @@ the call's arrays (``Kernel.unsupported``), and
   cannot run fails when lowered for it, and an impl no platform can run fails at once.
 
 Every branch is traced, so a table's kernels must trace anywhere: a check that only holds on
-one platform (GPU tile limits) belongs in ``unsupported``, never in a raise at trace time.
+one platform (GPU tile limits) belongs in ``unsupported``. A ``ValueError`` a kernel raises
+while tracing all the same makes its branch fall back (``"auto"``) or fail when lowered for
+that platform, never the trace (which would stop programs for every other platform).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from edl.platforms import PLATFORMS, failing, notice_when_lowered
+from edl.platforms import (
+    PLATFORMS,
+    can_run_here,
+    fail_when_lowered,
+    failing,
+    notice_when_lowered,
+    platform_dependent,
+)
 
 __all__ = ["Kernel", "by_platform"]
 
@@ -77,12 +86,36 @@ def _branch(
             continue
         reason = kernel.unsupported(options, *arrays)
         if reason is None:
-            return _noticed(op, reasons, kernel.impl, lambda *a, k=kernel: k.call(options, *a)), []
+            call = _guarded(op, impl, kernel, options, fallback)
+            return _noticed(op, reasons, kernel.impl, call), []
         if not kernel.quiet():
             reasons.append(reason)
     if impl == "auto":
         return _noticed(op, reasons, "xla", fallback), []
     return None, reasons
+
+
+def _guarded(
+    op: str, impl: str, kernel: Kernel, options: Any, fallback: Callable[..., Array]
+) -> Callable[..., Array]:
+    """``kernel.call`` as a branch. A ``ValueError`` it raises while tracing is a limit its
+    ``unsupported`` did not name; since every branch is traced on every platform, raising it
+    here would stop programs that never run this kernel. So the branch instead falls back
+    (``"auto"``) or fails (an impl named) when lowered for this kernel's platform."""
+
+    def branch(*arrays):
+        try:
+            return kernel.call(options, *arrays)
+        except ValueError as error:
+            if impl == "auto":
+                return notice_when_lowered(
+                    fallback(*arrays), f"edl {op}: {error}; using impl='xla'"
+                )
+            out = jax.eval_shape(fallback, *arrays)
+            message = f"{op}: impl={impl!r} cannot run on {{platform}}: {error}"
+            return fail_when_lowered(jnp.zeros(out.shape, out.dtype), message)
+
+    return branch
 
 
 def _noticed(
@@ -111,18 +144,24 @@ def by_platform(
     """``op`` computed by the kernel ``impl`` names (or ``"auto"`` prefers) on each platform of
     ``table``, as one ``platform_dependent`` over ``arrays`` (module docstring); ``fallback``
     takes ``arrays`` too."""
-    branches: dict[str, Callable[..., Array] | None] = {}
+    branches: dict[str, Callable[..., Array]] = {}
     failures: dict[str, list[str]] = {}
-    for platform in PLATFORMS:
-        branch, reasons = _branch(op, impl, table.get(platform, ()), options, arrays, fallback)
-        branches[platform] = branch
+    built: dict[tuple, tuple] = {}  # platforms with one table share a branch
+    for platform in filter(can_run_here, PLATFORMS):  # a nested choice needs fewer
+        kernels = table.get(platform, ())
+        key = tuple(map(id, kernels))
+        if key not in built:
+            built[key] = _branch(op, impl, kernels, options, arrays, fallback)
+        branch, reasons = built[key]
         if branch is None:
             failures[platform] = reasons
+        else:
+            branches[platform] = branch
     if impl == "auto":
-        return jax.lax.platform_dependent(*arrays, **branches, default=fallback)
+        return platform_dependent(*arrays, **branches, default=fallback)
     homes = [p for p, kernels in table.items() if any(k.impl == impl for k in kernels)]
     elsewhere = f"edl's {impl!r} kernel is for programs lowered for {'/'.join(homes)}"
-    if len(failures) == len(PLATFORMS):
+    if not branches and all(map(can_run_here, PLATFORMS)):  # it runs nowhere: say so now
         reasons = sorted({r for rs in failures.values() for r in rs}) or [elsewhere]
         raise ValueError(f"{op}: impl={impl!r} cannot run: {'; '.join(reasons)}")
     out = jax.eval_shape(fallback, *arrays)
@@ -133,4 +172,4 @@ def by_platform(
 
     for platform, reasons in failures.items():
         branches[platform] = failed(reasons or [elsewhere])
-    return jax.lax.platform_dependent(*arrays, **branches, default=failed([elsewhere]))
+    return platform_dependent(*arrays, **branches, default=failed([elsewhere]))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from edl.ops import cpu
+from edl.platforms import platform_dependent
 
 __all__ = ["SMALL_ROWS", "linear"]
 
@@ -87,7 +88,5 @@ def linear(
         addend = _check_addend("linear", addend, x, weight.shape[0])
     if _few_rows(x):
         # platform_dependent keeps only the branch of the platform being lowered for.
-        return jax.lax.platform_dependent(
-            x, weight, addend, cpu=cpu.weight_left, default=_weight_right
-        )
+        return platform_dependent(x, weight, addend, cpu=cpu.weight_left, default=_weight_right)
     return _weight_right(x, weight, addend)

@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from edl.kernels.tpu.decode_attention import decode_attention
-from edl.kernels.tpu.flash_attention import flash_attention
+from edl.kernels.tpu.flash_attention import BlockSizes, flash_attention
 from edl.kernels.tpu.paged_attention import paged_decode_attention
 
-__all__ = ["DTYPES", "decode_attention", "flash_attention", "paged_decode_attention"]
+__all__ = ["DTYPES", "BlockSizes", "decode_attention", "flash_attention", "paged_decode_attention"]
 
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the TPU kernels take
