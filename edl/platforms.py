@@ -37,13 +37,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Primitive, get_opaque_trace_state, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
 
 __all__ = [
     "PLATFORMS",
     "can_run_here",
+    "carry_platforms",
     "fail_when_lowered",
     "failing",
     "host_check",
@@ -58,23 +59,35 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _OTHER = "*"  # any platform not in PLATFORMS: a choice's default branch
 _noticed: set[str] = set()  # warnings already given (once per message and process)
 
-# The platforms the branch being traced can run on (None: any). Set while a branch of
-# ``platform_dependent`` is traced; functions jax calls later (a custom_vjp's forward and
-# backward rules, at differentiation) see None, which is always safe.
-_within: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+# The platforms the code being traced can run on, and the trace they hold for: set while a
+# branch of ``platform_dependent`` is traced. A choice made in another trace (jax traces a
+# jitted function, a scan body or a checkpointed function in a trace of its own) sees no
+# restriction: jax caches the traces of long-lived functions by the function alone, and one
+# traced for the CPU branch would be reused where every platform's branches are needed. edl
+# carries the restriction into the traces of closures it makes afresh (``carry_platforms``).
+# Functions jax calls later (a custom_vjp's rules, at differentiation) see none either.
+_within: contextvars.ContextVar[tuple[frozenset[str], Any] | None] = contextvars.ContextVar(
     "edl_platforms_within", default=None
 )
 
 
 def _in_context(fn: Callable[..., Any], platforms: frozenset[str]) -> Callable[..., Any]:
     def traced(*args):
-        token = _within.set(platforms)
+        token = _within.set((platforms, get_opaque_trace_state()))
         try:
             return fn(*args)
         finally:
             _within.reset(token)
 
     return traced
+
+
+def _restriction() -> frozenset[str] | None:
+    """The platforms the code being traced runs on, or None (any)."""
+    within = _within.get()
+    if within is None or within[1] != get_opaque_trace_state():
+        return None
+    return within[0]
 
 
 def _among(platform: str, platforms: frozenset[str]) -> bool:
@@ -84,8 +97,17 @@ def _among(platform: str, platforms: frozenset[str]) -> bool:
 def can_run_here(platform: str) -> bool:
     """Whether the code being traced can run on ``platform``: False inside a branch of
     :func:`platform_dependent` for other platforms (a choice there needs no branch for it)."""
-    within = _within.get()
-    return within is None or _among(platform, within)
+    platforms = _restriction()
+    return platforms is None or _among(platform, platforms)
+
+
+def carry_platforms(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` for jax to trace in a trace of its own (a scan body, a checkpointed or
+    ``shard_map``ped function), keeping what :func:`can_run_here` says where it is made.
+    Only for a closure made afresh each time its maker is traced: jax caches the traces of
+    long-lived functions, and may reuse one where other platforms' branches are needed."""
+    platforms = _restriction()
+    return fn if platforms is None else _in_context(fn, platforms)
 
 
 def platform_dependent(
@@ -160,13 +182,13 @@ batching.primitive_batchers[_notice_p] = lambda args, dims, **params: (
 def notice_when_lowered(x: Array, message: str) -> Array:
     """``x``, warning ``message`` (once per process) when the branch holding it is lowered.
     ``{platform}`` in ``message`` becomes the platform lowered for."""
-    return _notice_p.bind(x, message=message, error=False, platforms=_within.get())
+    return _notice_p.bind(x, message=message, error=False, platforms=_restriction())
 
 
 def fail_when_lowered(x: Array, message: str) -> Array:
     """``x``, raising ``ValueError(message)`` when the branch holding it is lowered.
     ``{platform}`` in ``message`` becomes the platform lowered for."""
-    return _notice_p.bind(x, message=message, error=True, platforms=_within.get())
+    return _notice_p.bind(x, message=message, error=True, platforms=_restriction())
 
 
 def failing(message: str, like: Callable[..., Array]) -> Callable[..., Array]:

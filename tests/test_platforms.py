@@ -212,3 +212,19 @@ def test_several_platforms_at_once_notice_only_where_their_branch_runs():
     export.export(jax.jit(never), platforms=["cpu", "tpu"])(x)
     with pytest.raises(ValueError, match="rocm only"):
         export.export(jax.jit(never), platforms=["cpu", "rocm"])(x)
+
+
+@jax.jit
+def _attend(q, k, v):
+    """A long-lived jitted function: jax caches its trace by the function alone."""
+    return attention(q, k, v, causal=True)
+
+
+def test_a_long_lived_function_traced_inside_a_branch_keeps_every_platform():
+    """Traced first inside the CPU branch, ``_attend``'s cached trace is reused in the other
+    branch: it must hold every platform's kernel, so the cuda program gets Triton's."""
+    q, kv = _qkv(64, length=128)
+    both = lambda q, k, v: platforms.platform_dependent(q, k, v, cpu=_attend, default=_attend)
+    text = _lower(both, q, kv, kv, platform="cuda")
+    assert "triton" in text
+    assert "edl_flash_attention_forward" not in text

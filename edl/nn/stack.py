@@ -25,7 +25,7 @@ from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 from edl.kernels.native import ATTENTION_LSE, ATTENTION_OUT
 from edl.nn.schedule import Segment, plan_schedule, schedule_period
 from edl.ops.moe import MOE_OUT, MOE_ROWS
-from edl.platforms import platform_dependent
+from edl.platforms import carry_platforms, platform_dependent
 
 __all__ = [
     "REMAT_POLICIES",
@@ -80,7 +80,9 @@ def with_remat(
     if name == "auto":
         raise ValueError("remat 'auto' depends on the lowering platform: run_segments picks it")
     policy = REMAT_POLICIES[name]
-    return fn if policy is None else jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+    if policy is None:
+        return fn
+    return jax.checkpoint(carry_platforms(fn), policy=policy, prevent_cse=prevent_cse)
 
 
 def stack(
@@ -309,7 +311,7 @@ def _scan_segment(
         return c, ys[0] if width == 1 else jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     xs = {g: blocks(g) for g in dict.fromkeys(g for g, _ in segment.block)}
-    carry, ys = jax.lax.scan(body, carry, (xs, index))
+    carry, ys = jax.lax.scan(carry_platforms(body), carry, (xs, index))
     if collect and width > 1:
         ys = jax.tree.map(lambda y: y.reshape(repeats * width, *y.shape[2:]), ys)
     return carry, ys

@@ -23,6 +23,7 @@ from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
 from edl.ops.dispatch import Kernel, by_platform
 from edl.ops.sharding import BATCH, fit_spec
+from edl.platforms import carry_platforms
 
 __all__ = [
     "IMPLS",
@@ -169,7 +170,7 @@ def _per_shard(kernel, q, k, v, q_ids, kv_ids):
         return kernel(q, k, v, *(ids or (None, None)))
 
     return jax.shard_map(
-        per_shard, in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
+        carry_platforms(per_shard), in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
         out_specs=head_spec, check_vma=False,
     )(q, k, v, *ids)  # fmt: skip
 
