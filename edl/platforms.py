@@ -4,7 +4,7 @@ JAX traces a program once and lowers it later, for a platform that tracing does 
 ``jax.jit(f)(x)`` lowers for the device ``x`` lives on, ``jax.jit(f).trace(...).lower(
 lowering_platforms=("tpu",))`` compiles ahead of time for a TPU fleet from a CPU host, and
 ``jax.export`` may lower one program for several platforms at once. So edl never asks the
-process (``jax.default_backend()``) which kernel to use: each choice is one
+process for its default backend to pick a kernel: each choice is one
 ``jax.lax.platform_dependent`` over :data:`PLATFORMS`, whose branches are all traced and of
 which lowering keeps only the one for the platform lowered for (a program exported for
 several platforms keeps one per platform and picks when it is compiled).
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Primitive, get_opaque_trace_state, jaxpr_as_fun
 from jax.interpreters import ad, batching, mlir
 from jaxtyping import Array
@@ -47,6 +48,7 @@ __all__ = [
     "carry_platforms",
     "fail_when_lowered",
     "failing",
+    "failing_when_lowered_on_error",
     "host_check",
     "notice_when_lowered",
     "platform_dependent",
@@ -150,7 +152,8 @@ def _act(message: str, error: bool, platform: str) -> None:
 
 
 def _notice_impl(x, *, message: str, error: bool, platforms: frozenset[str] | None):
-    _act(message, error, jax.default_backend())  # eager: this process runs it
+    # Eager: the branch runs where x lives (jax names a GPU device's platform "gpu").
+    _act(message, error, "/".join(sorted(platforms or {d.platform for d in x.devices()})))
     return x
 
 
@@ -189,6 +192,24 @@ def fail_when_lowered(x: Array, message: str) -> Array:
     """``x``, raising ``ValueError(message)`` when the branch holding it is lowered.
     ``{platform}`` in ``message`` becomes the platform lowered for."""
     return _notice_p.bind(x, message=message, error=True, platforms=_restriction())
+
+
+def failing_when_lowered_on_error(
+    fn: Callable[..., Array], like: Callable[..., Array], message: Callable[[ValueError], str]
+) -> Callable[..., Array]:
+    """``fn`` as a ``platform_dependent`` branch whose ``ValueError`` while traced (a limit of
+    that platform's kernel) is raised, as ``message(error)``, only when the branch is lowered:
+    every branch is traced on every platform, and raising at once would stop programs that
+    never run it. ``like(*args)`` gives the failing branch its output's shape."""
+
+    def branch(*args):
+        try:
+            return fn(*args)
+        except ValueError as error:
+            out = jax.eval_shape(like, *args)
+            return fail_when_lowered(jnp.zeros(out.shape, out.dtype), message(error))
+
+    return branch
 
 
 def failing(message: str, like: Callable[..., Array]) -> Callable[..., Array]:

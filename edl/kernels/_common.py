@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as pl_triton
 
-from edl.platforms import fail_when_lowered, platform_dependent
+from edl.platforms import failing_when_lowered_on_error, platform_dependent
 
 LOG2E = math.log2(math.e)
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -36,14 +36,10 @@ def by_interpret(kernel: Callable[..., jax.Array], interpret: bool | None, *args
     if interpret is not None:
         return kernel(*args, interpret=interpret)
 
-    def compiled(*args):
-        try:
-            return kernel(*args, interpret=False)
-        except ValueError as error:
-            out = jax.eval_shape(functools.partial(kernel, interpret=True), *args)
-            return fail_when_lowered(jnp.zeros(out.shape, out.dtype), str(error))
-
     interpreted = functools.partial(kernel, interpret=True)
+    compiled = failing_when_lowered_on_error(
+        functools.partial(kernel, interpret=False), like=interpreted, message=str
+    )
     return platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
 
 

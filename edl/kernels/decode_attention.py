@@ -170,16 +170,32 @@ def decode_attention(
     """
     _check_inputs(q, k_cache, v_cache, lengths, kv_start)
     kernel = functools.partial(
-        _decode, window=window, softcap=softcap, scale=scale, block_k=block_k,
-        num_splits=num_splits, params=compiler_params(num_warps, num_stages),
-    )  # fmt: skip
+        _decode,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        block_k=block_k,
+        num_splits=num_splits,
+        params=compiler_params(num_warps, num_stages),
+    )
     return by_interpret(kernel, interpret, q, k_cache, v_cache, lengths, kv_start)
 
 
 def _decode(
-    q, k_cache, v_cache, lengths, kv_start, *, window, softcap, scale, block_k, num_splits,
-    params, interpret: bool,
-):  # fmt: skip
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    kv_start,
+    *,
+    window,
+    softcap,
+    scale,
+    block_k,
+    num_splits,
+    params,
+    interpret: bool,
+):
     """``decode_attention`` for ``interpret`` or Triton (block and split choices differ)."""
     batch, new_tokens, heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]

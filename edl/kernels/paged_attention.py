@@ -209,17 +209,32 @@ def paged_decode_attention(
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     _check(q, k_pages, v_pages, page_table, lengths)
     kernel = functools.partial(
-        _paged, window=window, softcap=softcap, scale=scale, num_splits=num_splits,
+        _paged,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        num_splits=num_splits,
         params=compiler_params(num_warps, num_stages),
-    )  # fmt: skip
+    )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     return by_interpret(kernel, interpret, q, k_pages, v_pages, page_table, lengths, layer)
 
 
 def _paged(
-    q, k_pages, v_pages, page_table, lengths, layer, *, window, softcap, scale, num_splits,
-    params, interpret: bool,
-):  # fmt: skip
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    layer,
+    *,
+    window,
+    softcap,
+    scale,
+    num_splits,
+    params,
+    interpret: bool,
+):
     """``paged_decode_attention`` for ``interpret`` or Triton (blocks and splits differ)."""
     batch, new_tokens, heads, head_dim = q.shape
     _, num_pages, page_size, kv_heads, _ = k_pages.shape

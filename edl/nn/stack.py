@@ -221,11 +221,21 @@ def run_segments(
             _run_segments, statics, segments, apply=apply, unrolled=unrolled, collect=collect
         )
         return platform_dependent(
-            arrays, carry, cpu=functools.partial(run, remat="dots"),
+            arrays,
+            carry,
+            cpu=functools.partial(run, remat="dots"),
             default=functools.partial(run, remat="none"),
-        )  # fmt: skip
-    return _run_segments(statics, segments, arrays, carry, apply=apply, unrolled=unrolled,
-                         remat=remat, collect=collect)  # fmt: skip
+        )
+    return _run_segments(
+        statics,
+        segments,
+        arrays,
+        carry,
+        apply=apply,
+        unrolled=unrolled,
+        remat=remat,
+        collect=collect,
+    )
 
 
 def _run_segments(

@@ -21,7 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.kernels import flash_attention, native, tpu
 from edl.kernels._common import KERNEL_DTYPES
 from edl.ops.attention_xla import xla_attention
-from edl.ops.dispatch import Kernel, by_platform
+from edl.ops.dispatch import Kernel, by_platform, never
 from edl.ops.sharding import BATCH, fit_spec
 from edl.platforms import carry_platforms
 
@@ -221,9 +221,14 @@ def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
 def _pallas(interpret: bool):
     def call(options: _Options, q, k, v, q_ids, kv_ids):
         return flash_attention(
-            q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret,
+            q,
+            k,
+            v,
+            q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids,
+            interpret=interpret,
             **dataclasses.asdict(options),
-        )  # fmt: skip
+        )
 
     return call
 
@@ -258,10 +263,6 @@ def _cudnn(options: _Options, q, k, v, q_ids, kv_ids):
     )
 
 
-def _never(*_) -> bool:  # a kernel "auto" never picks: a baseline asked for by name
-    return False
-
-
 def _turned_off() -> bool:
     return native.turned_off()
 
@@ -275,7 +276,7 @@ KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel("native", _native, _native_unsupported, quiet=_turned_off),
         Kernel("pallas", _pallas(interpret=True), _pallas_unsupported),
     ),
-    "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=_never)),
+    "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=never)),  # by name
     "rocm": (_TRITON,),
     "tpu": (Kernel("pallas", _pallas_tpu, _tpu_unsupported),),
 }

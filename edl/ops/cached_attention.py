@@ -43,7 +43,7 @@ from edl.kernels._common import KERNEL_DTYPES
 from edl.ops import cpu
 from edl.ops.attention import dtype_reason, masked_attention
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths
-from edl.ops.dispatch import Kernel, by_platform
+from edl.ops.dispatch import Kernel, by_platform, never
 from edl.platforms import platform_dependent
 
 __all__ = [
@@ -242,10 +242,6 @@ def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
     return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
-def _never(*_) -> bool:
-    return False
-
-
 # -- contiguous caches --------------------------------------------------------------------------
 
 
@@ -273,7 +269,7 @@ _TRITON_DECODE = Kernel(
 DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
     "cpu": (
         Kernel(
-            "pallas", _decode(decode_attention, interpret=True), _pallas_dtypes, preferred=_never
+            "pallas", _decode(decode_attention, interpret=True), _pallas_dtypes, preferred=never
         ),
     ),
     "cuda": (_TRITON_DECODE,),
@@ -288,9 +284,15 @@ DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
 def _paged(kernel, **kernel_options):
     def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
         return kernel(
-            q, k_pages, v_pages, page_table, lengths, layer=layer,
-            **dataclasses.asdict(options), **kernel_options,
-        )  # fmt: skip
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            layer=layer,
+            **dataclasses.asdict(options),
+            **kernel_options,
+        )
 
     return call
 
@@ -300,9 +302,16 @@ def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, l
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
     return native.paged_attention_cpu(
-        q, k_pages, v_pages, page_table, lengths, layer, scale=scale, window=options.window,
+        q,
+        k_pages,
+        v_pages,
+        page_table,
+        lengths,
+        layer,
+        scale=scale,
+        window=options.window,
         softcap=options.softcap,
-    )  # fmt: skip
+    )
 
 
 def _native_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
@@ -339,7 +348,7 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
             "pallas",
             _paged(paged_decode_attention, interpret=True),
             _pallas_dtypes,
-            preferred=_never,
+            preferred=never,
         ),
     ),
     "cuda": (_TRITON_PAGED,),

@@ -21,6 +21,7 @@ that platform, never the trace (which would stop programs for every other platfo
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,16 +32,17 @@ from jaxtyping import Array
 from edl.platforms import (
     PLATFORMS,
     can_run_here,
-    fail_when_lowered,
     failing,
+    failing_when_lowered_on_error,
     notice_when_lowered,
     platform_dependent,
 )
 
-__all__ = ["Kernel", "by_platform"]
+__all__ = ["Kernel", "by_platform", "never"]
 
 
-def _never() -> bool:
+def never(*_) -> bool:
+    """A ``Kernel.preferred`` or ``quiet`` that always says no."""
     return False
 
 
@@ -67,7 +69,7 @@ class Kernel:
     call: Callable[..., Array]
     unsupported: Callable[..., str | None]
     preferred: Callable[..., bool] = _always
-    quiet: Callable[[], bool] = _never
+    quiet: Callable[[], bool] = never
 
 
 def _branch(
@@ -99,21 +101,18 @@ def _guarded(
     op: str, impl: str, kernel: Kernel, options: Any, fallback: Callable[..., Array]
 ) -> Callable[..., Array]:
     """``kernel.call`` as a branch. A ``ValueError`` it raises while tracing is a limit its
-    ``unsupported`` did not name; since every branch is traced on every platform, raising it
-    here would stop programs that never run this kernel. So the branch instead falls back
-    (``"auto"``) or fails (an impl named) when lowered for this kernel's platform."""
+    ``unsupported`` did not name: the branch falls back (``"auto"``) or fails (an impl named)
+    when lowered for this kernel's platform, never at once for every platform."""
+    call = functools.partial(kernel.call, options)
+    if impl != "auto":
+        message = lambda error: f"{op}: impl={impl!r} cannot run on {{platform}}: {error}"
+        return failing_when_lowered_on_error(call, like=fallback, message=message)
 
     def branch(*arrays):
         try:
-            return kernel.call(options, *arrays)
+            return call(*arrays)
         except ValueError as error:
-            if impl == "auto":
-                return notice_when_lowered(
-                    fallback(*arrays), f"edl {op}: {error}; using impl='xla'"
-                )
-            out = jax.eval_shape(fallback, *arrays)
-            message = f"{op}: impl={impl!r} cannot run on {{platform}}: {error}"
-            return fail_when_lowered(jnp.zeros(out.shape, out.dtype), message)
+            return notice_when_lowered(fallback(*arrays), f"edl {op}: {error}; using impl='xla'")
 
     return branch
 

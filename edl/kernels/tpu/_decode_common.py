@@ -163,9 +163,17 @@ def attend(q_ref, blocks, o_ref, m_ref, l_ref, acc_ref, *, length, start, plan):
     @pl.when(needed)
     def _fold():
         _fold_blocks(
-            q_ref[...], blocks, m_ref, l_ref, acc_ref, length=length, start=start,
-            first=first, end=end, plan=plan,
-        )  # fmt: skip
+            q_ref[...],
+            blocks,
+            m_ref,
+            l_ref,
+            acc_ref,
+            length=length,
+            start=start,
+            first=first,
+            end=end,
+            plan=plan,
+        )
 
     @pl.when(step == plan.steps - 1)
     def _finish():

@@ -209,8 +209,9 @@ def _dq_kernel(*refs, plan: Plan, has_segments: bool):
     @pl.when((j >= lo) & (j < hi))
     def _step():
         k, mask = k_ref[...], visible(plan, i, j, bq, bk, seg_refs)
-        _, ds = _probs_and_dscores(plan, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...],
-                                   delta_ref[...], mask)  # fmt: skip
+        _, ds = _probs_and_dscores(
+            plan, q_ref[...], k, v_ref[...], do_ref[...], lse_ref[...], delta_ref[...], mask
+        )
         acc_ref[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
     @pl.when(j == pl.num_programs(3) - 1)
@@ -235,8 +236,9 @@ def _dkdv_kernel(*refs, plan: Plan, has_segments: bool, num_q_blocks: int):
     @pl.when((i >= lo) & (i < hi))
     def _step():
         q, do, mask = q_ref[...], do_ref[...], visible(plan, i, j, bq, bk, seg_refs)
-        p, ds = _probs_and_dscores(plan, q, k_ref[...], v_ref[...], do, lse_ref[...],
-                                   delta_ref[...], mask)  # fmt: skip
+        p, ds = _probs_and_dscores(
+            plan, q, k_ref[...], v_ref[...], do, lse_ref[...], delta_ref[...], mask
+        )
         # Explicit 2-D transposes (as jax's TPU kernels do) rather than a transposed-LHS dot.
         dv_acc[...] += jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
         dk_acc[...] += jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
@@ -259,7 +261,7 @@ def _segment_args(q_ids, kv_ids, block_q: int, block_k: int, q_index, kv_index):
     specs = [
         pl.BlockSpec((None, block_q, LANES), lambda *g: (q_index(*g)[0], q_index(*g)[2], 0)),
         pl.BlockSpec((None, SUBLANES, block_k), lambda *g: (kv_index(*g)[0], 0, kv_index(*g)[2])),
-    ]  # fmt: skip
+    ]
     return [q_ids, kv_ids], specs
 
 
@@ -316,18 +318,31 @@ def forward(q, k, v, q_ids, kv_ids, plan: Plan):
     ]
     blocks = (plan.block_q, plan.block_k)
     scratch = [(plan.block_q, LANES), (plan.block_q, LANES), (plan.block_q, dim)]  # m, l, acc
-    return _by_query_block(_forward_kernel, "edl_tpu_flash_attention_fwd", plan, blocks,
-                           (q, k, v), _segments(q_ids, kv_ids), outs, scratch)  # fmt: skip
+    return _by_query_block(
+        _forward_kernel,
+        "edl_tpu_flash_attention_fwd",
+        plan,
+        blocks,
+        (q, k, v),
+        _segments(q_ids, kv_ids),
+        outs,
+        scratch,
+    )
 
 
 def backward_dq(q, k, v, d_out, lse, delta, q_ids, kv_ids, plan: Plan):
     """dq ``(batch, heads, padded_q, d)``; ``lse``/``delta`` lane-broadcast."""
     blocks = (plan.block_q_bwd, plan.block_k_bwd)
     (dq,) = _by_query_block(
-        _dq_kernel, "edl_tpu_flash_attention_dq", plan, blocks, (q, k, v, d_out, lse, delta),
-        _segments(q_ids, kv_ids), [jax.ShapeDtypeStruct(q.shape, q.dtype)],
+        _dq_kernel,
+        "edl_tpu_flash_attention_dq",
+        plan,
+        blocks,
+        (q, k, v, d_out, lse, delta),
+        _segments(q_ids, kv_ids),
+        [jax.ShapeDtypeStruct(q.shape, q.dtype)],
         [(plan.block_q_bwd, q.shape[-1])],
-    )  # fmt: skip
+    )
     return dq
 
 
@@ -350,8 +365,9 @@ def backward_dkdv(q, k, v, d_out, lse, delta, q_ids, kv_ids, plan: Plan):
     row_spec = pl.BlockSpec((None, None, bq, LANES), q_index)
     kv_spec = pl.BlockSpec((None, None, bk, dim), kv_index)
     seg_args, seg_specs = _segment_args(q_ids, kv_ids, bq, bk, q_index, kv_index)
-    kernel = functools.partial(_dkdv_kernel, plan=plan, has_segments=q_ids is not None,
-                               num_q_blocks=nq)  # fmt: skip
+    kernel = functools.partial(
+        _dkdv_kernel, plan=plan, has_segments=q_ids is not None, num_q_blocks=nq
+    )
     return pl.pallas_call(
         kernel,
         grid=(batch, kv_heads, plan.padded_kv // bk, group * nq),

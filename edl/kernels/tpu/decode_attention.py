@@ -60,9 +60,14 @@ def _decode_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, *scratch, pla
     # The block the index map fetched; positions of a clamped step fall outside the range.
     first_position = step * plan.block_tokens
     attend(
-        q_ref, [(k_ref, v_ref, first_position)], o_ref, *scratch, length=len_ref[b],
-        start=start_ref[b], plan=plan,
-    )  # fmt: skip
+        q_ref,
+        [(k_ref, v_ref, first_position)],
+        o_ref,
+        *scratch,
+        length=len_ref[b],
+        start=start_ref[b],
+        plan=plan,
+    )
 
 
 def _decode_call(lengths, starts, q_rows, k_rows, v_rows, *, plan: Plan, interpret):
@@ -131,18 +136,29 @@ def decode_attention(
     requested = block_k or max(1, step_rows(head_dim, q.dtype) // kv_heads)
     block = _cache_block(cache_len, kv_heads, requested, q.dtype)
     plan = Plan(
-        new_tokens=new_tokens, heads=heads, kv_heads=kv_heads, window=window,
+        new_tokens=new_tokens,
+        heads=heads,
+        kv_heads=kv_heads,
+        window=window,
         softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), block_tokens=block,
-        blocks_per_step=1, steps=cache_len // block, capacity=cache_len,
-    )  # fmt: skip
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        block_tokens=block,
+        blocks_per_step=1,
+        steps=cache_len // block,
+        capacity=cache_len,
+    )
     starts = jnp.zeros((batch,), jnp.int32) if kv_start is None else kv_start.astype(jnp.int32)
     # Free row-major reshapes: a token's kv heads are consecutive rows.
     k_rows, v_rows = (x.reshape(batch, cache_len * kv_heads, head_dim) for x in (k_cache, v_cache))
     out = _decode_call(
-        lengths.astype(jnp.int32), starts, query_rows(q), k_rows, v_rows, plan=plan,
+        lengths.astype(jnp.int32),
+        starts,
+        query_rows(q),
+        k_rows,
+        v_rows,
+        plan=plan,
         interpret=resolve_interpret(interpret),
-    )  # fmt: skip
+    )
     return output_from_rows(out, q)
 
 

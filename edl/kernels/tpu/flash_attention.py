@@ -119,19 +119,24 @@ def _check(q, k, v, q_segment_ids, kv_segment_ids, window) -> None:
             f"flash_attention: empty sequence (q_len {q.shape[1]}, kv_len {k.shape[1]})"
         )
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"flash_attention: {q.shape[2]} heads not a multiple of "
-                         f"{k.shape[2]} kv heads")  # fmt: skip
+        raise ValueError(
+            f"flash_attention: {q.shape[2]} heads not a multiple of {k.shape[2]} kv heads"
+        )
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.float32, jnp.bfloat16):
-        raise TypeError(f"flash_attention: q/k/v must share one of float32/bfloat16, got "
-                        f"{q.dtype}/{k.dtype}/{v.dtype}")  # fmt: skip
+        raise TypeError(
+            f"flash_attention: q/k/v must share one of float32/bfloat16, got "
+            f"{q.dtype}/{k.dtype}/{v.dtype}"
+        )
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids or neither")
     if q_segment_ids is not None and (
         q_segment_ids.shape != q.shape[:2] or kv_segment_ids.shape != k.shape[:2]
     ):
-        raise ValueError(f"flash_attention: segment ids {q_segment_ids.shape}/"
-                         f"{kv_segment_ids.shape} must be (batch, q_len)/(batch, kv_len) = "
-                         f"{q.shape[:2]}/{k.shape[:2]}")  # fmt: skip
+        raise ValueError(
+            f"flash_attention: segment ids {q_segment_ids.shape}/"
+            f"{kv_segment_ids.shape} must be (batch, q_len)/(batch, kv_len) = "
+            f"{q.shape[:2]}/{k.shape[:2]}"
+        )
     if window is not None and window <= 0:
         raise ValueError(f"flash_attention: window must be positive, got {window}")
 
@@ -142,12 +147,20 @@ def _plan(q, k, *, causal, window, softcap, scale, block_sizes, interpret) -> ke
     bq, bq_bwd, padded_q = _tiles(blocks.block_q, blocks.block_q_bwd, q_len)
     bk, bk_bwd, padded_kv = _tiles(blocks.block_k, blocks.block_k_bwd, kv_len)
     return kernels.Plan(
-        causal=causal or window is not None, window=window,
+        causal=causal or window is not None,
+        window=window,
         softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), q_len=q_len, kv_len=kv_len,
-        padded_q=padded_q, padded_kv=padded_kv,
-        block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd, interpret=interpret,
-    )  # fmt: skip
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        q_len=q_len,
+        kv_len=kv_len,
+        padded_q=padded_q,
+        padded_kv=padded_kv,
+        block_q=bq,
+        block_k=bk,
+        block_q_bwd=bq_bwd,
+        block_k_bwd=bk_bwd,
+        interpret=interpret,
+    )
 
 
 def _head_major(x: jax.Array, length: int) -> jax.Array:
@@ -189,8 +202,16 @@ def flash_attention(
         ``(batch, q_len, heads, head_dim)`` in q's dtype; rows that see no key are zero.
     """
     _check(q, k, v, q_segment_ids, kv_segment_ids, window)
-    plan = _plan(q, k, causal=causal, window=window, softcap=softcap, scale=scale,
-                 block_sizes=block_sizes, interpret=interpret)  # fmt: skip
+    plan = _plan(
+        q,
+        k,
+        causal=causal,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
     q_ids = kv_ids = None
     if q_segment_ids is not None:
         batch = q.shape[0]
@@ -199,7 +220,11 @@ def flash_attention(
         q_ids = _lane_rows(q_ids)  # (batch, padded_q, 128)
         kv_ids = jnp.broadcast_to(kv_ids[:, None, :], (batch, kernels.SUBLANES, plan.padded_kv))
     out = _flash(
-        _head_major(q, plan.padded_q), _head_major(k, plan.padded_kv),
-        _head_major(v, plan.padded_kv), q_ids, kv_ids, plan,
-    )  # fmt: skip
+        _head_major(q, plan.padded_q),
+        _head_major(k, plan.padded_kv),
+        _head_major(v, plan.padded_kv),
+        q_ids,
+        kv_ids,
+        plan,
+    )
     return jnp.swapaxes(out[:, :, : plan.q_len], 1, 2)

@@ -70,12 +70,19 @@ def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, *refs, plan: Plan):
         (k_refs[i], v_refs[i], (step * n + i) * page_tokens) for i in range(n)
     ]  # positions as if unclamped: a clamped page's keys fall outside the visible range
     attend(
-        q_ref, blocks, o_ref, *scratch, length=len_ref[b], start=jnp.int32(0), plan=plan,
-    )  # fmt: skip
+        q_ref,
+        blocks,
+        o_ref,
+        *scratch,
+        length=len_ref[b],
+        start=jnp.int32(0),
+        plan=plan,
+    )
 
 
-def _page_spec(i: int, num_pages: int, layers: int, pages_per_seq: int, rows: int, dim: int,
-               plan: Plan):  # fmt: skip
+def _page_spec(
+    i: int, num_pages: int, layers: int, pages_per_seq: int, rows: int, dim: int, plan: Plan
+):
     """BlockSpec of operand ``i``: the ``i``-th page of each step, looked up in the table."""
     n, page_size = plan.blocks_per_step, plan.block_tokens
 
@@ -158,21 +165,31 @@ def paged_decode_attention(
     )
     per_step = min(per_step, pages_per_seq)
     plan = Plan(
-        new_tokens=new_tokens, heads=heads, kv_heads=kv_heads, window=window,
+        new_tokens=new_tokens,
+        heads=heads,
+        kv_heads=kv_heads,
+        window=window,
         softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), block_tokens=page_size,
-        blocks_per_step=per_step, steps=cdiv(pages_per_seq, per_step),
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        block_tokens=page_size,
+        blocks_per_step=per_step,
+        steps=cdiv(pages_per_seq, per_step),
         capacity=pages_per_seq * page_size,
-    )  # fmt: skip
+    )
     if layer is None:  # one layer's pools: a leading axis of one (free)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     # Free row-major reshapes: a page's rows are its tokens' kv heads, consecutive.
     shape = (k_pages.shape[0], num_pages, page_size * kv_heads, head_dim)
     out = _paged_call(
-        lengths.astype(jnp.int32), page_table.astype(jnp.int32).reshape(-1),
-        jnp.asarray(layer, jnp.int32).reshape(1), query_rows(q), k_pages.reshape(shape),
-        v_pages.reshape(shape), plan=plan, interpret=resolve_interpret(interpret),
-    )  # fmt: skip
+        lengths.astype(jnp.int32),
+        page_table.astype(jnp.int32).reshape(-1),
+        jnp.asarray(layer, jnp.int32).reshape(1),
+        query_rows(q),
+        k_pages.reshape(shape),
+        v_pages.reshape(shape),
+        plan=plan,
+        interpret=resolve_interpret(interpret),
+    )
     return output_from_rows(out, q)
 
 
@@ -185,9 +202,11 @@ def _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_bl
     batch, _, heads, head_dim = q.shape
     pool_rank = 4 if layer is None else 5
     if k_pages.ndim != pool_rank:
-        what = "(num_pages, page_size, kv_heads, head_dim)" if layer is None else (
-            "(layers, num_pages, page_size, kv_heads, head_dim) with layer="
-        )  # fmt: skip
+        what = (
+            "(num_pages, page_size, kv_heads, head_dim)"
+            if layer is None
+            else ("(layers, num_pages, page_size, kv_heads, head_dim) with layer=")
+        )
         fail("k_pages", f"{pool_rank}-d {what}", k_pages.shape)
     if k_pages.shape[-1] != head_dim:
         fail("k_pages' head_dim", f"q's {head_dim}", k_pages.shape[-1])
@@ -203,9 +222,11 @@ def _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_bl
     for name, arr in (("page_table", page_table), ("lengths", lengths)):
         if not jnp.issubdtype(arr.dtype, jnp.integer):
             fail(name, "integers", arr.dtype, TypeError)
-    if layer is not None and not isinstance(layer, int) and (
-        jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)
-    ):  # fmt: skip
+    if (
+        layer is not None
+        and not isinstance(layer, int)
+        and (jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer))
+    ):
         fail("layer", "an integer scalar", f"{jnp.result_type(layer)}{jnp.shape(layer)}")
     if window is not None and window < 1:
         fail("window", ">= 1", window)
