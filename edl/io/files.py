@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import IO, Any
 
 __all__ = [
+    "UnsafePathError",
     "atomic_file",
+    "inside",
     "read_json",
     "write_chunked",
     "write_json_atomic",
@@ -110,6 +112,49 @@ def _json_type(value: Any) -> str:
     if type(value) in names:
         return names[type(value)]
     return f"the number {value!r}" if isinstance(value, int | float) else type(value).__name__
+
+
+class UnsafePathError(ValueError):
+    """A path read from a file's metadata that leaves its directory."""
+
+
+def inside(
+    directory: str | os.PathLike[str],
+    name: object,
+    *,
+    source: str | os.PathLike[str],
+    entry: str,
+) -> Path:
+    """``directory / name`` for a ``name`` read from metadata (``source``, at ``entry``, e.g.
+    ``state.json``'s ``tokenizer_files[2]``), checked to stay inside ``directory``.
+
+    ``name`` must be a non-empty relative POSIX path without ``.`` / ``..`` components,
+    backslashes, drive letters or NUL bytes, and the path it names, after resolving every
+    symlink, must lie inside ``directory`` (also resolved). The file need not exist. Raises
+    :class:`UnsafePathError` (a ``ValueError``) naming ``source``, ``entry`` and the value.
+    Metadata is data an attacker may have written: a checkpoint or export that named
+    ``/home/me/.cache/huggingface/token`` or ``../../secret`` must not make edl read, copy or
+    publish that file.
+    """
+
+    def refuse(why: str) -> UnsafePathError:
+        return UnsafePathError(
+            f"{source}: {entry} = {name!r} {why}; a file named by metadata must be a "
+            f"relative name inside {directory}"
+        )
+
+    if not isinstance(name, str) or not name:
+        raise refuse("is not a non-empty string")
+    if "\\" in name or "\0" in name or ":" in name.split("/", 1)[0]:
+        raise refuse("holds a backslash, a NUL byte or a drive")
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise refuse("is absolute or has an empty, '.' or '..' component")
+    root = Path(directory).resolve()
+    target = (root / name).resolve()
+    if target != root and root not in target.parents:
+        raise refuse(f"resolves to {target}, outside the directory")
+    return Path(directory) / name
 
 
 _pacing = threading.local()
