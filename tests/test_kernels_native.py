@@ -184,7 +184,8 @@ def test_library_is_built_once_per_key_and_failures_name_the_command(tmp_path, m
     first = native.build_library(tmp_path)
     stamp = first.stat().st_mtime_ns
     assert native.build_library(tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+    # The library and its record, written atomically: no temporary left behind.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{first.stem}.json", first.name]
     monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
     with pytest.raises(RuntimeError, match=r"building edl.s native kernels failed \(false -O3"):
         native.build_library(tmp_path / "other")

@@ -25,10 +25,15 @@ Both split their work over items on XLA's intra-op thread pool, through XLA's FF
 flags after edl's, e.g. ``-march=x86-64-v3`` for a library that other machines load), into
 one library in a cache directory (``$EDL_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/edl/kernels``
 or ``~/.cache/edl/kernels``), keyed by the sources, the flags, jaxlib's version and the CPU;
-later processes load the cached library. Where no compiler is found or the build fails,
-:func:`unavailable` says why and callers fall back, warning once (paged attention to XLA's
-gathered form, ``edl.ops.attention`` to the interpreted Pallas kernel).
-``EDL_NATIVE_KERNELS=0`` turns the kernels off.
+later processes load the cached library. The cache is private (created 0700): each library
+is written atomically with a JSON record of its SHA-256 and key, and verified against it
+before it is loaded (then checked for the kernels' symbols); one that fails is rebuilt.
+Where no compiler is found, the build fails, a library fails its checks and cannot be
+rebuilt, or the cache directory or a file in it belongs to another user or is writable by
+its group or others (refused: they could plant code), :func:`unavailable` says why, naming
+the file, and callers fall back, warning once (paged attention to XLA's gathered form,
+``edl.ops.attention`` to the interpreted Pallas kernel). ``EDL_NATIVE_KERNELS=0`` turns the
+kernels off.
 """
 
 from __future__ import annotations
@@ -43,11 +48,13 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxtyping import Array, Float, Int
 
 from edl.kernels.native._build import build_library, turned_off, unavailable
+from edl.kernels.native._cache import UnsafeCacheError
 
 __all__ = [
     "ATTENTION_LSE",
     "ATTENTION_OUT",
     "DTYPES",
+    "UnsafeCacheError",
     "build_library",
     "flash_attention_cpu",
     "paged_attention_cpu",
