@@ -41,13 +41,15 @@ def _compiler() -> str | None:
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and instruction-set flags: libraries built with ``-march=native``
+    for one CPU may not run on another with the same model name (a VM's masked flags)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    wanted = ("model name", "flags", "Features")  # x86; aarch64 names its flags Features
+    found = {line.split(":", 1)[0].strip(): line for line in lines if line.startswith(wanted)}
+    return "\n".join(found.values()) or platform.processor()
 
 
 def _cache_dir() -> Path:
