@@ -12,6 +12,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -250,6 +251,32 @@ def test_bad_chats(shared, body, status, param):
     with pytest.raises(openai.BadRequestError) as caught:
         api.chat.completions.create(model=MODEL, messages=body["messages"], extra_body=extra)
     _check_error(caught.value, status, param)
+
+
+def test_chat_roles_and_text_are_refused_as_in_training_data(shared, tmp_path):
+    from edl.text import read_records
+    from edl.text.chat import ROLES
+
+    url = shared[1]
+    messages = [{"role": "user", "content": "hi"}, {"role": "hacker", "content": "x"}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(url).chat.completions.create(model=MODEL, messages=messages)
+    _check_error(caught.value, 400, "messages[1].role")
+    refusal = f"messages[1].role must be one of {list(ROLES)}, got 'hacker'"
+    assert caught.value.body["message"] == refusal
+    path = tmp_path / "chat.jsonl"  # the same table, the same words, for training records
+    path.write_text(json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"{path}:1: {refusal}")):
+        list(read_records(path))
+    # A lone surrogate (no tokenizer encodes it) is the client's error, named, not a 500.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]
+    for route, body, param in [
+        ("/v1/completions", {"model": MODEL, "prompt": "a\ud800"}, "prompt"),
+        ("/v1/chat/completions", {"model": MODEL, "messages": parts}, "messages[0].content"),
+    ]:
+        status, reply = _raw(url, "POST", route, json.dumps(body).encode())
+        assert (status, reply["error"]["param"]) == (400, param)
+        assert f"{param} has a lone surrogate U+" in reply["error"]["message"]
 
 
 def _raw(url: str, method: str, path: str, body: bytes | None = None) -> tuple[int, dict]:

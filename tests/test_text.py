@@ -7,6 +7,7 @@ transformers' own answer on the same files (or TRL's rule, written out with tran
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +210,18 @@ def test_missing_special_tokens_raise_and_pad_falls_back_to_eos(loaded):
         tok.encode("hi", add_bos=True)
     with pytest.raises(ValueError, match=r"id 400 is outside the vocabulary \[0, 400\)"):
         tok.decode([1, 400])
+
+
+def test_lone_surrogates_are_refused_alike(loaded):
+    """A lone surrogate (JSON's "\\ud800") is no text: both tokenizers refuse it by name
+    (the `tokenizers` library alone raises a bare TypeError)."""
+    for tok in (ByteTokenizer(), loaded["chatml"][0]):
+        message = (
+            "encode: text has a lone surrogate U+D83D at character 5: not Unicode text "
+            "(it has no UTF-8 encoding)"
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            tok.encode("caf\u00e9 \ud83d!")
 
 
 @pytest.mark.parametrize("name", ["chatml_generation", "chatml", "chatml_system", "llama2"])

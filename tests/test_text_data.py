@@ -28,6 +28,7 @@ from edl.text import (
     load_tokenized,
     read_records,
     resolve_files,
+    sources,
     tokenizer_fingerprint,
 )
 
@@ -112,7 +113,7 @@ def test_record_errors_name_the_file_and_line(tmp_path):
     msg = error([json.dumps({"prompt": 1, "completion": "b"})])
     assert "bad.jsonl:1" in msg and "'prompt' must be a string, got int" in msg
     msg = error([json.dumps({"messages": [{"role": "user"}]})])
-    assert "bad.jsonl:1: 'messages'[0] needs a string 'content'" in msg
+    assert "bad.jsonl:1: messages[0].content must be a string, got None" in msg
     assert "bad.jsonl:1: cannot tell the record's format" in error([json.dumps({"x": 1})])
     msg = error([ok], format="text")
     assert "bad.jsonl:1: format 'text' needs field(s) ['text']" in msg
@@ -124,6 +125,91 @@ def test_record_errors_name_the_file_and_line(tmp_path):
     (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(ValueError, match=r"latin\.jsonl:2: not UTF-8"):
         list(read_records(tmp_path / "latin.jsonl"))
+
+
+def test_lone_surrogates_are_refused_naming_the_record_and_field(tmp_path, loaded):  # noqa: F811
+    tok, _ = loaded["chatml"]
+    ok = {"text": "caf\u00e9 \U0001f600"}  # json.dumps writes the emoji as a surrogate pair
+    path = tmp_path / "s.jsonl"
+    path.write_text(f'{json.dumps(ok)}\n{{"text": "ok \\ud800 no"}}\n', encoding="utf-8")
+    want = r"s\.jsonl:2: field 'text' has a lone surrogate U\+D800 at character 3"
+    for tokenizer in (BYTES, tok):
+        with pytest.raises(ValueError, match=want):
+            load_tokenized(path, tokenizer, cache=False, progress=False)
+    with pytest.raises(ValueError, match=want):
+        list(read_records(path))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x\udfff"}]
+    write_jsonl(path, [{"messages": CONVERSATIONS["single"]}, {"messages": chat}])
+    with pytest.raises(ValueError, match=r"s\.jsonl:2: messages\[1\]\.content has a lone "):
+        load_tokenized(path, tok, cache=False, progress=False)
+    write_jsonl(path, [ok])
+    assert list(read_records(path)) == [ok]
+
+
+def test_deep_and_long_lines_are_refused_before_parsing(tmp_path, monkeypatch):
+    ok = json.dumps({"text": "a"})
+    deep = '{"text": "a", "x": ' + "[" * 200_000 + "]" * 200_000 + "}"
+    (tmp_path / "deep.jsonl").write_text(f"{ok}\n{deep}\n")
+    (tmp_path / "deep.json").write_text(f"[{ok},\n{deep}]")
+    bound = r"nest deeper than MAX_JSON_DEPTH \(100 levels in a record\)"
+    for name in ("deep.jsonl", "deep.json"):  # a ValueError, not Python's RecursionError
+        with pytest.raises(ValueError, match=rf"{name}:2: arrays / objects {bound}"):
+            list(read_records(tmp_path / name))
+    assert sources.MAX_JSON_DEPTH == 100
+    nested = lambda depth: {"text": "a", "x": json.loads("[" * depth + "]" * depth)}
+    # Brackets and escaped quotes inside strings do not nest.
+    at_bound = [nested(99), {"text": '[{\\"[' * 300, "x": [[["]"]]]}]
+    write_jsonl(tmp_path / "ok.jsonl", at_bound)
+    (tmp_path / "ok.json").write_text(json.dumps(at_bound))
+    assert list(read_records(tmp_path / "ok.jsonl")) == at_bound
+    assert list(read_records(tmp_path / "ok.json")) == at_bound
+    write_jsonl(tmp_path / "over.jsonl", [nested(100)])
+    with pytest.raises(ValueError, match=rf"over\.jsonl:1: arrays / objects {bound}"):
+        list(read_records(tmp_path / "over.jsonl"))
+
+    assert sources.MAX_LINE_BYTES == 64 * 2**20
+    monkeypatch.setattr(sources, "MAX_LINE_BYTES", 40)  # the real bound: a 64 MiB file
+    fits = json.dumps({"text": "x" * 28})  # 40 bytes, then its newline
+    path = tmp_path / "long.jsonl"
+    path.write_text(f"{fits}\n{fits}x\n{ok}\n")
+    with pytest.raises(ValueError, match=r"long\.jsonl:2: line longer than MAX_LINE_BYTES \(40 "):
+        list(read_records(path))
+    path.write_text(f"{fits}\n{fits}")
+    assert len(list(read_records(path))) == 2
+
+
+def test_chat_roles_are_the_servers(tmp_path):
+    from edl.text.chat import ROLES
+
+    assert list(ROLES) == ["system", "developer", "user", "assistant"]
+    hacker = [{"role": "user", "content": "hi"}, {"role": "hacker", "content": "x"}]
+    records = [{"messages": CONVERSATIONS["single"]}, {"messages": hacker}]
+    path = write_jsonl(tmp_path / "r.jsonl", records)
+    refusal = f"messages[1].role must be one of {list(ROLES)}, got 'hacker'"
+    with pytest.raises(ValueError, match=re.escape(f"r.jsonl:2: {refusal}")):
+        list(read_records(path))
+    pair = {**RECORDS["preference"][1], "chosen": [{"role": "hacker", "content": "4"}]}
+    write_jsonl(path, [pair])
+    with pytest.raises(ValueError, match=re.escape("r.jsonl:1: chosen[0].role must be one of")):
+        list(read_records(path, format="preference"))
+    # OpenAI's developer is the system prompt, as the server gives it to the template.
+    developer = [{"role": "developer", "content": "Be brief."}, *CONVERSATIONS["single"]]
+    write_jsonl(path, [{"messages": developer, "id": 7}])
+    [record] = read_records(path)
+    assert record == {"messages": [{**developer[0], "role": "system"}, *developer[1:]], "id": 7}
+
+
+def test_tokenizer_errors_of_other_types_name_the_record(tmp_path):
+    class Failing(ByteTokenizer):
+        def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False):
+            if text == "bad":
+                raise TypeError("cannot encode this")
+            return super().encode(text, add_bos=add_bos, add_eos=add_eos)
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "good"}, {"text": "bad"}])
+    with pytest.raises(TypeError, match="cannot encode this") as info:
+        load_tokenized(path, Failing(), cache=False, progress=False)
+    assert getattr(info.value, "__notes__", None) == [f"while tokenizing {path}:2"]
 
 
 def test_text_files_directories_and_globs(tmp_path):

@@ -342,7 +342,7 @@ def test_errors_name_the_record_and_the_document(tmp_path, hf_tokenizer):
         {"prompt": "a", "chosen": "b", "rejected": "c"},
         {"prompt": [user("x")], "chosen": [assistant("y")], "rejected": [{"role": "assistant"}]},
     ])  # fmt: skip
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2: 'rejected'\[0\] needs a string 'content'"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: rejected\[0\]\.content must be a string"):
         load_tokenized(bad, tok, cache=False, progress=False)
     chats = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
                                                    *CHATS])  # fmt: skip

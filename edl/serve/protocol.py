@@ -24,6 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from edl.serve.types import SamplingParams
+from edl.text.chat import template_role
+from edl.text.tokenizer import checked_text
 
 __all__ = [
     "APIError",
@@ -179,13 +181,22 @@ def parse_completion(body: Any) -> GenerationRequest:
     if not isinstance(prompt, str) or not prompt:
         raise bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
                   f"request), got {prompt!r}"[:300], "prompt")  # fmt: skip
-    return GenerationRequest(prompt=prompt, messages=None, **fields)
+    return GenerationRequest(prompt=_text(prompt, "prompt"), messages=None, **fields)
+
+
+def _text(text: str, param: str) -> str:
+    """``text`` with no lone surrogate (a JSON ``\\ud800`` escape), which no tokenizer
+    encodes: refused here as a 400 naming ``param`` (the tokenizer would fail as a 500)."""
+    try:
+        return checked_text(text, param)
+    except ValueError as e:
+        raise bad(str(e), param) from e
 
 
 def _content(message: Mapping[str, Any], where: str) -> str:
     content = message.get("content")
     if isinstance(content, str):
-        return content
+        return _text(content, f"{where}.content")
     if isinstance(content, list):  # content parts: text only
         texts = []
         for j, part in enumerate(content):
@@ -195,17 +206,15 @@ def _content(message: Mapping[str, Any], where: str) -> str:
                           f"({{'type': 'text', 'text': ...}}) are supported, got {part!r}",
                           f"{where}.content")  # fmt: skip
             texts.append(part["text"])
-        return "".join(texts)
+        return _text("".join(texts), f"{where}.content")
     raise bad(f"{where}.content must be a string or a list of text parts, got {content!r}",
               f"{where}.content")  # fmt: skip
 
 
-_ROLES = ("system", "developer", "user", "assistant")
-
-
 def parse_chat(body: Any) -> GenerationRequest:
-    """A ``/v1/chat/completions`` body: ``messages`` of roles system / developer (sent to
-    the template as system) / user / assistant, text content."""
+    """A ``/v1/chat/completions`` body: ``messages`` of the roles that training records
+    take too (:data:`edl.text.chat.ROLES`: system, developer (sent to the template as
+    system), user, assistant), text content."""
     fields = _common(body, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -215,14 +224,13 @@ def parse_chat(body: Any) -> GenerationRequest:
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             raise bad(f"{where} must be an object, got {message!r}", where)
-        role = message.get("role")
-        if role not in _ROLES:
-            raise bad(f"{where}.role must be one of {list(_ROLES)}, got {role!r}",
-                      f"{where}.role")  # fmt: skip
+        try:
+            role = template_role(message.get("role"), f"{where}.role")
+        except ValueError as e:
+            raise bad(str(e), f"{where}.role") from e
         extra = set(message) - {"role", "content", "name"}
         if extra:
             raise bad(f"{where}: unsupported fields {sorted(extra)}", where)
-        role = "system" if role == "developer" else role
         turns.append({"role": role, "content": _content(message, where)})
     return GenerationRequest(prompt=None, messages=turns, **fields)
 

@@ -6,13 +6,16 @@ files and datasets. Pure Python and numpy: no jax; transformers only inside
 - ``tokenizer``: the :class:`Tokenizer` protocol and :class:`ByteTokenizer` (the demo's);
 - ``hf``: :func:`load_tokenizer` and :class:`HFTokenizer`, transformers' tokenizers under
   edl's names, token for token identical;
+- ``chat``: :data:`~edl.text.chat.ROLES`, the chat roles that training records and the
+  server's requests may take (one table for both);
 - ``sft``: :func:`encode_completion` and :func:`encode_chat`, ``input_ids`` with
   ``labels`` (:data:`IGNORE_INDEX` where no loss is taken);
 - ``preference``: :func:`encode_preference`, a ``{"prompt", "chosen", "rejected"}``
   record as prompt / chosen / rejected token ids, as TRL's ``DPOTrainer`` makes them;
 - ``sources``: records (text, prompt / completion, chat, preference) from text files,
   JSON Lines / JSON files (:func:`data_files`) and ``datasets`` (:func:`hf_dataset`),
-  validated by :func:`read_records`;
+  validated by :func:`read_records` (a JSON Lines line at most ``MAX_LINE_BYTES``,
+  ``MAX_JSON_DEPTH`` deep);
 - ``dataset``: :func:`load_tokenized`, records tokenized once into a
   :class:`TokenizedDataset` cached on disk (safetensors + JSON), the documents that
   ``edl.train.TokenBatches`` batches.

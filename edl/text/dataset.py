@@ -230,7 +230,8 @@ def load_tokenized(
     once a second, unless ``progress=False``. ``cache=False`` tokenizes into memory.
     Raises ``ValueError`` naming the record (``file:line``) for a bad record, and for a
     ``"chat"`` record or a conversational ``"preference"`` record with a tokenizer that is
-    not an :class:`HFTokenizer`.
+    not an :class:`HFTokenizer`; the tokenizer's errors of other types (a chat template's
+    own) keep their type, with a note naming the record.
     """
     if not isinstance(source, Source):
         source = data_files(source)
@@ -290,6 +291,9 @@ def _tokenize(
                 tokens, labelled = _encode(tokenizer, kind, record, add_bos, add_eos)
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from e
+        except Exception as e:  # a tokenizer's or template's own error type, kept: say where
+            e.add_note(f"while tokenizing {where}")
+            raise
         for w in caught:  # the encoders' per-record warnings are summed up below
             if str(w.message).startswith("encode_"):
                 warned.append(f"{where}: {w.message}")

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from edl.text.tokenizer import checked_ids
+from edl.text.tokenizer import checked_ids, checked_text
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
@@ -125,9 +125,11 @@ class HFTokenizer:
         tokenizer whose default adds BOS (``adds_bos``, Llama), ``encode(t, add_bos=True)``
         is transformers' default ``tokenizer(t)["input_ids"]``: ``add_bos`` adds exactly
         one BOS and nothing else. Raises ``ValueError`` when asked for a BOS or EOS the
-        tokenizer lacks.
+        tokenizer lacks, and for a lone surrogate in ``text``
+        (:func:`~edl.text.tokenizer.checked_text`, as :class:`~edl.text.ByteTokenizer`
+        does; the ``tokenizers`` library would raise a bare ``TypeError``).
         """
-        ids = list(self.hf.encode(text, add_special_tokens=False))
+        ids = list(self.hf.encode(checked_text(text, "encode: text"), add_special_tokens=False))
         if add_bos:
             ids.insert(0, self._special("bos"))
         if add_eos:

@@ -6,7 +6,8 @@ for one format:
 
 - ``"text"``: ``{"text": str}``, pretraining documents;
 - ``"completion"``: ``{"prompt": str, "completion": str}``;
-- ``"chat"``: ``{"messages": [{"role": str, "content": str}, ...]}``;
+- ``"chat"``: ``{"messages": [{"role": str, "content": str}, ...]}``, each role one of
+  :data:`edl.text.chat.ROLES` (the server's; ``developer`` is read as ``system``);
 - ``"preference"``: ``{"prompt", "chosen", "rejected"}``, all strings or all conversations
   (lists of messages), TRL's explicit-prompt preference formats (read and validated here;
   post-training consumes them);
@@ -15,13 +16,19 @@ for one format:
   ``text`` -> text). Every later record must then have that format's fields.
 
 Every error names the record: ``file:line`` for JSON Lines, ``file[i]`` for a JSON array,
-``dataset[split][row]`` for ``datasets``. Other keys of a record are kept, unchecked.
+``dataset[split][row]`` for ``datasets``; and the field (``messages[1].role``). Strings
+with a lone surrogate (JSON's ``"\\ud800"``: no Unicode text, no tokenizer encodes it) are
+refused there, not in the tokenizer. Other keys of a record are kept, unchecked.
 
 Files: a text file (any suffix but ``.jsonl`` / ``.json``) is *one document*, its whole
 UTF-8 text (the corpus's own files, e.g. source code, are documents; a corpus of several
 documents per file is better written as JSON Lines, whose document boundaries are
 explicit). A ``.jsonl`` file holds one JSON object per line (blank lines are skipped); a
-``.json`` file holds an array of objects.
+``.json`` file holds an array of objects. A JSON Lines line holds at most
+:data:`MAX_LINE_BYTES` bytes and nests arrays / objects at most :data:`MAX_JSON_DEPTH` deep
+(a ``.json`` file: its array, then as deep in each record); both are checked before the line
+is parsed, so a huge or deeply nested line is refused by name rather than exhausting memory
+or Python's recursion limit.
 """
 
 from __future__ import annotations
@@ -29,14 +36,23 @@ from __future__ import annotations
 import dataclasses
 import glob
 import hashlib
+import itertools
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
+
+from edl.text.chat import template_role
+from edl.text.tokenizer import checked_text
+
 __all__ = [
     "FORMATS",
+    "MAX_JSON_DEPTH",
+    "MAX_LINE_BYTES",
     "Source",
     "data_files",
     "detect_format",
@@ -58,6 +74,23 @@ FORMATS: dict[str, tuple[str, ...]] = {
 """Each format's required fields."""
 
 _JSON_SUFFIXES = (".jsonl", ".json")
+
+MAX_LINE_BYTES = 64 * 2**20
+"""The most bytes a JSON Lines line may hold (not counting its newline): 64 MiB, far above
+any real record, low enough that one bad line cannot take all memory (lines are read at most
+this much at a time)."""
+
+MAX_JSON_DEPTH = 100
+"""How deep arrays and objects may nest in a record (a chat record is 3 deep:
+record, ``messages``, message). Python's ``json`` parser recurses once per level, so depth
+is checked first, by a scan that does not recurse."""
+
+# A JSON string, escapes included (UTF-8 continuation bytes are >= 0x80, never '"' or '\').
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_BRACKET_OR_STRING = re.compile(rb'[\[\]{}]|"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NESTING = {b"[": 1, b"{": 1, b"]": -1, b"}": -1}
+_CHUNK = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,10 +180,55 @@ def _read_text(path: Path, data: bytes | None = None) -> str:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from e
 
 
+def _deeper_than(data: bytes, limit: int) -> bool:
+    """Whether arrays / objects in the JSON text ``data`` nest deeper than ``limit``
+    (brackets inside strings do not count); a scan in numpy, no recursion."""
+    if data.count(b"[") + data.count(b"{") <= limit:
+        return False  # too few openings to reach past the limit
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS), np.uint8)
+    depth = 0
+    for start in range(0, brackets.size, _CHUNK):  # chunks: a few MiB at a time
+        chunk = brackets[start : start + _CHUNK]
+        opens = (chunk == ord("[")) | (chunk == ord("{"))
+        running = depth + np.cumsum(np.where(opens, 1, -1), dtype=np.int64)
+        if running.max() > limit:
+            return True
+        depth = int(running[-1])
+    return False
+
+
+def _too_deep_line(data: bytes, limit: int) -> int:
+    """The line (from 1) of ``data`` where nesting first passes ``limit``; for the error
+    only, after :func:`_deeper_than` (a Python loop over the brackets up to there)."""
+    depth = 0
+    for token in _BRACKET_OR_STRING.finditer(data):
+        depth += _NESTING.get(token.group(), 0)  # a string: 0
+        if depth > limit:
+            return data.count(b"\n", 0, token.start()) + 1
+    return 1
+
+
+def _too_deep(where: str) -> ValueError:
+    return ValueError(
+        f"{where}: arrays / objects nest deeper than MAX_JSON_DEPTH ({MAX_JSON_DEPTH} levels "
+        "in a record); refused before parsing"
+    )
+
+
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Record]]:
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number in itertools.count(1):
+            raw = f.readline(MAX_LINE_BYTES + 1)  # bounded: a huge line is not read whole
+            if not raw:
+                return
             where = f"{path}:{number}"
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise ValueError(
+                    f"{where}: line longer than MAX_LINE_BYTES ({MAX_LINE_BYTES} bytes, not "
+                    "counting its newline); one record per line"
+                )
+            if _deeper_than(raw, MAX_JSON_DEPTH):
+                raise _too_deep(where)
             line = _read_text(Path(where), raw)
             if not line.strip():
                 continue
@@ -164,8 +242,11 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Record]]:
 
 
 def _json_records(path: Path) -> Iterator[tuple[str, Record]]:
+    raw = path.read_bytes()
+    if _deeper_than(raw, MAX_JSON_DEPTH + 1):  # + 1: the array of records
+        raise _too_deep(f"{path}:{_too_deep_line(raw, MAX_JSON_DEPTH + 1)}")
     try:
-        data = json.loads(_read_text(path))
+        data = json.loads(_read_text(path, raw))
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
@@ -253,44 +334,60 @@ def detect_format(record: Mapping[str, Any], where: str) -> str:
     )
 
 
-def _check_messages(value: Any, where: str) -> None:
+def _checked_messages(value: Any, where: str, field: str) -> list[Any]:
+    """``value``, a conversation, checked (``where: field[i].role`` ...); roles are given
+    as the template's (:func:`~edl.text.chat.template_role`), so a new list only when one
+    differs (``developer``)."""
     if not isinstance(value, list) or not value:
-        raise ValueError(f"{where} must be a non-empty list of messages, got {value!r:.60}")
+        raise ValueError(
+            f"{where}: field {field!r} must be a non-empty list of messages, got {value!r:.60}"
+        )
+    messages = value
     for i, message in enumerate(value):
+        at = f"{where}: {field}[{i}]"
         if not isinstance(message, Mapping):
-            raise ValueError(
-                f"{where}[{i}] must be a {{role, content}} object, got {message!r:.60}"
-            )
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(
-                    f"{where}[{i}] needs a string {key!r}, got {message.get(key)!r:.60}"
-                )
+            raise ValueError(f"{at} must be a {{role, content}} object, got {message!r:.60}")
+        role = template_role(message.get("role"), f"{at}.role")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"{at}.content must be a string, got {content!r:.60}")
+        checked_text(content, f"{at}.content")
+        if role != message["role"]:
+            messages = list(messages) if messages is value else messages
+            messages[i] = {**message, "role": role}
+    return messages
 
 
-def validate(record: Mapping[str, Any], format: str, where: str) -> None:
-    """Check that ``record`` has ``format``'s fields with their types; ``ValueError``
-    naming ``where``, the field, and what was expected and found."""
+def validate(record: Mapping[str, Any], format: str, where: str) -> Mapping[str, Any]:
+    """``record``, checked to have ``format``'s fields with their types: ``ValueError``
+    naming ``where``, the field, and what was expected and found. Strings must be Unicode
+    text (no lone surrogate) and roles one of :data:`~edl.text.chat.ROLES`; a record with
+    a ``developer`` message comes back as a copy giving it as ``system``, as the server
+    does."""
     missing = [f for f in FORMATS[format] if f not in record]
     if missing:
         raise ValueError(
             f"{where}: format {format!r} needs field(s) {missing}; the record has {sorted(record)}"
         )
-    if format == "chat":
-        _check_messages(record["messages"], f"{where}: 'messages'")
-        return
-    conversational = format == "preference" and isinstance(record["prompt"], list)
+    conversational = format == "chat" or (
+        format == "preference" and isinstance(record["prompt"], list)
+    )
+    checked = {}
     for field in FORMATS[format]:
         value = record[field]
         if conversational:
-            _check_messages(value, f"{where}: {field!r}")
-        elif not isinstance(value, str):
+            checked[field] = _checked_messages(value, where, field)
+        elif isinstance(value, str):
+            checked_text(value, f"{where}: field {field!r}")
+        else:
             expected = "a string"
             if format == "preference":
                 expected += " (or, for all three, a list of messages)"
             raise ValueError(
                 f"{where}: field {field!r} must be {expected}, got {type(value).__name__}"
             )
+    changed = {k: v for k, v in checked.items() if v is not record[k]}
+    return {**record, **changed} if changed else record
 
 
 def read_records(
@@ -312,5 +409,4 @@ def validated_records(source: Source, format: str) -> Iterator[tuple[str, str, R
     for where, record in source.records():
         if format == "auto":
             format = detect_format(record, where)
-        validate(record, format, where)
-        yield where, format, record
+        yield where, format, validate(record, format, where)

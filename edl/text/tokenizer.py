@@ -6,12 +6,31 @@ Hugging Face tokenizers meet the same protocol through :class:`edl.text.HFTokeni
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
 __all__ = ["ByteTokenizer", "Tokenizer"]
+
+
+# A UTF-16 surrogate alone in a str: JSON's \ud800 escape decodes to one (a pair of escapes
+# decodes to one character), but it is no Unicode character and has no UTF-8 encoding.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def checked_text(text: str, what: str) -> str:
+    """``text``, checked to be Unicode text every tokenizer can encode: ``ValueError``
+    naming ``what`` (e.g. ``"data.jsonl:3: field 'text'"``), the first lone surrogate
+    (``U+D800``..``U+DFFF``) and its character index."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    if found is not None:
+        raise ValueError(
+            f"{what} has a lone surrogate U+{ord(found.group()):04X} at character "
+            f"{found.start()}: not Unicode text (it has no UTF-8 encoding)"
+        )
+    return text
 
 
 @runtime_checkable
@@ -57,8 +76,11 @@ class ByteTokenizer:
     name: ClassVar[str] = "bytes"
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        """Token ids of ``text``'s UTF-8 bytes, optionally framed by ``bos_id`` / ``eos_id``."""
-        ids = list(text.encode("utf-8"))
+        """Token ids of ``text``'s UTF-8 bytes, optionally framed by ``bos_id`` / ``eos_id``.
+
+        Raises ``ValueError`` for a lone surrogate in ``text`` (:func:`checked_text`), as
+        :class:`~edl.text.HFTokenizer` does."""
+        ids = list(checked_text(text, "encode: text").encode("utf-8"))
         if add_bos:
             ids.insert(0, self.bos_id)
         if add_eos:
