@@ -154,6 +154,30 @@ def test_bad_images_are_refused_where_transformers_refuses_them():
         clip([])
 
 
+@pytest.mark.parametrize(
+    ("image", "message"),
+    [
+        (lambda: PIL_Image.new("RGB", (0, 0)), r"a PIL image of 0x0 pixels"),
+        (lambda: PIL_Image.new("L", (7, 0)), r"a PIL image of 7x0 pixels .*mode L"),
+        (lambda: np.zeros((0, 5, 3), np.uint8), r"shape \(0, 5, 3\) \(uint8\) has no pixels"),
+        (lambda: np.zeros((3, 4, 0), np.float32), r"shape \(3, 4, 0\) \(float32\) has no pixels"),
+        (lambda: np.zeros((4, 4, 3), object), r"dtype object \(shape \(4, 4, 3\)\)"),
+        (lambda: np.full((4, 4, 3), "a"), r"dtype <U1 \(shape \(4, 4, 3\)\)"),
+        (lambda: np.zeros((4, 4, 3), complex), r"dtype complex128"),
+        (lambda: np.ones((4, 4, 3), bool), r"dtype bool .*mask\.astype\(np\.uint8\) \* 255"),
+    ],
+)
+def test_empty_images_and_non_numeric_arrays_are_refused_by_index(image, message):
+    """Refused at the entry, naming the image's place in the batch and its shape or dtype
+    (before: ZeroDivisionError in the resize, a TypeError, or pixel values made of objects,
+    complex numbers' real parts, or True read as 1 of 255)."""
+    clip = ImageProcessor.clip()
+    with pytest.raises(ValueError, match=r"ImageProcessor: image 1 of 2: .*" + message):
+        clip([IMAGES["tiny 20x30"], image()])
+    with pytest.raises(ValueError, match=message):
+        clip.process(image())
+
+
 def test_save_and_from_pretrained_round_trip(tmp_path):
     processor = ImageProcessor.siglip(
         size={"height": 384, "width": 384}, image_mean=[0.1, 0.2, 0.3], resample=2,

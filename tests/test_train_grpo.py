@@ -93,6 +93,22 @@ def test_group_advantages_match_trl_formula(scale):
     assert np.all(np.asarray(got)[4:8] == 0)
 
 
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_stay_finite_for_rewards_near_float32_max(scale):
+    """Rewards score_completions accepts (|r| <= float32 max) overflowed the float32 mean and
+    std (inf, then NaN advantages and a NaN loss); the power-of-two rescaling keeps them."""
+    r = np.array([3e38, 3e38, 2e38, 1e38, -3e38, 3e38, -3e38, 3e38, 1e-3, 2e-3, 0.0, 1.0])
+    r = np.concatenate([r, np.full(4, 2e38)])  # a group of equal rewards
+    if scale == "none":
+        r[4:8] = [3e38, 3e38, 3e38, -1e38]  # centred differences within float32 too
+    r32 = r.astype(np.float32)
+    got = np.asarray(group_advantages(jnp.asarray(r32), 4, scale_rewards=scale))
+    assert np.all(np.isfinite(got))
+    want = _np_advantages(r32.astype(np.float64), 4, scale)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[12:], 0.0)  # equal rewards: 0, not 0 / 0
+
+
 def test_group_advantages_reject_bad_groups():
     with pytest.raises(ValueError, match="num_generations=4"):
         group_advantages(jnp.zeros(6), 4)
@@ -227,8 +243,9 @@ def test_score_completions_weights_and_per_function_means():
     ("returned", "message"),
     [([1.0], r"'bad' returned shape \(1,\), expected .* \(2,\)"),
      ([1.0, float("nan")], r"'bad' returned non-finite rewards at rows \[1\]"),
-     (["x", "y"], "'bad' returned non-numbers"),
-     ([[1.0, 2.0], [3.0, 4.0]], r"'bad' returned shape \(2, 2\)")],
+     (["x", "y"], "'bad' returned a non-number at row 0: 'x' \\(str\\)"),
+     ([[1.0, 2.0], [3.0, 4.0]], r"'bad' returned a non-number at row 0: \[1.0, 2.0\] \(list\)"),
+     (np.ones((2, 2)), r"'bad' returned shape \(2, 2\)")],
 )  # fmt: skip
 def test_reward_function_errors_name_the_function(returned, message):
     def bad(prompts, completions, ids):
@@ -236,6 +253,73 @@ def test_reward_function_errors_name_the_function(returned, message):
 
     with pytest.raises(ValueError, match=message):
         score_completions([bad], [1.0], ["p", "p"], ["a", "b"], [[1], [2]])
+
+
+@pytest.mark.parametrize(
+    ("returned", "message"),
+    [
+        ([0.5, 1e39], r"'bad' returned non-finite rewards at rows \[1\]: \[1e\+39\] .*float32"),
+        ([-1e39, 0.5], r"'bad' returned non-finite rewards at rows \[0\]: \[-1e\+39\]"),
+        ([10**400, 0], r"'bad' returned non-finite rewards at rows \[0\]: \[inf\]"),
+        (np.array([0.0, 1e39]), r"'bad' returned non-finite rewards at rows \[1\]"),
+        ([1.0, "1.0"], r"'bad' returned a non-number at row 1: '1\.0' \(str\)"),
+        ([1 + 2j, 1.0], r"'bad' returned a non-number at row 0: \(1\+2j\) \(complex\)"),
+        (np.array([1.0, 2.0], np.complex64), r"'bad' returned a non-number at row 0"),
+        (np.array(["1", "2"]), r"'bad' returned a non-number at row 0: np.str_\('1'\)"),
+        ("12", r"'bad' returned '12' \(str\), not a sequence of rewards"),
+        (3.0, r"'bad' returned 3\.0 \(float\), not a sequence of rewards"),
+    ],
+)
+def test_rewards_must_be_real_numbers_finite_in_float32(returned, message):
+    """Refused at once, on the host, naming the function, row and value (before: 1e39 passed
+    as a finite float64 and became float32 inf, "1.0" was read as 1.0)."""
+
+    def bad(prompts, completions, ids):
+        return returned
+
+    with pytest.raises(ValueError, match=message):
+        score_completions([bad], [1.0], ["p", "p"], ["a", "b"], [[1], [2]])
+
+
+def test_a_weighted_sum_beyond_float32_is_refused():
+    def a(prompts, completions, ids):
+        return [3e38, 1.0]
+
+    def b(prompts, completions, ids):
+        return [3e38, 2.0]
+
+    message = r"weighted sum .* at rows \[0\]: \[6e\+38\]; row 0: 'a': 1\.0 \* 3e\+38, 'b': 1\.0 \*"
+    with pytest.raises(ValueError, match=message):
+        score_completions([a, b], [1.0, 1.0], ["p", "p"], ["x", "y"], [[1], [2]])
+    with pytest.raises(ValueError, match=r"weighted sum .* row 0: 'a': 2\.0 \* 3e\+38"):
+        score_completions([a], [2.0], ["p", "p"], ["x", "y"], [[1], [2]])
+    total, _ = score_completions([a, b], [1.0, -1.0], ["p", "p"], ["x", "y"], [[1], [2]])
+    np.testing.assert_array_equal(total, np.float32([0.0, -1.0]))  # the terms cancel
+
+
+def test_none_means_the_function_does_not_apply_as_in_trl():
+    """TRL: None is "no reward from this function"; the weighted sum skips it (nansum) and a
+    function's mean counts the rows it applies to. bool counts as 0 / 1 (as TRL reads it)."""
+
+    def math_check(prompts, completions, ids):
+        return [
+            c == "4" if p == "math" else None for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    def code_check(prompts, completions, ids):
+        return [None if p == "math" else 0.25 for p in prompts]
+
+    def never(prompts, completions, ids):
+        return [None] * len(prompts)
+
+    prompts, completions = ["math", "math", "code"], ["4", "5", "x = 1"]
+    fns, ids = [math_check, code_check, never], [[1], [2], [3]]
+    total, means = score_completions(fns, [2.0, 1.0, 1.0], prompts, completions, ids)
+    np.testing.assert_array_equal(total, np.float32([2.0, 0.0, 0.25]))
+    assert means == {"reward/math_check": 0.5, "reward/code_check": 0.25}  # no 'never': no rows
+    message = r"no reward function applies to rows \[2\] \(each returned None: 'math_check': None"
+    with pytest.raises(ValueError, match=message):
+        score_completions([math_check, never], [1.0, 1.0], prompts, completions, ids)
 
 
 def test_config_and_builder_validation():

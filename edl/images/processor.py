@@ -21,6 +21,7 @@ from edl.images.transforms import (
     ImageLike,
     center_crop,
     channels_first,
+    check_image,
     normalize,
     rescale,
     resize,
@@ -367,8 +368,16 @@ class ImageProcessor:
         """``pixel_values`` of one image or a batch (a list or tuple of images, or a 4-D
         array), ``(batch, channels, height, width)`` float32: :meth:`process` of each,
         stacked. Images that come out in different sizes (no centre crop) are a
-        ``ValueError``: process those one at a time."""
-        arrays = [self.process(image) for image in _image_list(images)]
+        ``ValueError``: process those one at a time. Every image is checked first
+        (:func:`check_image`: no empty images, no object, string, complex or bool arrays);
+        the error names its index in the batch."""
+        batch = _image_list(images)
+        for index, image in enumerate(batch):
+            try:
+                check_image(image)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"ImageProcessor: image {index} of {len(batch)}: {e}") from e
+        arrays = [self.process(image) for image in batch]
         shapes = sorted({array.shape for array in arrays})
         if len(shapes) > 1:
             raise ValueError(

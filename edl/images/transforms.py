@@ -21,6 +21,7 @@ __all__ = [
     "ImageLike",
     "center_crop",
     "channels_first",
+    "check_image",
     "normalize",
     "rescale",
     "resize",
@@ -63,6 +64,49 @@ def _channel_axis(shape: tuple[int, ...]) -> int:
     )
 
 
+_PIXEL_KINDS = "uif"  # unsigned and signed integers, floats: dtypes whose values are intensities
+
+
+def check_image(image: ImageLike) -> None:
+    """Refuse what is not an image :func:`channels_first` can read, naming its shape and
+    dtype: ``TypeError`` for anything but a ``PIL.Image.Image`` or a numpy array;
+    ``ValueError`` for a PIL image of zero width or height, an array that is not 3-D, has a
+    zero dimension, has no channel axis (see :func:`_channel_axis`) or whose dtype holds no
+    intensities: object, string and complex arrays, and bool ones (transformers would read
+    True as 1 of 255, a PIL mode ``"1"`` image as 255: ambiguous, so convert a mask first).
+    """
+    if isinstance(image, np.ndarray):
+        if image.ndim != 3:
+            raise ValueError(
+                f"edl.images: an image array must be 3-D, (height, width, channels) or "
+                f"(channels, height, width), got shape {image.shape}"
+            )
+        if image.dtype.kind not in _PIXEL_KINDS:
+            hint = " (a mask: mask.astype(np.uint8) * 255)" if image.dtype.kind == "b" else ""
+            raise ValueError(
+                f"edl.images: an image array of dtype {image.dtype} (shape {image.shape}) holds "
+                f"no pixel intensities: pass unsigned or signed integers or floats{hint}"
+            )
+        if 0 in image.shape:
+            raise ValueError(
+                f"edl.images: an image array of shape {image.shape} ({image.dtype}) has no "
+                "pixels: a dimension is 0"
+            )
+        _channel_axis(image.shape)
+        return
+    pil = _pillow()
+    if not isinstance(image, pil.Image):
+        raise TypeError(
+            "edl.images: an image is a PIL.Image.Image or a numpy array, "
+            f"got {type(image).__name__}"
+        )
+    if image.width == 0 or image.height == 0:
+        raise ValueError(
+            f"edl.images: a PIL image of {image.width}x{image.height} pixels (width x height, "
+            f"mode {image.mode}) has no pixels"
+        )
+
+
 def _rgb_array(image: np.ndarray) -> np.ndarray:
     """transformers' RGB conversion of an array ``(height, width, channels)``: one channel
     repeated, RGBA composited onto white (rounded for integers), others unchanged."""
@@ -93,25 +137,16 @@ def channels_first(image: ImageLike, *, convert_rgb: bool = True) -> Shaped[np.n
     converted), an array by repeating one channel or compositing four. Without it, a PIL
     image keeps its bands (``L`` and ``P`` give one channel: palette indices). An array's
     channel axis is inferred as transformers does (see :func:`_channel_axis`); a 2-D array
-    is refused, as there (add the channel axis).
+    is refused, as there (add the channel axis). Inputs are checked by :func:`check_image`.
     """
+    check_image(image)
     if isinstance(image, np.ndarray):
-        if image.ndim != 3:
-            raise ValueError(
-                f"edl.images: an image array must be 3-D, (height, width, channels) or "
-                f"(channels, height, width), got shape {image.shape}"
-            )
         axis = _channel_axis(image.shape)
         hwc = np.moveaxis(image, axis, -1)
         if convert_rgb:
             hwc = _rgb_array(hwc)
         return np.moveaxis(hwc, -1, 0)
     pil = _pillow()
-    if not isinstance(image, pil.Image):
-        raise TypeError(
-            "edl.images: an image is a PIL.Image.Image or a numpy array, "
-            f"got {type(image).__name__}"
-        )
     if convert_rgb:
         if "A" in image.getbands() or image.info.get("transparency") is not None:
             rgba = image.convert("RGBA")

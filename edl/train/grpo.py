@@ -57,6 +57,7 @@ from edl.train.grpo_objective import (
     group_advantages,
     grpo_loss,
 )
+from edl.train.grpo_rewards import RewardFn, score_completions
 from edl.train.step import make_train_step
 
 __all__ = [
@@ -68,14 +69,6 @@ __all__ = [
     "score_completions",
 ]
 
-RewardFn = Callable[..., Sequence[float]]
-"""``reward_fn(prompts, completions, completion_ids, **columns) -> rewards``: one float per
-completion. ``prompts[i]`` is completion ``i``'s prompt as given (a string, or chat messages;
-each repeated ``num_generations`` times), ``completions[i]`` its decoded text (EOS and
-padding removed), ``completion_ids[i]`` its token ids up to and including EOS. When the
-prompts are records (``{"prompt": ..., "answer": ...}``), their other fields come as keyword
-lists aligned with the completions (TRL passes dataset columns the same way), so a reward can
-check against a reference answer. Rewards must be finite, one per completion."""
 Prompt = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 """One GRPO prompt: text, chat messages (through the tokenizer's chat template with the
 generation prompt), or a record whose ``"prompt"`` is either, with extra reward columns."""
@@ -131,45 +124,6 @@ class GRPOConfig:
             if not ok:
                 raise ValueError(f"GRPOConfig.{name} must be {allowed[name]}, "
                                  f"got {getattr(self, name)!r}")  # fmt: skip
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def score_completions(
-    reward_fns: Sequence[RewardFn],
-    weights: Sequence[float],
-    prompts: list[Any],
-    completions: list[str],
-    completion_ids: list[list[int]],
-    columns: Mapping[str, list[Any]] | None = None,
-) -> tuple[np.ndarray, dict[str, float]]:
-    """The weighted sum of every reward function's rewards ``(rows,)`` (float32) and each
-    function's mean (``reward/<name>``); ``columns`` go to every function as keyword
-    arguments. A function that returns the wrong number of rewards, a non-number or a
-    non-finite one raises ``ValueError`` naming it."""
-    total = np.zeros(len(completions), np.float64)
-    means = {}
-    for fn, weight in zip(reward_fns, weights, strict=True):
-        name = _name(fn)
-        values = fn(prompts, completions, completion_ids, **dict(columns or {}))
-        try:
-            rewards = np.asarray(values, np.float64)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"reward function {name!r} returned non-numbers: {e}") from e
-        if rewards.shape != (len(completions),):
-            raise ValueError(
-                f"reward function {name!r} returned shape {rewards.shape}, expected one "
-                f"reward per completion: ({len(completions)},)"
-            )
-        bad = np.flatnonzero(~np.isfinite(rewards))
-        if bad.size:
-            raise ValueError(f"reward function {name!r} returned non-finite rewards at "
-                             f"rows {bad[:8].tolist()}: {rewards[bad[:8]].tolist()}")  # fmt: skip
-        means[f"reward/{name}"] = float(rewards.mean())
-        total += weight * rewards
-    return total.astype(np.float32), means
 
 
 def _record(prompt: Prompt, index: int) -> Mapping[str, Any]:

@@ -78,6 +78,9 @@ def group_advantages(
     """``r - mean(group)``, divided by ``std + eps`` (``"group"``: the group's std,
     ``"batch"``: the whole batch's, ``"none"``: not divided); stds are Bessel-corrected as
     TRL's ``nanstd``. Rows are grouped consecutively: ``rows = prompts * num_generations``.
+    Computed on the rewards scaled by a power of two, so any finite float32 rewards give
+    finite advantages with ``"group"`` / ``"batch"`` (``"none"`` returns differences in the
+    rewards' own scale, which overflow where they exceed float32's max).
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"group_advantages: scale_rewards must be one of {SCALE_REWARDS}, "
@@ -88,15 +91,30 @@ def group_advantages(
             f"num_generations={num_generations} (>= 2)"
         )
     groups = rewards.reshape(-1, num_generations)
-    centred = (groups - jnp.mean(groups, axis=1, keepdims=True)).reshape(-1)
+    # Rewards up to float32's max would overflow the mean's sum and the std's squares: scale
+    # them by a power of two (exact: the formula's value is unchanged) that brings them under 4.
+    inverse = _inverse_scale(groups, axis=None if scale_rewards == "batch" else 1)
+    scaled = groups * inverse
+    centred = scaled - jnp.mean(scaled, axis=1, keepdims=True)
     if scale_rewards == "none":
-        return centred
+        return (centred / inverse).reshape(-1)
     if scale_rewards == "group":
-        std = jnp.std(groups, axis=1, ddof=1, keepdims=True)
-        std = jnp.broadcast_to(std, groups.shape).reshape(-1)
+        std = jnp.std(scaled, axis=1, ddof=1, keepdims=True)
     else:
-        std = jnp.broadcast_to(jnp.std(rewards, ddof=1), rewards.shape)
-    return centred / (std + eps)
+        std = jnp.std(scaled, ddof=1)
+    # (d * i) / (std * i + eps * i) == d / (std + eps). eps * i can fall below the smallest
+    # normal float, which XLA flushes to 0 (then 0 / 0 for equal rewards): keep it from 0.
+    eps_scaled = jnp.maximum(eps * inverse, jnp.finfo(rewards.dtype).tiny)
+    return (centred / (std + eps_scaled)).reshape(-1)
+
+
+def _inverse_scale(x: Float[Array, "groups size"], axis: int | None) -> Float[Array, "_ 1"]:
+    """``2**-k`` (keepdims along ``axis``), ``k >= 0`` the least with ``max |x| * 2**-k < 2``,
+    at most the smallest normal's exponent (float32's max then scales under 4); 1 for
+    rewards within [-1, 1]."""
+    _, exponent = jnp.frexp(jnp.max(jnp.abs(x), axis=axis, keepdims=True))  # |x| < 2**e
+    k = jnp.clip(exponent - 1, 0, -jnp.finfo(x.dtype).minexp)
+    return jnp.ldexp(jnp.ones((), x.dtype), -k)
 
 
 def kl_k3(
