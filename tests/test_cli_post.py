@@ -113,3 +113,29 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
     metrics = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text()
                .splitlines()]  # fmt: skip
     assert any("reward/says_paris" in m for m in metrics)
+
+
+def test_grpo_prompts_are_checked_like_chat_records(tmp_path):
+    """GRPO prompts go through the same role and text checks as chat records: from a file
+    with its ``file:line``, in memory with the prompt's index; ``developer`` is given to
+    the template as ``system``."""
+    from edl.cli.post import CommandError, _prompt_batches
+    from edl.train.grpo import PromptBatches
+
+    data = tmp_path / "prompts.jsonl"
+    system = {"role": "developer", "content": "Be brief."}
+    good = {"prompt": [system, {"role": "user", "content": "Capital of France?"}]}
+    bad = {"prompt": [{"role": "hacker", "content": "hi"}]}
+    data.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    config = TrainConfig(model="m", data=str(data), method="grpo", reward="r:f")
+    roles = r"prompt\[0\]\.role must be one of \['system', 'developer'.*got 'hacker'"
+    with pytest.raises(CommandError, match=r"prompts\.jsonl:2: " + roles):
+        _prompt_batches(config)
+    data.write_text(json.dumps(good) + "\n" + json.dumps({"prompt": "caf\ud800"}) + "\n")
+    with pytest.raises(CommandError, match=r"prompts\.jsonl:2: field 'prompt'.*surrogate"):
+        _prompt_batches(config)
+    data.write_text(json.dumps(good) + "\n")
+    (record,) = _prompt_batches(config).documents
+    assert record["prompt"][0] == {"role": "system", "content": "Be brief."}
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt\[0\]\.role .*'hacker'"):
+        PromptBatches([good, bad], batch_size=1)

@@ -469,5 +469,5 @@ def test_prompt_batches_are_seeded_split_and_resume_exactly():
     assert [next(resumed) for _ in range(2)] == first[3:5]
     once = PromptBatches(["a", "b", "c"], batch_size=2, shuffle=False, repeat=False)
     assert list(once) == [["a", "b"], ["c"]]
-    with pytest.raises(ValueError, match=r"prompts\[1\] must be text, chat messages"):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: field 'prompt' must be text or a list"):
         PromptBatches(["ok", {"question": "no prompt"}], batch_size=1)

@@ -35,7 +35,7 @@ from edl.io.export import load_model
 from edl.lora import lora_trainable
 from edl.models import registry
 from edl.nn import Linear
-from edl.text import load_tokenized
+from edl.text import load_tokenized, validate_prompt
 from edl.train import (
     GRPOConfig,
     PreferenceBatches,
@@ -95,6 +95,12 @@ def _prompt_batches(config: TrainConfig) -> PromptBatches:
     bad = next((where for where, r in records if "prompt" not in r), None)
     if bad is not None:
         raise CommandError(f"{bad}: --method grpo reads records with a 'prompt' field")
+    try:  # checked here too, so that errors name the file and line
+        records = [
+            (where, {**r, "prompt": validate_prompt(r["prompt"], where)}) for where, r in records
+        ]
+    except ValueError as e:
+        raise CommandError(str(e)) from None
     if not records:
         raise CommandError(f"{config.data}: no records")
     try:

@@ -38,6 +38,7 @@ from edl.text.sources import (
     hf_dataset,
     read_records,
     resolve_files,
+    validate_prompt,
 )
 from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
@@ -63,4 +64,5 @@ __all__ = [
     "read_records",
     "resolve_files",
     "tokenizer_fingerprint",
+    "validate_prompt",
 ]

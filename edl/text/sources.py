@@ -59,6 +59,7 @@ __all__ = [
     "hf_dataset",
     "read_records",
     "resolve_files",
+    "validate_prompt",
 ]
 
 Format = Literal["auto", "text", "completion", "chat", "preference"]
@@ -356,6 +357,20 @@ def _checked_messages(value: Any, where: str, field: str) -> list[Any]:
             messages = list(messages) if messages is value else messages
             messages[i] = {**message, "role": role}
     return messages
+
+
+def validate_prompt(prompt: Any, where: str) -> str | list[Any]:
+    """A GRPO prompt (text, or a conversation to continue), checked as :func:`validate`
+    checks a record's fields; a conversation with a ``developer`` message comes back as a
+    copy giving it as ``system``. ``ValueError`` naming ``where`` and what is wrong."""
+    if isinstance(prompt, str):
+        checked_text(prompt, f"{where}: field 'prompt'")
+        return prompt
+    if isinstance(prompt, list):
+        return _checked_messages(prompt, where, "prompt")
+    raise ValueError(
+        f"{where}: field 'prompt' must be text or a list of messages, got {prompt!r:.60}"
+    )
 
 
 def validate(record: Mapping[str, Any], format: str, where: str) -> Mapping[str, Any]:

@@ -48,6 +48,7 @@ from edl import lora as edl_lora
 from edl import state as edl_state
 from edl.generate import generate
 from edl.state import TrainState
+from edl.text import validate_prompt
 from edl.train.data import EpochCursor
 from edl.train.grpo_objective import (
     LOSS_TYPES,
@@ -130,12 +131,10 @@ def _record(prompt: Prompt, index: int) -> Mapping[str, Any]:
     """``prompt`` as a record ``{"prompt": text or messages, ...columns}``."""
     record = prompt if isinstance(prompt, Mapping) else {"prompt": prompt}
     text = record.get("prompt")
-    if not isinstance(text, str) and not (
-        isinstance(text, Sequence) and text and all(isinstance(m, Mapping) for m in text)
-    ):
-        raise ValueError(f"GRPO step: prompts[{index}] must be text, chat messages or a record "
-                         f"with a 'prompt' of either, got {prompt!r:.80}")  # fmt: skip
-    return record
+    if isinstance(text, tuple):
+        text = list(text)
+    checked = validate_prompt(text, f"GRPO step: prompts[{index}]")
+    return record if checked is record["prompt"] else {**record, "prompt": checked}
 
 
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
