@@ -7,6 +7,8 @@ that tests/test_text.py builds.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import re
@@ -335,13 +337,160 @@ def test_a_killed_cache_write_is_never_read(tmp_path, monkeypatch):
     (arrays,) = cache.glob("*.safetensors")
     with pytest.raises(FileNotFoundError):
         TokenizedDataset.open(arrays)
-    load_tokenized(path, tok, cache_dir=cache, progress=False)  # rebuilt, not read
+    with pytest.warns(UserWarning, match="rebuilding the cache entry"):
+        load_tokenized(path, tok, cache_dir=cache, progress=False)  # rebuilt, not read
     assert tok.calls == 4
     arrays.write_bytes(arrays.read_bytes()[:-8])  # a cut file beside its JSON
     with pytest.raises(Exception, match=r"."):
         TokenizedDataset.open(arrays)
-    data = load_tokenized(path, tok, cache_dir=cache, progress=False)
+    with pytest.warns(UserWarning, match="rebuilding the cache entry"):
+        data = load_tokenized(path, tok, cache_dir=cache, progress=False)
     assert tok.calls == 6 and data[1]["input_ids"][-1] == EOS
+
+
+def rewrite_entry(entry, change):
+    """Apply ``change`` to the cache entry's arrays and record their new SHA-256 in its JSON,
+    as a consistent writer would: only the checks of content can tell."""
+    from safetensors.numpy import load_file, save_file
+
+    arrays = load_file(entry)
+    change(arrays)
+    save_file(arrays, entry)
+    meta_path = entry.with_suffix(".json")
+    meta = json.loads(meta_path.read_text())
+    digest = lambda a: "sha256:" + hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+    meta["checksums"] = {name: digest(a) for name, a in arrays.items()}
+    meta_path.write_text(json.dumps(meta))
+
+
+def assert_same_documents(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys() and all((x[k] == y[k]).all() for k in x)
+
+
+@pytest.mark.parametrize("name", ["input_ids", "labels"])
+def test_an_id_outside_the_vocabulary_is_rebuilt_not_served(tmp_path, name):
+    path = write_jsonl(tmp_path / "c.jsonl", RECORDS["completion"])
+    cache = tmp_path / "cache"
+    fresh = load_tokenized(path, BYTES, cache=False, progress=False)
+    entry = load_tokenized(path, BYTES, cache_dir=cache, progress=False).path
+    assert fresh[0]["labels"][3] == IGNORE_INDEX  # -100 is a label, not an id out of range
+
+    def poison(arrays):
+        arrays[name][3] = BYTES.vocab_size  # same sizes, checksums updated
+
+    rewrite_entry(entry, poison)
+    why = f"{entry}: {name}[3] = 259 is outside the vocabulary [0, 259)"
+    with pytest.warns(UserWarning, match=re.escape(why)):
+        data = load_tokenized(path, BYTES, cache_dir=cache, progress=False)
+    assert data.path == entry
+    assert_same_documents(data, fresh)
+    assert_same_documents(TokenizedDataset.open(entry), fresh)  # rebuilt on disk too
+
+
+def test_a_flipped_bit_is_rebuilt_not_served(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", RECORDS["text"])
+    cache = tmp_path / "cache"
+    tok = CountingTokenizer()  # no vocab_size: only the checksum can tell
+    entry = load_tokenized(path, tok, cache_dir=cache, progress=False).path
+    raw = bytearray(entry.read_bytes())
+    at = raw.index(b"h\0\0\0")  # the "h" of "hello", a little-endian int32 in input_ids
+    raw[at] ^= 1  # "h" -> "i": still a byte, the same sizes
+    entry.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=re.escape(f"{entry}: input_ids hashes to sha256:")):
+        TokenizedDataset.open(entry)
+    with pytest.warns(UserWarning, match=re.escape(f"{entry}: input_ids hashes to sha256:")):
+        data = load_tokenized(path, tok, cache_dir=cache, progress=False)
+    assert tok.calls == 4 and data.path == entry
+    assert [d["input_ids"].tolist() for d in data] == [
+        [*r["text"].encode(), EOS] for r in RECORDS["text"]
+    ]
+
+
+@pytest.mark.parametrize("failure", ["arrays: OSError", "arrays: SafetensorError", "json"])
+def test_a_failed_cache_write_names_the_entry_and_goes_on_in_memory(tmp_path, monkeypatch, failure):
+    import safetensors.numpy
+    from safetensors import SafetensorError
+
+    path = write_jsonl(tmp_path / "c.jsonl", RECORDS["completion"])
+    cache = tmp_path / "cache"
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if failure == "json":
+        real_replace = os.replace
+
+        def replace(src, dst):
+            if str(dst).endswith(".json"):
+                raise full  # the arrays are in place, their JSON is not
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+    else:
+
+        def save_file(arrays, filename):
+            with open(filename, "wb") as f:
+                f.write(b"half a file")
+            if failure == "arrays: OSError":
+                raise full
+            # what safetensors raises on a full disk: its message names no file
+            raise SafetensorError(
+                "Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                'message: "No space left on device" })'
+            )
+
+        monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+    fresh = load_tokenized(path, BYTES, cache=False, progress=False)
+    entry = re.escape(str(cache)) + r"/[0-9a-f]{32}\.safetensors"
+    with pytest.warns(UserWarning, match=f"could not write the cache entry {entry} .*No space"):
+        data = load_tokenized(path, BYTES, cache_dir=cache, progress=False)
+    assert data.path is None
+    assert_same_documents(data, fresh)
+    assert list(cache.iterdir()) == []  # no temporary file, no partial entry
+
+
+def test_ids_a_tokenizer_gives_outside_its_vocabulary_name_the_document(tmp_path):
+    class SmallVocab(CountingTokenizer):
+        vocab_size = 110  # "hi" fits, the "o" of "hello" (111) does not
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hi"}, {"text": "hello"}])
+    for cache in (False, True):
+        with pytest.raises(ValueError, match=r"document 1 of .*t\.jsonl the input_ids 111, "):
+            load_tokenized(path, SmallVocab(), cache=cache, add_eos=False, progress=False)
+
+
+def test_an_entry_written_before_checksums_is_rebuilt_in_place(tmp_path):
+    from safetensors.numpy import save_file
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": "hello"}, {"text": "world!"}])
+    # The entry edl wrote for this file before entries carried checksums (version 1): the
+    # key is unchanged, so the rebuild replaces it rather than leaving it behind.
+    entry = tmp_path / "cache" / "0d2f03d49ad02edd21ce46277a6edb28.safetensors"
+    entry.parent.mkdir()
+    ids = np.array([*b"hello", EOS, *b"world!", EOS], dtype=np.int32)
+    save_file({"input_ids": ids, "offsets": np.array([0, 6, 13], dtype=np.int64)}, entry)
+    old_meta = {
+        "add_bos": False,
+        "add_eos": True,
+        "format": "auto",
+        "formats": ["text"],
+        "has_labels": False,
+        "num_documents": 2,
+        "num_tokens": 13,
+        "source": str(path),
+        "source_fingerprint": "ad545297713cd589eb87814b21332a76e1c11febc1d8fb8828f29852d9488640",
+        "tokenizer": "bytes",
+        "tokenizer_fingerprint": "edl.ByteTokenizer/1",
+        "version": 1,
+    }
+    meta_path = entry.with_suffix(".json")
+    meta_path.write_text(json.dumps(old_meta, indent=2, sort_keys=True) + "\n")
+    why = "not an edl tokenized-dataset entry of version 2 (version 1; entries before 2 carry"
+    with pytest.warns(UserWarning, match=re.escape(f"entry {entry}: {meta_path}: {why}")):
+        data = load_tokenized(path, BYTES, cache_dir=tmp_path / "cache", progress=False)
+    assert data.path == entry and sorted(entry.parent.iterdir()) == [meta_path, entry]
+    meta = json.loads(meta_path.read_text())
+    assert meta["version"] == 2 and sorted(meta["checksums"]) == ["input_ids", "offsets"]
+    assert [d["input_ids"].tolist() for d in data] == [[*b"hello", EOS], [*b"world!", EOS]]
 
 
 # --- SFT batches --------------------------------------------------------------------------

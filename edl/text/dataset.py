@@ -21,20 +21,25 @@ SHA-256 of the source's fingerprint (its content), the tokenizer's
 ``offsets`` ``int64 (documents + 1,)``: document ``i`` is ``[offsets[i], offsets[i+1])``;
 for preference records ``input_ids`` holds each pair's prompt, chosen and rejected ids one
 after another and ``field_lengths`` ``int64 (documents, 3)`` their lengths) and
-``<key>.json`` (what it was made from, and its sizes). Each file is written to a
-temporary name and moved into place (``os.replace``), the JSON last: an entry without its
-JSON, or whose arrays disagree with it, is not read (it is rebuilt), so a killed write
-never leaves a readable partial entry. Arrays are read lazily, a document at a time.
+``<key>.json`` (what it was made from, its sizes, the tokenizer's ``vocab_size`` and the
+SHA-256 of each array's bytes). Each file is written to a temporary name and moved into
+place (``os.replace``), the JSON last: an entry without its JSON, or whose arrays disagree
+with it, is not read, so a killed write never leaves a readable partial entry.
+
+An entry is checked, not trusted (:mod:`edl.text._entry`): opening one hashes every array
+and bounds every token id by the vocabulary, and one that fails (damaged, partial, of an
+older version) is rebuilt with a warning naming it and what was wrong. A failed write (a
+full disk, a read-only cache) leaves no temporary file or partial entry and warns naming
+the entry; the run goes on with the documents in memory. Arrays are read lazily, a
+document at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import sys
-import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,6 +48,7 @@ from typing import Any
 import numpy as np
 from jaxtyping import Int
 
+from edl.text._entry import TOKEN_ARRAYS, check_arrays, outside_vocab, write_entry
 from edl.text.hf import HFTokenizer
 from edl.text.preference import encode_preference
 from edl.text.sft import encode_chat, encode_completion
@@ -51,7 +57,11 @@ from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["TokenizedDataset", "default_cache_dir", "load_tokenized", "tokenizer_fingerprint"]
 
-_VERSION = 1
+# The entry's layout; 2 added `vocab_size` and `checksums` to the JSON. Entries of another
+# version are rebuilt in place: the key has its own version (bumped only when the same inputs
+# would tokenize differently), so an older entry sits at the path its rebuild takes.
+_VERSION = 2
+_KEY_VERSION = 1
 # The fields a preference document is cut into (the cache's `field_lengths` columns).
 PREFERENCE_FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
@@ -96,9 +106,10 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
     its own length).
 
     Attributes:
-        meta: what the dataset was made from (source, tokenizer, format, options) and its
-            sizes (``num_documents``, ``num_tokens``, ``has_labels``; ``fields``, the
-            field names, for preference data).
+        meta: what the dataset was made from (source, tokenizer and its ``vocab_size``,
+            format, options) and its sizes (``num_documents``, ``num_tokens``,
+            ``has_labels``; ``fields``, the field names, for preference data); a cache
+            entry's also has ``checksums``, each array's ``"sha256:<hex>"``.
         path: the cache entry's ``.safetensors`` file, or None when held in memory.
     """
 
@@ -119,30 +130,51 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
         self.meta, self.path = dict(meta), path
 
     @classmethod
-    def open(cls, path: PathLike) -> TokenizedDataset:
-        """The cache entry at ``path`` (``<key>.safetensors`` beside ``<key>.json``).
+    def open(cls, path: PathLike, *, vocab_size: int | None = None) -> TokenizedDataset:
+        """The cache entry at ``path`` (``<key>.safetensors`` beside ``<key>.json``), checked.
 
-        Raises ``FileNotFoundError`` when either file is missing and ``ValueError`` naming
-        the file when they disagree (a partial or foreign entry).
+        Every array's SHA-256 must be the one the JSON records, and every token id
+        (``input_ids``, and ``labels`` other than ``-100``) must lie in ``[0, vocab_size)``
+        (by default the ``vocab_size`` the entry records, its tokenizer's; unbounded when
+        that is null). Raises ``FileNotFoundError`` when either file is missing, and
+        ``ValueError`` naming the file and what is wrong when the entry is of another
+        version (before 2, without checksums), its arrays or sizes disagree with its JSON (a
+        partial or foreign entry), an array's checksum differs (the file changed after it
+        was written) or an id is outside the vocabulary.
         """
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         meta_path = path.with_suffix(".json")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except ValueError as e:  # not UTF-8 or not JSON
+            raise ValueError(f"{meta_path}: not a JSON entry ({e})") from e
         if not isinstance(meta, dict) or meta.get("version") != _VERSION:
+            found = meta.get("version") if isinstance(meta, dict) else type(meta).__name__
             raise ValueError(
-                f"{meta_path}: not an edl tokenized-dataset entry of version {_VERSION}"
+                f"{meta_path}: not an edl tokenized-dataset entry of version {_VERSION} "
+                f"(version {found!r}; entries before 2 carry no checksums)"
             )
-        handle = safe_open(str(path), framework="np")
-        keys = set(handle.keys())
-        fields = meta.get("fields")
-        want = {"input_ids", "offsets"} | ({"labels"} if meta.get("has_labels") else set())
-        want |= {"field_lengths"} if fields else set()
-        if keys != want:
-            raise ValueError(f"{path}: arrays {sorted(keys)}, expected {sorted(want)}")
-        offsets = handle.get_tensor("offsets")
-        ids = handle.get_slice("input_ids")
+        if vocab_size is None:
+            vocab_size = meta.get("vocab_size")
+        if vocab_size is not None and (type(vocab_size) is not int or vocab_size < 1):
+            raise ValueError(f"{meta_path}: vocab_size must be a positive int, got {vocab_size!r}")
+        try:
+            handle = safe_open(str(path), framework="np")
+            keys = set(handle.keys())
+            fields = meta.get("fields")
+            want = {"input_ids", "offsets"} | ({"labels"} if meta.get("has_labels") else set())
+            want |= {"field_lengths"} if fields else set()
+            if keys != want:
+                raise ValueError(f"{path}: arrays {sorted(keys)}, expected {sorted(want)}")
+            check_arrays(handle, path, meta.get("checksums"), vocab_size)
+            offsets = handle.get_tensor("offsets")
+            ids = handle.get_slice("input_ids")
+            labels = handle.get_slice("labels") if meta.get("has_labels") else None
+            field_lengths = handle.get_tensor("field_lengths") if fields else None
+        except SafetensorError as e:  # its messages name no file
+            raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
         sizes = {"num_documents": len(offsets) - 1, "num_tokens": ids.get_shape()[0]}
         for field, value in sizes.items():
             if meta.get(field) != value:
@@ -152,8 +184,6 @@ class TokenizedDataset(Sequence[dict[str, np.ndarray]]):
         end = sizes["num_tokens"]
         if offsets[0] != 0 or offsets[-1] != end or (np.diff(offsets) < 0).any():
             raise ValueError(f"{path}: offsets do not cut [0, {end}) into documents")
-        labels = handle.get_slice("labels") if meta.get("has_labels") else None
-        field_lengths = handle.get_tensor("field_lengths") if fields else None
         if field_lengths is not None and (
             field_lengths.shape != (sizes["num_documents"], len(fields))
             or (field_lengths < 0).any()
@@ -228,36 +258,63 @@ def load_tokenized(
     (completions always end with one) and each preference response with EOS (TRL's rule:
     :func:`~edl.text.encode_preference`). Progress (records, rate) goes to stderr, at most
     once a second, unless ``progress=False``. ``cache=False`` tokenizes into memory.
-    Raises ``ValueError`` naming the record (``file:line``) for a bad record, and for a
+
+    An entry that fails its checks (:meth:`TokenizedDataset.open`; ids are bounded by
+    ``tokenizer.vocab_size`` where the tokenizer has one) is rebuilt with a warning naming
+    it and what was wrong. When the entry cannot be written (``OSError``, e.g. a full disk,
+    or safetensors' ``SafetensorError``) a warning names it and the documents are returned
+    from memory (``path`` None), with no temporary file or partial entry left behind.
+    Raises ``ValueError`` naming the record (``file:line``) for a bad record, for a
     ``"chat"`` record or a conversational ``"preference"`` record with a tokenizer that is
-    not an :class:`HFTokenizer`; the tokenizer's errors of other types (a chat template's
-    own) keep their type, with a note naming the record.
+    not an :class:`HFTokenizer`, and naming the document for an id the tokenizer gave
+    outside its vocabulary; the tokenizer's errors of other types (a chat template's own)
+    keep their type, with a note naming the record.
     """
     if not isinstance(source, Source):
         source = data_files(source)
     if add_bos is None:
         add_bos = bool(getattr(tokenizer, "adds_bos", False))
-    options = {"format": format, "add_bos": add_bos, "add_eos": add_eos}
+    vocab_size = getattr(tokenizer, "vocab_size", None)
+    vocab_size = vocab_size if type(vocab_size) is int else None
+    keyed = {
+        "source_fingerprint": source.fingerprint,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if cache else None,
+        "format": format,
+        "add_bos": add_bos,
+        "add_eos": add_eos,
+    }
     made_from = {
         "version": _VERSION,
         "source": source.description,
-        "source_fingerprint": source.fingerprint,
         "tokenizer": str(getattr(tokenizer, "name", tokenizer)),
-        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer) if cache else None,
-        **options,
+        "vocab_size": vocab_size,
+        **keyed,
     }
+    args = (source, tokenizer, format, add_bos, add_eos, progress, made_from)
+    if not cache:
+        return _tokenize(*args)
+    key_text = json.dumps({**keyed, "version": _KEY_VERSION}, sort_keys=True)
+    key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
+    path = Path(default_cache_dir() if cache_dir is None else cache_dir) / f"{key}.safetensors"
+    if os.path.exists(path) or os.path.exists(path.with_suffix(".json")):  # False on errors
+        try:
+            return TokenizedDataset.open(path, vocab_size=vocab_size)
+        except (OSError, ValueError) as e:  # partial, damaged or older: rebuilt
+            why = str(e).removeprefix(f"{path}: ")
+            warnings.warn(f"load_tokenized: rebuilding the cache entry {path}: {why}", stacklevel=2)
+    dataset = _tokenize(*args)
     from safetensors import SafetensorError
 
-    if not cache:
-        return _tokenize(source, tokenizer, format, add_bos, add_eos, progress, made_from)
-    keyed = {k: v for k, v in made_from.items() if k not in ("source", "tokenizer")}
-    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
-    path = Path(default_cache_dir() if cache_dir is None else cache_dir) / f"{key}.safetensors"
-    with contextlib.suppress(OSError, ValueError, SafetensorError):
-        return TokenizedDataset.open(path)  # a missing or partial entry is rebuilt
-    dataset = _tokenize(source, tokenizer, format, add_bos, add_eos, progress, made_from)
-    _write(dataset, path)
-    return TokenizedDataset.open(path)
+    try:
+        _write(dataset, path)
+    except (OSError, SafetensorError) as e:
+        warnings.warn(
+            f"load_tokenized: could not write the cache entry {path} ({type(e).__name__}: "
+            f"{e}); using the tokenized documents from memory, uncached",
+            stacklevel=2,
+        )
+        return dataset
+    return TokenizedDataset.open(path, vocab_size=vocab_size)
 
 
 def _tokenize(
@@ -321,32 +378,41 @@ def _tokenize(
     if field_lengths:
         meta["fields"] = list(PREFERENCE_FIELDS)
         lengths_array = np.asarray(field_lengths, dtype=np.int64)
+    flat_ids = np.concatenate(ids)
     flat_labels = np.concatenate(labels) if has_labels else None
-    return TokenizedDataset(np.concatenate(ids), flat_labels, offsets, meta,
+    _check_tokenized(tokenizer, source, flat_ids, flat_labels, offsets, made_from["vocab_size"])
+    return TokenizedDataset(flat_ids, flat_labels, offsets, meta,
                             field_lengths=lengths_array)  # fmt: skip
 
 
-def _write(dataset: TokenizedDataset, path: Path) -> None:
-    """Write ``dataset`` as the cache entry ``path`` (+ its JSON), each file atomically."""
-    from safetensors.numpy import save_file
+def _check_tokenized(
+    tokenizer: Tokenizer,
+    source: Source,
+    ids: np.ndarray,
+    labels: np.ndarray | None,
+    offsets: np.ndarray,
+    vocab_size: int | None,
+) -> None:
+    """``ValueError`` naming the document when ``tokenizer`` gave an id outside its own
+    vocabulary: a tokenizer's bug, named here rather than as a damaged cache entry."""
+    for name, flat in (("input_ids", ids), ("labels", labels)):
+        if flat is None or vocab_size is None:
+            continue
+        at = outside_vocab(flat, vocab_size, TOKEN_ARRAYS[name])
+        if at is not None:
+            document = int(np.searchsorted(offsets, at, side="right")) - 1
+            raise ValueError(
+                f"load_tokenized: {tokenizer!r} gave document {document} of "
+                f"{source.description} the {name} {int(flat[at])}, outside its vocabulary "
+                f"[0, {vocab_size})"
+            )
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+
+def _write(dataset: TokenizedDataset, path: Path) -> None:
+    """Write ``dataset`` as the cache entry ``path`` (:func:`edl.text._entry.write_entry`)."""
     arrays = {"input_ids": np.asarray(dataset._ids), "offsets": dataset.offsets}
     if dataset._labels is not None:
         arrays["labels"] = np.asarray(dataset._labels)
     if dataset.field_lengths is not None:
         arrays["field_lengths"] = dataset.field_lengths
-    meta_text = json.dumps(dataset.meta, indent=2, sort_keys=True) + "\n"
-    for target, write in (
-        (path, lambda tmp: save_file(arrays, str(tmp))),
-        (path.with_suffix(".json"), lambda tmp: tmp.write_text(meta_text, encoding="utf-8")),
-    ):
-        tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
-        try:
-            write(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    write_entry(arrays, dataset.meta, path)
