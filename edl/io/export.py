@@ -39,7 +39,8 @@ from edl import lora as edl_lora
 from edl import quantize as edl_quantize
 from edl.io import checkpoint as ckpt
 from edl.io import hf
-from edl.io.files import fsync, read_json, write_json_atomic
+from edl.io.checkpoint_dir import check_named_files
+from edl.io.files import UnsafePathError, fsync, inside, read_json, write_json_atomic
 from edl.io.hf import ADAPTER_CONFIG
 from edl.io.model_files import read_model_files, write_model_files
 from edl.io.peft import ADAPTER_WEIGHTS, load_adapter
@@ -62,8 +63,14 @@ TOKENIZER_FILES = (
 
 
 def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
+    """``directory``'s ``state.json``, its file names checked to stay inside it
+    (``check_named_files``), or ``None`` when it has none."""
     file = directory / ckpt.STATE_NAME
-    return read_json(file, what="checkpoint state") if file.is_file() else None
+    if not file.is_file():
+        return None
+    info = read_json(file, what="checkpoint state")
+    check_named_files(directory, info)
+    return info
 
 
 def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
@@ -111,11 +118,37 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     return model
 
 
-def _tokenizer_files(source: Path) -> list[Path]:
-    info = _checkpoint_info(source)
+def _own_file(directory: Path, name: str) -> Path:
+    """``directory / name``, refused when it is a symlink that leads out of ``directory``:
+    what export copies lands in a directory users publish, so a checkpoint's
+    ``tokenizer.json`` linked to ``~/.cache/huggingface/token`` must not be copied."""
+    path = directory / name
+    real = path.resolve()
+    if directory.resolve() not in real.parents:
+        raise UnsafePathError(
+            f"export: {path} is a symlink to {real}, outside {directory}; export copies only "
+            "files inside the model directory (copy the file in instead of linking it)"
+        )
+    return path
+
+
+def _tokenizer_files(source: Path, info: dict[str, Any] | None) -> dict[str, Path]:
+    """The tokenizer files export copies, by their names in the export: ``state.json``'s
+    ``"tokenizer_files"`` (each inside ``source``, and present), else those of
+    :data:`TOKENIZER_FILES` that ``source`` holds (none may be a symlink leading out)."""
     names = info.get("tokenizer_files") if info else None
-    names = TOKENIZER_FILES if names is None else names
-    return [source / n for n in names if (source / n).is_file()]
+    if names is None:
+        return {n: _own_file(source, n) for n in TOKENIZER_FILES if (source / n).is_file()}
+    state = source / ckpt.STATE_NAME
+    files = {}
+    for i, name in enumerate(names):
+        file = inside(source, name, source=state, entry=f"tokenizer_files[{i}]")
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"export: {state}: tokenizer_files[{i}] = {name!r} is not a file in {source}"
+            )
+        files[name] = file
+    return files
 
 
 def _check_target(out: Path) -> None:
@@ -176,7 +209,7 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
     floats = {t.dtype.name for t in tensors.values() if jnp.issubdtype(t.dtype, jnp.floating)}
     hf.write_config(abstract, tmp, floats.pop() if len(floats) == 1 else None)
     if (source / hf.GENERATION_CONFIG_NAME).is_file():
-        shutil.copy2(source / hf.GENERATION_CONFIG_NAME, tmp / hf.GENERATION_CONFIG_NAME)
+        shutil.copy2(_own_file(source, hf.GENERATION_CONFIG_NAME), tmp / hf.GENERATION_CONFIG_NAME)
     return False
 
 
@@ -197,12 +230,23 @@ def export_model(
     ``out_dir`` must be new, empty, or an earlier export (``edl_export.json``), which is
     replaced; the export is written into a temporary sibling and renamed into place, so
     ``out_dir`` is at every instant absent, the earlier export, or the complete new one.
+
+    Every file read from ``source``'s own metadata (``state.json``'s ``tokenizer_files``,
+    ``model_files``, ...; a weight index's ``weight_map``) must stay inside ``source`` after
+    resolving symlinks, and the files copied into the export (tokenizer files,
+    ``generation_config.json``) must not be symlinks leading out of it: anything else is
+    refused (``UnsafePathError``, a ``ValueError``, naming the file and the entry) before
+    anything is written. A directory whose tokenizer files link out of it (a Hugging Face
+    cache snapshot) is so refused: copy it first (``cp -rL``).
     """
     if dtype is not None:
         require_float_dtype(dtype, "export_model: dtype")
     source, out = Path(source), Path(out_dir)
     _check_target(out)
     info = _checkpoint_info(source) if source.is_dir() else None
+    tokenizer_files = _tokenizer_files(source, info) if source.is_dir() else {}
+    if (source / hf.GENERATION_CONFIG_NAME).is_file():  # its values go into the export
+        _own_file(source, hf.GENERATION_CONFIG_NAME)
     sharded = info is not None and info.get("model_format") == "sharded"
     model = None if sharded else load_model(source)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -213,9 +257,7 @@ def export_model(
             adapter = _write_sharded_export(source, info, tmp, dtype=dtype)
         else:
             adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
-        for file in _tokenizer_files(source):
-            shutil.copy2(file, tmp / file.name)
-        info = _checkpoint_info(source)
+        _copy_tokenizer_files(tokenizer_files, tmp, source)
         marker = {"source": str(source.resolve()), "step": info and info.get("step"),
                   "merge_lora": merge_lora, "adapter": adapter,
                   "dtype": None if dtype is None else jnp.dtype(dtype).name}  # fmt: skip
@@ -228,6 +270,19 @@ def export_model(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _copy_tokenizer_files(files: dict[str, Path], tmp: Path, source: Path) -> None:
+    """Copy ``files`` (name in the export -> file) into ``tmp``, which holds the model's
+    files already: a name that would replace one of those is refused."""
+    for name, file in files.items():
+        if (tmp / name).exists():
+            raise ValueError(
+                f"export: {source / ckpt.STATE_NAME}: tokenizer_files names {name!r}, a file "
+                "the export writes itself"
+            )
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(file, tmp / name)
 
 
 def _replace(new: Path, out: Path) -> None:
