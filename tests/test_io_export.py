@@ -12,8 +12,9 @@ import optax
 import pytest
 
 import edl
+from edl.io import export
 from edl.io.checkpoint import save_state
-from edl.io.export import export_model
+from edl.io.export import EXPORT_MARKER, export_model
 from edl.io.files import UnsafePathError
 from edl.models import LlamaConfig, LlamaForCausalLM
 
@@ -96,3 +97,46 @@ def test_tokenizer_files_must_exist_and_not_replace_the_model(tmp_path, checkpoi
     with pytest.raises(ValueError, match=r"'config\.json', a file the export writes itself"):
         export_model(checkpoint, tmp_path / "export")
     assert not (tmp_path / "export").exists() and not _leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "renamed-aside"])
+def test_export_through_a_symlink_replaces_the_linked_export(
+    tmp_path, checkpoint, swap, monkeypatch
+):
+    """``out_dir`` a symlink to an earlier export: the export it points to is replaced and
+    the link stays a link to it; nothing is left beside either. Both where the OS swaps two
+    directories in one step and where the earlier export is renamed aside first."""
+    if not swap:
+        monkeypatch.setattr(export, "_exchange", lambda new, out: False)
+    exports = tmp_path / "exports"
+    first = export_model(checkpoint, exports / "v1")
+    link = tmp_path / "latest"
+    link.symlink_to(first)
+    assert export_model(checkpoint, link, dtype="bfloat16") == link
+    assert link.is_symlink() and link.resolve() == first.resolve()
+    assert json.loads((first / EXPORT_MARKER).read_text())["dtype"] == "bfloat16"
+    assert sorted(p.name for p in first.iterdir()) == sorted(
+        ["config.json", EXPORT_MARKER, "model.safetensors"]
+    )
+    assert not _leftovers(tmp_path, exports)
+    assert edl.from_pretrained(link).config.vocab_size == LLAMA.vocab_size
+    assert export_model(checkpoint, first) == first  # the directory itself, again
+    assert json.loads((first / EXPORT_MARKER).read_text())["dtype"] is None
+    assert not _leftovers(tmp_path, exports)
+
+
+@pytest.mark.parametrize("to", ["file", "other", "nothing"])
+def test_export_refuses_a_symlink_to_anything_but_an_export(tmp_path, checkpoint, to):
+    target = tmp_path / to
+    if to == "file":
+        target.write_text("mine")
+    elif to == "other":
+        target.mkdir()
+        (target / "notes.txt").write_text("mine")
+    link = tmp_path / "out"
+    link.symlink_to(target)
+    error = FileNotFoundError if to == "nothing" else FileExistsError
+    with pytest.raises(error, match=re.escape(f"{link} (a symlink to {target})")):
+        export_model(checkpoint, link)
+    assert link.is_symlink() and link.resolve() == target
+    assert not _leftovers(tmp_path) and (to != "other" or (target / "notes.txt").is_file())

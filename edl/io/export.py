@@ -22,10 +22,14 @@ quantized base) and ``OUT_DIR`` is one plain model, no adapter files.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import functools
 import json
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -151,14 +155,24 @@ def _tokenizer_files(source: Path, info: dict[str, Any] | None) -> dict[str, Pat
     return files
 
 
-def _check_target(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"export: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+def _destination(out: Path) -> Path:
+    """The directory the export replaces: ``out``, or the directory a symlink ``out`` points
+    to (replaced where it is, so the link keeps pointing at a whole export). It must be new,
+    empty or an earlier export; a link must point at an existing directory."""
+    target = out.resolve() if out.is_symlink() else out
+    what = f"{out} (a symlink to {target})" if out.is_symlink() else str(out)
+    if out.is_symlink() and not target.exists():
+        raise FileNotFoundError(
+            f"export: {what} does not exist; point the link at a directory, or remove it"
+        )
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"export: {what} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not (target / EXPORT_MARKER).is_file():
         raise FileExistsError(
-            f"export: {out} is not empty and holds no earlier export ({EXPORT_MARKER}); "
+            f"export: {what} is not empty and holds no earlier export ({EXPORT_MARKER}); "
             "choose an empty or new directory"
         )
+    return target
 
 
 def _write_export(model: Any, tmp: Path, out: Path, *, merge_lora: bool, dtype: Any) -> bool:
@@ -228,8 +242,12 @@ def export_model(
     dequantized (transformers cannot read edl's codes). ``dtype`` casts floating weights.
 
     ``out_dir`` must be new, empty, or an earlier export (``edl_export.json``), which is
-    replaced; the export is written into a temporary sibling and renamed into place, so
-    ``out_dir`` is at every instant absent, the earlier export, or the complete new one.
+    replaced; the export is written into a temporary sibling and swapped into place, so
+    ``out_dir`` is at every instant the earlier export or the complete new one (where the OS
+    swaps two directories in one step, Linux; elsewhere it is absent for an instant). A
+    symlink ``out_dir`` to such a directory keeps pointing at it, and it is that directory
+    which is replaced; a link to anything else (a file, another non-empty directory,
+    nothing) is refused.
 
     Every file read from ``source``'s own metadata (``state.json``'s ``tokenizer_files``,
     ``model_files``, ...; a weight index's ``weight_map``) must stay inside ``source`` after
@@ -242,21 +260,21 @@ def export_model(
     if dtype is not None:
         require_float_dtype(dtype, "export_model: dtype")
     source, out = Path(source), Path(out_dir)
-    _check_target(out)
+    target = _destination(out)
     info = _checkpoint_info(source) if source.is_dir() else None
     tokenizer_files = _tokenizer_files(source, info) if source.is_dir() else {}
     if (source / hf.GENERATION_CONFIG_NAME).is_file():  # its values go into the export
         _own_file(source, hf.GENERATION_CONFIG_NAME)
     sharded = info is not None and info.get("model_format") == "sharded"
     model = None if sharded else load_model(source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:12]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-export-{target.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
         if sharded:
             adapter = _write_sharded_export(source, info, tmp, dtype=dtype)
         else:
-            adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
+            adapter = _write_export(model, tmp, target, merge_lora=merge_lora, dtype=dtype)
         _copy_tokenizer_files(tokenizer_files, tmp, source)
         marker = {"source": str(source.resolve()), "step": info and info.get("step"),
                   "merge_lora": merge_lora, "adapter": adapter,
@@ -265,7 +283,7 @@ def export_model(
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync(file)
-        _replace(tmp, out)
+        _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -285,8 +303,45 @@ def _copy_tokenizer_files(files: dict[str, Path], tmp: Path, source: Path) -> No
         shutil.copy2(file, tmp / name)
 
 
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2`` (Linux), or ``None`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is not None:
+        path, fd = ctypes.c_char_p, ctypes.c_int
+        function.argtypes = [fd, path, fd, path, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one step (``RENAME_EXCHANGE``), so that
+    ``b`` is never absent; ``False`` where the OS or the file system cannot (Python's
+    ``os`` has no such call)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), os.fspath(a), None, os.fspath(b))
+
+
 def _replace(new: Path, out: Path) -> None:
-    """``new`` renamed to ``out``; an earlier ``out`` is renamed aside first, then deleted."""
+    """``new`` moved to ``out``: swapped with an earlier ``out`` in one step where the OS can
+    (the earlier one then deleted), else the earlier ``out`` renamed aside first, then
+    deleted."""
+    if out.exists() and _exchange(new, out):
+        fsync(out.parent)
+        shutil.rmtree(new, ignore_errors=True)  # the earlier export, now
+        return
     old = None
     if out.exists():
         old = out.with_name(f".old-export-{out.name}-{uuid.uuid4().hex[:12]}")
