@@ -1,6 +1,7 @@
 """edl.io.checkpoint: exact round trips, atomic saves, pruning, clear errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -340,6 +341,44 @@ def test_verify_checkpoint_names_the_damaged_file(tmp_path):
     (path / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"holds neither model\.safetensors"):
         verify_checkpoint(path)
+
+
+def _escaping_checkpoint(tmp_path, how):
+    """A checkpoint whose ``state.json`` names a file outside it; the outside file is a
+    whole copy of its model file (so only the check can tell). Returns it and the entry."""
+    path = save_state(edl.create_state(_mlp(), optax.sgd(0.1)), tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.copy(path / "model.safetensors", outside / "model.safetensors")
+    info = json.loads((path / "state.json").read_text())
+    if how == "absolute":
+        info["model_files"] = [str(outside / "model")]
+    elif how == "dotdot":
+        info["model_files"] = ["../../outside/model"]
+    elif how == "symlink":
+        (path / "model.safetensors").unlink()
+        (path / "model.safetensors").symlink_to(outside / "model.safetensors")
+    else:
+        info["tokenizer_files"] = [str(outside / "model.safetensors")]
+    (path / "state.json").write_text(json.dumps(info))
+    return path, "tokenizer_files[0]" if how == "tokenizer" else "model_files[0]"
+
+
+ESCAPES = ["absolute", "dotdot", "symlink", "tokenizer"]
+
+
+@pytest.mark.parametrize("how", ESCAPES)
+def test_verify_checkpoint_refuses_named_files_outside_it(tmp_path, how):
+    path, entry = _escaping_checkpoint(tmp_path, how)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / 'state.json'}: {entry}")):
+        verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("how", ESCAPES)
+def test_load_state_refuses_named_files_outside_it(tmp_path, how):
+    path, entry = _escaping_checkpoint(tmp_path, how)
+    with pytest.raises(ValueError, match=re.escape(f"{path / 'state.json'}: {entry}")):
+        load_state(path, edl.create_state(_mlp(key=1), optax.sgd(0.1)))
 
 
 def test_float_dtype_must_be_floating(tmp_path):

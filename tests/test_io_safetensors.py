@@ -597,6 +597,36 @@ def test_bad_index(tmp_path, text, fragment):
     expect_error(path, fragment, open_path=tmp_path)
 
 
+def test_index_shard_linked_out_of_its_directory_is_refused(tmp_path):
+    """A shard the index names that is a symlink leading out of the index's directory (here
+    to a valid safetensors file elsewhere, which would otherwise load as the weights) is
+    refused, naming the index and the entry; nothing outside is opened as a shard."""
+    model = tmp_path / "model"
+    sharded(model)
+    outside = tmp_path / "elsewhere.safetensors"
+    save_file({f"layers.{i}.w": np.zeros((10, 10), np.float32) for i in (2, 3)}, outside)
+    shard = model / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    shard.symlink_to(outside)
+    index = model / "model.safetensors.index.json"
+    message = expect_error(index, "weight_map['layers.2.w']", "outside", open_path=model)
+    assert str(outside) in message
+
+
+def test_index_in_a_hugging_face_cache_snapshot_reads(tmp_path):
+    """The Hugging Face cache links every file of ``snapshots/<rev>/`` to ``blobs/``: the
+    shards resolve beside the file the index links to, which is allowed."""
+    files = save_tensors(layered(4), tmp_path / "blobs", max_shard_size=800)
+    snapshot = tmp_path / "snapshots" / "rev"
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(files):  # blobs are named by hash, not by file name
+        file.rename(tmp_path / "blobs" / f"{i:064x}")
+        (snapshot / file.name).symlink_to(Path("../..") / "blobs" / f"{i:064x}")
+    with open_checkpoint(snapshot) as reader:
+        assert len(reader) == 4
+        np.testing.assert_array_equal(reader.read("layers.3.w"), np.full((10, 10), 3.0))
+
+
 def test_corruption_in_a_shard_names_the_shard(tmp_path):
     sharded(tmp_path)
     shard = tmp_path / "model-00002-of-00002.safetensors"

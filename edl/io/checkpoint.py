@@ -65,6 +65,7 @@ from edl.io.checkpoint_dir import (
     _prune,
     _read_info,
     _replace_atomically,
+    check_named_files,
     latest_checkpoint,
     list_checkpoints,
 )
@@ -98,11 +99,12 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     """Check that a checkpoint's files are whole, without reading tensor data; return its
     ``state.json``.
 
-    ``state.json`` (and a HF-layout model's ``config.json``) must parse, and every
-    safetensors file must be present with a valid header and exactly the length that header
-    promises (a sharded file's index must name existing shards holding its tensors). Raises
-    ``CheckpointError`` naming the file and what is wrong. Values are not checksummed: a
-    flipped bit inside tensor data passes.
+    ``state.json`` (and a HF-layout model's ``config.json``) must parse, the files it names
+    stay inside the checkpoint (``check_named_files``), and every safetensors file must be
+    present with a valid header and exactly the length that header promises (a sharded
+    file's index must name existing shards, inside, holding its tensors). Raises
+    ``CheckpointError`` naming the file (and entry) and what is wrong. Values are not
+    checksummed: a flipped bit inside tensor data passes.
     """
     path = Path(checkpoint)
     info = _read_info(path)
@@ -112,6 +114,10 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
         except (OSError, ValueError) as e:
             raise CheckpointError(str(e)) from None
         raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
+    try:
+        check_named_files(path, info)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     prefixes = [*info.get("model_files", [_MODEL])]
     if info.get("has_optimizer"):
         prefixes += info.get("optimizer_files", [_OPTIMIZER])
@@ -431,7 +437,8 @@ def load_state(
     The optimizer state is loaded when ``like.opt_state`` is not ``None``. If the checkpoint
     has none but ``like.opt_state`` holds arrays, this raises unless
     ``allow_missing_optimizer=True``, which keeps ``like.opt_state`` (a fresh optimizer).
-    ``metadata`` is what :func:`save_state` was given (``{}`` if nothing).
+    ``metadata`` is what :func:`save_state` was given (``{}`` if nothing). A file named by
+    ``state.json`` outside the checkpoint raises ``ValueError`` (``check_named_files``).
     """
     checkpoint = _resolve(Path(directory))
     info = _read_info(checkpoint)
@@ -445,6 +452,7 @@ def load_state(
             f"load_state: {checkpoint} has checkpoint format {info['format']!r}; this edl "
             f"reads format {FORMAT}"
         )
+    check_named_files(checkpoint, info)
 
     model = edl_state.model(like)
     targets = _targets(model)

@@ -1,6 +1,8 @@
 """The directory of a run's checkpoints: ``checkpoint-N`` names, which are complete
-(``state.json`` is written last), listing, atomic replacement of a re-saved step and pruning.
-What a checkpoint holds, and saving and loading it, is :mod:`edl.io.checkpoint`'s."""
+(``state.json`` is written last), listing, atomic replacement of a re-saved step and pruning;
+and :func:`check_named_files`, which keeps the files a ``state.json`` names inside its
+checkpoint. What a checkpoint holds, and saving and loading it, is
+:mod:`edl.io.checkpoint`'s."""
 
 from __future__ import annotations
 
@@ -10,18 +12,22 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edl.io.files import fsync
+from edl.io.files import fsync, inside
 
-__all__ = ["STATE_NAME", "latest_checkpoint", "list_checkpoints"]
+__all__ = ["STATE_NAME", "check_named_files", "latest_checkpoint", "list_checkpoints"]
 
 logger = logging.getLogger("edl")
 
 STATE_NAME = "state.json"
 """The file that marks a checkpoint complete (written last)."""
 
+_PREFIX_LISTS = ("model_files", "optimizer_files")  # safetensors prefixes
+_FILE_LISTS = ("tokenizer_files",)  # file names
+_SUFFIXES = (".safetensors", ".safetensors.index.json")  # what a prefix names
 _NAME = re.compile(r"checkpoint-(\d+)(\.old)?")
 _OLD = ".old"  # step N's previous checkpoint while a re-save of step N replaces it
 _TMP = ".tmp-checkpoint-"
@@ -52,6 +58,29 @@ def _read_info(checkpoint: Path) -> dict[str, Any] | None:
         return None
     ok = isinstance(info, dict) and isinstance(info.get("step"), int) and "format" in info
     return info if ok else None
+
+
+def check_named_files(checkpoint: Path, info: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose ``state.json`` (``info``) names a file outside it.
+
+    Every entry of ``"model_files"`` and ``"optimizer_files"`` (safetensors prefixes: the
+    prefix itself, then the ``.safetensors`` and ``.safetensors.index.json`` files it names)
+    and of ``"tokenizer_files"`` must be a relative name that stays inside ``checkpoint``
+    after resolving symlinks (``edl.io.files.inside``): ``state.json`` is data, and one that
+    named ``/home/me/.cache/huggingface/token`` or ``../../secret`` must not make edl read
+    or export that file. Raises ``UnsafePathError`` (a ``ValueError``) naming ``state.json``
+    and the entry (``tokenizer_files[2]``), or ``ValueError`` when a list is not a list.
+    """
+    source = checkpoint / STATE_NAME
+    for key in (*_PREFIX_LISTS, *_FILE_LISTS):
+        names = info.get(key, [])
+        if not isinstance(names, list):
+            raise ValueError(f"{source}: {key} must be a list of file names, got {names!r}")
+        for i, name in enumerate(names):
+            inside(checkpoint, name, source=source, entry=f"{key}[{i}]")
+            if key in _PREFIX_LISTS:
+                for suffix in _SUFFIXES:
+                    inside(checkpoint, name + suffix, source=source, entry=f"{key}[{i}]'s file")
 
 
 def _step_of(path: Path) -> int:

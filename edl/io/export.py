@@ -22,10 +22,14 @@ quantized base) and ``OUT_DIR`` is one plain model, no adapter files.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import functools
 import json
 import os
 import shutil
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,8 @@ from edl import lora as edl_lora
 from edl import quantize as edl_quantize
 from edl.io import checkpoint as ckpt
 from edl.io import hf
-from edl.io.files import fsync, read_json, write_json_atomic
+from edl.io.checkpoint_dir import check_named_files
+from edl.io.files import UnsafePathError, fsync, inside, read_json, write_json_atomic
 from edl.io.hf import ADAPTER_CONFIG
 from edl.io.model_files import read_model_files, write_model_files
 from edl.io.peft import ADAPTER_WEIGHTS, load_adapter
@@ -62,8 +67,14 @@ TOKENIZER_FILES = (
 
 
 def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
+    """``directory``'s ``state.json``, its file names checked to stay inside it
+    (``check_named_files``), or ``None`` when it has none."""
     file = directory / ckpt.STATE_NAME
-    return read_json(file, what="checkpoint state") if file.is_file() else None
+    if not file.is_file():
+        return None
+    info = read_json(file, what="checkpoint state")
+    check_named_files(directory, info)
+    return info
 
 
 def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
@@ -111,21 +122,57 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     return model
 
 
-def _tokenizer_files(source: Path) -> list[Path]:
-    info = _checkpoint_info(source)
+def _own_file(directory: Path, name: str) -> Path:
+    """``directory / name``, refused when it is a symlink that leads out of ``directory``:
+    what export copies lands in a directory users publish, so a checkpoint's
+    ``tokenizer.json`` linked to ``~/.cache/huggingface/token`` must not be copied."""
+    path = directory / name
+    real = path.resolve()
+    if directory.resolve() not in real.parents:
+        raise UnsafePathError(
+            f"export: {path} is a symlink to {real}, outside {directory}; export copies only "
+            "files inside the model directory (copy the file in instead of linking it)"
+        )
+    return path
+
+
+def _tokenizer_files(source: Path, info: dict[str, Any] | None) -> dict[str, Path]:
+    """The tokenizer files export copies, by their names in the export: ``state.json``'s
+    ``"tokenizer_files"`` (each inside ``source``, and present), else those of
+    :data:`TOKENIZER_FILES` that ``source`` holds (none may be a symlink leading out)."""
     names = info.get("tokenizer_files") if info else None
-    names = TOKENIZER_FILES if names is None else names
-    return [source / n for n in names if (source / n).is_file()]
+    if names is None:
+        return {n: _own_file(source, n) for n in TOKENIZER_FILES if (source / n).is_file()}
+    state = source / ckpt.STATE_NAME
+    files = {}
+    for i, name in enumerate(names):
+        file = inside(source, name, source=state, entry=f"tokenizer_files[{i}]")
+        if not file.is_file():
+            raise FileNotFoundError(
+                f"export: {state}: tokenizer_files[{i}] = {name!r} is not a file in {source}"
+            )
+        files[name] = file
+    return files
 
 
-def _check_target(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"export: {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+def _destination(out: Path) -> Path:
+    """The directory the export replaces: ``out``, or the directory a symlink ``out`` points
+    to (replaced where it is, so the link keeps pointing at a whole export). It must be new,
+    empty or an earlier export; a link must point at an existing directory."""
+    target = out.resolve() if out.is_symlink() else out
+    what = f"{out} (a symlink to {target})" if out.is_symlink() else str(out)
+    if out.is_symlink() and not target.exists():
+        raise FileNotFoundError(
+            f"export: {what} does not exist; point the link at a directory, or remove it"
+        )
+    if target.exists() and not target.is_dir():
+        raise FileExistsError(f"export: {what} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not (target / EXPORT_MARKER).is_file():
         raise FileExistsError(
-            f"export: {out} is not empty and holds no earlier export ({EXPORT_MARKER}); "
+            f"export: {what} is not empty and holds no earlier export ({EXPORT_MARKER}); "
             "choose an empty or new directory"
         )
+    return target
 
 
 def _write_export(model: Any, tmp: Path, out: Path, *, merge_lora: bool, dtype: Any) -> bool:
@@ -176,7 +223,7 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
     floats = {t.dtype.name for t in tensors.values() if jnp.issubdtype(t.dtype, jnp.floating)}
     hf.write_config(abstract, tmp, floats.pop() if len(floats) == 1 else None)
     if (source / hf.GENERATION_CONFIG_NAME).is_file():
-        shutil.copy2(source / hf.GENERATION_CONFIG_NAME, tmp / hf.GENERATION_CONFIG_NAME)
+        shutil.copy2(_own_file(source, hf.GENERATION_CONFIG_NAME), tmp / hf.GENERATION_CONFIG_NAME)
     return False
 
 
@@ -195,27 +242,40 @@ def export_model(
     dequantized (transformers cannot read edl's codes). ``dtype`` casts floating weights.
 
     ``out_dir`` must be new, empty, or an earlier export (``edl_export.json``), which is
-    replaced; the export is written into a temporary sibling and renamed into place, so
-    ``out_dir`` is at every instant absent, the earlier export, or the complete new one.
+    replaced; the export is written into a temporary sibling and swapped into place, so
+    ``out_dir`` is at every instant the earlier export or the complete new one (where the OS
+    swaps two directories in one step, Linux; elsewhere it is absent for an instant). A
+    symlink ``out_dir`` to such a directory keeps pointing at it, and it is that directory
+    which is replaced; a link to anything else (a file, another non-empty directory,
+    nothing) is refused.
+
+    Every file read from ``source``'s own metadata (``state.json``'s ``tokenizer_files``,
+    ``model_files``, ...; a weight index's ``weight_map``) must stay inside ``source`` after
+    resolving symlinks, and the files copied into the export (tokenizer files,
+    ``generation_config.json``) must not be symlinks leading out of it: anything else is
+    refused (``UnsafePathError``, a ``ValueError``, naming the file and the entry) before
+    anything is written. A directory whose tokenizer files link out of it (a Hugging Face
+    cache snapshot) is so refused: copy it first (``cp -rL``).
     """
     if dtype is not None:
         require_float_dtype(dtype, "export_model: dtype")
     source, out = Path(source), Path(out_dir)
-    _check_target(out)
+    target = _destination(out)
     info = _checkpoint_info(source) if source.is_dir() else None
+    tokenizer_files = _tokenizer_files(source, info) if source.is_dir() else {}
+    if (source / hf.GENERATION_CONFIG_NAME).is_file():  # its values go into the export
+        _own_file(source, hf.GENERATION_CONFIG_NAME)
     sharded = info is not None and info.get("model_format") == "sharded"
     model = None if sharded else load_model(source)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".tmp-export-{out.name}-{uuid.uuid4().hex[:12]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".tmp-export-{target.name}-{uuid.uuid4().hex[:12]}")
     tmp.mkdir()
     try:
         if sharded:
             adapter = _write_sharded_export(source, info, tmp, dtype=dtype)
         else:
-            adapter = _write_export(model, tmp, out, merge_lora=merge_lora, dtype=dtype)
-        for file in _tokenizer_files(source):
-            shutil.copy2(file, tmp / file.name)
-        info = _checkpoint_info(source)
+            adapter = _write_export(model, tmp, target, merge_lora=merge_lora, dtype=dtype)
+        _copy_tokenizer_files(tokenizer_files, tmp, source)
         marker = {"source": str(source.resolve()), "step": info and info.get("step"),
                   "merge_lora": merge_lora, "adapter": adapter,
                   "dtype": None if dtype is None else jnp.dtype(dtype).name}  # fmt: skip
@@ -223,15 +283,65 @@ def export_model(
         for file in tmp.rglob("*"):
             if file.is_file():
                 fsync(file)
-        _replace(tmp, out)
+        _replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
+def _copy_tokenizer_files(files: dict[str, Path], tmp: Path, source: Path) -> None:
+    """Copy ``files`` (name in the export -> file) into ``tmp``, which holds the model's
+    files already: a name that would replace one of those is refused."""
+    for name, file in files.items():
+        if (tmp / name).exists():
+            raise ValueError(
+                f"export: {source / ckpt.STATE_NAME}: tokenizer_files names {name!r}, a file "
+                "the export writes itself"
+            )
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(file, tmp / name)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # <fcntl.h>, <linux/fs.h>
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """glibc's ``renameat2`` (Linux), or ``None`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    function = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if function is not None:
+        path, fd = ctypes.c_char_p, ctypes.c_int
+        function.argtypes = [fd, path, fd, path, ctypes.c_uint]
+        function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one step (``RENAME_EXCHANGE``), so that
+    ``b`` is never absent; ``False`` where the OS or the file system cannot (Python's
+    ``os`` has no such call)."""
+    function = _renameat2()
+    if function is None:
+        return False
+    if function(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(error, os.strerror(error), os.fspath(a), None, os.fspath(b))
+
+
 def _replace(new: Path, out: Path) -> None:
-    """``new`` renamed to ``out``; an earlier ``out`` is renamed aside first, then deleted."""
+    """``new`` moved to ``out``: swapped with an earlier ``out`` in one step where the OS can
+    (the earlier one then deleted), else the earlier ``out`` renamed aside first, then
+    deleted."""
+    if out.exists() and _exchange(new, out):
+        fsync(out.parent)
+        shutil.rmtree(new, ignore_errors=True)  # the earlier export, now
+        return
     old = None
     if out.exists():
         old = out.with_name(f".old-export-{out.name}-{uuid.uuid4().hex[:12]}")

@@ -300,6 +300,7 @@ def _read_index(index: Path) -> dict[str, str]:
             or fname in (".", "..")
             or "/" in fname
             or "\\" in fname
+            or "\0" in fname
         ):
             raise CheckpointError(
                 f"{index}: weight_map[{key!r}] must be a file name in the index's directory, "

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edl.io.files import UnsafePathError, inside
 from edl.io.safetensors.format import (
     CheckpointError,
     MissingTensorError,
@@ -37,6 +38,21 @@ def _byte_view(arr: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8)
 
 
+def _shard(index: Path, name: str, key: str) -> Path:
+    """The shard ``name`` that ``index``'s ``weight_map[key]`` names, checked to stay inside
+    the index's directory after resolving symlinks (``edl.io.files.inside``): a checkpoint
+    whose shard links to ``~/.cache/huggingface/token`` must not be read as its weights. An
+    index that is a link (the Hugging Face cache's snapshots) may name shards that resolve
+    beside the file it links to."""
+    try:
+        return inside(index.parent, name, source=index, entry=f"weight_map[{key!r}]")
+    except UnsafePathError as e:
+        shard = index.parent / name
+        if index.is_symlink() and index.resolve().parent in shard.resolve().parents:
+            return shard
+        raise CheckpointError(str(e)) from None
+
+
 class CheckpointReader:
     """Random access to the tensors of a safetensors checkpoint, one tensor at a time.
 
@@ -47,9 +63,12 @@ class CheckpointReader:
     are safe to issue from several threads. Use as a context manager (or call ``close``) to
     release the file descriptors.
 
-    Shard files must lie next to the index. Tensors a shard holds but the index does not list
-    are still served. ``keys()`` is in on-disk order (file, then offset), the order that reads
-    the files sequentially.
+    Shard files must lie next to the index and, after resolving symlinks, inside its directory
+    (or, for an index that is itself a link, inside the directory it resolves into: the
+    Hugging Face cache links each file of a snapshot to its ``blobs/`` folder); a
+    ``weight_map`` entry that leads elsewhere raises ``CheckpointError`` naming the index and
+    the entry. Tensors a shard holds but the index does not list are still served. ``keys()``
+    is in on-disk order (file, then offset), the order that reads the files sequentially.
     """
 
     def __init__(self, path: StrPath, *, prefix: str = "model") -> None:
@@ -77,7 +96,7 @@ class CheckpointReader:
             by_file: dict[str, list[str]] = {}
             for key, fname in weight_map.items():
                 by_file.setdefault(fname, []).append(key)
-            files = [p.parent / fname for fname in sorted(by_file)]
+            files = [_shard(p, fname, by_file[fname][0]) for fname in sorted(by_file)]
             for file in files:
                 if not file.is_file():
                     keys = by_file[file.name]
