@@ -4,6 +4,7 @@ replaces (a directory, or the directory a symlink points to) is whole at every s
 import json
 import re
 import shutil
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -87,6 +88,31 @@ def test_a_fixed_name_file_linked_out_of_the_source_is_not_exported(tmp_path, ch
     with pytest.raises(UnsafePathError, match=re.escape(f"{checkpoint / name} is a symlink")):
         export_model(checkpoint, tmp_path / "export")
     assert not (tmp_path / "export").exists() and not _leftovers(tmp_path)
+
+
+def test_a_hub_cache_snapshot_exports_its_linked_files(tmp_path, checkpoint):
+    """A hub cache snapshot links every file to the repo's ``blobs/``: those links stay
+    inside the downloaded repo, so its tokenizer files are exported; a link from the
+    snapshot to anywhere else is still refused."""
+    (checkpoint / "state.json").unlink()
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "0123abc", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for file in checkpoint.iterdir():
+        blob = blobs / f"blob-{file.name}"
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
+    (snapshot / "tokenizer.json").symlink_to(Path("..", "..", "blobs", "blob-config.json"))
+    export_model(snapshot, tmp_path / "export")
+    assert (tmp_path / "export" / "tokenizer.json").read_text() == (
+        blobs / "blob-config.json"
+    ).read_text()
+    (snapshot / "tokenizer.json").unlink()
+    (tmp_path / "secret" / "token").write_text(json.dumps({"token": SECRET}))
+    (snapshot / "tokenizer.json").symlink_to(tmp_path / "secret" / "token")
+    with pytest.raises(UnsafePathError, match="is a symlink"):
+        export_model(snapshot, tmp_path / "export")
 
 
 def test_tokenizer_files_must_exist_and_not_replace_the_model(tmp_path, checkpoint):

@@ -127,8 +127,11 @@ def _own_file(directory: Path, name: str) -> Path:
     what export copies lands in a directory users publish, so a checkpoint's
     ``tokenizer.json`` linked to ``~/.cache/huggingface/token`` must not be copied."""
     path = directory / name
-    real = path.resolve()
-    if directory.resolve() not in real.parents:
+    real, root = path.resolve(), directory.resolve()
+    # A hub cache snapshot (``models--org--name/snapshots/<rev>``) links each file to the
+    # repo's own ``blobs/``: those stay inside the downloaded repo.
+    blobs = root.parent.parent / "blobs" if root.parent.name == "snapshots" else None
+    if root not in real.parents and (blobs is None or real.parent != blobs):
         raise UnsafePathError(
             f"export: {path} is a symlink to {real}, outside {directory}; export copies only "
             "files inside the model directory (copy the file in instead of linking it)"
@@ -254,8 +257,8 @@ def export_model(
     resolving symlinks, and the files copied into the export (tokenizer files,
     ``generation_config.json``) must not be symlinks leading out of it: anything else is
     refused (``UnsafePathError``, a ``ValueError``, naming the file and the entry) before
-    anything is written. A directory whose tokenizer files link out of it (a Hugging Face
-    cache snapshot) is so refused: copy it first (``cp -rL``).
+    anything is written. A Hugging Face cache snapshot (``.../snapshots/<revision>``, its
+    files links into the repo's ``blobs/``) is exported as it is.
     """
     if dtype is not None:
         require_float_dtype(dtype, "export_model: dtype")
