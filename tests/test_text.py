@@ -7,6 +7,7 @@ transformers' own answer on the same files (or TRL's rule, written out with tran
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -409,3 +410,42 @@ def test_load_tokenizer_offline_repo_id_names_it(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(OSError, match="edl-test/no-such-repo"):
         load_tokenizer("edl-test/no-such-repo", local_files_only=True)
+
+
+@pytest.mark.parametrize("with_template", [False, True], ids=["auto_map", "template"])
+def test_tokenizer_files_run_no_code(tokenizer_dirs, tmp_path, with_template):
+    """A tokenizer directory is data: an ``auto_map`` naming a tokenizer class in a ``.py``
+    beside it is not imported (no ``trust_remote_code``), and a chat template cannot reach
+    Python (transformers renders it in Jinja's sandbox)."""
+    import shutil
+
+    source = tmp_path / "tok"
+    shutil.copytree(tokenizer_dirs["chatml"], source)
+    marker = tmp_path / "ran"
+    (source / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('x')\n"
+        "from transformers import PreTrainedTokenizerFast\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "evil.EvilTokenizer"]}
+    if with_template:  # where transformers saved the template: a .jinja file or the config
+        template = (
+            "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ cycler.__init__.__globals__"
+            ".os.system('touch " + str(marker) + "') }}"
+        )
+        if (source / "chat_template.jinja").is_file():
+            (source / "chat_template.jinja").write_text(template)
+        else:
+            config["chat_template"] = template
+    (source / "tokenizer_config.json").write_text(json.dumps(config))
+    try:
+        tokenizer = load_tokenizer(source)
+    except (OSError, ValueError):
+        tokenizer = None  # refusing the directory is as good as not running its code
+    if tokenizer is not None and with_template:
+        from jinja2.exceptions import SecurityError, UndefinedError
+
+        with pytest.raises((SecurityError, UndefinedError)):
+            tokenizer.render_chat([{"role": "user", "content": "hi"}])
+    assert not marker.exists()

@@ -279,7 +279,8 @@ def load_tokenizer(
         options["local_files_only"] = local_files_only
     options = {k: v for k, v in options.items() if v is not None}
     try:
-        hf = AutoTokenizer.from_pretrained(where, use_fast=True, **options)
+        # Tokenizer files are data: never import a class an ``auto_map`` names.
+        hf = AutoTokenizer.from_pretrained(where, use_fast=True, trust_remote_code=False, **options)
     except OSError as e:  # transformers' errors for missing files and unknown repos
         raise OSError(f"{where}: transformers could not read a tokenizer: {e}") from e
     return HFTokenizer(hf, where, source_files=source_files)
