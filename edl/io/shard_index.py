@@ -197,8 +197,9 @@ def _read_raw(index: Path) -> dict[str, Any]:
     try:
         return read_json(index, what="sharded checkpoint index")
     except OSError as e:
+        why = e.strerror or str(e)
         raise CheckpointError(
-            f"{index}: the sharded checkpoint's index cannot be read ({e})"
+            f"{index}: the sharded checkpoint's index cannot be read ({why})"
         ) from e
     except ValueError as e:  # read_json's message names the file
         raise CheckpointError(str(e)) from e
