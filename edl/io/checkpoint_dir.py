@@ -1,7 +1,6 @@
 """The directory of a run's checkpoints: ``checkpoint-N`` names, which are complete
-(``state.json`` is written last; a sharded checkpoint also needs its ``shards.json`` and every
-process's piece files), listing, atomic replacement of a re-saved step and pruning. What a
-checkpoint holds, and saving and loading it, is :mod:`edl.io.checkpoint`'s."""
+(``state.json`` is written last), listing, atomic replacement of a re-saved step and pruning.
+What a checkpoint holds, and saving and loading it, is :mod:`edl.io.checkpoint`'s."""
 
 from __future__ import annotations
 
