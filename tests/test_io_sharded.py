@@ -1,20 +1,31 @@
 """Sharded checkpoints (``edl.io.sharded`` through ``save_state(sharded=True)``): the pieces
 each device holds are written once, and read back onto other meshes, or onto one device,
-exactly. (Two processes writing one checkpoint: tests/test_sharding_multiprocess.py.)"""
+exactly; a damaged or hostile ``shards.json`` or a missing piece file is refused naming the
+file and the entry. (Two processes writing one checkpoint:
+tests/test_sharding_multiprocess.py.)"""
 
+import copy
 import json
+import re
 
 import jax
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 from test_io_checkpoint import LLAMA, _assert_same, _trained
 
 import edl
-from edl.io.checkpoint import load_state, save_state, verify_checkpoint
+from edl.io.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_state,
+    save_state,
+    verify_checkpoint,
+)
 from edl.io.export import export_model
 from edl.io.hf import save_pretrained
-from edl.io.safetensors import CheckpointError, load_file
+from edl.io.safetensors import CheckpointError, load_file, save_file
 from edl.models import LlamaForCausalLM
 from edl.sharding import make_mesh, shard_state
 
@@ -96,3 +107,198 @@ def test_a_sharded_checkpoint_exports_as_save_pretrained_writes_it(tmp_path):
     assert json.loads((out / "config.json").read_text()) == json.loads(
         (expected / "config.json").read_text()
     )
+
+
+# -- shards.json validated; incomplete sharded checkpoints skipped -----------------------------
+
+
+def _small(step=1):
+    """A tiny state whose ``w`` (8, 4) is split in eight 2 x 2 blocks (``pieces[k]`` covers
+    rows 2(k // 2).. and columns 2(k % 2)..) and whose ``b`` is replicated: cheap to save."""
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    params = {
+        "w": jax.device_put(w, NamedSharding(mesh, PartitionSpec("a", "b"))),
+        "b": jax.device_put(np.arange(4, dtype=np.float32), NamedSharding(mesh, PartitionSpec())),
+    }
+    return edl.create_state(params, optax.sgd(0.1, momentum=0.9), step=step)
+
+
+def _edit_index(checkpoint, edit):
+    index = json.loads((checkpoint / "shards.json").read_text())
+    edit(index)
+    (checkpoint / "shards.json").write_text(json.dumps(index))
+
+
+def _w(index):
+    return index["model"]["w"]["pieces"]
+
+
+def _swap_names(index):
+    a, b = _w(index)[0], _w(index)[1]
+    a["tensor"], b["tensor"] = b["tensor"], a["tensor"]
+
+
+def _shift(index):  # same volume as before, so only an overlap check notices
+    _w(index)[1].update(start=[0, 1], stop=[2, 3], tensor="w@0:2,1:3")
+
+
+_BAD_INDEXES = {
+    "process_count missing": (
+        lambda i: i.pop("process_count"),
+        r"process_count: expected a positive integer, got None",
+    ),
+    "process_count a string": (
+        lambda i: i.update(process_count="1"),
+        r"process_count: expected a positive integer, got '1'",
+    ),
+    "process_count zero": (
+        lambda i: i.update(process_count=0),
+        r"process_count: expected a positive integer, got 0",
+    ),
+    "process out of range": (
+        lambda i: _w(i)[3].update(process=1),
+        r"model\['w'\]\.pieces\[3\]\.process: expected a process id in \[0, 1\) "
+        r"\(process_count is 1\), got 1",
+    ),
+    "negative start": (
+        lambda i: _w(i)[0].update(start=[-2, 0]),
+        r"model\['w'\]\.pieces\[0\]\.start: expected 2 integers from \[0, 0\] to \[8, 4\], "
+        r"got \[-2, 0\]",
+    ),
+    "start of the wrong rank": (
+        lambda i: _w(i)[0].update(start=[0]),
+        r"model\['w'\]\.pieces\[0\]\.start: expected 2 integers .*, got \[0\]",
+    ),
+    "stop past the end": (
+        lambda i: _w(i)[7].update(stop=[9, 4]),
+        r"model\['w'\]\.pieces\[7\]\.stop: expected 2 integers from \[6, 2\] to \[8, 4\], "
+        r"got \[9, 4\]",
+    ),
+    "swapped names": (
+        _swap_names,
+        r"model\['w'\]\.pieces\[0\]\.tensor: expected 'w@0:2,0:2' .*, got 'w@0:2,2:4'",
+    ),
+    "overlap": (
+        _shift,
+        r"model\['w'\]\.pieces\[1\]: expected a block no other piece holds, got "
+        r"\[0, 1\]\.\.\[2, 3\], which overlaps pieces\[0\]'s \[0, 0\]\.\.\[2, 2\]",
+    ),
+    "duplicate": (
+        lambda i: _w(i).append(copy.deepcopy(_w(i)[5])),
+        r"model\['w'\]\.pieces\[8\]: expected a block no other piece holds",
+    ),
+    "gap": (
+        lambda i: _w(i).pop(),
+        r"model\['w'\]\.pieces: expected pieces covering all 32 values of shape \[8, 4\], "
+        r"got 28 values covered",
+    ),
+    "bad dtype": (
+        lambda i: i["model"]["w"].update(dtype="float33"),
+        r"model\['w'\]\.dtype: expected one of \[.*'float32'.*\], got 'float33'",
+    ),
+    "missing field": (
+        lambda i: _w(i)[2].pop("tensor"),
+        r"model\['w'\]\.pieces\[2\]: expected an object with the fields \['process', 'start', "
+        r"'stop', 'tensor'\], got the fields \['process', 'start', 'stop'\]",
+    ),
+    "shape not a list": (
+        lambda i: i["optimizer"]["0.trace.b"].update(shape="4"),
+        r"optimizer\['0\.trace\.b'\]\.shape: expected a list of non-negative integers",
+    ),
+    "unknown section": (
+        lambda i: i.update(extra={}),
+        r"the top level: expected only the keys .*, got also \['extra'\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_INDEXES))
+def test_a_bad_index_is_refused_naming_shards_json_and_the_entry(tmp_path, case):
+    edit, message = _BAD_INDEXES[case]
+    state = _small()
+    path = save_state(state, tmp_path, sharded=True)
+    _edit_index(path, edit)
+    where = re.escape(str(path / "shards.json"))
+    with pytest.raises(CheckpointError, match=f"^{where}: {message}"):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match=f"^{where}: {message}"):
+        load_state(path, state)
+
+
+def test_piece_headers_must_match_the_index(tmp_path):
+    """The index and the piece files disagree (dtype here): verify and load name the file
+    and the tensor, before any data is read."""
+    state = _small()
+    path = save_state(state, tmp_path, sharded=True)
+    _edit_index(path, lambda i: i["model"]["w"].update(dtype="float16"))
+    message = (
+        r"model\.process-00000\.safetensors: tensor 'w@0:2,0:2' \(shards\.json's "
+        r"model\['w'\]\.pieces\[0\]\): expected float16 \[2, 2\], got float32 \[2, 2\]"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        verify_checkpoint(path)
+    with pytest.raises(CheckpointError, match=message):
+        load_state(path, state)
+
+
+def _spread_over_two_processes(checkpoint):
+    """Rewrite a one-process sharded checkpoint as two processes would have written it:
+    the odd pieces of every array in ``{kind}.process-00001.safetensors``."""
+    index = json.loads((checkpoint / "shards.json").read_text())
+    index["process_count"] = 2
+    for kind in ("model", "optimizer"):
+        stored = load_file(checkpoint, prefix=f"{kind}.process-00000")
+        mine = {0: {}, 1: {}}
+        for entry in index[kind].values():
+            for k, piece in enumerate(entry["pieces"]):
+                piece["process"] = k % 2
+                mine[k % 2][piece["tensor"]] = stored[piece["tensor"]]
+        for process, tensors in mine.items():
+            save_file(tensors, checkpoint / f"{kind}.process-{process:05d}.safetensors")
+    (checkpoint / "shards.json").write_text(json.dumps(index))
+
+
+def test_a_two_process_checkpoint_with_a_piece_file_missing_is_skipped(tmp_path):
+    """Two processes' files load into one; without one of them (or without ``shards.json``)
+    the checkpoint is incomplete: listing skips it, ``verify_checkpoint`` names the file."""
+    state = _small()
+    first = save_state(state, tmp_path, sharded=True, keep=None)
+    second = save_state(edl.state.replace(state, step=2), tmp_path, sharded=True, keep=None)
+    _spread_over_two_processes(second)
+    loaded, _ = load_state(tmp_path, state)
+    _assert_same(loaded, edl.state.replace(state, step=loaded.step))
+    assert int(loaded.step) == 2
+
+    (second / "optimizer.process-00001.safetensors").unlink()
+    assert latest_checkpoint(tmp_path) == first
+    assert list_checkpoints(tmp_path) == [first]
+    with pytest.raises(CheckpointError, match=r"optimizer\.process-00001\.safetensors"):
+        verify_checkpoint(second)
+    assert int(load_state(tmp_path, state)[0].step) == 1
+
+
+def test_a_checkpoint_without_its_index_is_skipped(tmp_path):
+    state = _small()
+    first = save_state(state, tmp_path, sharded=True, keep=None)
+    second = save_state(edl.state.replace(state, step=2), tmp_path, sharded=True, keep=None)
+    (second / "shards.json").unlink()
+    assert latest_checkpoint(tmp_path) == first
+    assert list_checkpoints(tmp_path) == [first]
+    with pytest.raises(CheckpointError, match=r"shards\.json: .*cannot be read"):
+        verify_checkpoint(second)
+
+
+def test_a_missing_piece_file_is_skipped_and_not_counted_toward_keep(tmp_path):
+    """A damaged checkpoint (its ``state.json`` says complete, a file is gone) is neither
+    loaded nor counted toward ``keep``, and is left on disk for repair."""
+    state = _small()
+    first = save_state(state, tmp_path, sharded=True, keep=None)
+    second = save_state(edl.state.replace(state, step=2), tmp_path, sharded=True, keep=None)
+    (second / "model.process-00000.safetensors").unlink()
+    assert latest_checkpoint(tmp_path) == first
+    with pytest.raises(CheckpointError, match=r"holds neither model\.process-00000\.safetensors"):
+        verify_checkpoint(second)
+    third = save_state(edl.state.replace(state, step=3), tmp_path, sharded=True, keep=2)
+    assert list_checkpoints(tmp_path) == [first, third]
+    assert second.is_dir()

@@ -13,6 +13,7 @@ from edl.io.files import read_json
 from edl.io.hf import CONFIG_NAME
 from edl.io.safetensors import CheckpointError
 from edl.io.sharded import INDEX_NAME as SHARDS_INDEX
+from edl.io.sharded import read_index
 
 __all__ = ["resolve_model", "run_info"]
 
@@ -62,13 +63,13 @@ def run_info(path: Path) -> None:
 
 def _sharded_summary(checkpoint: Path) -> str:
     """A sharded checkpoint's model in one line, from its index (no tensor is read)."""
-    index = read_json(checkpoint / SHARDS_INDEX, what="sharded checkpoint index")
-    shapes = [entry["shape"] for entry in index["model"].values()]
+    index = read_index(checkpoint)
+    shapes = [entry.shape for entry in index.section("model").values()]
     count = sum(math.prod(shape) for shape in shapes)
     architecture = "a pytree"
     if (checkpoint / CONFIG_NAME).is_file():
         config = read_json(checkpoint / CONFIG_NAME, what="model config")
         architecture = config.get("architectures", ["a model"])[0]
     return (f"{architecture}: {count:,} parameters in {len(shapes)} arrays, sharded over "
-            f"{index['process_count']} process(es) (edl export writes it as one HF "
+            f"{index.process_count} process(es) (edl export writes it as one HF "
             f"model)")  # fmt: skip

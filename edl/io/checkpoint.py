@@ -16,8 +16,9 @@ One directory per step, written atomically::
 
 A save writes everything into a ``.tmp-checkpoint-*`` sibling (each file fsync'd, then
 ``state.json``), renames it to ``checkpoint-{step:08d}`` and prunes old checkpoints. A
-checkpoint counts as complete only if its ``state.json`` parses, so a killed writer never
-shadows the previous good checkpoint; its leftovers are deleted by the next save. Re-saving a
+checkpoint counts as complete only if its ``state.json`` parses (and, sharded, its
+``shards.json`` and every process's piece files exist), so a killed writer never shadows the
+previous good checkpoint; its leftovers are deleted by the next save. Re-saving a
 step first renames the old ``checkpoint-N`` to ``checkpoint-N.old``, which still counts as
 step N's checkpoint until the new one is in place, so at every instant a complete checkpoint
 exists. :func:`verify_checkpoint` checks a checkpoint's files without loading them (a
@@ -102,8 +103,10 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     ``state.json`` (and a HF-layout model's ``config.json``) must parse, the files it names
     stay inside the checkpoint (``check_named_files``), and every safetensors file must be
     present with a valid header and exactly the length that header promises (a sharded
-    file's index must name existing shards, inside, holding its tensors). Raises
-    ``CheckpointError`` naming the file (and entry) and what is wrong. Values are not
+    file's index must name existing shards, inside, holding its tensors). A sharded
+    checkpoint's ``shards.json`` must be valid (``edl.io.shard_index.read_index``) and every
+    process's piece file present, holding each piece with the recorded shape and dtype.
+    Raises ``CheckpointError`` naming the file (and entry) and what is wrong. Values are not
     checksummed: a flipped bit inside tensor data passes.
     """
     path = Path(checkpoint)
@@ -121,11 +124,9 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
     prefixes = [*info.get("model_files", [_MODEL])]
     if info.get("has_optimizer"):
         prefixes += info.get("optimizer_files", [_OPTIMIZER])
-    if info.get("model_format") == "sharded":
-        try:
-            read_json(path / sharded_io.INDEX_NAME, what="sharded checkpoint index")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(str(e)) from None
+    if info.get("model_format") == "sharded":  # the index, and every piece in its file
+        kinds = (_MODEL, _OPTIMIZER) if info.get("has_optimizer") else (_MODEL,)
+        sharded_io.verify_pieces(path, kinds)
     for prefix in prefixes:
         with CheckpointReader(path, prefix=prefix):
             pass  # opening validates every header against its file's length

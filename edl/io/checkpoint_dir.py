@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edl.io.files import fsync, inside
+from edl.io.shard_index import missing_file
 
 __all__ = ["STATE_NAME", "check_named_files", "latest_checkpoint", "list_checkpoints"]
 
@@ -83,6 +84,18 @@ def check_named_files(checkpoint: Path, info: Mapping[str, Any]) -> None:
                     inside(checkpoint, name + suffix, source=source, entry=f"{key}[{i}]'s file")
 
 
+def _lacking(checkpoint: Path, info: dict[str, Any]) -> str | None:
+    """What a checkpoint whose ``state.json`` parses still lacks: a sharded checkpoint's
+    index or a process's piece file (existence checks only; ``verify_checkpoint`` reads the
+    headers). ``None`` when nothing."""
+    return missing_file(checkpoint) if info.get("model_format") == "sharded" else None
+
+
+def _complete(checkpoint: Path) -> bool:
+    info = _read_info(checkpoint)
+    return info is not None and _lacking(checkpoint, info) is None
+
+
 def _step_of(path: Path) -> int:
     m = _NAME.fullmatch(path.name)
     assert m is not None
@@ -102,18 +115,27 @@ def _superseded(path: Path) -> bool:
     """``checkpoint-N.old`` once a complete ``checkpoint-N`` has replaced it."""
     if not path.name.endswith(_OLD):
         return False
-    return _read_info(path.with_name(path.name.removesuffix(_OLD))) is not None
+    return _complete(path.with_name(path.name.removesuffix(_OLD)))
 
 
 def list_checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
     """The complete checkpoints under ``directory``, oldest (lowest step) first.
 
-    Temporary directories and checkpoints without a readable ``state.json`` are skipped. A
-    ``checkpoint-N.old`` (step N's previous save, left by a re-save of step N that was
-    killed) counts unless a complete ``checkpoint-N`` exists. A missing ``directory`` gives
-    ``[]``."""
-    root = Path(directory)
-    found = [p for p in _named_dirs(root) if _read_info(p) is not None and not _superseded(p)]
+    Temporary directories and checkpoints without a readable ``state.json`` are skipped, and
+    so (with a logged warning) are sharded checkpoints missing their ``shards.json`` or a
+    process's piece file. A ``checkpoint-N.old`` (step N's previous save, left by a re-save
+    of step N that was killed) counts unless a complete ``checkpoint-N`` exists. A missing
+    ``directory`` gives ``[]``."""
+    found = []
+    for path in _named_dirs(Path(directory)):
+        info = _read_info(path)
+        if info is None or _superseded(path):
+            continue
+        lacking = _lacking(path, info)
+        if lacking is not None:
+            logger.warning("checkpoint: skipping %s, which is incomplete: %s", path, lacking)
+            continue
+        found.append(path)
     return sorted(found, key=lambda p: (_step_of(p), p.name))
 
 
@@ -130,7 +152,7 @@ def _replace_atomically(new: Path, final: Path) -> None:
     old = final.with_name(final.name + _OLD)
     if final.exists() and old.exists():
         # A re-save killed after its rename left both; keep whichever is complete.
-        _remove(old if _read_info(final) is not None else final)
+        _remove(old if _complete(final) else final)
     if final.exists() or final.is_symlink():
         os.replace(final, old)
         fsync(final.parent)
@@ -150,11 +172,16 @@ def _prune(root: Path, current: Path, keep: int | None) -> None:
     for path in _named_dirs(root):
         if path == current:
             continue
-        if _read_info(path) is None:
+        info = _read_info(path)
+        if info is None:
             logger.warning("checkpoint: deleting incomplete checkpoint %s", path)
             _remove(path)
         elif _superseded(path):
             _remove(path)
+        elif (lacking := _lacking(path, info)) is not None:
+            # Saves never leave this (state.json comes last): a damaged checkpoint, kept for
+            # whoever can repair it, but not counted toward ``keep``.
+            logger.warning("checkpoint: keeping damaged checkpoint %s: %s", path, lacking)
         else:
             complete.append(path)
     for path in root.iterdir():

@@ -204,8 +204,8 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
     with StoredArrays(source, "model") as stored:
         tensors = {}
         for path, entry in stored.arrays.items():
-            shape, depth = tuple(entry["shape"]), table.stack_depth(path)
-            stored_dtype = np.dtype(entry["dtype"])
+            shape, depth = entry.shape, table.stack_depth(path)
+            stored_dtype = entry.dtype
             cast = dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating)
             want = np.dtype(dtype) if cast else stored_dtype
 

@@ -11,6 +11,12 @@ The layout (``model_format: "sharded"`` in ``state.json``, see ``edl.io.checkpoi
   name, start, stop). Written by process 0, which can list every process's pieces itself:
   they follow from each array's sharding alone (:func:`pieces`).
 
+Every reader takes the index through :func:`edl.io.shard_index.read_index`, which checks
+all of it before a value is read (field types, process ids, bounds, each piece's tensor
+name, the pieces of every array tiling it exactly) and raises ``CheckpointError`` naming
+``shards.json`` and the entry; opening a section (:class:`StoredArrays`) also checks every
+piece file's header against the index.
+
 Why not orbax-checkpoint: its files are OCDBT / Zarr through tensorstore, and edl keeps its
 files safetensors + JSON, readable by anything that reads safetensors; the pieces and an
 index are all a multi-process checkpoint needs. Every piece is written by exactly one
@@ -20,8 +26,7 @@ that region), so nothing is gathered to one host and nothing is written twice.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +35,35 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from edl.io.files import read_json, write_json_atomic
+from edl.io.files import write_json_atomic
 from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
+from edl.io.shard_index import (
+    INDEX_NAME,
+    KINDS,
+    Piece,
+    ShardIndex,
+    StoredArray,
+    file_prefix,
+    missing_file,
+    read_index,
+)
 
-__all__ = [
+__all__ = [  # the index's names too: edl.io.sharded is the module the rest of edl uses
     "INDEX_NAME",
+    "KINDS",
     "Piece",
+    "ShardIndex",
+    "StoredArray",
     "StoredArrays",
     "file_prefix",
+    "missing_file",
     "pieces",
+    "read_index",
     "read_pieces",
+    "verify_pieces",
     "write_index",
     "write_pieces",
 ]
-
-INDEX_NAME = "shards.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """One stored block of an array: ``[start, stop)`` per axis, written by ``process``."""
-
-    process: int
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-
-    def tensor_name(self, path: str) -> str:
-        return f"{path}@" + ",".join(f"{a}:{b}" for a, b in zip(self.start, self.stop, strict=True))
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
@@ -77,11 +84,6 @@ def pieces(x: Any) -> list[tuple[Piece, Any]]:
                                 key=lambda item: item[0].id):  # fmt: skip
         by_region.setdefault(_bounds(index, shape), device)
     return [(Piece(d.process_index, *region), d) for region, d in sorted(by_region.items())]
-
-
-def file_prefix(kind: str, process: int) -> str:
-    """The file-name stem of process ``process``'s pieces of ``kind``."""
-    return f"{kind}.process-{process:05d}"
 
 
 def write_pieces(
@@ -111,9 +113,7 @@ def write_pieces(
             def load(data: Any = data, want: np.dtype = want) -> np.ndarray:
                 return np.asarray(data).astype(want, copy=False)
 
-            tensors[piece.tensor_name(path)] = LazyTensor(
-                tuple(b - a for a, b in zip(piece.start, piece.stop, strict=True)), want, load
-            )
+            tensors[piece.tensor_name(path)] = LazyTensor(piece.shape, want, load)
     save_tensors(tensors, directory, prefix=file_prefix(kind, me))
     return index
 
@@ -124,24 +124,59 @@ def write_index(directory: Path, sections: Mapping[str, Any]) -> None:
                       {"process_count": jax.process_count(), **sections})  # fmt: skip
 
 
+def _open_files(checkpoint: Path, index: ShardIndex, kind: str) -> list[CheckpointReader]:
+    """Every process's piece file of ``kind``, its header checked against the index: each
+    piece's tensor present with the recorded shape and dtype (no tensor data is read)."""
+    arrays = index.section(kind)
+    readers: list[CheckpointReader] = []
+    try:
+        for process in range(index.process_count):
+            readers.append(CheckpointReader(checkpoint, prefix=file_prefix(kind, process)))
+        for path, array in arrays.items():
+            for i, piece in enumerate(array.pieces):
+                reader, name = readers[piece.process], piece.tensor_name(path)
+                want = f"{array.dtype.name} {list(piece.shape)}"
+                got = reader.info(name) if name in reader else None
+                if got is None or (got.dtype, got.shape) != (array.dtype, piece.shape):
+                    actual = "none" if got is None else f"{got.dtype.name} {list(got.shape)}"
+                    raise CheckpointError(
+                        f"{reader.path}: tensor {name!r} ({index.path.name}'s "
+                        f"{kind}[{path!r}].pieces[{i}]): expected {want}, got {actual}"
+                    )
+    except BaseException:
+        for reader in readers:
+            reader.close()
+        raise
+    return readers
+
+
+def verify_pieces(checkpoint: Path, kinds: Sequence[str]) -> ShardIndex:
+    """Check a sharded checkpoint without reading tensor data: its index
+    (:func:`read_index`) holds every kind of ``kinds``, and every process's file of each
+    holds its pieces with the recorded shapes and dtypes. Returns the index."""
+    index = read_index(checkpoint)
+    for kind in kinds:
+        for reader in _open_files(checkpoint, index, kind):
+            reader.close()
+    return index
+
+
 class StoredArrays:
     """The arrays of one section (``kind``) of a sharded checkpoint, read block by block
     across the processes' files (a context manager: closes the files). ``arrays`` is the
-    section of ``shards.json``: path -> shape, dtype, pieces."""
+    validated section of ``shards.json`` (:func:`read_index`): path -> :class:`StoredArray`;
+    every file's header is checked against it on opening."""
 
     def __init__(self, checkpoint: Path, kind: str) -> None:
-        index = read_json(checkpoint / INDEX_NAME, what="sharded checkpoint index")
-        if kind not in index:
-            raise CheckpointError(f"{checkpoint / INDEX_NAME}: has no {kind!r} section")
-        self.arrays: dict[str, Any] = index[kind]
-        self.readers = [CheckpointReader(checkpoint, prefix=file_prefix(kind, p))
-                        for p in range(int(index["process_count"]))]  # fmt: skip
+        index = read_index(checkpoint)
+        self.arrays: Mapping[str, StoredArray] = index.section(kind)
+        self.readers = _open_files(checkpoint, index, kind)
         self._read: dict[str, np.ndarray] = {}  # the pieces of the array being filled
 
-    def _piece(self, entry: Mapping[str, Any]) -> np.ndarray:
-        name = entry["tensor"]
+    def _piece(self, path: str, piece: Piece) -> np.ndarray:
+        name = piece.tensor_name(path)
         if name not in self._read:
-            self._read[name] = self.readers[entry["process"]].read(name)
+            self._read[name] = self.readers[piece.process].read(name)
         return self._read[name]
 
     def done(self) -> None:
@@ -160,7 +195,7 @@ class StoredArrays:
 
     def block(self, path: str, start: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
         """The stored array ``path``'s block of ``shape`` at ``start``, in its stored dtype."""
-        out = np.empty(shape, np.dtype(self.arrays[path]["dtype"]))
+        out = np.empty(shape, self.arrays[path].dtype)
         self.fill(path, start, out)
         return out
 
@@ -168,15 +203,13 @@ class StoredArrays:
         """``out`` = the stored array ``path``'s block beginning at ``start``."""
         stop = tuple(a + n for a, n in zip(start, out.shape, strict=True))
         covered = 0
-        for entry in self.arrays[path]["pieces"]:
-            lo = [max(a, b) for a, b in zip(start, entry["start"], strict=True)]
-            hi = [min(a, b) for a, b in zip(stop, entry["stop"], strict=True)]
+        for piece in self.arrays[path].pieces:
+            lo = [max(a, b) for a, b in zip(start, piece.start, strict=True)]
+            hi = [min(a, b) for a, b in zip(stop, piece.stop, strict=True)]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
-            data = self._piece(entry)
-            source = tuple(
-                slice(a - s, b - s) for a, b, s in zip(lo, hi, entry["start"], strict=True)
-            )
+            data = self._piece(path, piece)
+            source = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, piece.start, strict=True))
             dest = tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, start, strict=True))
             out[dest] = data[source]
             covered += int(np.prod([b - a for a, b in zip(lo, hi, strict=True)]))
@@ -185,21 +218,31 @@ class StoredArrays:
                                   f"{covered} of the {out.size} values asked for")  # fmt: skip
 
 
-def _check_targets(where: str, stored: Mapping[str, Any], targets: Mapping[str, Any]) -> None:
-    kinds = [f"  {p}: expected {np.dtype(t.dtype)} vs stored {stored[p]['dtype']}"
-             for p, t in targets.items() if p in stored
-             and jnp.issubdtype(t.dtype, jnp.inexact)
-             != jnp.issubdtype(np.dtype(stored[p]["dtype"]), jnp.inexact)]  # fmt: skip
-    missing = sorted(set(targets) - set(stored))
-    unexpected = sorted(set(stored) - set(targets))
-    shapes = [f"  {p}: expected {tuple(t.shape)} vs stored {tuple(stored[p]['shape'])}"
-              for p, t in targets.items()
-              if p in stored and tuple(t.shape) != tuple(stored[p]["shape"])]  # fmt: skip
-    if missing or unexpected or shapes or kinds:
-        lines = [*(f"  missing: {p}" for p in missing),
-                 *(f"  unexpected: {p}" for p in unexpected), *shapes, *kinds]  # fmt: skip
-        raise ValueError(f"{where}: the checkpoint does not fit (expected vs stored):\n"
-                         + "\n".join(lines))  # fmt: skip
+def _check_targets(
+    where: str, stored: Mapping[str, StoredArray], targets: Mapping[str, Any]
+) -> None:
+    both = [p for p in targets if p in stored]
+    kinds = [
+        f"  {p}: expected {np.dtype(targets[p].dtype)} vs stored {stored[p].dtype}"
+        for p in both
+        if jnp.issubdtype(targets[p].dtype, jnp.inexact)
+        != jnp.issubdtype(stored[p].dtype, jnp.inexact)
+    ]
+    shapes = [
+        f"  {p}: expected {tuple(targets[p].shape)} vs stored {stored[p].shape}"
+        for p in both
+        if tuple(targets[p].shape) != stored[p].shape
+    ]
+    lines = [
+        *(f"  missing: {p}" for p in sorted(set(targets) - set(stored))),
+        *(f"  unexpected: {p}" for p in sorted(set(stored) - set(targets))),
+        *shapes,
+        *kinds,
+    ]
+    if lines:
+        raise ValueError(
+            f"{where}: the checkpoint does not fit (expected vs stored):\n" + "\n".join(lines)
+        )
 
 
 def read_pieces(checkpoint: Path, kind: str, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
