@@ -121,3 +121,19 @@ def test_no_private_name_is_exported():
         if name.startswith("_") and name != "__version__"
     ]
     assert not exported, exported
+
+
+def test_every_test_a_promise_names_exists():
+    """ARCHITECTURE.md's "What edl promises" names the tests that hold each promise: each
+    is a test function in tests/, so a renamed or deleted one breaks this, not the doc."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = re.search(r"^## What edl promises\n(.*?)^## ", text, flags=re.S | re.M)
+    assert section is not None
+    named = set(re.findall(r"`(test_\w+)`", section.group(1)))
+    assert len(named) > 20
+    defined = {
+        m
+        for path in (ROOT / "tests").glob("test_*.py")
+        for m in re.findall(r"^def (test_\w+)", path.read_text(), flags=re.M)
+    }
+    assert not named - defined, sorted(named - defined)
