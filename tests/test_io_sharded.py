@@ -226,6 +226,17 @@ def test_a_bad_index_is_refused_naming_shards_json_and_the_entry(tmp_path, case)
         load_state(path, state)
 
 
+def test_an_index_repeating_a_key_is_refused(tmp_path):
+    """JSON keeps a repeated key's last value silently; edl never writes one, so a repeat in
+    ``shards.json`` (an edited file) is refused, naming the key."""
+    state = _small()
+    path = save_state(state, tmp_path, sharded=True)
+    index = path / "shards.json"
+    index.write_text(index.read_text().replace("{", '{"process_count": 1,', 1))
+    with pytest.raises(CheckpointError, match="holds the key 'process_count' twice"):
+        verify_checkpoint(path)
+
+
 def test_piece_headers_must_match_the_index(tmp_path):
     """The index and the piece files disagree (dtype here): verify and load name the file
     and the tensor, before any data is read."""

@@ -79,13 +79,17 @@ def write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> 
     write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_json(path: str | os.PathLike[str], *, what: str = "JSON file") -> dict[str, Any]:
+def read_json(
+    path: str | os.PathLike[str], *, what: str = "JSON file", unique_keys: bool = False
+) -> dict[str, Any]:
     """The JSON object in ``path``.
 
     Raises ``ValueError`` naming ``path`` (and ``what`` it is, e.g. ``"model config"``)
     when the file is not UTF-8 text, not valid JSON (with the line and column of the
-    error) or holds something other than an object at the top level. A missing or
-    unreadable file raises the ``OSError`` from opening it, which names the path.
+    error) or holds something other than an object at the top level; with
+    ``unique_keys``, also when an object holds a key twice (``json`` keeps the last one
+    silently: for edl's own files, which never repeat a key, a repeat is tampering). A
+    missing or unreadable file raises the ``OSError`` from opening it, which names the path.
     """
     path = Path(path)
     raw = path.read_bytes()
@@ -93,8 +97,17 @@ def read_json(path: str | os.PathLike[str], *, what: str = "JSON file") -> dict[
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: {what} is not UTF-8 text ({e})") from e
+
+    def once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in data:
+                raise ValueError(f"{path}: {what} holds the key {key!r} twice")
+            data[key] = value
+        return data
+
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=once if unique_keys else None)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: {what} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"

@@ -195,7 +195,7 @@ def _array(index: Path, entry: str, value: Any, path: str, processes: int) -> St
 
 def _read_raw(index: Path) -> dict[str, Any]:
     try:
-        return read_json(index, what="sharded checkpoint index")
+        return read_json(index, what="sharded checkpoint index", unique_keys=True)
     except OSError as e:
         why = e.strerror or str(e)
         raise CheckpointError(
