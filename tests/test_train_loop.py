@@ -341,3 +341,70 @@ def test_loss_curve_png(tmp_path):
     _, summary = _run(tmp_path, steps=3)
     assert summary["loss_png"] == str(tmp_path / "loss.png")
     assert (tmp_path / "loss.png").stat().st_size
+
+
+class _Prune(Callback):
+    """Zeroes the first layer's first input column after every step (a pruning mask) and
+    records what ``before_step`` saw."""
+
+    def __init__(self, dtype=None, host=False):
+        self.before, self.dtype, self.host = [], dtype, host
+
+    def before_step(self, start):
+        self.before.append((start.step, int(start.state.step), start.steps))
+
+    def replace_state(self, info):
+        weight = info.state.params.layers[0].weight
+        pruned = weight.at[:, 0].set(0.0).astype(self.dtype or weight.dtype)
+        state = eqx.tree_at(lambda s: s.params.layers[0].weight, info.state, pruned)
+        return jax.tree.map(np.array, state) if self.host else state  # host: placed back
+
+
+def _column(state):
+    return np.asarray(state.params.layers[0].weight[:, 0])  # a copy: the buffers are donated
+
+
+@pytest.mark.parametrize("host", [False, True], ids=["device", "host"])
+def test_hooks_at_both_ends_of_a_step_keep_the_compiled_step(tmp_path, host):
+    """``before_step`` sees the state each step takes; ``replace_state``'s state is what the
+    next step, later callbacks and checkpoints get (arrays returned on the host are placed
+    back); the step is traced and compiled once."""
+    model, loss_fn = _regression()
+    traces = []
+
+    def counted(model, batch):
+        traces.append(1)
+        return loss_fn(model, batch)
+
+    tx = optax.adam(1e-2)
+    prune, seen = _Prune(host=host), []
+    state, _ = train(
+        edl.create_state(model, tx),
+        make_train_step(counted, tx),
+        _batches(100),
+        steps=4,
+        output_dir=tmp_path,
+        progress=False,
+        save_every=2,
+        callbacks=[prune, callback(lambda i: seen.append(_column(i.state)))],
+    )
+    assert prune.before == [(1, 0, 4), (2, 1, 4), (3, 2, 4), (4, 3, 4)]
+    assert len(traces) == 1  # compiled ahead of time once, never retraced
+    assert not np.any(np.asarray(state.params.layers[0].weight[:, 0]))
+    assert len(seen) == 4 and not np.any(seen)  # later callbacks see the replacement
+    saved, _ = edl.io.checkpoint.load_state(tmp_path / "checkpoints" / "checkpoint-00000002", state)
+    assert not np.any(np.asarray(saved.params.layers[0].weight[:, 0]))
+    assert np.any(np.asarray(saved.params.layers[0].weight[:, 1]))
+
+
+def test_a_replacement_the_compiled_step_cannot_take_is_named(tmp_path):
+    named = r"_Prune\.replace_state: .*layers\[0\]\.weight.* float16.*float32"
+    with pytest.raises(ValueError, match=named):
+        _run(tmp_path / "a", steps=2, callbacks=[_Prune(dtype=jnp.float16)])
+
+    class Wrong(Callback):
+        def replace_state(self, info):
+            return info.state.params
+
+    with pytest.raises(ValueError, match=r"Wrong\.replace_state must return a TrainState"):
+        _run(tmp_path / "b", steps=2, callbacks=[Wrong()])

@@ -9,8 +9,8 @@ from edl._lazy import lazy_attributes
 
 _MODULES = {
     "edl.train.callbacks": ("NonFiniteLossError",),
-    "edl.train.core": ("Callback", "RunEnd", "RunStart", "StepInfo", "Stop", "callback",
-                       "run_loop"),
+    "edl.train.core": ("Callback", "RunEnd", "RunStart", "StepInfo", "StepStart", "Stop",
+                       "callback", "run_loop"),
     "edl.train.data": ("IGNORE_INDEX", "EpochCursor", "TokenBatches", "batches_from_iterable",
                        "pack_sequences", "pad_batch"),
     "edl.train.grpo": ("GRPOConfig", "GRPOStep", "PromptBatches", "RewardFn",

@@ -8,9 +8,13 @@ needs around the step (progress bar, metrics log, evaluation, checkpoints, the n
 policy, time limit, SIGTERM, plots, ``run.md``) is a :class:`Callback` in
 ``edl.train.callbacks``; ``edl.train.train`` composes them from its options.
 
-Callbacks see the state but cannot replace it: the state a step returns is the state the next
-step gets. A callback may add metrics to the step (``metrics``) and may ask the loop to stop
-(``on_step`` returns :class:`Stop`); raising an exception ends the run at once.
+Hooks at both ends of a step (the seed's trainer protocol): ``before_step`` sees the state a
+step is about to take; ``replace_state`` may return a state to continue from instead of the
+step's (EMA weights, a schedule of frozen layers, pruning masks). A replacement must have the
+step's own structure, shapes and dtypes, so the step compiled ahead of time still applies
+(checked, naming the callback and the array); it is placed as the step's state is. After
+the replacements, a callback may add metrics to the step (``metrics``) and may ask the loop
+to stop (``on_step`` returns :class:`Stop`); raising an exception ends the run at once.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ __all__ = [
     "RunStart",
     "StepFn",
     "StepInfo",
+    "StepStart",
     "Stop",
     "callback",
     "run_loop",
@@ -87,6 +92,20 @@ class RunStart:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepStart:
+    """Given to ``Callback.before_step`` before a step runs.
+
+    ``step`` is the step about to run (``state.step + 1``: 1 for the first); ``state`` the
+    state it takes. With a donating step its buffers are consumed by the step: read them in
+    the hook, never keep them.
+    """
+
+    step: int
+    steps: int
+    state: TrainState
+
+
+@dataclasses.dataclass(frozen=True)
 class RunEnd:
     """Given to ``Callback.on_end`` when the loop ends without an exception.
 
@@ -115,17 +134,31 @@ class Stop:
 class Callback:
     """Base class of the loop's callbacks; every method is optional.
 
-    ``every``: ``metrics`` and ``on_step`` run after steps that are multiples of ``every``
-    and after the schedule's last step; ``0`` never (``on_start`` / ``on_end`` only).
-    Callbacks run in the order given; each phase (``metrics``, then ``on_step``) visits all
-    due callbacks before the next, and a callback's ``metrics`` sees those the callbacks
-    before it added.
+    ``every``: ``before_step``, ``replace_state``, ``metrics`` and ``on_step`` run around
+    steps that are multiples of ``every`` and the schedule's last step; ``0`` never
+    (``on_start`` / ``on_end`` only). Callbacks run in the order given; each phase
+    (``replace_state``, ``metrics``, then ``on_step``) visits all due callbacks before the
+    next: a ``replace_state`` gets the state the callbacks before it returned, and a
+    callback's ``metrics`` sees those the callbacks before it added.
     """
 
     every: int = 1
 
     def on_start(self, run: RunStart) -> None:
         """Before the first step."""
+
+    def before_step(self, start: StepStart) -> None:
+        """Before a due step runs, with the state it takes (after its batch is read)."""
+
+    def replace_state(self, info: StepInfo) -> TrainState | None:
+        """A state to continue from instead of ``info.state``, or ``None`` to keep it.
+
+        It must match ``info.state``'s structure, shapes and dtypes (the compiled step takes
+        it next); arrays placed otherwise (e.g. computed on the host) are moved to the
+        state's placement. What later callbacks, checkpoints included, see is the
+        replacement. ``info.metrics`` are the step's own.
+        """
+        return None
 
     def metrics(self, info: StepInfo) -> Mapping[str, Any] | None:
         """Extra metrics for this step (evaluation, norms, speed), seen by every ``on_step``."""
@@ -248,6 +281,11 @@ def _steps(state, step_fn, data, start, steps, callbacks, clock):
                 batch = next(data)
             except StopIteration:
                 return state, compile_seconds, info, "data exhausted"
+        due = [cb for cb in callbacks if cb.due(step, steps)]
+        hooks = time.perf_counter()
+        for cb in due:
+            cb.before_step(StepStart(step=step, steps=steps, state=state))
+        t0 += time.perf_counter() - hooks  # a step's seconds leave its callbacks' time out
         state, metrics = compiled(state, batch)
         batch = None
         host = to_host(metrics)  # waits for the step: the time below is the step's
@@ -258,10 +296,17 @@ def _steps(state, step_fn, data, start, steps, callbacks, clock):
                 f"train: step_fn took state.step from {start} to {int(state.step)}; a step "
                 "must advance it by one (edl.apply_gradients does)"
             )
-        info = StepInfo(step=step, steps=steps, state=state,
-                        metrics=types.MappingProxyType(host), seconds=seconds,
-                        train_seconds=train_seconds, elapsed=clock())  # fmt: skip
-        due = [cb for cb in callbacks if cb.due(step, steps)]
+        info = StepInfo(
+            step=step,
+            steps=steps,
+            state=state,
+            metrics=types.MappingProxyType(host),
+            seconds=seconds,
+            train_seconds=train_seconds,
+            elapsed=clock(),
+        )
+        state = _replaced(info, due)
+        info = dataclasses.replace(info, state=state)
         for cb in due:  # each sees the metrics the earlier ones added
             extra = cb.metrics(info)
             if extra:
@@ -270,3 +315,49 @@ def _steps(state, step_fn, data, start, steps, callbacks, clock):
         if stops:
             return state, compile_seconds, info, stops[0].reason
     return state, compile_seconds, info, "steps"
+
+
+def _replaced(info: StepInfo, due: Sequence[Callback]) -> TrainState:
+    """The state after every due callback's ``replace_state``, each checked to fit the
+    compiled step and placed as the step's state is."""
+    state = info.state
+    for cb in due:
+        new = cb.replace_state(dataclasses.replace(info, state=state))
+        if new is not None:
+            state = _fitted(cb, state, new)
+    return state
+
+
+def _fitted(cb: Callback, old: TrainState, new: Any) -> TrainState:
+    """``new``, with ``old``'s structure and each array's shape and dtype (else
+    ``ValueError`` naming the callback and the first array that differs), moved to
+    ``old``'s placement where it differs (a no-op for arrays computed from ``old``'s)."""
+    where = f"train: {type(cb).__name__}.replace_state"
+    if not isinstance(new, TrainState):
+        raise ValueError(f"{where} must return a TrainState or None, got {type(new).__name__}")
+    old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(old)
+    new_leaves, new_tree = jax.tree_util.tree_flatten(new)
+    if old_tree != new_tree:
+        raise ValueError(
+            f"{where} returned a state of another structure than the step's (the compiled "
+            f"step cannot take it): {new_tree} != {old_tree}"
+        )
+    placed = []
+    for (path, a), b in zip(old_leaves, new_leaves, strict=True):
+        got, want = (np.shape(b), _dtype(b)), (np.shape(a), _dtype(a))
+        if got != want:
+            raise ValueError(
+                f"{where}: {jax.tree_util.keystr(path)} has shape {got[0]} and dtype "
+                f"{got[1]}, the step's state {want[0]} and {want[1]} (the compiled step "
+                "takes only those)"
+            )
+        sharding = getattr(a, "sharding", None)
+        same = sharding is None or (
+            hasattr(b, "sharding") and b.sharding.is_equivalent_to(sharding, np.ndim(a))
+        )
+        placed.append(b if same else jax.device_put(b, sharding))
+    return jax.tree_util.tree_unflatten(new_tree, placed)
+
+
+def _dtype(x: Any) -> np.dtype:
+    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
