@@ -7,6 +7,7 @@ import os
 import types
 from collections import defaultdict
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -405,6 +406,32 @@ def test_lora_and_model_references_give_the_same_step(tiny_llama):
         np.testing.assert_array_equal(np.asarray(by_lora[key]), np.asarray(by_model[key]), key)
     assert float(by_lora["rewards/margins"]) != 0.0
     np.asarray(tiny_llama.model.embed_tokens.weight)  # the reference was not donated
+
+
+@pytest.mark.slow  # compiles the DPO step on one device and on a mesh of 8 (~40 s)
+def test_a_model_reference_runs_on_a_mesh(tiny_llama):
+    """``reference="model"`` on a mesh of 8 host devices: the reference's arrays are placed
+    by the step's rules (a constant argument, never donated) and the step gives the single
+    device's metrics, called and compiled ahead of time by the loop."""
+    from edl.sharding import make_mesh, shard_batch
+    from edl.train.core import run_loop
+
+    mesh = make_mesh((1, 8, 1, 1))
+    lora, tx = _lora(tiny_llama), optax.adam(1e-2)
+    batch = _toy_preferences(1, batch=8)[0]
+    single = make_dpo_step(tx, reference="model", reference_model=tiny_llama, donate=False)
+    _, want = single(edl.create_state(lora, tx, trainable=lora_trainable), batch)
+    step = make_dpo_step(tx, reference="model", reference_model=tiny_llama, mesh=mesh)
+    _, got = step(edl.create_state(_lora(tiny_llama), tx, trainable=lora_trainable), batch)
+    for key in ("loss", "rewards/margins", "grad_norm"):
+        np.testing.assert_allclose(np.asarray(got[key]), np.asarray(want[key]), rtol=2e-5)
+    placed = jax.tree.leaves(step.constants if step._placed is None else step._placed)
+    assert all(x.sharding.mesh.shape == mesh.shape for x in placed)
+    assert any(not x.sharding.is_fully_replicated for x in placed)  # sharded by the rules
+    fresh = edl.create_state(_lora(tiny_llama), tx, trainable=lora_trainable)  # lora's donated
+    state, _ = run_loop(fresh, step, iter([shard_batch(batch, mesh)] * 2), steps=2)
+    assert int(state.step) == 2
+    assert not any(x.is_deleted() for x in jax.tree.leaves(tiny_llama) if eqx.is_array(x))
 
 
 # The least gain in rewards/margins after 10 steps: rewards are beta * summed log-ratios for

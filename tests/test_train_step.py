@@ -17,7 +17,7 @@ from edl.lora import apply_lora, lora_trainable
 from edl.sharding import make_mesh
 from edl.train import make_train_step
 from edl.train.core import run_loop
-from edl.train.jitted import JittedStep
+from edl.train.jitted import StepProgram
 
 
 def _ids(seed=0):
@@ -148,7 +148,7 @@ def test_a_step_that_changes_other_is_an_error():
         return edl.state.replace(state, other=other), {}
 
     with pytest.raises(ValueError, match=r"changed state\.other"):
-        JittedStep(bad)(state, batch)
+        StepProgram(lambda state, batch, _: bad(state, batch))(state, batch)
 
 
 @pytest.mark.slow  # a LoRA train step compiled on a mesh of 8, then again ahead of time

@@ -28,6 +28,7 @@ from edl.train import (
     run_dir,
     train,
 )
+from edl.train.jitted import StepProgram
 
 __all__ = ["check_output_dir", "loss_fn", "optimizer", "step_options", "train_model"]
 
@@ -95,7 +96,7 @@ def train_model(
                                **step_options(config))  # fmt: skip
     state = edl.create_state(model, tx, trainable=trainable)
     if mesh is not None:
-        if not hasattr(step, "place"):
+        if not (isinstance(step, StepProgram) and step.mesh is mesh):
             raise CommandError(f"--mesh is for --method sft, not {config.method}")
         state = step.place(state)  # a resumed checkpoint is read straight onto the mesh
         data = GlobalBatches(data, mesh)

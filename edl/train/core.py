@@ -29,6 +29,7 @@ import jax
 import numpy as np
 
 from edl.state import TrainState
+from edl.train.jitted import Step
 
 __all__ = [
     "Callback",
@@ -225,7 +226,8 @@ def run_loop(
     Args:
         state: the state to start from (``state.step`` steps are already done).
         step_fn: ``step(state, batch) -> (state, metrics)``; compiled ahead of time on the
-            first batch when it has ``lower`` (a ``jax.jit`` function or a ``ShardedStep``).
+            first batch when it is a :class:`~edl.train.jitted.Step` (``make_train_step``'s)
+            or a ``jax.jit`` function.
             It must advance ``state.step`` by one.
         data: an iterator of batches; running out ends the run (reason ``"data exhausted"``).
         steps: the schedule's total number of steps.
@@ -257,9 +259,12 @@ def run_loop(
 
 
 def _compile(step_fn: StepFn, state: TrainState, batch: Any) -> tuple[TrainState, StepFn]:
-    if hasattr(step_fn, "place"):  # a ShardedStep: put the (loaded) state on its mesh
-        state = step_fn.place(state)
-    if hasattr(step_fn, "lower"):
+    """The state placed for the step, and the step compiled ahead of time where it can be
+    (an edl :class:`~edl.train.jitted.Step`, or a ``jax.jit`` function)."""
+    if isinstance(step_fn, Step):
+        state = step_fn.place(state)  # a (loaded) state onto the step's mesh
+        return state, step_fn.lower(state, batch).compile()
+    if isinstance(step_fn, jax.stages.Wrapped):
         return state, step_fn.lower(state, batch).compile()
     return state, step_fn
 

@@ -18,7 +18,7 @@ How documents are cut into rows (pretraining text as one stream, SFT examples wh
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -28,6 +28,7 @@ from edl.train.packing import Cursor, Doc, Truncation, as_tokens, assemble, docu
 __all__ = [
     "IGNORE_INDEX",
     "EpochCursor",
+    "Resumable",
     "TokenBatches",
     "batches_from_iterable",
     "pack_sequences",
@@ -39,6 +40,19 @@ Document = TokenSeq | str | Mapping[str, Any]
 Batch = dict[str, np.ndarray]
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+@runtime_checkable
+class Resumable(Protocol):
+    """Batches a run resumes exactly: checkpoints store ``position`` (a JSON object, the
+    same on every process) and a resumed run hands it to ``restore`` before the first
+    batch. Every :class:`EpochCursor` (``TokenBatches``, ``PreferenceBatches``,
+    ``PromptBatches``) is one; other iterators restart from their beginning."""
+
+    @property
+    def position(self) -> dict[str, Any]: ...
+
+    def restore(self, position: Mapping[str, Any]) -> None: ...
 
 
 def _check(where: str, **values: Any) -> None:

@@ -1,4 +1,4 @@
-"""Jitted train steps that donate what they replace and nothing else.
+"""The one train-step program: jitted, on a mesh or not, donating what it replaces only.
 
 A train step replaces ``step``, ``params`` and ``opt_state``; it passes ``other`` (frozen
 weights: a LoRA base, layers left out of ``trainable``) through. Donating the whole state
@@ -8,34 +8,56 @@ program takes the state split by ``edl.state.split_other``: ``updated`` (donated
 ``other`` (kept, and not returned: the state after the step holds the very arrays passed in,
 so nothing is copied either).
 
-:class:`JittedStep` (``jax.jit``) and :class:`ShardedStep` (``jax.jit`` on a mesh, with
-shardings derived from the state) keep the function's interface: ``step(state, batch)``, and
-``step.lower(state, batch).compile()`` whose result is called as ``compiled(state, batch)``.
+:class:`StepProgram` is that program for any step function ``fn(state, batch, constants)``:
+``constants`` (a frozen DPO reference model's arrays, ...) are an argument of the compiled
+program, neither baked into it as constants nor donated, placed on the mesh by the step's
+rules. It implements the :class:`Step` protocol the loop relies on: call it like the
+function, ``place(state)`` (on its mesh; a no-op without one), and
+``lower(state, batch).compile()`` ahead of time, whose result is called as
+``compiled(state, batch)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from edl import state as edl_state
-from edl.sharding import Rules, batch_spec, state_shardings
+from edl.sharding import Rules, batch_spec, shard, state_shardings
 from edl.state import StateLayout, TrainState
 
-__all__ = ["JittedStep", "ShardedStep"]
+__all__ = ["CompiledStep", "LoweredStep", "Step", "StepProgram"]
 
-StepFn = Callable[[TrainState, Any], tuple[TrainState, Any]]
+StepFn = Callable[[TrainState, Any, Any], tuple[TrainState, Any]]
+"""``fn(state, batch, constants) -> (state, metrics)``."""
+
+
+@runtime_checkable
+class Step(Protocol):
+    """A train step the loop compiles ahead of time: ``step(state, batch) -> (state,
+    metrics)``, ``place(state)`` (the state where the step's program wants it), and
+    ``lower(state, batch).compile()`` (a :class:`CompiledStep`)."""
+
+    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Any]: ...
+
+    def place(self, state: TrainState) -> TrainState: ...
+
+    def lower(
+        self, state: TrainState, batch: PyTree, *, platforms: Sequence[str] | None = None
+    ) -> LoweredStep: ...
 
 
 def _on_layout(fn: StepFn, layout: StateLayout) -> Callable:
-    """``fn`` as ``(updated, other, batch) -> (updated, metrics)`` for states of ``layout``."""
+    """``fn`` as ``(updated, other, batch, constants) -> (updated, metrics)`` for states of
+    ``layout``."""
 
-    def split_step(updated, other, batch):
-        new_state, metrics = fn(edl_state.join_other(layout, updated, other), batch)
+    def split_step(updated, other, batch, constants):
+        new_state, metrics = fn(edl_state.join_other(layout, updated, other), batch, constants)
         new_layout, new_updated, new_other = edl_state.split_other(new_state)
         if new_layout != layout or any(a is not b for a, b in zip(new_other, other, strict=True)):
             # The caller's state keeps its own ``other``, so a changed one would be lost.
@@ -48,26 +70,28 @@ def _on_layout(fn: StepFn, layout: StateLayout) -> Callable:
     return split_step
 
 
-class _Lowered:
-    """``jax.stages.Lowered`` of a split step; ``compile()`` gives a ``(state, batch)``
-    callable. Other attributes (``as_text``, ``cost_analysis``) are the lowered program's."""
+class LoweredStep:
+    """A :class:`StepProgram` lowered for one state structure; ``compile()`` gives a
+    :class:`CompiledStep`. Other attributes (``as_text``, ``cost_analysis``) are the
+    lowered program's (``jax.stages.Lowered``)."""
 
-    def __init__(self, lowered: Any, layout: StateLayout) -> None:
-        self.lowered, self.layout = lowered, layout
+    def __init__(self, lowered: Any, layout: StateLayout, constants: PyTree) -> None:
+        self.lowered, self.layout, self.constants = lowered, layout, constants
 
-    def compile(self) -> _Compiled:
-        return _Compiled(self.lowered.compile(), self.layout)
+    def compile(self) -> CompiledStep:
+        return CompiledStep(self.lowered.compile(), self.layout, self.constants)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.lowered, name)
 
 
-class _Compiled:
-    """A compiled split step called as ``compiled(state, batch) -> (state, metrics)``.
-    Other attributes (``memory_analysis``, ``as_text``) are the compiled program's."""
+class CompiledStep:
+    """A compiled :class:`StepProgram` called as ``compiled(state, batch) -> (state,
+    metrics)``. Other attributes (``memory_analysis``, ``as_text``) are the compiled
+    program's."""
 
-    def __init__(self, compiled: Any, layout: StateLayout) -> None:
-        self.compiled, self.layout = compiled, layout
+    def __init__(self, compiled: Any, layout: StateLayout, constants: PyTree) -> None:
+        self.compiled, self.layout, self.constants = compiled, layout, constants
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Any]:
         layout, updated, other = edl_state.split_other(state)
@@ -76,72 +100,48 @@ class _Compiled:
                 "train step: compiled for a state of another structure; lower it again "
                 f"for this one.\n  compiled for: {self.layout.treedef}\n  got: {layout.treedef}"
             )
-        new_updated, metrics = self.compiled(updated, other, batch)
+        new_updated, metrics = self.compiled(updated, other, batch, self.constants)
         return edl_state.join_other(layout, new_updated, other), metrics
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.compiled, name)
 
 
-class JittedStep:
-    """``fn(state, batch) -> (state, metrics)`` under ``jax.jit``, donating the input
-    state's ``step``, ``params`` and ``opt_state`` (with ``donate``) but never ``other``.
+class StepProgram:
+    """``fn(state, batch, constants) -> (state, metrics)`` under ``jax.jit``, donating the
+    input state's ``step``, ``params`` and ``opt_state`` (with ``donate``), never ``other``
+    or ``constants``; a :class:`Step`.
 
-    One jitted program per state structure (``edl.state.split_other``'s layout). Call it like
-    the function, or ``lower(state, batch).compile()`` ahead of time and call the result.
+    Args:
+        fn: the step function.
+        mesh: run SPMD on this mesh: in / out shardings derived from the first state and
+            batch of each structure (the state by ``edl.sharding.state_shardings``, batch
+            arrays split over ``dp`` / ``fsdp``, metrics replicated), traced under
+            ``jax.set_mesh`` so the models' activation constraints apply. None: one device,
+            inputs used where they are.
+        rules: partition rules on the mesh (None: the state's model's own, replicated where
+            it has none); ``constants`` are placed by the same rules.
+        donate: donate the buffers the step replaces.
+        constants: arrays every call passes to ``fn`` as they are (a pytree; ``()`` for
+            none).
+
+    One program per state structure (``edl.state.split_other``'s layout) and, on a mesh,
+    batch structure.
     """
 
-    def __init__(self, fn: StepFn, *, donate: bool = True) -> None:
-        self.fn, self.donate = fn, donate
+    def __init__(
+        self,
+        fn: StepFn,
+        *,
+        mesh: Mesh | None = None,
+        rules: Rules | None = None,
+        donate: bool = True,
+        constants: PyTree = (),
+    ) -> None:
+        self.fn, self.mesh, self.rules, self.donate = fn, mesh, rules, donate
+        self.constants = constants
+        self._placed: PyTree | None = None
         self._jitted: dict[Any, Any] = {}
-
-    def _jit_kwargs(self, state: TrainState, batch: PyTree) -> dict[str, Any]:
-        """Extra ``jax.jit`` arguments for this state and batch (shardings, on a mesh)."""
-        return {}
-
-    def _cache_key(self, layout: StateLayout, batch: PyTree) -> Any:
-        return layout
-
-    def _jit(self, state: TrainState, batch: PyTree) -> tuple[StateLayout, Any, Any, Any]:
-        """``(layout, updated, other, jitted)``: the state split, and the program for it."""
-        layout, updated, other = edl_state.split_other(state)
-        key = self._cache_key(layout, batch)
-        if key not in self._jitted:
-            self._jitted[key] = jax.jit(
-                _on_layout(self.fn, layout),
-                donate_argnums=(0,) if self.donate else (),
-                **self._jit_kwargs(state, batch),
-            )
-        return layout, updated, other, self._jitted[key]
-
-    def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Any]:
-        layout, updated, other, jitted = self._jit(state, batch)
-        new_updated, metrics = jitted(updated, other, batch)
-        return edl_state.join_other(layout, new_updated, other), metrics
-
-    def lower(
-        self, state: TrainState, batch: PyTree, *, platforms: Sequence[str] | None = None
-    ) -> _Lowered:
-        """The step lowered for ``state`` and ``batch`` (``.compile()`` it; arrays or
-        ``jax.ShapeDtypeStruct`` leaves). ``platforms``: lower for these platforms instead
-        of the devices' (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), e.g. ahead of time for
-        a TPU fleet from a CPU host; kernels follow the platform (``edl.platforms``), and such
-        a program compiles only where that platform's backend is."""
-        layout, updated, other, jitted = self._jit(state, batch)
-        traced = jitted.trace(updated, other, batch)
-        lowering = {} if platforms is None else {"lowering_platforms": tuple(platforms)}
-        return _Lowered(traced.lower(**lowering), layout)
-
-
-class ShardedStep(JittedStep):
-    """A :class:`JittedStep` for a mesh, with in/out shardings derived from the first state
-    and batch it sees (one compiled program per state/batch structure). Call it like the
-    function (it places the state first), or ``lower(state, batch).compile()`` ahead of time
-    and call the result on ``place(state)`` (``edl.train.train`` does)."""
-
-    def __init__(self, fn: StepFn, mesh: Mesh, rules: Rules | None, *, donate: bool = True) -> None:
-        super().__init__(fn, donate=donate)
-        self.mesh, self.rules = mesh, rules
 
     def _rules(self, state: TrainState) -> Rules:
         """The step's rules; without any, the model's own, else none (all replicated)."""
@@ -150,36 +150,78 @@ class ShardedStep(JittedStep):
         return state.partition_rules or ()
 
     def shardings(self, state: TrainState, batch: PyTree) -> tuple[Any, Any]:
-        """``(state shardings, batch shardings)`` this step uses."""
+        """``(state shardings, batch shardings)`` this step uses on its mesh."""
+        if self.mesh is None:
+            raise ValueError("StepProgram.shardings: the step has no mesh")
+        mesh = self.mesh
         batch_shardings = jax.tree.map(
-            lambda x: NamedSharding(self.mesh, batch_spec(x.shape, self.mesh)), batch
+            lambda x: NamedSharding(mesh, batch_spec(x.shape, mesh)), batch
         )
-        return state_shardings(state, self._rules(state), self.mesh), batch_shardings
+        return state_shardings(state, self._rules(state), mesh), batch_shardings
 
-    def _cache_key(self, layout: StateLayout, batch: PyTree) -> Any:
-        return layout, jax.tree.structure(batch)
+    def _constants(self, state: TrainState) -> PyTree:
+        """``constants``, placed on the mesh by the step's rules the first time."""
+        if self.mesh is None:
+            return self.constants
+        if self._placed is None:
+            self._placed = shard(self.constants, self._rules(state), self.mesh)
+        return self._placed
 
-    def _jit_kwargs(self, state: TrainState, batch: PyTree) -> dict[str, Any]:
+    def _jit_kwargs(self, state: TrainState, batch: PyTree, constants: PyTree) -> dict:
+        if self.mesh is None:
+            return {}
         state_sh, batch_sh = self.shardings(state, batch)
         _, updated_sh, other_sh = edl_state.split_other(state_sh)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
+        constants_sh = jax.tree.map(lambda x: x.sharding, constants)
         return {
-            "in_shardings": (updated_sh, other_sh, batch_sh),
-            "out_shardings": (updated_sh, replicated),
+            "in_shardings": (updated_sh, other_sh, batch_sh, constants_sh),
+            "out_shardings": (updated_sh, NamedSharding(self.mesh, PartitionSpec())),
         }
 
+    def _jit(self, state: TrainState, batch: PyTree) -> tuple[StateLayout, Any, Any, Any, Any]:
+        """``(layout, updated, other, constants, jitted)``: the state split, the constants
+        placed, and the program for them."""
+        layout, updated, other = edl_state.split_other(state)
+        constants = self._constants(state)
+        key = layout if self.mesh is None else (layout, jax.tree.structure(batch))
+        if key not in self._jitted:
+            self._jitted[key] = jax.jit(
+                _on_layout(self.fn, layout),
+                donate_argnums=(0,) if self.donate else (),
+                **self._jit_kwargs(state, batch, constants),
+            )
+        return layout, updated, other, constants, self._jitted[key]
+
     def place(self, state: TrainState) -> TrainState:
-        """``state`` on this step's mesh (a no-op for arrays already placed there)."""
+        """``state`` on this step's mesh (a no-op for arrays already placed there, and
+        without a mesh)."""
+        if self.mesh is None:
+            return state
         return jax.device_put(state, state_shardings(state, self._rules(state), self.mesh))
 
     def __call__(self, state: TrainState, batch: PyTree) -> tuple[TrainState, Any]:
         state = self.place(state)
-        with jax.set_mesh(self.mesh):
-            return super().__call__(state, batch)
+        with _on_mesh(self.mesh):
+            layout, updated, other, constants, jitted = self._jit(state, batch)
+            new_updated, metrics = jitted(updated, other, batch, constants)
+        return edl_state.join_other(layout, new_updated, other), metrics
 
     def lower(
         self, state: TrainState, batch: PyTree, *, platforms: Sequence[str] | None = None
-    ) -> _Lowered:
-        """As :meth:`JittedStep.lower`, on this step's mesh."""
-        with jax.set_mesh(self.mesh):
-            return super().lower(state, batch, platforms=platforms)
+    ) -> LoweredStep:
+        """The step lowered for ``state`` and ``batch`` (``.compile()`` it; arrays or
+        ``jax.ShapeDtypeStruct`` leaves; on a mesh, call the result on ``place(state)``).
+        ``platforms``: lower for these platforms instead of the devices' (``"cpu"``,
+        ``"cuda"``, ``"rocm"``, ``"tpu"``), e.g. ahead of time for a TPU fleet from a CPU
+        host; kernels follow the platform (``edl.platforms``), and such a program compiles
+        only where that platform's backend is."""
+        with _on_mesh(self.mesh):
+            layout, updated, other, constants, jitted = self._jit(state, batch)
+            traced = jitted.trace(updated, other, batch, constants)
+            lowering = {} if platforms is None else {"lowering_platforms": tuple(platforms)}
+            return LoweredStep(traced.lower(**lowering), layout, constants)
+
+
+def _on_mesh(mesh: Mesh | None) -> Any:
+    """``jax.set_mesh(mesh)``, or nothing without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

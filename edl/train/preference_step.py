@@ -24,7 +24,7 @@ from jaxtyping import Array, Float
 
 from edl import lora as edl_lora
 from edl.nn.lora import LoraLinear
-from edl.train.jitted import JittedStep
+from edl.train.jitted import StepProgram
 from edl.train.preference import (
     DPO_LOSS_TYPES,
     dpo_loss,
@@ -247,68 +247,30 @@ def make_dpo_step(
 
 
 def _with_reference(
-    loss_fn: Callable, optimizer: optax.GradientTransformation, reference_model: Any,
+    loss_fn: Callable,
+    optimizer: optax.GradientTransformation,
+    reference_model: Any,
     step_options: dict[str, Any],
-) -> Step:  # fmt: skip
-    """The train step with the reference model's arrays as a traced argument of the compiled
-    program (a closure would bake them into it as constants)."""
+) -> Step:
+    """The train step with the reference model's arrays as a constant argument of the
+    compiled program (a closure would bake them into it), placed on the step's mesh by its
+    rules."""
     options = dict(step_options)
     jit, donate = options.pop("jit", True), options.pop("donate", True)
-    if options.get("mesh") is not None:
-        raise ValueError(
-            "make_dpo_step: reference='model' does not run on a mesh yet; use "
-            "reference='lora' or precomputed reference='batch' log-probs there"
-        )
+    mesh, rules = options.pop("mesh", None), options.pop("rules", None)
     make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, jit=False, **options)  # checks
     arrays, static = eqx.partition(reference_model, eqx.is_array)
 
-    def step(state: Any, batch_and_reference: tuple[Batch, Any]) -> tuple[Any, dict]:
-        batch, ref_arrays = batch_and_reference
+    def step(state: Any, batch: Batch, ref_arrays: Any) -> tuple[Any, dict]:
         ref = eqx.combine(ref_arrays, static)
         pure = make_train_step(lambda m, b: loss_fn(m, b, ref), optimizer, jit=False, **options)
         return pure(state, batch)
 
     if not jit:
-        return lambda state, batch: step(state, (batch, arrays))
-    return ReferenceStep(JittedStep(step, donate=donate), arrays)
-
-
-class ReferenceStep:
-    """A jitted step ``inner(state, (batch, reference))`` called as ``step(state, batch)``:
-    the reference model's arrays go in as an argument (kept, not donated). Like a
-    :class:`JittedStep`, ``lower(state, batch).compile()`` gives a ``(state, batch)``
-    callable (``edl.train.train`` compiles ahead of time this way)."""
-
-    def __init__(self, inner: JittedStep, reference: Any) -> None:
-        self.inner, self.reference = inner, reference
-
-    def __call__(self, state: Any, batch: Batch) -> tuple[Any, dict[str, Array]]:
-        return self.inner(state, (batch, self.reference))
-
-    def lower(self, state: Any, batch: Batch) -> _BoundLowered:
-        return _BoundLowered(self.inner.lower(state, (batch, self.reference)), self.reference)
-
-
-class _BoundLowered:
-    def __init__(self, lowered: Any, reference: Any) -> None:
-        self.lowered, self.reference = lowered, reference
-
-    def compile(self) -> _BoundCompiled:
-        return _BoundCompiled(self.lowered.compile(), self.reference)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.lowered, name)
-
-
-class _BoundCompiled:
-    def __init__(self, compiled: Any, reference: Any) -> None:
-        self.compiled, self.reference = compiled, reference
-
-    def __call__(self, state: Any, batch: Batch) -> tuple[Any, dict[str, Array]]:
-        return self.compiled(state, (batch, self.reference))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.compiled, name)
+        if mesh is not None:
+            raise ValueError("make_dpo_step: mesh= needs jit=True")
+        return lambda state, batch: step(state, batch, arrays)
+    return StepProgram(step, mesh=mesh, rules=rules, donate=donate, constants=arrays)
 
 
 def reward_loss(

@@ -30,6 +30,7 @@ from edl.io.safetensors import CheckpointError
 from edl.sharding import sync_processes
 from edl.state import TrainState
 from edl.train.callbacks.metrics_log import METRICS_FILE
+from edl.train.data import Resumable
 
 __all__ = [
     "Prepared",
@@ -198,9 +199,10 @@ def prepare(
         return Prepared(state, history, 0.0, None)
     state, meta = load_state(checkpoint, like=state)
     step = int(info["step"])
-    if "data" in meta and hasattr(data, "restore"):
+    resumable = isinstance(data, Resumable)
+    if "data" in meta and resumable:
         data.restore(meta["data"])
-    elif not hasattr(data, "restore"):
+    elif not resumable:
         echo("resume: the data iterator has no position/restore, so it starts from its "
              "beginning (use TokenBatches for exact resumption)")  # fmt: skip
     history = _read_history(out / METRICS_FILE, step, rewrite=lead)

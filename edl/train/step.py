@@ -26,7 +26,7 @@ from edl import module as edl_module
 from edl import state as edl_state
 from edl.sharding import Rules
 from edl.state import TrainState
-from edl.train.jitted import JittedStep, ShardedStep
+from edl.train.jitted import StepProgram
 from edl.train.options import OPTIMIZERS, SCHEDULES
 
 __all__ = [
@@ -310,13 +310,14 @@ def make_train_step(
             deleted. ``other`` (frozen weights, which the model the state was created from
             still shares: a LoRA base) is never donated, and the returned state holds the
             same ``other`` arrays (see ``edl.train.jitted``). False: nothing is donated.
-        jit: return the step jitted (a :class:`JittedStep`); False returns the pure function.
+        jit: return the step jitted (a :class:`~edl.train.jitted.StepProgram`); False
+            returns the pure function.
         mesh, rules: run SPMD on ``mesh`` (``edl.sharding.make_mesh``): the state is placed by
             ``edl.sharding.state_shardings(state, rules, mesh)`` (``rules=None``: the model's
             own ``partition_rules``, replicated where it has none; optimizer state following
             its parameters), every batch array split over ``dp``/``fsdp`` on its leading
             axis, metrics replicated; traced under ``jax.set_mesh(mesh)`` so the models'
-            activation constraints apply. The result is a :class:`ShardedStep`.
+            activation constraints apply (``StepProgram``'s ``mesh``).
 
     Metrics: the loss function's (``loss``, ``accuracy``, ``count``, ...), ``grad_norm``
     (before clipping), ``learning_rate`` (with ``schedule``), ``nonfinite`` (1 when the loss,
@@ -331,13 +332,13 @@ def make_train_step(
         )
     grad_fn = edl_state.value_and_grad(_in_precision(loss_fn, compute_dtype), has_aux=True)
     step = _step_fn(grad_fn, tx, grad_accum_steps, clip_norm, schedule, skip_nonfinite)
-    if mesh is not None:
-        if not jit:
-            raise ValueError("make_train_step: mesh= needs jit=True")
-        return ShardedStep(step, mesh, rules, donate=donate)
     if not jit:
+        if mesh is not None:
+            raise ValueError("make_train_step: mesh= needs jit=True")
         return step
-    return JittedStep(step, donate=donate)
+    return StepProgram(
+        lambda state, batch, _: step(state, batch), mesh=mesh, rules=rules, donate=donate
+    )
 
 
 def make_eval_step(

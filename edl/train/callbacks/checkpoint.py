@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from edl.io.checkpoint import latest_checkpoint, save_state
 from edl.io.files import write_share
 from edl.train.core import Callback, RunEnd, StepInfo
+from edl.train.data import Resumable
 
 __all__ = ["Checkpoint"]
 
@@ -78,7 +79,7 @@ class Checkpoint(Callback):
 
     def _save(self, state: Any, step: int, elapsed: float) -> None:
         metadata: dict[str, Any] = {"elapsed": elapsed}
-        if hasattr(self.data, "position"):
+        if isinstance(self.data, Resumable):
             metadata["data"] = self.data.position
         self._saved_step = step
         if not self.asynchronous:
