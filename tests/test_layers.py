@@ -18,6 +18,8 @@ import ast
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -153,3 +155,35 @@ def test_layering_knows_every_package_under_edl():
     modules = {p.stem for p in (ROOT / "edl").glob("*.py") if p.stem != "__init__"}
     unplaced = sorted(n for n in packages | modules if layer_of(f"edl.{n}") is None)
     assert not unplaced, f"add these to LAYERS (and docs/ARCHITECTURE.md): {unplaced}"
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Each module under ``root/edl`` (packages' ``__init__`` left out: a package re-exports
+    its modules' names, and a module importing a name from its package is no cycle of
+    code) and the modules it imports, at top level or inside functions."""
+
+    def is_module(name: str) -> bool:
+        path = root.joinpath(*name.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    graph = {}
+    for file in sorted((root / "edl").rglob("*.py")):
+        if file.name != "__init__.py":
+            module = _module_name(root, file)
+            targets = imports_of(module, file.read_text(encoding="utf-8"), is_module)
+            graph[module] = {target for _, target in targets if target != module}
+    return {module: targets & graph.keys() for module, targets in graph.items()}
+
+
+def test_no_import_cycle():
+    """No module imports, directly or through others, a module that imports it back (a
+    function-local import included: it only hides the cycle from Python)."""
+    import graphlib
+
+    try:
+        tuple(graphlib.TopologicalSorter(import_graph(ROOT)).static_order())
+    except graphlib.CycleError as error:
+        raise AssertionError(f"import cycle: {' -> '.join(error.args[1])}") from None
+    cyclic = {"edl.a": {"edl.b"}, "edl.b": {"edl.a"}}
+    with pytest.raises(graphlib.CycleError):  # the check finds what it looks for
+        tuple(graphlib.TopologicalSorter(cyclic).static_order())

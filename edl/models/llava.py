@@ -36,6 +36,7 @@ from edl.models.clip import ENCODER_PARTITION_RULES, CLIPVisionModel, tower_key_
 from edl.models.config import RUN_OPTIONS, DecoderConfig
 from edl.models.decoder import PARTITION_RULES, CausalLMOutput, DecoderModel, ModelOutput
 from edl.models.encoder_config import CLIPVisionConfig, SiglipVisionConfig, replace_nested
+from edl.models.families import family_for
 from edl.models.heads import DecoderForCausalLM
 from edl.models.keymap import KeyRule, KeyTable
 from edl.models.siglip import SiglipVisionModel
@@ -76,12 +77,6 @@ _READ = frozenset({
     "vision_feature_layer", "multimodal_projector_bias", "tie_word_embeddings", "architectures",
     "dtype", "torch_dtype", "transformers_version",
 })  # fmt: skip
-
-
-def _text_family(model_type: str) -> Any:
-    from edl.models import registry  # the registry imports this module
-
-    return registry.family_for(model_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +175,7 @@ class LlavaConfig:
         extra = tuple(sorted((k, json.dumps(v)) for k, v in c.items() if k not in _READ))
         try:
             return cls(
-                text_config=_text_family(text["model_type"]).config_cls.from_hf(text, **overrides),
+                text_config=family_for(text["model_type"]).config_cls.from_hf(text, **overrides),
                 vision_config=_VISION[vision["model_type"]].from_hf(vision, **overrides),
                 hf_extra=extra,
                 **fields,
@@ -239,7 +234,7 @@ _IGNORED = (r"(.*\.)?embeddings\.position_ids", r".*rotary_emb\.inv_freq")
 def _trunk_rules(config: LlavaConfig) -> list[KeyRule]:
     """The language model family's trunk rules (HF ``model.*`` <-> edl ``model.*`` of its
     causal LM) moved to transformers 5's module names, ``model.language_model.*`` both ways."""
-    text = _text_family(config.text_config.model_type).key_table_for(config.text_config)
+    text = family_for(config.text_config.model_type).key_table_for(config.text_config)
     out = []
     for rule in text.rules:
         if not (rule.hf.startswith("model.") and rule.edl_templates[0].startswith("model.")):
@@ -335,7 +330,7 @@ class LlavaModel(eqx.Module):
         dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_vision, k_proj, k_text = jax.random.split(key, 3)
         tower = _TOWERS[type(config.vision_config)]
-        trunk = _text_family(config.text_config.model_type).tasks["base"]
+        trunk = family_for(config.text_config.model_type).tasks["base"]
         return cls(
             tower.init(config.vision_config, key=k_vision, dtype=dtype),
             LlavaMultiModalProjector.init(config, dtype=dtype, key=k_proj),
@@ -420,7 +415,7 @@ class LlavaForConditionalGeneration(eqx.Module):
         """The language model with the head as its family's causal LM (the same arrays, no
         copy): what generation runs after the image features are merged in."""
         trunk = self.model.language_model
-        lm_class = _text_family(trunk.config.model_type).tasks["causal_lm"]
+        lm_class = family_for(trunk.config.model_type).tasks["causal_lm"]
         return lm_class(trunk, self.lm_head, self.generation_config)
 
     def get_image_features(self, pixel_values: Pixels) -> ImageFeatures:
