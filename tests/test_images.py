@@ -303,5 +303,5 @@ def test_pillow_is_imported_only_when_used_and_named_when_missing(monkeypatch):
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     monkeypatch.setitem(sys.modules, "PIL", None)  # the extra is not installed
-    with pytest.raises(ImportError, match=r"pip install 'edl\[vision\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'edl-jax\[vision\]'"):
         resize(np.zeros((3, 8, 8), np.uint8), 4, 4)

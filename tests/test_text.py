@@ -401,7 +401,7 @@ def test_load_tokenizer_errors_name_the_path(tmp_path, tokenizer_dirs, monkeypat
     with pytest.raises(ValueError, match="is a file"):
         load_tokenizer(file)
     monkeypatch.setitem(sys.modules, "transformers", None)  # the extra is not installed
-    with pytest.raises(ImportError, match=r"pip install 'edl\[text\]'"):
+    with pytest.raises(ImportError, match=r"pip install 'edl-jax\[text\]'"):
         load_tokenizer(tokenizer_dirs["chatml"])
 
 

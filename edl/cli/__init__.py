@@ -128,7 +128,7 @@ def _add_serve(commands: Any) -> None:
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model at /v1/chat/completions, /v1/completions, /v1/models and "
         "/health (OpenAI's API, streaming included) with continuous batching. Needs the "
-        "serve extra (pip install 'edl[serve]'). SIGTERM / Ctrl-C stop it gracefully.",
+        "serve extra (pip install 'edl-jax[serve]'). SIGTERM / Ctrl-C stop it gracefully.",
     )  # fmt: skip
     serve.add_argument("--model", required=True, metavar="DIR_OR_REPO",
                        help="a run directory, checkpoint, saved model or hub repo id")  # fmt: skip

@@ -20,7 +20,7 @@ def run_serve(args: argparse.Namespace) -> None:
         from edl.serve.server import create_app, serve
     except ImportError as e:
         raise CommandError(
-            f"edl serve needs the serve extra (pip install 'edl[serve]'): {e}"
+            f"edl serve needs the serve extra (pip install 'edl-jax[serve]'): {e}"
         ) from None
     from edl.cli.generate import load_model_and_tokenizer
     from edl.generate import GenerationConfig

@@ -26,7 +26,7 @@ own kernels, not Pillow's; edl reproduces the Pillow backend only.
 - ``processor``: :class:`ImageProcessor`, the settings, read from and written to
   ``preprocessor_config.json`` (or a ``processor_config.json``'s ``image_processor``).
 
-No jax: pure numpy, and Pillow (the ``edl[vision]`` extra) imported on first use.
+No jax: pure numpy, and Pillow (the ``edl-jax[vision]`` extra) imported on first use.
 """
 
 from edl.images.processor import CONFIG_NAME, PROCESSOR_NAME, ImageProcessor

@@ -1,7 +1,7 @@
 """The steps of CLIP / SigLIP preprocessing as pure functions over numpy arrays: each is
 transformers' Pillow-backend operation (``transformers.image_transforms``), computed the same
 way so the results are equal, not close. Images are ``(channels, height, width)`` arrays
-after :func:`channels_first`. Pillow is imported on first use (the ``edl[vision]`` extra)."""
+after :func:`channels_first`. Pillow is imported on first use (the ``edl-jax[vision]`` extra)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def _pillow() -> Any:
     try:
         from PIL import Image
     except ImportError as e:
-        raise ImportError("edl.images needs Pillow: pip install 'edl[vision]'") from e
+        raise ImportError("edl.images needs Pillow: pip install 'edl-jax[vision]'") from e
     return Image
 
 

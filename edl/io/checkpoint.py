@@ -194,7 +194,7 @@ def _version() -> str | None:
     version = getattr(edl, "__version__", None)
     if version is None:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            version = importlib.metadata.version("edl")
+            version = importlib.metadata.version("edl-jax")
     return version
 
 

@@ -5,7 +5,7 @@ an OpenAI-compatible HTTP server over it (``edl.serve.server``).
 ``QueueFull``, the ``Engine`` protocol), ``edl.serve.engine`` (``Engine``: scheduler, pages,
 the jitted model step), ``edl.serve.driver`` (the engine thread), ``edl.serve.protocol``
 (OpenAI's request / response shapes), ``edl.serve.detokenize`` (incremental text, stop
-strings), ``edl.serve.server`` (``create_app``: Starlette, the ``edl[serve]`` extra)::
+strings), ``edl.serve.server`` (``create_app``: Starlette, the ``edl-jax[serve]`` extra)::
 
     engine = Engine(model, max_batch=8, eos_token_ids=(2,))
     rid = engine.add_request([5, 9, 2], SamplingParams(max_tokens=16, temperature=0.0))

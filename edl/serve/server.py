@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server over an :class:`edl.serve.types.Engine` (Starlette +
-uvicorn: the ``edl[serve]`` extra).
+uvicorn: the ``edl-jax[serve]`` extra).
 
     app = create_app(engine, tokenizer, model_name="tiny", max_model_len=2048,
                      stop_token_ids=[tokenizer.eos_id])

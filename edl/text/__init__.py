@@ -1,7 +1,7 @@
 """Text: tokenizers, the encoding of supervised fine-tuning examples, and training data from
 files and datasets. Pure Python and numpy: no jax; transformers only inside
-:func:`load_tokenizer` (the ``edl[text]`` extra), ``datasets`` only inside
-:func:`hf_dataset` (the ``edl[data]`` extra).
+:func:`load_tokenizer` (the ``edl-jax[text]`` extra), ``datasets`` only inside
+:func:`hf_dataset` (the ``edl-jax[data]`` extra).
 
 - ``tokenizer``: the :class:`Tokenizer` protocol and :class:`ByteTokenizer` (the demo's);
 - ``hf``: :func:`load_tokenizer` and :class:`HFTokenizer`, transformers' tokenizers under

@@ -7,7 +7,7 @@ transformers'; :class:`HFTokenizer` puts edl's names on it (``encode(..., add_bo
 re-implementing normalizers, pre-tokenizers and Jinja chat templates would only be a second
 place for them to differ.
 
-transformers is the optional extra ``edl[text]``; it is imported on the first
+transformers is the optional extra ``edl-jax[text]``; it is imported on the first
 :func:`load_tokenizer`, never by ``import edl`` or ``import edl.text``.
 """
 
@@ -272,7 +272,7 @@ def load_tokenizer(
         from transformers import AutoTokenizer
     except ImportError as e:
         raise ImportError(
-            "edl.text.load_tokenizer needs transformers: pip install 'edl[text]'"
+            "edl.text.load_tokenizer needs transformers: pip install 'edl-jax[text]'"
         ) from e
     options: dict[str, Any] = {"revision": revision, "cache_dir": cache_dir, "token": token}
     if local_files_only is not None:

@@ -270,7 +270,7 @@ def hf_dataset(
     streaming: bool = False,
     cache_dir: PathLike | None = None,
 ) -> Source:
-    """Records of a Hugging Face ``datasets`` dataset (the optional extra ``edl[data]``).
+    """Records of a Hugging Face ``datasets`` dataset (the optional extra ``edl-jax[data]``).
 
     ``path`` is what ``datasets.load_dataset`` takes (a hub name, a builder such as
     ``"json"`` / ``"parquet"`` / ``"text"`` with ``data_files``, or a local dataset
@@ -288,7 +288,7 @@ def hf_dataset(
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("edl.text.hf_dataset needs datasets: pip install 'edl[data]'") from e
+        raise ImportError("edl.text.hf_dataset needs datasets: pip install 'edl-jax[data]'") from e
     where = f"{os.fspath(path)}[{split}]"
     local = Path(path).expanduser()
     local_files = None

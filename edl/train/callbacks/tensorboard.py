@@ -36,7 +36,9 @@ class TensorBoardLog(Callback):
         config: Mapping[str, Any] | None = None,
     ) -> None:
         if not tensorboard_available():
-            raise ImportError("TensorBoardLog needs tensorboardX: pip install 'edl[tensorboard]'")
+            raise ImportError(
+                "TensorBoardLog needs tensorboardX: pip install 'edl-jax[tensorboard]'"
+            )
         self.directory, self.interval = Path(directory), interval
         self.config = None if config is None else dict(config)
         self._writer: Any = None

@@ -64,7 +64,7 @@ class WandbLog(Callback):
         project: str | None = None,
     ) -> None:
         if not wandb_available():
-            raise ImportError("WandbLog needs wandb: pip install 'edl[wandb]'")
+            raise ImportError("WandbLog needs wandb: pip install 'edl-jax[wandb]'")
         self.directory, self.interval = Path(directory), interval
         self.config, self.project = dict(config or {}), project
         self._run: Any = None
