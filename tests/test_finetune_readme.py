@@ -1,8 +1,9 @@
-"""The README's "fine-tune a Hugging Face model" commands, run as written on a small model.
+"""The fine-tune tutorial's commands (docs/tutorials/finetune.md, "finetune-commands"), run as
+written on a small model.
 
 The test builds what a researcher downloads: a Llama-architecture model directory with a
 byte-level BPE tokenizer trained here by the `tokenizers` library and a ChatML chat template,
-and a chat JSONL file. Only the README's ``MODEL=`` line is changed (to that directory).
+and a chat JSONL file. Only the block's ``MODEL=`` line is changed (to that directory).
 Then transformers is the oracle: it loads the exported directory and the run's checkpoints,
 and its greedy tokens equal what ``edl generate`` printed for the export.
 """
@@ -22,6 +23,7 @@ transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
 ROOT = Path(__file__).resolve().parents[1]
+TUTORIAL = ROOT / "docs" / "tutorials" / "finetune.md"
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -34,12 +36,11 @@ CONVERSATIONS = [
 
 
 def _commands() -> str:
-    readme = (ROOT / "README.md").read_text()
     block = re.search(
         r"<!-- finetune-commands -->\n```bash\n(.*?)\n```\n<!-- /finetune-commands -->",
-        readme, flags=re.S,
+        TUTORIAL.read_text(), flags=re.S,
     )  # fmt: skip
-    assert block is not None, "README.md has no finetune-commands block"
+    assert block is not None, f"{TUTORIAL} has no finetune-commands block"
     return block.group(1)
 
 
@@ -101,7 +102,7 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
     _write_chats(tmp_path / "chat.jsonl")
     commands = _commands()
     model_line = re.search(r"^MODEL=.*$", commands, flags=re.M)
-    assert model_line is not None, "the README block sets MODEL="
+    assert model_line is not None, "the tutorial's block sets MODEL="
     script = commands.replace(model_line.group(0), f"MODEL={tmp_path / 'model'}")
     out = _run(script, tmp_path)
     results = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
@@ -146,7 +147,7 @@ def _json_line(out: str) -> dict:
 
 @pytest.mark.slow  # four small CLI runs, each compiling a train step (~2 minutes)
 def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys):
-    """The flags the README names but does not run: QLoRA (nf4) with bfloat16 compute on
+    """The flags the tutorial names but does not run: QLoRA (nf4) with bfloat16 compute on
     prompt / completion records without packing, resumed; full fine-tuning in bfloat16."""
     import equinox as eqx
     import jax

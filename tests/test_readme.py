@@ -1,23 +1,34 @@
-"""The README's tour runs as written, and CI runs the README's test command."""
+"""The README's tour runs as written, CI runs the README's test command, and the names the
+README and the docs pages give exist (the docs' code blocks and site: tests/test_docs.py)."""
 
 import importlib
 import re
 import types
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+DOCS = {
+    path.relative_to(ROOT).as_posix(): path.read_text() for path in (ROOT / "docs").rglob("*.md")
+}
+MODULE_TABLE = ROOT / "docs" / "reference" / "index.md"
 
 
-@pytest.mark.slow  # runs every README tour end to end (~2.5 minutes)
 def test_readme_tours_run():
+    """The README's one tour (the rest of the manual is docs/, run by tests/test_docs.py)."""
     blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    runnable = [b for b in blocks if "..." not in b]  # the traversal cheat-sheet is not code
-    assert len(runnable) >= 2
-    for tour in runnable:
-        exec(compile(tour, "README.md", "exec"), {})
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "README.md", "exec"), {})
+
+
+def test_readme_links_to_every_docs_page():
+    """The README is the way in: it links to each page of the site (the API reference through
+    its index)."""
+    linked = set(re.findall(r"\]\((docs/[^)#]+\.md)", README))
+    pages = {page for page in DOCS if not page.startswith("docs/reference/")}
+    pages.add("docs/reference/index.md")
+    assert not pages - linked, f"README.md does not link to {sorted(pages - linked)}"
+    assert not linked - set(DOCS), f"README.md links to missing pages {sorted(linked - set(DOCS))}"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -43,23 +54,29 @@ def _resolve(dotted: str):
 
 
 def test_every_dotted_edl_name_in_the_readme_resolves():
-    names = sorted(set(re.findall(r"\bedl(?:\.[A-Za-z_]\w*)+", README)))
-    assert len(names) > 20
+    """In the README and every docs page (``edl.io.checkpoint``, ``edl.train.make_dpo_step``)."""
     missing = []
-    for name in names:
-        try:
-            _resolve(name)
-        except (ImportError, AttributeError) as error:
-            missing.append(f"{name}: {error}")
+    for page, text in {"README.md": README, **DOCS}.items():
+        text = re.sub(r"\]\([^)]*\)", "]", text)  # link targets: file names, not names
+        for name in sorted(set(re.findall(r"\bedl(?:\.[A-Za-z_]\w*)+", text))):
+            try:
+                _resolve(name)
+            except (ImportError, AttributeError) as error:
+                missing.append(f"{page}: {name}: {error}")
     assert not missing, "\n".join(missing)
+    assert len(set(re.findall(r"\bedl(?:\.[A-Za-z_]\w*)+", "".join(DOCS.values())))) > 100
 
 
 def test_the_module_table_names_what_each_module_holds():
-    """Each identifier in backticks in a row of the module table is an attribute of the
-    row's module (a submodule only where the row introduces it as one: "`name`: ..." or
-    "`name` (...)"), of such a submodule (``edl.io``'s row), of a class the row names
-    (``from_hf``), or of ``edl`` itself (``create_state``)."""
-    rows = re.findall(r"^\| `(edl(?:\.\w+)*)`[^|]*\| (.*) \|$", README, flags=re.M)
+    """Each identifier in backticks in a row of the module table (the API reference's index
+    page) is an attribute of the row's module (a submodule only where the row introduces it
+    as one: "`name`: ..." or "`name` (...)"), of such a submodule (``edl.io``'s row), of a
+    class the row names (``from_hf``), or of ``edl`` itself (``create_state``)."""
+    rows = re.findall(
+        r"^\| \[?`(edl(?:\.\w+)*)`(?:\]\([\w.]+\.md\))?[^|]*\| (.*) \|$",
+        MODULE_TABLE.read_text(),
+        flags=re.M,
+    )
     assert len(rows) >= 10
     missing = []
     for module_name, text in rows:
@@ -75,7 +92,7 @@ def test_the_module_table_names_what_each_module_holds():
                 and not re.search(rf"`{name}`(:| \()", text)
             ):
                 missing.append(f"{module_name}: {name}")
-    assert not missing, "README module table names what its module lacks:\n" + "\n".join(missing)
+    assert not missing, "the module table names what its module lacks:\n" + "\n".join(missing)
 
 
 def _public_modules():
