@@ -63,6 +63,9 @@ class TowerConfig:
     """The fields every encoder tower has (HF names)."""
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    # What a built tower may change besides its run options (``edl.models.config.reconfigure``):
+    # an init-only value and the HF keys edl does not interpret.
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"run", "initializer_range", "hf_extra"})
 
     model_type: str = ""
     hidden_size: int = 768
@@ -234,6 +237,8 @@ class DualEncoderConfig:
     """A text tower and a vision tower (HF ``text_config`` / ``vision_config``)."""
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
+    # Besides run options (to both towers) and the towers' own ``SETTINGS``.
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"hf_extra"})
     TEXT: ClassVar[type[TextTowerConfig]] = TextTowerConfig
     VISION: ClassVar[type[VisionTowerConfig]] = VisionTowerConfig
 
@@ -294,6 +299,7 @@ class CLIPConfig(DualEncoderConfig):
     and ``logit_scale_init_value`` (``logit_scale``'s initial value, log of 1 / 0.07)."""
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("clip",)
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"hf_extra", "logit_scale_init_value"})
     TEXT: ClassVar[type[TextTowerConfig]] = CLIPTextConfig
     VISION: ClassVar[type[VisionTowerConfig]] = CLIPVisionConfig
 

@@ -1,12 +1,15 @@
 """Task heads on the decoder trunk: causal LM (tied or untied head, Gemma 2's final
 soft-capping, the MoE router losses) and sequence classification (HF's last-non-pad
-pooling), plus ``configure`` to re-run a model's weights under changed run-time settings.
+pooling), plus ``configure``, which re-runs any edl model's weights under changed run
+options (never under a changed architecture).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import ClassVar
+from collections.abc import Iterator
+from typing import ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -14,7 +17,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from edl.models.config import DecoderConfig
+from edl.models.config import DecoderConfig, reconfigure
 from edl.models.decoder import (
     PARTITION_RULES,
     CausalLMOutput,
@@ -36,6 +39,8 @@ from edl.ops.losses import (
 )
 from edl.ops.moe import load_balancing_loss, router_z_loss
 from edl.ops.sharding import Rules
+
+T = TypeVar("T")
 
 __all__ = ["DecoderForCausalLM", "DecoderForSequenceClassification", "configure"]
 
@@ -257,15 +262,62 @@ class DecoderForSequenceClassification(eqx.Module):
         return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
 
 
-AnyDecoder = DecoderModel | DecoderForCausalLM | DecoderForSequenceClassification
+M = TypeVar("M", bound=eqx.Module)
 
 
-def configure(model: AnyDecoder, **changes: object) -> AnyDecoder:
-    """The same weights under a changed config, e.g. ``configure(m, scan_layers=False)``
-    or ``remat="full"`` or ``attention_impl="reference"`` or ``moe_impl="dense"``.
-    Array-shaping fields must not change."""
-    trunk = model if isinstance(model, DecoderModel) else model.model
-    new_trunk = dataclasses.replace(trunk, config=trunk.config.replace(**changes))
-    if isinstance(model, DecoderModel):
-        return new_trunk
-    return dataclasses.replace(model, model=new_trunk)
+def configure(model: M, **changes: object) -> M:
+    """The same weights under changed run options, e.g. ``configure(m, scan_layers=False)``
+    or ``remat="full"`` or ``attention_impl="xla"`` or ``moe_impl="dense"``, or changed
+    settings (``type(model.config).SETTINGS``: loss coefficients such as
+    ``router_aux_loss_coef``, ``initializer_range``, ``hf_extra``).
+
+    Any edl model: the decoders, CLIP / SigLIP (run options reach both towers) and LLaVA
+    (both the vision tower and the language model). Every config in the model (a LLaVA
+    model's own and its parts') is replaced consistently.
+
+    The architecture does not change: a field that shapes the weights (``vocab_size``,
+    ``num_attention_heads``, ``intermediate_size``, ...) or defines what they compute
+    (``rope``, ``rms_norm_eps``, ``num_experts_per_tok``, ...) raises ``ValueError`` naming
+    it, with the model's value and the requested one (``edl.models.config.reconfigure``).
+    """
+    old = model.config
+    new = reconfigure(old, changes)
+    return _with_configs(model, dict(_nested_configs(old, new)))
+
+
+def _nested_configs(old: object, new: object) -> Iterator[tuple[object, object]]:
+    """``(old, new)`` pairs: the configs and those nested in them (``text_config``, ...)."""
+    yield old, new
+    for f in dataclasses.fields(old):
+        if hasattr(getattr(old, f.name), "SETTINGS"):
+            yield from _nested_configs(getattr(old, f.name), getattr(new, f.name))
+
+
+def _holds_config(node: object) -> bool:
+    return isinstance(node, eqx.Module) and any(
+        f.name == "config" for f in dataclasses.fields(node)
+    )
+
+
+def _with_configs(tree: T, new: dict[object, object]) -> T:
+    """``tree`` with the ``config`` of each module holding one looked up in ``new``."""
+
+    def swap(node: object) -> object:
+        if not _holds_config(node):
+            return node
+        if node.config not in new:
+            raise ValueError(
+                f"configure: the model holds a {type(node).__name__} whose config is "
+                f"neither the model's nor one nested in it: {node.config!r:.200}"
+            )
+        # A copy with the fields set, as Equinox's unflatten builds a module: ``__init__``
+        # would re-check each field, and the arrays of an abstract model (from
+        # ``eqx.filter_eval_shape``) are shapes only.
+        out = copy.copy(node)
+        object.__setattr__(out, "config", new[node.config])
+        for f in dataclasses.fields(node):
+            if f.name != "config" and not f.metadata.get("static", False):
+                object.__setattr__(out, f.name, _with_configs(getattr(node, f.name), new))
+        return out
+
+    return jax.tree.map(swap, tree, is_leaf=_holds_config)

@@ -97,6 +97,9 @@ class LlavaConfig:
     hf_extra: tuple[tuple[str, str], ...] = ()
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llava",)
+    # Besides run options (to both models) and the nested configs' own ``SETTINGS``
+    # (``edl.models.config.reconfigure``).
+    SETTINGS: ClassVar[frozenset[str]] = frozenset({"hf_extra"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.text_config, DecoderConfig):
