@@ -187,7 +187,7 @@ def _check_configured(model, changes, new, path):
     assert _shapes(configured) == _shapes(model), path
 
 
-FAMILIES = {f.name: f for f in registry._BY_MODEL_TYPE.values()}
+FAMILIES = {f.name: f for f in registry.registered()}
 
 
 @pytest.mark.parametrize("name", FAMILIES)

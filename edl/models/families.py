@@ -19,7 +19,16 @@ from typing import Any
 
 from edl.models.keymap import KeyTable
 
-__all__ = ["TASKS", "Family", "architecture", "family_for", "family_of", "register", "resolve"]
+__all__ = [
+    "TASKS",
+    "Family",
+    "architecture",
+    "family_for",
+    "family_of",
+    "register",
+    "registered",
+    "resolve",
+]
 
 # task name -> HF architecture suffix
 TASKS = {
@@ -124,7 +133,7 @@ def family_for(model_type: str) -> Family:
 
 def family_of(model: Any) -> tuple[Family, str]:
     """``(family, task)`` of a model instance."""
-    for family in {id(f): f for f in _BY_MODEL_TYPE.values()}.values():
+    for family in registered():
         for task, cls in family.tasks.items():
             if type(model) is cls:
                 return family, task
@@ -135,3 +144,8 @@ def architecture(model: Any) -> str:
     """The HF architecture name (``"Qwen2ForCausalLM"``) of a model instance."""
     family, task = family_of(model)
     return family.hf_names[model.config.model_type] + TASKS[task]
+
+
+def registered() -> tuple[Family, ...]:
+    """Every registered family, once each, in the order registered."""
+    return tuple({id(f): f for f in _BY_MODEL_TYPE.values()}.values())

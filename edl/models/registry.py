@@ -23,10 +23,20 @@ from edl.models.families import (
     family_for,
     family_of,
     register,
+    registered,
     resolve,
 )
 
-__all__ = ["TASKS", "Family", "architecture", "family_for", "family_of", "register", "resolve"]
+__all__ = [
+    "TASKS",
+    "Family",
+    "architecture",
+    "family_for",
+    "family_of",
+    "register",
+    "registered",
+    "resolve",
+]
 
 _DECODER_TASKS = ("causal_lm", "sequence_classification", "base")
 
