@@ -7,7 +7,8 @@
 
 Every ``Linear`` whose path matches ``config.pattern`` (``re.search`` over paths such as
 ``"model.layers.self_attn.q_proj"``) becomes a ``QuantizedLinear`` holding integer codes and
-float scales (``edl.ops.quant`` has the formats). Layer stacks are quantized per layer
+float scales in a format of ``edl.ops.quant.QUANT_FORMATS`` (int8 and NF4 built in; one
+``QuantFormat`` entry adds another). Layer stacks are quantized per layer
 matrix. The result is an ordinary pytree: it jits, generates, checkpoints with
 ``save_state`` and takes LoRA adapters (QLoRA: ``edl.lora.apply_lora`` on it trains only
 the adapters).
@@ -26,7 +27,7 @@ from jaxtyping import PyTree
 from edl.nn.layers import Linear
 from edl.nn.lora import LoraLinear
 from edl.nn.quantized import BlockSize, QuantizedLinear
-from edl.ops.quant import FORMATS, Format
+from edl.ops.quant import QUANT_FORMATS
 from edl.tree import find, tree_apply
 
 __all__ = [
@@ -54,21 +55,21 @@ class QuantConfig:
     """How to quantize.
 
     Attributes:
-        format: ``"nf4"`` (4-bit NormalFloat, two codes per byte) or ``"int8"`` (absmax).
-        block_size: elements per scale; ``None`` is the format's default (nf4: 64, int8:
-            ``"channel"``, one scale per output channel).
+        format: a name in ``edl.ops.quant.QUANT_FORMATS``: ``"nf4"`` (4-bit NormalFloat, two
+            codes per byte), ``"int8"`` (absmax), or a registered one.
+        block_size: elements per scale; ``None`` is the format's ``default_block`` (nf4: 64,
+            int8: ``"channel"``, one scale per output channel).
         pattern: regex searched in each linear layer's path.
         scale_dtype: dtype of the stored scales.
     """
 
-    format: Format = "nf4"
+    format: str = "nf4"
     block_size: BlockSize = None
     pattern: str = DEFAULT_PATTERN
     scale_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"QuantConfig.format must be one of {FORMATS}, got {self.format!r}")
+        QUANT_FORMATS.lookup(self.format, "QuantConfig.format")
         if not jnp.issubdtype(jnp.dtype(self.scale_dtype), jnp.floating):
             raise ValueError(f"QuantConfig.scale_dtype must be floating, got {self.scale_dtype}")
 

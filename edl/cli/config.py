@@ -1,11 +1,15 @@
 """``TrainConfig``: every option of ``edl train``, its default, its help and its check.
 
-Imports nothing heavy: ``edl train --help`` and option errors answer before jax loads.
+Imports nothing heavy: ``edl train --help`` and option errors answer before jax loads. The
+options whose names are a registry's (``--loss-type``: ``PREFERENCE_LOSSES``, ``--quantize``:
+``QUANT_FORMATS``) read it when their value is checked, last, so a registered entry is a
+valid choice without an edit here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import tomllib
 from pathlib import Path
@@ -24,10 +28,32 @@ class CommandError(Exception):
     """A command cannot run (a missing path, say); ``edl`` prints the message, exits 1."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """Choices that are the names of a registry, ``"module:NAME"`` (plus ``extra`` ones):
+    read when a value is checked, since the registry's module imports jax."""
+
+    registry: str
+    extra: tuple[str, ...] = ()
+
+    def names(self) -> tuple[str, ...]:
+        """``extra`` and the registry's names, as registered now."""
+        module, _, name = self.registry.partition(":")
+        return (*self.extra, *getattr(importlib.import_module(module), name))
+
+    def __str__(self) -> str:
+        where = "a name in " + self.registry.replace(":", ".")
+        return f"{' / '.join(self.extra)} or {where}" if self.extra else where
+
+
 def _option(default: Any, help: str, *, low: float | None = None, high: float | None = None,
-            choices: tuple[str, ...] | None = None) -> Any:  # fmt: skip
-    """A dataclass field with the option's help, range and choices as metadata."""
-    meta = {"help": help, "low": low, "high": high, "choices": choices}
+            choices: tuple[str, ...] | None = None,
+            registry: Registered | None = None) -> Any:  # fmt: skip
+    """A dataclass field with the option's help, range and choices (or the registry whose
+    names they are) as metadata."""
+    if registry is not None:
+        help = f"{help}: {registry}"
+    meta = {"help": help, "low": low, "high": high, "choices": choices, "registry": registry}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -56,9 +82,11 @@ class TrainConfig:
         "(online RL on prompt records with --reward)",
         choices=("sft", "dpo", "reward", "grpo"),
     )
-    loss_type: str = _option("sigmoid", "--method dpo's loss: sigmoid (DPO), ipo, hinge, "
-                             "simpo or orpo (the last two need no reference)",
-                             choices=("sigmoid", "ipo", "hinge", "simpo", "orpo"))  # fmt: skip
+    loss_type: str = _option(
+        "sigmoid",
+        "--method dpo's loss (sigmoid: DPO; a wrong name is answered with the list)",
+        registry=Registered("edl.train.preference:PREFERENCE_LOSSES"),
+    )
     beta: float = _option(
         0.0, "DPO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)", low=0.0
     )
@@ -78,8 +106,11 @@ class TrainConfig:
     packing: bool = _option(True, "pack several examples per row (segment ids keep them apart)")
     lora_rank: int = _option(0, "LoRA rank for --model runs (0: full fine-tuning)", low=0.0)
     lora_alpha: float = _option(16.0, "LoRA scaling numerator (scale = alpha / rank)", low=0.0)
-    quantize: str = _option("none", "quantize the frozen base (QLoRA; needs --lora-rank)",
-                            choices=("none", "nf4", "int8"))  # fmt: skip
+    quantize: str = _option(
+        "none",
+        "quantize the frozen base (QLoRA; needs --lora-rank)",
+        registry=Registered("edl.ops.quant:QUANT_FORMATS", extra=("none",)),
+    )
     param_dtype: str = _option("float32", "dtype of the trained weights (the master copy)",
                                choices=("float32", "bfloat16"))  # fmt: skip
     compute_dtype: str = _option("float32", "dtype of the forward and backward passes "
@@ -145,8 +176,10 @@ class TrainConfig:
     process_id: int = _option(0, "this process's rank, 0 .. --num-processes - 1", low=0.0)
 
     def __post_init__(self) -> None:
+        registered = [f.name for f in dataclasses.fields(self) if f.metadata["registry"]]
         for field in dataclasses.fields(self):
-            check_option(field.name, getattr(self, field.name))
+            if field.name not in registered:
+                check_option(field.name, getattr(self, field.name))
         if self.resume and self.overwrite:
             raise ConfigError("--resume and --overwrite exclude each other; choose one")
         if self.hidden_size % self.num_heads:
@@ -177,6 +210,8 @@ class TrainConfig:
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
                 f"({self.batch_size})"
             )
+        for name in registered:  # last: reading a registry imports its module (and jax)
+            check_option(name, getattr(self, name))
 
     def _check_method(self) -> None:
         method = self.method
@@ -297,6 +332,8 @@ def check_option(name: str, value: Any) -> None:
     if kind == "float" and not math.isfinite(value):
         raise ConfigError(f"{name} must be finite, got {value!r}")
     low, high, choices = meta["low"], meta["high"], meta["choices"]
+    if meta["registry"] is not None and value not in meta["registry"].extra:
+        choices = meta["registry"].names()
     if low is not None and value < low:
         raise ConfigError(f"{name} must be >= {low:g}, got {value!r}")
     if high is not None and value > high:

@@ -3,8 +3,9 @@ or QLoRA, as ``--method sft``) with a preference loss, as a reward model, or by 
 
 - ``dpo``: ``--data`` holds preference records (``prompt`` / ``chosen`` / ``rejected``,
   strings or chat messages), tokenized as TRL does (``edl.text.load_tokenized``) and batched
-  by ``edl.train.PreferenceBatches``; ``--loss-type`` picks DPO / IPO / hinge (against the
-  ``--reference``) or the reference-free SimPO / ORPO (``edl.train.make_dpo_step``).
+  by ``edl.train.PreferenceBatches``; ``--loss-type`` picks a loss of
+  ``edl.train.preference.PREFERENCE_LOSSES``: DPO / IPO / hinge (against the ``--reference``),
+  the reference-free SimPO / ORPO, or a registered one (``edl.train.make_dpo_step``).
 - ``reward``: the same records train a reward model: the model's backbone with a new
   one-output ``score`` head (trained along with LoRA adapters), Bradley-Terry loss
   (``edl.train.make_reward_step``); checkpoints are ``*ForSequenceClassification``.
@@ -44,6 +45,7 @@ from edl.train import (
     make_grpo_step,
     make_reward_step,
 )
+from edl.train.preference import PREFERENCE_LOSSES
 
 __all__ = ["reward_functions", "run_post_training"]
 
@@ -138,8 +140,9 @@ def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any,
     if config.method == "reward":
         return make_reward_step(tx, **options)
     reference = config.reference_kind
-    uses_reference = ((config.method == "dpo" and config.loss_type not in ("simpo", "orpo"))
-                      or (config.method == "grpo" and config.beta > 0))  # fmt: skip
+    uses_reference = (
+        config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference
+    ) or (config.method == "grpo" and config.beta > 0)
     frozen = _reference_model(config) if reference == "model" and uses_reference else None
     if config.method == "dpo":
         return make_dpo_step(tx, loss_type=config.loss_type, beta=config.beta or None,

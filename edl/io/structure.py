@@ -27,6 +27,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from edl.nn.layers import Linear
 from edl.nn.lora import LoraLinear
 from edl.nn.quantized import QuantizedLinear
+from edl.ops.quant import QUANT_FORMATS
 from edl.quantize import is_linear
 from edl.tree import find, tree_apply
 
@@ -70,6 +71,8 @@ def _rebuild_layer(spec: Mapping[str, Any], key: PRNGKeyArray, where: str):
             raise ValueError(f"{where}: expected a plain Linear to rebuild, got {type(layer)}")
         if "quantized" in spec:
             q = spec["quantized"]
+            # A format this process has not registered: say which layer records it.
+            QUANT_FORMATS.lookup(q["format"], f"{where}: quantized.format")
             weight = layer.weight.astype(jnp.dtype(q["dtype"]))
             layer = QuantizedLinear.from_linear(
                 eqx.tree_at(lambda m: m.weight, layer, weight),

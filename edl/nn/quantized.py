@@ -1,4 +1,5 @@
-"""``QuantizedLinear``: a ``Linear`` whose weight is stored as int8 or NF4 codes + scales.
+"""``QuantizedLinear``: a ``Linear`` whose weight is stored as codes + scales in one of
+``edl.ops.quant.QUANT_FORMATS`` (int8, NF4, ...).
 
 The packed codes and the float scales are ordinary array leaves, so a quantized model is
 still a pytree that jits, splits, checkpoints and shards like any other; the format and
@@ -14,11 +15,18 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, Integer
+from jaxtyping import Array, Float
 
 from edl.nn.layers import Linear, add_bias
 from edl.nn.stack import map_stacked
-from edl.ops.quant import Format, check_format, dequantize_weight, quantize_weight, quantized_matmul
+from edl.ops.quant import (
+    QUANT_FORMATS,
+    Codes,
+    check_format,
+    dequantize_weight,
+    quantize_weight,
+    quantized_matmul,
+)
 
 __all__ = [
     "BlockSize",
@@ -27,18 +35,18 @@ __all__ = [
 
 BlockSize = int | Literal["channel"] | None
 """Elements per scale: an int, ``"channel"`` (one scale per output channel, i.e. per row)
-or ``None`` for the format's default (nf4: 64, as QLoRA; int8: ``"channel"``)."""
-
-DEFAULT_BLOCK_SIZE = {"nf4": 64, "int8": "channel"}
+or ``None`` for the format's default (its ``QuantFormat.default_block``: nf4 64, as QLoRA;
+int8 ``"channel"``)."""
 
 # One compiled program per weight shape (XLA fuses the intermediates: a whole layer stack is
 # quantized in one pass without float32 copies of it).
 _quantize_weight = jax.jit(quantize_weight, static_argnames=("format", "block_size", "scale_dtype"))
 
 
-def resolve_block_size(format: Format, block_size: BlockSize, in_features: int) -> int:
+def resolve_block_size(format: str, block_size: BlockSize, in_features: int) -> int:
     """The block size in elements for a weight with ``in_features`` columns."""
-    size = DEFAULT_BLOCK_SIZE[format] if block_size is None else block_size
+    default = QUANT_FORMATS.lookup(format, "quantization format").default_block
+    size = default if block_size is None else block_size
     size = in_features if size == "channel" else size
     check_format(format, size)
     return size
@@ -48,20 +56,20 @@ class QuantizedLinear(eqx.Module):
     """``y = x @ dequantize_weight(qweight, scales).T + bias``: weight-only quantized ``Linear``.
 
     Attributes:
-        qweight: int8 codes ``(blocks, block_size)`` or NF4 codes packed two per uint8
-            ``(blocks, block_size // 2)``, over the row-major flattened ``(out, in)`` weight
-            (``blocks = ceil(out * in / block_size)``, the last block zero-padded).
+        qweight: the format's codes ``(blocks, block_size // codes_per_byte)`` (int8 codes,
+            or NF4 codes packed two per uint8), over the row-major flattened ``(out, in)``
+            weight (``blocks = ceil(out * in / block_size)``, the last block zero-padded).
         scales: one per block, ``(blocks,)``, float32 unless chosen otherwise (note that
             ``edl.to_dtype`` casts them like any floating leaf).
         bias: kept in floating point, or ``None``.
-        format: ``"int8"`` or ``"nf4"`` (static).
+        format: a name in ``edl.ops.quant.QUANT_FORMATS`` (static).
         shape: the logical ``(out, in)`` of one weight matrix (static).
         dtype: the dtype of the weight before quantization, restored by ``dequantize``.
 
     In a layer stack every array has the leading layer axis (``(layers, blocks, ...)``).
     """
 
-    qweight: Integer[Array, "*lead blocks packed"]
+    qweight: Codes
     scales: Float[Array, "*lead blocks"]
     bias: Float[Array, "*lead out"] | None
     format: str = eqx.field(static=True)
@@ -73,7 +81,7 @@ class QuantizedLinear(eqx.Module):
         cls,
         linear: Linear,
         *,
-        format: Format,
+        format: str,
         block_size: BlockSize = None,
         scale_dtype: DTypeLike = jnp.float32,
     ) -> QuantizedLinear:
@@ -88,7 +96,9 @@ class QuantizedLinear(eqx.Module):
 
     @property
     def block_size(self) -> int:
-        return self.qweight.shape[-1] * (2 if self.format == "nf4" else 1)
+        """Elements per scale."""
+        codes_per_byte = QUANT_FORMATS.lookup(self.format, "QuantizedLinear.format").codes_per_byte
+        return self.qweight.shape[-1] * codes_per_byte
 
     @property
     def weight(self) -> Float[Array, "*lead out in"]:

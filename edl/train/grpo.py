@@ -51,7 +51,7 @@ from edl.state import TrainState
 from edl.text import validate_prompt
 from edl.train.data import EpochCursor
 from edl.train.grpo_objective import (
-    LOSS_TYPES,
+    GRPO_LOSSES,
     SCALE_REWARDS,
     completion_logprobs,
     completion_mask,
@@ -83,8 +83,9 @@ class GRPOConfig:
     at ``temperature`` (``top_k`` None and ``top_p`` 1: the full distribution, TRL's
     default). ``beta``: KL coefficient (TRL default 0: no reference). ``epsilon`` /
     ``epsilon_high`` (None: ``epsilon``): the clip range. ``num_iterations``: optimiser
-    updates per batch of rollouts (mu). ``loss_type``: ``"grpo"``, ``"bnpo"`` or
-    ``"dr_grpo"`` (TRL's default is ``"dapo"``, not implemented here). ``scale_rewards``:
+    updates per batch of rollouts (mu). ``loss_type``: a name in
+    ``edl.train.grpo_objective.GRPO_LOSSES``: ``"grpo"``, ``"bnpo"`` or ``"dr_grpo"`` (TRL's
+    default is ``"dapo"``, not implemented here), or a registered one. ``scale_rewards``:
     ``"group"``, ``"batch"`` or ``"none"``. ``reward_weights``: one per reward function
     (None: all 1). ``eos_token_id`` (None: the tokenizer's ``eos_id``) ends completions.
     """
@@ -98,7 +99,7 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     num_iterations: int = 1
-    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo"
+    loss_type: str = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
     reward_weights: tuple[float, ...] | None = None
     eos_token_id: int | None = None
@@ -113,13 +114,13 @@ class GRPOConfig:
             "epsilon": 0 <= self.epsilon < 1,
             "epsilon_high": self.epsilon_high is None or self.epsilon_high >= 0,
             "top_p": 0 < self.top_p <= 1,
-            "loss_type": self.loss_type in LOSS_TYPES,
+            "loss_type": self.loss_type in GRPO_LOSSES,
             "scale_rewards": self.scale_rewards in SCALE_REWARDS,
         }
         allowed = {"num_generations": ">= 2", "max_new_tokens": ">= 1", "num_iterations": ">= 1",
                    "temperature": "> 0", "beta": ">= 0", "epsilon": "in [0, 1)",
                    "epsilon_high": ">= 0 or None", "top_p": "in (0, 1]",
-                   "loss_type": f"one of {LOSS_TYPES}",
+                   "loss_type": f"one of {', '.join(GRPO_LOSSES)}",
                    "scale_rewards": f"one of {SCALE_REWARDS}"}  # fmt: skip
         for name, ok in checks.items():
             if not ok:

@@ -6,20 +6,26 @@ Formulas follow TRL 1.16.0 ``trl/trainer/grpo_trainer.py``: ``_generate_and_scor
 ``_compute_loss`` (ratio, two-sided clip with ``epsilon_low`` / ``epsilon_high``, k3 KL
 ``exp(ref - logp) - (ref - logp) - 1`` weighted by ``beta``, the ``"grpo"`` / ``"bnpo"`` /
 ``"dr_grpo"`` normalisations, the region clip ratio). Completion masks as its EOS masking:
-up to and including the first EOS.
+up to and including the first EOS. The normalisations are the entries of ``GRPO_LOSSES`` (one
+more is one :class:`GRPOLoss`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl._registry import Registry
+
 __all__ = [
-    "LOSS_TYPES",
+    "GRPO_LOSSES",
     "SCALE_REWARDS",
+    "GRPOLoss",
     "completion_logprobs",
     "completion_mask",
     "group_advantages",
@@ -27,8 +33,50 @@ __all__ = [
     "kl_k3",
 ]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
+
+PerToken = Float[Array, "rows new"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLoss:
+    """One ``GRPOConfig.loss_type``: an entry of ``GRPO_LOSSES``.
+
+    Attributes:
+        name: the ``loss_type``.
+        reduce: ``reduce(per_token, mask, max_new_tokens) -> loss``: the per-token losses
+            ``(rows, new)`` (clipped-ratio term plus KL) and the completion mask (1.0 on
+            counted tokens) to the scalar loss; ``max_new_tokens`` is the completion budget
+            (``None`` when the caller gave none).
+    """
+
+    name: str
+    reduce: Callable[[PerToken, PerToken, int | None], Float[Array, ""]]
+
+
+def _grpo(per_token: PerToken, mask: PerToken, max_new_tokens: int | None) -> Float[Array, ""]:
+    """Each completion's masked mean, averaged over completions."""
+    rows = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
+    return jnp.mean(rows)
+
+
+def _bnpo(per_token: PerToken, mask: PerToken, max_new_tokens: int | None) -> Float[Array, ""]:
+    """The masked mean over every token of the batch."""
+    return jnp.sum(per_token * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _dr_grpo(per_token: PerToken, mask: PerToken, max_new_tokens: int | None) -> Float[Array, ""]:
+    """The masked sum over ``rows * max_new_tokens`` (Dr. GRPO: no length bias)."""
+    if max_new_tokens is None:
+        raise ValueError("grpo_loss: loss_type 'dr_grpo' needs max_new_tokens")
+    return jnp.sum(per_token * mask) / (per_token.shape[0] * max_new_tokens)
+
+
+GRPO_LOSSES: Registry[GRPOLoss] = Registry(
+    "GRPO loss", [GRPOLoss("grpo", _grpo), GRPOLoss("bnpo", _bnpo), GRPOLoss("dr_grpo", _dr_grpo)]
+)
+"""GRPO's loss normalisations by ``loss_type`` (TRL's ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``);
+``GRPO_LOSSES.register(GRPOLoss(...))`` adds one."""
 
 
 def completion_mask(
@@ -136,22 +184,22 @@ def grpo_loss(
     beta: float = 0.0,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
-    loss_type: Literal["grpo", "bnpo", "dr_grpo"] = "grpo",
+    loss_type: str = "grpo",
     max_new_tokens: int | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
     """The clipped-ratio GRPO loss (TRL ``_compute_loss``) and its metrics.
 
     per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)
-    + beta * kl_k3(logp, ref)`` with ``ratio = exp(logp - old_logp)``; then
-    ``"grpo"``: each row's masked mean, averaged over rows; ``"bnpo"``: the masked mean
-    over all tokens; ``"dr_grpo"``: the masked sum over ``rows * max_new_tokens``.
+    + beta * kl_k3(logp, ref)`` with ``ratio = exp(logp - old_logp)``; then reduced by
+    ``GRPO_LOSSES[loss_type]``: ``"grpo"``: each row's masked mean, averaged over rows;
+    ``"bnpo"``: the masked mean over all tokens; ``"dr_grpo"``: the masked sum over ``rows *
+    max_new_tokens``.
 
     Metrics: ``loss``, ``kl`` (masked mean of k3; 0 without a reference), ``clip_ratio``
     (TRL's ``clip_ratio/region_mean``: tokens whose ratio is clipped on the side where the
     clip binds, masked mean) and ``count`` (completion tokens).
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"grpo_loss: loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    reduction = GRPO_LOSSES.lookup(loss_type, "grpo_loss: loss_type")
     high = epsilon if epsilon_high is None else epsilon_high
     ratio = jnp.exp(logps - old_logps)
     adv = advantages[:, None]
@@ -166,15 +214,7 @@ def grpo_loss(
         per_token_kl = kl_k3(logps, ref_logps)
         per_token = per_token + beta * per_token_kl
         kl = masked_mean(per_token_kl)
-    if loss_type == "grpo":
-        rows = jnp.sum(per_token * mask, axis=1) / jnp.maximum(jnp.sum(mask, axis=1), 1.0)
-        loss = jnp.mean(rows)
-    elif loss_type == "bnpo":
-        loss = masked_mean(per_token)
-    else:
-        if max_new_tokens is None:
-            raise ValueError("grpo_loss: loss_type 'dr_grpo' needs max_new_tokens")
-        loss = jnp.sum(per_token * mask) / (per_token.shape[0] * max_new_tokens)
+    loss = reduction.reduce(per_token, mask, max_new_tokens)
     region = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + high) & (adv > 0))
     metrics = {"loss": loss, "kl": kl, "clip_ratio": masked_mean(region.astype(jnp.float32)),
                "count": tokens}  # fmt: skip

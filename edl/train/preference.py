@@ -1,5 +1,8 @@
 """Preference losses (DPO and its IPO / hinge variants, SimPO, ORPO) on per-sequence
 log-probabilities, and those log-probabilities computed on the chunked LM-head path.
+Each loss is an entry of ``PREFERENCE_LOSSES`` (a :class:`PreferenceLoss`): what
+``make_dpo_step(loss_type=...)`` and ``edl train --loss-type`` accept, and where one more
+loss is one more entry.
 
     import edl, optax
     from edl.train import make_dpo_step, train
@@ -23,18 +26,30 @@ the tests check them against those methods.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl._registry import Registry
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_token_logps, mask_without_context
 
-__all__ = ["DPO_LOSS_TYPES", "dpo_loss", "orpo_loss", "sequence_logps", "simpo_loss", "token_logps"]
-
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+__all__ = [
+    "PREFERENCE_LOSSES",
+    "LossOptions",
+    "Pairs",
+    "PreferenceLoss",
+    "dpo_loss",
+    "orpo_loss",
+    "preference_loss",
+    "sequence_logps",
+    "simpo_loss",
+    "token_logps",
+]
 
 Logps = Float[Array, " batch"]
 Metrics = dict[str, Float[Array, ""]]
@@ -120,11 +135,176 @@ def _check_logps(name: str, **logps: Array | None) -> None:
         raise ValueError(f"{name}: log-probs must be float32, got {dtypes}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """What a preference loss reads, float32 ``(batch,)`` per pair.
+
+    Attributes:
+        chosen, rejected: the policy's log-ratios to the reference (``policy - reference``
+            log-probs) for a loss that ``needs_reference``, else the policy's log-probs;
+            summed over the completion, or length-averaged for a ``length_average`` loss.
+        chosen_lengths, rejected_lengths: counted completion tokens, when known.
+        chosen_nll: the chosen sequences' mean token NLL (ORPO's SFT term), for a loss
+            with ``sft_nll``.
+    """
+
+    chosen: Logps
+    rejected: Logps
+    chosen_lengths: Logps | None = None
+    rejected_lengths: Logps | None = None
+    chosen_nll: Float[Array, ""] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """A preference loss's hyperparameters: ``beta`` (β), ``label_smoothing`` (ε of the
+    conservative sigmoid losses) and ``gamma`` (SimPO's target reward margin)."""
+
+    beta: float
+    label_smoothing: float = 0.0
+    gamma: float = 0.5
+
+
+LossFn = Callable[[Pairs, LossOptions], tuple[Float[Array, ""], Metrics]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceLoss:
+    """One preference loss: an entry of ``PREFERENCE_LOSSES``.
+
+    Attributes:
+        name: its ``loss_type`` (``make_dpo_step``, ``dpo_loss``, ``edl train --loss-type``).
+        fn: ``fn(pairs, options) -> (loss, metrics)``: the batch's scalar loss and any
+            metrics beyond TRL's reward metrics, which :func:`preference_loss` adds.
+        needs_reference: the loss reads log-ratios to a reference model (DPO's family);
+            else the policy's log-probs alone (SimPO, ORPO).
+        length_average: the log-probs are averaged over each completion's tokens.
+        sft_nll: the loss reads ``pairs.chosen_nll``.
+        default_beta: β when none is given.
+    """
+
+    name: str
+    fn: LossFn
+    needs_reference: bool = True
+    length_average: bool = False
+    sft_nll: bool = False
+    default_beta: float = 0.1
+
+
 def _sigmoid_loss(logits: Logps, label_smoothing: float) -> Logps:
     """Conservative (label-smoothed) logistic loss: -(1-ε) log σ(x) - ε log σ(-x)."""
     return -(1.0 - label_smoothing) * jax.nn.log_sigmoid(logits) - label_smoothing * (
         jax.nn.log_sigmoid(-logits)
     )
+
+
+def _sigmoid(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
+    """DPO: ``-(1 - ε) log σ(β h) - ε log σ(-β h)``, ``h = chosen - rejected`` log-ratios."""
+    return jnp.mean(_sigmoid_loss(o.beta * (pairs.chosen - pairs.rejected), o.label_smoothing)), {}
+
+
+def _hinge(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
+    """SLiC: ``relu(1 - β h)``."""
+    return jnp.mean(jax.nn.relu(1.0 - o.beta * (pairs.chosen - pairs.rejected))), {}
+
+
+def _ipo(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
+    """IPO: ``(h' - 1 / (2 β))²``, each log-ratio of ``h`` divided by its length (when
+    given: TRL's normalisation)."""
+    delta = pairs.chosen - pairs.rejected  # no lengths: per-token log-probs given
+    if pairs.chosen_lengths is not None and pairs.rejected_lengths is not None:
+        per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
+        delta = per_token(pairs.chosen, pairs.chosen_lengths) - per_token(
+            pairs.rejected, pairs.rejected_lengths
+        )
+    return jnp.mean(jnp.square(delta - 1.0 / (2.0 * o.beta))), {}
+
+
+def _simpo(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
+    """SimPO: ``-(1 - ε) log σ(β h - γ) - ε log σ(-(β h - γ))`` on length-averaged
+    log-probs (TRL's form: γ / β subtracted from ``h``)."""
+    logits = pairs.chosen - pairs.rejected - o.gamma / o.beta
+    return jnp.mean(_sigmoid_loss(o.beta * logits, o.label_smoothing)), {}
+
+
+def _log1mexp(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Mächler's split at -log 2, as TRL's
+    ``log1mexp``); each branch sees only its own inputs, so neither leaks NaN gradients."""
+    near_zero = x > -0.6931471805599453
+    return jnp.where(
+        near_zero,
+        jnp.log(-jnp.expm1(jnp.where(near_zero, x, -1.0))),
+        jnp.log1p(-jnp.exp(jnp.where(near_zero, -1.0, x))),
+    )
+
+
+def _orpo(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
+    """ORPO: ``chosen_nll - β mean(log σ(log_odds))`` on length-averaged log-probs."""
+    if pairs.chosen_nll is None:
+        raise ValueError("orpo: the loss needs pairs.chosen_nll (the chosen sequences' NLL)")
+    log_odds = (pairs.chosen - pairs.rejected) - (
+        _log1mexp(pairs.chosen) - _log1mexp(pairs.rejected)
+    )
+    ratio = jax.nn.log_sigmoid(log_odds)
+    chosen_nll = pairs.chosen_nll.astype(jnp.float32)
+    loss = chosen_nll - o.beta * jnp.mean(ratio)
+    sg = jax.lax.stop_gradient
+    return loss, {
+        "log_odds_ratio": jnp.mean(sg(ratio)),
+        "log_odds_chosen": jnp.mean(sg(log_odds)),
+        "nll_loss": sg(chosen_nll),
+    }
+
+
+_SIMPO = PreferenceLoss(
+    "simpo", _simpo, needs_reference=False, length_average=True, default_beta=2.0
+)
+_ORPO = PreferenceLoss("orpo", _orpo, needs_reference=False, length_average=True, sft_nll=True)
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry(
+    "preference loss",
+    [
+        PreferenceLoss("sigmoid", _sigmoid),
+        PreferenceLoss("ipo", _ipo),
+        PreferenceLoss("hinge", _hinge),
+        _SIMPO,
+        _ORPO,
+    ],
+)
+"""The preference losses by ``loss_type``: ``sigmoid`` (DPO), ``ipo``, ``hinge`` against a
+reference; ``simpo``, ``orpo`` without one. ``PREFERENCE_LOSSES.register(PreferenceLoss(...))``
+adds one (``make_dpo_step`` and ``edl train --loss-type`` then accept it)."""
+
+
+def preference_loss(
+    loss: PreferenceLoss,
+    pairs: Pairs,
+    options: LossOptions,
+    policy_chosen_logps: Logps,
+    policy_rejected_logps: Logps,
+) -> tuple[Float[Array, ""], Metrics]:
+    """``loss.fn(pairs, options)`` with TRL's metrics: ``loss``, rewards ``β * pairs.chosen`` /
+    ``β * pairs.rejected`` (log-ratios, or log-probs for a reference-free loss), and the
+    policy's log-probs as ``logps/chosen`` / ``logps/rejected``, then the loss's own."""
+    value, extra = loss.fn(pairs, options)
+    metrics = _reward_metrics(
+        options.beta * pairs.chosen,
+        options.beta * pairs.rejected,
+        policy_chosen_logps,
+        policy_rejected_logps,
+    )
+    return value, {"loss": value, **metrics, **extra}
+
+
+def _reference_loss(who: str, loss_type: str) -> PreferenceLoss:
+    """The registered loss ``loss_type`` that needs a reference, or a ``ValueError``."""
+    entry = PREFERENCE_LOSSES.get(loss_type)
+    if entry is None or not entry.needs_reference:
+        names = [n for n, e in PREFERENCE_LOSSES.items() if e.needs_reference]
+        raise ValueError(
+            f"{who}: loss_type must be one of {', '.join(names)} (the losses "
+            f"against a reference), got {loss_type!r}"
+        )
+    return entry
 
 
 def dpo_loss(
@@ -141,7 +321,8 @@ def dpo_loss(
 ) -> tuple[Float[Array, ""], Metrics]:
     """DPO on summed completion log-probs ``(batch,)`` float32 of the policy and the reference.
 
-    With ``h = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)``:
+    ``loss_type``: a loss of ``PREFERENCE_LOSSES`` that needs a reference. With ``h =
+    (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)``, built in:
 
     - ``"sigmoid"`` (DPO): ``-(1 - ε) log σ(β h) - ε log σ(-β h)`` with ``ε =
       label_smoothing`` (conservative DPO; TRL 1.16's DPO ``sigmoid`` is ``ε = 0``, its CPO
@@ -153,43 +334,39 @@ def dpo_loss(
       pass length-averaged ones (the reward metrics are then per token).
     - ``"hinge"`` (SLiC): ``relu(1 - β h)``.
 
-    Returns ``(loss, metrics)``: the batch mean, and TRL's metrics with rewards
-    ``β (policy - reference)`` per sequence (summed log-ratios, also for IPO).
+    Lengths come both or neither. Returns ``(loss, metrics)``: the batch mean, and TRL's
+    metrics with rewards ``β (policy - reference)`` per sequence (summed log-ratios, also for
+    IPO).
     """
     name = "dpo_loss"
     _check_logps(name, policy_chosen_logps=policy_chosen_logps,
                  policy_rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
                  ref_rejected_logps=ref_rejected_logps)  # fmt: skip
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"{name}: loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
+    entry = _reference_loss(name, loss_type)
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"{name}: label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    chosen_logratios = policy_chosen_logps - ref_chosen_logps
-    rejected_logratios = policy_rejected_logps - ref_rejected_logps
-    if loss_type == "sigmoid":
-        losses = _sigmoid_loss(beta * (chosen_logratios - rejected_logratios), label_smoothing)
-    elif loss_type == "hinge":
-        losses = jax.nn.relu(1.0 - beta * (chosen_logratios - rejected_logratios))
-    else:
-        if (chosen_lengths is None) != (rejected_lengths is None):
-            raise ValueError(f"{name}: loss_type='ipo' takes both chosen_lengths and "
-                             "rejected_lengths, or neither")  # fmt: skip
-        delta = chosen_logratios - rejected_logratios  # no lengths: per-token log-probs given
-        if chosen_lengths is not None and rejected_lengths is not None:
-            _check_logps(name, policy_chosen_logps=policy_chosen_logps,
-                         chosen_lengths=chosen_lengths.astype(jnp.float32),
-                         rejected_lengths=rejected_lengths.astype(jnp.float32))  # fmt: skip
-            per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
-            delta = per_token(chosen_logratios, chosen_lengths) - per_token(
-                rejected_logratios, rejected_lengths
-            )
-        losses = jnp.square(delta - 1.0 / (2.0 * beta))
-    loss = jnp.mean(losses)
-    metrics = _reward_metrics(beta * chosen_logratios, beta * rejected_logratios,
-                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
-    return loss, {"loss": loss, **metrics}
+    if (chosen_lengths is None) != (rejected_lengths is None):
+        raise ValueError(
+            f"{name}: loss_type={loss_type!r} takes both chosen_lengths and "
+            "rejected_lengths, or neither"
+        )
+    lengths = {}
+    if chosen_lengths is not None and rejected_lengths is not None:
+        lengths = {
+            "chosen_lengths": chosen_lengths.astype(jnp.float32),
+            "rejected_lengths": rejected_lengths.astype(jnp.float32),
+        }
+        _check_logps(name, policy_chosen_logps=policy_chosen_logps, **lengths)
+    pairs = Pairs(
+        policy_chosen_logps - ref_chosen_logps,
+        policy_rejected_logps - ref_rejected_logps,
+        **lengths,
+    )
+    return preference_loss(
+        entry, pairs, LossOptions(beta, label_smoothing), policy_chosen_logps, policy_rejected_logps
+    )
 
 
 def simpo_loss(
@@ -216,21 +393,12 @@ def simpo_loss(
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"{name}: label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    logits = policy_chosen_logps - policy_rejected_logps - gamma / beta
-    loss = jnp.mean(_sigmoid_loss(beta * logits, label_smoothing))
-    metrics = _reward_metrics(beta * policy_chosen_logps, beta * policy_rejected_logps,
-                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
-    return loss, {"loss": loss, **metrics}
-
-
-def _log1mexp(x: Float[Array, " batch"]) -> Float[Array, " batch"]:
-    """log(1 - exp(x)) for x < 0, stable at both ends (Mächler's split at -log 2, as TRL's
-    ``log1mexp``); each branch sees only its own inputs, so neither leaks NaN gradients."""
-    near_zero = x > -0.6931471805599453
-    return jnp.where(
-        near_zero,
-        jnp.log(-jnp.expm1(jnp.where(near_zero, x, -1.0))),
-        jnp.log1p(-jnp.exp(jnp.where(near_zero, -1.0, x))),
+    return preference_loss(
+        _SIMPO,
+        Pairs(policy_chosen_logps, policy_rejected_logps),
+        LossOptions(beta, label_smoothing, gamma),
+        policy_chosen_logps,
+        policy_rejected_logps,
     )
 
 
@@ -255,16 +423,11 @@ def orpo_loss(
                  policy_rejected_logps=policy_rejected_logps)  # fmt: skip
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
-    log_odds = (policy_chosen_logps - policy_rejected_logps) - (
-        _log1mexp(policy_chosen_logps) - _log1mexp(policy_rejected_logps)
+    pairs = Pairs(policy_chosen_logps, policy_rejected_logps, chosen_nll=chosen_nll)
+    return preference_loss(
+        _ORPO,
+        pairs,
+        LossOptions(beta),
+        policy_chosen_logps,
+        policy_rejected_logps,
     )
-    ratio = jax.nn.log_sigmoid(log_odds)
-    chosen_nll = chosen_nll.astype(jnp.float32)
-    loss = chosen_nll - beta * jnp.mean(ratio)
-    metrics = _reward_metrics(beta * policy_chosen_logps, beta * policy_rejected_logps,
-                              policy_chosen_logps, policy_rejected_logps)  # fmt: skip
-    sg = jax.lax.stop_gradient
-    return loss, {
-        "loss": loss, **metrics, "log_odds_ratio": jnp.mean(sg(ratio)),
-        "log_odds_chosen": jnp.mean(sg(log_odds)), "nll_loss": sg(chosen_nll),
-    }  # fmt: skip

@@ -1,5 +1,6 @@
-"""Train steps for preference data: ``make_dpo_step`` (DPO / IPO / hinge against a
-reference, SimPO and ORPO without one) and ``make_reward_step`` (a Bradley-Terry reward
+"""Train steps for preference data: ``make_dpo_step`` (any loss of
+``edl.train.preference.PREFERENCE_LOSSES``: DPO / IPO / hinge against a reference, SimPO and
+ORPO without one) and ``make_reward_step`` (a Bradley-Terry reward
 model), both built on ``make_train_step`` and usable with ``edl.train.train``.
 
 The batch (what the preference data pipeline yields): a dict of int32 ``(batch, seq)``
@@ -26,17 +27,17 @@ from edl import lora as edl_lora
 from edl.nn.lora import LoraLinear
 from edl.train.jitted import StepProgram
 from edl.train.preference import (
-    DPO_LOSS_TYPES,
-    dpo_loss,
-    orpo_loss,
-    simpo_loss,
+    PREFERENCE_LOSSES,
+    LossOptions,
+    Pairs,
+    PreferenceLoss,
+    preference_loss,
     token_logps,
 )
 from edl.train.step import make_train_step
 from edl.tree import find
 
 __all__ = [
-    "PREFERENCE_LOSS_TYPES",
     "REFERENCES",
     "make_dpo_step",
     "make_reward_step",
@@ -45,7 +46,6 @@ __all__ = [
     "reward_loss",
 ]
 
-PREFERENCE_LOSS_TYPES = (*DPO_LOSS_TYPES, "simpo", "orpo")
 REFERENCES = ("lora", "model", "batch")
 PAIR_KEYS = tuple(f"{side}_{k}" for side in ("chosen", "rejected")
                   for k in ("input_ids", "labels", "attention_mask"))  # fmt: skip
@@ -130,57 +130,64 @@ def reference_logps(model: Any, batch: Batch, *, chunk_size: int = 2048) -> dict
 
 
 def _dpo_loss_fn(
-    loss_type: str, beta: float, label_smoothing: float, gamma: float, reference: str,
-    chunk_size: int,
-) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:  # fmt: skip
+    loss: PreferenceLoss, options: LossOptions, reference: str, chunk_size: int
+) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:
     """``loss_fn(model, batch, reference_model) -> (loss, metrics)`` (the reference model is
     used only for ``reference="model"``)."""
-    who = f"make_dpo_step(loss_type={loss_type!r}, reference={reference!r})"
-    keys = PAIR_KEYS + (REF_KEYS if loss_type in DPO_LOSS_TYPES and reference == "batch" else ())
+    who = f"make_dpo_step(loss_type={loss.name!r}, reference={reference!r})"
+    keys = PAIR_KEYS + (REF_KEYS if loss.needs_reference and reference == "batch" else ())
 
     def loss_fn(model: Any, batch: Batch, reference_model: Any) -> tuple[Array, dict[str, Array]]:
         _check_batch(who, batch, keys)
-        policy = preference_logps(model, batch, chunk_size=chunk_size,
-                                  sft_nll=loss_type == "orpo")  # fmt: skip
+        policy = preference_logps(model, batch, chunk_size=chunk_size, sft_nll=loss.sft_nll)
         n = jnp.asarray(batch["chosen_input_ids"].shape[0], jnp.int32)  # weights micro-batches
-        if loss_type in ("simpo", "orpo"):
-            chosen = policy["chosen_logps"] / jnp.maximum(policy["chosen_lengths"], 1.0)
-            rejected = policy["rejected_logps"] / jnp.maximum(policy["rejected_lengths"], 1.0)
-            if loss_type == "simpo":
-                loss, metrics = simpo_loss(chosen, rejected, beta=beta, gamma=gamma,
-                                           label_smoothing=label_smoothing)  # fmt: skip
-            else:
-                loss, metrics = orpo_loss(chosen, rejected, policy["chosen_nll"], beta=beta)
-            return loss, {**metrics, "count": n}
-        if reference == "batch":
-            ref = {k: batch[f"ref_{k}"].astype(jnp.float32)
-                   for k in ("chosen_logps", "rejected_logps")}  # fmt: skip
+        lengths = {k: policy[k] for k in ("chosen_lengths", "rejected_lengths")}
+        # Per completion token (SimPO, ORPO): both sides by the policy's completion lengths.
+        scale = lambda x, side: (
+            x / jnp.maximum(policy[f"{side}_lengths"], 1.0) if loss.length_average else x
+        )
+        chosen = scale(policy["chosen_logps"], "chosen")
+        rejected = scale(policy["rejected_logps"], "rejected")
+        if not loss.needs_reference:
+            pairs = Pairs(chosen, rejected, **lengths, chosen_nll=policy.get("chosen_nll"))
         else:
-            if reference == "lora":
-                if not find(model, lambda x: isinstance(x, LoraLinear)):
-                    raise ValueError(
-                        f"{who}: the model has no LoRA adapters to switch off for the "
-                        "reference; wrap it with edl.lora.apply_lora, or pass "
-                        "reference='model' with reference_model= (or reference='batch')"
-                    )
-                reference_model = edl_lora.unwrap_lora(model)
-            ref = preference_logps(reference_model, batch, chunk_size=chunk_size)
-        ref = jax.lax.stop_gradient(ref)
-        loss, metrics = dpo_loss(
-            policy["chosen_logps"], policy["rejected_logps"], ref["chosen_logps"],
-            ref["rejected_logps"], beta=beta, loss_type=loss_type,
-            label_smoothing=label_smoothing, chosen_lengths=policy["chosen_lengths"],
-            rejected_lengths=policy["rejected_lengths"],
-        )  # fmt: skip
-        return loss, {**metrics, "count": n}
+            ref = _reference(who, model, batch, reference_model, reference, chunk_size)
+            pairs = Pairs(
+                chosen - scale(ref["chosen_logps"], "chosen"),
+                rejected - scale(ref["rejected_logps"], "rejected"),
+                **lengths,
+                chosen_nll=policy.get("chosen_nll"),
+            )
+        value, metrics = preference_loss(loss, pairs, options, chosen, rejected)
+        return value, {**metrics, "count": n}
 
     return loss_fn
+
+
+def _reference(
+    who: str, model: Any, batch: Batch, reference_model: Any, reference: str, chunk_size: int
+) -> dict[str, Array]:
+    """The reference's summed completion log-probs ``chosen_logps`` / ``rejected_logps``,
+    without gradient: from the batch, the LoRA-off ``model`` or ``reference_model``."""
+    if reference == "batch":
+        ref = {k: batch[f"ref_{k}"].astype(jnp.float32) for k in ("chosen_logps", "rejected_logps")}
+    else:
+        if reference == "lora":
+            if not find(model, lambda x: isinstance(x, LoraLinear)):
+                raise ValueError(
+                    f"{who}: the model has no LoRA adapters to switch off for the "
+                    "reference; wrap it with edl.lora.apply_lora, or pass "
+                    "reference='model' with reference_model= (or reference='batch')"
+                )
+            reference_model = edl_lora.unwrap_lora(model)
+        ref = preference_logps(reference_model, batch, chunk_size=chunk_size)
+    return jax.lax.stop_gradient(ref)
 
 
 def make_dpo_step(
     optimizer: optax.GradientTransformation,
     *,
-    loss_type: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = "sigmoid",
+    loss_type: str = "sigmoid",
     beta: float | None = None,
     label_smoothing: float = 0.0,
     gamma: float = 0.5,
@@ -196,11 +203,13 @@ def make_dpo_step(
     ``rules``).
 
     Args:
-        loss_type: ``"sigmoid"`` (DPO), ``"ipo"``, ``"hinge"``: :func:`dpo_loss` against a
-            reference; ``"simpo"`` (:func:`simpo_loss`) and ``"orpo"`` (:func:`orpo_loss`,
-            its SFT term the chosen sequences' token NLL): reference-free, on length-averaged
-            log-probs.
-        beta: the loss's β; None: 0.1, or 2.0 for SimPO (TRL's / the paper's defaults).
+        loss_type: a name in ``PREFERENCE_LOSSES``: ``"sigmoid"`` (DPO), ``"ipo"``,
+            ``"hinge"``: :func:`dpo_loss` against a reference; ``"simpo"``
+            (:func:`simpo_loss`) and ``"orpo"`` (:func:`orpo_loss`, its SFT term the chosen
+            sequences' token NLL): reference-free, on length-averaged log-probs; or a
+            registered one.
+        beta: the loss's β; None: its ``default_beta`` (0.1, or 2.0 for SimPO: TRL's / the
+            paper's defaults).
         label_smoothing: ε of the conservative ``"sigmoid"`` loss and of SimPO.
         gamma: SimPO's target reward margin (TRL's ``simpo_gamma``).
         reference: where the DPO reference log-probs come from (unused by SimPO / ORPO):
@@ -219,28 +228,27 @@ def make_dpo_step(
     ``reference="lora"`` model without adapters raise when the step is first traced.
     """
     who = "make_dpo_step"
-    if loss_type not in PREFERENCE_LOSS_TYPES:
-        raise ValueError(
-            f"{who}: loss_type must be one of {PREFERENCE_LOSS_TYPES}, got {loss_type!r}"
-        )
+    loss = PREFERENCE_LOSSES.lookup(loss_type, f"{who}: loss_type")
     if reference not in REFERENCES:
         raise ValueError(f"{who}: reference must be one of {REFERENCES}, got {reference!r}")
-    uses_model = loss_type in DPO_LOSS_TYPES and reference == "model"
+    uses_model = loss.needs_reference and reference == "model"
     if uses_model != (reference_model is not None):
+        needing = [n for n, e in PREFERENCE_LOSSES.items() if e.needs_reference]
         raise ValueError(
             f"{who}: reference_model is needed exactly when loss_type is one of "
-            f"{DPO_LOSS_TYPES} and reference='model'; got loss_type={loss_type!r}, "
+            f"{tuple(needing)} and reference='model'; got loss_type={loss_type!r}, "
             f"reference={reference!r}, reference_model "
             f"{'given' if reference_model is not None else 'None'}"
         )
     if beta is None:
-        beta = 2.0 if loss_type == "simpo" else 0.1
+        beta = loss.default_beta
     if beta <= 0 or not 0.0 <= label_smoothing < 0.5:
         raise ValueError(
             f"{who}: need beta > 0 and 0 <= label_smoothing < 0.5, got beta={beta}, "
             f"label_smoothing={label_smoothing}"
         )
-    loss_fn = _dpo_loss_fn(loss_type, beta, label_smoothing, gamma, reference, chunk_size)
+    options = LossOptions(beta, label_smoothing, gamma)
+    loss_fn = _dpo_loss_fn(loss, options, reference, chunk_size)
     if not uses_model:
         return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
     return _with_reference(loss_fn, optimizer, reference_model, step_options)
