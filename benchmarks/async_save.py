@@ -32,9 +32,14 @@ from edl.train.callbacks import Checkpoint
 
 
 def _setup(hidden: int, layers: int, batch: int, seq: int):
-    config = LlamaConfig(vocab_size=259, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
-                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 128))  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     tx = optax.adamw(1e-4)
     step = make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx)
@@ -68,9 +73,16 @@ def main() -> None:
     during = {share: [] for share in args.shares}
     idle, starts, syncs = [], {share: [] for share in args.shares}, []
     with tempfile.TemporaryDirectory() as tmp:
-        savers = {share: Checkpoint(f"{tmp}/async-{share}", keep=1, asynchronous=True,
-                                    write_share=share, echo=lambda _: None)
-                  for share in args.shares}  # fmt: skip
+        savers = {
+            share: Checkpoint(
+                f"{tmp}/async-{share}",
+                keep=1,
+                asynchronous=True,
+                write_share=share,
+                echo=lambda _: None,
+            )
+            for share in args.shares
+        }
         for _ in range(args.rounds):
             for share, saver in savers.items():
                 begin = time.perf_counter()
@@ -92,14 +104,29 @@ def main() -> None:
     def ms(xs: list[float]) -> float:
         return 1e3 * statistics.median(xs)
 
-    rows = [{"write_share": share, "state_mb": state_bytes / 2**20,
-             "step_ms_no_save": ms(idle), "step_ms_during_save": ms(during[share]),
-             "ratio": ms(during[share]) / ms(idle), "steps_during_saves": len(during[share]),
-             "async_start_ms": ms(starts[share]), "sync_save_ms": ms(syncs)}
-            for share in args.shares]  # fmt: skip
+    rows = [
+        {
+            "write_share": share,
+            "state_mb": state_bytes / 2**20,
+            "step_ms_no_save": ms(idle),
+            "step_ms_during_save": ms(during[share]),
+            "ratio": ms(during[share]) / ms(idle),
+            "steps_during_saves": len(during[share]),
+            "async_start_ms": ms(starts[share]),
+            "sync_save_ms": ms(syncs),
+        }
+        for share in args.shares
+    ]
     print(table(list(rows[0]), [list(r.values()) for r in rows]))
-    path = write_json("async_save", rows, hidden=args.hidden, layers=args.layers,
-                      batch=args.batch, seq=args.seq, rounds=args.rounds)  # fmt: skip
+    path = write_json(
+        "async_save",
+        rows,
+        hidden=args.hidden,
+        layers=args.layers,
+        batch=args.batch,
+        seq=args.seq,
+        rounds=args.rounds,
+    )
     print(f"wrote {path}")
 
 

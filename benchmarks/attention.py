@@ -87,25 +87,55 @@ def main() -> None:
                 times = {impl: _measure(impl, q, k, v, causal, args.repeats) for impl in impls}
                 for impl, (t_fwd, t_all) in times.items():
                     row = {
-                        "impl": impl, "seq": seq, "batch": batch, "heads": heads,
-                        "head_dim": head_dim, "causal": causal, "dtype": dtype.name,
-                        "fwd_ms": t_fwd * 1e3, "fwd_tflops": flops / t_fwd / 1e12,
-                        "fwd_bwd_ms": t_all * 1e3, "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
+                        "impl": impl,
+                        "seq": seq,
+                        "batch": batch,
+                        "heads": heads,
+                        "head_dim": head_dim,
+                        "causal": causal,
+                        "dtype": dtype.name,
+                        "fwd_ms": t_fwd * 1e3,
+                        "fwd_tflops": flops / t_fwd / 1e12,
+                        "fwd_bwd_ms": t_all * 1e3,
+                        "fwd_bwd_tflops": 3.5 * flops / t_all / 1e12,
                         "fwd_vs_reference": times["reference"][0] / t_fwd
-                        if "reference" in times else None,
+                        if "reference" in times
+                        else None,
                         "fwd_bwd_vs_reference": times["reference"][1] / t_all
-                        if "reference" in times else None,
-                    }  # fmt: skip
+                        if "reference" in times
+                        else None,
+                    }
                     rows.append(row)
-                    printed.append([
-                        seq, head_dim, "yes" if causal else "no", impl, row["fwd_ms"],
-                        row["fwd_tflops"], row["fwd_bwd_ms"], row["fwd_bwd_tflops"],
-                        row["fwd_vs_reference"] or "", row["fwd_bwd_vs_reference"] or "",
-                    ])  # fmt: skip
-    header = ["seq", "d", "causal", "impl", "fwd ms", "fwd TF/s", "f+b ms", "f+b TF/s",
-              "fwd speedup", "f+b speedup"]  # fmt: skip
-    print(f"attention, {dtype.name}, {args.tokens} tokens/call, hidden {args.hidden}, "
-          f"backend {jax.default_backend()} (speedup = reference time / impl time)")  # fmt: skip
+                    printed.append(
+                        [
+                            seq,
+                            head_dim,
+                            "yes" if causal else "no",
+                            impl,
+                            row["fwd_ms"],
+                            row["fwd_tflops"],
+                            row["fwd_bwd_ms"],
+                            row["fwd_bwd_tflops"],
+                            row["fwd_vs_reference"] or "",
+                            row["fwd_bwd_vs_reference"] or "",
+                        ]
+                    )
+    header = [
+        "seq",
+        "d",
+        "causal",
+        "impl",
+        "fwd ms",
+        "fwd TF/s",
+        "f+b ms",
+        "f+b TF/s",
+        "fwd speedup",
+        "f+b speedup",
+    ]
+    print(
+        f"attention, {dtype.name}, {args.tokens} tokens/call, hidden {args.hidden}, "
+        f"backend {jax.default_backend()} (speedup = reference time / impl time)"
+    )
     print(table(header, printed))
     print("wrote", write_json("attention", rows, tokens=args.tokens, hidden=args.hidden))
 

@@ -27,8 +27,13 @@ from edl.ops.cached_attention import cached_attention
 
 STEPS = 20
 # (heads, kv_heads, head_dim, cache_len)
-SHAPES = [(8, 4, 32, 160), (8, 8, 32, 160), (16, 2, 64, 1024), (32, 8, 128, 512),
-          (32, 32, 128, 512)]  # fmt: skip
+SHAPES = [
+    (8, 4, 32, 160),
+    (8, 8, 32, 160),
+    (16, 2, 64, 1024),
+    (32, 8, 128, 512),
+    (32, 32, 128, 512),
+]
 QUICK_SHAPES = [(8, 4, 32, 160)]
 
 
@@ -58,8 +63,14 @@ def measure(shape, batch: int, new: int, impls, rounds: int) -> dict:
         if err > 1e-4:
             raise RuntimeError(f"{impl} differs from {impls[0]} by {err} at {shape}")
     samples = interleaved_rounds(calls, rounds)
-    row = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "cache_len": cache_len,
-           "batch": batch, "new_tokens": new}  # fmt: skip
+    row = {
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "cache_len": cache_len,
+        "batch": batch,
+        "new_tokens": new,
+    }
     for impl, s in samples.items():
         row[f"{impl}_us"] = min(s) / STEPS * 1e6
         if impl != "reference" and "reference" in samples:
@@ -92,8 +103,11 @@ def main() -> None:
         header += [f"{impl} us"] + ([f"x ref ({impl})"] if impl != "reference" else [])
     body = []
     for r in rows:
-        cells = [f"{r['heads']}/{r['kv_heads']}/{r['head_dim']}/{r['cache_len']}", r["batch"],
-                 r["new_tokens"]]  # fmt: skip
+        cells = [
+            f"{r['heads']}/{r['kv_heads']}/{r['head_dim']}/{r['cache_len']}",
+            r["batch"],
+            r["new_tokens"],
+        ]
         for impl in args.impls:
             cells.append(r.get(f"{impl}_us", "-"))
             if impl != "reference":

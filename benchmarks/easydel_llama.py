@@ -49,10 +49,14 @@ def main() -> None:
     from flax import nnx
 
     config = ed.LlamaConfig(
-        vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
         max_position_embeddings=2048,
-    )  # fmt: skip
+    )
     model = ed.LlamaForCausalLM(
         config=config, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)
     )
@@ -89,8 +93,17 @@ def main() -> None:
             jax.block_until_ready(loss)
 
         train_s = _seconds(train, **reps)
-    print(json.dumps({"forward_s": forward_s, "train_step_s": train_s, "compile_s": compile_s,
-                      "easydel": ed.__version__, "jax": jax.__version__}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "forward_s": forward_s,
+                "train_step_s": train_s,
+                "compile_s": compile_s,
+                "easydel": ed.__version__,
+                "jax": jax.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

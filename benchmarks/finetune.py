@@ -79,15 +79,18 @@ VARIANTS = ("lora", "full")
 def _config(quick: bool) -> tuple[LlamaConfig, int, int]:
     """The model, and batch x seq."""
     if quick:
-        fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=688,
-                      num_hidden_layers=4)  # fmt: skip
+        fields = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4)
         batch, seq = 4, 256
     else:
-        fields = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408,
-                      num_hidden_layers=8)  # fmt: skip
+        fields = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=8)
         batch, seq = 4, 512
-    config = LlamaConfig(**fields, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=2048, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        **fields,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     return config, batch, seq
 
 
@@ -118,9 +121,12 @@ def _edl_step(model, lora: bool, batches, dtype):
     tx = optax.adamw(ADAMW["lr"], eps=ADAMW["eps"], weight_decay=ADAMW["weight_decay"])
 
     def loss_fn(model, batch):
-        return model.compute_loss(batch["input_ids"], labels=batch["labels"],
-                                  segment_ids=batch["segment_ids"],
-                                  position_ids=batch["position_ids"])  # fmt: skip
+        return model.compute_loss(
+            batch["input_ids"],
+            labels=batch["labels"],
+            segment_ids=batch["segment_ids"],
+            position_ids=batch["position_ids"],
+        )
 
     step = make_train_step(loss_fn, tx)
     keys = ("input_ids", "labels", "segment_ids", "position_ids")
@@ -146,8 +152,12 @@ def _torch_model(path: str, lora: bool, dtype, device):
     if lora:
         import peft
 
-        lora_config = peft.LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"],
-                                      target_modules=TARGET_MODULES, lora_dropout=0.0)  # fmt: skip
+        lora_config = peft.LoraConfig(
+            r=LORA["rank"],
+            lora_alpha=LORA["alpha"],
+            target_modules=TARGET_MODULES,
+            lora_dropout=0.0,
+        )
         model = peft.get_peft_model(model, lora_config)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -159,8 +169,12 @@ def _torch_loss(model, b):
     """HF's loss on packed rows: no ``attention_mask``, restarting ``position_ids``, and no
     cache: with one (``use_cache`` defaults to True, in train mode too) transformers skips
     its packed-sequence detection and the examples of a row attend to each other."""
-    return model(input_ids=b["input_ids"], position_ids=b["position_ids"], labels=b["labels"],
-                 use_cache=False).loss  # fmt: skip
+    return model(
+        input_ids=b["input_ids"],
+        position_ids=b["position_ids"],
+        labels=b["labels"],
+        use_cache=False,
+    ).loss
 
 
 def _torch_step(model, opt, batches, device):
@@ -168,10 +182,12 @@ def _torch_step(model, opt, batches, device):
     import torch
 
     data = [
-        {k: torch.from_numpy(b[k].astype(np.int64)).to(device)
-         for k in ("input_ids", "labels", "position_ids")}
+        {
+            k: torch.from_numpy(b[k].astype(np.int64)).to(device)
+            for k in ("input_ids", "labels", "position_ids")
+        }
         for b in batches
-    ]  # fmt: skip
+    ]
     box = [0]
 
     def call():
@@ -195,9 +211,12 @@ def _check_losses(edl_model, torch_model, batch, device) -> tuple[float, float]:
     import torch
 
     b = {k: jnp.asarray(v) for k, v in batch.items()}
-    edl_loss = edl_model.compute_loss(b["input_ids"], labels=b["labels"],
-                                      segment_ids=b["segment_ids"],
-                                      position_ids=b["position_ids"])[0]  # fmt: skip
+    edl_loss = edl_model.compute_loss(
+        b["input_ids"],
+        labels=b["labels"],
+        segment_ids=b["segment_ids"],
+        position_ids=b["position_ids"],
+    )[0]
     t = {k: torch.from_numpy(v.astype(np.int64)).to(device) for k, v in batch.items()}
     with torch.no_grad():
         torch_loss = _torch_loss(torch_model, t)
@@ -227,10 +246,13 @@ def main() -> None:
     real = [int(b["attention_mask"].sum()) for b in batches]
     targets = [int((b["labels"] != -100).sum()) for b in batches]
     examples = [int(b["segment_ids"].max(axis=1).sum()) for b in batches]
-    print(f"{batch} x {seq} packed rows: {statistics.mean(examples):.1f} examples and "
-          f"{statistics.mean(real):.0f} real tokens per batch (fill "
-          f"{statistics.mean(real) / (batch * seq):.0%}), {statistics.mean(targets):.0f} "
-          "completion (loss) tokens", flush=True)  # fmt: skip
+    print(
+        f"{batch} x {seq} packed rows: {statistics.mean(examples):.1f} examples and "
+        f"{statistics.mean(real):.0f} real tokens per batch (fill "
+        f"{statistics.mean(real) / (batch * seq):.0%}), {statistics.mean(targets):.0f} "
+        "completion (loss) tokens",
+        flush=True,
+    )
 
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     params = edl.count_params(model)
@@ -243,10 +265,13 @@ def main() -> None:
             tm, opt, trainable[variant] = _torch_model(tmp, lora, torch_dtype, device)
             em = edl.from_pretrained(tmp)
             if variant == "lora":
-                edl_loss, torch_loss = _check_losses(edl.module.to_dtype(em, dtype), tm,
-                                                     batches[0], device)  # fmt: skip
-                print(f"loss on batch 0 before training: edl {edl_loss:.6f}, "
-                      f"torch {torch_loss:.6f}", flush=True)  # fmt: skip
+                edl_loss, torch_loss = _check_losses(
+                    edl.module.to_dtype(em, dtype), tm, batches[0], device
+                )
+                print(
+                    f"loss on batch 0 before training: edl {edl_loss:.6f}, torch {torch_loss:.6f}",
+                    flush=True,
+                )
                 if not np.isclose(edl_loss, torch_loss, rtol=1e-4):
                     raise AssertionError("edl and torch compute different losses")
             # torch first: its first step, then edl's compile, as separate figures.
@@ -254,8 +279,11 @@ def main() -> None:
                 tm, opt, batches, device
             )
             first[f"edl {variant}"], calls[f"edl {variant}"] = _edl_step(em, lora, batches, dtype)
-            print(f"{variant}: first step edl {first[f'edl {variant}']:.2f} s, "
-                  f"torch {first[f'torch {variant}']:.2f} s", flush=True)  # fmt: skip
+            print(
+                f"{variant}: first step edl {first[f'edl {variant}']:.2f} s, "
+                f"torch {first[f'torch {variant}']:.2f} s",
+                flush=True,
+            )
 
     order = [f"{side} {v}" for v in VARIANTS for side in ("edl", "torch")]
     samples = interleaved_rounds({name: calls[name] for name in order}, rounds, warm_each=True)
@@ -263,49 +291,92 @@ def main() -> None:
     timed = [real[2 + 2 * r] for r in range(rounds)]
     rows = []
     for variant in VARIANTS:
-        rate = {side: [n / t for n, t in zip(timed, samples[f"{side} {variant}"], strict=True)]
-                for side in ("edl", "torch")}  # fmt: skip
+        rate = {
+            side: [n / t for n, t in zip(timed, samples[f"{side} {variant}"], strict=True)]
+            for side in ("edl", "torch")
+        }
         ratios = [e / t for e, t in zip(rate["edl"], rate["torch"], strict=True)]
-        rows.append({
-            "variant": variant,
-            "trainable_params": trainable[variant],
-            "edl_tokens_per_s": statistics.median(rate["edl"]),
-            "torch_tokens_per_s": statistics.median(rate["torch"]),
-            "ratio": statistics.median(ratios),
-            "ratio_min": min(ratios),
-            "ratio_max": max(ratios),
-            "edl_best_tokens_per_s": max(rate["edl"]),
-            "torch_best_tokens_per_s": max(rate["torch"]),
-            "best_ratio": max(rate["edl"]) / max(rate["torch"]),
-            "edl_step_s": statistics.median(samples[f"edl {variant}"]),
-            "torch_step_s": statistics.median(samples[f"torch {variant}"]),
-            "edl_first_step_s": first[f"edl {variant}"],
-            "torch_first_step_s": first[f"torch {variant}"],
-            "edl_rates": rate["edl"],
-            "torch_rates": rate["torch"],
-        })  # fmt: skip
-    print(f"params {params:,}, {batch} x {seq}, {args.dtype}, {rounds} rounds; "
-          f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
-          f"({device}, {torch.get_num_threads()} threads), transformers "
-          f"{transformers.__version__}")  # fmt: skip
-    print(table(["variant", "trainable", "edl tok/s", "torch tok/s", "edl/torch", "range",
-                 "best: edl / torch / ratio", "edl step s", "torch step s", "edl 1st s",
-                 "torch 1st s"],
-                [[r["variant"], f"{r['trainable_params']:,}", r["edl_tokens_per_s"],
-                  r["torch_tokens_per_s"], r["ratio"],
-                  f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
-                  f"{r['edl_best_tokens_per_s']:.4g} / {r['torch_best_tokens_per_s']:.4g} / "
-                  f"{r['best_ratio']:.3g}", r["edl_step_s"],
-                  r["torch_step_s"], r["edl_first_step_s"], r["torch_first_step_s"]]
-                 for r in rows]))  # fmt: skip
+        rows.append(
+            {
+                "variant": variant,
+                "trainable_params": trainable[variant],
+                "edl_tokens_per_s": statistics.median(rate["edl"]),
+                "torch_tokens_per_s": statistics.median(rate["torch"]),
+                "ratio": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "edl_best_tokens_per_s": max(rate["edl"]),
+                "torch_best_tokens_per_s": max(rate["torch"]),
+                "best_ratio": max(rate["edl"]) / max(rate["torch"]),
+                "edl_step_s": statistics.median(samples[f"edl {variant}"]),
+                "torch_step_s": statistics.median(samples[f"torch {variant}"]),
+                "edl_first_step_s": first[f"edl {variant}"],
+                "torch_first_step_s": first[f"torch {variant}"],
+                "edl_rates": rate["edl"],
+                "torch_rates": rate["torch"],
+            }
+        )
+    print(
+        f"params {params:,}, {batch} x {seq}, {args.dtype}, {rounds} rounds; "
+        f"jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__} "
+        f"({device}, {torch.get_num_threads()} threads), transformers "
+        f"{transformers.__version__}"
+    )
+    print(
+        table(
+            [
+                "variant",
+                "trainable",
+                "edl tok/s",
+                "torch tok/s",
+                "edl/torch",
+                "range",
+                "best: edl / torch / ratio",
+                "edl step s",
+                "torch step s",
+                "edl 1st s",
+                "torch 1st s",
+            ],
+            [
+                [
+                    r["variant"],
+                    f"{r['trainable_params']:,}",
+                    r["edl_tokens_per_s"],
+                    r["torch_tokens_per_s"],
+                    r["ratio"],
+                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                    f"{r['edl_best_tokens_per_s']:.4g} / {r['torch_best_tokens_per_s']:.4g} / "
+                    f"{r['best_ratio']:.3g}",
+                    r["edl_step_s"],
+                    r["torch_step_s"],
+                    r["edl_first_step_s"],
+                    r["torch_first_step_s"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     path = write_json(
-        "finetune", rows, quick=args.quick, params=params, batch=batch, seq=seq,
-        dtype=args.dtype, rounds=rounds, real_tokens=real, loss_tokens=targets,
-        examples=examples, loss_check={"edl": edl_loss, "torch": torch_loss},
-        torch=torch.__version__, torch_device=device, torch_threads=torch.get_num_threads(),
-        transformers=transformers.__version__, lora=LORA, adamw=ADAMW,
+        "finetune",
+        rows,
+        quick=args.quick,
+        params=params,
+        batch=batch,
+        seq=seq,
+        dtype=args.dtype,
+        rounds=rounds,
+        real_tokens=real,
+        loss_tokens=targets,
+        examples=examples,
+        loss_check={"edl": edl_loss, "torch": torch_loss},
+        torch=torch.__version__,
+        torch_device=device,
+        torch_threads=torch.get_num_threads(),
+        transformers=transformers.__version__,
+        lora=LORA,
+        adamw=ADAMW,
         load_average=os.getloadavg(),
-    )  # fmt: skip
+    )
     print(f"load average {os.getloadavg()[0]:.2f} at the end; wrote {path}")
 
 

@@ -58,9 +58,13 @@ def _torch_call(torch_model, ids, new):
     def run():
         with torch.no_grad():
             return torch_model.generate(
-                ids_t, attention_mask=torch.ones_like(ids_t), do_sample=False,
-                max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
-            )  # fmt: skip
+                ids_t,
+                attention_mask=torch.ones_like(ids_t),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
 
     return run
 
@@ -68,10 +72,15 @@ def _torch_call(torch_model, ids, new):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 small layers, 16 new tokens")
-    parser.add_argument("--impls", nargs="+", default=["auto", "xla", "reference", "pallas"],
-                        help="edl attention impls to time")  # fmt: skip
-    parser.add_argument("--unstacked", nargs="*", default=["auto"],
-                        help="impls also timed with unstack_layers=True")  # fmt: skip
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["auto", "xla", "reference", "pallas"],
+        help="edl attention impls to time",
+    )
+    parser.add_argument(
+        "--unstacked", nargs="*", default=["auto"], help="impls also timed with unstack_layers=True"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     variants = {impl: (impl, False) for impl in args.impls}
@@ -104,9 +113,14 @@ def main() -> None:
         samples = interleaved_rounds(calls, args.rounds, pause_after={"torch"}, warm_each=True)
         # The fastest round of each: the least disturbed by the machine's other load.
         best = {name: min(s) for name, s in samples.items()}
-        row = {"batch": batch, "prompt": prompt, "new_tokens": new, "rounds": args.rounds,
-               "torch_tokens_per_s": batch * new / best["torch"],
-               "torch_median_s": statistics.median(samples["torch"])}  # fmt: skip
+        row = {
+            "batch": batch,
+            "prompt": prompt,
+            "new_tokens": new,
+            "rounds": args.rounds,
+            "torch_tokens_per_s": batch * new / best["torch"],
+            "torch_median_s": statistics.median(samples["torch"]),
+        }
         for name in variants:
             row[f"edl_{name}_tokens_per_s"] = batch * new / best[name]
             row[f"edl_{name}_speedup"] = best["torch"] / best[name]
@@ -118,14 +132,22 @@ def main() -> None:
         print(f"batch {batch} done", flush=True)
     header = ["batch", "torch tok/s"]
     for name in variants:
-        header += [f"edl {name} tok/s", f"x torch ({name})", f"median x ({name})",
-                   f"compile+run s ({name})"]  # fmt: skip
+        header += [
+            f"edl {name} tok/s",
+            f"x torch ({name})",
+            f"median x ({name})",
+            f"compile+run s ({name})",
+        ]
     body = []
     for r in rows:
         cells = [r["batch"], r["torch_tokens_per_s"]]
         for name in variants:
-            cells += [r[f"edl_{name}_tokens_per_s"], r[f"edl_{name}_speedup"],
-                      r[f"edl_{name}_median_speedup"], r[f"edl_{name}_first_call_s"]]  # fmt: skip
+            cells += [
+                r[f"edl_{name}_tokens_per_s"],
+                r[f"edl_{name}_speedup"],
+                r[f"edl_{name}_median_speedup"],
+                r[f"edl_{name}_first_call_s"],
+            ]
         body.append(cells)
     print(table(header, body))
     print("wrote", write_json("generate", rows, quick=args.quick, layers=config.num_hidden_layers))

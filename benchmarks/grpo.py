@@ -102,17 +102,27 @@ def main() -> None:
     t_start = time.perf_counter()
     rng = np.random.default_rng(args.seed)
     tok = ByteTokenizer()
-    config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(args.seed))
     t0 = time.perf_counter()
     model = _sft(model, tok, args.sft_steps, rng)
     sft_s = time.perf_counter() - t0
 
-    grpo = GRPOConfig(num_generations=args.generations, max_new_tokens=TARGET + 4,
-                      temperature=1.0, num_iterations=2, loss_type="grpo",
-                      reward_weights=(1.0, 0.5))  # fmt: skip
+    grpo = GRPOConfig(
+        num_generations=args.generations,
+        max_new_tokens=TARGET + 4,
+        temperature=1.0,
+        num_iterations=2,
+        loss_type="grpo",
+        reward_weights=(1.0, 0.5),
+    )
     tx = optax.adam(args.lr)
     state = edl.create_state(model, tx)
     del model
@@ -132,26 +142,32 @@ def main() -> None:
         history.append(dict(info.metrics))
         if info.step % 10 == 0 or info.step == 1:
             m = info.metrics
-            print(f"grpo step {info.step}: reward {m['reward_mean']:.3f} (match "
-                  f"{m['reward/match']:.3f}, length {m['reward/length']:.3f}) len "
-                  f"{m['completion_length']:.1f} loss {m['loss']:.4f} clip {m['clip_ratio']:.3f} "
-                  f"sample {m['sample_s'] * 1e3:.0f} ms train {m['train_s'] * 1e3:.0f} ms",
-                  flush=True)  # fmt: skip
+            print(
+                f"grpo step {info.step}: reward {m['reward_mean']:.3f} (match "
+                f"{m['reward/match']:.3f}, length {m['reward/length']:.3f}) len "
+                f"{m['completion_length']:.1f} loss {m['loss']:.4f} clip {m['clip_ratio']:.3f} "
+                f"sample {m['sample_s'] * 1e3:.0f} ms train {m['train_s'] * 1e3:.0f} ms",
+                flush=True,
+            )
 
     def prompts():
         while True:
             yield [rng.choice(list(LETTERS)) + ">" for _ in range(args.prompts)]
 
-    state, _ = train(state, step, prompts(), steps=args.steps, progress=False,
-                           callbacks=[callback(log)])  # fmt: skip
+    state, _ = train(
+        state, step, prompts(), steps=args.steps, progress=False, callbacks=[callback(log)]
+    )
     last = step.last_rollout
     print("samples:", list(zip(last["prompts"], last["completions"], strict=True))[:6])
     tenth = max(1, len(history) // 10)
     mean = lambda rows, k: float(np.mean([r[k] for r in rows]))
     params_bytes, state_bytes = edl.nbytes(state.params), edl.nbytes(state)
     result = {
-        "benchmark": "grpo", "backend": jax.default_backend(), "jax": jax.__version__,
-        "steps": len(history), "rows_per_step": args.prompts * args.generations,
+        "benchmark": "grpo",
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "steps": len(history),
+        "rows_per_step": args.prompts * args.generations,
         "parameters": edl.count_params(state.params),
         "reward_first": mean(history[:tenth], "reward_mean"),
         "reward_last": mean(history[-tenth:], "reward_mean"),
@@ -162,11 +178,13 @@ def main() -> None:
         "train_s": sum(r["train_s"] for r in history),
         "reward_s": sum(r["reward_s"] for r in history),
         "first_step_s": history[0]["sample_s"] + history[0]["train_s"],
-        "sft_s": sft_s, "total_s": time.perf_counter() - t_start,
-        "params_bytes": params_bytes, "state_bytes": state_bytes,
+        "sft_s": sft_s,
+        "total_s": time.perf_counter() - t_start,
+        "params_bytes": params_bytes,
+        "state_bytes": state_bytes,
         "live_bytes_after_sampling_max": max(live),
         "no_param_copy": max(live) < state_bytes + params_bytes,
-    }  # fmt: skip
+    }
     print(json.dumps(result))
 
 

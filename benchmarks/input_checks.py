@@ -37,12 +37,32 @@ from edl.train import OptimizerConfig, make_optimizer, make_train_step
 
 CONFIGS = {
     # tests/conftest.py's TINY_LLAMA: dispatch-bound, where a fixed cost shows most.
-    "tiny": (dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2), 2, 16),
+    "tiny": (
+        dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        2,
+        16,
+    ),
     # edl train's default model and batch (benchmarks/train.py "default").
-    "small": (dict(vocab_size=259, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2), 8, 128),
-}  # fmt: skip
+    "small": (
+        dict(
+            vocab_size=259,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        8,
+        128,
+    ),
+}
 VARIANTS = ("checked", "unchecked")
 
 
@@ -143,10 +163,26 @@ def main() -> None:
             number = {"tiny": 50, "small": 5}[config] * (1 if workload == "train step" else 4)
             number = 2 if args.quick else number
             rows.append(measure(config, workload, rounds, number, synced))
-    keys = ["model", "workload", "batch x seq", "unchecked_us", "checked_us", "extra_us",
-            "ratio", "ratio_min_times"]  # fmt: skip
-    header = ["model", "workload", "batch x seq", "unchecked us", "checked us", "extra us",
-              "ratio", "ratio of mins"]  # fmt: skip
+    keys = [
+        "model",
+        "workload",
+        "batch x seq",
+        "unchecked_us",
+        "checked_us",
+        "extra_us",
+        "ratio",
+        "ratio_min_times",
+    ]
+    header = [
+        "model",
+        "workload",
+        "batch x seq",
+        "unchecked us",
+        "checked us",
+        "extra us",
+        "ratio",
+        "ratio of mins",
+    ]
     print(f"input checks, backend {jax.default_backend()}, {jax.device_count()} device(s)")
     print(table(header, [[r[k] for k in keys] for r in rows]))
     print("wrote", write_json("input_checks", rows, rounds=rounds))

@@ -63,8 +63,10 @@ def measure(fan_in: int, fan_out: int, rows: int, dtype, rounds: int) -> dict:
     weights = [(0.02 * jax.random.normal(k, (fan_out, fan_in))).astype(dtype) for k in keys]
     x = jnp.ones((rows, fan_in), dtype)
     steps = _steps(rows, fan_in, fan_out)
-    calls = {name: functools.partial(_runner(form, fan_in, steps), x, weights)
-             for name, form in FORMS.items()}  # fmt: skip
+    calls = {
+        name: functools.partial(_runner(form, fan_in, steps), x, weights)
+        for name, form in FORMS.items()
+    }
     for call in calls.values():  # compile
         jax.block_until_ready(call())
     samples = interleaved_rounds(calls, rounds)
@@ -94,12 +96,15 @@ def _compiled_generate(model, ids, max_new: int, small_rows: int):
 
 
 def measure_generate(impl: str, batch: int, quick: bool, rounds: int) -> dict:
-    model = configure(LlamaForCausalLM.init(_config(quick), key=jax.random.key(0)),
-                      attention_impl=impl)  # fmt: skip
+    model = configure(
+        LlamaForCausalLM.init(_config(quick), key=jax.random.key(0)), attention_impl=impl
+    )
     ids = np.asarray(jax.random.randint(jax.random.key(1), (batch, 32), 1, 1024))
     max_new = 16 if quick else 128
-    runs = {name: _compiled_generate(model, ids, max_new, rows)
-            for name, rows in (("plain", 0), ("small", SMALL_ROWS))}  # fmt: skip
+    runs = {
+        name: _compiled_generate(model, ids, max_new, rows)
+        for name, rows in (("plain", 0), ("small", SMALL_ROWS))
+    }
     if runs["plain"].as_text() == runs["small"].as_text():
         raise RuntimeError("generate compiled to the same program with and without SMALL_ROWS")
     outs = {name: np.asarray(run(model)) for name, run in runs.items()}
@@ -120,8 +125,12 @@ def measure_generate(impl: str, batch: int, quick: bool, rounds: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 row counts, 3 rounds")
-    parser.add_argument("--shapes", nargs="+", default=["256x688", "688x256", "1024x1024"],
-                        help="weights as IN x OUT")  # fmt: skip
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["256x688", "688x256", "1024x1024"],
+        help="weights as IN x OUT",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
@@ -132,20 +141,48 @@ def main() -> None:
         fan_in, fan_out = (int(n) for n in shape.split("x"))
         for rows in row_counts:
             results.append(measure(fan_in, fan_out, rows, jnp.dtype(args.dtype), rounds))
-    header = ["in x out", "rows", "x @ W.T us", "(W @ x.T).T us", "ratio", "median ratio",
-              "edl uses left"]  # fmt: skip
-    keys = ["shape", "rows", "weight_right_us", "weight_left_us", "ratio_min", "ratio_median",
-            "edl_uses_left"]  # fmt: skip
+    header = [
+        "in x out",
+        "rows",
+        "x @ W.T us",
+        "(W @ x.T).T us",
+        "ratio",
+        "median ratio",
+        "edl uses left",
+    ]
+    keys = [
+        "shape",
+        "rows",
+        "weight_right_us",
+        "weight_left_us",
+        "ratio_min",
+        "ratio_median",
+        "edl_uses_left",
+    ]
     print(table(header, [[r[k] for k in keys] for r in results]))
     decode = [
         measure_generate(impl, batch, args.quick, rounds)
         for batch in (1, 8)
         for impl in ("auto", "xla")
     ]
-    header = ["attention", "batch", "tok/s x @ W.T", "tok/s edl", "time ratio", "median ratio",
-              "same tokens"]  # fmt: skip
-    keys = ["impl", "batch", "plain_tok_s", "small_rows_tok_s", "time_ratio_min",
-            "time_ratio_median", "same_tokens"]  # fmt: skip
+    header = [
+        "attention",
+        "batch",
+        "tok/s x @ W.T",
+        "tok/s edl",
+        "time ratio",
+        "median ratio",
+        "same tokens",
+    ]
+    keys = [
+        "impl",
+        "batch",
+        "plain_tok_s",
+        "small_rows_tok_s",
+        "time_ratio_min",
+        "time_ratio_median",
+        "same_tokens",
+    ]
     print(table(header, [[r[k] for k in keys] for r in decode]))
     path = write_json("linear", results, dtype=args.dtype, small_rows=SMALL_ROWS, generate=decode)
     print("wrote", path)

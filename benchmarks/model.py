@@ -176,9 +176,20 @@ def _measure_easydel(python: str | None, layers: int, batch: int, seq: int, quic
     if python is None:
         return None, None
     script = Path(__file__).with_name("easydel_llama.py")
-    command = [python, str(script), "--layers", str(layers), "--batch", str(batch),
-               "--seq", str(seq), "--warmup", str(reps["warmup"]),
-               "--repeats", str(reps["repeats"])]  # fmt: skip
+    command = [
+        python,
+        str(script),
+        "--layers",
+        str(layers),
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--warmup",
+        str(reps["warmup"]),
+        "--repeats",
+        str(reps["repeats"]),
+    ]
     if quick:
         command += ["--hidden", "64", "--intermediate", "172"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -198,11 +209,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small widths, 2 and 4 layers")
     parser.add_argument("--layers", type=int, nargs="+", default=None)
-    parser.add_argument("--moe-layers", type=int, nargs="*", default=None,
-                        help="Mixtral-style rows (8 experts, top-2); none to skip")  # fmt: skip
-    parser.add_argument("--easydel-python", default=os.environ.get("EDL_EASYDEL_PYTHON"),
-                        help="python of a venv with easydel==0.3.0 (default $EDL_EASYDEL_PYTHON;"
-                             " none: no EasyDeL columns)")  # fmt: skip
+    parser.add_argument(
+        "--moe-layers",
+        type=int,
+        nargs="*",
+        default=None,
+        help="Mixtral-style rows (8 experts, top-2); none to skip",
+    )
+    parser.add_argument(
+        "--easydel-python",
+        default=os.environ.get("EDL_EASYDEL_PYTHON"),
+        help="python of a venv with easydel==0.3.0 (default $EDL_EASYDEL_PYTHON;"
+        " none: no EasyDeL columns)",
+    )
     args = parser.parse_args()
     layer_counts = args.layers or ([2, 4] if args.quick else [4, 16, 32])
     moe_counts = [2] if args.quick else [4]
@@ -226,11 +245,15 @@ def main() -> None:
         torch_fwd, torch_train = _measure_torch(model, np.asarray(ids), reps)
         edl_fwd, edl_train, compile_s = _measure_edl(model, ids, reps)
         python = args.easydel_python if family == "llama" else None
-        easydel_fwd, easydel_train = _measure_easydel(python, layers, batch, seq, args.quick,
-                                                      reps)  # fmt: skip
-        times = {"edl_forward": edl_fwd, "edl_train": edl_train, "torch_forward": torch_fwd,
-                 "torch_train": torch_train, "easydel_forward": easydel_fwd,
-                 "easydel_train": easydel_train}  # fmt: skip
+        easydel_fwd, easydel_train = _measure_easydel(python, layers, batch, seq, args.quick, reps)
+        times = {
+            "edl_forward": edl_fwd,
+            "edl_train": edl_train,
+            "torch_forward": torch_fwd,
+            "torch_train": torch_train,
+            "easydel_forward": easydel_fwd,
+            "easydel_train": easydel_train,
+        }
         rows.append(
             {
                 "model": family,
@@ -252,15 +275,42 @@ def main() -> None:
     base_compile = rows[0]["edl_compile_s"]
     for row in rows:
         row["compile_vs_first"] = row["edl_compile_s"] / base_compile
-    header = ["model", "layers", "params", "fwd edl/torch", "train edl/torch", "fwd edl/EasyDeL",
-              "train edl/EasyDeL", "edl train ms", "torch train ms", "EasyDeL train ms",
-              "compile s", "compile/first", "edl train / peak", "torch train / peak"]  # fmt: skip
-    keys = ["model", "layers", "params", "forward_vs_torch", "train_vs_torch",
-            "forward_vs_easydel", "train_vs_easydel", "edl_train_s", "torch_train_s",
-            "easydel_train_s", "edl_compile_s", "compile_vs_first", "edl_train_peak_fraction",
-            "torch_train_peak_fraction"]  # fmt: skip
-    cells = [[r[key] * 1e3 if key.endswith("train_s") and r[key] else r[key] for key in keys]
-             for r in rows]  # fmt: skip
+    header = [
+        "model",
+        "layers",
+        "params",
+        "fwd edl/torch",
+        "train edl/torch",
+        "fwd edl/EasyDeL",
+        "train edl/EasyDeL",
+        "edl train ms",
+        "torch train ms",
+        "EasyDeL train ms",
+        "compile s",
+        "compile/first",
+        "edl train / peak",
+        "torch train / peak",
+    ]
+    keys = [
+        "model",
+        "layers",
+        "params",
+        "forward_vs_torch",
+        "train_vs_torch",
+        "forward_vs_easydel",
+        "train_vs_easydel",
+        "edl_train_s",
+        "torch_train_s",
+        "easydel_train_s",
+        "edl_compile_s",
+        "compile_vs_first",
+        "edl_train_peak_fraction",
+        "torch_train_peak_fraction",
+    ]
+    cells = [
+        [r[key] * 1e3 if key.endswith("train_s") and r[key] else r[key] for key in keys]
+        for r in rows
+    ]
     print(table(header, cells))
     path = write_json(
         "model",

@@ -53,8 +53,11 @@ def op_table(rows: int, rounds: int, news: tuple[int, ...]) -> list[dict]:
         q = jnp.asarray(rng.standard_normal((rows, new, HEADS, HEAD_DIM), np.float32))
         calls = {}
         for impl in ("native", "xla"):
-            run = jax.jit(functools.partial(cached_attention.paged_attention, layer=0,
-                                            impl=impl, live_prefix=False))  # fmt: skip
+            run = jax.jit(
+                functools.partial(
+                    cached_attention.paged_attention, layer=0, impl=impl, live_prefix=False
+                )
+            )
             calls[impl] = functools.partial(run, q, k, v, page_table, lengths)
         out = {name: call() for name, call in calls.items()}
         err = float(jnp.max(jnp.abs(out["native"] - out["xla"])))
@@ -62,8 +65,13 @@ def op_table(rows: int, rounds: int, news: tuple[int, ...]) -> list[dict]:
             raise RuntimeError(f"native differs from xla by {err} at {new} new tokens")
         samples = interleaved_rounds(calls, rounds)
         ms = {name: 1e3 * statistics.median(s) for name, s in samples.items()}
-        results.append({"new_tokens": new, **{f"{n}_ms": t for n, t in ms.items()},
-                        "xla_over_native": ms["xla"] / ms["native"]})  # fmt: skip
+        results.append(
+            {
+                "new_tokens": new,
+                **{f"{n}_ms": t for n, t in ms.items()},
+                "xla_over_native": ms["xla"] / ms["native"],
+            }
+        )
     return results
 
 
@@ -72,17 +80,28 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
     config = model.model.config
     rng = np.random.default_rng(1)
     num_pages = rows * PAGES + 8
-    shape = (config.num_hidden_layers, num_pages, PAGE_SIZE, config.num_key_value_heads,
-             config.head_dim)  # fmt: skip
+    shape = (
+        config.num_hidden_layers,
+        num_pages,
+        PAGE_SIZE,
+        config.num_key_value_heads,
+        config.head_dim,
+    )
     k = jnp.asarray(rng.standard_normal(shape, np.float32))
     v = jnp.asarray(rng.standard_normal(shape, np.float32))
-    page_table = jnp.asarray(rng.permutation(num_pages)[: rows * PAGES].reshape(rows, PAGES),
-                             jnp.int32)  # fmt: skip
+    page_table = jnp.asarray(
+        rng.permutation(num_pages)[: rows * PAGES].reshape(rows, PAGES), jnp.int32
+    )
     lengths = jnp.full((rows,), PAGES * PAGE_SIZE - 1, jnp.int32)
     tokens = jnp.asarray(rng.integers(3, 259, (rows, 1)), jnp.int32)
     num_new = jnp.ones((rows,), jnp.int32)
-    sampling = SlotSampling(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows),
-                            jnp.zeros(rows, jnp.uint32), jnp.zeros(rows, jnp.int32))  # fmt: skip
+    sampling = SlotSampling(
+        jnp.zeros(rows),
+        jnp.zeros(rows, jnp.int32),
+        jnp.ones(rows),
+        jnp.zeros(rows, jnp.uint32),
+        jnp.zeros(rows, jnp.int32),
+    )
     step = model_step.__wrapped__
     pools = {}
     compiled = {}
@@ -93,8 +112,9 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
             # A fresh function per variant: jax.jit of the same function hands back its first
             # trace whatever module setting changed since (RESULTS.md, serve, 2026-11-25).
             fn = jax.jit(lambda *a, _step=step: _step(*a), donate_argnums=(1, 2))
-            compiled[name] = fn.lower(model, k, v, page_table, lengths, tokens, num_new,
-                                      sampling).compile()  # fmt: skip
+            compiled[name] = fn.lower(
+                model, k, v, page_table, lengths, tokens, num_new, sampling
+            ).compile()
         finally:
             cached_attention.NATIVE_MAX_NEW_TOKENS = saved
         pools[name] = (jnp.copy(k), jnp.copy(v))
@@ -115,8 +135,11 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
         raise RuntimeError("the native and xla decode steps chose different tokens")
     samples = interleaved_rounds(calls, rounds)
     ms = {name: 1e3 * statistics.median(s) for name, s in samples.items()}
-    return {"rows": rows, **{f"{n}_ms": t for n, t in ms.items()},
-            "xla_over_native": ms["xla"] / ms["native"]}  # fmt: skip
+    return {
+        "rows": rows,
+        **{f"{n}_ms": t for n, t in ms.items()},
+        "xla_over_native": ms["xla"] / ms["native"],
+    }
 
 
 def main() -> None:
@@ -128,17 +151,28 @@ def main() -> None:
     rounds = 3 if args.quick else args.rounds
     news = (1, 4) if args.quick else (1, 2, 4, 8, 16)
     ops = op_table(args.rows, rounds, news)
-    print(f"paged attention, {args.rows} rows x {PAGES * PAGE_SIZE} positions, "
-          f"{HEADS}/{KV_HEADS} heads of {HEAD_DIM}")  # fmt: skip
-    print(table(["new tokens", "native ms", "xla ms", "xla / native"],
-                [[r["new_tokens"], r["native_ms"], r["xla_ms"], r["xla_over_native"]]
-                 for r in ops]))  # fmt: skip
+    print(
+        f"paged attention, {args.rows} rows x {PAGES * PAGE_SIZE} positions, "
+        f"{HEADS}/{KV_HEADS} heads of {HEAD_DIM}"
+    )
+    print(
+        table(
+            ["new tokens", "native ms", "xla ms", "xla / native"],
+            [[r["new_tokens"], r["native_ms"], r["xla_ms"], r["xla_over_native"]] for r in ops],
+        )
+    )
     hidden, layers = (256, 4) if args.quick else (768, 16)
     step = step_table(args.rows, rounds, hidden, layers)
-    print(f"\ndecode step, hidden {hidden}, {layers} layers, {args.rows} rows x "
-          f"{PAGES * PAGE_SIZE} positions")  # fmt: skip
-    print(table(["native ms", "xla ms", "xla / native"],
-                [[step["native_ms"], step["xla_ms"], step["xla_over_native"]]]))  # fmt: skip
+    print(
+        f"\ndecode step, hidden {hidden}, {layers} layers, {args.rows} rows x "
+        f"{PAGES * PAGE_SIZE} positions"
+    )
+    print(
+        table(
+            ["native ms", "xla ms", "xla / native"],
+            [[step["native_ms"], step["xla_ms"], step["xla_over_native"]]],
+        )
+    )
     write_json("paged_attention", ops, step=step, step_rows=args.rows)
 
 

@@ -87,8 +87,18 @@ def main() -> None:
         row["projection_ratio"] = row["projection_bytes"] / base["projection_bytes"]
         row["param_ratio"] = row["param_bytes"] / base["param_bytes"]
         row["forward_ratio"] = row["forward_s"] / base["forward_s"]
-    header = ["format", "params MB", "proj MB", "proj / fp32", "all / fp32", "fwd ms",
-              "fwd / fp32", "weight rel err", "logits rel err", "argmax agree"]  # fmt: skip
+    header = [
+        "format",
+        "params MB",
+        "proj MB",
+        "proj / fp32",
+        "all / fp32",
+        "fwd ms",
+        "fwd / fp32",
+        "weight rel err",
+        "logits rel err",
+        "argmax agree",
+    ]
     print(
         table(
             header,

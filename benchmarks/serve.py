@@ -47,11 +47,15 @@ from edl.train import ByteTokenizer
 
 
 def _model(hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=hidden,
-                         intermediate_size=hidden * 8 // 3, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64),
-                         num_key_value_heads=max(1, hidden // 128),
-                         max_position_embeddings=max_len)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max_len,
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     # Only printable ASCII bytes win the argmax (the other rows of the head are zero, below
     # the best of 95 random logits): every token is text at once, so each streamed chunk is
@@ -74,15 +78,21 @@ def _percentiles(values: list[float]) -> dict[str, float]:
     return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99))}
 
 
-def _one_stream(client, prompt: list[int], max_tokens: int,
-                first=None) -> tuple[float, list[float], int]:  # fmt: skip
+def _one_stream(
+    client, prompt: list[int], max_tokens: int, first=None
+) -> tuple[float, list[float], int]:
     """``(ttft, inter-token gaps, completion tokens)`` of one streamed completion;
     ``first()`` is called when its first token arrives."""
     start = time.perf_counter()
     arrivals, tokens = [], 0
-    stream = client.completions.create(model="bench", prompt=prompt, max_tokens=max_tokens,
-                                       temperature=0, stream=True,
-                                       stream_options={"include_usage": True})  # fmt: skip
+    stream = client.completions.create(
+        model="bench",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
             arrivals.append(time.perf_counter())
@@ -94,15 +104,18 @@ def _one_stream(client, prompt: list[int], max_tokens: int,
     return ttft, list(np.diff(arrivals)), tokens
 
 
-def _ttft_while_decoding(client, args: argparse.Namespace, busy: int = 15,
-                         probes: int = 8) -> dict[str, float]:  # fmt: skip
+def _ttft_while_decoding(
+    client, args: argparse.Namespace, busy: int = 15, probes: int = 8
+) -> dict[str, float]:
     """The issue's latency case: ``busy`` streams decoding (each past its first token),
     then ``probes`` new ``--prompt-len``-token requests one after another; their time to
     first token (p50, p99)."""
     decoding = threading.Semaphore(0)
     with concurrent.futures.ThreadPoolExecutor(busy) as pool:
-        background = [pool.submit(_one_stream, client, p, args.max_tokens, decoding.release)
-                      for p in _prompts(busy, args.prompt_len, 1234)]  # fmt: skip
+        background = [
+            pool.submit(_one_stream, client, p, args.max_tokens, decoding.release)
+            for p in _prompts(busy, args.prompt_len, 1234)
+        ]
         for _ in range(busy):
             decoding.acquire()
         ttfts = [_one_stream(client, p, 1)[0] for p in _prompts(probes, args.prompt_len, 4321)]
@@ -119,9 +132,14 @@ def _server_process(args: argparse.Namespace) -> None:
     arrives on stdin stops and prints ``{"free_pages_after"}``."""
     max_len = args.prompt_len + args.max_tokens
     model = _model(args.hidden, args.layers, max_len)
-    engine = Engine(model, max_batch=max(args.concurrency), max_model_len=max_len, page_size=16,
-                    prefill_chunk=args.prefill_chunk,
-                    prefill_tokens=args.prefill_tokens)  # fmt: skip
+    engine = Engine(
+        model,
+        max_batch=max(args.concurrency),
+        max_model_len=max_len,
+        page_size=16,
+        prefill_chunk=args.prefill_chunk,
+        prefill_tokens=args.prefill_tokens,
+    )
     start = time.perf_counter()
     engine.warmup()
     warmup = {"shapes": len(engine.step_shapes()), "seconds": time.perf_counter() - start}
@@ -136,21 +154,27 @@ def _server_process(args: argparse.Namespace) -> None:
     sys.stdin.readline()
     server.should_exit = True
     thread.join(60)
-    print(json.dumps({"free_pages_after": engine.num_free_pages == engine.num_total_pages}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({"free_pages_after": engine.num_free_pages == engine.num_total_pages}),
+        flush=True,
+    )
 
 
 def _served(args: argparse.Namespace) -> dict[str, dict]:
-    options = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-               if k in ("prompt_len", "max_tokens", "prefill_chunk", "prefill_tokens", "hidden",
-                        "layers")]  # fmt: skip
+    options = [
+        f"--{k.replace('_', '-')}={v}"
+        for k, v in vars(args).items()
+        if k in ("prompt_len", "max_tokens", "prefill_chunk", "prefill_tokens", "hidden", "layers")
+    ]
     options += ["--concurrency", *map(str, args.concurrency)]
     command = [sys.executable, "-m", "benchmarks.serve", "--server", *options]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     started = json.loads(process.stdout.readline())
     port, warmup = started["port"], started["warmup"]
-    print(f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
-          flush=True)  # fmt: skip
+    print(
+        f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
+        flush=True,
+    )
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
@@ -165,19 +189,27 @@ def _served(args: argparse.Namespace) -> dict[str, dict]:
             wall = time.perf_counter() - start
             tokens = sum(n for _, _, n in runs)
             results[str(c)] = {
-                "requests": len(runs), "output_tokens": tokens, "seconds": wall,
+                "requests": len(runs),
+                "output_tokens": tokens,
+                "seconds": wall,
                 "tokens_per_s": tokens / wall,
                 "ttft_s": _percentiles([t for t, _, _ in runs]),
                 "itl_s": _percentiles([g for _, gaps, _ in runs for g in gaps]),
-            }  # fmt: skip
-            print(f"  {c:>3} clients: {tokens / wall:8.1f} tok/s, ttft p50 "
-                  f"{results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
-                  f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms", flush=True)  # fmt: skip
+            }
+            print(
+                f"  {c:>3} clients: {tokens / wall:8.1f} tok/s, ttft p50 "
+                f"{results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
+                f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms",
+                flush=True,
+            )
         busy = min(15, max(args.concurrency) - 1)  # one batch place left for the probe
         ttft = _ttft_while_decoding(client, args, busy=busy)
         results["ttft_while_decoding_s"] = {"busy": busy, **ttft}
-        print(f"  TTFT of a {args.prompt_len}-token prompt while {busy} requests decode: p50 "
-              f"{ttft['p50']:.3f} s, p99 {ttft['p99']:.3f} s", flush=True)  # fmt: skip
+        print(
+            f"  TTFT of a {args.prompt_len}-token prompt while {busy} requests decode: p50 "
+            f"{ttft['p50']:.3f} s, p99 {ttft['p99']:.3f} s",
+            flush=True,
+        )
     finally:
         process.stdin.write("stop\n")
         process.stdin.flush()
@@ -188,8 +220,9 @@ def _served(args: argparse.Namespace) -> dict[str, dict]:
 
 def _sequential_edl(model, prompts: list[list[int]], max_tokens: int, unstack: bool) -> float:
     # The random model has no generation_config, so no EOS id: every run makes max_tokens.
-    run = lambda p: generate(model, jnp.asarray([p]), max_new_tokens=max_tokens,
-                             unstack_layers=unstack)  # fmt: skip
+    run = lambda p: generate(
+        model, jnp.asarray([p]), max_new_tokens=max_tokens, unstack_layers=unstack
+    )
     jax.block_until_ready(run(prompts[0]).sequences)  # compile
     start = time.perf_counter()
     for p in prompts:
@@ -204,9 +237,13 @@ def _sequential_torch(model, prompts: list[list[int]], max_tokens: int) -> float
         return None
     hf = edl.to_torch(model).eval()
     with torch.no_grad():
-        run = lambda p: hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
-                                    dtype=torch.long), max_new_tokens=max_tokens,
-                                    min_new_tokens=max_tokens, do_sample=False)  # fmt: skip
+        run = lambda p: hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+        )
         run(prompts[0])
         start = time.perf_counter()
         for p in prompts:
@@ -234,9 +271,11 @@ def main() -> None:
         args.hidden, args.layers, args.concurrency, args.max_tokens = 384, 6, [1, 4], 32
     model = _model(args.hidden, args.layers, args.prompt_len + args.max_tokens)
     params = edl.count_params(model)
-    print(f"serve benchmark: {params:,} parameters, prompt {args.prompt_len}, "
-          f"{args.max_tokens} new tokens, jax {jax.__version__} on {jax.devices()[0].platform}",
-          flush=True)  # fmt: skip
+    print(
+        f"serve benchmark: {params:,} parameters, prompt {args.prompt_len}, "
+        f"{args.max_tokens} new tokens, jax {jax.__version__} on {jax.devices()[0].platform}",
+        flush=True,
+    )
     prompts = _prompts(args.sequential, args.prompt_len, 7)
     # The baseline is timed before and after serving and the faster counts: this VM drifts
     # by up to ~25% over the minutes between them, and the ratio should not gain from a slow
@@ -255,16 +294,25 @@ def main() -> None:
         flush=True,
     )
     ratios = {c: served[c]["tokens_per_s"] / edl_seq for c in served if c.isdigit()}
-    print("  served / sequential edl.generate: "
-          + ", ".join(f"{c} clients {r:.2f}x" for c, r in ratios.items()), flush=True)  # fmt: skip
-    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
-               "platform": jax.devices()[0].platform, "parameters": params,
-               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "served": served,
-               "sequential_edl_tokens_per_s": edl_seq,
-               "sequential_edl_before_after": [edl_seq_before, edl_seq_after],
-               "sequential_edl_unstacked_tokens_per_s": edl_unstacked,
-               "sequential_transformers_tokens_per_s": torch_seq,
-               "served_over_sequential_edl": ratios}  # fmt: skip
+    print(
+        "  served / sequential edl.generate: "
+        + ", ".join(f"{c} clients {r:.2f}x" for c, r in ratios.items()),
+        flush=True,
+    )
+    results = {
+        "date": time.strftime("%Y-%m-%d"),
+        "jax": jax.__version__,
+        "platform": jax.devices()[0].platform,
+        "parameters": params,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "served": served,
+        "sequential_edl_tokens_per_s": edl_seq,
+        "sequential_edl_before_after": [edl_seq_before, edl_seq_after],
+        "sequential_edl_unstacked_tokens_per_s": edl_unstacked,
+        "sequential_transformers_tokens_per_s": torch_seq,
+        "served_over_sequential_edl": ratios,
+    }
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -133,8 +133,16 @@ def main() -> None:
         row["state_vs_replicated"] = row["state_bytes_per_device"] / base["state_bytes_per_device"]
         row["step_vs_replicated"] = row["train_step_s"] / base["train_step_s"]
     mib = 2**20
-    header = ["layout", "mesh", "params MiB/dev", "state MiB/dev", "vs repl.", "step ms",
-              "step vs repl.", "compile s"]  # fmt: skip
+    header = [
+        "layout",
+        "mesh",
+        "params MiB/dev",
+        "state MiB/dev",
+        "vs repl.",
+        "step ms",
+        "step vs repl.",
+        "compile s",
+    ]
     print(
         table(
             header,

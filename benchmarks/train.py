@@ -26,13 +26,33 @@ from edl.train import OptimizerConfig, make_optimizer, make_train_step
 
 CONFIGS = {
     # edl train's defaults (edl/cli.py TrainConfig): batch 8 x 128, byte vocabulary.
-    "default": (dict(vocab_size=259, hidden_size=128, intermediate_size=352,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2), 8, 128),
+    "default": (
+        dict(
+            vocab_size=259,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        8,
+        128,
+    ),
     # Llama-3.2-1B's shape (1.24B parameters), batch 8 x 2048.
-    "1b": (dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                run=RunOptions(remat="dots_no_batch")), 8, 2048),
-}  # fmt: skip
+    "1b": (
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            run=RunOptions(remat="dots_no_batch"),
+        ),
+        8,
+        2048,
+    ),
+}
 
 
 def _measure(name: str, dtype, steps: int, peak: float) -> dict:
@@ -65,10 +85,17 @@ def _measure(name: str, dtype, steps: int, peak: float) -> dict:
     rate = batch * seq / seconds
     fpt = flops_per_token(config, seq)
     return {
-        "config": name, "parameters": edl.count_params(model), "batch": batch, "seq": seq,
-        "dtype": jnp.dtype(dtype).name, "step_ms": seconds * 1e3, "tokens_per_s": rate,
-        "tflops": rate * fpt / 1e12, "mfu": rate * fpt / peak, "compile_s": compile_s,
-    }  # fmt: skip
+        "config": name,
+        "parameters": edl.count_params(model),
+        "batch": batch,
+        "seq": seq,
+        "dtype": jnp.dtype(dtype).name,
+        "step_ms": seconds * 1e3,
+        "tokens_per_s": rate,
+        "tflops": rate * fpt / 1e12,
+        "mfu": rate * fpt / peak,
+        "compile_s": compile_s,
+    }
 
 
 def main() -> None:
@@ -82,14 +109,39 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0 if gpu else 0.1)
     args = parser.parse_args()
     peak = args.peak_tflops * 1e12
-    rows = [_measure(name, jnp.dtype(args.dtype), args.steps, peak)
-            for name in args.configs.split(",")]  # fmt: skip
+    rows = [
+        _measure(name, jnp.dtype(args.dtype), args.steps, peak) for name in args.configs.split(",")
+    ]
     print(f"train step, backend {jax.default_backend()}, peak {args.peak_tflops} TFLOP/s")
-    print(table(["config", "params", "batch x seq", "dtype", "step ms", "tok/s", "TFLOP/s", "MFU",
-                 "compile s"],
-                [[r["config"], f"{r['parameters']:,}", f"{r['batch']}x{r['seq']}", r["dtype"],
-                  r["step_ms"], r["tokens_per_s"], r["tflops"], r["mfu"], r["compile_s"]]
-                 for r in rows]))  # fmt: skip
+    print(
+        table(
+            [
+                "config",
+                "params",
+                "batch x seq",
+                "dtype",
+                "step ms",
+                "tok/s",
+                "TFLOP/s",
+                "MFU",
+                "compile s",
+            ],
+            [
+                [
+                    r["config"],
+                    f"{r['parameters']:,}",
+                    f"{r['batch']}x{r['seq']}",
+                    r["dtype"],
+                    r["step_ms"],
+                    r["tokens_per_s"],
+                    r["tflops"],
+                    r["mfu"],
+                    r["compile_s"],
+                ]
+                for r in rows
+            ],
+        )
+    )
     print("wrote", write_json("train", rows, peak_tflops=args.peak_tflops))
 
 

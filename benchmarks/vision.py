@@ -66,13 +66,22 @@ def _hf_model(family: str, patch: int, quick: bool):
     import torch
     import transformers
 
-    small = {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2,
-             "num_attention_heads": 4} if quick else {}  # fmt: skip
+    small = (
+        {
+            "hidden_size": 128,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        }
+        if quick
+        else {}
+    )
     torch.manual_seed(0)
     if family == "clip":
         text = small if quick else {}  # the text tower is not timed; small in --quick
-        config = transformers.CLIPConfig(text_config=text,
-                                         vision_config={"patch_size": patch, **small})  # fmt: skip
+        config = transformers.CLIPConfig(
+            text_config=text, vision_config={"patch_size": patch, **small}
+        )
         model = transformers.CLIPModel(config).eval()
 
         def embed(pixels):
@@ -114,8 +123,11 @@ def _check(name, embed, edl_models, torch_embed, pixels: np.ndarray) -> dict[str
     for impl, model in edl_models.items():
         got = np.asarray(embed(model, jnp.asarray(pixels)))
         diffs[impl] = float(np.max(np.abs(got - want)))
-        print(f"{name} edl[{impl}] vs torch: max abs diff {diffs[impl]:.3g} "
-              f"(max |torch| {np.max(np.abs(want)):.3g})", flush=True)  # fmt: skip
+        print(
+            f"{name} edl[{impl}] vs torch: max abs diff {diffs[impl]:.3g} "
+            f"(max |torch| {np.max(np.abs(want)):.3g})",
+            flush=True,
+        )
         if not diffs[impl] <= TOLERANCE:
             raise AssertionError(
                 f"{name}: edl[{impl}] embeddings differ from torch's by {diffs[impl]:.3g} "
@@ -188,8 +200,11 @@ def _bench_model(family, patch, args) -> list[dict[str, Any]]:
     hf, torch_embed = _hf_model(family, patch, args.quick)
     vision = hf.config.vision_config if family == "clip" else hf.config
     image, tokens = vision.image_size, (vision.image_size // patch) ** 2 + int(family == "clip")
-    print(f"{name}: {sum(p.numel() for p in hf.parameters()):,} params in the transformers "
-          f"model, torch attention {hf.config._attn_implementation!r}", flush=True)  # fmt: skip
+    print(
+        f"{name}: {sum(p.numel() for p in hf.parameters()):,} params in the transformers "
+        f"model, torch attention {hf.config._attn_implementation!r}",
+        flush=True,
+    )
     edl_models = {}
     with tempfile.TemporaryDirectory(prefix="edl-vision-") as tmp:
         hf.save_pretrained(tmp)
@@ -198,8 +213,13 @@ def _bench_model(family, patch, args) -> list[dict[str, Any]]:
     embed = _edl_embed(family)
     rng = np.random.default_rng(0)
     # Same pixels on both sides; a batch of 2, so rows mixing would show.
-    diffs = _check(name, embed, edl_models, torch_embed, rng.normal(size=(2, 3, image, image))
-                   .astype(np.float32))  # fmt: skip
+    diffs = _check(
+        name,
+        embed,
+        edl_models,
+        torch_embed,
+        rng.normal(size=(2, 3, image, image)).astype(np.float32),
+    )
     rows = []
     for batch in args.batch_sizes:
         pixels = rng.normal(size=(batch, 3, image, image)).astype(np.float32)
@@ -212,32 +232,52 @@ def _bench_model(family, patch, args) -> list[dict[str, Any]]:
         )
         for impl in edl_models:
             ratios = [e / t for e, t in zip(rate[f"edl {impl}"], rate["torch"], strict=True)]
-            rows.append({
-                "model": name, "tokens": tokens, "batch": batch, "edl_attention_impl": impl,
-                "edl_images_per_s": statistics.median(rate[f"edl {impl}"]),
-                "torch_images_per_s": statistics.median(rate["torch"]),
-                "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-                "ratio_max": max(ratios), "edl_best_images_per_s": max(rate[f"edl {impl}"]),
-                "torch_best_images_per_s": max(rate["torch"]),
-                "edl_compile_s": compile_s[impl], "max_abs_diff": diffs[impl],
-                "fc1_gemm_xla_over_torch_time": gemm,
-                "edl_rates": rate[f"edl {impl}"], "torch_rates": rate["torch"],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": name,
+                    "tokens": tokens,
+                    "batch": batch,
+                    "edl_attention_impl": impl,
+                    "edl_images_per_s": statistics.median(rate[f"edl {impl}"]),
+                    "torch_images_per_s": statistics.median(rate["torch"]),
+                    "ratio": statistics.median(ratios),
+                    "ratio_min": min(ratios),
+                    "ratio_max": max(ratios),
+                    "edl_best_images_per_s": max(rate[f"edl {impl}"]),
+                    "torch_best_images_per_s": max(rate["torch"]),
+                    "edl_compile_s": compile_s[impl],
+                    "max_abs_diff": diffs[impl],
+                    "fc1_gemm_xla_over_torch_time": gemm,
+                    "edl_rates": rate[f"edl {impl}"],
+                    "torch_rates": rate["torch"],
+                }
+            )
         print(f"{name} batch {batch} done (load average {os.getloadavg()[0]:.2f})", flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="2-layer hidden-128 towers, batches 1 and 4, 2 rounds")  # fmt: skip
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
-                        help="images per call (1 8 32)")  # fmt: skip
-    parser.add_argument("--patch", type=int, nargs="+", default=[32],
-                        help="CLIP patch sizes: 32 (B/32, 50 tokens), 16 (B/16, 197)")  # fmt: skip
+    parser.add_argument(
+        "--quick", action="store_true", help="2-layer hidden-128 towers, batches 1 and 4, 2 rounds"
+    )
+    parser.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=None, help="images per call (1 8 32)"
+    )
+    parser.add_argument(
+        "--patch",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="CLIP patch sizes: 32 (B/32, 50 tokens), 16 (B/16, 197)",
+    )
     parser.add_argument("--siglip", action="store_true", help="also SigLIP base (patch 16)")
-    parser.add_argument("--impls", nargs="+", default=["auto", "xla"],
-                        help="edl run.attention_impl values, each a variant")  # fmt: skip
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["auto", "xla"],
+        help="edl run.attention_impl values, each a variant",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; quick 2)")
     args = parser.parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 4] if args.quick else [1, 8, 32])
@@ -250,23 +290,57 @@ def main() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     runs = [("clip", p) for p in args.patch] + ([("siglip", 16)] if args.siglip else [])
     rows = [row for family, patch in runs for row in _bench_model(family, patch, args)]
-    print(f"float32; {args.rounds} rounds; jax {jax.__version__} ({jax.default_backend()}), "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
-          f"{transformers.__version__}")  # fmt: skip
-    print(table(["model", "tokens", "batch", "edl attn", "edl img/s", "torch img/s", "edl/torch",
-                 "range", "best: edl / torch", "fc1 GEMM xla/torch time", "edl compile s",
-                 "max abs diff"],
-                [[r["model"], r["tokens"], r["batch"], r["edl_attention_impl"],
-                  r["edl_images_per_s"], r["torch_images_per_s"], r["ratio"],
-                  f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
-                  f"{r['edl_best_images_per_s']:.4g} / {r['torch_best_images_per_s']:.4g}",
-                  r["fc1_gemm_xla_over_torch_time"], r["edl_compile_s"],
-                  f"{r['max_abs_diff']:.2g}"] for r in rows]))  # fmt: skip
+    print(
+        f"float32; {args.rounds} rounds; jax {jax.__version__} ({jax.default_backend()}), "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads), transformers "
+        f"{transformers.__version__}"
+    )
+    print(
+        table(
+            [
+                "model",
+                "tokens",
+                "batch",
+                "edl attn",
+                "edl img/s",
+                "torch img/s",
+                "edl/torch",
+                "range",
+                "best: edl / torch",
+                "fc1 GEMM xla/torch time",
+                "edl compile s",
+                "max abs diff",
+            ],
+            [
+                [
+                    r["model"],
+                    r["tokens"],
+                    r["batch"],
+                    r["edl_attention_impl"],
+                    r["edl_images_per_s"],
+                    r["torch_images_per_s"],
+                    r["ratio"],
+                    f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                    f"{r['edl_best_images_per_s']:.4g} / {r['torch_best_images_per_s']:.4g}",
+                    r["fc1_gemm_xla_over_torch_time"],
+                    r["edl_compile_s"],
+                    f"{r['max_abs_diff']:.2g}",
+                ]
+                for r in rows
+            ],
+        )
+    )
     path = write_json(
-        "vision", rows, quick=args.quick, rounds=args.rounds, dtype="float32",
-        torch=torch.__version__, torch_threads=torch.get_num_threads(),
-        transformers=transformers.__version__, load_average=os.getloadavg(),
-    )  # fmt: skip
+        "vision",
+        rows,
+        quick=args.quick,
+        rounds=args.rounds,
+        dtype="float32",
+        torch=torch.__version__,
+        torch_threads=torch.get_num_threads(),
+        transformers=transformers.__version__,
+        load_average=os.getloadavg(),
+    )
     print(f"load average {os.getloadavg()[0]:.2f} at the end; wrote {path}")
 
 

@@ -13,14 +13,30 @@ from edl._lazy import lazy_attributes
 __version__ = "0.1.0"
 
 _MODULES = {
-    "edl.io.hf": ("from_pretrained", "from_state_dict", "push_to_hub", "save_pretrained",
-                  "to_torch"),
-    "edl.module": ("Trainable", "abstract", "count_params", "merge", "nbytes", "split",
-                   "summary", "to_bfloat16", "to_dtype", "to_float", "to_half",
-                   "trainable_mask"),
+    "edl.io.hf": (
+        "from_pretrained",
+        "from_state_dict",
+        "push_to_hub",
+        "save_pretrained",
+        "to_torch",
+    ),
+    "edl.module": (
+        "Trainable",
+        "abstract",
+        "count_params",
+        "merge",
+        "nbytes",
+        "split",
+        "summary",
+        "to_bfloat16",
+        "to_dtype",
+        "to_float",
+        "to_half",
+        "trainable_mask",
+    ),
     "edl.state": ("TrainState", "apply_gradients", "init_tx", "value_and_grad"),
     "edl.tree": ("flatten", "load_into", "named_map", "unflatten", "validate"),
-}  # fmt: skip
+}
 _EXPORTS = {
     **{name: f"edl.{name}" for name in ("lora", "module", "quantize", "state", "tree")},
     **{name: f"{module}:{name}" for module, names in _MODULES.items() for name in names},

@@ -52,9 +52,14 @@ def _free_compiled_programs():
 
 
 TINY_LLAMA = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, run=RunOptions(attention_impl="xla"),
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    run=RunOptions(attention_impl="xla"),
+)
 
 
 @pytest.fixture(scope="session")

@@ -39,8 +39,9 @@ class FakeEngine:
     (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
     seconds per step. Records aborts, the largest batch and every calling thread."""
 
-    def __init__(self, *, max_running: int = 64, step_delay: float = 0.0,
-                 fail_at_step: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, *, max_running: int = 64, step_delay: float = 0.0, fail_at_step: int | None = None
+    ) -> None:
         self.max_running, self.step_delay = max_running, step_delay
         self.fail_at_step, self.steps = fail_at_step, 0
         self.running: dict[int, tuple[list[int], SamplingParams, list[int]]] = {}
@@ -80,8 +81,13 @@ class FakeEngine:
         for request_id, (tokens, params, done) in list(self.running.items()):
             token = tokens[len(done)]
             done.append(token)
-            reason = ("stop" if token in params.stop_token_ids
-                      else "length" if len(done) == params.max_tokens else None)  # fmt: skip
+            reason = (
+                "stop"
+                if token in params.stop_token_ids
+                else "length"
+                if len(done) == params.max_tokens
+                else None
+            )
             if reason is not None:
                 del self.running[request_id]
                 self.finished.append(request_id)
@@ -110,16 +116,19 @@ def main() -> None:
     parser.add_argument("--drain-s", type=float, default=1.0)
     args = parser.parse_args()
     engine = FakeEngine(step_delay=args.step_delay)
-    app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=256,
-                     stop_token_ids=[EOS])  # fmt: skip
+    app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=256, stop_token_ids=[EOS])
     driver = app.state.server.driver
     stop = driver.stop
 
     async def stop_and_report() -> None:  # uvicorn re-raises SIGTERM after the lifespan ends
         await stop()
         alive = driver._thread.is_alive()
-        record = {"aborted": engine.aborted, "finished": engine.finished,
-                  "running": list(engine.running), "engine_thread_alive": alive}  # fmt: skip
+        record = {
+            "aborted": engine.aborted,
+            "finished": engine.finished,
+            "running": list(engine.running),
+            "engine_thread_alive": alive,
+        }
         print(json.dumps(record), flush=True)
 
     driver.stop = stop_and_report

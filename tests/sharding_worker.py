@@ -46,9 +46,13 @@ def config():
     from edl.models import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
 
 
 def global_batch(batch: int = BATCH, seq: int = SEQ) -> np.ndarray:
@@ -120,9 +124,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch rows")
     parser.add_argument("--checkpoint", default=None, help="save the last mesh's state here")
-    parser.add_argument("--die-in-second-save", action="store_true",
-                        help="then save as the next step, process 1 exiting (9) once its "
-                             "pieces are written")  # fmt: skip
+    parser.add_argument(
+        "--die-in-second-save",
+        action="store_true",
+        help="then save as the next step, process 1 exiting (9) once its pieces are written",
+    )
     args = parser.parse_args()
 
     # Before the backend starts (in initialize): CPU, 4 host devices unless told otherwise.
@@ -145,10 +151,14 @@ def main() -> None:
     losses = {}
     for spec in args.mesh:
         start = time.perf_counter()
-        losses[spec], state = train_on_mesh(tuple(int(d) for d in spec.split(",")), local,
-                                            args.steps)  # fmt: skip
-        print(f"process {args.process_id}: mesh {spec} losses {losses[spec]} "
-              f"({time.perf_counter() - start:.1f} s)", flush=True)  # fmt: skip
+        losses[spec], state = train_on_mesh(
+            tuple(int(d) for d in spec.split(",")), local, args.steps
+        )
+        print(
+            f"process {args.process_id}: mesh {spec} losses {losses[spec]} "
+            f"({time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
     if args.checkpoint:
         from edl import tree
         from edl.io.checkpoint import save_state
@@ -158,8 +168,10 @@ def main() -> None:
         save_state(state, args.checkpoint, metadata={"steps": args.steps})
         gathered = tree.flatten(gather_state(state))  # what was saved, whole, to compare
         if args.process_id == 0:
-            save_file({k: v for k, v in gathered.items() if hasattr(v, "shape")},
-                      os.path.join(args.checkpoint, "gathered.safetensors"))  # fmt: skip
+            save_file(
+                {k: v for k, v in gathered.items() if hasattr(v, "shape")},
+                os.path.join(args.checkpoint, "gathered.safetensors"),
+            )
         from edl import state as edl_state
         from edl.io.hf import save_pretrained
 

@@ -42,8 +42,7 @@ def test_help_imports_no_jax():
         "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]\n"
         "assert not {'starlette', 'uvicorn'} & set(sys.modules), 'the serve extra was imported'\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -140,8 +139,21 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     )
     old = os.umask(0o022)
     try:
-        main(["train", "--config", str(config), "--steps", "4", "--save-every", "2",
-              "--trackers", "none", "--profile", "2:1"])  # fmt: skip
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--steps",
+                "4",
+                "--save-every",
+                "2",
+                "--trackers",
+                "none",
+                "--profile",
+                "2:1",
+            ]
+        )
     finally:
         os.umask(old)
     captured = capsys.readouterr()
@@ -151,9 +163,12 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     assert "--- sample" in captured.out
     assert "step 2/4: eval_" in captured.err and "eval_bits_per_byte" in captured.err
     assert "saved checkpoint-00000004 (step 4)" in captured.err
-    for written in (run / "run.md", run / "checkpoints" / "checkpoint-00000004" / "config.json",
-                    run / "metrics.jsonl", run / "checkpoints" / "checkpoint-00000004"
-                    / "model.safetensors"):  # fmt: skip
+    for written in (
+        run / "run.md",
+        run / "checkpoints" / "checkpoint-00000004" / "config.json",
+        run / "metrics.jsonl",
+        run / "checkpoints" / "checkpoint-00000004" / "model.safetensors",
+    ):
         assert written.stat().st_mode & 0o777 == 0o644, written  # the umask, not 0o600
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("bits_per_byte" in m for m in lines)

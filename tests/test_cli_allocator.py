@@ -34,8 +34,9 @@ def test_console_script_reexecutes_with_huge_pages_once(tmp_path):
     if not script.is_file():
         pytest.skip(f"no console script beside {sys.executable}")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "EDL_HUGE_PAGES")}
-    done = subprocess.run([str(script), "train", "--steps", "0"], env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [str(script), "train", "--steps", "0"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and "steps must be >= 1, got 0" in done.stderr
     probe = tmp_path / "probe.py"  # what the console script does, then report the tunables
     probe.write_text(
@@ -47,6 +48,12 @@ def test_console_script_reexecutes_with_huge_pages_once(tmp_path):
     if huge_pages_environment(env, _glibc_version()) is None:
         pytest.skip("this C library has no huge-pages tunable: nothing to set")
     for setting, count in (("1", "1"), ("0", "0")):
-        out = subprocess.run([sys.executable, str(probe)], env={**env, "EDL_HUGE_PAGES": setting},
-                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, str(probe)],
+            env={**env, "EDL_HUGE_PAGES": setting},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         assert out.stdout.split()[0] == count, (setting, out.stdout)

@@ -26,10 +26,30 @@ import edl
 from edl.cli import main
 
 STEPS, SAVE_EVERY, TIMEOUT_S = 40, 10, 300
-TINY = ["--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "1",
-        "--corpus-bytes", "200000", "--eval-every", "0", "--seq-len", "32", "--batch-size",
-        "8", "--sample-tokens", "4", "--save-every", str(SAVE_EVERY), "--trackers", "none",
-        "--time-limit", "0"]  # fmt: skip
+TINY = [
+    "--hidden-size",
+    "32",
+    "--intermediate-size",
+    "64",
+    "--num-layers",
+    "1",
+    "--corpus-bytes",
+    "200000",
+    "--eval-every",
+    "0",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--sample-tokens",
+    "4",
+    "--save-every",
+    str(SAVE_EVERY),
+    "--trackers",
+    "none",
+    "--time-limit",
+    "0",
+]
 
 
 def _free_port() -> int:
@@ -40,13 +60,25 @@ def _free_port() -> int:
 
 def _launch(run: Path, *, processes: int, devices: int, steps: int, extra=()):
     """The ``edl train`` processes of one run (output in ``run``.N.out / .err)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # fmt: skip
-    argv = [sys.executable, "-c", "from edl.cli import main; main()", "train",
-            "--output-dir", str(run), "--steps", str(steps), *TINY, *extra]  # fmt: skip
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+    argv = [
+        sys.executable,
+        "-c",
+        "from edl.cli import main; main()",
+        "train",
+        "--output-dir",
+        str(run),
+        "--steps",
+        str(steps),
+        *TINY,
+        *extra,
+    ]
     if processes > 1:
-        argv += ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes",
-                 str(processes)]  # fmt: skip
+        argv += ["--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", str(processes)]
     procs = []
     for i in range(processes):
         rank = ["--process-id", str(i)] if processes > 1 else []
@@ -65,9 +97,10 @@ def _finish(procs, run: Path) -> None:
             proc.kill()
             proc.wait()
     if any(p.returncode != 0 for p in procs):
-        logs = "\n".join(f"--- process {i} (exit {p.returncode}):\n"
-                         f"{Path(f'{run}.{i}.err').read_text()[-3000:]}"
-                         for i, p in enumerate(procs))  # fmt: skip
+        logs = "\n".join(
+            f"--- process {i} (exit {p.returncode}):\n{Path(f'{run}.{i}.err').read_text()[-3000:]}"
+            for i, p in enumerate(procs)
+        )
         raise AssertionError(f"edl train failed\n{logs}")
 
 
@@ -108,8 +141,9 @@ def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path, capsys):
     assert resumed == expected  # every step, bit for bit
 
     # One process of eight devices: the same maths, up to float summation order.
-    single = _run(tmp_path / "single", steps=STEPS, processes=1, devices=8,
-                  extra=["--mesh", "1,-1,1,1"])  # fmt: skip
+    single = _run(
+        tmp_path / "single", steps=STEPS, processes=1, devices=8, extra=["--mesh", "1,-1,1,1"]
+    )
     for step, loss in expected.items():
         assert single[step] == pytest.approx(loss, rel=1e-4), step
 

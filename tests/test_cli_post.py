@@ -22,14 +22,18 @@ transformers = pytest.importorskip("transformers")
         ({"method": "dpo", "model": "m", "data": "d", "format": "chat"}, "--format is for"),
         ({"method": "grpo", "model": "m", "data": "d"}, "--method grpo needs --reward"),
         ({"method": "dpo", "model": "m", "data": "d", "reward": "r:f"}, "--reward is for"),
-        ({"method": "dpo", "model": "m", "data": "d", "reference": "lora"},
-         "--reference lora needs --lora-rank"),
+        (
+            {"method": "dpo", "model": "m", "data": "d", "reference": "lora"},
+            "--reference lora needs --lora-rank",
+        ),
         ({"method": "reward", "model": "m", "data": "d", "eval_data": "e"}, "--eval-data is"),
-        ({"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "temperature": 0.0},
-         "--temperature must be > 0"),
+        (
+            {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "temperature": 0.0},
+            "--temperature must be > 0",
+        ),
         ({"method": "ppo"}, "method must be one of sft, dpo, reward, grpo"),
     ],
-)  # fmt: skip
+)
 def test_post_training_options_are_checked_before_any_work(options, message):
     with pytest.raises(ConfigError, match=message):
         TrainConfig(**options)
@@ -42,9 +46,11 @@ def _preferences(path) -> None:
         for i in range(12):
             ((user, good),) = CONVERSATIONS[i % len(CONVERSATIONS)]
             bad = CONVERSATIONS[(i + 1) % len(CONVERSATIONS)][0][1]
-            record = {"prompt": [{"role": "user", "content": user}],
-                      "chosen": [{"role": "assistant", "content": good}],
-                      "rejected": [{"role": "assistant", "content": bad}]}  # fmt: skip
+            record = {
+                "prompt": [{"role": "user", "content": user}],
+                "chosen": [{"role": "assistant", "content": good}],
+                "rejected": [{"role": "assistant", "content": bad}],
+            }
             f.write(json.dumps(record) + "\n")
 
 
@@ -66,9 +72,23 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
 
     _build_model(tmp_path / "model")
     _preferences(tmp_path / "prefs.jsonl")
-    common = ["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "prefs.jsonl"),
-              "--batch-size", "4", "--seq-len", "48", "--warmup-steps", "0",
-              "--learning-rate", "5e-3", "--lora-rank", "8"]  # fmt: skip
+    common = [
+        "train",
+        "--model",
+        str(tmp_path / "model"),
+        "--data",
+        str(tmp_path / "prefs.jsonl"),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "48",
+        "--warmup-steps",
+        "0",
+        "--learning-rate",
+        "5e-3",
+        "--lora-rank",
+        "8",
+    ]
 
     # DPO against the LoRA-off base: the margin and accuracy rise from 0 / 0.
     main([*common, "--method", "dpo", "--steps", "12", "--output-dir", str(tmp_path / "dpo")])
@@ -80,38 +100,68 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     ids = np.arange(3, 19)[None]
     with torch.no_grad():
-        np.testing.assert_allclose(hf(torch.tensor(ids)).logits.numpy(),
-                                   np.asarray(load_model(checkpoint)(jnp.asarray(ids)).logits),
-                                   atol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(
+            hf(torch.tensor(ids)).logits.numpy(),
+            np.asarray(load_model(checkpoint)(jnp.asarray(ids)).logits),
+            atol=1e-4,
+        )
 
     # A reward model (new score head + LoRA): chosen ranked above rejected; transformers
     # loads the checkpoint as LlamaForSequenceClassification with the same scores.
-    main([*common, "--method", "reward", "--steps", "12", "--output-dir",
-          str(tmp_path / "reward")])  # fmt: skip
+    main([*common, "--method", "reward", "--steps", "12", "--output-dir", str(tmp_path / "reward")])
     reward = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert reward["final_loss"] < reward["first_loss"] and reward["final_accuracy"] == 1.0
     checkpoint = latest_checkpoint(tmp_path / "reward/checkpoints")
     scorer = transformers.AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
     with torch.no_grad():
         want = scorer(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(np.asarray(load_model(checkpoint)(jnp.asarray(ids)).logits), want,
-                               atol=1e-4)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(load_model(checkpoint)(jnp.asarray(ids)).logits), want, atol=1e-4
+    )
 
     # GRPO with a reward module from the working directory and a record column.
     (tmp_path / "my_rewards.py").write_text(REWARDS)
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": u}],
-                                           "answer": "Paris"}) + "\n"
-                               for c in CONVERSATIONS for u, _ in c))  # fmt: skip
+    prompts.write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": u}], "answer": "Paris"}) + "\n"
+            for c in CONVERSATIONS
+            for u, _ in c
+        )
+    )
     monkeypatch.chdir(tmp_path)
-    main(["train", "--model", str(tmp_path / "model"), "--data", str(prompts), "--method",
-          "grpo", "--reward", "my_rewards:says_paris", "--lora-rank", "8", "--steps", "2",
-          "--batch-size", "2", "--num-generations", "4", "--max-new-tokens", "8",
-          "--beta", "0.05", "--output-dir", str(tmp_path / "grpo")])  # fmt: skip
+    main(
+        [
+            "train",
+            "--model",
+            str(tmp_path / "model"),
+            "--data",
+            str(prompts),
+            "--method",
+            "grpo",
+            "--reward",
+            "my_rewards:says_paris",
+            "--lora-rank",
+            "8",
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--num-generations",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--beta",
+            "0.05",
+            "--output-dir",
+            str(tmp_path / "grpo"),
+        ]
+    )
     grpo = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert grpo["end_step"] == 2 and "final_reward_mean" in grpo and grpo["final_kl"] >= 0
-    metrics = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text()
-               .splitlines()]  # fmt: skip
+    metrics = [
+        json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text().splitlines()
+    ]
     assert any("reward/says_paris" in m for m in metrics)
 
 

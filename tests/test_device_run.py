@@ -121,10 +121,16 @@ def test_section_limit():
 
 def test_parse_pytest():
     assert parse_pytest("..F\n= 2 passed, 1 failed, 9 deselected in 3.1s =") == {
-        "passed": 2, "failed": 1, "deselected": 9,
-    }  # fmt: skip
+        "passed": 2,
+        "failed": 1,
+        "deselected": 9,
+    }
     assert parse_pytest("a\n3/1027 tests collected (1024 deselected) in 9.0s")["collected"] == 3
     assert parse_pytest("1 error in 0.5s")["errors"] == 1
     # Killed before the summary: the progress characters.
-    assert parse_pytest("..s.F [ 40%]\n..E\n") == {"passed": 5, "skipped": 1, "failed": 1,
-                                                   "errors": 1}  # fmt: skip
+    assert parse_pytest("..s.F [ 40%]\n..E\n") == {
+        "passed": 5,
+        "skipped": 1,
+        "failed": 1,
+        "errors": 1,
+    }

@@ -38,8 +38,9 @@ CONVERSATIONS = [
 def _commands() -> str:
     block = re.search(
         r"<!-- finetune-commands -->\n```bash\n(.*?)\n```\n<!-- /finetune-commands -->",
-        TUTORIAL.read_text(), flags=re.S,
-    )  # fmt: skip
+        TUTORIAL.read_text(),
+        flags=re.S,
+    )
     assert block is not None, f"{TUTORIAL} has no finetune-commands block"
     return block.group(1)
 
@@ -58,19 +59,25 @@ def _build_model(directory: Path) -> None:
     raw.decoder = decoders.ByteLevel()
     texts = [t for c in CONVERSATIONS for turn in c for t in turn]
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        vocab_size=320,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     raw.train_from_iterator(texts * 8, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tokenizer.chat_template = CHATML
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+    )
     edl.save_pretrained(LlamaForCausalLM.init(config, key=jax.random.key(0)), directory)
     tokenizer.save_pretrained(directory)
     generation = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -81,15 +88,23 @@ def _write_chats(path: Path) -> None:
     with path.open("w") as f:
         for i in range(24):
             user, assistant = CONVERSATIONS[i % len(CONVERSATIONS)][0]
-            messages = [{"role": "user", "content": user},
-                        {"role": "assistant", "content": assistant}]  # fmt: skip
+            messages = [
+                {"role": "user", "content": user},
+                {"role": "assistant", "content": assistant},
+            ]
             f.write(json.dumps({"messages": messages}) + "\n")
 
 
 def _run(script: str, cwd: Path) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, f"{script}\n--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}"
     return done.stdout
 
@@ -120,9 +135,11 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(exported)
     prompt = "What is the capital of France?"
     ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_tensors="pt",
+        [{"role": "user", "content": prompt}],
+        add_generation_prompt=True,
+        return_tensors="pt",
         return_dict=True,
-    )["input_ids"]  # fmt: skip
+    )["input_ids"]
     generated = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
     expected = tokenizer.decode(generated, skip_special_tokens=True)
     printed = _run(
@@ -161,14 +178,33 @@ def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys
 
     _build_model(tmp_path / "model")
     data = tmp_path / "pairs.jsonl"
-    data.write_text("".join(json.dumps({"prompt": u + " ", "completion": a}) + "\n"
-                            for c in CONVERSATIONS for u, a in c) * 4)  # fmt: skip
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": u + " ", "completion": a}) + "\n"
+            for c in CONVERSATIONS
+            for u, a in c
+        )
+        * 4
+    )
     run = tmp_path / "qlora"
-    common = ["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",
-              "completion", "--batch-size", "2", "--seq-len", "64", "--save-every", "1",
-              "--output-dir", str(run)]  # fmt: skip
-    qlora = ["--lora-rank", "4", "--quantize", "nf4", "--compute-dtype", "bfloat16",
-             "--no-packing"]  # fmt: skip
+    common = [
+        "train",
+        "--model",
+        str(tmp_path / "model"),
+        "--data",
+        str(data),
+        "--format",
+        "completion",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "64",
+        "--save-every",
+        "1",
+        "--output-dir",
+        str(run),
+    ]
+    qlora = ["--lora-rank", "4", "--quantize", "nf4", "--compute-dtype", "bfloat16", "--no-packing"]
     main([*common, *qlora, "--steps", "2"])
     assert _json_line(capsys.readouterr().out)["end_step"] == 2
     main([*common, *qlora, "--steps", "3", "--resume"])
@@ -189,9 +225,27 @@ def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys
     with torch.no_grad():
         np.testing.assert_allclose(checkpoint(torch.tensor(ids)).logits.numpy(), want, atol=1e-4)
 
-    main(["train", "--model", str(tmp_path / "model"), "--data", str(data), "--format",
-          "completion", "--param-dtype", "bfloat16", "--steps", "1", "--batch-size", "2",
-          "--seq-len", "64", "--output-dir", str(tmp_path / "full")])  # fmt: skip
+    main(
+        [
+            "train",
+            "--model",
+            str(tmp_path / "model"),
+            "--data",
+            str(data),
+            "--format",
+            "completion",
+            "--param-dtype",
+            "bfloat16",
+            "--steps",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "64",
+            "--output-dir",
+            str(tmp_path / "full"),
+        ]
+    )
     assert _json_line(capsys.readouterr().out)["end_step"] == 1
     full = edl.from_pretrained(tmp_path / "full/checkpoints/checkpoint-00000001")
     floats = [x for x in jax.tree.leaves(full) if eqx.is_array(x)]

@@ -41,20 +41,37 @@ def _hf_model(model_type: str, seed: int = 0):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=PAD)
     config = {
         "llama": transformers.LlamaConfig(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
             tie_word_embeddings=True,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
         ),
         "qwen2": transformers.Qwen2Config(  # a sliding window shorter than the output
-            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            use_sliding_window=True, sliding_window=4, max_window_layers=1,
+            **common,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
         ),
         "qwen3": transformers.Qwen3Config(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=16, tie_word_embeddings=False,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            tie_word_embeddings=False,
         ),
-    }[model_type]  # fmt: skip
+    }[model_type]
     torch.manual_seed(seed)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -93,9 +110,12 @@ def _assert_same_tokens(hf_sequences, ours, pad=PAD):
 # parity tests check per family; their decoding end to end is in the slow set.
 @pytest.mark.parametrize(
     "model_type",
-    ["llama", pytest.param("qwen2", marks=pytest.mark.slow),
-     pytest.param("qwen3", marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        "llama",
+        pytest.param("qwen2", marks=pytest.mark.slow),
+        pytest.param("qwen3", marks=pytest.mark.slow),
+    ],
+)
 def test_greedy_matches_transformers(model_type):
     hf, model = _hf_model(model_type)
     ids, mask = _prompts()
@@ -108,8 +128,9 @@ def test_greedy_matches_transformers(model_type):
     # Stop tokens: two ids the unconstrained run produced early in different rows.
     eos = (int(ref[0, ids.shape[1] + 2]), int(ref[2, ids.shape[1] + 4]))
     ref = _hf_generate(hf, ids, mask, do_sample=False, max_new_tokens=new, eos_token_id=list(eos))
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos,
-                   pad_token_id=PAD)  # fmt: skip
+    out = generate(
+        model, ids, attention_mask=mask, max_new_tokens=new, eos_token_id=eos, pad_token_id=PAD
+    )
     _assert_same_tokens(ref.numpy(), out.sequences)
     generated = np.asarray(out.sequences)[:, ids.shape[1] :]
     for row, n in enumerate(np.asarray(out.num_new)):
@@ -142,9 +163,12 @@ def test_bfloat16_model_generates():
 
 @pytest.mark.parametrize(
     ("early_stopping", "length_penalty"),
-    [pytest.param(False, 1.0, marks=pytest.mark.slow), (True, 0.5),
-     pytest.param("never", 2.0, marks=pytest.mark.slow)],  # one stopping rule by default
-)  # fmt: skip
+    [
+        pytest.param(False, 1.0, marks=pytest.mark.slow),
+        (True, 0.5),
+        pytest.param("never", 2.0, marks=pytest.mark.slow),
+    ],  # one stopping rule by default
+)
 def test_beam_search_matches_transformers(early_stopping, length_penalty):
     hf, model = _hf_model("qwen2", seed=1)
     ids, mask = _prompts(seed=1)
@@ -152,12 +176,26 @@ def test_beam_search_matches_transformers(early_stopping, length_penalty):
     # An EOS the model emits inside some beams, so beams finish at different lengths.
     probe = _hf_generate(hf, ids, mask, do_sample=False, max_new_tokens=new).numpy()
     eos = int(probe[1, ids.shape[1] + 3])
-    kwargs = dict(num_beams=4, max_new_tokens=new, eos_token_id=eos,
-                  early_stopping=early_stopping, length_penalty=length_penalty)  # fmt: skip
-    ref = _hf_generate(hf, ids, mask, do_sample=False, num_return_sequences=2,
-                       output_scores=True, return_dict_in_generate=True, **kwargs)  # fmt: skip
-    out = generate(model, ids, attention_mask=mask, num_return_sequences=2, pad_token_id=PAD,
-                   **kwargs)  # fmt: skip
+    kwargs = dict(
+        num_beams=4,
+        max_new_tokens=new,
+        eos_token_id=eos,
+        early_stopping=early_stopping,
+        length_penalty=length_penalty,
+    )
+    ref = _hf_generate(
+        hf,
+        ids,
+        mask,
+        do_sample=False,
+        num_return_sequences=2,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    out = generate(
+        model, ids, attention_mask=mask, num_return_sequences=2, pad_token_id=PAD, **kwargs
+    )
     # HF fills finished beams with `pad_token_id or eos` (so EOS when pad is 0): compare the
     # tokens up to each beam's end, and edl's padding after it.
     hf_seqs, ours = ref.sequences.numpy(), np.asarray(out.sequences)
@@ -179,9 +217,13 @@ def _forward(model, ids, cache=None, attention_mask=None):
 
 def _tiny_model(vocab=VOCAB, seed=0, **changes):
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    ).replace(**changes)  # fmt: skip
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).replace(**changes)
     return LlamaForCausalLM.init(config, key=jax.random.key(seed))
 
 
@@ -189,11 +231,15 @@ def _tiny_model(vocab=VOCAB, seed=0, **changes):
 # reference unrolled; the other three pairings are in the slow set.
 @pytest.mark.parametrize(
     ("impl", "scan"),
-    [("auto", True), ("pallas", False), ("reference", False),
-     pytest.param("auto", False, marks=pytest.mark.slow),
-     pytest.param("pallas", True, marks=pytest.mark.slow),
-     pytest.param("reference", True, marks=pytest.mark.slow)],
-)  # fmt: skip
+    [
+        ("auto", True),
+        ("pallas", False),
+        ("reference", False),
+        pytest.param("auto", False, marks=pytest.mark.slow),
+        pytest.param("pallas", True, marks=pytest.mark.slow),
+        pytest.param("reference", True, marks=pytest.mark.slow),
+    ],
+)
 def test_cached_forward_equals_full_forward(impl, scan):
     """Prefill + token-by-token decode + a multi-token chunk reproduce the full forward,
     with a sliding-window layer."""
@@ -241,8 +287,15 @@ def test_first_sampled_token_follows_processed_softmax():
     row) from softmax(logits / 0.7) restricted to the top 6 tokens."""
     model = _tiny_model(vocab=16, seed=2)
     rows, prompt = 4000, np.array([[3, 7, 1, 12]])
-    out = generate(model, np.repeat(prompt, rows, 0), max_new_tokens=1, do_sample=True,
-                   temperature=0.7, top_k=6, key=jax.random.key(0))  # fmt: skip
+    out = generate(
+        model,
+        np.repeat(prompt, rows, 0),
+        max_new_tokens=1,
+        do_sample=True,
+        temperature=0.7,
+        top_k=6,
+        key=jax.random.key(0),
+    )
     drawn = np.asarray(out.sequences)[:, -1]
     logits = np.asarray(_forward(model, jnp.asarray(prompt)).logits[0, -1], np.float64) / 0.7
     kept = np.argsort(logits)[-6:]
@@ -353,10 +406,16 @@ def test_unstacked_layers_decode_identically_without_slicing_weights(impl):
     for unstack_layers, expect_weight_slices in ((True, False), (False, True)):
         jaxpr = jax.make_jaxpr(
             lambda m, i, a, u=unstack_layers: decode_module._generate_compiled(
-                m, i, a, jax.random.key(0), config=config, max_new=4, unstack_layers=u,
+                m,
+                i,
+                a,
+                jax.random.key(0),
+                config=config,
+                max_new=4,
+                unstack_layers=u,
                 processor=decode_module.logits_processor_for(config),
             )
-        )(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.bool_))  # fmt: skip
+        )(model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.bool_))
         sliced = set(_slices_in_loops(jaxpr.jaxpr))
         assert bool(sliced & weights) == expect_weight_slices, (unstack_layers, sliced)
 
@@ -408,9 +467,15 @@ def test_bad_inputs_are_named(monkeypatch):
 
 def test_generation_config_from_hf():
     config = GenerationConfig.from_hf(
-        {"eos_token_id": [1, 2], "pad_token_id": None, "do_sample": True, "top_p": 0.9,
-         "transformers_version": "5.0", "max_length": 64}
-    )  # fmt: skip
+        {
+            "eos_token_id": [1, 2],
+            "pad_token_id": None,
+            "do_sample": True,
+            "top_p": 0.9,
+            "transformers_version": "5.0",
+            "max_length": 64,
+        }
+    )
     assert config.eos_ids == (1, 2) and config.pad_id == 1 and config.top_k == 50
     assert config.new_tokens(10) == 54
 
@@ -475,8 +540,7 @@ def test_paged_cache_config_sizes_the_pool_from_free_memory(monkeypatch):
     real_free = paged._free_device_bytes(jax.devices()[0])
     assert real_free > 2**20  # the host's available memory on CPU
     monkeypatch.setattr(paged, "_free_device_bytes", lambda device: 2**20)
-    geometry = paged_cache_config(model.config, page_size=16, cache_len=256,
-                                  memory_fraction=0.5)  # fmt: skip
+    geometry = paged_cache_config(model.config, page_size=16, cache_len=256, memory_fraction=0.5)
     per_page = 2 * 2 * 16 * 2 * 8 * 4  # k+v, layers, page, kv heads, head_dim, fp32 bytes
     assert geometry.num_pages == 2**19 // per_page
     assert geometry.pages_per_seq == 16

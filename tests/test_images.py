@@ -67,23 +67,48 @@ IMAGES = _images()
 CONFIGS = {
     "clip": (ImageProcessor.clip, CLIPImageProcessorPil, {}),
     "siglip": (ImageProcessor.siglip, SiglipImageProcessorPil, {}),
-    "clip 336, odd crop": (ImageProcessor.clip, CLIPImageProcessorPil, {
-        "size": {"shortest_edge": 336}, "crop_size": {"height": 300, "width": 301}}),
-    "clip fixed size, no crop": (ImageProcessor.clip, CLIPImageProcessorPil, {
-        "size": {"height": 100, "width": 77}, "do_center_crop": False}),
-    "siglip 384x383 bilinear, own mean/std": (ImageProcessor.siglip, SiglipImageProcessorPil, {
-        "size": {"height": 384, "width": 383}, "resample": 2,
-        "image_mean": [0.1, 0.2, 0.3], "image_std": [0.3, 0.2, 0.1]}),
-    "siglip, crop padding the height": (ImageProcessor.siglip, SiglipImageProcessorPil, {
-        "do_center_crop": True, "crop_size": {"height": 500, "width": 31}}),
-    "clip no resize, crop pads or cuts": (ImageProcessor.clip, CLIPImageProcessorPil, {
-        "do_resize": False, "crop_size": {"height": 101, "width": 99}}),
+    "clip 336, odd crop": (
+        ImageProcessor.clip,
+        CLIPImageProcessorPil,
+        {"size": {"shortest_edge": 336}, "crop_size": {"height": 300, "width": 301}},
+    ),
+    "clip fixed size, no crop": (
+        ImageProcessor.clip,
+        CLIPImageProcessorPil,
+        {"size": {"height": 100, "width": 77}, "do_center_crop": False},
+    ),
+    "siglip 384x383 bilinear, own mean/std": (
+        ImageProcessor.siglip,
+        SiglipImageProcessorPil,
+        {
+            "size": {"height": 384, "width": 383},
+            "resample": 2,
+            "image_mean": [0.1, 0.2, 0.3],
+            "image_std": [0.3, 0.2, 0.1],
+        },
+    ),
+    "siglip, crop padding the height": (
+        ImageProcessor.siglip,
+        SiglipImageProcessorPil,
+        {"do_center_crop": True, "crop_size": {"height": 500, "width": 31}},
+    ),
+    "clip no resize, crop pads or cuts": (
+        ImageProcessor.clip,
+        CLIPImageProcessorPil,
+        {"do_resize": False, "crop_size": {"height": 101, "width": 99}},
+    ),
     "clip no rescale": (ImageProcessor.clip, CLIPImageProcessorPil, {"do_rescale": False}),
-    "clip raw pixels": (ImageProcessor.clip, CLIPImageProcessorPil, {
-        "do_rescale": False, "do_normalize": False}),
-    "clip no RGB, scalar mean/std": (ImageProcessor.clip, CLIPImageProcessorPil, {
-        "do_convert_rgb": False, "image_mean": 0.5, "image_std": 0.25, "resample": 1}),
-}  # fmt: skip
+    "clip raw pixels": (
+        ImageProcessor.clip,
+        CLIPImageProcessorPil,
+        {"do_rescale": False, "do_normalize": False},
+    ),
+    "clip no RGB, scalar mean/std": (
+        ImageProcessor.clip,
+        CLIPImageProcessorPil,
+        {"do_convert_rgb": False, "image_mean": 0.5, "image_std": 0.25, "resample": 1},
+    ),
+}
 
 
 def _same(ours: np.ndarray, theirs: object) -> None:
@@ -126,21 +151,37 @@ def test_a_batch_that_does_not_stack_is_refused_and_each_image_matches():
     batch = [IMAGES["rgb 640x480"], IMAGES["gradient 333x517"]]
     with pytest.raises(ValueError, match=r"different shapes \[\(3, 224, 298\), \(3, 347, 224\)\]"):
         ours(batch)
-    for image, theirs in zip(batch, CLIPImageProcessorPil(do_center_crop=False)(batch)[
-            "pixel_values"], strict=True):  # fmt: skip
+    for image, theirs in zip(
+        batch, CLIPImageProcessorPil(do_center_crop=False)(batch)["pixel_values"], strict=True
+    ):
         _same(ours.process(image), theirs)
 
 
 def test_bad_images_are_refused_where_transformers_refuses_them():
     clip, no_rgb = ImageProcessor.clip(), ImageProcessor.clip(do_convert_rgb=False)
     cases = [  # (ours, transformers', image, their error, ours)
-        (no_rgb, CLIPImageProcessorPil(do_convert_rgb=False), IMAGES["RGBA"],
-         "mean must have 4 elements", "image_mean has 3 values for an image of 4 channels"),
-        (clip, CLIPImageProcessorPil(), IMAGES["float64 [0, 1]"] * 2,
-         r"outside the range \[0, 1\]", r"float values must lie in \[0, 1\]"),
-        (clip, CLIPImageProcessorPil(), np.zeros((5, 6, 7), np.uint8),
-         "Unable to infer channel dimension", r"cannot tell the channel axis.*\(5, 6, 7\)"),
-    ]  # fmt: skip
+        (
+            no_rgb,
+            CLIPImageProcessorPil(do_convert_rgb=False),
+            IMAGES["RGBA"],
+            "mean must have 4 elements",
+            "image_mean has 3 values for an image of 4 channels",
+        ),
+        (
+            clip,
+            CLIPImageProcessorPil(),
+            IMAGES["float64 [0, 1]"] * 2,
+            r"outside the range \[0, 1\]",
+            r"float values must lie in \[0, 1\]",
+        ),
+        (
+            clip,
+            CLIPImageProcessorPil(),
+            np.zeros((5, 6, 7), np.uint8),
+            "Unable to infer channel dimension",
+            r"cannot tell the channel axis.*\(5, 6, 7\)",
+        ),
+    ]
     for processor, reference, image, theirs, ours in cases:
         with pytest.raises(ValueError, match=theirs):
             reference(image)
@@ -180,9 +221,11 @@ def test_empty_images_and_non_numeric_arrays_are_refused_by_index(image, message
 
 def test_save_and_from_pretrained_round_trip(tmp_path):
     processor = ImageProcessor.siglip(
-        size={"height": 384, "width": 384}, image_mean=[0.1, 0.2, 0.3], resample=2,
+        size={"height": 384, "width": 384},
+        image_mean=[0.1, 0.2, 0.3],
+        resample=2,
         extra={"processor_class": "SiglipProcessor", "image_seq_length": 729},
-    )  # fmt: skip
+    )
     processor.save(tmp_path)
     assert ImageProcessor.from_pretrained(tmp_path) == processor
     assert ImageProcessor.from_pretrained(tmp_path / CONFIG_NAME) == processor
@@ -214,13 +257,26 @@ def test_older_files_read_as_transformers_reads_them(tmp_path):
     """openai/clip-vit-*'s layout (integer sizes, a feature extractor type), a SigLIP file
     with nulls, and transformers 5's processor_config.json, which it reads first."""
     cases = {
-        "clip-legacy": {"feature_extractor_type": "CLIPFeatureExtractor", "size": 256,
-                        "crop_size": 240, "resample": 3, "do_center_crop": True},
-        "siglip-nulls": {"image_processor_type": "SiglipImageProcessor", "size": [200, 300],
-                         "do_center_crop": None, "crop_size": None, "image_mean": 0.4},
-        "square": {"image_processor_type": "CLIPImageProcessor", "size": 150,
-                   "default_to_square": True},
-    }  # fmt: skip
+        "clip-legacy": {
+            "feature_extractor_type": "CLIPFeatureExtractor",
+            "size": 256,
+            "crop_size": 240,
+            "resample": 3,
+            "do_center_crop": True,
+        },
+        "siglip-nulls": {
+            "image_processor_type": "SiglipImageProcessor",
+            "size": [200, 300],
+            "do_center_crop": None,
+            "crop_size": None,
+            "image_mean": 0.4,
+        },
+        "square": {
+            "image_processor_type": "CLIPImageProcessor",
+            "size": 150,
+            "default_to_square": True,
+        },
+    }
     cases["nested"] = cases["clip-legacy"]
     for name, config in cases.items():
         (tmp_path / name).mkdir()
@@ -241,35 +297,55 @@ def test_older_files_read_as_transformers_reads_them(tmp_path):
     assert json.loads((nested / PROCESSOR_NAME).read_text())["processor_class"] == "CLIPProcessor"
     assert CLIPImageProcessorPil.from_pretrained(nested).crop_size.height == 64
     assert ImageProcessor.from_pretrained(nested) == ImageProcessor.clip(
-        crop_size={"height": 64, "width": 64})  # fmt: skip
+        crop_size={"height": 64, "width": 64}
+    )
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("{not json", r"image processor config is not valid JSON"),
-        ('{"image_processor_type": "CLIPImageProcessor", "do_resize": "yes"}',
-         r"do_resize must be true or false, got 'yes'"),
-        ('{"image_processor_type": "CLIPImageProcessor", "resample": 7}',
-         r"resample must be one of 0 \(nearest\).*got 7"),
-        ('{"image_processor_type": "CLIPImageProcessor", "size": {"longest_edge": 5}}',
-         r"size must be .*shortest_edge.*got \{'longest_edge': 5\}"),
-        ('{"image_processor_type": "CLIPImageProcessor", "size": "big"}',
-         r"size must be an integer, \[height, width\] or an object, got 'big'"),
-        ('{"image_processor_type": "CLIPImageProcessor", "crop_size": {"height": 0, "width": 2}}',
-         r"crop_size must hold positive integers"),
-        ('{"image_processor_type": "SiglipImageProcessor", "image_mean": ["a"]}',
-         r"image_mean must be a number or a list of numbers, got \['a'\]"),
-        ('{"image_processor_type": "SiglipImageProcessor", "do_center_crop": true}',
-         r"do_center_crop needs a crop_size"),
-        ('{"image_processor_type": "LlavaNextImageProcessor"}',
-         r"image_processor_type 'LlavaNextImageProcessor' is not one .* reproduces"),
-        ('{"image_processor_type": "CLIPImageProcessor", "do_pad": true}',
-         r"do_pad=True asks for preprocessing edl does not implement"),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", "do_resize": "yes"}',
+            r"do_resize must be true or false, got 'yes'",
+        ),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", "resample": 7}',
+            r"resample must be one of 0 \(nearest\).*got 7",
+        ),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", "size": {"longest_edge": 5}}',
+            r"size must be .*shortest_edge.*got \{'longest_edge': 5\}",
+        ),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", "size": "big"}',
+            r"size must be an integer, \[height, width\] or an object, got 'big'",
+        ),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", '
+            '"crop_size": {"height": 0, "width": 2}}',
+            r"crop_size must hold positive integers",
+        ),
+        (
+            '{"image_processor_type": "SiglipImageProcessor", "image_mean": ["a"]}',
+            r"image_mean must be a number or a list of numbers, got \['a'\]",
+        ),
+        (
+            '{"image_processor_type": "SiglipImageProcessor", "do_center_crop": true}',
+            r"do_center_crop needs a crop_size",
+        ),
+        (
+            '{"image_processor_type": "LlavaNextImageProcessor"}',
+            r"image_processor_type 'LlavaNextImageProcessor' is not one .* reproduces",
+        ),
+        (
+            '{"image_processor_type": "CLIPImageProcessor", "do_pad": true}',
+            r"do_pad=True asks for preprocessing edl does not implement",
+        ),
         ('{"size": {"shortest_edge": 224}}', r"names no image_processor_type"),
         ("[1, 2]", r"must hold a JSON object"),
     ],
-)  # fmt: skip
+)
 def test_broken_files_name_the_file_and_key(tmp_path, text, message):
     (tmp_path / CONFIG_NAME).write_text(text)
     with pytest.raises(ValueError, match=message) as error:

@@ -28,9 +28,13 @@ from edl.io.safetensors import CheckpointError, load_file
 from edl.models import LlamaConfig, LlamaForCausalLM
 
 LLAMA = LlamaConfig(
-    vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-    num_attention_heads=2, num_key_value_heads=1,
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+)
 
 
 def _mlp(width=8, key=0, dtype=None):
@@ -65,8 +69,10 @@ def test_mlp_adamw_round_trip_is_bit_exact(tmp_path, dtype):
     path = save_state(state, tmp_path, metadata={"data": {"epoch": 1, "offset": 17}})
     assert path == tmp_path / "checkpoint-00000001"
     assert sorted(p.name for p in path.iterdir()) == [
-        "model.safetensors", "optimizer.safetensors", "state.json",
-    ]  # fmt: skip
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
     info = json.loads((path / "state.json").read_text())
     assert info["format"] == 1 and info["model_format"] == "tree" and info["has_optimizer"]
     assert set(load_file(path / "model.safetensors")) == {
@@ -106,8 +112,9 @@ def test_float_dtype_stores_bf16_weights_and_f32_optimizer(tmp_path):
     path = save_state(state, tmp_path / "llama", float_dtype=jnp.bfloat16)
     assert {x.dtype for x in load_file(path).values()} == {np.dtype(jnp.bfloat16)}
     assert {x.dtype.name for x in load_file(path, prefix="optimizer").values()} == {
-        "float32", "int32",
-    }  # fmt: skip
+        "float32",
+        "int32",
+    }
     loaded, _ = load_state(path, state)  # cast back to like's float32
     want = edl.to_dtype(edl.to_dtype(state.params, jnp.bfloat16), jnp.float32)
     _assert_same(loaded.params, want)
@@ -141,8 +148,9 @@ def test_keep_prunes_oldest_and_resave_replaces(tmp_path):
     for step in range(1, 6):
         save_state(edl.state.replace(state, step=step), tmp_path, keep=2)
     assert [p.name for p in list_checkpoints(tmp_path)] == [
-        "checkpoint-00000004", "checkpoint-00000005",
-    ]  # fmt: skip
+        "checkpoint-00000004",
+        "checkpoint-00000005",
+    ]
     # Re-saving a step replaces it; the one just written survives even if it is not newest.
     save_state(edl.state.replace(state, step=4), tmp_path, keep=1, metadata={"again": True})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-00000004"]
@@ -269,8 +277,9 @@ def test_killed_writer_leaves_previous_checkpoint_usable(tmp_path):
     assert int(load_state(tmp_path, state)[0].step) == 0
     save_state(edl.state.replace(state, step=1), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-00000000", "checkpoint-00000001",
-    ]  # fmt: skip
+        "checkpoint-00000000",
+        "checkpoint-00000001",
+    ]
     assert Path(tmp_path / "checkpoint-00000001" / "state.json").is_file()
 
 
@@ -301,8 +310,10 @@ def test_resaving_a_step_keeps_a_complete_checkpoint_at_every_instant(tmp_path):
     into place: step 0's previous checkpoint still loads, and later saves clean up."""
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(_KILLED_RESAVE), str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr
     state = edl.create_state(_mlp(key=1), optax.adam(1e-2))
     found = latest_checkpoint(tmp_path)
@@ -325,8 +336,9 @@ def test_old_copy_is_superseded_once_the_new_one_is_complete(tmp_path):
     assert list_checkpoints(tmp_path) == [tmp_path / "checkpoint-00000000"]
     save_state(edl.state.replace(state, step=1), tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "checkpoint-00000000", "checkpoint-00000001",
-    ]  # fmt: skip
+        "checkpoint-00000000",
+        "checkpoint-00000001",
+    ]
 
 
 def test_verify_checkpoint_names_the_damaged_file(tmp_path):

@@ -20,9 +20,15 @@ from edl.models.gemma import GemmaConfig
 from edl.models.keymap import KeyRule, Placement
 
 CONFIG = LlamaConfig(
-    model_type="qwen2", vocab_size=40, hidden_size=16, intermediate_size=24,
-    num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, qkv_bias=True,
-)  # fmt: skip
+    model_type="qwen2",
+    vocab_size=40,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    qkv_bias=True,
+)
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +112,10 @@ def test_config_round_trips_through_transformers():
     configs = [
         CONFIG,
         CONFIG.replace(layer_windows=(None, 8)),
-        CONFIG.replace(model_type="mistral", qkv_bias=False, sliding_window=8,
-                       layer_windows=None),
+        CONFIG.replace(model_type="mistral", qkv_bias=False, sliding_window=8, layer_windows=None),
         CONFIG.replace(model_type="qwen3", qkv_bias=False, qk_norm=True, head_dim=12),
         CONFIG.replace(model_type="llama", qkv_bias=False, tie_word_embeddings=True),
-    ]  # fmt: skip
+    ]
     for config in configs:
         assert config.replace() == config  # nothing derived changes by itself
         hf_dict = config.to_hf(architectures=["X"])
@@ -273,9 +278,14 @@ def test_duplicate_and_partial_expert_keys_are_named():
 
 def _tiny_mixtral_hf():
     return edl.models.MixtralConfig(
-        vocab_size=16, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, num_experts=3,
-    ).to_hf()  # fmt: skip
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=12,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=3,
+    ).to_hf()
 
 
 def test_loading_streams_one_array_at_a_time(tmp_path, monkeypatch):
@@ -293,8 +303,13 @@ def test_loading_streams_one_array_at_a_time(tmp_path, monkeypatch):
         hf.jax, "device_put", lambda x, sharding=None: device_put(x, sharding).copy()
     )
 
-    config = CONFIG.replace(hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = CONFIG.replace(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     edl.save_pretrained(model, tmp_path, max_shard_size="1MB")
     total = edl.nbytes(model)
@@ -375,7 +390,7 @@ HOSTILE_CONFIGS = [
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false, got 'false'"),
     ({"rope_scaling": [1, 2]}, r"rope_scaling must be an object or null, got \[1, 2\]"),
     ({"rope_parameters": {"rope_type": "linear", "factor": "2"}}, "RoPE factor must be a number"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("change", "match"), HOSTILE_CONFIGS)
@@ -415,10 +430,13 @@ def test_layer_count_disagreeing_with_the_checkpoint_fails_before_building(
 
     monkeypatch.setattr(hf, "_load", no_build)
     file = re.escape(str(directory / "config.json"))
-    with pytest.raises(ValueError, match=(
-        rf"^{file}: num_hidden_layers is 4000, but the checkpoint holds 2 layers "
-        r"\(tensors model.layers.0 to model.layers.1\)"
-    )):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=(
+            rf"^{file}: num_hidden_layers is 4000, but the checkpoint holds 2 layers "
+            r"\(tensors model.layers.0 to model.layers.1\)"
+        ),
+    ):
         edl.from_pretrained(directory)
 
 

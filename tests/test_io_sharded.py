@@ -80,8 +80,11 @@ def test_an_unsharded_state_saves_sharded_and_bf16(tmp_path):
 def test_damaged_pieces_and_mismatched_targets_are_named(tmp_path):
     path = save_state(_state((1, 8, 1, 1)), tmp_path, sharded=True)
     smaller = edl.create_state(
-        LlamaForCausalLM.init(LLAMA.replace(hidden_size=8, intermediate_size=16),
-                              key=jax.random.key(0)), optax.adamw(1e-2))  # fmt: skip
+        LlamaForCausalLM.init(
+            LLAMA.replace(hidden_size=8, intermediate_size=16), key=jax.random.key(0)
+        ),
+        optax.adamw(1e-2),
+    )
     with pytest.raises(ValueError, match=r"model.embed_tokens.weight: expected \(64, 8\)"):
         load_state(tmp_path, smaller)
     file = path / "optimizer.process-00000.safetensors"

@@ -57,8 +57,9 @@ def _segments(seed, batch, q_len, kv_len):
     return jnp.asarray(q_ids), jnp.asarray(kv_ids)
 
 
-def _float64_reference(q, k, v, d_out, *, causal=False, segment_ids=None, window=None,
-                       softcap=None, scale=None):  # fmt: skip
+def _float64_reference(
+    q, k, v, d_out, *, causal=False, segment_ids=None, window=None, softcap=None, scale=None
+):
     """Output and (dq, dk, dv) of the plain reference (``ops.reference_attention``) in
     float64 numpy: the forward as defined, the backward by the chain rule through P @ V, the
     masked softmax, the soft-cap and the scaled Q K^T (rows that see no key: zero output and
@@ -130,9 +131,12 @@ def _kernel(q, k, v, d_out, *, segment_ids=None, block_sizes=None, **kw):
     def run(q, k, v, d_out, segment_ids):
         q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
         fn = functools.partial(
-            flash_attention, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=block_sizes,
+            flash_attention,
+            q_segment_ids=q_ids,
+            kv_segment_ids=kv_ids,
+            block_sizes=block_sizes,
             **kw,
-        )  # fmt: skip
+        )
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
@@ -179,9 +183,18 @@ def test_flash_attention_forward_and_gradients_match_float64(c):
     q, k, v, d_out = _inputs(c["seed"], **shape)
     segments = _segments(c["seed"], c["batch"], c["q_len"], c["kv_len"]) if c["segments"] else None
     _assert_close(
-        q, k, v, d_out, 2e-5, segment_ids=segments, block_sizes=c["blocks"], causal=c["causal"],
-        window=c["window"], softcap=c["softcap"], scale=c["scale"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        d_out,
+        2e-5,
+        segment_ids=segments,
+        block_sizes=c["blocks"],
+        causal=c["causal"],
+        window=c["window"],
+        softcap=c["softcap"],
+        scale=c["scale"],
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -225,10 +238,21 @@ def test_every_output_element_is_written():
     K/V blocks no query sees under a sliding window."""
     q, k, v, d_out = _inputs(3, 2, 24, 40, 4, 2, 8)
     plan = _FlashPlan(
-        causal=True, window=5, softcap=None, scale=0.3, q_len=21, kv_len=37, padded_q=24,
-        padded_kv=40, block_q=8, block_k=8, block_q_bwd=8, block_k_bwd=8,
-        blocks=BlockSizes(8, 8, 8, 8), interpret=True,
-    )  # fmt: skip
+        causal=True,
+        window=5,
+        softcap=None,
+        scale=0.3,
+        q_len=21,
+        kv_len=37,
+        padded_q=24,
+        padded_kv=40,
+        block_q=8,
+        block_k=8,
+        block_q_bwd=8,
+        block_k_bwd=8,
+        blocks=BlockSizes(8, 8, 8, 8),
+        interpret=True,
+    )
     q_ids, kv_ids = _segments(3, 2, 24, 40)
     out, lse = jax.jit(_forward, static_argnums=5)(q, k, v, q_ids, kv_ids, plan)
     grads = jax.jit(_backward, static_argnums=8)(q, k, v, q_ids, kv_ids, out, lse, d_out, plan)
@@ -295,13 +319,26 @@ def test_decode_attention_matches_float64(c):
     lengths = jnp.asarray(c["lengths"], jnp.int32)
     start = None if c["kv_start"] is None else jnp.asarray(c["kv_start"], jnp.int32)
     out = _decode(
-        q, k, v, lengths, kv_start=start, window=c["window"], softcap=c["softcap"],
-        block_k=c["block_k"], num_splits=c["num_splits"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        lengths,
+        kv_start=start,
+        window=c["window"],
+        softcap=c["softcap"],
+        block_k=c["block_k"],
+        num_splits=c["num_splits"],
+    )
     expected = _numpy_decode(
-        q, k, v, c["lengths"], c["kv_start"] or [0] * c["batch"], c["window"], c["softcap"],
+        q,
+        k,
+        v,
+        c["lengths"],
+        c["kv_start"] or [0] * c["batch"],
+        c["window"],
+        c["softcap"],
         8**-0.5,
-    )  # fmt: skip
+    )
     assert not bool(jnp.isnan(out).any())
     assert _rel_err(out, expected) < 2e-5
 

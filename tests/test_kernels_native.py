@@ -33,8 +33,20 @@ pytestmark = [
 ]
 
 
-def _paged_case(seed, *, batch, new, heads, kv_heads, d, page_size, pages_per_seq, layers,
-                lengths, dtype=jnp.float32):  # fmt: skip
+def _paged_case(
+    seed,
+    *,
+    batch,
+    new,
+    heads,
+    kv_heads,
+    d,
+    page_size,
+    pages_per_seq,
+    layers,
+    lengths,
+    dtype=jnp.float32,
+):
     """A contiguous cache per row and the same cache scattered over a shuffled pool stacked
     over layers; every pool slot no row owns at or below its length is NaN (a read of one
     shows), and table columns past a row's pages hold -1 or out-of-range ids."""
@@ -59,8 +71,16 @@ def _paged_case(seed, *, batch, new, heads, kv_heads, d, page_size, pages_per_se
         used = -(-lengths[b] // page_size)
         table[b, used:] = rng.choice([-1, num_pages + 5, 0], size=pages_per_seq - used)
     cast = functools.partial(jnp.asarray, dtype=dtype)
-    return (cast(q), cast(k_pool), cast(v_pool), jnp.asarray(table),
-            jnp.asarray(lengths, jnp.int32), layer, cast(k), cast(v))  # fmt: skip
+    return (
+        cast(q),
+        cast(k_pool),
+        cast(v_pool),
+        jnp.asarray(table),
+        jnp.asarray(lengths, jnp.int32),
+        layer,
+        cast(k),
+        cast(v),
+    )
 
 
 @st.composite
@@ -92,11 +112,24 @@ def cases(draw):
 def test_native_matches_float64(c):
     """Random GQA shapes, page sizes, windows, soft-caps and lengths from 0 (no key: zeros)
     to the table's capacity; NaN wherever no row's data lies."""
-    shape = {key: c[key] for key in ("batch", "new", "heads", "kv_heads", "d", "page_size",
-                                     "pages_per_seq", "layers", "lengths")}  # fmt: skip
+    shape = {
+        key: c[key]
+        for key in (
+            "batch",
+            "new",
+            "heads",
+            "kv_heads",
+            "d",
+            "page_size",
+            "pages_per_seq",
+            "layers",
+            "lengths",
+        )
+    }
     q, k_pool, v_pool, table, lengths, layer, k, v = _paged_case(c["seed"], **shape)
-    run = functools.partial(paged_attention, window=c["window"], softcap=c["softcap"],
-                            impl="native")  # fmt: skip
+    run = functools.partial(
+        paged_attention, window=c["window"], softcap=c["softcap"], impl="native"
+    )
     out = jax.jit(run)(q, k_pool, v_pool, table, lengths, layer=jnp.int32(layer))
     expected = _numpy_decode(
         q, k, v, c["lengths"], [0] * c["batch"], c["window"], c["softcap"], c["d"] ** -0.5
@@ -108,9 +141,18 @@ def test_native_matches_float64(c):
 def test_bfloat16_and_one_layer_pools():
     """bfloat16 operands, and 4-d pools without ``layer=`` (a leading axis of one)."""
     q, k_pool, v_pool, table, lengths, _, k, v = _paged_case(
-        1, batch=3, new=1, heads=8, kv_heads=2, d=64, page_size=16, pages_per_seq=4, layers=1,
-        lengths=[5, 64, 33], dtype=jnp.bfloat16,
-    )  # fmt: skip
+        1,
+        batch=3,
+        new=1,
+        heads=8,
+        kv_heads=2,
+        d=64,
+        page_size=16,
+        pages_per_seq=4,
+        layers=1,
+        lengths=[5, 64, 33],
+        dtype=jnp.bfloat16,
+    )
     out = jax.jit(functools.partial(paged_attention, impl="native", scale=0.2, window=40))(
         q, k_pool[0], v_pool[0], table, lengths
     )
@@ -123,9 +165,17 @@ def test_auto_picks_native_for_decode_steps_on_cpu():
     """On CPU, "auto" runs the native kernel for up to NATIVE_MAX_NEW_TOKENS new tokens and
     the gathered XLA form for longer chunks; both equal the definition."""
     q, k_pool, v_pool, table, lengths, layer, k, v = _paged_case(
-        2, batch=2, new=NATIVE_MAX_NEW_TOKENS + 1, heads=4, kv_heads=2, d=8, page_size=4,
-        pages_per_seq=4, layers=2, lengths=[9, 16],
-    )  # fmt: skip
+        2,
+        batch=2,
+        new=NATIVE_MAX_NEW_TOKENS + 1,
+        heads=4,
+        kv_heads=2,
+        d=8,
+        page_size=4,
+        pages_per_seq=4,
+        layers=2,
+        lengths=[9, 16],
+    )
     # XLA's gathered form multiplies stale entries by zero probabilities: no NaN in its reads.
     k_pool, v_pool = jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)
 
@@ -146,9 +196,17 @@ def test_auto_picks_native_for_decode_steps_on_cpu():
 
 def test_without_the_kernel_auto_falls_back_with_one_warning(monkeypatch):
     q, k_pool, v_pool, table, lengths, layer, k, v = _paged_case(
-        3, batch=2, new=1, heads=4, kv_heads=2, d=8, page_size=4, pages_per_seq=2, layers=1,
+        3,
+        batch=2,
+        new=1,
+        heads=4,
+        kv_heads=2,
+        d=8,
+        page_size=4,
+        pages_per_seq=2,
+        layers=1,
         lengths=[3, 8],
-    )  # fmt: skip
+    )
     k_pool, v_pool = jnp.nan_to_num(k_pool), jnp.nan_to_num(v_pool)  # XLA's form reads them
     monkeypatch.setattr(native, "unavailable", lambda: "no C++ compiler found (test)")
     monkeypatch.setattr(platforms, "_noticed", set())
@@ -164,12 +222,21 @@ def test_without_the_kernel_auto_falls_back_with_one_warning(monkeypatch):
 
 def test_bad_inputs_name_the_problem():
     q, k_pool, v_pool, table, lengths, _, _, _ = _paged_case(
-        4, batch=2, new=1, heads=4, kv_heads=2, d=8, page_size=4, pages_per_seq=2, layers=2,
+        4,
+        batch=2,
+        new=1,
+        heads=4,
+        kv_heads=2,
+        d=8,
+        page_size=4,
+        pages_per_seq=2,
+        layers=2,
         lengths=[3, 8],
-    )  # fmt: skip
+    )
     with pytest.raises(ValueError, match="share float32 or bfloat16, got float32, bfloat16"):
-        native.paged_attention_cpu(q, k_pool.astype(jnp.bfloat16), v_pool, table, lengths, 0,
-                                   scale=1.0)  # fmt: skip
+        native.paged_attention_cpu(
+            q, k_pool.astype(jnp.bfloat16), v_pool, table, lengths, 0, scale=1.0
+        )
     with pytest.raises(Exception, match="layer out of range"):
         jax.block_until_ready(
             jax.jit(functools.partial(native.paged_attention_cpu, scale=1.0))(

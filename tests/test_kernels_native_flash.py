@@ -92,9 +92,17 @@ def test_forward_and_gradients_match_float64(c):
     q, k, v, d_out = _inputs(c["seed"], *shape)
     segments = _segments(c["seed"], c["batch"], c["q_len"], c["kv_len"]) if c["segments"] else None
     _assert_matches_float64(
-        q, k, v, d_out, 2e-5, segment_ids=segments, causal=c["causal"], window=c["window"],
-        softcap=c["softcap"], scale=c["scale"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        d_out,
+        2e-5,
+        segment_ids=segments,
+        causal=c["causal"],
+        window=c["window"],
+        softcap=c["softcap"],
+        scale=c["scale"],
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -164,8 +172,9 @@ def test_under_a_mesh_and_vmap():
     stacked = jax.vmap(functools.partial(ops.attention, causal=True, impl="native"))(
         q.reshape(2, 4, 40, 4, 16), k.reshape(2, 4, 40, 2, 16), v.reshape(2, 4, 40, 2, 16)
     )
-    np.testing.assert_allclose(np.asarray(stacked.reshape(q.shape)), np.asarray(plain_out),
-                               rtol=0, atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(stacked.reshape(q.shape)), np.asarray(plain_out), rtol=0, atol=1e-6
+    )
 
 
 def test_bad_inputs_name_the_problem():

@@ -105,13 +105,25 @@ def test_paged_decode_attention_matches_float64(c):
     q, k, v = (jnp.asarray(x.astype(c["dtype"])) for x in (q, k, v))
     lengths = jnp.asarray(c["lengths"], jnp.int32)
     out = _paged(
-        q, k, v, table, lengths, window=c["window"], softcap=c["softcap"],
+        q,
+        k,
+        v,
+        table,
+        lengths,
+        window=c["window"],
+        softcap=c["softcap"],
         num_splits=c["num_splits"],
-    )  # fmt: skip
+    )
     expected = _numpy_paged(
-        q, k, v, table, c["lengths"], c["window"], c["softcap"],
+        q,
+        k,
+        v,
+        table,
+        c["lengths"],
+        c["window"],
+        c["softcap"],
         c["shape"]["head_dim"] ** -0.5,
-    )  # fmt: skip
+    )
     assert out.dtype == c["dtype"]
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel_err(out, expected) < (1e-5 if c["dtype"] == jnp.float32 else 1e-2)

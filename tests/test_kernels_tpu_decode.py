@@ -94,15 +94,26 @@ def _check_decode(c):
     )
     poisoned_k, poisoned_v = (jnp.asarray(np.where(dead, np.nan, x), c["dtype"]) for x in (k, v))
     out = _decode(
-        jnp.asarray(q, c["dtype"]), poisoned_k, poisoned_v, jnp.asarray(c["lengths"], jnp.int32),
+        jnp.asarray(q, c["dtype"]),
+        poisoned_k,
+        poisoned_v,
+        jnp.asarray(c["lengths"], jnp.int32),
         kv_start=None if c["kv_start"] is None else jnp.asarray(c["kv_start"], jnp.int32),
-        window=c["window"], softcap=c["softcap"], block_k=c["block_k"],
-    )  # fmt: skip
+        window=c["window"],
+        softcap=c["softcap"],
+        block_k=c["block_k"],
+    )
     clean_k, clean_v = (np.where(dead, 0.0, x) for x in (k, v))
     expected = _numpy_decode(
-        q, clean_k, clean_v, c["lengths"], starts, c["window"], c["softcap"],
+        q,
+        clean_k,
+        clean_v,
+        c["lengths"],
+        starts,
+        c["window"],
+        c["softcap"],
         c["head_dim"] ** -0.5,
-    )  # fmt: skip
+    )
     _assert_matches(out, expected, c["dtype"])
 
 
@@ -122,11 +133,23 @@ def test_decode_attention_matches_float64_broadly(c):
 def test_decode_attention_over_several_blocks():
     """A fixed case with every feature: 5 blocks of 8 keys, rows of length 0, shorter than
     the new tokens, mid-block and full, left padding, a window, a soft-cap, GQA."""
-    _check_decode({
-        "batch": 4, "new": 3, "heads": 6, "kv_heads": 2, "head_dim": 16, "cache_len": 40,
-        "lengths": [0, 2, 29, 40], "kv_start": [0, 1, 11, 3], "window": 10, "softcap": 4.0,
-        "block_k": 8, "dtype": jnp.float32, "seed": 7,
-    })  # fmt: skip
+    _check_decode(
+        {
+            "batch": 4,
+            "new": 3,
+            "heads": 6,
+            "kv_heads": 2,
+            "head_dim": 16,
+            "cache_len": 40,
+            "lengths": [0, 2, 29, 40],
+            "kv_start": [0, 1, 11, 3],
+            "window": 10,
+            "softcap": 4.0,
+            "block_k": 8,
+            "dtype": jnp.float32,
+            "seed": 7,
+        }
+    )
 
 
 def test_cache_block_divides_the_cache_in_whole_sublane_tiles():
@@ -198,10 +221,16 @@ def _check_paged(c):
         bad_k, bad_v = (_stack(x, c["layers"], layer) for x in (bad_k, bad_v))
         layer = jnp.int32(layer)  # traced: one program serves every layer
     out = _paged(
-        jnp.asarray(q, dtype), jnp.asarray(bad_k, dtype), jnp.asarray(bad_v, dtype), bad_table,
-        jnp.asarray(c["lengths"], jnp.int32), layer=layer, window=c["window"],
-        softcap=c["softcap"], pages_per_block=c["pages_per_block"],
-    )  # fmt: skip
+        jnp.asarray(q, dtype),
+        jnp.asarray(bad_k, dtype),
+        jnp.asarray(bad_v, dtype),
+        bad_table,
+        jnp.asarray(c["lengths"], jnp.int32),
+        layer=layer,
+        window=c["window"],
+        softcap=c["softcap"],
+        pages_per_block=c["pages_per_block"],
+    )
     expected = _numpy_paged(
         q, k, v, table, c["lengths"], c["window"], c["softcap"], c["shape"]["head_dim"] ** -0.5
     )
@@ -268,10 +297,17 @@ def test_index_maps_fetch_only_needed_pages(window, per_step):
     table = np.where(np.arange(pages_per_seq) >= used[:, None], -7, table).astype(np.int32)
     steps = -(-pages_per_seq // per_step)
     plan = Plan(
-        new_tokens=new_tokens, heads=2, kv_heads=1, window=window, softcap=None, scale=1.0,
-        block_tokens=page_size, blocks_per_step=per_step, steps=steps,
+        new_tokens=new_tokens,
+        heads=2,
+        kv_heads=1,
+        window=window,
+        softcap=None,
+        scale=1.0,
+        block_tokens=page_size,
+        blocks_per_step=per_step,
+        steps=steps,
         capacity=pages_per_seq * page_size,
-    )  # fmt: skip
+    )
     maps = [
         _page_spec(i, num_pages, 1, pages_per_seq, 4, 16, plan).index_map for i in range(per_step)
     ]

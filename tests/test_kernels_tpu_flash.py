@@ -40,8 +40,9 @@ def _kernel(q, k, v, d_out, *, segment_ids=None, interpret=None, **kw):
     @jax.jit
     def run(q, k, v, d_out, segment_ids):
         q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
-        fn = functools.partial(flash_attention, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-                               interpret=interpret, **kw)  # fmt: skip
+        fn = functools.partial(
+            flash_attention, q_segment_ids=q_ids, kv_segment_ids=kv_ids, interpret=interpret, **kw
+        )
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(d_out)
 
@@ -49,8 +50,9 @@ def _kernel(q, k, v, d_out, *, segment_ids=None, interpret=None, **kw):
 
 
 def _assert_close(q, k, v, d_out, segment_ids=None, block_sizes=SMALL, interpret=None, **kw):
-    out, grads = _kernel(q, k, v, d_out, segment_ids=segment_ids, block_sizes=block_sizes,
-                         interpret=interpret, **kw)  # fmt: skip
+    out, grads = _kernel(
+        q, k, v, d_out, segment_ids=segment_ids, block_sizes=block_sizes, interpret=interpret, **kw
+    )
     ref_out, ref_grads = _float64_reference(q, k, v, d_out, segment_ids=segment_ids, **kw)
     tol = TOL[q.dtype]
     for name, actual, expected in zip(
@@ -95,9 +97,17 @@ def _check_case(c):
         q_ids, kv_ids = _segments(c["seed"], c["batch"], c["q_len"], c["kv_len"])
         segments = (q_ids + c["segments"], kv_ids + c["segments"])
     _assert_close(
-        q, k, v, d_out, segments, c["blocks"], causal=c["causal"], window=c["window"],
-        softcap=c["softcap"], scale=c["scale"],
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        d_out,
+        segments,
+        c["blocks"],
+        causal=c["causal"],
+        window=c["window"],
+        softcap=c["softcap"],
+        scale=c["scale"],
+    )
 
 
 @settings(max_examples=8)  # each example compiles three kernels and interprets ~100 steps
@@ -149,11 +159,20 @@ def test_plain_interpret_mode_matches_float64():
 
 def _plan(q_len, kv_len, causal, window, bq=128, bk=128):
     return kernels.Plan(
-        causal=causal or window is not None, window=window, softcap=None, scale=1.0,
-        q_len=q_len, kv_len=kv_len, padded_q=-(-q_len // bq) * bq,
-        padded_kv=-(-kv_len // bk) * bk, block_q=bq, block_k=bk, block_q_bwd=bq,
-        block_k_bwd=bk, interpret=False,
-    )  # fmt: skip
+        causal=causal or window is not None,
+        window=window,
+        softcap=None,
+        scale=1.0,
+        q_len=q_len,
+        kv_len=kv_len,
+        padded_q=-(-q_len // bq) * bq,
+        padded_kv=-(-kv_len // bk) * bk,
+        block_q=bq,
+        block_k=bk,
+        block_q_bwd=bq,
+        block_k_bwd=bk,
+        interpret=False,
+    )
 
 
 def _blocks_seen(plan, bq, bk):
@@ -176,11 +195,16 @@ def _fetches(indices) -> int:
 
 @pytest.mark.parametrize(
     ("q_len", "kv_len", "causal", "window"),
-    [(300, 300, True, None), (300, 1000, True, 130), (1000, 300, True, None),
-     (200, 700, False, None), (640, 640, True, 1), (256, 1024, True, 300)],
-)  # fmt: skip
-def test_skipped_blocks_are_exactly_the_hidden_ones_and_cost_no_dma(q_len, kv_len, causal,
-                                                                    window):  # fmt: skip
+    [
+        (300, 300, True, None),
+        (300, 1000, True, 130),
+        (1000, 300, True, None),
+        (200, 700, False, None),
+        (640, 640, True, 1),
+        (256, 1024, True, 300),
+    ],
+)
+def test_skipped_blocks_are_exactly_the_hidden_ones_and_cost_no_dma(q_len, kv_len, causal, window):
     """The index-map/``pl.when`` ranges against brute-force visibility: every visible block
     is visited, no hidden one is, and clamped indices repeat so only visible blocks are
     fetched (one fetch along a sweep with nothing visible)."""

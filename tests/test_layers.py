@@ -98,8 +98,10 @@ def upward_imports(root: Path) -> list[str]:
         for line, target in imports_of(module, source, is_module, is_package=is_package):
             target_rank = layer_of(target)
             if target_rank is None or target_rank > rank:
-                problems.append(f"{where}:{line}: {describe(module, rank)} imports "
-                                f"{describe(target, target_rank)}")  # fmt: skip
+                problems.append(
+                    f"{where}:{line}: {describe(module, rank)} imports "
+                    f"{describe(target, target_rank)}"
+                )
     return problems
 
 
@@ -116,12 +118,14 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_layering_check_reports_every_kind_of_upward_import(tmp_path):
-    _write(tmp_path, {
-        "edl/__init__.py": "",
-        "edl/tree.py": "",
-        "edl/kernels/__init__.py": "",
-        "edl/ops/__init__.py": "from edl.kernels import flash\n",  # downward: fine
-        "edl/ops/bad.py": """\
+    _write(
+        tmp_path,
+        {
+            "edl/__init__.py": "",
+            "edl/tree.py": "",
+            "edl/kernels/__init__.py": "",
+            "edl/ops/__init__.py": "from edl.kernels import flash\n",  # downward: fine
+            "edl/ops/bad.py": """\
             import edl.tree
             from edl import tree
             from edl.ops import helpers
@@ -131,17 +135,18 @@ def test_layering_check_reports_every_kind_of_upward_import(tmp_path):
                 from edl.train import loop  # function-local, upward
                 return loop
             """,
-        "edl/ops/helpers.py": "import edl.io.hf\n",  # upward at top level
-        "edl/nn/__init__.py": "from ..generate import decode\n",  # relative, upward
-        "edl/kernels/flash.py": "from edl import ops\n",  # `from edl import <module>`
-        "edl/mystery.py": "",  # in no layer
-        "edl/io/__init__.py": "",
-        "edl/io/hf.py": "from edl.models import registry\n",  # downward: fine
-        "edl/generate/__init__.py": "",
-        "edl/generate/decode.py": "",
-        "edl/train/__init__.py": "",
-        "edl/train/loop.py": "from edl.io import hf\nimport edl\n",  # downward: fine
-    })  # fmt: skip
+            "edl/ops/helpers.py": "import edl.io.hf\n",  # upward at top level
+            "edl/nn/__init__.py": "from ..generate import decode\n",  # relative, upward
+            "edl/kernels/flash.py": "from edl import ops\n",  # `from edl import <module>`
+            "edl/mystery.py": "",  # in no layer
+            "edl/io/__init__.py": "",
+            "edl/io/hf.py": "from edl.models import registry\n",  # downward: fine
+            "edl/generate/__init__.py": "",
+            "edl/generate/decode.py": "",
+            "edl/train/__init__.py": "",
+            "edl/train/loop.py": "from edl.io import hf\nimport edl\n",  # downward: fine
+        },
+    )
     assert upward_imports(tmp_path) == [
         "edl/kernels/flash.py:1: edl.kernels.flash (kernels) imports edl.ops (ops)",
         "edl/mystery.py:1: edl.mystery is in no layer; add it to LAYERS",

@@ -50,9 +50,12 @@ def _trained_b(model, scale=0.05):
 
 @pytest.mark.parametrize(
     ("dtype", "scan"),
-    [(jnp.float32, True), pytest.param(jnp.bfloat16, True, marks=pytest.mark.slow),
-     (jnp.float32, False)],
-)  # fmt: skip
+    [
+        (jnp.float32, True),
+        pytest.param(jnp.bfloat16, True, marks=pytest.mark.slow),
+        (jnp.float32, False),
+    ],
+)
 def test_zero_initialised_adapters_leave_outputs_bit_identical(tiny_llama, tiny_ids, dtype, scan):
     base = configure(edl.to_dtype(tiny_llama, dtype), scan_layers=scan)
     lora = apply_lora(base, rank=4, alpha=8, key=jax.random.key(2))
@@ -121,14 +124,16 @@ def test_a_zero_update_still_passes_its_gradient_on():
     ct = jax.random.normal(jax.random.key(3), (6, 8))
     grad = jax.jit(jax.grad(lambda m: jnp.sum(m(x) * ct)))(lora)
     want = 2.0 * ct.T @ (x @ lora.lora_A.weight.T)  # d/dB of sum(ct * 2 (x A^T) B^T)
-    np.testing.assert_allclose(np.asarray(grad.lora_B.weight), np.asarray(want), rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(grad.lora_B.weight), np.asarray(want), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(np.asarray(grad.lora_A.weight), 0.0)  # B = 0: no A gradient
 
 
 def test_lora_trainable_splits_out_exactly_the_adapters(tiny_llama):
-    lora = apply_lora(tiny_llama, rank=4, alpha=8, pattern=r"self_attn\.(q|v)_proj$",
-                      key=jax.random.key(2))  # fmt: skip
+    lora = apply_lora(
+        tiny_llama, rank=4, alpha=8, pattern=r"self_attn\.(q|v)_proj$", key=jax.random.key(2)
+    )
     params, other = edl.split(lora, trainable=lora_trainable)
     assert sorted(edl.flatten(params)) == [
         f"model.layers.self_attn.{m}_proj.lora_{ab}.weight" for m in "qv" for ab in "AB"
@@ -168,8 +173,9 @@ def test_training_changes_only_the_adapters(tiny_llama, base):
     changed = sorted(p for p, x in before.items() if not np.array_equal(x, np.asarray(after[p])))
     assert changed == sorted(p for p in before if lora_trainable.search(p))
     if base == "nf4":
-        assert isinstance(edl.state.model(state).model.layers.mlp.up_proj.base_layer,
-                          QuantizedLinear)  # fmt: skip
+        assert isinstance(
+            edl.state.model(state).model.layers.mlp.up_proj.base_layer, QuantizedLinear
+        )
 
 
 def test_merge_equals_the_adapter_forward_and_unwrap_restores_the_base(tiny_llama, tiny_ids):
@@ -191,8 +197,11 @@ def test_merge_equals_the_adapter_forward_and_unwrap_restores_the_base(tiny_llam
 
 
 def test_qlora_merge_requantizes_the_merged_weight(tiny_llama):
-    qlora = _trained_b(apply_lora(quantize(tiny_llama, QuantConfig("int8")), rank=4, alpha=8,
-                                  key=jax.random.key(5)))  # fmt: skip
+    qlora = _trained_b(
+        apply_lora(
+            quantize(tiny_llama, QuantConfig("int8")), rank=4, alpha=8, key=jax.random.key(5)
+        )
+    )
     merged = merge_lora(qlora)
     layer, before = merged.model.layers.mlp.down_proj, qlora.model.layers.mlp.down_proj
     assert isinstance(layer, QuantizedLinear) and layer.format == "int8"
@@ -235,8 +244,9 @@ def test_lora_state_checkpoint_round_trip(tiny_llama, tmp_path):
 
 def test_dropout_applies_only_with_a_key():
     layer = Linear.init(16, 8, key=jax.random.key(0))
-    lora = _trained_b(LoraLinear.init(layer, rank=4, scaling=2.0, dropout=0.5,
-                                      key=jax.random.key(1)), scale=1.0)  # fmt: skip
+    lora = _trained_b(
+        LoraLinear.init(layer, rank=4, scaling=2.0, dropout=0.5, key=jax.random.key(1)), scale=1.0
+    )
     x = jax.random.normal(jax.random.key(2), (64, 16))
     no_drop = lora.base_layer(x) + 2.0 * (x @ lora.lora_A.weight.T) @ lora.lora_B.weight.T
     np.testing.assert_allclose(np.asarray(lora(x)), np.asarray(no_drop), rtol=1e-5, atol=1e-5)

@@ -49,8 +49,9 @@ def _random_b(model):
 
 
 def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tmp_path):
-    lora = apply_lora(tiny_llama, rank=4, alpha=8, pattern=r"(q|k|v|o|gate|up)_proj$",
-                      key=jax.random.key(2))  # fmt: skip
+    lora = apply_lora(
+        tiny_llama, rank=4, alpha=8, pattern=r"(q|k|v|o|gate|up)_proj$", key=jax.random.key(2)
+    )
     lora = _random_b(apply_lora(lora, rank=2, alpha=3, pattern="down_proj", key=jax.random.key(3)))
     out = np.asarray(_forward(lora, tiny_ids))
     assert np.abs(out - np.asarray(_forward(tiny_llama, tiny_ids))).max() > 1e-2
@@ -64,8 +65,12 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tm
     assert {k: config[k] for k in patterns} == patterns
     assert config["base_model_name_or_path"] == "edl-tiny"
     # The same keys, shapes and dtypes peft writes for this configuration.
-    theirs = peft.get_peft_model(edl.to_torch(tiny_llama), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM", **patterns))  # fmt: skip
+    theirs = peft.get_peft_model(
+        edl.to_torch(tiny_llama),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, task_type="CAUSAL_LM", **patterns
+        ),
+    )
     theirs.save_pretrained(tmp_path / "peft")
     mine = load_file(tmp_path / "edl", prefix="adapter_model")
     reference = load_file(tmp_path / "peft", prefix="adapter_model")
@@ -78,8 +83,9 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tm
     np.testing.assert_allclose(_torch_logits(loaded, tiny_ids), out, rtol=0, atol=TOL)
     # And back: edl reads its own file exactly.
     again = load_adapter(tiny_llama, tmp_path / "edl")
-    for a, b in zip(jax.tree.leaves(lora_params(again)), jax.tree.leaves(lora_params(lora)),
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        jax.tree.leaves(lora_params(again)), jax.tree.leaves(lora_params(lora)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -92,9 +98,13 @@ def test_edl_adapter_loads_in_peft_with_the_same_logits(tiny_llama, tiny_ids, tm
 )
 def test_peft_adapter_loads_in_edl_with_the_same_logits(tiny_llama, tiny_ids, tmp_path, options):
     config = peft.LoraConfig(
-        r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
-        init_lora_weights=False, task_type="CAUSAL_LM", **options,
-    )  # fmt: skip
+        r=4,
+        lora_alpha=12,
+        target_modules=["q_proj", "v_proj", "down_proj", "lm_head"],
+        init_lora_weights=False,
+        task_type="CAUSAL_LM",
+        **options,
+    )
     base = edl.to_torch(tiny_llama)
     with torch.no_grad():  # peft saves an adapted head's base weight too: it must win
         base.lm_head.weight.mul_(1.5)
@@ -157,9 +167,12 @@ _QKV = ["q_proj", "k_proj", "v_proj"]
 def qkv_adapter(tiny_llama, tmp_path_factory):
     directory = tmp_path_factory.mktemp("qkv")
     torch.manual_seed(0)
-    theirs = peft.get_peft_model(edl.to_torch(tiny_llama), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=_QKV, init_lora_weights=False,
-        task_type="CAUSAL_LM"))  # fmt: skip
+    theirs = peft.get_peft_model(
+        edl.to_torch(tiny_llama),
+        peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=_QKV, init_lora_weights=False, task_type="CAUSAL_LM"
+        ),
+    )
     theirs.save_pretrained(directory)
     return directory
 
@@ -177,8 +190,11 @@ def _peft_load(tiny_llama, directory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft's own (about the temporary HF directory)
         theirs = peft.PeftModel.from_pretrained(edl.to_torch(tiny_llama), directory).eval()
-    names = {n.removeprefix("base_model.model.") for n, m in theirs.named_modules()
-             if isinstance(m, peft.tuners.lora.LoraLayer)}  # fmt: skip
+    names = {
+        n.removeprefix("base_model.model.")
+        for n, m in theirs.named_modules()
+        if isinstance(m, peft.tuners.lora.LoraLayer)
+    }
     return names, theirs
 
 
@@ -186,8 +202,11 @@ def _adapted(lora):
     """HF module name -> whether its lora_B is nonzero, for every adapter of an edl model."""
     tensors = edl.io.hf.export_state_dict(lora_params(lora))
     suffix = ".lora_B.weight"
-    return {k.removesuffix(suffix): bool(np.any(t.load())) for k, t in tensors.items()
-            if k.endswith(suffix)}  # fmt: skip
+    return {
+        k.removesuffix(suffix): bool(np.any(t.load()))
+        for k, t in tensors.items()
+        if k.endswith(suffix)
+    }
 
 
 def _layers(*names, layers=(0, 1)):
@@ -196,8 +215,10 @@ def _layers(*names, layers=(0, 1)):
 
 _Q, _K, _V = (_layers(f"self_attn.{m}") for m in ("q_proj", "k_proj", "v_proj"))
 _LAYER = [_layers(*(f"self_attn.{m}" for m in _QKV), layers=(i,)) for i in (0, 1)]
-_O_MLP = [_layers("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                  layers=(i,)) for i in (0, 1)]  # fmt: skip
+_O_MLP = [
+    _layers("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", layers=(i,))
+    for i in (0, 1)
+]
 
 
 @pytest.mark.parametrize(
@@ -205,26 +226,52 @@ _O_MLP = [_layers("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_
     [
         # A list: names or dotted suffixes. The file's k_proj tensors are ignored (by peft
         # silently).
-        ({"target_modules": ["q_proj", "self_attn.v_proj"]}, _Q | _V, set(), set(),
-         r"are ignored.*k_proj\.lora_A"),
+        (
+            {"target_modules": ["q_proj", "self_attn.v_proj"]},
+            _Q | _V,
+            set(),
+            set(),
+            r"are ignored.*k_proj\.lora_A",
+        ),
         # A string: a regex matching the whole name, here layer 0 only. edl stacks layers, so
         # layer 1 gets adapters too, with B = 0 (the same outputs).
-        ({"target_modules": r".*\.0\.self_attn\.(q|k)_proj"}, (_Q | _K) & _LAYER[0], set(),
-         (_Q | _K) & _LAYER[1], r"stacked layers"),
+        (
+            {"target_modules": r".*\.0\.self_attn\.(q|k)_proj"},
+            (_Q | _K) & _LAYER[0],
+            set(),
+            (_Q | _K) & _LAYER[1],
+            r"stacked layers",
+        ),
         # o_proj is targeted but not in the file: peft starts it from B = 0 and warns.
         # exclude_modules as a list.
-        ({"target_modules": [*_QKV, "o_proj"], "exclude_modules": ["k_proj"],
-          "init_lora_weights": True}, _Q | _V, _layers("self_attn.o_proj"), set(),
-         r"no adapter tensors for the targeted modules \['model\.layers\.0\.self_attn\.o_proj"),
+        (
+            {
+                "target_modules": [*_QKV, "o_proj"],
+                "exclude_modules": ["k_proj"],
+                "init_lora_weights": True,
+            },
+            _Q | _V,
+            _layers("self_attn.o_proj"),
+            set(),
+            r"no adapter tensors for the targeted modules \['model\.layers\.0\.self_attn\.o_proj",
+        ),
         # "all-linear" (every linear layer but the head), exclude_modules as a regex.
-        ({"target_modules": "all-linear", "exclude_modules": r".*\.1\.(self_attn|mlp)\..*",
-          "init_lora_weights": True}, _LAYER[0], _O_MLP[0], _LAYER[1] | _O_MLP[1],
-         r"no adapter tensors"),
+        (
+            {
+                "target_modules": "all-linear",
+                "exclude_modules": r".*\.1\.(self_attn|mlp)\..*",
+                "init_lora_weights": True,
+            },
+            _LAYER[0],
+            _O_MLP[0],
+            _LAYER[1] | _O_MLP[1],
+            r"no adapter tensors",
+        ),
         # null: peft's default for llama, q_proj and v_proj.
         ({"target_modules": None}, _Q | _V, set(), set(), r"are ignored.*k_proj\.lora_B"),
     ],
     ids=["list", "regex-one-layer", "absent-and-exclude-list", "all-linear-exclude-regex", "null"],
-)  # fmt: skip
+)
 def test_load_adapter_targets_what_peft_targets(
     tiny_llama, tiny_ids, qkv_adapter, tmp_path, changes, adapted, zero, stacked, warns
 ):
@@ -238,38 +285,48 @@ def test_load_adapter_targets_what_peft_targets(
     mine = _adapted(lora)
     assert {n for n, nonzero in mine.items() if nonzero} == adapted
     assert {n for n, nonzero in mine.items() if not nonzero} == zero | stacked
-    np.testing.assert_allclose(np.asarray(_forward(lora, tiny_ids)),
-                               _torch_logits(peft_model, tiny_ids), rtol=0, atol=TOL)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(_forward(lora, tiny_ids)), _torch_logits(peft_model, tiny_ids), rtol=0, atol=TOL
+    )
 
 
 def test_load_adapter_rejects_what_peft_rejects(tiny_llama, qkv_adapter, tmp_path):
     cases = [  # (changes, peft's error, edl's message)
         ({"target_modules": "q_proj"}, "not found", r"'q_proj' matches no module"),
         ({"target_modules": ["mlp"]}, "is not supported", r"not linear layers.*layers\.0\.mlp"),
-        ({"target_modules": _QKV, "exclude_modules": _QKV}, "No modules were targeted",
-         r"less exclude_modules .* leaves no module"),
+        (
+            {"target_modules": _QKV, "exclude_modules": _QKV},
+            "No modules were targeted",
+            r"less exclude_modules .* leaves no module",
+        ),
         # A targeted layer without tensors would get peft's random lora_B.
         ({"target_modules": [*_QKV, "o_proj"]}, None, r"without lora_A \[\] / lora_B \[.*o_proj"),
-    ]  # fmt: skip
+    ]
     for i, (changes, theirs, mine) in enumerate(cases):
         directory = _variant(qkv_adapter, tmp_path / str(i), **changes)
         if theirs is not None:
-            with pytest.raises((ValueError, peft.tuners.tuners_utils.NoMatchingPeftModuleError),
-                               match=theirs):  # fmt: skip
+            with pytest.raises(
+                (ValueError, peft.tuners.tuners_utils.NoMatchingPeftModuleError), match=theirs
+            ):
                 _peft_load(tiny_llama, directory)
         with pytest.raises(ValueError, match=mine):
             load_adapter(tiny_llama, directory)
 
 
 def test_load_adapter_warns_where_peft_warns(tiny_llama, qkv_adapter, tmp_path):
-    directory = _variant(qkv_adapter, tmp_path / "a", exclude_modules=["gate"],
-                         rank_pattern={"o_proj": 2})  # fmt: skip
+    directory = _variant(
+        qkv_adapter, tmp_path / "a", exclude_modules=["gate"], rank_pattern={"o_proj": 2}
+    )
     for load, words in (
-        (lambda: peft.PeftModel.from_pretrained(edl.to_torch(tiny_llama), directory),
-         ("no modules were excluded", "rank_pattern keys did not match")),
-        (lambda: load_adapter(tiny_llama, directory),
-         ("exclude_modules ['gate'] excludes no module", "rank_pattern keys match no")),
-    ):  # fmt: skip
+        (
+            lambda: peft.PeftModel.from_pretrained(edl.to_torch(tiny_llama), directory),
+            ("no modules were excluded", "rank_pattern keys did not match"),
+        ),
+        (
+            lambda: load_adapter(tiny_llama, directory),
+            ("exclude_modules ['gate'] excludes no module", "rank_pattern keys match no"),
+        ),
+    ):
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             load()
@@ -287,22 +344,37 @@ def test_adapters_peft_cannot_target_by_name_are_listed_by_module(tmp_path):
     ``rank_pattern``), which PEFT and edl both load to the same logits."""
     from edl.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig.from_hf({
-        "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-        "mlp_only_layers": [2],
-    })  # fmt: skip
+    config = Qwen3MoeConfig.from_hf(
+        {
+            "model_type": "qwen3_moe",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 48,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 24,
+            "mlp_only_layers": [2],
+        }
+    )
     base = Qwen3MoeForCausalLM.init(config, key=jax.random.key(0))
-    layers = {"model.layers.self_attn.q_proj": (4, 2.0), "model.layers.self_attn.v_proj": (4, 2.0),
-              "model.dense_layers.self_attn.q_proj": (2, 1.5)}  # fmt: skip
+    layers = {
+        "model.layers.self_attn.q_proj": (4, 2.0),
+        "model.layers.self_attn.v_proj": (4, 2.0),
+        "model.dense_layers.self_attn.q_proj": (2, 1.5),
+    }
     lora = _random_b(wrap_lora(base, layers, key=jax.random.key(1)))
     save_adapter(lora, tmp_path)
     saved = json.loads((tmp_path / "adapter_config.json").read_text())
     assert saved["target_modules"] == sorted(
-        f"model.layers.{i}.self_attn.{n}" for i in range(4) for n in ("q_proj", "v_proj")
+        f"model.layers.{i}.self_attn.{n}"
+        for i in range(4)
+        for n in ("q_proj", "v_proj")
         if n == "q_proj" or i != 2
-    )  # fmt: skip
+    )
     assert (saved["r"], saved["lora_alpha"]) == (4, 8)
     assert saved["rank_pattern"] == {"model.layers.2.self_attn.q_proj": 2}
     assert saved["alpha_pattern"] == {"model.layers.2.self_attn.q_proj": 3}

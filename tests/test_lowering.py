@@ -55,8 +55,15 @@ KERNEL_CALLS = {  # a platform's Pallas kernel calls, as the lowered text names 
     "tpu": re.compile(r"tpu_custom_call"),
 }
 
-COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+)
 MODELS = {
     "llama": (LlamaForCausalLM, LlamaConfig(**COMMON)),
     "gemma2": (Gemma2ForCausalLM, Gemma2Config(**COMMON, sliding_window=64)),
@@ -195,10 +202,15 @@ def test_serving_model_step(platform):
     sampling = jax.eval_shape(lambda: SlotSampling(*(jnp.zeros((8,), d) for d in dtypes)))
     for width in (1, 64):
         args = (
-            model, pools, pools, jax.ShapeDtypeStruct((8, 32), jnp.int32),
-            jax.ShapeDtypeStruct((8,), jnp.int32), jax.ShapeDtypeStruct((8, width), jnp.int32),
-            jax.ShapeDtypeStruct((8,), jnp.int32), sampling,
-        )  # fmt: skip
+            model,
+            pools,
+            pools,
+            jax.ShapeDtypeStruct((8, 32), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32),
+            jax.ShapeDtypeStruct((8, width), jnp.int32),
+            jax.ShapeDtypeStruct((8,), jnp.int32),
+            sampling,
+        )
         text = model_step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
         _check(text, platform, DECODE_KERNELS[16, platform])
 
@@ -260,8 +272,9 @@ def test_export_for_several_platforms_without_pallas_kernels():
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 32)), jnp.int32)
 
     def value_and_grad(attention_impl: str):
-        model = LlamaForCausalLM.init(config.replace(attention_impl=attention_impl),
-                                      key=jax.random.key(0))  # fmt: skip
+        model = LlamaForCausalLM.init(
+            config.replace(attention_impl=attention_impl), key=jax.random.key(0)
+        )
         params, other = edl.split(model)
         loss = lambda params, ids: edl.merge(params, other).compute_loss(ids)[0]
         return jax.jit(jax.value_and_grad(loss)), params

@@ -36,26 +36,49 @@ def _hf_config(model_type, **overrides):
     common = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, pad_token_id=0)
     config = {
         "gemma": lambda: transformers.GemmaConfig(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
             head_dim=16,
         ),
         "gemma2": lambda: transformers.Gemma2Config(
-            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, sliding_window=4, query_pre_attn_scalar=20,
-            attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+            **common,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
         ),
         "mixtral": lambda: transformers.MixtralConfig(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-            output_router_logits=True, router_aux_loss_coef=0.1,
-        ),
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-            **common, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-            mlp_only_layers=[2], norm_topk_prob=False, output_router_logits=True,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            output_router_logits=True,
             router_aux_loss_coef=0.1,
         ),
-    }[model_type]()  # fmt: skip
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            mlp_only_layers=[2],
+            norm_topk_prob=False,
+            output_router_logits=True,
+            router_aux_loss_coef=0.1,
+        ),
+    }[model_type]()
     for k, v in overrides.items():
         setattr(config, k, v)
     return config
@@ -131,8 +154,9 @@ def test_experts_are_stacked_and_fused_state_dicts_load(model_type, tmp_path):
     hf_model.save_pretrained(tmp_path)
     from_files = edl.from_pretrained(tmp_path)
     from_memory = edl.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
-    for (p, x), (q, y) in zip(edl.flatten(from_files).items(), edl.flatten(from_memory).items(),
-                              strict=True):  # fmt: skip
+    for (p, x), (q, y) in zip(
+        edl.flatten(from_files).items(), edl.flatten(from_memory).items(), strict=True
+    ):
         assert p == q
         np.testing.assert_array_equal(x, y, err_msg=p)
     experts = from_files.model.layers.mlp.experts
@@ -210,8 +234,9 @@ def test_sequence_classification_parity(tmp_path):
     labels = np.array([0, 2, 1])
     ref = _hf_forward(hf_model, ids, mask, labels=torch.tensor(labels))
     np.testing.assert_allclose(_logits(model, ids, mask), ref.logits.numpy(), atol=TOL)
-    loss, _ = model.compute_loss(jnp.asarray(ids), jnp.asarray(labels),
-                                 attention_mask=jnp.asarray(mask))  # fmt: skip
+    loss, _ = model.compute_loss(
+        jnp.asarray(ids), jnp.asarray(labels), attention_mask=jnp.asarray(mask)
+    )
     np.testing.assert_allclose(float(loss), ref.loss.item(), rtol=1e-5)
 
 
@@ -232,8 +257,13 @@ def test_greedy_generation_matches_transformers(model_type):
     mask[1, :2], mask[2, :5] = 0, 0  # left-padded prompts of different lengths
     ids[mask == 0] = 0
     with torch.no_grad():
-        ref = hf_model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                                do_sample=False, max_new_tokens=10, pad_token_id=0)  # fmt: skip
+        ref = hf_model.generate(
+            torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            do_sample=False,
+            max_new_tokens=10,
+            pad_token_id=0,
+        )
     out = generate(model, ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0)
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, : ref.shape[1]], ref.numpy())
 
@@ -243,9 +273,7 @@ def test_config_round_trips_through_transformers(model_type):
     family = registry.resolve({"model_type": model_type})[0]
     config = family.config_cls.from_hf(_hf_config(model_type).to_dict())
     hf_dict = config.to_hf(architectures=["X"])
-    again = family.config_cls.from_hf(
-        transformers.AutoConfig.for_model(**hf_dict).to_dict()
-    )  # fmt: skip
+    again = family.config_cls.from_hf(transformers.AutoConfig.for_model(**hf_dict).to_dict())
     assert again.replace(hf_extra=()) == config.replace(hf_extra=())
 
 

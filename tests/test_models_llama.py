@@ -33,28 +33,51 @@ def _hf_configs():
     return {
         # GQA, tied head, llama3 RoPE scaling with positions past the original context.
         "llama": transformers.LlamaConfig(
-            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
+            **common,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
         ),
         # MQA and a sliding window shorter than the sequence; head_dim != hidden / heads.
         "mistral": transformers.MistralConfig(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=16, sliding_window=5,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=5,
         ),
         # q/k/v bias; full-attention first layer then sliding-window layers.
         "qwen2": transformers.Qwen2Config(
-            **common, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            use_sliding_window=True, sliding_window=4, max_window_layers=1,
+            **common,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=1,
         ),
         # q/k RMSNorm, untied head, linear RoPE scaling.
         "qwen3": transformers.Qwen3Config(
-            **common, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, tie_word_embeddings=False,
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
             rope_scaling={"rope_type": "linear", "factor": 2.0},
         ),
-    }  # fmt: skip
+    }
 
 
 def _hf_model(model_type, task="causal_lm", **overrides):
@@ -99,9 +122,9 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
     # edl -> HF: same keys as transformers writes, and transformers reproduces the logits.
     edl.save_pretrained(model, tmp_path / "edl", max_shard_size="20KB")
     hf_keys = set(load_file(tmp_path / "hf" / "model.safetensors"))
-    edl_keys = set(json.loads((tmp_path / "edl" / "model.safetensors.index.json").read_text())[
-        "weight_map"
-    ])  # fmt: skip
+    edl_keys = set(
+        json.loads((tmp_path / "edl" / "model.safetensors.index.json").read_text())["weight_map"]
+    )
     assert edl_keys == hf_keys
     tied = {"lm_head.weight"} if hf_model.config.tie_word_embeddings else set()
     assert edl_keys == set(hf_model.state_dict()) - tied
@@ -120,12 +143,14 @@ def test_sequence_classification_parity(tmp_path):
     ids, mask = padded_batch()
     labels = np.array([0, 2, 1])
     with torch.no_grad():
-        out = hf_model(torch.tensor(ids), attention_mask=torch.tensor(mask),
-                       labels=torch.tensor(labels))  # fmt: skip
+        out = hf_model(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), labels=torch.tensor(labels)
+        )
     logits = model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits
     np.testing.assert_allclose(logits, out.logits.numpy(), atol=TOL)
-    loss, _ = model.compute_loss(jnp.asarray(ids), jnp.asarray(labels),
-                                 attention_mask=jnp.asarray(mask))  # fmt: skip
+    loss, _ = model.compute_loss(
+        jnp.asarray(ids), jnp.asarray(labels), attention_mask=jnp.asarray(mask)
+    )
     np.testing.assert_allclose(float(loss), out.loss.item(), rtol=1e-5)
     edl.save_pretrained(model, tmp_path / "edl")
     again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "edl")
@@ -150,8 +175,9 @@ def test_hidden_states_and_inputs_embeds_match_hf(tmp_path):
     # compute_loss takes the embeddings too (with labels), and HF agrees on the loss.
     loss, _ = model.compute_loss(inputs_embeds=embeds, labels=jnp.asarray(ids))
     with torch.no_grad():
-        ref_loss = hf_model(inputs_embeds=torch.tensor(np.asarray(embeds)),
-                            labels=torch.tensor(ids)).loss  # fmt: skip
+        ref_loss = hf_model(
+            inputs_embeds=torch.tensor(np.asarray(embeds)), labels=torch.tensor(ids)
+        ).loss
     assert abs(float(loss) - float(ref_loss)) <= TOL
     with pytest.raises(ValueError, match="with inputs_embeds, pass labels"):
         model.compute_loss(inputs_embeds=embeds)
@@ -243,8 +269,9 @@ def test_to_torch():
     text = edl.summary(model)
     assert "model.layers.self_attn.q_norm.weight" in text and "(2, 16)" in text
     ref = _hf_logits(torch_model, ids, mask)
-    assert_close_on_real_tokens(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits,
-                                 ref, mask)  # fmt: skip
+    assert_close_on_real_tokens(
+        model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits, ref, mask
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "llama"])
@@ -291,8 +318,7 @@ def test_default_attention_path_is_the_backends_kernel():
     def jaxpr(m):
         return str(jax.make_jaxpr(jax.value_and_grad(loss))(m))
 
-    pallas_names = {"edl_flash_attention_fwd", "edl_flash_attention_dq",
-                    "edl_flash_attention_dkdv"}  # fmt: skip
+    pallas_names = {"edl_flash_attention_fwd", "edl_flash_attention_dq", "edl_flash_attention_dkdv"}
     native_names = {"edl_flash_attention_forward", "edl_flash_attention_backward"}
     on_native = jax.default_backend() == "cpu" and native.unavailable() is None
     auto = jaxpr(model)

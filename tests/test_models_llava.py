@@ -26,13 +26,21 @@ transformers = pytest.importorskip("transformers")
 
 IMAGE = 100  # the image placeholder id
 VISION = dict(
-    hidden_size=24, intermediate_size=30, num_hidden_layers=3, num_attention_heads=2,
-    image_size=12, patch_size=6,
-)  # fmt: skip
+    hidden_size=24,
+    intermediate_size=30,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=12,
+    patch_size=6,
+)
 TEXT = dict(
-    vocab_size=120, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+    vocab_size=120,
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 # CLIP tower, "default" (the class token dropped: 4 patches per image), layer -2; SigLIP
 # tower, "full" (4 patches), two feature layers concatenated.
 KINDS = {
@@ -44,10 +52,12 @@ KINDS = {
 def _hf_llava(kind):
     vision, strategy, layer = KINDS[kind]
     config = transformers.LlavaConfig(
-        vision_config=vision(**VISION), text_config=transformers.LlamaConfig(**TEXT),
-        image_token_index=IMAGE, vision_feature_select_strategy=strategy,
+        vision_config=vision(**VISION),
+        text_config=transformers.LlamaConfig(**TEXT),
+        image_token_index=IMAGE,
+        vision_feature_select_strategy=strategy,
         vision_feature_layer=layer,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.LlavaForConditionalGeneration(config)
     with torch.no_grad():
@@ -79,8 +89,11 @@ def test_forward_and_loss_match_transformers(llava):
     ids, pixels = _inputs()
     labels = np.where(ids == IMAGE, -100, ids)
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
-                 labels=torch.tensor(labels))  # fmt: skip
+        ref = hf(
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pixels),
+            labels=torch.tensor(labels),
+        )
     # One program: the logits and the loss with its default labels (the ids with the image
     # tokens ignored, as given to transformers).
     run = jax.jit(lambda m, i, p: (m(i, p).logits, m.compute_loss(i, pixel_values=p)))
@@ -107,8 +120,13 @@ def test_greedy_generation_with_an_image_matches_transformers(llava):
     ids, pixels = _inputs()
     ids, pixels = ids[1:], pixels[1:]
     with torch.no_grad():
-        ref = hf.generate(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
-                          max_new_tokens=8, do_sample=False, pad_token_id=0)  # fmt: skip
+        ref = hf.generate(
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pixels),
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )
     settings = dict(max_new_tokens=8, pad_token_id=0, eos_token_id=None)
     out = generate(model, ids, pixel_values=pixels, **settings)
     np.testing.assert_array_equal(np.asarray(out.sequences), ref.numpy())
@@ -168,9 +186,12 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava, tmp_path
     if kind != "clip":
         pytest.skip("one tower suffices")
     lora = edl.lora.apply_lora(
-        model, rank=2, alpha=4, pattern=r"language_model\..*(q|k|v|o|gate|up|down)_proj$",
+        model,
+        rank=2,
+        alpha=4,
+        pattern=r"language_model\..*(q|k|v|o|gate|up|down)_proj$",
         key=jax.random.key(1),
-    )  # fmt: skip
+    )
     wrapped = edl.lora.lora_layers(lora)
     assert wrapped and all(p.startswith("model.language_model.") for p in wrapped)
     state = edl.create_state(lora, optax.adam(1e-2), trainable=edl.lora.lora_trainable)

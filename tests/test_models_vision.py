@@ -22,14 +22,24 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TEXT = dict(
-    vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-    num_attention_heads=4, max_position_embeddings=16, bos_token_id=97, eos_token_id=98,
+    vocab_size=99,
+    hidden_size=32,
+    intermediate_size=37,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=16,
+    bos_token_id=97,
+    eos_token_id=98,
     pad_token_id=0,
-)  # fmt: skip
+)
 VISION = dict(
-    hidden_size=24, intermediate_size=30, num_hidden_layers=3, num_attention_heads=2,
-    image_size=30, patch_size=6,
-)  # fmt: skip
+    hidden_size=24,
+    intermediate_size=30,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=30,
+    patch_size=6,
+)
 
 
 def _randomize(model, seed=0):
@@ -79,14 +89,21 @@ def test_dual_model_matches_transformers_both_ways(kind, tmp_path):
     ids, mask, pixels = _inputs()
     with torch.no_grad():
         ref = hf(
-            input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
-            attention_mask=torch.tensor(mask), return_loss=True, output_hidden_states=True,
-        )  # fmt: skip
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pixels),
+            attention_mask=torch.tensor(mask),
+            return_loss=True,
+            output_hidden_states=True,
+        )
     model = edl.from_pretrained(tmp_path / "hf")
     assert type(model).__name__ == {"clip": "CLIPModel", "siglip": "SiglipModel"}[kind]
     # One compiled program for the forward and the loss (eager dispatch costs more here).
-    run = jax.jit(lambda m, i, p, k: (m(i, p, attention_mask=k, output_hidden_states=True),
-                                      m.compute_loss(i, p, attention_mask=k)))  # fmt: skip
+    run = jax.jit(
+        lambda m, i, p, k: (
+            m(i, p, attention_mask=k, output_hidden_states=True),
+            m.compute_loss(i, p, attention_mask=k),
+        )
+    )
     out, (loss, metrics) = run(model, jnp.asarray(ids), jnp.asarray(pixels), jnp.asarray(mask))
     for name in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
         _close(getattr(out, name), getattr(ref, name))
@@ -107,8 +124,11 @@ def test_dual_model_matches_transformers_both_ways(kind, tmp_path):
     assert config["architectures"] == [type(hf).__name__]
     again = type(hf).from_pretrained(tmp_path / "edl").eval()
     with torch.no_grad():
-        re_ref = again(input_ids=torch.tensor(ids), pixel_values=torch.tensor(pixels),
-                       attention_mask=torch.tensor(mask))  # fmt: skip
+        re_ref = again(
+            input_ids=torch.tensor(ids),
+            pixel_values=torch.tensor(pixels),
+            attention_mask=torch.tensor(mask),
+        )
     np.testing.assert_array_equal(re_ref.logits_per_image.numpy(), ref.logits_per_image.numpy())
     reloaded = edl.from_pretrained(tmp_path / "edl")
     np.testing.assert_array_equal(np.asarray(reloaded.logit_scale), np.asarray(model.logit_scale))
@@ -119,16 +139,19 @@ def _towers():
     return {
         "clip_vision": (t.CLIPVisionModel, t.CLIPVisionConfig(**VISION), "vision"),
         "clip_vision_proj": (
-            t.CLIPVisionModelWithProjection, t.CLIPVisionConfig(**VISION, projection_dim=20),
+            t.CLIPVisionModelWithProjection,
+            t.CLIPVisionConfig(**VISION, projection_dim=20),
             "vision",
         ),
         "clip_text": (t.CLIPTextModel, t.CLIPTextConfig(**TEXT), "text"),
         "clip_text_proj": (
-            t.CLIPTextModelWithProjection, t.CLIPTextConfig(**TEXT, projection_dim=20), "text"
+            t.CLIPTextModelWithProjection,
+            t.CLIPTextConfig(**TEXT, projection_dim=20),
+            "text",
         ),
         "siglip_vision": (t.SiglipVisionModel, t.SiglipVisionConfig(**VISION), "vision"),
         "siglip_text": (t.SiglipTextModel, t.SiglipTextConfig(**TEXT), "text"),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("name", sorted(_towers()))
@@ -138,8 +161,10 @@ def test_towers_match_transformers(name, tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ids, mask, pixels = _inputs()
     if kind == "text":
-        args, mine_args = dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)), (
-            (jnp.asarray(ids),), dict(attention_mask=jnp.asarray(mask)))  # fmt: skip
+        args, mine_args = (
+            dict(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)),
+            ((jnp.asarray(ids),), dict(attention_mask=jnp.asarray(mask))),
+        )
     else:
         args, mine_args = dict(pixel_values=torch.tensor(pixels)), ((jnp.asarray(pixels),), {})
     with torch.no_grad():

@@ -94,8 +94,13 @@ def test_segment_positions_within_groups():
     assert [seg.per_block(g) for g in "ab"] == [2, 1]
     assert [seg.in_block(k) for k in range(3)] == [0, 0, 1]
     assert [(x.index, x.group, x.local) for x in seg.layers()] == [
-        (3, "a", 2), (4, "b", 1), (5, "a", 3), (6, "a", 4), (7, "b", 2), (8, "a", 5),
-    ]  # fmt: skip
+        (3, "a", 2),
+        (4, "b", 1),
+        (5, "a", 3),
+        (6, "a", 4),
+        (7, "b", 2),
+        (8, "a", 5),
+    ]
 
 
 def test_mismatched_settings_are_named():

@@ -94,16 +94,26 @@ def test_every_layer_once_in_order(groups, settings, remat):
     unstacked = {g: unstack(s) for g, s in stacks.items()}
     assert {g: num_layers(s) for g, s in unstacked.items()} == {g: c for g, c in n.items() if c}
     for scan, layers in ((True, stacks), (False, stacks), (True, unstacked)):
-        out, per_layer = run_stack(layers, x, _apply, settings=settings, groups=list(groups),
-                                   scan=scan, remat=remat, collect=True)  # fmt: skip
+        out, per_layer = run_stack(
+            layers,
+            x,
+            _apply,
+            settings=settings,
+            groups=list(groups),
+            scan=scan,
+            remat=remat,
+            collect=True,
+        )
         what = f"scan={scan}, unstacked={layers is unstacked}"
         np.testing.assert_allclose(out, ref, rtol=1e-6, err_msg=what)
         np.testing.assert_allclose(per_layer, ref_all, rtol=1e-6, err_msg=what)
 
     def loss(stacks, unstacked=False):
         layers = {g: unstack(s) for g, s in stacks.items()} if unstacked else stacks
-        return jnp.sum(run_stack(layers, x, _apply, settings=settings, groups=list(groups),
-                                 remat=remat)[0] ** 2)  # fmt: skip
+        return jnp.sum(
+            run_stack(layers, x, _apply, settings=settings, groups=list(groups), remat=remat)[0]
+            ** 2
+        )
 
     ref_grads = jax.grad(lambda s: jnp.sum(_reference(s, groups, settings, x)[0] ** 2))(stacks)
     for unstacked in (False, True):
@@ -118,8 +128,10 @@ def test_run_segments_runs_any_plan(scan):
     "aabaab" cut by hand into a block of three, a lone layer and a block of two."""
     groups, settings = "aabaab", (3, None, None, 3, None, None)
     keys = jax.random.split(jax.random.key(1), 2)
-    stacks = {"a": stack(Scale.init, jax.random.split(keys[0], 4)),
-              "b": stack(Shift.init, jax.random.split(keys[1], 2))}  # fmt: skip
+    stacks = {
+        "a": stack(Scale.init, jax.random.split(keys[0], 4)),
+        "b": stack(Shift.init, jax.random.split(keys[1], 2)),
+    }
     plan = (
         Segment(0, 1, (("a", 3), ("a", None), ("b", None)), {"a": 0, "b": 0}),
         Segment(3, 1, (("a", 3),), {"a": 2}),
@@ -166,8 +178,15 @@ def _ops(remat: str, platform: str) -> collections.Counter:
 
 # Control flow's bookkeeping, and the zeros "auto"'s CPU branch gives for what only the other
 # branch saves (XLA removes them; the compiled buffers are those of "dots").
-_BOOKKEEPING = {"stablehlo.case", "stablehlo.return", "stablehlo.constant", "func.call",
-                "func.return", "func.func", "stablehlo.broadcast_in_dim"}  # fmt: skip
+_BOOKKEEPING = {
+    "stablehlo.case",
+    "stablehlo.return",
+    "stablehlo.constant",
+    "func.call",
+    "func.return",
+    "func.func",
+    "stablehlo.broadcast_in_dim",
+}
 
 
 def test_remat_auto_is_chosen_by_the_lowering_platform_and_checked_without_a_backend():

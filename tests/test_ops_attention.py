@@ -58,9 +58,16 @@ _STATIC = ("causal", "window", "softcap", "scale", "impl")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _attention(q, k, v, segment_ids, *, causal, window, softcap, scale, impl):
     return ops.attention(
-        q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
-        scale=scale, impl=impl,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        causal=causal,
+        segment_ids=segment_ids,
+        window=window,
+        softcap=softcap,
+        scale=scale,
+        impl=impl,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -97,8 +97,9 @@ def test_blocked_backward_matches_float64_autodiff(block_size):
     cotangent = rng.normal(size=x.shape).astype(np.float32)
 
     def vjp(impl, *args):
-        fn = lambda x, w, g, u, d: expert_mlp(x, w, chosen, g, u, d, impl=impl,
-                                              block_size=block_size)  # fmt: skip
+        fn = lambda x, w, g, u, d: expert_mlp(
+            x, w, chosen, g, u, d, impl=impl, block_size=block_size
+        )
         out, pullback = jax.vjp(fn, *args)
         return out, pullback(jnp.asarray(cotangent, out.dtype))
 
@@ -147,9 +148,11 @@ def test_load_balancing_loss_matches_transformers(masked):
         flat = jnp.asarray(mask.reshape(-1)) if masked else None
         stats = stats + router_stats(jnp.asarray(layer), probs, chosen, flat)
     expected = mixtral.load_balancing_loss_func(
-        tuple(torch.tensor(x) for x in logits), experts, top_k,
+        tuple(torch.tensor(x) for x in logits),
+        experts,
+        top_k,
         torch.tensor(mask) if masked else None,
-    )  # fmt: skip
+    )
     np.testing.assert_allclose(load_balancing_loss(stats), expected.item(), rtol=1e-6)
     lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     weight = np.broadcast_to(mask.reshape(-1) if masked else 1.0, lse.shape)

@@ -140,8 +140,9 @@ def test_quantized_linear_stacked_equals_per_layer_and_keeps_bias():
     ql = QuantizedLinear.from_linear(layers, format="nf4", block_size=16)
     assert ql.qweight.shape == (3, 15, 8) and ql.shape == (12, 20) and ql.block_size == 16
     for i in range(3):
-        one = QuantizedLinear.from_linear(jax.tree.map(lambda a, i=i: a[i], layers), format="nf4",
-                                          block_size=16)  # fmt: skip
+        one = QuantizedLinear.from_linear(
+            jax.tree.map(lambda a, i=i: a[i], layers), format="nf4", block_size=16
+        )
         np.testing.assert_array_equal(np.asarray(ql.qweight[i]), np.asarray(one.qweight))
         x = jnp.ones((4, 20))
         np.testing.assert_allclose(

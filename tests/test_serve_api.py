@@ -39,8 +39,9 @@ from edl.text import ByteTokenizer  # noqa: E402
 def serving(engine: FakeEngine, *, max_model_len: int = 256, drain_s: float = 1.0):
     """``(base_url, uvicorn server)`` of the app over ``engine`` on a free loopback port
     (``make_server``, as ``edl serve``); leaving it sends the server SIGTERM's handling."""
-    app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=max_model_len,
-                     stop_token_ids=[EOS])  # fmt: skip
+    app = create_app(
+        engine, ChatBytes(), model_name=MODEL, max_model_len=max_model_len, stop_token_ids=[EOS]
+    )
     server = make_server(app, port=0, drain_s=drain_s, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -149,8 +150,9 @@ def _check_stop_strings(engine, url):
         model=MODEL, prompt="Hello", max_tokens=100, stop=" très", stream=True
     )
     assert "".join(c.choices[0].text for c in stream if c.choices) == want
-    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
-                                       stop=["→"])  # fmt: skip
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], stop=["→"]
+    )
     assert (
         chat.choices[0].message.content
         == reply_of(chat_prompt([{"role": "user", "content": "x"}])).split("→")[0]
@@ -367,9 +369,22 @@ def test_sigterm_finishes_or_aborts_open_requests_and_exits():
     script = Path(__file__).with_name("serve_fakes.py")
     paths = [str(script.parents[1]), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-    proc = subprocess.Popen([sys.executable, str(script), "--port", str(port), "--step-delay",
-                             "0.05", "--drain-s", "0.3"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            "--port",
+            str(port),
+            "--step-delay",
+            "0.05",
+            "--drain-s",
+            "0.3",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
 
@@ -380,8 +395,9 @@ def test_sigterm_finishes_or_aborts_open_requests_and_exits():
                 return False
 
         _wait(up, 20)
-        stream = client(url).completions.create(model=MODEL, prompt="a", max_tokens=100,
-                                                stream=True)  # fmt: skip
+        stream = client(url).completions.create(
+            model=MODEL, prompt="a", max_tokens=100, stream=True
+        )
         chunks = iter(stream)
         next(chunks)
         proc.send_signal(signal.SIGTERM)
@@ -392,8 +408,7 @@ def test_sigterm_finishes_or_aborts_open_requests_and_exits():
     assert proc.returncode in (0, -signal.SIGTERM), stderr
     assert "Traceback" not in stderr, stderr  # no request was cancelled under uvicorn
     record = json.loads(stdout.strip().splitlines()[-1])
-    assert record == {"aborted": [0], "finished": [], "running": [],
-                      "engine_thread_alive": False}  # fmt: skip
+    assert record == {"aborted": [0], "finished": [], "running": [], "engine_thread_alive": False}
     rest = list(chunks)  # the stream was aborted, cleanly
     assert rest[-1].choices[0].finish_reason == "abort"
     with pytest.raises(openai.APIConnectionError):  # nothing accepts any more
@@ -462,8 +477,9 @@ def test_windowed_decode_concatenates_to_the_full_decode(kind):
     else:
         raw.pre_tokenizer, raw.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
         alphabet = []
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["</s>"],
-                                  initial_alphabet=alphabet)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["</s>"], initial_alphabet=alphabet
+    )
     raw.train_from_iterator(["Grüße aus Köln: 東京 café, the quick brown fox."] * 4, trainer)
     tokenizer = _RawTokenizer(raw)
     rng = np.random.default_rng(0)
@@ -505,11 +521,15 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(["Hello world, how are you?", "Grüße aus Köln: 東京 café"] * 4, trainer)
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="</s>",
-                                                pad_token="<pad>")  # fmt: skip
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="</s>", pad_token="<pad>"
+    )
     fast.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -517,16 +537,29 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
     fast.save_pretrained(tmp_path)
     tokenizer = load_tokenizer(tmp_path)
     model = LlamaForCausalLM.init(
-        LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
-                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
+        LlamaConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
         key=jax.random.key(0),
-    )  # fmt: skip
+    )
     from edl.serve.engine import Engine
 
-    engine = Engine(model, max_batch=4, max_model_len=64, page_size=8, prefill_chunk=16,
-                    eos_token_ids=(tokenizer.eos_id,))  # fmt: skip
-    app = create_app(engine, tokenizer, model_name="tiny", max_model_len=64,
-                     stop_token_ids=[tokenizer.eos_id])  # fmt: skip
+    engine = Engine(
+        model,
+        max_batch=4,
+        max_model_len=64,
+        page_size=8,
+        prefill_chunk=16,
+        eos_token_ids=(tokenizer.eos_id,),
+    )
+    app = create_app(
+        engine, tokenizer, model_name="tiny", max_model_len=64, stop_token_ids=[tokenizer.eos_id]
+    )
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -537,19 +570,22 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
         api = client(url)
         messages = [{"role": "user", "content": "Hello café"}]
         want = generate_text(model, tokenizer, messages=messages, max_new_tokens=12)
-        out = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                          temperature=0)  # fmt: skip
+        out = api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0
+        )
         assert out.choices[0].message.content == want and want
-        chunks = api.chat.completions.create(model="tiny", messages=messages, max_tokens=12,
-                                             temperature=0, stream=True)  # fmt: skip
+        chunks = api.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
         want = generate_text(model, tokenizer, "how are", max_new_tokens=12)
         out = api.completions.create(model="tiny", prompt="how are", max_tokens=12, temperature=0)
         assert out.choices[0].text == want
 
         def stream(_):
-            chunks = api.completions.create(model="tiny", prompt="how are", max_tokens=12,
-                                            temperature=0, stream=True)  # fmt: skip
+            chunks = api.completions.create(
+                model="tiny", prompt="how are", max_tokens=12, temperature=0, stream=True
+            )
             return "".join(c.choices[0].text for c in chunks)
 
         with concurrent.futures.ThreadPoolExecutor(32) as pool:  # batched in the real engine
@@ -558,8 +594,14 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
         # Clients that go away mid-stream: their requests are aborted and every page is back.
         for _ in range(3):
             # Sampled (seeded): greedy replies of this random model end early at its EOS.
-            stream = api.completions.create(model="tiny", prompt="Hello world", max_tokens=40,
-                                            temperature=1.0, seed=0, stream=True)  # fmt: skip
+            stream = api.completions.create(
+                model="tiny",
+                prompt="Hello world",
+                max_tokens=40,
+                temperature=1.0,
+                seed=0,
+                stream=True,
+            )
             chunks = iter(stream)
             next(chunks), next(chunks)
             stream.close()
@@ -584,9 +626,15 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch):
     from edl.io.hf import save_pretrained
     from edl.models import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=ByteTokenizer.vocab_size, hidden_size=32,
-                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=96)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=96,
+    )
     save_pretrained(LlamaForCausalLM.init(config, key=jax.random.key(0)), tmp_path / "m")
     built, served = [], []
 

@@ -118,8 +118,7 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
     assert got == [want[1][: want[1].index(eos) + 1]] and reasons == ["stop"]
 
     # Seeded sampling: the same tokens alone and joining a busy batch; another seed differs.
-    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9,
-                             seed=11)  # fmt: skip
+    sampled = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_k=20, top_p=0.9, seed=11)
     engine = Engine(tiny_llama, **GEOMETRY)
     (alone,), _ = _run(engine, {0: [(c, sampled)]})
     busy = {0: [(a, greedy), (b, dataclasses.replace(sampled, seed=3))], 2: [(c, sampled)]}
@@ -148,10 +147,12 @@ def test_filter_logits_matches_hf_temperature_top_k_top_p():
     t, k, p = (0.7, 1.0, 1.3, 1.0), (0, 5, 12, 0), (0.8, 1.0, 0.5, 1.0)
     got = np.asarray(
         jax.jit(jax.vmap(filter_logits))(
-            jnp.asarray(logits), jnp.array(t, jnp.float32), jnp.array(k, jnp.int32),
+            jnp.asarray(logits),
+            jnp.array(t, jnp.float32),
+            jnp.array(k, jnp.int32),
             jnp.array(p, jnp.float32),
         )
-    )  # fmt: skip
+    )
     for i in range(4):
         want = _filter_reference(logits[i], t[i], k[i], p[i])
         kept = ~np.isinf(want)
@@ -177,8 +178,14 @@ def test_add_request_rejects_bad_input_and_a_full_queue(tiny_llama):
     small = Engine(tiny_llama, num_pages=2, **GEOMETRY)
     with pytest.raises(ValueError, match="the pool has 2"):
         small.add_request([1] * 20, params)
-    for bad in [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=1.5), dict(top_k=0),
-                dict(seed=-1), dict(stop_token_ids=(-2,))]:  # fmt: skip
+    for bad in [
+        dict(max_tokens=0),
+        dict(temperature=-1.0),
+        dict(top_p=1.5),
+        dict(top_k=0),
+        dict(seed=-1),
+        dict(stop_token_ids=(-2,)),
+    ]:
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
     first = engine.add_request([1], params)
@@ -198,8 +205,11 @@ def test_random_schedule_with_aborts_matches_generate_and_frees_pages(tiny_llama
     for _ in range(150):
         if rng.random() < 0.4:
             n = int(rng.integers(1, 21))
-            prompt = (prefix + rng.integers(0, 64, 4).tolist())[:n] if rng.random() < 0.5 \
-                else rng.integers(0, 64, n).tolist()  # fmt: skip
+            prompt = (
+                (prefix + rng.integers(0, 64, 4).tolist())[:n]
+                if rng.random() < 0.5
+                else rng.integers(0, 64, n).tolist()
+            )
             with contextlib.suppress(QueueFull):
                 rid = engine.add_request(prompt, SamplingParams(max_tokens=32 - n, temperature=0.0))
                 prompts[rid], tokens[rid] = prompt, []
@@ -260,10 +270,14 @@ def _random_request(rng: np.random.Generator, prefix: list[int]):
     """A 1-23 token prompt (half of them starting with ``prefix``) and settings that fit
     GEOMETRY's 32 tokens, ending early at a stop id."""
     n = int(rng.integers(1, 24))
-    prompt = (prefix + rng.integers(0, 64, n).tolist())[:n] if rng.random() < 0.5 \
-        else rng.integers(0, 64, n).tolist()  # fmt: skip
-    params = SamplingParams(max_tokens=int(rng.integers(1, 32 - n + 1)), stop_token_ids=(5,),
-                            seed=0)  # fmt: skip
+    prompt = (
+        (prefix + rng.integers(0, 64, n).tolist())[:n]
+        if rng.random() < 0.5
+        else rng.integers(0, 64, n).tolist()
+    )
+    params = SamplingParams(
+        max_tokens=int(rng.integers(1, 32 - n + 1)), stop_token_ids=(5,), seed=0
+    )
     return prompt, params
 
 
@@ -272,8 +286,12 @@ def test_pages_return_to_the_pool_over_random_schedules(tiny_llama, monkeypatch,
     rng = np.random.default_rng(0)
     shared = 0  # steps after which running requests share pages
     # A wider prefill budget than GEOMETRY's, so prefill calls take several rows.
-    engine = Engine(tiny_llama, num_pages=12, prefix_caching=prefix_caching,
-                    **{**GEOMETRY, "prefill_tokens": 16})  # fmt: skip
+    engine = Engine(
+        tiny_llama,
+        num_pages=12,
+        prefix_caching=prefix_caching,
+        **{**GEOMETRY, "prefill_tokens": 16},
+    )
     shapes = engine.step_shapes()
     assert (2, 8, 4) in shapes
     monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, shapes))
@@ -309,8 +327,7 @@ def test_thousands_of_requests_keep_the_page_invariant_and_never_stall(tiny_llam
     every step the free pages plus the distinct pages running requests hold are the pool
     (no leak, no double use), the queue keeps moving, and everything finishes."""
     rng = np.random.default_rng(3)
-    engine = Engine(tiny_llama, num_pages=16, max_queue=8,
-                    **{**GEOMETRY, "prefill_tokens": 16})  # fmt: skip
+    engine = Engine(tiny_llama, num_pages=16, max_queue=8, **{**GEOMETRY, "prefill_tokens": 16})
     monkeypatch.setattr(engine_module, "model_step", _stub_step(8, rng, engine.step_shapes()))
     prefix, live, added, idle = rng.integers(0, 64, 16).tolist(), set(), 0, 0
     while added < 2000:
@@ -351,8 +368,10 @@ def test_abort_frees_pages_at_once_and_reports_once(tiny_llama, monkeypatch):
 
 
 @settings(max_examples=30)
-@given(st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
-       st.data())  # fmt: skip
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
+    st.data(),
+)
 def test_page_pool_shares_prefixes_and_frees_with_the_last_user(prompts, data):
     pool = PagePool(64)
     held = []

@@ -33,15 +33,20 @@ from edl.train import make_eval_step, make_train_step
 # The default suite keeps pure data and pure FSDP parallelism; the mixes (tensor and
 # sequence axes included) run in the slow set.
 MESHES = [
-    (8, 1, 1, 1), (1, 8, 1, 1),
+    (8, 1, 1, 1),
+    (1, 8, 1, 1),
     pytest.param((1, 4, 2, 1), marks=pytest.mark.slow),
     pytest.param((2, 2, 2, 1), marks=pytest.mark.slow),
     pytest.param((1, 2, 2, 2), marks=pytest.mark.slow),
-]  # fmt: skip
+]
 CONFIG = LlamaConfig(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
-)  # fmt: skip
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 def _model():
@@ -191,8 +196,9 @@ def test_checkpoints_move_between_meshes(tmp_path):
 
 def test_shard_with_shape_creates_sharded_arrays():
     mesh = make_mesh((1, 4, 2, 1))
-    init = shard_with_shape(lambda key: LlamaForCausalLM.init(CONFIG, key=key),
-                            PARTITION_RULES, mesh)  # fmt: skip
+    init = shard_with_shape(
+        lambda key: LlamaForCausalLM.init(CONFIG, key=key), PARTITION_RULES, mesh
+    )
     model = init(jax.random.key(0))
     q = model.model.layers.self_attn.q_proj.weight
     assert q.sharding.spec == P(None, "tp", "fsdp")
@@ -223,8 +229,13 @@ def test_rules_none_means_the_models_own_rules():
     from edl.lora import apply_lora, lora_trainable
     from edl.models import registry
 
-    for family in (registry.LLAMA, registry.GEMMA, registry.GEMMA2, registry.MIXTRAL,
-                   registry.QWEN3_MOE):  # fmt: skip
+    for family in (
+        registry.LLAMA,
+        registry.GEMMA,
+        registry.GEMMA2,
+        registry.MIXTRAL,
+        registry.QWEN3_MOE,
+    ):
         for cls in (*family.tasks.values(), family.tasks["causal_lm"].trunk):
             assert cls.partition_rules is PARTITION_RULES, cls
     mesh = make_mesh((1, 4, 2, 1))
@@ -232,9 +243,14 @@ def test_rules_none_means_the_models_own_rules():
     specs = lambda tree: [s.spec for s in jax.tree.leaves(jax.tree.map(lambda x: x.sharding, tree))]
     assert specs(shard(model, None, mesh)) == specs(shard(model, PARTITION_RULES, mesh))
     assert specs(shard(model.model, None, mesh)) == specs(shard(model.model, PARTITION_RULES, mesh))
-    for state in (edl.create_state(model, optax.adamw(1e-2)),
-                  edl.create_state(apply_lora(model, rank=2, alpha=2, key=jax.random.key(1)),
-                                   optax.adamw(1e-2), trainable=lora_trainable)):  # fmt: skip
+    for state in (
+        edl.create_state(model, optax.adamw(1e-2)),
+        edl.create_state(
+            apply_lora(model, rank=2, alpha=2, key=jax.random.key(1)),
+            optax.adamw(1e-2),
+            trainable=lora_trainable,
+        ),
+    ):
         assert state.partition_rules is PARTITION_RULES
         assert specs(shard_state(state, None, mesh)) == specs(
             shard_state(state, PARTITION_RULES, mesh)
@@ -264,11 +280,22 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
 
     def run(dims, steps):
         tx = optax.adamw(1e-2)
-        step = make_train_step(lambda m, b: m.compute_loss(jnp.asarray(b["input_ids"])), tx,
-                               mesh=make_mesh(dims), rules=PARTITION_RULES)  # fmt: skip
+        step = make_train_step(
+            lambda m, b: m.compute_loss(jnp.asarray(b["input_ids"])),
+            tx,
+            mesh=make_mesh(dims),
+            rules=PARTITION_RULES,
+        )
         data = TokenBatches(docs, batch_size=8, max_length=16, pad_id=0)
-        return train(edl.create_state(_model(), tx), step, data, steps=steps, save_every=2,
-                     output_dir=tmp_path, progress=False)  # fmt: skip
+        return train(
+            edl.create_state(_model(), tx),
+            step,
+            data,
+            steps=steps,
+            save_every=2,
+            output_dir=tmp_path,
+            progress=False,
+        )
 
     state, summary = run((1, 8, 1, 1), 2)
     up = state.params.model.layers.mlp.up_proj.weight  # (2, 64, 32)
@@ -286,10 +313,16 @@ def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     from edl.models import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
         output_router_logits=True,
-    )  # fmt: skip
+    )
     model = MixtralForCausalLM.init(config, key=jax.random.key(0))
     tx = optax.sgd(0.5)
 
@@ -324,9 +357,11 @@ def test_lora_and_quantized_weights_follow_the_rules():
 
     base = apply_lora(_model(), rank=4, alpha=8, key=jax.random.key(2))
     qlora = apply_lora(
-        quantize(_model(), QuantConfig("nf4", pattern=r"mlp\.")), rank=4, alpha=8,
+        quantize(_model(), QuantConfig("nf4", pattern=r"mlp\.")),
+        rank=4,
+        alpha=8,
         key=jax.random.key(2),
-    )  # fmt: skip
+    )
     mesh = make_mesh((1, 4, 2, 1))
     specs = edl.tree.flatten(partition_specs(qlora, PARTITION_RULES, mesh=mesh))
     assert specs["model.layers.mlp.up_proj.base_layer.qweight"] == P(None, "fsdp", None)

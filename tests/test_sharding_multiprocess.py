@@ -52,12 +52,31 @@ def _start_workers(tmp: Path, extra=()) -> list[subprocess.Popen]:
     procs = []
     for i in range(NUM_PROCESSES):
         with open(tmp / f"worker{i}.out", "w") as out, open(tmp / f"worker{i}.err", "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), "--process-id", str(i), "--num-processes",
-                 str(NUM_PROCESSES), "--port", str(port), "--output", str(tmp / "losses.json"),
-                 "--steps", str(STEPS), "--checkpoint", str(tmp / "checkpoints"), *extra],
-                env=env, stdout=out, stderr=err, text=True,
-            ))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKER),
+                        "--process-id",
+                        str(i),
+                        "--num-processes",
+                        str(NUM_PROCESSES),
+                        "--port",
+                        str(port),
+                        "--output",
+                        str(tmp / "losses.json"),
+                        "--steps",
+                        str(STEPS),
+                        "--checkpoint",
+                        str(tmp / "checkpoints"),
+                        *extra,
+                    ],
+                    env=env,
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                )
+            )
     return procs
 
 

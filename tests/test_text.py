@@ -45,11 +45,12 @@ _CHATML_TURN = "<|im_start|>{{ m['role'] }}\n"
 # ChatML; `{GEN}` / `{END}` become `{% generation %}` / `{% endgeneration %}` or nothing (the
 # newline after them is an expression: transformers' Jinja drops one after a block tag).
 CHATML = (
-    "{% for m in messages %}" + _CHATML_TURN
+    "{% for m in messages %}"
+    + _CHATML_TURN
     + "{% if m['role'] == 'assistant' %}{GEN}{{ m['content'] }}<|im_end|>{END}{{ '\\n' }}"
     "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)  # fmt: skip
+)
 CHATML_GENERATION = CHATML.replace("{GEN}", "{% generation %}").replace(
     "{END}", "{% endgeneration %}"
 )
@@ -79,13 +80,16 @@ assert _ASSISTANT_CONTENT in CHATML_PLAIN
 
 # name: (template, special tokens, whether the post-processor prepends <s>)
 TOKENIZERS = {
-    "chatml_generation": (CHATML_GENERATION, dict(bos_token="<s>", eos_token="</s>",
-                                                  pad_token="<pad>"), True),
+    "chatml_generation": (
+        CHATML_GENERATION,
+        dict(bos_token="<s>", eos_token="</s>", pad_token="<pad>"),
+        True,
+    ),
     "chatml": (CHATML_PLAIN, dict(eos_token="<|im_end|>"), False),
     "chatml_system": (CHATML_SYSTEM, dict(eos_token="<|im_end|>"), False),
     "llama2": (LLAMA2, dict(bos_token="<s>", eos_token="</s>"), True),
     "rewriting": (REWRITING, dict(eos_token="<|im_end|>"), False),
-}  # fmt: skip
+}
 
 CONVERSATIONS = {
     "single": [
@@ -120,9 +124,10 @@ def tokenizer_dirs(tmp_path_factory) -> dict[str, Path]:
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=SPECIALS,
+        vocab_size=400,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     raw.train_from_iterator(CORPUS * 4, trainer)
     root = tmp_path_factory.mktemp("tokenizers")
     dirs = {}

@@ -46,11 +46,13 @@ RECORDS = {
     "chat": [{"messages": CONVERSATIONS["single"]}, {"messages": CONVERSATIONS["multi_turn"]}],
     "preference": [
         {"prompt": "Sky?", "chosen": "blue", "rejected": "green"},
-        {"prompt": [{"role": "user", "content": "2+2?"}],
-         "chosen": [{"role": "assistant", "content": "4"}],
-         "rejected": [{"role": "assistant", "content": "5"}]},
+        {
+            "prompt": [{"role": "user", "content": "2+2?"}],
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "5"}],
+        },
     ],
-}  # fmt: skip
+}
 
 
 def write_jsonl(path, records, blank_after=None):
@@ -551,8 +553,11 @@ def test_packed_sft_keeps_labels_and_examples_whole():
     rows = reference_rows(docs, max_length)
     rows += [[]] * (-len(rows) % batch_size)
     want = reference_batch(rows, max_length)
-    got = list(TokenBatches(docs, batch_size=batch_size, max_length=max_length, shuffle=False,
-                            repeat=False))  # fmt: skip
+    got = list(
+        TokenBatches(
+            docs, batch_size=batch_size, max_length=max_length, shuffle=False, repeat=False
+        )
+    )
     assert len(got) == len(rows) // batch_size
     for b, batch in enumerate(got):
         assert_batches_equal(batch, {k: v[b * 2 : b * 2 + 2] for k, v in want.items()})
@@ -576,8 +581,9 @@ def test_long_examples_are_truncated_counted_and_warned():
 
 def test_padded_sft_is_one_example_per_row():
     docs = examples([5, 3, 7])
-    (batch,) = list(TokenBatches(docs, batch_size=4, max_length=8, pack=False, shuffle=False,
-                                 repeat=False))  # fmt: skip
+    (batch,) = list(
+        TokenBatches(docs, batch_size=4, max_length=8, pack=False, shuffle=False, repeat=False)
+    )
     want = reference_batch([[(d["input_ids"], d["labels"])] for d in docs] + [[]], 8)
     assert_batches_equal(batch, want)
 
@@ -613,9 +619,13 @@ def test_processes_share_each_global_batch(pack):
             np.testing.assert_array_equal(np.concatenate([g[key] for g in got]), want[key])
         assert parts[0].position == parts[1].position == whole.position
     streams = [
-        list(batches_from_iterable(docs, batch_size=4, max_length=8, pack=pack, process_index=p,
-                                   process_count=4)) for p in range(4)
-    ]  # fmt: skip
+        list(
+            batches_from_iterable(
+                docs, batch_size=4, max_length=8, pack=pack, process_index=p, process_count=4
+            )
+        )
+        for p in range(4)
+    ]
     single = list(batches_from_iterable(docs, batch_size=4, max_length=8, pack=pack))
     for b, want in enumerate(single):
         np.testing.assert_array_equal(

@@ -60,8 +60,11 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(CORPUS * 4, trainer)
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(
@@ -80,9 +83,13 @@ def tokenizer(tokenizer_dir):
 
 def _model(vocab_size: int, eos: list[int] | None = None, seed: int = 0) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(seed))
     if eos is None:
         return model
@@ -93,8 +100,12 @@ def _hf_greedy(directory: Path, ids: list[int], max_new_tokens: int) -> list[int
     """transformers' greedy new tokens (its generation_config.json's EOS ends them)."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=int),
-                          max_new_tokens=max_new_tokens, do_sample=False)  # fmt: skip
+        out = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=int),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
     return out[0, len(ids) :].tolist()
 
 
@@ -124,8 +135,10 @@ def test_save_pretrained_writes_the_tokenizer_and_transformers_loads_both(tmp_pa
 def test_generate_text_equals_transformers_greedy(tmp_path, tokenizer, kind):
     prompt = "The quick brown fox"
     if kind == "chat":
-        messages = [{"role": "system", "content": "You are a helpful assistant."},
-                    {"role": "user", "content": prompt}]  # fmt: skip
+        messages = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": prompt},
+        ]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         kwargs = {"system": messages[0]["content"], "chat": True}
     else:
@@ -134,8 +147,9 @@ def test_generate_text_equals_transformers_greedy(tmp_path, tokenizer, kind):
     model = _model(tokenizer.vocab_size)
     free = generate_text(model, tokenizer, prompt, max_new_tokens=12, **kwargs)
     # An EOS the model reaches: the text stops before it, as transformers stops there.
-    plain = np.asarray(edl.generate.generate(model, jnp.asarray([ids]), max_new_tokens=12)
-                       .sequences[0, len(ids) :]).tolist()  # fmt: skip
+    plain = np.asarray(
+        edl.generate.generate(model, jnp.asarray([ids]), max_new_tokens=12).sequences[0, len(ids) :]
+    ).tolist()
     model = _model(tokenizer.vocab_size, eos=[2, plain[5]])
     save_pretrained(model, tmp_path, tokenizer=tokenizer)
     want = _hf_greedy(tmp_path, ids, 12)
@@ -152,8 +166,10 @@ def test_generate_text_equals_transformers_greedy(tmp_path, tokenizer, kind):
 
 def test_text_stream_holds_back_incomplete_characters_and_words(tokenizer):
     text = "Grüße aus Köln: 東京 and naïve café\nok 🚀 done"
-    for tok, ids in [(ByteTokenizer(), ByteTokenizer().encode(text)),
-                     (tokenizer, tokenizer.encode(text))]:  # fmt: skip
+    for tok, ids in [
+        (ByteTokenizer(), ByteTokenizer().encode(text)),
+        (tokenizer, tokenizer.encode(text)),
+    ]:
         stream = TextStream(tok)
         pieces = [stream.push([i]) for i in ids] + [stream.end()]
         assert "".join(pieces) == text
@@ -170,8 +186,10 @@ def test_stream_text_with_the_byte_tokenizer_equals_generate_text():
     assert "".join(stream_text(model, tok, "Köln ", max_new_tokens=24)) == text
     key = jax.random.key(7)
     sampled = generate_text(model, tok, "Köln ", max_new_tokens=24, temperature=0.8, key=key)
-    assert "".join(stream_text(model, tok, "Köln ", max_new_tokens=24, temperature=0.8,
-                               key=key)) == sampled  # fmt: skip
+    assert (
+        "".join(stream_text(model, tok, "Köln ", max_new_tokens=24, temperature=0.8, key=key))
+        == sampled
+    )
     with pytest.raises(ValueError, match="tokenizer bytes has no chat template"):
         generate_text(model, tok, "hi", chat=True)
 
@@ -181,8 +199,11 @@ def _lora_model(vocab_size: int, quantized: bool | str = False):
     if quantized:
         base = quantize(base, QuantConfig("int8" if quantized is True else quantized))
     lora = apply_lora(base, rank=4, alpha=8, key=jax.random.key(1))
-    b = lambda p, x: (jax.random.normal(jax.random.key(len(p)), x.shape, x.dtype) * 0.2
-                      if p.endswith("lora_B.weight") else x)  # fmt: skip
+    b = lambda p, x: (
+        jax.random.normal(jax.random.key(len(p)), x.shape, x.dtype) * 0.2
+        if p.endswith("lora_B.weight")
+        else x
+    )
     return edl.tree.named_map(b, lora)
 
 
@@ -197,8 +218,16 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
     tx = optax.adam(1e-2)
     step = make_train_step(lambda m, b: m.compute_loss(b["input_ids"]), tx)
     state = edl.create_state(model, tx, trainable=lora_trainable)
-    state, _ = train(state, step, _lm_batches(), steps=2, save_every=1, output_dir=tmp_path,
-                     progress=False, tokenizer=tokenizer)  # fmt: skip
+    state, _ = train(
+        state,
+        step,
+        _lm_batches(),
+        steps=2,
+        save_every=1,
+        output_dir=tmp_path,
+        progress=False,
+        tokenizer=tokenizer,
+    )
     checkpoint = latest_checkpoint(tmp_path / "checkpoints")
     info = json.loads((checkpoint / "state.json").read_text())
     assert "tokenizer.json" in info["tokenizer_files"]
@@ -208,8 +237,9 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
     # The checkpoint loads back as the trained LoRA model, and exports to plain HF files.
     trained = edl.state.model(state)
     ids = jnp.asarray([tokenizer.encode("Hello world", add_bos=True)])
-    np.testing.assert_array_equal(np.asarray(load_model(checkpoint)(ids).logits),
-                                  np.asarray(trained(ids).logits))  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(load_model(checkpoint)(ids).logits), np.asarray(trained(ids).logits)
+    )
     for source in (checkpoint, export_model(checkpoint, tmp_path / "export", merge_lora=True)):
         hf = transformers.AutoModelForCausalLM.from_pretrained(source).eval()
         with torch.no_grad():
@@ -237,8 +267,9 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
     hf = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
     with torch.no_grad():
         np.testing.assert_allclose(hf(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
-    edl_tokens = generate_text(edl.from_pretrained(merged), load_tokenizer(merged),
-                               "The quick brown fox", max_new_tokens=8)  # fmt: skip
+    edl_tokens = generate_text(
+        edl.from_pretrained(merged), load_tokenizer(merged), "The quick brown fox", max_new_tokens=8
+    )
     hf_tokens = _hf_greedy(merged, ids, 8)
     eos = hf_tokens.index(2) if 2 in hf_tokens else len(hf_tokens)
     assert edl_tokens == tokenizer.decode(hf_tokens[:eos], skip_special_tokens=True)
@@ -256,8 +287,7 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
         save_pretrained(base, tmp_path / "base")
         base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
         peft_model = peft.PeftModel.from_pretrained(base, split).eval()
-        np.testing.assert_allclose(peft_model(torch.tensor([ids])).logits.numpy(), want,
-                                   atol=1e-4)  # fmt: skip
+        np.testing.assert_allclose(peft_model(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
     # An earlier export is replaced; any other non-empty directory is refused.
     assert export_model(checkpoint, split, merge_lora=True) == split
     assert not (split / "adapter_config.json").exists()
@@ -269,8 +299,7 @@ def test_export_merged_and_with_a_peft_adapter(tmp_path, tokenizer, quantized):
 
 # nf4 runs by default (QLoRA: dequantized base + codes); the float LoRA case is its subset.
 @pytest.mark.parametrize("quantized", [pytest.param(False, marks=pytest.mark.slow), "nf4"])
-def test_lora_checkpoint_loads_in_transformers_and_resumes_exactly(tmp_path, tokenizer,
-                                                                   quantized):  # fmt: skip
+def test_lora_checkpoint_loads_in_transformers_and_resumes_exactly(tmp_path, tokenizer, quantized):
     """A LoRA (QLoRA) checkpoint is the base under plain HF names with the PEFT adapter
     beside it, so transformers (with peft) loads the fine-tuned model from it as it is,
     while edl reads the exact state back (the quantized codes, not the dequantized copy)."""
@@ -285,12 +314,14 @@ def test_lora_checkpoint_loads_in_transformers_and_resumes_exactly(tmp_path, tok
     with torch.no_grad():
         np.testing.assert_allclose(hf(torch.tensor([ids])).logits.numpy(), want, atol=1e-4)
     loaded, _ = load_state(checkpoint, jax.eval_shape(lambda: state))
-    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(state),
-                            strict=True):  # fmt: skip
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(state), strict=True
+    ):
         assert a.dtype == b.dtype, path
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
-    np.testing.assert_array_equal(np.asarray(load_model(checkpoint)(jnp.asarray([ids])).logits),
-                                  want)  # fmt: skip
+    np.testing.assert_array_equal(
+        np.asarray(load_model(checkpoint)(jnp.asarray([ids])).logits), want
+    )
     with pytest.warns(UserWarning, match="also holds a PEFT adapter"):
         edl.from_pretrained(checkpoint)  # the base alone, said so
     (checkpoint / "adapter_model.safetensors").unlink()
@@ -308,18 +339,69 @@ def test_cli_generate_streams_with_the_directory_tokenizer(tmp_path, tokenizer, 
     want = generate_text(model, tokenizer, "Hello", max_new_tokens=8)
     assert capsys.readouterr().out == "Hello" + want + "\n"
     (tmp_path / "prompt.txt").write_text("What is the capital?", encoding="utf-8")
-    main(["generate", "--model", str(tmp_path), "--prompt-file", str(tmp_path / "prompt.txt"),
-          "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])  # fmt: skip
-    want = generate_text(model, tokenizer, "What is the capital?", chat=True, system="Be brief.",
-                         max_new_tokens=8)  # fmt: skip
+    main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt-file",
+            str(tmp_path / "prompt.txt"),
+            "--chat",
+            "--system",
+            "Be brief.",
+            "--max-new-tokens",
+            "8",
+        ]
+    )
+    want = generate_text(
+        model, tokenizer, "What is the capital?", chat=True, system="Be brief.", max_new_tokens=8
+    )
     assert capsys.readouterr().out == want + "\n"
-    main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--num-beams", "2",
-          "--max-new-tokens", "4", "--dtype", "bfloat16"])  # fmt: skip
+    main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt",
+            "Hi",
+            "--num-beams",
+            "2",
+            "--max-new-tokens",
+            "4",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     assert capsys.readouterr().out.startswith("Hi")
-    main(["generate", "--model", str(tmp_path), "--prompt", "Hi", "--temperature", "0.9",
-          "--top-p", "0.9", "--top-k", "20", "--max-new-tokens", "4", "--seed", "3"])  # fmt: skip
-    want = generate_text(model, tokenizer, "Hi", max_new_tokens=4, temperature=0.9, top_p=0.9,
-                         top_k=20, key=jax.random.key(3))  # fmt: skip
+    main(
+        [
+            "generate",
+            "--model",
+            str(tmp_path),
+            "--prompt",
+            "Hi",
+            "--temperature",
+            "0.9",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "20",
+            "--max-new-tokens",
+            "4",
+            "--seed",
+            "3",
+        ]
+    )
+    want = generate_text(
+        model,
+        tokenizer,
+        "Hi",
+        max_new_tokens=4,
+        temperature=0.9,
+        top_p=0.9,
+        top_k=20,
+        key=jax.random.key(3),
+    )
     assert capsys.readouterr().out == "Hi" + want + "\n"
 
 

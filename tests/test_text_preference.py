@@ -60,11 +60,17 @@ def assistant(text):
 
 
 CHATS = [
-    {"prompt": [{"role": "system", "content": "You are a helpful assistant."}, user("Hi")],
-     "chosen": [assistant("Hello world")], "rejected": [assistant("fox")]},
-    {"prompt": [user("2+2?"), assistant("5"), user("Sure?")],
-     "chosen": [assistant("4, sorry.")], "rejected": [assistant("")]},
-]  # fmt: skip
+    {
+        "prompt": [{"role": "system", "content": "You are a helpful assistant."}, user("Hi")],
+        "chosen": [assistant("Hello world")],
+        "rejected": [assistant("fox")],
+    },
+    {
+        "prompt": [user("2+2?"), assistant("5"), user("Sure?")],
+        "chosen": [assistant("4, sorry.")],
+        "rejected": [assistant("")],
+    },
+]
 
 
 def write_jsonl(path, records):
@@ -82,8 +88,11 @@ def hf_tokenizer(tmp_path_factory):
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(CORPUS * 4, trainer)
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     fast = transformers.PreTrainedTokenizerFast(
@@ -100,8 +109,9 @@ def trl_tokenized(hf, records, max_length=None, truncation_mode="keep_start"):
     datasets = pytest.importorskip("datasets")
     dpo = pytest.importorskip("trl.trainer.dpo_trainer")
     trainer = types.SimpleNamespace(_tokenizer=hf)
-    args = types.SimpleNamespace(dataset_num_proc=None, max_length=max_length,
-                                 truncation_mode=truncation_mode)  # fmt: skip
+    args = types.SimpleNamespace(
+        dataset_num_proc=None, max_length=max_length, truncation_mode=truncation_mode
+    )
     out = dpo.DPOTrainer._prepare_dataset(
         trainer, datasets.Dataset.from_list(records), hf, args, "test"
     )
@@ -122,24 +132,36 @@ def test_token_ids_and_batches_equal_trls(tmp_path, hf_tokenizer, records):
     theirs = trl_tokenized(hf, records)
     ours = [encode_preference(tok, r) for r in records]
     assert [as_lists(p) for p in ours] == theirs
-    cached = load_tokenized(write_jsonl(tmp_path / "p.jsonl", records), tok,
-                            cache_dir=tmp_path / "cache", progress=False)  # fmt: skip
+    cached = load_tokenized(
+        write_jsonl(tmp_path / "p.jsonl", records),
+        tok,
+        cache_dir=tmp_path / "cache",
+        progress=False,
+    )
     assert [as_lists(p) for p in cached] == theirs
     assert all(p["prompt_ids"][0] == tok.bos_id for p in theirs) == (records is STRINGS)
 
     # TRL's collator on the same pairs: rows prompt + response cut to max_length, then
     # padded to the longest; its completion_mask is where our labels are not -100.
-    lengths = [len(p["prompt_ids"]) + len(p[k]) for p in theirs for k in ("chosen_ids",
-               "rejected_ids")]  # fmt: skip
+    lengths = [
+        len(p["prompt_ids"]) + len(p[k]) for p in theirs for k in ("chosen_ids", "rejected_ids")
+    ]
     max_length = max(lengths) - 3  # some rows are cut
     for mode in ("keep_start", "keep_end"):
-        collate = dpo.DataCollatorForPreference(pad_token_id=tok.pad_id, max_length=max_length,
-                                                truncation_mode=mode)  # fmt: skip
+        collate = dpo.DataCollatorForPreference(
+            pad_token_id=tok.pad_id, max_length=max_length, truncation_mode=mode
+        )
         want = {k: v.numpy() for k, v in collate(theirs).items()}
         if mode == "keep_start":  # TRL drops pairs whose prompt fills max_length
             assert all(len(p["prompt_ids"]) < max_length for p in theirs)
-        it = PreferenceBatches(cached, batch_size=len(records), max_length=max_length,
-                               pad_id=tok.pad_id, truncation=mode, shuffle=False)  # fmt: skip
+        it = PreferenceBatches(
+            cached,
+            batch_size=len(records),
+            max_length=max_length,
+            pad_id=tok.pad_id,
+            truncation=mode,
+            shuffle=False,
+        )
         batch = next(it)
         assert sorted(batch) == sorted(PREFERENCE_KEYS)
         assert all(a.dtype == np.int32 for a in batch.values())
@@ -171,21 +193,28 @@ def pairs(n, seed=0):
     """``n`` random pairs: prompts 1..6 tokens, responses 1..5 (ids < 250)."""
     rng = np.random.default_rng(seed)
     ids = lambda low, high: rng.integers(0, 250, rng.integers(low, high)).astype(np.int32)
-    return [{"prompt_ids": ids(1, 7), "chosen_ids": ids(1, 6), "rejected_ids": ids(1, 6)}
-            for _ in range(n)]  # fmt: skip
+    return [
+        {"prompt_ids": ids(1, 7), "chosen_ids": ids(1, 6), "rejected_ids": ids(1, 6)}
+        for _ in range(n)
+    ]
 
 
 def test_labels_mask_the_prompt_and_padding_and_truncation_cuts_as_asked():
     pair = encode_preference(BYTES, {"prompt": "abc", "chosen": "de", "rejected": "f"})
-    assert as_lists(pair) == {"prompt_ids": [97, 98, 99], "chosen_ids": [100, 101, EOS],
-                              "rejected_ids": [102, EOS]}  # fmt: skip
-    assert encode_preference(BYTES, {"prompt": "a", "chosen": "b", "rejected": "c"},
-                             add_eos=False)["rejected_ids"].tolist() == [99]  # fmt: skip
+    assert as_lists(pair) == {
+        "prompt_ids": [97, 98, 99],
+        "chosen_ids": [100, 101, EOS],
+        "rejected_ids": [102, EOS],
+    }
+    assert encode_preference(BYTES, {"prompt": "a", "chosen": "b", "rejected": "c"}, add_eos=False)[
+        "rejected_ids"
+    ].tolist() == [99]
     M = IGNORE_INDEX
 
     def first(max_length, **kwargs):
-        return next(PreferenceBatches([pair], batch_size=1, max_length=max_length, pad_id=PAD,
-                                      **kwargs))  # fmt: skip
+        return next(
+            PreferenceBatches([pair], batch_size=1, max_length=max_length, pad_id=PAD, **kwargs)
+        )
 
     batch = first(8)
     assert batch["chosen_input_ids"].tolist() == [[97, 98, 99, 100, 101, EOS, PAD, PAD]]
@@ -208,8 +237,9 @@ def test_labels_mask_the_prompt_and_padding_and_truncation_cuts_as_asked():
     assert batch["rejected_labels"].tolist() == [[M, 102, EOS, M, M]]
 
     long_prompt = {**pair, "prompt_ids": np.arange(6, dtype=np.int32)}
-    it = PreferenceBatches([long_prompt, pair], batch_size=1, max_length=5, pad_id=PAD,
-                           shuffle=False)  # fmt: skip
+    it = PreferenceBatches(
+        [long_prompt, pair], batch_size=1, max_length=5, pad_id=PAD, shuffle=False
+    )
     with pytest.warns(UserWarning, match=r"documents\[0\] keeps no response token"):
         assert next(it)["chosen_input_ids"][0, :3].tolist() == [97, 98, 99]
     assert it.dropped == 1
@@ -258,10 +288,17 @@ def test_batches_are_deterministic_shuffled_per_epoch_and_split_over_processes()
 
 
 def test_resume_from_a_saved_position_is_exact_and_checks_the_config(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"prompt": f"q{i}: " + "x" * (i % 4), "chosen": "y" * (i % 3), "rejected": "z" * (i % 5)}
-        for i in range(13)
-    ])  # fmt: skip
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {
+                "prompt": f"q{i}: " + "x" * (i % 4),
+                "chosen": "y" * (i % 3),
+                "rejected": "z" * (i % 5),
+            }
+            for i in range(13)
+        ],
+    )
     data = load_tokenized(path, BYTES, cache_dir=tmp_path / "cache", progress=False)
     kwargs = dict(batch_size=3, max_length=10, pad_id=PAD, seed=1)
     expected = [next(it) for it in [PreferenceBatches(data, **kwargs)] for _ in range(12)]
@@ -310,8 +347,10 @@ class CountingBytes:
 
 
 def test_cache_hits_and_invalidates_on_tokenizer_and_options(tmp_path, capfd):
-    records = [{"prompt": "a", "chosen": "b", "rejected": "c"},
-               {"prompt": "d", "chosen": "e", "rejected": "f"}]  # fmt: skip
+    records = [
+        {"prompt": "a", "chosen": "b", "rejected": "c"},
+        {"prompt": "d", "chosen": "e", "rejected": "f"},
+    ]
     path = write_jsonl(tmp_path / "p.jsonl", records)
     cache = tmp_path / "cache"
     tok = CountingBytes()
@@ -320,8 +359,11 @@ def test_cache_hits_and_invalidates_on_tokenizer_and_options(tmp_path, capfd):
     again = load_tokenized(path, tok, cache_dir=cache)
     assert tok.calls == 6 and again.path == first.path  # a hit: the tokenizer is not called
     assert "tokenizing" not in capfd.readouterr().err
-    assert as_lists(again[1]) == {"prompt_ids": [100], "chosen_ids": [101, EOS],
-                                  "rejected_ids": [102, EOS]}  # fmt: skip
+    assert as_lists(again[1]) == {
+        "prompt_ids": [100],
+        "chosen_ids": [101, EOS],
+        "rejected_ids": [102, EOS],
+    }
     assert again.meta["fields"] == ["prompt_ids", "chosen_ids", "rejected_ids"]
     assert again.num_tokens == 10 and not again.meta["has_labels"]
     no_eos = load_tokenized(path, tok, cache_dir=cache, add_eos=False, progress=False)
@@ -338,21 +380,36 @@ def test_cache_hits_and_invalidates_on_tokenizer_and_options(tmp_path, capfd):
 
 def test_errors_name_the_record_and_the_document(tmp_path, hf_tokenizer):
     tok, _ = hf_tokenizer
-    bad = write_jsonl(tmp_path / "bad.jsonl", [
-        {"prompt": "a", "chosen": "b", "rejected": "c"},
-        {"prompt": [user("x")], "chosen": [assistant("y")], "rejected": [{"role": "assistant"}]},
-    ])  # fmt: skip
+    bad = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            {"prompt": "a", "chosen": "b", "rejected": "c"},
+            {
+                "prompt": [user("x")],
+                "chosen": [assistant("y")],
+                "rejected": [{"role": "assistant"}],
+            },
+        ],
+    )
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: rejected\[0\]\.content must be a string"):
         load_tokenized(bad, tok, cache=False, progress=False)
-    chats = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"},
-                                                   *CHATS])  # fmt: skip
+    chats = write_jsonl(
+        tmp_path / "chats.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, *CHATS]
+    )
     with pytest.raises(ValueError, match=r"chats\.jsonl:2: chat records need an HFTokenizer"):
         load_tokenized(chats, BYTES, cache=False, progress=False)
     with pytest.raises(ValueError, match="all strings or all lists of messages"):
         encode_preference(BYTES, {"prompt": "a", "chosen": ["b"], "rejected": "c"})
     with pytest.raises(ValueError, match=re.escape("documents[1]['chosen_ids'] must be a 1-D")):
-        next(PreferenceBatches([*pairs(1), {**pairs(1)[0], "chosen_ids": [[1]]}], batch_size=2,
-                               max_length=8, pad_id=PAD, shuffle=False))  # fmt: skip
+        next(
+            PreferenceBatches(
+                [*pairs(1), {**pairs(1)[0], "chosen_ids": [[1]]}],
+                batch_size=2,
+                max_length=8,
+                pad_id=PAD,
+                shuffle=False,
+            )
+        )
     with pytest.raises(ValueError, match=r"documents\[0\] must be a dict with \['prompt_ids'"):
         next(PreferenceBatches([{"input_ids": [1]}], batch_size=1, max_length=8, pad_id=PAD))
 
@@ -360,6 +417,9 @@ def test_errors_name_the_record_and_the_document(tmp_path, hf_tokenizer):
 def test_load_tokenized_sums_up_boundary_warnings_naming_the_first_record(tmp_path, hf_tokenizer):
     tok, _ = hf_tokenizer
     path = write_jsonl(tmp_path / "w.jsonl", [STRINGS[0], STRINGS[1], STRINGS[1]])
-    with pytest.warns(UserWarning, match=r"2 of 3 records warned; the first, .*w\.jsonl:2: "
-                                          r"encode_preference: the prompt's 3 tokens"):  # fmt: skip
+    with pytest.warns(
+        UserWarning,
+        match=r"2 of 3 records warned; the first, .*w\.jsonl:2: "
+        r"encode_preference: the prompt's 3 tokens",
+    ):
         load_tokenized(path, tok, cache=False, progress=False)

@@ -124,9 +124,17 @@ def test_grpo_loss_matches_trl_formula(loss_type, beta):
     want_loss, want_kl, want_clip = _np_loss(logp, old, ref, adv, mask, **kw)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
     loss, metrics = grpo_loss(
-        f32(logp), f32(old), f32(adv), f32(mask), ref_logps=f32(ref), beta=beta, epsilon=0.2,
-        epsilon_high=0.28, loss_type=loss_type, max_new_tokens=7,
-    )  # fmt: skip
+        f32(logp),
+        f32(old),
+        f32(adv),
+        f32(mask),
+        ref_logps=f32(ref),
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        max_new_tokens=7,
+    )
     assert 0 < want_clip < 1  # the batch exercises both branches of the clip
     np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(float(metrics["clip_ratio"]), want_clip, rtol=1e-6)
@@ -203,15 +211,17 @@ def test_lora_base_reference_equals_a_frozen_copy_exactly(tiny_llama, tiny_ids):
     change the policy's."""
     frozen = jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx_array(x) else x, tiny_llama)
     lora = edl.lora.apply_lora(tiny_llama, rank=2, alpha=4, key=jax.random.key(5))
-    lora = jax.tree.map(lambda x: x + 0.05 if eqx_array(x) and x.ndim == 3 and x.shape[-1] == 2
-                        else x, lora)  # fmt: skip  # B (layers, out, rank) non-zero
+    lora = jax.tree.map(
+        lambda x: x + 0.05 if eqx_array(x) and x.ndim == 3 and x.shape[-1] == 2 else x, lora
+    )  # B (layers, out, rank) non-zero
     mask = jnp.ones(tiny_ids.shape, bool)
 
     @jax.jit  # one compile for both
     def both(lora, frozen):
         kw = dict(num_new=4, temperature=1.0, old=True)
-        return _score(lora, "lora_base", tiny_ids, mask, **kw), _score(lora, frozen, tiny_ids,
-                                                                      mask, **kw)  # fmt: skip
+        return _score(lora, "lora_base", tiny_ids, mask, **kw), _score(
+            lora, frozen, tiny_ids, mask, **kw
+        )
 
     (old_a, ref_a), (old_b, ref_b) = both(lora, frozen)
     np.testing.assert_array_equal(np.asarray(ref_a), np.asarray(ref_b))
@@ -233,20 +243,23 @@ def test_score_completions_weights_and_per_function_means():
     def tokens(p, c, ids):
         return [float(len(i)) for i in ids]
 
-    total, means = score_completions([a, tokens], [1.0, 0.5], ["p", "p"], ["ab", "c"],
-                                     [[1, 2, 3], [4]])  # fmt: skip
+    total, means = score_completions(
+        [a, tokens], [1.0, 0.5], ["p", "p"], ["ab", "c"], [[1, 2, 3], [4]]
+    )
     np.testing.assert_allclose(total, [2 + 1.5, 1 + 0.5])
     assert means == {"reward/chars": 1.5, "reward/tokens": 2.0}
 
 
 @pytest.mark.parametrize(
     ("returned", "message"),
-    [([1.0], r"'bad' returned shape \(1,\), expected .* \(2,\)"),
-     ([1.0, float("nan")], r"'bad' returned non-finite rewards at rows \[1\]"),
-     (["x", "y"], "'bad' returned a non-number at row 0: 'x' \\(str\\)"),
-     ([[1.0, 2.0], [3.0, 4.0]], r"'bad' returned a non-number at row 0: \[1.0, 2.0\] \(list\)"),
-     (np.ones((2, 2)), r"'bad' returned shape \(2, 2\)")],
-)  # fmt: skip
+    [
+        ([1.0], r"'bad' returned shape \(1,\), expected .* \(2,\)"),
+        ([1.0, float("nan")], r"'bad' returned non-finite rewards at rows \[1\]"),
+        (["x", "y"], "'bad' returned a non-number at row 0: 'x' \\(str\\)"),
+        ([[1.0, 2.0], [3.0, 4.0]], r"'bad' returned a non-number at row 0: \[1.0, 2.0\] \(list\)"),
+        (np.ones((2, 2)), r"'bad' returned shape \(2, 2\)"),
+    ],
+)
 def test_reward_function_errors_name_the_function(returned, message):
     def bad(prompts, completions, ids):
         return returned
@@ -338,8 +351,14 @@ def test_config_and_builder_validation():
 def _byte_llama(seed=0):
     from edl.models import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=259,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM.init(config, key=jax.random.key(seed))
 
 
@@ -392,8 +411,9 @@ def test_grpo_end_to_end_shares_params_and_resumes_exactly(tmp_path):
         shared.shared, shared.live = [], []
         shared.baseline = {id(x) for x in jax.live_arrays()}
         state = edl.create_state(_byte_llama(), tx)
-        state, summary = train(state, call, _prompts(), steps=steps, output_dir=out,
-                               save_every=1, progress=False)  # fmt: skip
+        state, summary = train(
+            state, call, _prompts(), steps=steps, output_dir=out, save_every=1, progress=False
+        )
         return state, summary, shared
 
     state_a, summary_a, shared = run(3, tmp_path / "a")
@@ -414,10 +434,12 @@ def test_grpo_lora_with_kl_to_the_base_trains_only_the_adapters():
     tx = optax.adam(3e-2)
     state = edl.create_state(model, tx, trainable=edl.lora.lora_trainable)
     base = [np.asarray(x) for x in jax.tree.leaves(state.other)]
-    config = GRPOConfig(num_generations=4, max_new_tokens=6, num_iterations=2, beta=0.1,
-                        loss_type="bnpo")  # fmt: skip
-    step = make_grpo_step(tx, ByteTokenizer(), [_low_bytes, _low_bytes], config,
-                          key=jax.random.key(3))  # fmt: skip
+    config = GRPOConfig(
+        num_generations=4, max_new_tokens=6, num_iterations=2, beta=0.1, loss_type="bnpo"
+    )
+    step = make_grpo_step(
+        tx, ByteTokenizer(), [_low_bytes, _low_bytes], config, key=jax.random.key(3)
+    )
     kls = []
     for _ in range(3):
         state, metrics = step(state, ["ab", "xyz"])
@@ -433,8 +455,9 @@ def test_grpo_lora_with_kl_to_the_base_trains_only_the_adapters():
 
 
 def test_grpo_step_rejects_bad_prompts():
-    step = make_grpo_step(optax.sgd(0.1), ByteTokenizer(), _count_a, GRPOConfig(),
-                          key=jax.random.key(0))  # fmt: skip
+    step = make_grpo_step(
+        optax.sgd(0.1), ByteTokenizer(), _count_a, GRPOConfig(), key=jax.random.key(0)
+    )
     with pytest.raises(ValueError, match="prompts must be a non-empty list of prompts"):
         step.rollout(None, "abc", jax.random.key(0))
 
@@ -443,8 +466,9 @@ def test_reward_functions_receive_the_records_other_fields():
     def exact(prompts, completions, completion_ids, answer):
         return [float(c.strip() == a) for c, a in zip(completions, answer, strict=True)]
 
-    total, means = score_completions([exact], [1.0], ["2+2=", "2+2="], ["4", "5"], [[1], [2]],
-                                     {"answer": ["4", "4"]})  # fmt: skip
+    total, means = score_completions(
+        [exact], [1.0], ["2+2=", "2+2="], ["4", "5"], [[1], [2]], {"answer": ["4", "4"]}
+    )
     np.testing.assert_array_equal(total, [1.0, 0.0])
     assert means == {"reward/exact": 0.5}
 
@@ -457,8 +481,10 @@ def test_prompt_batches_are_seeded_split_and_resume_exactly():
     assert sorted(p["answer"] for b in first[:1] for p in b) != ["0", "1", "2", "3"]  # shuffled
     epoch0 = [p["answer"] for b in first for p in b][:7]
     assert sorted(epoch0) == [str(i) for i in range(7)]
-    halves = [PromptBatches(prompts, batch_size=4, seed=3, process_index=i, process_count=2)
-              for i in range(2)]  # fmt: skip
+    halves = [
+        PromptBatches(prompts, batch_size=4, seed=3, process_index=i, process_count=2)
+        for i in range(2)
+    ]
     for batch in first:
         assert [p for h in halves for p in next(h)] == batch
     resumed = PromptBatches(prompts, batch_size=4, seed=3)

@@ -70,8 +70,14 @@ def test_grad_accumulation_equals_the_full_batch_gradient():
 
 def test_clipping_and_learning_rate():
     model, loss_fn = _regression()
-    config = OptimizerConfig(name="sgd", learning_rate=0.5, total_steps=10, momentum=0.0,
-                             warmup_steps=2, schedule="linear")  # fmt: skip
+    config = OptimizerConfig(
+        name="sgd",
+        learning_rate=0.5,
+        total_steps=10,
+        momentum=0.0,
+        warmup_steps=2,
+        schedule="linear",
+    )
     tx, schedule = make_optimizer(config)
     state = edl.create_state(model, tx)
     batch = next(_batches(1))
@@ -130,8 +136,9 @@ def _assert_trees_equal(a, b):
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
 def test_every_optimizer_and_schedule_trains(name, schedule):
     model, loss_fn = _regression()
-    config = OptimizerConfig(name=name, schedule=schedule, learning_rate=1e-2, warmup_steps=1,
-                             total_steps=20)  # fmt: skip
+    config = OptimizerConfig(
+        name=name, schedule=schedule, learning_rate=1e-2, warmup_steps=1, total_steps=20
+    )
     tx, lr = make_optimizer(config)
     assert float(lr(1)) == pytest.approx(1e-2)
     step = make_train_step(loss_fn, tx)
@@ -149,8 +156,14 @@ def _run(tmp_path, steps=6, data=None, step=None, **kw):
     tx = optax.adam(1e-2)
     kw.setdefault("progress", False)
     step = step or make_train_step(loss_fn, tx)
-    return train(edl.create_state(model, tx), step, data or _batches(100), steps=steps,
-                 output_dir=tmp_path, **kw)  # fmt: skip
+    return train(
+        edl.create_state(model, tx),
+        step,
+        data or _batches(100),
+        steps=steps,
+        output_dir=tmp_path,
+        **kw,
+    )
 
 
 def _lines(directory):
@@ -159,9 +172,16 @@ def _lines(directory):
 
 def test_loop_writes_metrics_checkpoints_and_summary(tmp_path):
     _, loss_fn = _regression()
-    state, summary = _run(tmp_path, steps=6, save_every=2, eval_every=3, stats_every=2,
-                          eval_step=make_eval_step(loss_fn), eval_data=list(_batches(2, seed=9)),
-                          config={"what": "test"})  # fmt: skip
+    state, summary = _run(
+        tmp_path,
+        steps=6,
+        save_every=2,
+        eval_every=3,
+        stats_every=2,
+        eval_step=make_eval_step(loss_fn),
+        eval_data=list(_batches(2, seed=9)),
+        config={"what": "test"},
+    )
     lines = _lines(tmp_path)
     assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
     assert "eval_loss" in lines[2] and "eval_loss" not in lines[0]
@@ -256,23 +276,49 @@ def test_skip_policy_counts_skipped_steps_and_stops_after_too_many(tmp_path):
     tx = optax.sgd(1e-2)
     step = make_train_step(loss_fn, tx, skip_nonfinite=True)
     nan = lambda b: {**b, "y": b["y"] * jnp.nan}
-    state, summary = train(edl.create_state(model, tx), step,
-                           _poisoned(_batches(20), {2}, nan), steps=8, nan_policy="skip",
-                           output_dir=tmp_path / "a", progress=False)  # fmt: skip
+    state, summary = train(
+        edl.create_state(model, tx),
+        step,
+        _poisoned(_batches(20), {2}, nan),
+        steps=8,
+        nan_policy="skip",
+        output_dir=tmp_path / "a",
+        progress=False,
+    )
     assert int(state.step) == 8 and summary["skipped_steps"] == 1  # a run of 8 ends at 8
     assert [m["skipped"] for m in _lines(tmp_path / "a")] == [0, 1, 0, 0, 0, 0, 0, 0]
-    state, again = train(state, step, _batches(20), steps=8, nan_policy="skip",
-                         output_dir=tmp_path / "a", progress=False)  # fmt: skip
+    state, again = train(
+        state,
+        step,
+        _batches(20),
+        steps=8,
+        nan_policy="skip",
+        output_dir=tmp_path / "a",
+        progress=False,
+    )
     assert again["stop_reason"] == "already done" and int(state.step) == 8
 
     model, _ = _regression()  # the run above donated the old model's arrays
     with pytest.raises(NonFiniteLossError, match=r"3 steps in a row \(3-5\).*since step 2"):
-        train(edl.create_state(model, tx), step, _poisoned(_batches(20), {3, 4, 5}, nan),
-              steps=8, nan_policy="skip", max_consecutive_skips=3, progress=False)  # fmt: skip
+        train(
+            edl.create_state(model, tx),
+            step,
+            _poisoned(_batches(20), {3, 4, 5}, nan),
+            steps=8,
+            nan_policy="skip",
+            max_consecutive_skips=3,
+            progress=False,
+        )
     model, _ = _regression()
     with pytest.raises(ValueError, match="skip_nonfinite=True"):  # at the first step, no NaN
-        train(edl.create_state(model, tx), make_train_step(loss_fn, tx), _batches(20),
-              steps=4, nan_policy="skip", progress=False)  # fmt: skip
+        train(
+            edl.create_state(model, tx),
+            make_train_step(loss_fn, tx),
+            _batches(20),
+            steps=4,
+            nan_policy="skip",
+            progress=False,
+        )
 
 
 def _untouchable():

@@ -85,21 +85,35 @@ def _trl_dpo(pc, pr, rc, rr, *, beta, loss_type):
     lengths = np.concatenate([_LEN_C, _LEN_R]).astype(int)
     completion = torch.tensor(np.arange(seq)[None] < lengths[:, None], dtype=torch.long)
     outputs = types.SimpleNamespace(
-        log_probs=log_probs, entropy=torch.zeros_like(log_probs),
-        mean_logits=torch.zeros_like(log_probs), is_top1=torch.zeros_like(log_probs).bool(),
-    )  # fmt: skip
+        log_probs=log_probs,
+        entropy=torch.zeros_like(log_probs),
+        mean_logits=torch.zeros_like(log_probs),
+        is_top1=torch.zeros_like(log_probs).bool(),
+    )
     model = _StubModel(outputs)
     trainer = types.SimpleNamespace(
-        model=model, accelerator=_accelerator(), loss_types=[loss_type], loss_weights=[1.0],
-        beta=beta, ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-        use_weighting=False, aux_loss_enabled=False, label_smoothing=0.0,
-        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1,
-    )  # fmt: skip
+        model=model,
+        accelerator=_accelerator(),
+        loss_types=[loss_type],
+        loss_weights=[1.0],
+        beta=beta,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        use_weighting=False,
+        aux_loss_enabled=False,
+        label_smoothing=0.0,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
     inputs = {
         "input_ids": torch.zeros(2 * n, seq, dtype=torch.long),
         "attention_mask": torch.ones(2 * n, seq, dtype=torch.long),
-        "completion_mask": completion, "ref_chosen_logps": _t64(rc), "ref_rejected_logps": _t64(rr),
-    }  # fmt: skip
+        "completion_mask": completion,
+        "ref_chosen_logps": _t64(rc),
+        "ref_rejected_logps": _t64(rr),
+    }
     loss = DPOTrainer._compute_loss(trainer, model, inputs, False)
     return float(loss), {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
@@ -110,9 +124,13 @@ def _trl_cpo(pc, pr, *, beta, loss_type, label_smoothing, simpo_gamma=0.5):
     from trl.experimental.cpo import CPOTrainer
 
     trainer = types.SimpleNamespace(
-        alpha=0.0, loss_type=loss_type, beta=beta, simpo_gamma=simpo_gamma,
-        label_smoothing=label_smoothing, accelerator=_accelerator(),
-    )  # fmt: skip
+        alpha=0.0,
+        loss_type=loss_type,
+        beta=beta,
+        simpo_gamma=simpo_gamma,
+        label_smoothing=label_smoothing,
+        accelerator=_accelerator(),
+    )
     pc, pr = _t64(pc), _t64(pr)
     losses, chosen, rejected = CPOTrainer.cpo_loss(trainer, pc, pr)
     return float(losses.mean()), _trl_reward_metrics(chosen, rejected, pc, pr)
@@ -120,11 +138,13 @@ def _trl_cpo(pc, pr, *, beta, loss_type, label_smoothing, simpo_gamma=0.5):
 
 def _trl_reward_metrics(chosen, rejected, pc, pr):
     return {
-        "rewards/chosen": float(chosen.mean()), "rewards/rejected": float(rejected.mean()),
+        "rewards/chosen": float(chosen.mean()),
+        "rewards/rejected": float(rejected.mean()),
         "rewards/accuracies": float((chosen > rejected).double().mean()),
         "rewards/margins": float((chosen - rejected).mean()),
-        "logps/chosen": float(pc.mean()), "logps/rejected": float(pr.mean()),
-    }  # fmt: skip
+        "logps/chosen": float(pc.mean()),
+        "logps/rejected": float(pr.mean()),
+    }
 
 
 def _check(loss, metrics, want_loss, want_metrics):
@@ -141,12 +161,24 @@ def _check(loss, metrics, want_loss, want_metrics):
 @pytest.mark.parametrize("beta", [0.1, 0.5])
 def test_dpo_loss_matches_trl(loss_type, beta):
     loss, metrics = dpo_loss(
-        _f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta, loss_type=loss_type,
-        chosen_lengths=_f32(_LEN_C), rejected_lengths=jnp.asarray(_LEN_R, jnp.int32),
-    )  # fmt: skip
+        _f32(_PC),
+        _f32(_PR),
+        _f32(_RC),
+        _f32(_RR),
+        beta=beta,
+        loss_type=loss_type,
+        chosen_lengths=_f32(_LEN_C),
+        rejected_lengths=jnp.asarray(_LEN_R, jnp.int32),
+    )
     want_loss, want = _trl_dpo(_PC, _PR, _RC, _RR, beta=beta, loss_type=loss_type)
-    names = ["rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-             "logps/chosen", "logps/rejected"]  # fmt: skip
+    names = [
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ]
     _check(loss, metrics, want_loss, {k: want[k] for k in names})
     assert 0 < float(metrics["rewards/accuracies"]) < 1  # both signs of margin present
 
@@ -155,10 +187,10 @@ def test_dpo_label_smoothing_matches_trls_conservative_sigmoid():
     """TRL 1.16's DPO ``sigmoid`` has no label smoothing; its conservative form is CPO's
     ``sigmoid`` loss, which on the log-ratios ``policy - ref`` is exactly conservative DPO."""
     beta, ls = 0.3, 0.2
-    loss, _ = dpo_loss(_f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta,
-                       label_smoothing=ls)  # fmt: skip
-    want_loss, _ = _trl_cpo(_PC - _RC, _PR - _RR, beta=beta, loss_type="sigmoid",
-                            label_smoothing=ls)  # fmt: skip
+    loss, _ = dpo_loss(_f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta, label_smoothing=ls)
+    want_loss, _ = _trl_cpo(
+        _PC - _RC, _PR - _RR, beta=beta, loss_type="sigmoid", label_smoothing=ls
+    )
     np.testing.assert_allclose(float(loss), want_loss, **_TOL)
     unsmoothed, _ = dpo_loss(_f32(_PC), _f32(_PR), _f32(_RC), _f32(_RR), beta=beta)
     assert abs(float(loss) - float(unsmoothed)) > 1e-3
@@ -167,10 +199,12 @@ def test_dpo_label_smoothing_matches_trls_conservative_sigmoid():
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_simpo_loss_matches_trl(label_smoothing):
     pc, pr = _PC / _LEN_C, _PR / _LEN_R  # SimPO is on length-averaged log-probs
-    loss, metrics = simpo_loss(_f32(pc), _f32(pr), beta=2.0, gamma=0.7,
-                               label_smoothing=label_smoothing)  # fmt: skip
-    want_loss, want = _trl_cpo(pc, pr, beta=2.0, loss_type="simpo",
-                               label_smoothing=label_smoothing, simpo_gamma=0.7)  # fmt: skip
+    loss, metrics = simpo_loss(
+        _f32(pc), _f32(pr), beta=2.0, gamma=0.7, label_smoothing=label_smoothing
+    )
+    want_loss, want = _trl_cpo(
+        pc, pr, beta=2.0, loss_type="simpo", label_smoothing=label_smoothing, simpo_gamma=0.7
+    )
     _check(loss, metrics, want_loss, want)
 
 
@@ -189,8 +223,11 @@ def test_orpo_loss_matches_trl():
         trainer, _t64(pc), _t64(pr)
     )
     want = _trl_reward_metrics(chosen, rejected, _t64(pc), _t64(pr))
-    want |= {"log_odds_ratio": float(ratio), "log_odds_chosen": float(log_odds),
-             "nll_loss": float(np.float32(nll))}  # fmt: skip
+    want |= {
+        "log_odds_ratio": float(ratio),
+        "log_odds_chosen": float(log_odds),
+        "nll_loss": float(np.float32(nll)),
+    }
     _check(loss, metrics, float(np.float32(nll)) - float(losses.mean()), want)
     grads = jax.grad(lambda c: orpo_loss(c, _f32(pr), _f32(nll), beta=beta)[0])(_f32(pc))
     assert np.all(np.isfinite(grads))
@@ -206,10 +243,17 @@ def test_reward_loss_matches_trls_formula():
     for coef in (None, 0.01):
         loss, metrics = reward_loss(_f32(chosen), _f32(rejected), center_rewards_coefficient=coef)
         want = np.mean(np.logaddexp(0.0, -(c64 - r64))) + (coef or 0.0) * np.mean((c64 + r64) ** 2)
-        _check(loss, metrics, want, {
-            "accuracy": np.mean(c64 > r64), "rewards/chosen": c64.mean(),
-            "rewards/rejected": r64.mean(), "rewards/margins": np.mean(c64 - r64),
-        })  # fmt: skip
+        _check(
+            loss,
+            metrics,
+            want,
+            {
+                "accuracy": np.mean(c64 > r64),
+                "rewards/chosen": c64.mean(),
+                "rewards/rejected": r64.mean(),
+                "rewards/margins": np.mean(c64 - r64),
+            },
+        )
 
 
 def test_losses_reject_bad_inputs():
@@ -245,8 +289,11 @@ def _pair_batch(seed, batch=3, seq=9, vocab=TINY_LLAMA["vocab_size"], rejected_s
         mask = pos < used[:, None]
         labels = np.where(mask & (pos >= prompt[:, None]), ids, -100)
         ids = np.where(mask, ids, 0)
-        out |= {f"{side}_input_ids": ids, f"{side}_labels": labels,
-                f"{side}_attention_mask": mask.astype(np.int32)}  # fmt: skip
+        out |= {
+            f"{side}_input_ids": ids,
+            f"{side}_labels": labels,
+            f"{side}_attention_mask": mask.astype(np.int32),
+        }
     return {k: jnp.asarray(v, jnp.int32) for k, v in out.items()}
 
 
@@ -296,12 +343,16 @@ def test_sequence_logps_match_float64_and_lora_off_equals_the_frozen_base(tiny_l
 
     @jax.jit
     def run(base, capped, lora):
-        variants = [("sum", base, False, 5), ("mean", base, True, 2048),
-                     ("capped", capped, False, 5)]  # fmt: skip
+        variants = [
+            ("sum", base, False, 5),
+            ("mean", base, True, 2048),
+            ("capped", capped, False, 5),
+        ]
         out = {"hidden": base.model(ids, attention_mask=mask).last_hidden_state}
         for name, model, average, chunk in variants:
-            out[name] = sequence_logps(model, ids, labels, attention_mask=mask, average=average,
-                                       chunk_size=chunk)  # fmt: skip
+            out[name] = sequence_logps(
+                model, ids, labels, attention_mask=mask, average=average, chunk_size=chunk
+            )
         off = preference_logps(unwrap_lora(lora), pairs, chunk_size=8)
         out["off"] = jax.lax.stop_gradient(off)
         out["base"] = preference_logps(base, pairs, chunk_size=8)
@@ -320,8 +371,9 @@ def test_sequence_logps_match_float64_and_lora_off_equals_the_frozen_base(tiny_l
             np.asarray(out["off"][key]), np.asarray(out["base"][key]), err_msg=key
         )
     merged = edl.lora.merge_lora(lora)  # the adapters do change the model
-    assert not np.allclose(merged.model.layers.self_attn.q_proj.weight,
-                           tiny_llama.model.layers.self_attn.q_proj.weight)  # fmt: skip
+    assert not np.allclose(
+        merged.model.layers.self_attn.q_proj.weight, tiny_llama.model.layers.self_attn.q_proj.weight
+    )
     counted = (np.asarray(pairs["rejected_labels"])[:, 1:] != -100).sum(1)
     np.testing.assert_array_equal(np.asarray(out["base"]["rejected_lengths"]), counted)
 
@@ -360,11 +412,19 @@ def _toy_preferences(n_batches, seed=0, batch=4, seq=8):
         rejected = np.concatenate([prompt, rng.integers(1, vocab, (batch, seq - 3))], 1)
         labels = lambda ids: np.where(np.arange(seq)[None] >= 3, ids, -100)
         mask = np.ones((batch, seq), np.int32)
-        out.append({k: jnp.asarray(v, jnp.int32) for k, v in {
-            "chosen_input_ids": chosen, "chosen_labels": labels(chosen),
-            "chosen_attention_mask": mask, "rejected_input_ids": rejected,
-            "rejected_labels": labels(rejected), "rejected_attention_mask": mask,
-        }.items()})  # fmt: skip
+        out.append(
+            {
+                k: jnp.asarray(v, jnp.int32)
+                for k, v in {
+                    "chosen_input_ids": chosen,
+                    "chosen_labels": labels(chosen),
+                    "chosen_attention_mask": mask,
+                    "rejected_input_ids": rejected,
+                    "rejected_labels": labels(rejected),
+                    "rejected_attention_mask": mask,
+                }.items()
+            }
+        )
     return out
 
 
@@ -465,8 +525,16 @@ def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
         lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
         state = edl.create_state(lora, tx, trainable=lora_trainable)
         step = make_dpo_step(tx, reference="model", reference_model=tiny_llama)
-        return train(state, step, _Preferences(), steps=steps, output_dir=directory,
-                     save_every=2, progress=False, **kw)  # fmt: skip
+        return train(
+            state,
+            step,
+            _Preferences(),
+            steps=steps,
+            output_dir=directory,
+            save_every=2,
+            progress=False,
+            **kw,
+        )
 
     whole, _ = run(tmp_path / "whole", 6)
     stop = edl.train.callback(lambda info: edl.train.Stop("pause") if info.step == 3 else None)
@@ -493,8 +561,10 @@ def test_reward_step_raises_accuracy(tiny_llama):
     for batch in _toy_preferences(12, seed=1):
         # The random model happens to score the token-7 ending higher, so the preference is
         # flipped here to make it learn (accuracy 0 at first, checked below).
-        batch = {k.replace("chosen", "x").replace("rejected", "chosen").replace("x", "rejected"): v
-                 for k, v in batch.items()}  # fmt: skip
+        batch = {
+            k.replace("chosen", "x").replace("rejected", "chosen").replace("x", "rejected"): v
+            for k, v in batch.items()
+        }
         state, metrics = step(state, batch)
         history.append({k: float(v) for k, v in metrics.items()})
     assert history[0]["accuracy"] == 0.0 and history[-1]["accuracy"] == 1.0

@@ -43,9 +43,15 @@ def _run(directory, steps, *, data=None, **kw):
     model, loss_fn = _regression()
     tx = optax.adam(1e-2)
     kw.setdefault("progress", False)
-    return train(edl.create_state(model, tx), make_train_step(loss_fn, tx),
-                 data if data is not None else _Counted(), steps=steps, output_dir=directory,
-                 save_every=2, **kw)  # fmt: skip
+    return train(
+        edl.create_state(model, tx),
+        make_train_step(loss_fn, tx),
+        data if data is not None else _Counted(),
+        steps=steps,
+        output_dir=directory,
+        save_every=2,
+        **kw,
+    )
 
 
 def _lines(directory):
@@ -64,8 +70,9 @@ def test_a_fresh_run_refuses_a_directory_holding_an_earlier_run(tmp_path):
     _, summary = _run(tmp_path, 4, resume=False, overwrite=True)  # the old run is deleted
     assert summary["end_step"] == 4 and [m["step"] for m in _lines(tmp_path)] == [1, 2, 3, 4]
     assert [p.name for p in list_checkpoints(tmp_path / "checkpoints")] == [
-        "checkpoint-00000002", "checkpoint-00000004",
-    ]  # fmt: skip
+        "checkpoint-00000002",
+        "checkpoint-00000004",
+    ]
     assert latest_checkpoint(tmp_path / "checkpoints").name == "checkpoint-00000004"
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / ".edl-overwritten-0badf00d" / "checkpoints").mkdir(parents=True)  # a kill
@@ -79,8 +86,13 @@ def test_resume_cuts_the_log_back_and_reports_the_whole_run(tmp_path, caplog):
     then gains lines no checkpoint covers (as a killed segment would leave): resuming to 8
     keeps one line per step, continues the time column and summarises all 8 steps."""
     caplog.set_level("INFO", logger="edl.train")
-    _, first = _run(tmp_path, 8, callbacks=[edl.train.callback(
-        lambda info: edl.train.Stop("pause") if info.step == 5 else None)])  # fmt: skip
+    _, first = _run(
+        tmp_path,
+        8,
+        callbacks=[
+            edl.train.callback(lambda info: edl.train.Stop("pause") if info.step == 5 else None)
+        ],
+    )
     assert first["stop_reason"] == "pause"
     lines = _lines(tmp_path)
     with open(tmp_path / "metrics.jsonl", "a") as f:  # a segment killed after checkpoint 5
@@ -135,8 +147,12 @@ def test_resume_with_no_whole_checkpoint_names_each_and_changes_nothing(tmp_path
 
 def _script(*args):
     script = Path(__file__).with_name("train_script.py")
-    return subprocess.Popen([sys.executable, str(script), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(script), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _finish(proc):

@@ -61,8 +61,9 @@ def test_lora_training_leaves_the_base_model_usable_and_bit_identical(tiny_llama
     base = tiny_llama if base == "float32" else quantize(tiny_llama, QuantConfig("nf4"))
     before = _host(base)
     tx = optax.adam(1e-2)
-    state = edl.create_state(apply_lora(base, rank=4, alpha=8, key=jax.random.key(1)), tx,
-                             trainable=lora_trainable)  # fmt: skip
+    state = edl.create_state(
+        apply_lora(base, rank=4, alpha=8, key=jax.random.key(1)), tx, trainable=lora_trainable
+    )
     step = make_train_step(_lm_loss, tx)  # donate=True
     for seed in range(3):
         state, _ = step(state, _ids(seed))
@@ -172,8 +173,9 @@ def test_sharded_step_donates_params_but_not_other(tiny_llama):
     # run_loop places the state and compiles ahead of time: the frozen base survives (the
     # adapter arrays are params, donated like any)
     fresh = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
-    state, _ = run_loop(edl.create_state(fresh, tx, trainable=lora_trainable), step,
-                        iter([_ids(2)] * 2), steps=2)  # fmt: skip
+    state, _ = run_loop(
+        edl.create_state(fresh, tx, trainable=lora_trainable), step, iter([_ids(2)] * 2), steps=2
+    )
     assert int(state.step) == 2 and not any(x.is_deleted() for x in _arrays(tiny_llama))
 
 

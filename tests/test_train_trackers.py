@@ -76,8 +76,10 @@ def _wandb_run(directory):
             for item in updates:
                 config[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
             if kind == "history":
-                items = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
-                         for i in record.history.item}  # fmt: skip
+                items = {
+                    i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                    for i in record.history.item
+                }
                 history.setdefault(items.pop("_step"), {}).update(items)
     return history, config, ids
 

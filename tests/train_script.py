@@ -65,20 +65,26 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     docs = [rng.integers(0, 64, size=int(rng.integers(5, 40))).tolist() for _ in range(50)]
-    data = Poisoned(TokenBatches(docs, batch_size=4, max_length=16, seed=1, pad_id=0),
-                    set(args.poison))  # fmt: skip
+    data = Poisoned(
+        TokenBatches(docs, batch_size=4, max_length=16, seed=1, pad_id=0), set(args.poison)
+    )
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     tx, schedule = make_optimizer(OptimizerConfig(learning_rate=1e-2, total_steps=args.steps))
 
     def loss_fn(model, batch):
         loss, metrics = model.compute_loss(
-            jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
+            jnp.asarray(batch["input_ids"]),
+            labels=jnp.asarray(batch["labels"]),
             segment_ids=jnp.asarray(batch["segment_ids"]),
-        )  # fmt: skip
+        )
         loss = loss * batch["scale"]
         return loss, {**metrics, "loss": loss}
 
@@ -87,9 +93,17 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     step = make_train_step(loss_fn, tx, clip_norm=1.0, schedule=schedule, skip_nonfinite=True)
-    _, summary = train(edl.create_state(model, tx), step, data, steps=args.steps, save_every=3,
-                       output_dir=args.output_dir, nan_policy="skip", progress=False,
-                       callbacks=[callback(kill)])  # fmt: skip
+    _, summary = train(
+        edl.create_state(model, tx),
+        step,
+        data,
+        steps=args.steps,
+        save_every=3,
+        output_dir=args.output_dir,
+        nan_policy="skip",
+        progress=False,
+        callbacks=[callback(kill)],
+    )
     print(json.dumps(summary))
 
 

@@ -20,16 +20,35 @@ from typing import Any
 from benchmarks.device.common import Deadline, Sink
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "equinox", "optax",
-            "jaxtyping", "beartype", "numpy", "einops", "starlette", "uvicorn", "pytest",
-            "transformers", "torch")  # fmt: skip
+PACKAGES = (
+    "jax",
+    "jaxlib",
+    "jax-cuda13-plugin",
+    "jax-cuda12-plugin",
+    "equinox",
+    "optax",
+    "jaxtyping",
+    "beartype",
+    "numpy",
+    "einops",
+    "starlette",
+    "uvicorn",
+    "pytest",
+    "transformers",
+    "torch",
+)
 # Environment variables that change what runs, recorded as found.
-ENV_VARS = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION",
-            "XLA_PYTHON_CLIENT_PREALLOCATE", "CUDA_VISIBLE_DEVICES", "PYTHONPATH",
-            "EDL_NATIVE_KERNELS")  # fmt: skip
+ENV_VARS = (
+    "JAX_PLATFORMS",
+    "XLA_FLAGS",
+    "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_PYTHON_CLIENT_PREALLOCATE",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONPATH",
+    "EDL_NATIVE_KERNELS",
+)
 # pytest's outcome words in its summary line ("3 passed, 1 failed, 10 deselected in 4s").
-OUTCOMES = ("passed", "failed", "errors", "error", "skipped", "deselected", "xfailed",
-            "xpassed")  # fmt: skip
+OUTCOMES = ("passed", "failed", "errors", "error", "skipped", "deselected", "xfailed", "xpassed")
 
 
 def _run(cmd: list[str], timeout: float = 20.0) -> str | None:
@@ -70,8 +89,14 @@ def _cuda_versions() -> dict[str, Any]:
         return {}
     if cuda_versions is None:
         return {}
-    names = ("cuda_runtime_get_version", "cuda_runtime_build_version", "cudnn_get_version",
-             "cudnn_build_version", "cublas_get_version", "cuda_driver_get_version")  # fmt: skip
+    names = (
+        "cuda_runtime_get_version",
+        "cuda_runtime_build_version",
+        "cudnn_get_version",
+        "cudnn_build_version",
+        "cublas_get_version",
+        "cuda_driver_get_version",
+    )
     found = {}
     for name in names:
         with contextlib.suppress(Exception):
@@ -88,18 +113,25 @@ def _device_row() -> dict[str, Any]:
     with contextlib.suppress(Exception):
         stats = device.memory_stats() or {}
     return {
-        "backend": jax.default_backend(), "device": device.device_kind,
-        "devices": jax.device_count(), "memory_gib": stats.get("bytes_limit", 0) / 2**30,
+        "backend": jax.default_backend(),
+        "device": device.device_kind,
+        "devices": jax.device_count(),
+        "memory_gib": stats.get("bytes_limit", 0) / 2**30,
         "compute_capability": getattr(device, "compute_capability", None),
-    }  # fmt: skip
+    }
 
 
 def run_environment(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 1: what ran, where: versions, device, driver, CUDA, commit, wheels."""
     import jax
 
-    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                "--format=csv,noheader"])  # fmt: skip
+    smi = _run(
+        [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+            "--format=csv,noheader",
+        ]
+    )
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         jax.print_environment_info()
@@ -108,23 +140,33 @@ def run_environment(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> 
     row["driver"] = smi.split(",")[1].strip() if smi and smi.count(",") >= 1 else None
     sink.row(row)
     sink.set(
-        python=sys.version.split()[0], platform=platform.platform(), packages=_versions(),
+        python=sys.version.split()[0],
+        platform=platform.platform(),
+        packages=_versions(),
         wheels=os.environ.get("EDL_DEVICE_WHEELS", "not run through run.sh"),
-        git_commit=commit, git_dirty=None if commit is None else bool(
-            _run(["git", "status", "--porcelain", "--untracked-files=no"])),
-        tree_digest=tree_digest(), nvidia_smi=smi, cuda=_cuda_versions(),
+        git_commit=commit,
+        git_dirty=None
+        if commit is None
+        else bool(_run(["git", "status", "--porcelain", "--untracked-files=no"])),
+        tree_digest=tree_digest(),
+        nvidia_smi=smi,
+        cuda=_cuda_versions(),
         env={k: os.environ.get(k) for k in ENV_VARS},
-        environment_info=buffer.getvalue(), dry_run=dry,
+        environment_info=buffer.getvalue(),
+        dry_run=dry,
         headline=f"{row['device']} x{row['devices']}, jax {jax.__version__}, "
         f"driver {row['driver']}",
-    )  # fmt: skip
+    )
 
 
 # The gpu-marked tests' environment: few hypothesis examples (conftest's "device" profile),
 # float32 products in float32 (jax's default on GPUs is TF32, which the float32 tolerances
 # and fp32 model parity do not allow), GPU memory taken as needed by the four workers.
-TEST_ENV = {"EDL_HYPOTHESIS_PROFILE": "device", "JAX_DEFAULT_MATMUL_PRECISION": "highest",
-            "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # fmt: skip
+TEST_ENV = {
+    "EDL_HYPOTHESIS_PROFILE": "device",
+    "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+    "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+}
 
 
 def gpu_marker_registered() -> bool:
@@ -162,9 +204,23 @@ def run_tests(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     limit = max(5, int(deadline.left() - 5))  # time to parse and write before the driver's kill
     # --foreground: timeout stays in this process group, so the driver's kill of the
     # section reaches pytest too (by default timeout makes a group of its own).
-    cmd = ["timeout", "--foreground", "-k", "5", str(limit), sys.executable, "-m", "pytest",
-           "-m", "gpu and not slow", "-q", "--maxfail=25", "-p", "no:cacheprovider",
-           "--durations=15"]  # fmt: skip
+    cmd = [
+        "timeout",
+        "--foreground",
+        "-k",
+        "5",
+        str(limit),
+        sys.executable,
+        "-m",
+        "pytest",
+        "-m",
+        "gpu and not slow",
+        "-q",
+        "--maxfail=25",
+        "-p",
+        "no:cacheprovider",
+        "--durations=15",
+    ]
     if dry:
         cmd.append("--collect-only")
     else:  # four workers share the GPU (memory taken as needed, not preallocated)
@@ -172,20 +228,38 @@ def run_tests(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     registered = gpu_marker_registered()
     sink.set(command=" ".join(cmd[5:]), timeout_s=limit, gpu_marker_registered=registered)
     start = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, check=False, env={**os.environ, **TEST_ENV})  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+        env={**os.environ, **TEST_ENV},
+    )
     seconds = time.perf_counter() - start
     (out / "tests.log").write_text(done.stdout[-400_000:])
     counts = parse_pytest(done.stdout)
-    status = {0: "passed", 1: "failed", 2: "interrupted", 4: "usage error",
-              5: "no tests collected", 124: "timed out", 137: "killed"}.get(
-        done.returncode, f"exit {done.returncode}")  # fmt: skip
+    status = {
+        0: "passed",
+        1: "failed",
+        2: "interrupted",
+        4: "usage error",
+        5: "no tests collected",
+        124: "timed out",
+        137: "killed",
+    }.get(done.returncode, f"exit {done.returncode}")
     if "Unknown marker" in done.stdout:
         status += " (marker gpu not registered in pyproject.toml)"
     row = {"exit_code": done.returncode, "status": status, "seconds": seconds}
-    row.update({w: counts.get(w, 0) for w in ("collected", "passed", "failed", "errors",
-                                              "skipped", "deselected")})  # fmt: skip
+    row.update(
+        {
+            w: counts.get(w, 0)
+            for w in ("collected", "passed", "failed", "errors", "skipped", "deselected")
+        }
+    )
     sink.row(row)
     shown = "collected" if dry else "passed"
-    sink.set(headline=f"{status}: {row[shown]} {shown}, {row['failed']} failed, "
-             f"{row['errors']} errors")  # fmt: skip
+    sink.set(
+        headline=f"{status}: {row[shown]} {shown}, {row['failed']} failed, {row['errors']} errors"
+    )

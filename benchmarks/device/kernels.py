@@ -47,8 +47,16 @@ class AttentionShapes:
     number: int
 
 
-GPU = AttentionShapes(("pallas", "cudnn"), (1024, 2048, 4096, 8192, 16384), 16384, 16, 128,
-                      "bfloat16", repeats=5, number=5)  # fmt: skip
+GPU = AttentionShapes(
+    ("pallas", "cudnn"),
+    (1024, 2048, 4096, 8192, 16384),
+    16384,
+    16,
+    128,
+    "bfloat16",
+    repeats=5,
+    number=5,
+)
 # On CPU: the interpreted Pallas kernel (the GPU kernel's code path) against XLA's form.
 DRY = AttentionShapes(("pallas", "xla"), (128, 256), 512, 2, 32, "float32", repeats=2, number=1)
 
@@ -95,8 +103,11 @@ def _cell(impl: str, qkv: tuple, flops: float, shapes: AttentionShapes) -> tuple
             (("fwd", forward, flops), ("fwd_bwd", gradient, 3.5 * flops))
         ):
             first, median, outputs[i] = _time(lambda fn=fn: fn(*qkv), shapes)
-            row |= {f"{name}_ms": median * 1e3, f"{name}_tflops": count / median / 1e12,
-                    f"{name}_first_call_s": first}  # fmt: skip
+            row |= {
+                f"{name}_ms": median * 1e3,
+                f"{name}_tflops": count / median / 1e12,
+                f"{name}_first_call_s": first,
+            }
     except Exception as err:  # a failing impl is a result, not the end of the section
         row["error"] = short_error(err)
     return row, outputs
@@ -160,13 +171,18 @@ def run_attention(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> No
     from benchmarks.attention import _flops
 
     shapes = DRY if dry else GPU
-    sink.set(**dataclasses.asdict(shapes), causal=True, tolerance=TOLERANCE[shapes.dtype],
-             flops="fwd 4*b*h*s*s*d/2 (causal), fwd+bwd 3.5x fwd")  # fmt: skip
+    sink.set(
+        **dataclasses.asdict(shapes),
+        causal=True,
+        tolerance=TOLERANCE[shapes.dtype],
+        flops="fwd 4*b*h*s*s*d/2 (causal), fwd+bwd 3.5x fwd",
+    )
     need = 0.0
     for seq in shapes.seqs:
         if not deadline.allows(need):
-            sink.set(skipped=[skip_note(f"seq {s}", need, deadline) for s in shapes.seqs
-                              if s >= seq])  # fmt: skip
+            sink.set(
+                skipped=[skip_note(f"seq {s}", need, deadline) for s in shapes.seqs if s >= seq]
+            )
             break
         start = time.perf_counter()
         qkv = _inputs(seq, shapes)

@@ -33,8 +33,14 @@ from benchmarks.device.common import (
 )
 
 # The dry run's stand-in for the 1B model: the same code paths, seconds of compile on CPU.
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,18 +77,39 @@ def shapes_for(dry: bool) -> ModelShapes:
     bf16 weights, gradients and AdamW moments, ~30 GB of activations), or the dry run's."""
     if dry:
         return ModelShapes(
-            fields=TINY, dtype="float32", peak_tflops=CPU_PEAK_TFLOPS, attention_impl="xla",
-            remats=("none", "dots", "full"), train_batch=2, train_seq=128, train_steps=2,
-            decode=((1, False), (2, False)), prompt=16, new_tokens=8, decode_repeats=1,
-            requests=4, page_size=8, serve_impls=("auto",),
-        )  # fmt: skip
+            fields=TINY,
+            dtype="float32",
+            peak_tflops=CPU_PEAK_TFLOPS,
+            attention_impl="xla",
+            remats=("none", "dots", "full"),
+            train_batch=2,
+            train_seq=128,
+            train_steps=2,
+            decode=((1, False), (2, False)),
+            prompt=16,
+            new_tokens=8,
+            decode_repeats=1,
+            requests=4,
+            page_size=8,
+            serve_impls=("auto",),
+        )
     return ModelShapes(
-        fields=_one_b(), dtype="bfloat16", peak_tflops=H100_BF16_PEAK_TFLOPS,
-        attention_impl="pallas", remats=("none", "dots", "full"), train_batch=8,
-        train_seq=2048, train_steps=5, decode=((1, False), (8, False), (64, False), (1, True)),
-        prompt=128, new_tokens=128, decode_repeats=3, requests=64, page_size=16,
+        fields=_one_b(),
+        dtype="bfloat16",
+        peak_tflops=H100_BF16_PEAK_TFLOPS,
+        attention_impl="pallas",
+        remats=("none", "dots", "full"),
+        train_batch=8,
+        train_seq=2048,
+        train_steps=5,
+        decode=((1, False), (8, False), (64, False), (1, True)),
+        prompt=128,
+        new_tokens=128,
+        decode_repeats=3,
+        requests=64,
+        page_size=16,
         serve_impls=("auto", "xla"),
-    )  # fmt: skip
+    )
 
 
 def _number(value: float) -> float:
@@ -107,8 +134,9 @@ def _train_once(shapes: ModelShapes, remat: str, batch: int) -> dict[str, Any]:
     run = RunOptions(remat=remat, attention_impl=shapes.attention_impl)
     fields = {**shapes.fields, "run": run}
     train.CONFIGS[name] = (fields, batch, shapes.train_seq)
-    return train._measure(name, jnp.dtype(shapes.dtype), shapes.train_steps,
-                          shapes.peak_tflops * 1e12)  # fmt: skip
+    return train._measure(
+        name, jnp.dtype(shapes.dtype), shapes.train_steps, shapes.peak_tflops * 1e12
+    )
 
 
 def _train_row(shapes: ModelShapes, remat: str) -> dict[str, Any]:
@@ -127,8 +155,14 @@ def _train_row(shapes: ModelShapes, remat: str) -> dict[str, Any]:
         _free()  # out of the except block: its traceback held the failed try's arrays
         if not oom or batch == 1 or "oom_at_batch" in row:
             nan = float("nan")
-            return row | {"batch": batch, "seq": shapes.train_seq, "error": error,
-                          "tokens_per_s": nan, "mfu": nan, "step_ms": nan}  # fmt: skip
+            return row | {
+                "batch": batch,
+                "seq": shapes.train_seq,
+                "error": error,
+                "tokens_per_s": nan,
+                "mfu": nan,
+                "step_ms": nan,
+            }
         row["oom_at_batch"], batch = batch, batch // 2
 
 
@@ -158,9 +192,13 @@ def _rows_in_time(
 def run_train(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     """Section 4: train-step tokens/s and MFU for each remat policy."""
     shapes = shapes_for(dry)
-    sink.set(model=shapes.fields, dtype=shapes.dtype, peak_tflops=shapes.peak_tflops,
-             mfu="tokens/s * flops_per_token (6N + attention, edl.models) / peak",
-             steps=shapes.train_steps)  # fmt: skip
+    sink.set(
+        model=shapes.fields,
+        dtype=shapes.dtype,
+        peak_tflops=shapes.peak_tflops,
+        mfu="tokens/s * flops_per_token (6N + attention, edl.models) / peak",
+        steps=shapes.train_steps,
+    )
 
     def measure(remat: str) -> dict[str, Any]:
         row = _train_row(shapes, remat)
@@ -169,11 +207,14 @@ def run_train(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
 
     def headline(rows: list[dict[str, Any]]) -> str:
         best = max(rows, key=lambda r: _number(r["tokens_per_s"]))
-        return (f"best remat {best['remat']}: {best['tokens_per_s']:.4g} tok/s, "
-                f"MFU {best['mfu']:.3g} (peak {shapes.peak_tflops} TF/s)")  # fmt: skip
+        return (
+            f"best remat {best['remat']}: {best['tokens_per_s']:.4g} tok/s, "
+            f"MFU {best['mfu']:.3g} (peak {shapes.peak_tflops} TF/s)"
+        )
 
-    _rows_in_time(sink, shapes.remats, measure, deadline, headline,
-                  label=lambda remat: f"remat {remat}")  # fmt: skip
+    _rows_in_time(
+        sink, shapes.remats, measure, deadline, headline, label=lambda remat: f"remat {remat}"
+    )
 
 
 def _model(shapes: ModelShapes) -> Any:
@@ -214,10 +255,16 @@ def _decode_row(model: Any, batch: int, unstack: bool, shapes: ModelShapes) -> d
         jax.block_until_ready(call())
         samples.append(time.perf_counter() - start)
     seconds = statistics.median(samples)
-    return {"batch": batch, "unstack_layers": unstack, "prompt": shapes.prompt,
-            "new_tokens": shapes.new_tokens, "first_call_s": first, "seconds": seconds,
-            "tokens_per_s": batch * shapes.new_tokens / seconds,
-            "ms_per_step": seconds / shapes.new_tokens * 1e3}  # fmt: skip
+    return {
+        "batch": batch,
+        "unstack_layers": unstack,
+        "prompt": shapes.prompt,
+        "new_tokens": shapes.new_tokens,
+        "first_call_s": first,
+        "seconds": seconds,
+        "tokens_per_s": batch * shapes.new_tokens / seconds,
+        "ms_per_step": seconds / shapes.new_tokens * 1e3,
+    }
 
 
 def run_decode(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
@@ -225,24 +272,41 @@ def run_decode(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     shapes = shapes_for(dry)
     start = time.perf_counter()
     model = _model(shapes)
-    sink.set(model=shapes.fields, dtype=shapes.dtype, model_init_s=time.perf_counter() - start,
-             note="tokens/s = batch * new_tokens / one generate call (prefill included), "
-             f"median of {shapes.decode_repeats} after a compiling call")  # fmt: skip
+    sink.set(
+        model=shapes.fields,
+        dtype=shapes.dtype,
+        model_init_s=time.perf_counter() - start,
+        note="tokens/s = batch * new_tokens / one generate call (prefill included), "
+        f"median of {shapes.decode_repeats} after a compiling call",
+    )
 
     def measure(setting: tuple[int, bool]) -> dict[str, Any]:
         batch, unstack = setting
         try:
             return _decode_row(model, batch, unstack, shapes)
         except Exception as err:
-            return {"batch": batch, "unstack_layers": unstack, "tokens_per_s": float("nan"),
-                    "error": short_error(err)}  # fmt: skip
+            return {
+                "batch": batch,
+                "unstack_layers": unstack,
+                "tokens_per_s": float("nan"),
+                "error": short_error(err),
+            }
 
     def headline(rows: list[dict[str, Any]]) -> str:
-        return ", ".join(f"b{r['batch']}{'/unstacked' if r['unstack_layers'] else ''} "
-                         f"{r['tokens_per_s']:.4g} tok/s" for r in rows)  # fmt: skip
+        return ", ".join(
+            f"b{r['batch']}{'/unstacked' if r['unstack_layers'] else ''} "
+            f"{r['tokens_per_s']:.4g} tok/s"
+            for r in rows
+        )
 
-    _rows_in_time(sink, shapes.decode, measure, deadline, headline,
-                  label=lambda s: f"batch {s[0]}{' unstacked' if s[1] else ''}")  # fmt: skip
+    _rows_in_time(
+        sink,
+        shapes.decode,
+        measure,
+        deadline,
+        headline,
+        label=lambda s: f"batch {s[0]}{' unstacked' if s[1] else ''}",
+    )
 
 
 def _serve_pass(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
@@ -265,9 +329,15 @@ def _serve_pass(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[
             first.setdefault(o.request_id, now - start)
     wall = time.perf_counter() - start
     ttft = list(first.values())
-    return {"seconds": wall, "output_tokens": tokens, "tokens_per_s": tokens / wall,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "step_p50_ms": percentile(steps, 50) * 1e3, "steps": len(steps)}  # fmt: skip
+    return {
+        "seconds": wall,
+        "output_tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "step_p50_ms": percentile(steps, 50) * 1e3,
+        "steps": len(steps),
+    }
 
 
 def _compiled_shapes() -> int | None:
@@ -286,10 +356,15 @@ def _serve_row(model: Any, impl: str, shapes: ModelShapes) -> dict[str, Any]:
     from edl.serve.engine import Engine
 
     n, max_tokens = shapes.requests, shapes.new_tokens
-    engine = Engine(configure(model, attention_impl=impl), max_batch=n,
-                    max_model_len=shapes.prompt + max_tokens, page_size=shapes.page_size,
-                    prefill_chunk=shapes.prompt, prefill_tokens=n * shapes.prompt,
-                    prefix_caching=False)  # fmt: skip
+    engine = Engine(
+        configure(model, attention_impl=impl),
+        max_batch=n,
+        max_model_len=shapes.prompt + max_tokens,
+        page_size=shapes.page_size,
+        prefill_chunk=shapes.prompt,
+        prefill_tokens=n * shapes.prompt,
+        prefix_caching=False,
+    )
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
 
@@ -299,8 +374,14 @@ def _serve_row(model: Any, impl: str, shapes: ModelShapes) -> dict[str, Any]:
     start = time.perf_counter()
     _serve_pass(engine, prompts(), max_tokens)
     warmup, compiled = time.perf_counter() - start, _compiled_shapes()
-    row = {"impl": impl, "requests": n, "prompt": shapes.prompt, "max_tokens": max_tokens,
-           "warmup_s": warmup, "compiled_shapes": compiled}  # fmt: skip
+    row = {
+        "impl": impl,
+        "requests": n,
+        "prompt": shapes.prompt,
+        "max_tokens": max_tokens,
+        "warmup_s": warmup,
+        "compiled_shapes": compiled,
+    }
     row |= _serve_pass(engine, prompts(), max_tokens)
     row["recompiled"] = None if compiled is None else _compiled_shapes() != compiled
     if row["output_tokens"] != n * max_tokens:
@@ -313,9 +394,13 @@ def run_serve(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
     error the next attention impl of ``serve_impls`` is tried."""
     shapes = shapes_for(dry)
     model = _model(shapes)
-    sink.set(model=shapes.fields, dtype=shapes.dtype, page_size=shapes.page_size,
-             note="all requests added at once (max_batch = requests, one prefill call); "
-             "TTFT from add_request; warm-up = one untimed pass of the same workload")  # fmt: skip
+    sink.set(
+        model=shapes.fields,
+        dtype=shapes.dtype,
+        page_size=shapes.page_size,
+        note="all requests added at once (max_batch = requests, one prefill call); "
+        "TTFT from add_request; warm-up = one untimed pass of the same workload",
+    )
     for impl in shapes.serve_impls:
         try:
             row = _serve_row(model, impl, shapes)
@@ -326,7 +411,9 @@ def run_serve(sink: Sink, *, dry: bool, deadline: Deadline, out: Path) -> None:
             _free()  # the failed engine's cache pools
             continue
         sink.row(row)
-        sink.set(headline=f"{impl}: {row['tokens_per_s']:.4g} tok/s, TTFT p50 "
-                 f"{row['ttft_p50_s']:.3g} s, warm-up {row['warmup_s']:.3g} s")  # fmt: skip
+        sink.set(
+            headline=f"{impl}: {row['tokens_per_s']:.4g} tok/s, TTFT p50 "
+            f"{row['ttft_p50_s']:.3g} s, warm-up {row['warmup_s']:.3g} s"
+        )
         return
     sink.set(headline="every impl failed")

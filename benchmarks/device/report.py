@@ -12,20 +12,77 @@ from typing import Any
 # Per section, the row fields shown in device.md, in order (only those some row has).
 COLUMNS = {
     "environment": ["backend", "device", "devices", "memory_gib", "compute_capability", "driver"],
-    "tests": ["status", "exit_code", "collected", "passed", "failed", "errors", "skipped",
-              "deselected", "seconds"],
-    "attention": ["seq", "batch", "impl", "fwd_ms", "fwd_tflops", "fwd_bwd_ms", "fwd_bwd_tflops",
-                  "fwd_first_call_s", "fwd_bwd_first_call_s", "fwd_rel_err", "grad_rel_err",
-                  "check_against", "check", "error"],
-    "train": ["remat", "attention_impl", "parameters", "batch", "seq", "dtype", "step_ms",
-              "tokens_per_s", "tflops", "flops_per_token", "mfu", "compile_s", "oom_at_batch",
-              "error"],
-    "decode": ["batch", "unstack_layers", "prompt", "new_tokens", "first_call_s", "seconds",
-               "tokens_per_s", "ms_per_step", "error"],
-    "serve": ["impl", "requests", "prompt", "max_tokens", "warmup_s", "compiled_shapes", "seconds",
-              "output_tokens", "tokens_per_s", "ttft_p50_s", "ttft_p99_s", "step_p50_ms",
-              "recompiled", "error"],
-}  # fmt: skip
+    "tests": [
+        "status",
+        "exit_code",
+        "collected",
+        "passed",
+        "failed",
+        "errors",
+        "skipped",
+        "deselected",
+        "seconds",
+    ],
+    "attention": [
+        "seq",
+        "batch",
+        "impl",
+        "fwd_ms",
+        "fwd_tflops",
+        "fwd_bwd_ms",
+        "fwd_bwd_tflops",
+        "fwd_first_call_s",
+        "fwd_bwd_first_call_s",
+        "fwd_rel_err",
+        "grad_rel_err",
+        "check_against",
+        "check",
+        "error",
+    ],
+    "train": [
+        "remat",
+        "attention_impl",
+        "parameters",
+        "batch",
+        "seq",
+        "dtype",
+        "step_ms",
+        "tokens_per_s",
+        "tflops",
+        "flops_per_token",
+        "mfu",
+        "compile_s",
+        "oom_at_batch",
+        "error",
+    ],
+    "decode": [
+        "batch",
+        "unstack_layers",
+        "prompt",
+        "new_tokens",
+        "first_call_s",
+        "seconds",
+        "tokens_per_s",
+        "ms_per_step",
+        "error",
+    ],
+    "serve": [
+        "impl",
+        "requests",
+        "prompt",
+        "max_tokens",
+        "warmup_s",
+        "compiled_shapes",
+        "seconds",
+        "output_tokens",
+        "tokens_per_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "step_p50_ms",
+        "recompiled",
+        "error",
+    ],
+}
 
 
 def cell(value: Any) -> str:
@@ -50,8 +107,9 @@ def summary_rows(report: dict[str, Any]) -> list[list[Any]]:
     rows = []
     for name, section in report["sections"].items():
         headline = section.get("meta", {}).get("headline") or section.get("error") or ""
-        rows.append([name, section["status"], section.get("seconds"), section.get("budget_s"),
-                     headline])  # fmt: skip
+        rows.append(
+            [name, section["status"], section.get("seconds"), section.get("budget_s"), headline]
+        )
     return rows
 
 
@@ -75,15 +133,19 @@ def markdown(report: dict[str, Any]) -> str:
     env = report["sections"].get("environment", {}).get("meta", {})
     kind = "dry run (CPU, tiny shapes)" if run["dry_run"] else "full run"
     lines = [
-        "# edl device run", "",
+        "# edl device run",
+        "",
         f"started {run['started']}, {kind}"
         f", budget {run['budget_s']} s, elapsed {cell(run.get('elapsed_s'))} s"
         f"{'' if run.get('finished') else ' (unfinished)'}",
         f"commit {env.get('git_commit')}, tree digest {env.get('tree_digest')}, "
-        f"wheels: {env.get('wheels')}", "",
-        markdown_table(["section", "status", "seconds", "budget s", "headline"],
-                       summary_rows(report)), "",
-    ]  # fmt: skip
+        f"wheels: {env.get('wheels')}",
+        "",
+        markdown_table(
+            ["section", "status", "seconds", "budget s", "headline"], summary_rows(report)
+        ),
+        "",
+    ]
     for name, section in report["sections"].items():
         lines += _section_markdown(name, section)
     return "\n".join(lines)
@@ -91,8 +153,10 @@ def markdown(report: dict[str, Any]) -> str:
 
 def write(report: dict[str, Any], out: Path) -> None:
     """Write ``device.json`` and ``device.md`` into ``out`` (each atomically)."""
-    for name, text in (("device.json", json.dumps(report, indent=1, default=str)),
-                       ("device.md", markdown(report))):  # fmt: skip
+    for name, text in (
+        ("device.json", json.dumps(report, indent=1, default=str)),
+        ("device.md", markdown(report)),
+    ):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)

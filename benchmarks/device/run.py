@@ -37,13 +37,20 @@ from benchmarks.device.section import SECTIONS
 ROOT = Path(__file__).resolve().parents[2]
 # Nominal seconds per section on the GPU (process start and jax's CUDA init included):
 # 530 of the default 540 s budget; the rest is slack for the driver.
-BUDGETS = {"environment": 30, "tests": 110, "attention": 90, "train": 150, "decode": 75,
-           "serve": 75}  # fmt: skip
+BUDGETS = {
+    "environment": 30,
+    "tests": 110,
+    "attention": 90,
+    "train": 150,
+    "decode": 75,
+    "serve": 75,
+}
 DRY_BUDGETS = dict.fromkeys(SECTIONS, 45)
 # One section at a time has the GPU: let jax take 92% of its memory rather than its default
 # 75% (the 1B train step without remat needs ~50 GB); an explicit setting wins.
-GPU_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION",
-                                                            "0.92")}  # fmt: skip
+GPU_ENV = {
+    "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+}
 MARGIN = 3.0  # seconds kept back per section for killing it and writing the report
 MIN_SECTION = 5.0  # a section with less time left than this is skipped
 
@@ -83,17 +90,30 @@ def _dry_env(scratch: Path) -> dict[str, str]:
     """The dry run's environment: the CPU, and one persistent compilation cache for all
     its sections (the model's initialisation compiles ~40 small programs, ~5 s of the
     CPU, which the later sections then load instead). The GPU run uses neither."""
-    return {"JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(scratch / "jax-cache"),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # fmt: skip
+    return {
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(scratch / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
 
 
 def _start(name: str, limit: float, args: argparse.Namespace, scratch: Path) -> Running:
     """Start section ``name`` in a child process (its own session, so that it and its
     children can be stopped together) with ``limit`` seconds to run."""
     result = scratch / f"{name}.json"
-    cmd = [sys.executable, "-m", "benchmarks.device.section", name, "--result", str(result),
-           "--out", str(args.out), "--budget", f"{limit:.0f}",
-           *(["--dry-run"] if args.dry_run else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.device.section",
+        name,
+        "--result",
+        str(result),
+        "--out",
+        str(args.out),
+        "--budget",
+        f"{limit:.0f}",
+        *(["--dry-run"] if args.dry_run else []),
+    ]
     env = {**os.environ, **(_dry_env(scratch) if args.dry_run else GPU_ENV)}
     print(f"== {name}: started (limit {limit:.0f} s)", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
@@ -114,9 +134,14 @@ def _record(running: Running, code: int | None, status: str | None = None) -> di
         data = {"meta": {}, "rows": []}
     meta = data.get("meta", {})
     print(f"== {running.name}: {status} in {seconds:.1f} s", flush=True)
-    return {"status": status, "seconds": seconds, "budget_s": round(running.limit),
-            "error": meta.pop("error", None), "meta": meta,
-            "rows": data.get("rows", [])}  # fmt: skip
+    return {
+        "status": status,
+        "seconds": seconds,
+        "budget_s": round(running.limit),
+        "error": meta.pop("error", None),
+        "meta": meta,
+        "rows": data.get("rows", []),
+    }
 
 
 def poll(job: Running) -> dict[str, Any] | None:
@@ -130,8 +155,9 @@ def poll(job: Running) -> dict[str, Any] | None:
     return _record(job, code)
 
 
-def run_sections(args: argparse.Namespace, state: dict[str, Any], deadline: float,
-                 scratch: Path) -> None:  # fmt: skip
+def run_sections(
+    args: argparse.Namespace, state: dict[str, Any], deadline: float, scratch: Path
+) -> None:
     """Run ``args.sections`` in order, ``args.jobs`` at a time, each within its limit
     (``section_limit``; later sections' budgets shared among the jobs); the report is
     rewritten as each ends."""
@@ -173,15 +199,20 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dry-run", action="store_true",
-                        help="every section on the CPU with tiny shapes (< 60 s)")  # fmt: skip
+    parser.add_argument(
+        "--dry-run", action="store_true", help="every section on the CPU with tiny shapes (< 60 s)"
+    )
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     default_out = os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "device")
     parser.add_argument("--out", type=Path, default=Path(default_out))
-    parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
-    parser.add_argument("--jobs", type=int, default=None,
-                        help="sections at once (default 1; 2 in a dry run)")  # fmt: skip
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help=f"comma-separated subset of {','.join(SECTIONS)}",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="sections at once (default 1; 2 in a dry run)"
+    )
     args = parser.parse_args(argv)
     args.jobs = args.jobs or (2 if args.dry_run else 1)
     args.sections = [s for s in args.sections.split(",") if s]
@@ -198,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     deadline = start + args.budget
     state: dict[str, Any] = {
-        "run": {"dry_run": args.dry_run, "budget_s": args.budget, "finished": False,
-                "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv[1:]},
-        "sections": {name: {"status": "pending", "meta": {}, "rows": []}
-                     for name in args.sections},
-    }  # fmt: skip
+        "run": {
+            "dry_run": args.dry_run,
+            "budget_s": args.budget,
+            "finished": False,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "argv": sys.argv[1:],
+        },
+        "sections": {name: {"status": "pending", "meta": {}, "rows": []} for name in args.sections},
+    }
     report.write(state, args.out)
     signal.signal(signal.SIGTERM, _on_signal)
     try:
@@ -214,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     state["run"]["elapsed_s"] = time.perf_counter() - start
     report.write(state, args.out)
     rows = [[n, s, sec, hl[:90]] for n, s, sec, _, hl in report.summary_rows(state)]
-    print(f"\nedl device run ({'dry run' if args.dry_run else 'full'}), "
-          f"{state['run']['elapsed_s']:.0f} s, report in {args.out}")  # fmt: skip
+    print(
+        f"\nedl device run ({'dry run' if args.dry_run else 'full'}), "
+        f"{state['run']['elapsed_s']:.0f} s, report in {args.out}"
+    )
     print(table(["section", "status", "s", "headline"], rows))
     return 0 if state["run"]["finished"] else 1
 

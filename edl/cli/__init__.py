@@ -33,19 +33,28 @@ _METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--config", type=Path, metavar="TOML",
+        "--config",
+        type=Path,
+        metavar="TOML",
         help="TOML file of options (keys as the flags, with _ for -); flags win",
-    )  # fmt: skip
+    )
     for name, field in FIELDS.items():
         meta = field.metadata
         shown = meta["help"] + f" (default: {field.default})"
         if field.type == "bool":
-            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None,
-                                help=shown)  # fmt: skip
+            parser.add_argument(
+                flag(name), action=argparse.BooleanOptionalAction, default=None, help=shown
+            )
             continue
         metavar = None if meta["choices"] else _METAVARS[field.type]
-        parser.add_argument(flag(name), type=_TYPES[field.type], default=None,
-                            choices=meta["choices"], help=shown, metavar=metavar)  # fmt: skip
+        parser.add_argument(
+            flag(name),
+            type=_TYPES[field.type],
+            default=None,
+            choices=meta["choices"],
+            help=shown,
+            metavar=metavar,
+        )
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
@@ -60,27 +69,36 @@ def _parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
-        "train", help="train a model (defaults: a tiny Llama on the embedded corpus)",
+        "train",
+        help="train a model (defaults: a tiny Llama on the embedded corpus)",
         description="Train a Llama byte-level model; see the README for what each file holds.",
-    )  # fmt: skip
+    )
     _add_train_flags(train)
     _add_generate(commands)
     export = commands.add_parser(
-        "export", help="write a checkpoint or run as a plain Hugging Face model directory",
+        "export",
+        help="write a checkpoint or run as a plain Hugging Face model directory",
         description="Write the model of a checkpoint (a run directory: its newest) to OUT_DIR "
         "as transformers loads it: weights, config.json, generation_config.json, tokenizer "
         "files. LoRA adapters are merged (--merge-lora) or written in PEFT's layout beside "
         "the base (transformers applies them, with peft); a quantized base is dequantized. "
         "OUT_DIR must be new, empty or an earlier export (which is replaced).",
-    )  # fmt: skip
-    export.add_argument("source", type=Path, metavar="CHECKPOINT_OR_RUN_DIR",
-                        help="a run directory, a checkpoint or a saved model")  # fmt: skip
+    )
+    export.add_argument(
+        "source",
+        type=Path,
+        metavar="CHECKPOINT_OR_RUN_DIR",
+        help="a run directory, a checkpoint or a saved model",
+    )
     export.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the directory to write")
-    export.add_argument("--merge-lora", action="store_true",
-                        help="merge LoRA into the weights (else: a PEFT adapter beside "
-                        "the base)")  # fmt: skip
-    export.add_argument("--dtype", choices=_DTYPES, default=None,
-                        help="cast floating weights (default: as stored)")  # fmt: skip
+    export.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="merge LoRA into the weights (else: a PEFT adapter beside the base)",
+    )
+    export.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="cast floating weights (default: as stored)"
+    )
     _add_serve(commands)
     info = commands.add_parser("info", help="summarise a saved model, checkpoint or run")
     info.add_argument("path", type=Path, help="a run directory, checkpoint or saved model")
@@ -92,60 +110,122 @@ _DTYPES = ("bfloat16", "float32")
 
 def _add_generate(commands: Any) -> None:
     gen = commands.add_parser(
-        "generate", help="generate text with a saved model, checkpoint, run or hub model",
+        "generate",
+        help="generate text with a saved model, checkpoint, run or hub model",
         description="Continue a prompt (or answer it as a chat turn, --chat) and stream the "
         "text to stdout. Greedy unless --temperature > 0. The tokenizer is the model "
         "directory's (tokenizer files), else the byte tokenizer of edl train's demo.",
-    )  # fmt: skip
-    gen.add_argument("--model", required=True, metavar="DIR_OR_REPO",
-                     help="a run directory, checkpoint, saved model or hub repo id")  # fmt: skip
+    )
+    gen.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR_OR_REPO",
+        help="a run directory, checkpoint, saved model or hub repo id",
+    )
     prompt = gen.add_mutually_exclusive_group()
-    prompt.add_argument("--prompt", default=None, metavar="TEXT",
-                        help="text to continue (default: 'def ')")  # fmt: skip
-    prompt.add_argument("--prompt-file", type=Path, default=None, metavar="F",
-                        help="read the prompt from this UTF-8 file")  # fmt: skip
-    gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user message via the chat template")  # fmt: skip
-    gen.add_argument("--system", default=None, metavar="TEXT",
-                     help="a system message before the prompt (with --chat)")  # fmt: skip
-    gen.add_argument("--max-new-tokens", type=int, default=200, metavar="N",
-                     help="tokens to generate at most (default: 200)")  # fmt: skip
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
-                     help="sampling temperature; 0 is greedy (default: 0.0)")  # fmt: skip
-    gen.add_argument("--top-p", type=float, default=None, metavar="P",
-                     help="nucleus sampling: the top tokens of mass P (0 < P <= 1)")  # fmt: skip
-    gen.add_argument("--top-k", type=int, default=None, metavar="K",
-                     help="sample among the K most likely tokens")  # fmt: skip
-    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
-                     help="beam search with B beams, printed at the end (default: 1)")  # fmt: skip
-    gen.add_argument("--dtype", choices=_DTYPES, default=None,
-                     help="compute in this dtype (default: as stored)")  # fmt: skip
+    prompt.add_argument(
+        "--prompt", default=None, metavar="TEXT", help="text to continue (default: 'def ')"
+    )
+    prompt.add_argument(
+        "--prompt-file",
+        type=Path,
+        default=None,
+        metavar="F",
+        help="read the prompt from this UTF-8 file",
+    )
+    gen.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message via the chat template",
+    )
+    gen.add_argument(
+        "--system",
+        default=None,
+        metavar="TEXT",
+        help="a system message before the prompt (with --chat)",
+    )
+    gen.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=200,
+        metavar="N",
+        help="tokens to generate at most (default: 200)",
+    )
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        metavar="T",
+        help="sampling temperature; 0 is greedy (default: 0.0)",
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        metavar="P",
+        help="nucleus sampling: the top tokens of mass P (0 < P <= 1)",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=None, metavar="K", help="sample among the K most likely tokens"
+    )
+    gen.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        metavar="B",
+        help="beam search with B beams, printed at the end (default: 1)",
+    )
+    gen.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="compute in this dtype (default: as stored)"
+    )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
 
 
 def _add_serve(commands: Any) -> None:
     serve = commands.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model at /v1/chat/completions, /v1/completions, /v1/models and "
         "/health (OpenAI's API, streaming included) with continuous batching. Needs the "
         "serve extra (pip install 'edl-jax[serve]'). SIGTERM / Ctrl-C stop it gracefully.",
-    )  # fmt: skip
-    serve.add_argument("--model", required=True, metavar="DIR_OR_REPO",
-                       help="a run directory, checkpoint, saved model or hub repo id")  # fmt: skip
-    serve.add_argument("--served-model-name", default=None, metavar="NAME",
-                       help="the model name clients send (default: --model as given)")  # fmt: skip
+    )
+    serve.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR_OR_REPO",
+        help="a run directory, checkpoint, saved model or hub repo id",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="the model name clients send (default: --model as given)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
-    serve.add_argument("--max-batch", type=int, default=32, metavar="N",
-                       help="requests decoded together at most (default: 32)")  # fmt: skip
-    serve.add_argument("--max-model-len", type=int, default=None, metavar="L",
-                       help="prompt + reply tokens at most (default: the model's "
-                       "max_position_embeddings)")  # fmt: skip
-    serve.add_argument("--dtype", choices=_DTYPES, default=None,
-                       help="compute in this dtype (default: as stored)")  # fmt: skip
-    serve.add_argument("--warmup", action="store_true",
-                       help="compile every step shape before listening (seconds per shape "
-                       "for a deep model; otherwise each compiles on first use)")  # fmt: skip
+    serve.add_argument(
+        "--max-batch",
+        type=int,
+        default=32,
+        metavar="N",
+        help="requests decoded together at most (default: 32)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="prompt + reply tokens at most (default: the model's max_position_embeddings)",
+    )
+    serve.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="compute in this dtype (default: as stored)"
+    )
+    serve.add_argument(
+        "--warmup",
+        action="store_true",
+        help="compile every step shape before listening (seconds per shape "
+        "for a deep model; otherwise each compiles on first use)",
+    )
 
 
 def _check_serve(args: argparse.Namespace) -> None:
@@ -177,8 +257,11 @@ def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         _usage(parser, f"argument --num-beams: must be >= 1, got {args.num_beams}")
     for name in ("top_p", "top_k"):
         if getattr(args, name) is not None and args.temperature == 0:
-            _usage(parser, f"argument --{name.replace('_', '-')}: only applies when sampling "
-                         "(--temperature > 0)")  # fmt: skip
+            _usage(
+                parser,
+                f"argument --{name.replace('_', '-')}: only applies when sampling "
+                "(--temperature > 0)",
+            )
     if args.system is not None and not args.chat:
         _usage(parser, "argument --system: needs --chat")
     if args.prompt_file is not None:

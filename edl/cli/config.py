@@ -46,9 +46,15 @@ class Registered:
         return f"{' / '.join(self.extra)} or {where}" if self.extra else where
 
 
-def _option(default: Any, help: str, *, low: float | None = None, high: float | None = None,
-            choices: tuple[str, ...] | None = None,
-            registry: Registered | None = None) -> Any:  # fmt: skip
+def _option(
+    default: Any,
+    help: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    registry: Registered | None = None,
+) -> Any:
     """A dataclass field with the option's help, range and choices (or the registry whose
     names they are) as metadata."""
     if registry is not None:
@@ -72,9 +78,12 @@ class TrainConfig:
         "training data: text / JSONL files, a directory, a glob, or a datasets name "
         "(empty: the embedded corpus)",
     )
-    format: str = _option("text", "what --data records hold: text, prompt / completion, or chat "
-                          "messages (loss on completions / assistant turns only)",
-                          choices=("text", "completion", "chat"))  # fmt: skip
+    format: str = _option(
+        "text",
+        "what --data records hold: text, prompt / completion, or chat "
+        "messages (loss on completions / assistant turns only)",
+        choices=("text", "completion", "chat"),
+    )
     method: str = _option(
         "sft",
         "what to train: sft (next-token loss on --data), dpo (preference pairs: "
@@ -91,17 +100,22 @@ class TrainConfig:
         0.0, "DPO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)", low=0.0
     )
     reference: str = _option(
-        "auto", "DPO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
+        "auto",
+        "DPO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
         "frozen copy of --model), auto (lora with --lora-rank, else model)",
         choices=("auto", "lora", "model"),
-    )  # fmt: skip
-    reward: str = _option("", "--method grpo: reward function(s), module:function[,...] "
-                          "(imported from the working directory or PYTHONPATH)")  # fmt: skip
+    )
+    reward: str = _option(
+        "",
+        "--method grpo: reward function(s), module:function[,...] "
+        "(imported from the working directory or PYTHONPATH)",
+    )
     num_generations: int = _option(8, "--method grpo: completions per prompt", low=2.0)
     max_new_tokens: int = _option(64, "--method grpo: tokens per completion", low=1.0)
     temperature: float = _option(1.0, "--method grpo: sampling temperature", low=0.0)
-    num_iterations: int = _option(1, "--method grpo: optimizer updates per batch of "
-                                  "completions", low=1.0)  # fmt: skip
+    num_iterations: int = _option(
+        1, "--method grpo: optimizer updates per batch of completions", low=1.0
+    )
     eval_data: str = _option("", "held-out data, read as --data (empty: none with --data)")
     packing: bool = _option(True, "pack several examples per row (segment ids keep them apart)")
     lora_rank: int = _option(0, "LoRA rank for --model runs (0: full fine-tuning)", low=0.0)
@@ -111,11 +125,14 @@ class TrainConfig:
         "quantize the frozen base (QLoRA; needs --lora-rank)",
         registry=Registered("edl.ops.quant:QUANT_FORMATS", extra=("none",)),
     )
-    param_dtype: str = _option("float32", "dtype of the trained weights (the master copy)",
-                               choices=("float32", "bfloat16"))  # fmt: skip
-    compute_dtype: str = _option("float32", "dtype of the forward and backward passes "
-                                 "(softmax and losses stay float32)",
-                                 choices=("float32", "bfloat16"))  # fmt: skip
+    param_dtype: str = _option(
+        "float32", "dtype of the trained weights (the master copy)", choices=("float32", "bfloat16")
+    )
+    compute_dtype: str = _option(
+        "float32",
+        "dtype of the forward and backward passes (softmax and losses stay float32)",
+        choices=("float32", "bfloat16"),
+    )
     output_dir: str = _option("runs/edl-train", "directory for metrics, checkpoints, run.md")
     steps: int = _option(1200, "optimizer steps of the run (the schedule's length)", low=1.0)
     time_limit: float = _option(
@@ -140,8 +157,9 @@ class TrainConfig:
     )
     warmup_steps: int = _option(30, "linear warmup steps", low=0.0)
     weight_decay: float = _option(0.01, "AdamW / Lion weight decay", low=0.0)
-    clip_norm: float = _option(1.0, "clip the global gradient norm to this (0: no clipping)",
-                               low=0.0)  # fmt: skip
+    clip_norm: float = _option(
+        1.0, "clip the global gradient norm to this (0: no clipping)", low=0.0
+    )
     grad_accum_steps: int = _option(1, "micro-batches per step (must divide --batch-size)", low=1.0)
     nan_policy: str = _option(
         "stop", "at a non-finite step: stop, or skip it and go on", choices=NAN_POLICIES
@@ -152,27 +170,38 @@ class TrainConfig:
     eval_batches: int = _option(4, "batches per held-out evaluation", low=1.0)
     save_every: int = _option(250, "checkpoint every this many steps (0: only at the end)", low=0.0)
     keep: int = _option(3, "checkpoints to keep", low=1.0)
-    save_async: bool = _option(False, "write checkpoints in the background while training goes "
-                               "on (one at a time)")  # fmt: skip
+    save_async: bool = _option(
+        False, "write checkpoints in the background while training goes on (one at a time)"
+    )
     log_every: int = _option(1, "metrics.jsonl interval in steps", low=1.0)
     trackers: str = _option(
         "auto",
         "where metrics and the config also go: a comma list of tensorboard, wandb (W&B's "
         "WANDB_MODE / WANDB_PROJECT apply), or none; auto: tensorboard when installed",
     )
-    profile: str = _option("", "START:COUNT: a jax.profiler trace of steps START to "
-                           "START+COUNT-1 into OUTPUT_DIR/profile (empty: none)")  # fmt: skip
+    profile: str = _option(
+        "",
+        "START:COUNT: a jax.profiler trace of steps START to "
+        "START+COUNT-1 into OUTPUT_DIR/profile (empty: none)",
+    )
     prompt: str = _option("def ", "prompt of the sample printed at the end")
     sample_tokens: int = _option(200, "bytes to sample at the end", low=1.0)
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
     peak_flops: float = _option(1e11, "the machine's peak FLOP/s, for MFU", low=0.0)
-    mesh: str = _option("", "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest); "
-                        "empty: one device, or data parallel over all with several "
-                        "processes")  # fmt: skip
-    coordinator: str = _option("", "HOST:PORT of process 0, for a run of several processes "
-                               "(jax.distributed)")  # fmt: skip
-    num_processes: int = _option(1, "processes of the run (each on its own machine or "
-                                 "devices; all with the same options)", low=1.0)  # fmt: skip
+    mesh: str = _option(
+        "",
+        "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest); "
+        "empty: one device, or data parallel over all with several "
+        "processes",
+    )
+    coordinator: str = _option(
+        "", "HOST:PORT of process 0, for a run of several processes (jax.distributed)"
+    )
+    num_processes: int = _option(
+        1,
+        "processes of the run (each on its own machine or devices; all with the same options)",
+        low=1.0,
+    )
     process_id: int = _option(0, "this process's rank, 0 .. --num-processes - 1", low=0.0)
 
     def __post_init__(self) -> None:
@@ -220,9 +249,14 @@ class TrainConfig:
         if not self.model:
             raise ConfigError(f"--method {method} needs --model (a pretrained model)")
         if self.format != "text":
-            raise ConfigError(f"--format is for --method sft; --method {method} reads "
-                              + ("prompt records" if method == "grpo" else
-                                 "preference records (prompt / chosen / rejected)"))  # fmt: skip
+            raise ConfigError(
+                f"--format is for --method sft; --method {method} reads "
+                + (
+                    "prompt records"
+                    if method == "grpo"
+                    else "preference records (prompt / chosen / rejected)"
+                )
+            )
         if self.eval_data:
             raise ConfigError(f"--eval-data is for --method sft, not {method}")
         if method == "grpo" and not self.reward:
@@ -243,20 +277,22 @@ class TrainConfig:
 
     def _check_processes(self) -> None:
         if self.process_id >= self.num_processes:
-            raise ConfigError(f"--process-id ({self.process_id}) must be below "
-                              f"--num-processes ({self.num_processes})")  # fmt: skip
+            raise ConfigError(
+                f"--process-id ({self.process_id}) must be below "
+                f"--num-processes ({self.num_processes})"
+            )
         if self.num_processes > 1:
             host, _, port = self.coordinator.rpartition(":")
             if not (host and port.isdigit()):
-                raise ConfigError(f"--num-processes {self.num_processes} needs --coordinator "
-                                  f"HOST:PORT (process 0's address), got "
-                                  f"{self.coordinator!r}")  # fmt: skip
+                raise ConfigError(
+                    f"--num-processes {self.num_processes} needs --coordinator "
+                    f"HOST:PORT (process 0's address), got "
+                    f"{self.coordinator!r}"
+                )
             if self.method != "sft":
-                raise ConfigError(f"--num-processes > 1 is for --method sft, not "
-                                  f"{self.method}")  # fmt: skip
+                raise ConfigError(f"--num-processes > 1 is for --method sft, not {self.method}")
         elif self.coordinator:
-            raise ConfigError("--coordinator is for runs of several processes "
-                              "(--num-processes N)")  # fmt: skip
+            raise ConfigError("--coordinator is for runs of several processes (--num-processes N)")
 
     @property
     def mesh_dims(self) -> tuple[int, ...] | None:
@@ -269,8 +305,10 @@ class TrainConfig:
         except ValueError:
             dims = ()
         if len(dims) != 4 or any(d == 0 or d < -1 for d in dims) or dims.count(-1) > 1:
-            raise ConfigError(f"--mesh must be DP,FSDP,TP,SP: four sizes >= 1, one of them "
-                              f"may be -1, got {self.mesh!r}")  # fmt: skip
+            raise ConfigError(
+                f"--mesh must be DP,FSDP,TP,SP: four sizes >= 1, one of them "
+                f"may be -1, got {self.mesh!r}"
+            )
         return dims
 
     @property
@@ -283,8 +321,10 @@ class TrainConfig:
         names = tuple(n.strip() for n in self.trackers.split(","))
         unknown = [n for n in names if n not in TRACKERS]
         if unknown:
-            raise ConfigError(f"--trackers: {unknown[0]!r} is not one of {', '.join(TRACKERS)} "
-                              f"(or auto / none); got {self.trackers!r}")  # fmt: skip
+            raise ConfigError(
+                f"--trackers: {unknown[0]!r} is not one of {', '.join(TRACKERS)} "
+                f"(or auto / none); got {self.trackers!r}"
+            )
         return names
 
     @property
@@ -294,8 +334,9 @@ class TrainConfig:
             return None
         start, sep, count = self.profile.partition(":")
         if not (sep and start.isdigit() and count.isdigit() and int(start) and int(count)):
-            raise ConfigError(f"--profile must be START:COUNT, two ints >= 1 (e.g. 10:3), "
-                              f"got {self.profile!r}")  # fmt: skip
+            raise ConfigError(
+                f"--profile must be START:COUNT, two ints >= 1 (e.g. 10:3), got {self.profile!r}"
+            )
         return int(start), int(count)
 
     @property

@@ -34,6 +34,14 @@ def batches(config: TrainConfig, spec: str, tokenizer: Tokenizer, *, shuffle: bo
         raise CommandError(f"{spec}: {e}") from None
     if len(dataset) == 0:
         raise CommandError(f"{spec}: no records")
-    return TokenBatches(dataset, batch_size=config.batch_size, max_length=config.seq_len,
-                        tokenizer=tokenizer, pack=config.packing, shuffle=shuffle,
-                        seed=config.seed, repeat=shuffle, **process_split())  # fmt: skip
+    return TokenBatches(
+        dataset,
+        batch_size=config.batch_size,
+        max_length=config.seq_len,
+        tokenizer=tokenizer,
+        pack=config.packing,
+        shuffle=shuffle,
+        seed=config.seed,
+        repeat=shuffle,
+        **process_split(),
+    )

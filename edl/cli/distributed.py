@@ -29,9 +29,11 @@ def start(config: TrainConfig) -> None:
     # Cross-process collectives of the CPU backend; the GPU backend does not read it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=config.coordinator, num_processes=config.num_processes,
-        process_id=config.process_id, initialization_timeout=INIT_TIMEOUT_S,
-    )  # fmt: skip
+        coordinator_address=config.coordinator,
+        num_processes=config.num_processes,
+        process_id=config.process_id,
+        initialization_timeout=INIT_TIMEOUT_S,
+    )
 
 
 def is_lead() -> bool:

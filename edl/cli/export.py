@@ -20,8 +20,12 @@ def run_export(source: Path, out_dir: Path, *, merge_lora: bool, dtype: str | No
     what was written."""
     directory = resolve_model(source)
     try:
-        out = export_model(directory, out_dir, merge_lora=merge_lora,
-                           dtype=None if dtype is None else jnp.dtype(dtype))  # fmt: skip
+        out = export_model(
+            directory,
+            out_dir,
+            merge_lora=merge_lora,
+            dtype=None if dtype is None else jnp.dtype(dtype),
+        )
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
     adapter = out / ADAPTER_CONFIG

@@ -61,8 +61,9 @@ def load_for_finetuning(config: TrainConfig) -> tuple[Any, HFTokenizer, Any]:
         model = quantize(model, QuantConfig(config.quantize))
     if not config.lora_rank:
         return model, tokenizer, None
-    model = apply_lora(model, rank=config.lora_rank, alpha=config.lora_alpha,
-                       key=jax.random.key(config.seed))  # fmt: skip
+    model = apply_lora(
+        model, rank=config.lora_rank, alpha=config.lora_alpha, key=jax.random.key(config.seed)
+    )
     return model, tokenizer, lora_trainable
 
 
@@ -77,13 +78,19 @@ def run_finetune(config: TrainConfig) -> dict[str, Any]:
         held_out = batches(config, config.eval_data, tokenizer, shuffle=False)
         eval_batches = [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
-    print(f"edl train: {config.model}: {edl.count_params(model):,} parameters "
-          f"({trained:,} trained), {len(data.documents)} examples, {config.steps} steps, "
-          f"output in {config.output_dir}", file=sys.stderr)  # fmt: skip
-    _, summary = train_model(config, model, data, eval_batches, trainable=trainable,
-                             tokenizer=tokenizer)  # fmt: skip
-    out = {k: summary.get(k) for k in ("start_step", "end_step", "stop_reason", "first_loss",
-                                       "final_loss")}  # fmt: skip
+    print(
+        f"edl train: {config.model}: {edl.count_params(model):,} parameters "
+        f"({trained:,} trained), {len(data.documents)} examples, {config.steps} steps, "
+        f"output in {config.output_dir}",
+        file=sys.stderr,
+    )
+    _, summary = train_model(
+        config, model, data, eval_batches, trainable=trainable, tokenizer=tokenizer
+    )
+    out = {
+        k: summary.get(k)
+        for k in ("start_step", "end_step", "stop_reason", "first_loss", "final_loss")
+    }
     if "eval_loss" in summary.get("final_eval", {}):
         out["eval_loss"] = summary["final_eval"]["eval_loss"]
     out["seconds"] = round(summary["seconds"], 1)

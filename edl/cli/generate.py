@@ -29,9 +29,12 @@ def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: flo
     one compiled decode loop)."""
     sampling = {"do_sample": True, "temperature": temperature, "top_k": None}
     out = generate(
-        model, jnp.asarray([prompt_ids], jnp.int32), max_new_tokens=max_new_tokens,
-        key=jax.random.key(0) if key is None else key, **(sampling if temperature > 0 else {}),
-    )  # fmt: skip
+        model,
+        jnp.asarray([prompt_ids], jnp.int32),
+        max_new_tokens=max_new_tokens,
+        key=jax.random.key(0) if key is None else key,
+        **(sampling if temperature > 0 else {}),
+    )
     return [int(t) for t in out.sequences[0]]
 
 
@@ -83,16 +86,22 @@ def run_generate(args: argparse.Namespace) -> None:
     at the end."""
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
     options = dict(
-        chat=args.chat, system=args.system, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        chat=args.chat,
+        system=args.system,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
         key=jax.random.key(args.seed),
-    )  # fmt: skip
+    )
     if not args.chat:
         print(args.prompt, end="", flush=True)
     try:
         if args.num_beams > 1:
-            print(generate_text(model, tokenizer, args.prompt, num_beams=args.num_beams,
-                                **options), end="")  # fmt: skip
+            print(
+                generate_text(model, tokenizer, args.prompt, num_beams=args.num_beams, **options),
+                end="",
+            )
         else:
             for piece in stream_text(model, tokenizer, args.prompt, **options):
                 print(piece, end="", flush=True)

@@ -70,6 +70,8 @@ def _sharded_summary(checkpoint: Path) -> str:
     if (checkpoint / CONFIG_NAME).is_file():
         config = read_json(checkpoint / CONFIG_NAME, what="model config")
         architecture = config.get("architectures", ["a model"])[0]
-    return (f"{architecture}: {count:,} parameters in {len(shapes)} arrays, sharded over "
-            f"{index.process_count} process(es) (edl export writes it as one HF "
-            f"model)")  # fmt: skip
+    return (
+        f"{architecture}: {count:,} parameters in {len(shapes)} arrays, sharded over "
+        f"{index.process_count} process(es) (edl export writes it as one HF "
+        f"model)"
+    )

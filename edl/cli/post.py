@@ -85,8 +85,13 @@ def _preference_batches(config: TrainConfig, tokenizer: Any) -> PreferenceBatche
         raise CommandError(f"{config.data}: {e}") from None
     if len(pairs) == 0:
         raise CommandError(f"{config.data}: no records")
-    return PreferenceBatches(pairs, batch_size=config.batch_size, max_length=config.seq_len,
-                             pad_id=tokenizer.pad_id, seed=config.seed)  # fmt: skip
+    return PreferenceBatches(
+        pairs,
+        batch_size=config.batch_size,
+        max_length=config.seq_len,
+        pad_id=tokenizer.pad_id,
+        seed=config.seed,
+    )
 
 
 def _prompt_batches(config: TrainConfig) -> PromptBatches:
@@ -106,8 +111,9 @@ def _prompt_batches(config: TrainConfig) -> PromptBatches:
     if not records:
         raise CommandError(f"{config.data}: no records")
     try:
-        return PromptBatches([r for _, r in records], batch_size=config.batch_size,
-                             seed=config.seed)  # fmt: skip
+        return PromptBatches(
+            [r for _, r in records], batch_size=config.batch_size, seed=config.seed
+        )
     except ValueError as e:
         raise CommandError(f"{config.data}: {e}") from None
 
@@ -121,9 +127,13 @@ def _reward_model(
     cls = family.tasks["sequence_classification"]
     hf_config = model.config.replace(num_labels=1, pad_token_id=tokenizer.pad_id)
     backbone = dataclasses.replace(model.model, config=hf_config)
-    score = Linear.init(hf_config.hidden_size, 1, std=hf_config.initializer_range,
-                        dtype=config.param_dtype,
-                        key=jax.random.fold_in(jax.random.key(config.seed), 1))  # fmt: skip
+    score = Linear.init(
+        hf_config.hidden_size,
+        1,
+        std=hf_config.initializer_range,
+        dtype=config.param_dtype,
+        key=jax.random.fold_in(jax.random.key(config.seed), 1),
+    )
     if trainable is not None:
         trainable = re.compile(f"{lora_trainable.pattern}|^score\\.")
     return cls(backbone, score), trainable
@@ -134,8 +144,9 @@ def _reference_model(config: TrainConfig) -> Any:
     return load_model(model_directory(config.model), dtype=config.param_dtype)
 
 
-def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any,
-          reward_fns: list[Any]) -> Any:  # fmt: skip
+def _step(
+    config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any, reward_fns: list[Any]
+) -> Any:
     options = {**step_options(config), "schedule": schedule}
     if config.method == "reward":
         return make_reward_step(tx, **options)
@@ -145,17 +156,31 @@ def _step(config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any,
     ) or (config.method == "grpo" and config.beta > 0)
     frozen = _reference_model(config) if reference == "model" and uses_reference else None
     if config.method == "dpo":
-        return make_dpo_step(tx, loss_type=config.loss_type, beta=config.beta or None,
-                             reference=reference, reference_model=frozen,
-                             **options)  # fmt: skip
-    grpo = GRPOConfig(num_generations=config.num_generations,
-                      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                      beta=config.beta, num_iterations=config.num_iterations)  # fmt: skip
-    return make_grpo_step(tx, tokenizer, reward_fns, grpo,
-                          key=jax.random.key(config.seed),
-                          reference="lora_base" if frozen is None else frozen,
-                          clip_norm=options["clip_norm"],
-                          compute_dtype=options["compute_dtype"])  # fmt: skip
+        return make_dpo_step(
+            tx,
+            loss_type=config.loss_type,
+            beta=config.beta or None,
+            reference=reference,
+            reference_model=frozen,
+            **options,
+        )
+    grpo = GRPOConfig(
+        num_generations=config.num_generations,
+        max_new_tokens=config.max_new_tokens,
+        temperature=config.temperature,
+        beta=config.beta,
+        num_iterations=config.num_iterations,
+    )
+    return make_grpo_step(
+        tx,
+        tokenizer,
+        reward_fns,
+        grpo,
+        key=jax.random.key(config.seed),
+        reference="lora_base" if frozen is None else frozen,
+        clip_norm=options["clip_norm"],
+        compute_dtype=options["compute_dtype"],
+    )
 
 
 def _reported(config: TrainConfig) -> dict[str, Any]:
@@ -187,13 +212,19 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     tx, schedule = optimizer(config, updates=updates)
     step = _step(config, tx, schedule, tokenizer, reward_fns)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
-    print(f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
-          f"parameters ({trained:,} trained), {len(data.documents)} records, {config.steps} "
-          f"steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
-    _, summary = train_model(config, model, data, None, trainable=trainable,
-                             tokenizer=tokenizer, step=step, tx=tx)  # fmt: skip
-    out = {k: summary.get(k) for k in ("start_step", "end_step", "stop_reason", "first_loss",
-                                       "final_loss")}  # fmt: skip
+    print(
+        f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
+        f"parameters ({trained:,} trained), {len(data.documents)} records, {config.steps} "
+        f"steps, output in {config.output_dir}",
+        file=sys.stderr,
+    )
+    _, summary = train_model(
+        config, model, data, None, trainable=trainable, tokenizer=tokenizer, step=step, tx=tx
+    )
+    out = {
+        k: summary.get(k)
+        for k in ("start_step", "end_step", "stop_reason", "first_loss", "final_loss")
+    }
     out.update(_reported(config))
     out["seconds"] = round(summary["seconds"], 1)
     print(json.dumps(out))

@@ -37,10 +37,11 @@ def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
     """The model's causal-LM loss on a ``TokenBatches`` batch (labels, packed segments and
     their positions)."""
     return model.compute_loss(
-        jnp.asarray(batch["input_ids"]), labels=jnp.asarray(batch["labels"]),
+        jnp.asarray(batch["input_ids"]),
+        labels=jnp.asarray(batch["labels"]),
         segment_ids=jnp.asarray(batch["segment_ids"]),
         position_ids=jnp.asarray(batch["position_ids"]),
-    )  # fmt: skip
+    )
 
 
 def check_output_dir(config: TrainConfig) -> None:
@@ -56,19 +57,27 @@ def optimizer(config: TrainConfig, *, updates: int | None = None) -> tuple[Any, 
     """``(tx, schedule)`` of ``config`` over ``updates`` optimizer updates (default
     ``config.steps``)."""
     updates = config.steps if updates is None else updates
-    return make_optimizer(OptimizerConfig(
-        name=config.optimizer, schedule=config.schedule,
-        learning_rate=config.peak_learning_rate,
-        warmup_steps=min(config.warmup_steps, updates), total_steps=updates,
-        weight_decay=config.weight_decay,
-    ))  # fmt: skip
+    return make_optimizer(
+        OptimizerConfig(
+            name=config.optimizer,
+            schedule=config.schedule,
+            learning_rate=config.peak_learning_rate,
+            warmup_steps=min(config.warmup_steps, updates),
+            total_steps=updates,
+            weight_decay=config.weight_decay,
+        )
+    )
 
 
 def step_options(config: TrainConfig) -> dict[str, Any]:
     """``make_train_step``'s options from ``config`` (clipping, accumulation, precision)."""
     compute = None if config.compute_dtype == config.param_dtype else config.compute_dtype
-    return {"grad_accum_steps": config.grad_accum_steps, "clip_norm": config.clip_norm or None,
-            "skip_nonfinite": config.nan_policy == "skip", "compute_dtype": compute}  # fmt: skip
+    return {
+        "grad_accum_steps": config.grad_accum_steps,
+        "clip_norm": config.clip_norm or None,
+        "skip_nonfinite": config.nan_policy == "skip",
+        "compute_dtype": compute,
+    }
 
 
 def train_model(
@@ -92,8 +101,7 @@ def train_model(
     mesh = mesh_of(config)
     if step is None:
         tx, schedule = optimizer(config)
-        step = make_train_step(loss_fn, tx, schedule=schedule, mesh=mesh,
-                               **step_options(config))  # fmt: skip
+        step = make_train_step(loss_fn, tx, schedule=schedule, mesh=mesh, **step_options(config))
     state = edl.create_state(model, tx, trainable=trainable)
     if mesh is not None:
         if not (isinstance(step, StepProgram) and step.mesh is mesh):
@@ -103,18 +111,34 @@ def train_model(
         eval_batches = [shard_batch(b, mesh) for b in eval_batches or ()] or None
     several = jax.process_count() > 1
     if several and config.time_limit:
-        print("edl train: --time-limit is off with several processes (each would stop at "
-              "its own step); size the run by --steps", file=sys.stderr)  # fmt: skip
+        print(
+            "edl train: --time-limit is off with several processes (each would stop at "
+            "its own step); size the run by --steps",
+            file=sys.stderr,
+        )
     return train(
-        state, step, data, steps=config.steps,
+        state,
+        step,
+        data,
+        steps=config.steps,
         eval_step=make_eval_step(loss_fn, mesh=mesh) if eval_batches else None,
         eval_data=eval_batches,
-        eval_every=config.eval_every if eval_batches else 0, eval_batches=config.eval_batches,
-        save_every=config.save_every, output_dir=config.output_dir, resume=config.resume,
-        overwrite=config.overwrite, nan_policy=config.nan_policy,
-        time_limit=None if several else config.time_limit or None, log_every=config.log_every,
+        eval_every=config.eval_every if eval_batches else 0,
+        eval_batches=config.eval_batches,
+        save_every=config.save_every,
+        output_dir=config.output_dir,
+        resume=config.resume,
+        overwrite=config.overwrite,
+        nan_policy=config.nan_policy,
+        time_limit=None if several else config.time_limit or None,
+        log_every=config.log_every,
         flops_per_token=flops_per_token(model.config, config.seq_len),
-        peak_flops=config.peak_flops, keep=config.keep, config=dataclasses.asdict(config),
-        tokenizer=tokenizer, callbacks=callbacks, trackers=config.tracker_names,
-        profile=config.profile_steps, save_async=config.save_async,
-    )  # fmt: skip
+        peak_flops=config.peak_flops,
+        keep=config.keep,
+        config=dataclasses.asdict(config),
+        tokenizer=tokenizer,
+        callbacks=callbacks,
+        trackers=config.tracker_names,
+        profile=config.profile_steps,
+        save_async=config.save_async,
+    )

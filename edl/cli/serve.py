@@ -32,11 +32,15 @@ def run_serve(args: argparse.Namespace) -> None:
         eos = (int(tokenizer.eos_id),)
     from edl.serve.engine import Engine
 
-    engine = Engine(model, max_batch=args.max_batch, max_model_len=max_model_len,
-                    eos_token_ids=eos)  # fmt: skip
+    engine = Engine(model, max_batch=args.max_batch, max_model_len=max_model_len, eos_token_ids=eos)
     if args.warmup:
         print(f"edl serve: compiling {len(engine.step_shapes())} step shapes", flush=True)
         engine.warmup()
-    app = create_app(engine, tokenizer, model_name=args.served_model_name or args.model,
-                     max_model_len=max_model_len, stop_token_ids=eos)  # fmt: skip
+    app = create_app(
+        engine,
+        tokenizer,
+        model_name=args.served_model_name or args.model,
+        max_model_len=max_model_len,
+        stop_token_ids=eos,
+    )
     serve(app, host=args.host, port=args.port, drain_s=DRAIN_S)

@@ -44,12 +44,16 @@ class BitsPerByte(Callback):
 
 def _model(config: TrainConfig, tokenizer: ByteTokenizer) -> LlamaForCausalLM:
     model_config = LlamaConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=max(2048, config.seq_len), pad_token_id=tokenizer.pad_id,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=max(2048, config.seq_len),
+        pad_token_id=tokenizer.pad_id,
         tie_word_embeddings=True,
-    )  # fmt: skip
+    )
     return LlamaForCausalLM.init(model_config, key=jax.random.key(config.seed))
 
 
@@ -70,18 +74,26 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     tokenizer = ByteTokenizer()
     data, eval_batches = _byte_data(config, tokenizer)
     model = _model(config, tokenizer)
-    print(f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
-          f"{config.steps} steps, output in {config.output_dir}", file=sys.stderr)  # fmt: skip
+    print(
+        f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
+        f"{config.steps} steps, output in {config.output_dir}",
+        file=sys.stderr,
+    )
     state, summary = train_model(config, model, data, eval_batches, callbacks=[BitsPerByte()])
     # Sampled on each host from the whole model (all-gathered from several processes).
     trained = edl.state.model(state if jax.process_count() == 1 else gather_state(state))
-    text = tokenizer.decode(sample(trained, tokenizer.encode(config.prompt),
-                                   config.sample_tokens, key=jax.random.key(config.seed),
-                                   temperature=config.sample_temperature))  # fmt: skip
+    text = tokenizer.decode(
+        sample(
+            trained,
+            tokenizer.encode(config.prompt),
+            config.sample_tokens,
+            key=jax.random.key(config.seed),
+            temperature=config.sample_temperature,
+        )
+    )
     if is_lead():
         _report(summary)
-        print(f"--- sample (temperature {config.sample_temperature}, prompt "
-              f"{config.prompt!r}) ---")  # fmt: skip
+        print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
         print(text)
     return summary
 
@@ -94,17 +106,31 @@ def _byte_data(
     if config.data:
         from edl.cli.data import batches
 
-        held_out = batches(config, config.eval_data, tokenizer, shuffle=False) if (
-            config.eval_data) else None  # fmt: skip
+        held_out = (
+            batches(config, config.eval_data, tokenizer, shuffle=False)
+            if (config.eval_data)
+            else None
+        )
         data = batches(config, config.data, tokenizer, shuffle=True)
     else:
         train_docs, eval_docs = split_corpus(load_corpus(max_bytes=config.corpus_bytes))
-        data = TokenBatches(train_docs, batch_size=config.batch_size,
-                            max_length=config.seq_len, tokenizer=tokenizer,
-                            seed=config.seed, **process_split())  # fmt: skip
-        held_out = TokenBatches(eval_docs, batch_size=config.batch_size,
-                                max_length=config.seq_len, tokenizer=tokenizer, shuffle=False,
-                                repeat=False, **process_split())  # fmt: skip
+        data = TokenBatches(
+            train_docs,
+            batch_size=config.batch_size,
+            max_length=config.seq_len,
+            tokenizer=tokenizer,
+            seed=config.seed,
+            **process_split(),
+        )
+        held_out = TokenBatches(
+            eval_docs,
+            batch_size=config.batch_size,
+            max_length=config.seq_len,
+            tokenizer=tokenizer,
+            shuffle=False,
+            repeat=False,
+            **process_split(),
+        )
     if held_out is None:
         return data, None
     return data, [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]

@@ -60,12 +60,18 @@ class BeamState(eqx.Module):
         first beam is live, so the first step picks distinct continuations of one prompt."""
         empty = jnp.full((batch, beams, max_new), pad_id, jnp.int32)
         return cls(
-            step=jnp.int32(0), logits=logits, cache=cache, running=empty,
-            running_scores=jnp.zeros((batch, beams)).at[:, 1:].set(_NEG), seqs=empty,
-            seq_len=jnp.zeros((batch, beams), jnp.int32), scores=jnp.full((batch, beams), _NEG),
+            step=jnp.int32(0),
+            logits=logits,
+            cache=cache,
+            running=empty,
+            running_scores=jnp.zeros((batch, beams)).at[:, 1:].set(_NEG),
+            seqs=empty,
+            seq_len=jnp.zeros((batch, beams), jnp.int32),
+            scores=jnp.full((batch, beams), _NEG),
             finished=jnp.zeros((batch, beams), jnp.bool_),
-            improvable=jnp.ones((batch, 1), jnp.bool_), go=jnp.bool_(True),
-        )  # fmt: skip
+            improvable=jnp.ones((batch, 1), jnp.bool_),
+            go=jnp.bool_(True),
+        )
 
 
 def _gather(x: jax.Array, index: jax.Array) -> jax.Array:
@@ -152,9 +158,18 @@ def _step(
     if config.early_stopping is True:
         go &= ~jnp.all(finished)
     return BeamState(
-        t + 1, logits, cache, running, running_scores, seqs, seq_len, scores, finished,
-        improvable, go,
-    )  # fmt: skip
+        t + 1,
+        logits,
+        cache,
+        running,
+        running_scores,
+        seqs,
+        seq_len,
+        scores,
+        finished,
+        improvable,
+        go,
+    )
 
 
 def _top_continuations(

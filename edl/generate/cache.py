@@ -117,9 +117,16 @@ class KVCache(eqx.Module):
                 q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
             )
         out = cached_attention(
-            q.astype(self.k.dtype), self.k, self.v, self.lengths + q.shape[1], layer=layer,
-            window=window, softcap=softcap, scale=scale, impl=impl,
-        )  # fmt: skip
+            q.astype(self.k.dtype),
+            self.k,
+            self.v,
+            self.lengths + q.shape[1],
+            layer=layer,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            impl=impl,
+        )
         return out.astype(q.dtype)
 
     def select_rows(self, rows: Int[Array, " new_batch"]) -> KVCache:

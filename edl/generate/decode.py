@@ -69,10 +69,12 @@ def logits_processor_for(
     if config.do_sample:
         chain.append(
             processors_for(
-                temperature=config.temperature, top_k=config.top_k, top_p=config.top_p,
+                temperature=config.temperature,
+                top_k=config.top_k,
+                top_p=config.top_p,
                 min_p=config.min_p,
             )
-        )  # fmt: skip
+        )
     if user is not None:
         chain.append(user)
     return compose(*chain)
@@ -97,21 +99,42 @@ def _sample_step(
     jax.jit, static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers")
 )
 def _generate_compiled(
-    model, input_ids, attention_mask, key, images=None, *, config, processor, max_new,
-    page_size=None, unstack_layers=False,
-):  # fmt: skip
+    model,
+    input_ids,
+    attention_mask,
+    key,
+    images=None,
+    *,
+    config,
+    processor,
+    max_new,
+    page_size=None,
+    unstack_layers=False,
+):
     if config.num_beams > 1:
-        return beam_search(model, input_ids, attention_mask, key, config=config,
-                           processor=processor, max_new=max_new,
-                           unstack_layers=unstack_layers)  # fmt: skip
+        return beam_search(
+            model,
+            input_ids,
+            attention_mask,
+            key,
+            config=config,
+            processor=processor,
+            max_new=max_new,
+            unstack_layers=unstack_layers,
+        )
     logits, cache, prompt, mask = steps.start(
         model, input_ids, attention_mask, max_new, page_size, images
     )
     state = DecodeState.start(logits, cache, max_new, config.pad_id)
     body = functools.partial(
-        _sample_step, steps.decoder(model, unstack_layers), prompt=prompt, mask=mask,
-        key=key, config=config, processor=processor,
-    )  # fmt: skip
+        _sample_step,
+        steps.decoder(model, unstack_layers),
+        prompt=prompt,
+        mask=mask,
+        key=key,
+        config=config,
+        processor=processor,
+    )
 
     def running(s: DecodeState) -> Bool[Array, ""]:
         return (s.step < max_new) & ~jnp.all(s.done)
@@ -316,9 +339,17 @@ def generate(
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
     out = _generate_compiled(
-        model, ids, mask, key, images, config=config, processor=processor, max_new=max_new,
-        page_size=page_size, unstack_layers=unstack_layers,
-    )  # fmt: skip
+        model,
+        ids,
+        mask,
+        key,
+        images,
+        config=config,
+        processor=processor,
+        max_new=max_new,
+        page_size=page_size,
+        unstack_layers=unstack_layers,
+    )
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
     return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])
 
@@ -372,9 +403,15 @@ def generate_stream(
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
     model, state, prompt, mask = _stream_setup(
-        _without_id_checks(model), ids, mask, images, config=config, max_new=max_new,
-        page_size=page_size, unstack_layers=unstack_layers,
-    )  # fmt: skip
+        _without_id_checks(model),
+        ids,
+        mask,
+        images,
+        config=config,
+        max_new=max_new,
+        page_size=page_size,
+        unstack_layers=unstack_layers,
+    )
     for _ in range(max_new):
         state, token = _stream_step(
             model, state, prompt, mask, key, config=config, processor=processor

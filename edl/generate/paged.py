@@ -183,10 +183,18 @@ class PagedKVCache(eqx.Module):
                 q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
             )
         out = paged_attention(
-            q.astype(self.k_pages.dtype), self.k_pages, self.v_pages, self.page_table,
-            self.lengths + q.shape[1], layer=layer, window=window, softcap=softcap, scale=scale,
-            impl=impl, live_prefix=not self.whole_table,
-        )  # fmt: skip
+            q.astype(self.k_pages.dtype),
+            self.k_pages,
+            self.v_pages,
+            self.page_table,
+            self.lengths + q.shape[1],
+            layer=layer,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            impl=impl,
+            live_prefix=not self.whole_table,
+        )
         return out.astype(q.dtype)
 
     def advance(self, num_new: Int[Array, " batch"]) -> PagedKVCache:
@@ -231,12 +239,13 @@ def init_paged_cache(
     layers, kv_heads, head_dim = cache_dims(config)
     pages = jnp.zeros((layers, num_pages, page_size, kv_heads, head_dim), dtype)
     return PagedKVCache(
-        pages, pages,
+        pages,
+        pages,
         jnp.full((batch, geometry.pages_per_seq), -1, jnp.int32),
         jnp.zeros((batch,), jnp.int32),
         jnp.ones((num_pages,), jnp.bool_),
         fresh=True,
-    )  # fmt: skip
+    )
 
 
 def pages_in_use(cache: PagedKVCache) -> int:

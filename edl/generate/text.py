@@ -53,8 +53,10 @@ def prompt_ids(
         if getattr(tokenizer, "chat_template", None) is None:
             name = getattr(tokenizer, "name", type(tokenizer).__name__)
             raise ValueError(f"prompt_ids: the tokenizer {name} has no chat template")
-        turns = [*([{"role": "system", "content": system}] if system is not None else []),
-                 *messages]  # fmt: skip
+        turns = [
+            *([{"role": "system", "content": system}] if system is not None else []),
+            *messages,
+        ]
         return list(tokenizer.apply_chat_template(turns, add_generation_prompt=True))
     if prompt is None:
         raise ValueError("prompt_ids: give a prompt or messages")
@@ -82,8 +84,11 @@ def _config(
     if not temperature >= 0:
         raise ValueError(f"generate_text: temperature must be >= 0, got {temperature}")
     config = GenerationConfig.of_model(model)
-    changes: dict[str, Any] = {"max_new_tokens": max_new_tokens, "num_beams": num_beams,
-                               "do_sample": temperature > 0}  # fmt: skip
+    changes: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "num_beams": num_beams,
+        "do_sample": temperature > 0,
+    }
     if temperature > 0:
         changes["temperature"] = temperature
     if top_p is not None:
@@ -148,8 +153,15 @@ def stream_text(
     are generated (:class:`TextStream`); their concatenation is :func:`generate_text`'s
     text for the same arguments."""
     ids = prompt_ids(tokenizer, prompt, messages=messages, system=system, chat=chat)
-    config = _config(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, num_beams=1)  # fmt: skip
+    config = _config(
+        model,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        num_beams=1,
+    )
     eos = set(config.eos_ids)
     stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
     for step in generate_stream(model, np.asarray([ids], np.int32), key=key, config=config):
@@ -198,8 +210,15 @@ def generate_text(
     Returns the generated text alone: no prompt, no EOS.
     """
     ids = prompt_ids(tokenizer, prompt, messages=messages, system=system, chat=chat)
-    config = _config(model, tokenizer, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, num_beams=num_beams)  # fmt: skip
+    config = _config(
+        model,
+        tokenizer,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        num_beams=num_beams,
+    )
     out = generate(model, np.asarray([ids], np.int32), key=key, config=config)
     new = np.asarray(out.sequences[0, len(ids) : len(ids) + int(out.num_new[0])]).tolist()
     eos = set(config.eos_ids)

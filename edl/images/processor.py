@@ -79,26 +79,49 @@ def _check_stats(value: Any, key: str) -> float | tuple[float, ...]:
 
 
 _FIELD_KEYS = (
-    "image_processor_type", "do_resize", "size", "resample", "do_center_crop", "crop_size",
-    "do_rescale", "rescale_factor", "do_normalize", "image_mean", "image_std", "do_convert_rgb",
-)  # fmt: skip
+    "image_processor_type",
+    "do_resize",
+    "size",
+    "resample",
+    "do_center_crop",
+    "crop_size",
+    "do_rescale",
+    "rescale_factor",
+    "do_normalize",
+    "image_mean",
+    "image_std",
+    "do_convert_rgb",
+)
 
 
 _DEFAULTS: dict[tuple[str, ...], dict[str, Any]] = {
     _CLIP_TYPES: {
-        "do_resize": True, "size": {"shortest_edge": 224}, "resample": 3,
-        "do_center_crop": True, "crop_size": {"height": 224, "width": 224},
-        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": OPENAI_CLIP_MEAN, "image_std": OPENAI_CLIP_STD, "do_convert_rgb": True,
-    },
-    _SIGLIP_TYPES: {
-        "do_resize": True, "size": {"height": 224, "width": 224}, "resample": 3,
-        "do_center_crop": False, "crop_size": None,
-        "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": IMAGENET_STANDARD_MEAN, "image_std": IMAGENET_STANDARD_STD,
+        "do_resize": True,
+        "size": {"shortest_edge": 224},
+        "resample": 3,
+        "do_center_crop": True,
+        "crop_size": {"height": 224, "width": 224},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": OPENAI_CLIP_MEAN,
+        "image_std": OPENAI_CLIP_STD,
         "do_convert_rgb": True,
     },
-}  # fmt: skip
+    _SIGLIP_TYPES: {
+        "do_resize": True,
+        "size": {"height": 224, "width": 224},
+        "resample": 3,
+        "do_center_crop": False,
+        "crop_size": None,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": IMAGENET_STANDARD_MEAN,
+        "image_std": IMAGENET_STANDARD_STD,
+        "do_convert_rgb": True,
+    },
+}
 """transformers' class defaults (``CLIPImageProcessorPil``, ``SiglipImageProcessorPil``)."""
 
 
@@ -250,8 +273,9 @@ class ImageProcessor:
         return cls(image_processor_type=kind, **{**_defaults("SiglipImageProcessor"), **changes})
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], *, source: str = "image processor config"
-                  ) -> ImageProcessor:  # fmt: skip
+    def from_dict(
+        cls, config: Mapping[str, Any], *, source: str = "image processor config"
+    ) -> ImageProcessor:
         """The processor a ``preprocessor_config.json`` object describes, read as
         transformers reads it: keys it leaves out (or sets to null) take the defaults of its
         ``image_processor_type`` (in older files, ``feature_extractor_type``); an integer
@@ -363,8 +387,9 @@ class ImageProcessor:
             array = normalize(array, self.image_mean, self.image_std)
         return array.astype(np.float32)
 
-    def __call__(self, images: ImageLike | Sequence[ImageLike]
-                 ) -> Float32[np.ndarray, "batch channels height width"]:  # fmt: skip
+    def __call__(
+        self, images: ImageLike | Sequence[ImageLike]
+    ) -> Float32[np.ndarray, "batch channels height width"]:
         """``pixel_values`` of one image or a batch (a list or tuple of images, or a 4-D
         array), ``(batch, channels, height, width)`` float32: :meth:`process` of each,
         stacked. Images that come out in different sizes (no centre crop) are a

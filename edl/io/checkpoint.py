@@ -254,16 +254,32 @@ def save_state(
         raise ValueError(f"save_state: sharded=False needs one process; {processes} run")
     root = Path(directory)
     final = root / f"checkpoint-{step:08d}"
-    _write_and_commit(root, final, state, json.loads(meta_text), sharded=sharded, keep=keep,
-                      float_dtype=float_dtype, save_optimizer=save_optimizer,
-                      tokenizer=tokenizer)  # fmt: skip
+    _write_and_commit(
+        root,
+        final,
+        state,
+        json.loads(meta_text),
+        sharded=sharded,
+        keep=keep,
+        float_dtype=float_dtype,
+        save_optimizer=save_optimizer,
+        tokenizer=tokenizer,
+    )
     return final
 
 
 def _write_and_commit(
-    root: Path, final: Path, state: TrainState, metadata: Any, *, sharded: bool,
-    keep: int | None, float_dtype: DTypeLike | None, save_optimizer: bool, tokenizer: Any,
-) -> None:  # fmt: skip
+    root: Path,
+    final: Path,
+    state: TrainState,
+    metadata: Any,
+    *,
+    sharded: bool,
+    keep: int | None,
+    float_dtype: DTypeLike | None,
+    save_optimizer: bool,
+    tokenizer: Any,
+) -> None:
     """Every process writes its files into one temporary directory; once all have (a
     barrier), process 0 writes ``state.json``, renames the directory to ``final`` and
     prunes; a last barrier holds every process until the checkpoint counts."""
@@ -313,9 +329,12 @@ def _fsync_files(directory: Path, marker: str) -> None:
 
 
 def _write_sharded(
-    tmp: Path, state: TrainState, float_dtype: DTypeLike | None, save_optimizer: bool,
+    tmp: Path,
+    state: TrainState,
+    float_dtype: DTypeLike | None,
+    save_optimizer: bool,
     tokenizer: Any,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Write this process's pieces (and, from process 0, ``shards.json`` and the tokenizer's
     files) into ``tmp``; return ``state.json``'s fields but ``metadata``."""
     model = edl_state.model(state)
@@ -328,34 +347,47 @@ def _write_sharded(
     if lead:
         sharded_io.write_index(tmp, sections)
         if _is_hf(model):  # the architecture, for tools that rebuild or export the model
-            floats = {v["dtype"] for v in sections[_MODEL].values()
-                      if jnp.issubdtype(np.dtype(v["dtype"]), jnp.floating)}  # fmt: skip
+            floats = {
+                v["dtype"]
+                for v in sections[_MODEL].values()
+                if jnp.issubdtype(np.dtype(v["dtype"]), jnp.floating)
+            }
             hf.write_config(model, tmp, floats.pop() if len(floats) == 1 else None)
-    prefixes = {kind: [sharded_io.file_prefix(kind, p) for p in range(jax.process_count())]
-                for kind in (_MODEL, _OPTIMIZER)}  # fmt: skip
+    prefixes = {
+        kind: [sharded_io.file_prefix(kind, p) for p in range(jax.process_count())]
+        for kind in (_MODEL, _OPTIMIZER)
+    }
     return {
-        "step": int(state.step), "format": FORMAT, "edl_version": _version(),
-        "model_format": "sharded", "has_optimizer": has_optimizer,
+        "step": int(state.step),
+        "format": FORMAT,
+        "edl_version": _version(),
+        "model_format": "sharded",
+        "has_optimizer": has_optimizer,
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
         "model_files": prefixes[_MODEL],
         "optimizer_files": prefixes[_OPTIMIZER] if has_optimizer else [],
         "layers": layer_structure(model),
         "tokenizer_files": hf.save_tokenizer(tokenizer, tmp) if lead else [],
-    }  # fmt: skip
+    }
 
 
 def _write_contents(
-    tmp: Path, state: TrainState, float_dtype: DTypeLike | None, save_optimizer: bool,
-    tokenizer: Any, final: Path,
-) -> dict[str, Any]:  # fmt: skip
+    tmp: Path,
+    state: TrainState,
+    float_dtype: DTypeLike | None,
+    save_optimizer: bool,
+    tokenizer: Any,
+    final: Path,
+) -> dict[str, Any]:
     """Write the model (HF layout when its family has one, ``edl.io.model_files``), the
     tokenizer's files and the optimizer state into ``tmp``, which becomes ``final``; return
     ``state.json``'s fields but ``metadata``."""
     model = edl_state.model(state)
     if _is_hf(model):
         # The adapter's base is this very directory (transformers 5 reads it from here anyway).
-        model_files = write_model_files(model, tmp, dtype=float_dtype,
-                                        base_model_name_or_path=str(final.resolve()))  # fmt: skip
+        model_files = write_model_files(
+            model, tmp, dtype=float_dtype, base_model_name_or_path=str(final.resolve())
+        )
     else:
         save_tensors(_host_tensors(_arrays(model, "model"), float_dtype), tmp, prefix=_MODEL)
         model_files = [_MODEL]
@@ -364,12 +396,16 @@ def _write_contents(
         tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
         save_tensors(tensors, tmp, prefix=_OPTIMIZER)
     return {
-        "step": int(state.step), "format": FORMAT, "edl_version": _version(),
-        "model_format": "hf" if _is_hf(model) else "tree", "has_optimizer": has_optimizer,
+        "step": int(state.step),
+        "format": FORMAT,
+        "edl_version": _version(),
+        "model_format": "hf" if _is_hf(model) else "tree",
+        "has_optimizer": has_optimizer,
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
-        "model_files": model_files, "layers": layer_structure(model),
+        "model_files": model_files,
+        "layers": layer_structure(model),
         "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
-    }  # fmt: skip
+    }
 
 
 def _targets(tree: PyTree) -> dict[str, Any]:

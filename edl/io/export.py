@@ -60,9 +60,16 @@ __all__ = ["EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
 EXPORT_MARKER = "edl_export.json"
 """The file that marks a directory as an ``export_model`` output (which may be replaced)."""
 TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
 """Tokenizer files copied from a model directory whose ``state.json`` does not list them."""
 
 
@@ -87,17 +94,21 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     directory = Path(path)
     info = _checkpoint_info(directory) if directory.is_dir() else None
     if info is not None and info.get("model_format") == "sharded":
-        raise ValueError(f"load_model: {directory} is a sharded checkpoint (one file set per "
-                         f"process): edl export streams it into a Hugging Face directory, "
-                         f"edl.io.checkpoint.load_state reads it onto a mesh")  # fmt: skip
+        raise ValueError(
+            f"load_model: {directory} is a sharded checkpoint (one file set per "
+            f"process): edl export streams it into a Hugging Face directory, "
+            f"edl.io.checkpoint.load_state reads it onto a mesh"
+        )
     if info is None or not info.get("layers"):
         model = hf.from_pretrained(path, dtype=dtype)
         if directory.is_dir() and (directory / ADAPTER_CONFIG).is_file():
             model = load_adapter(model, directory, dtype=dtype)
         return model
     if info.get("model_format") != "hf":
-        raise ValueError(f"load_model: {directory} holds no Hugging Face-layout model "
-                         f"(model_format {info.get('model_format')!r})")  # fmt: skip
+        raise ValueError(
+            f"load_model: {directory} holds no Hugging Face-layout model "
+            f"(model_format {info.get('model_format')!r})"
+        )
     _, config, model_cls = registry.resolve(hf.load_config(directory))
     where = f"load_model: {directory / ckpt.STATE_NAME} 'layers'"
 
@@ -108,9 +119,12 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
     targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
     if dtype is not None:
         require_float_dtype(dtype, "load_model: dtype")
-        targets = {p: jax.ShapeDtypeStruct(x.shape, dtype)
-                   if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
-                   else x for p, x in targets.items()}  # fmt: skip
+        targets = {
+            p: jax.ShapeDtypeStruct(x.shape, dtype)
+            if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
+            else x
+            for p, x in targets.items()
+        }
     try:
         loaded = read_model_files(directory, abstract, targets)
     except ValueError as e:
@@ -195,9 +209,11 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
     in memory. Plain registered models only (LoRA / quantized layers: resume the run in one
     process and export its checkpoint). Returns False (no adapter)."""
     if info.get("layers"):
-        raise ValueError(f"export: {source} is a sharded checkpoint of a model with LoRA or "
-                         f"quantized layers, which export does not stream yet; resume the "
-                         f"run in one process and export its checkpoint")  # fmt: skip
+        raise ValueError(
+            f"export: {source} is a sharded checkpoint of a model with LoRA or "
+            f"quantized layers, which export does not stream yet; resume the "
+            f"run in one process and export its checkpoint"
+        )
     _, config, model_cls = registry.resolve(hf.load_config(source))
     abstract = eqx.filter_eval_shape(lambda: model_cls.init(config, key=jax.random.key(0)))
     table = registry.family_of(abstract)[0].key_table_for(config, type(abstract))
@@ -209,11 +225,14 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
             cast = dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating)
             want = np.dtype(dtype) if cast else stored_dtype
 
-            def load(index: tuple[int, ...], path: str = path, shape: tuple = shape,
-                     want: np.dtype = want) -> np.ndarray:  # fmt: skip
+            def load(
+                index: tuple[int, ...],
+                path: str = path,
+                shape: tuple = shape,
+                want: np.dtype = want,
+            ) -> np.ndarray:
                 rest = shape[len(index) :]
-                block = stored.block(path, (*index, *(0,) * len(rest)),
-                                     (*(1,) * len(index), *rest))  # fmt: skip
+                block = stored.block(path, (*index, *(0,) * len(rest)), (*(1,) * len(index), *rest))
                 stored.done()  # one block in memory at a time
                 return block.reshape(rest).astype(want, copy=False)
 
@@ -279,9 +298,13 @@ def export_model(
         else:
             adapter = _write_export(model, tmp, target, merge_lora=merge_lora, dtype=dtype)
         _copy_tokenizer_files(tokenizer_files, tmp, source)
-        marker = {"source": str(source.resolve()), "step": info and info.get("step"),
-                  "merge_lora": merge_lora, "adapter": adapter,
-                  "dtype": None if dtype is None else jnp.dtype(dtype).name}  # fmt: skip
+        marker = {
+            "source": str(source.resolve()),
+            "step": info and info.get("step"),
+            "merge_lora": merge_lora,
+            "adapter": adapter,
+            "dtype": None if dtype is None else jnp.dtype(dtype).name,
+        }
         write_json_atomic(tmp / EXPORT_MARKER, json.loads(json.dumps(marker)))
         for file in tmp.rglob("*"):
             if file.is_file():

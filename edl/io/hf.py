@@ -163,17 +163,23 @@ def _leaf_shardings(sharding: Any, targets: Mapping[str, Any]) -> dict[str, Shar
     flat = flatten(sharding)
     for path, leaf in flat.items():
         if isinstance(leaf, PartitionSpec):
-            raise TypeError(f"sharding: {path!r} holds a PartitionSpec, not a Sharding (map "
-                            f"specs to shardings with edl.tree.named_sharding)")  # fmt: skip
+            raise TypeError(
+                f"sharding: {path!r} holds a PartitionSpec, not a Sharding (map "
+                f"specs to shardings with edl.tree.named_sharding)"
+            )
         if not isinstance(leaf, Sharding):
-            raise TypeError(f"sharding: {path!r} holds a {type(leaf).__name__}, not a "
-                            f"jax.sharding.Sharding")  # fmt: skip
+            raise TypeError(
+                f"sharding: {path!r} holds a {type(leaf).__name__}, not a jax.sharding.Sharding"
+            )
     unknown = [p for p in flat if p not in targets]
     missing = [] if isinstance(sharding, Mapping) else [p for p in targets if p not in flat]
     if unknown or missing:
         what = "mapping" if isinstance(sharding, Mapping) else f"{type(sharding).__name__} tree"
-        first = (f"{unknown[0]!r} is no array of the model" if unknown
-                 else f"the model's array {missing[0]!r} has none")  # fmt: skip
+        first = (
+            f"{unknown[0]!r} is no array of the model"
+            if unknown
+            else f"the model's array {missing[0]!r} has none"
+        )
         raise ValueError(
             f"sharding: the {what} does not match the model's arrays: {first} "
             f"({len(unknown)} unknown, {len(missing)} without a sharding; the model has e.g. "

@@ -69,12 +69,10 @@ def write_model_files(
     has_lora = bool(find(model, lambda x: isinstance(x, LoraLinear)))
     quantized = edl_quantize.is_quantized(model)
     dense = edl_quantize.dequantize(model) if quantized else model
-    hf.save_pretrained(edl_lora.unwrap_lora(dense) if has_lora else dense, directory,
-                       dtype=dtype)  # fmt: skip
+    hf.save_pretrained(edl_lora.unwrap_lora(dense) if has_lora else dense, directory, dtype=dtype)
     parts = [MODEL]
     if has_lora:
-        save_adapter(dense, directory, base_model_name_or_path=base_model_name_or_path,
-                     dtype=dtype)  # fmt: skip
+        save_adapter(dense, directory, base_model_name_or_path=base_model_name_or_path, dtype=dtype)
         parts.append(ADAPTER_WEIGHTS)
     if quantized:
         codes = hf.export_state_dict(named_map(lambda p, x: x if _CODES.search(p) else None, model))
@@ -84,8 +82,9 @@ def write_model_files(
 
 
 def _has_part(directory: Path, prefix: str) -> bool:
-    return any((directory / f"{prefix}{s}").is_file()
-               for s in (".safetensors", ".safetensors.index.json"))  # fmt: skip
+    return any(
+        (directory / f"{prefix}{s}").is_file() for s in (".safetensors", ".safetensors.index.json")
+    )
 
 
 def _base_names(keys: list[str], expected: set[str]) -> dict[str, str]:

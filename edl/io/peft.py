@@ -47,9 +47,13 @@ __all__ = [
 
 ADAPTER_WEIGHTS = "adapter_model"  # + ".safetensors"
 PEFT_PREFIX = "base_model.model."
-_PEFT_TASKS = {"causal_lm": "CAUSAL_LM", "sequence_classification": "SEQ_CLS",
-               "conditional_generation": "CAUSAL_LM", "with_projection": "FEATURE_EXTRACTION",
-               "base": "FEATURE_EXTRACTION"}  # fmt: skip
+_PEFT_TASKS = {
+    "causal_lm": "CAUSAL_LM",
+    "sequence_classification": "SEQ_CLS",
+    "conditional_generation": "CAUSAL_LM",
+    "with_projection": "FEATURE_EXTRACTION",
+    "base": "FEATURE_EXTRACTION",
+}
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _BASE_SUFFIX = ".base_layer.weight"
 
@@ -74,8 +78,9 @@ def _settings(layers: dict[str, LoraLinear]) -> dict[str, tuple[int, float, floa
     return {p: (layer.rank, layer.scaling, layer.dropout) for p, layer in layers.items()}
 
 
-def _targeting(model: PyTree, layers: dict[str, LoraLinear],
-               table: Any) -> dict[str, tuple[int, float, float]]:  # fmt: skip
+def _targeting(
+    model: PyTree, layers: dict[str, LoraLinear], table: Any
+) -> dict[str, tuple[int, float, float]]:
     """PEFT's ``target_modules`` names with each one's (rank, scaling, dropout).
 
     PEFT matches a listed name against a module's whole name or its last dotted parts, so
@@ -96,8 +101,13 @@ def _targeting(model: PyTree, layers: dict[str, LoraLinear],
     }
 
 
-def _peft_config(model: PyTree, layers: dict[str, LoraLinear], table: Any, task: str,
-                 base_model_name_or_path: str | None) -> dict[str, Any]:  # fmt: skip
+def _peft_config(
+    model: PyTree,
+    layers: dict[str, LoraLinear],
+    table: Any,
+    task: str,
+    base_model_name_or_path: str | None,
+) -> dict[str, Any]:
     """``adapter_config.json`` for ``layers`` (see :func:`_targeting`); the most common rank
     and alpha are ``r`` / ``lora_alpha``, the others go in ``rank_pattern`` /
     ``alpha_pattern``. PEFT has one ``lora_dropout``, so adapters must share theirs."""
@@ -160,9 +170,18 @@ def save_adapter(
 
 
 # Config fields edl cannot honour; each must be absent or falsy.
-_UNSUPPORTED = ("use_dora", "lora_bias", "fan_in_fan_out", "modules_to_save",
-                "layers_to_transform", "layer_replication", "target_parameters",
-                "trainable_token_indices", "use_qalora", "alora_invocation_tokens")  # fmt: skip
+_UNSUPPORTED = (
+    "use_dora",
+    "lora_bias",
+    "fan_in_fan_out",
+    "modules_to_save",
+    "layers_to_transform",
+    "layer_replication",
+    "target_parameters",
+    "trainable_token_indices",
+    "use_qalora",
+    "alora_invocation_tokens",
+)
 # PEFT runs ``init_lora_weights`` on every targeted layer when it loads an adapter. These
 # leave the base weights alone; the first three also leave lora_B zero, so a targeted layer
 # the file has no tensors for adds nothing. Any other (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA)
@@ -172,9 +191,9 @@ _BASE_KEEPING_INITS = (*_B_ZERO_INITS, False, "orthogonal", "mica")
 # ``target_modules: null`` is filled from PEFT's per-model_type defaults
 # (``TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING``); qwen3_moe has none there.
 _DEFAULT_TARGETS = {
-    t: ("q_proj", "v_proj") for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2",
-                                      "mixtral")
-}  # fmt: skip
+    t: ("q_proj", "v_proj")
+    for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral")
+}
 _ALL_LINEAR = "all-linear"
 
 
@@ -194,8 +213,10 @@ def _read_config(directory: Path) -> dict[str, Any]:
         bad.append(f"bias={config['bias']!r}")
     init = _init_name(config.get("init_lora_weights", True))
     if init not in _BASE_KEEPING_INITS:
-        bad.append(f"init_lora_weights={config['init_lora_weights']!r} (PEFT re-derives the "
-                   "base weights from it when loading)")  # fmt: skip
+        bad.append(
+            f"init_lora_weights={config['init_lora_weights']!r} (PEFT re-derives the "
+            "base weights from it when loading)"
+        )
     if bad:
         raise ValueError(f"load_adapter: {file}: unsupported PEFT options {bad}")
     for field, what in (("r", "the LoRA rank"), ("lora_alpha", "the LoRA scale numerator")):
@@ -203,8 +224,9 @@ def _read_config(directory: Path) -> dict[str, Any]:
         if value is None:
             raise ValueError(f"load_adapter: {file}: no {field!r} ({what}); PEFT writes it")
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ValueError(f"load_adapter: {file}: {field} must be a positive number, "
-                             f"got {value!r}")  # fmt: skip
+            raise ValueError(
+                f"load_adapter: {file}: {field} must be a positive number, got {value!r}"
+            )
     if isinstance(config["r"], float):
         raise ValueError(f"load_adapter: {file}: r must be an integer, got {config['r']!r}")
     return config
@@ -267,16 +289,25 @@ class _Modules:
         return table.to_hf(f"{path}{_SUFFIXES[0]}", index or None).removesuffix(_SUFFIXES[0])
 
 
-def _targets(config: dict[str, Any], modules: _Modules, *, task: str, model_type: str,
-             head: str | None, file: Path) -> set[str]:  # fmt: skip
+def _targets(
+    config: dict[str, Any],
+    modules: _Modules,
+    *,
+    task: str,
+    model_type: str,
+    head: str | None,
+    file: Path,
+) -> set[str]:
     """The HF names of the layers PEFT puts adapters on: ``target_modules`` (a list, a regex,
     ``"all-linear"`` or ``null`` for the model type's default) less ``exclude_modules``;
     PEFT's errors and warnings."""
     spec = config.get("target_modules")
     if spec is None:
         if model_type not in _DEFAULT_TARGETS:
-            raise ValueError(f"load_adapter: {file}: no target_modules, and PEFT has no default "
-                             f"for model_type {model_type!r}")  # fmt: skip
+            raise ValueError(
+                f"load_adapter: {file}: no target_modules, and PEFT has no default "
+                f"for model_type {model_type!r}"
+            )
         spec = list(_DEFAULT_TARGETS[model_type])
     if isinstance(spec, str) and spec.lower() == _ALL_LINEAR:
         skip = {head} if head is not None else set()
@@ -309,14 +340,18 @@ def _targets(config: dict[str, Any], modules: _Modules, *, task: str, model_type
             why = f"target_modules {spec!r} less exclude_modules {exclude!r} leaves no module"
         raise ValueError(f"load_adapter: {file}: {why}; linear layers: {sorted(modules.linear)}")
     if exclude and not excluded:
-        warnings.warn(f"load_adapter: {file}: exclude_modules {exclude!r} excludes no module",
-                      stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"load_adapter: {file}: exclude_modules {exclude!r} excludes no module", stacklevel=3
+        )
     for field in ("rank_pattern", "alpha_pattern"):
         keys = config.get(field) or {}
         unused = sorted(k for k in keys if not any(_pattern_key({k: 0}, m) for m in targeted))
         if unused:
-            warnings.warn(f"load_adapter: {file}: {field} keys match no targeted module and are "
-                          f"ignored (as in PEFT): {unused}", stacklevel=3)  # fmt: skip
+            warnings.warn(
+                f"load_adapter: {file}: {field} keys match no targeted module and are "
+                f"ignored (as in PEFT): {unused}",
+                stacklevel=3,
+            )
     return targeted
 
 
@@ -358,12 +393,17 @@ def _adapted_layers(
         else:
             ignored.append(key)
     if strays:
-        raise ValueError(f"load_adapter: {weights}: tensors edl cannot read for targeted "
-                         f"modules: {sorted(strays)}")  # fmt: skip
+        raise ValueError(
+            f"load_adapter: {weights}: tensors edl cannot read for targeted "
+            f"modules: {sorted(strays)}"
+        )
     if ignored:
-        warnings.warn(f"load_adapter: {weights}: {len(ignored)} tensors of modules that "
-                      f"target_modules does not select are ignored, as PEFT ignores them: "
-                      f"{_listing(ignored)}", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"load_adapter: {weights}: {len(ignored)} tensors of modules that "
+            f"target_modules does not select are ignored, as PEFT ignores them: "
+            f"{_listing(ignored)}",
+            stacklevel=3,
+        )
     init = _init_name(config.get("init_lora_weights", True))
     # PEFT keeps its own initialisation of what the file lacks: lora_B = 0 makes lora_A moot.
     no_b = sorted(m for m in targeted if _SUFFIXES[1] not in present[m])
@@ -376,17 +416,22 @@ def _adapted_layers(
             f"reproduce"
         )
     if no_b:
-        warnings.warn(f"load_adapter: {weights}: no adapter tensors for the targeted modules "
-                      f"{_listing(no_b)}: they get lora_B = 0 (adding nothing), as PEFT "
-                      f"initialises them", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"load_adapter: {weights}: no adapter tensors for the targeted modules "
+            f"{_listing(no_b)}: they get lora_B = 0 (adding nothing), as PEFT "
+            f"initialises them",
+            stacklevel=3,
+        )
     by_stack: dict[str, set[tuple[int, float]]] = collections.defaultdict(set)
     for module in sorted(targeted):  # the wrapped layers' order draws their lora_A: fixed
         rank, scaling = _rank_and_scaling(config, module)
         if _SUFFIXES[0] in present[module] and _SUFFIXES[1] in present[module]:
             stored = shapes[present[module][_SUFFIXES[0]]][0]
             if stored != rank:
-                raise ValueError(f"load_adapter: {weights}: {module}: adapter_config says "
-                                 f"r={rank}, the file's lora_A has {stored}")  # fmt: skip
+                raise ValueError(
+                    f"load_adapter: {weights}: {module}: adapter_config says "
+                    f"r={rank}, the file's lora_A has {stored}"
+                )
         by_stack[modules.linear[module][0]].add((rank, float(scaling)))
     mixed = {p: sorted(s) for p, s in by_stack.items() if len(s) > 1}
     if mixed:
@@ -396,9 +441,12 @@ def _adapted_layers(
         n for n, (p, _) in modules.linear.items() if p in layers and n not in targeted
     )
     if untargeted:
-        warnings.warn(f"load_adapter: edl stacks layers, so the stacked layers "
-                      f"{_listing(untargeted)}, which PEFT leaves without adapters, get ones "
-                      f"with lora_B = 0 (the same outputs)", stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"load_adapter: edl stacks layers, so the stacked layers "
+            f"{_listing(untargeted)}, which PEFT leaves without adapters, get ones "
+            f"with lora_B = 0 (the same outputs)",
+            stacklevel=3,
+        )
     keys = {}
     for module, found in present.items():
         if _SUFFIXES[1] in found:  # without lora_B the module starts from zero (warned)
@@ -442,13 +490,20 @@ def load_adapter(
     file = directory / ADAPTER_CONFIG
     modules = _Modules(model, table)
     head = "lm_head" if task == "causal_lm" else None
-    targeted = _targets(config, modules, task=task, model_type=model.config.model_type,
-                        head=head, file=file)  # fmt: skip
+    targeted = _targets(
+        config, modules, task=task, model_type=model.config.model_type, head=head, file=file
+    )
     with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
         shapes = {k: tuple(reader.info(k).shape) for k in reader}
         layers, keys = _adapted_layers(config, modules, targeted, shapes, reader.path)
-        model = wrap_lora(model, layers, dropout=float(config.get("lora_dropout") or 0.0),
-                          dtype=dtype, key=jax.random.key(0), what="load_adapter")  # fmt: skip
+        model = wrap_lora(
+            model,
+            layers,
+            dropout=float(config.get("lora_dropout") or 0.0),
+            dtype=dtype,
+            key=jax.random.key(0),
+            what="load_adapter",
+        )
         bases = [table.to_edl(k)[0].path for k in keys if k.endswith(_BASE_SUFFIX)]
         loaded = "|".join([lora_trainable.pattern, *(f"^{re.escape(p)}$" for p in bases)])
         like, rest = split(model, loaded)

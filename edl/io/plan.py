@@ -86,10 +86,12 @@ class TensorSource:
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any]) -> TensorSource:
         """The arrays of a ``name -> array`` mapping (numpy, jax or torch tensors)."""
-        return cls({
-            k: _Tensor(tuple(v.shape), _dtype_of(v), functools.partial(_copy_into, v))
-            for k, v in mapping.items()
-        })  # fmt: skip
+        return cls(
+            {
+                k: _Tensor(tuple(v.shape), _dtype_of(v), functools.partial(_copy_into, v))
+                for k, v in mapping.items()
+            }
+        )
 
     def __or__(self, other: TensorSource) -> TensorSource:
         return TensorSource({**self.tensors, **other.tensors})
@@ -208,12 +210,19 @@ def plan_load(
         for idx in np.argwhere(~cover)
     ]
     problems = [
-        (f"{len(names)} {title} keys:\n  " + "\n  ".join(sorted(names)[:50])
-         + (f"\n  ... and {len(names) - 50} more" if len(names) > 50 else ""))
-        for title, names in (("missing", missing), ("unexpected", unexpected),
-                             ("duplicated", duplicated), ("shape/dtype mismatch", mismatched))
+        (
+            f"{len(names)} {title} keys:\n  "
+            + "\n  ".join(sorted(names)[:50])
+            + (f"\n  ... and {len(names) - 50} more" if len(names) > 50 else "")
+        )
+        for title, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("duplicated", duplicated),
+            ("shape/dtype mismatch", mismatched),
+        )
         if names
-    ]  # fmt: skip
+    ]
     if problems:
         raise ValueError("checkpoint does not match the model:\n" + "\n".join(problems))
     return LoadPlan(source, {p: tuple(f) for p, f in fills.items()})
@@ -231,8 +240,9 @@ def load_arrays(
     for, before the next is filled. ``progress`` shows a progress bar on a terminal.
     """
     arrays = {}
-    paths = tqdm(plan.fills, desc="loading", unit="array", disable=None if progress else True,
-                 leave=False)  # fmt: skip
+    paths = tqdm(
+        plan.fills, desc="loading", unit="array", disable=None if progress else True, leave=False
+    )
     for path in paths:
         target = targets[path]
         buffer = np.empty(target.shape, np.dtype(target.dtype))

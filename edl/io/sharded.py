@@ -80,8 +80,9 @@ def pieces(x: Any) -> list[tuple[Piece, Any]]:
     if sharding is None:
         return [(Piece(0, (0,) * len(shape), shape), None)]
     by_region: dict[tuple, Any] = {}
-    for device, index in sorted(sharding.devices_indices_map(shape).items(),
-                                key=lambda item: item[0].id):  # fmt: skip
+    for device, index in sorted(
+        sharding.devices_indices_map(shape).items(), key=lambda item: item[0].id
+    ):
         by_region.setdefault(_bounds(index, shape), device)
     return [(Piece(d.process_index, *region), d) for region, d in sorted(by_region.items())]
 
@@ -100,10 +101,18 @@ def write_pieces(
         want = np.dtype(dtype if cast else x.dtype)
         blocks = pieces(x)
         index[path] = {
-            "shape": list(x.shape), "dtype": want.name,
-            "pieces": [{"process": p.process, "start": list(p.start), "stop": list(p.stop),
-                        "tensor": p.tensor_name(path)} for p, _ in blocks],
-        }  # fmt: skip
+            "shape": list(x.shape),
+            "dtype": want.name,
+            "pieces": [
+                {
+                    "process": p.process,
+                    "start": list(p.start),
+                    "stop": list(p.stop),
+                    "tensor": p.tensor_name(path),
+                }
+                for p, _ in blocks
+            ],
+        }
         local = {s.device: s for s in getattr(x, "addressable_shards", ())}
         for piece, device in blocks:
             if piece.process != me:
@@ -120,8 +129,7 @@ def write_pieces(
 
 def write_index(directory: Path, sections: Mapping[str, Any]) -> None:
     """``shards.json``: the process count and every section's arrays and pieces."""
-    write_json_atomic(directory / INDEX_NAME,
-                      {"process_count": jax.process_count(), **sections})  # fmt: skip
+    write_json_atomic(directory / INDEX_NAME, {"process_count": jax.process_count(), **sections})
 
 
 def _open_files(checkpoint: Path, index: ShardIndex, kind: str) -> list[CheckpointReader]:
@@ -214,8 +222,10 @@ class StoredArrays:
             out[dest] = data[source]
             covered += int(np.prod([b - a for a, b in zip(lo, hi, strict=True)]))
         if covered != out.size:
-            raise CheckpointError(f"sharded checkpoint: the pieces of {path!r} cover "
-                                  f"{covered} of the {out.size} values asked for")  # fmt: skip
+            raise CheckpointError(
+                f"sharded checkpoint: the pieces of {path!r} cover "
+                f"{covered} of the {out.size} values asked for"
+            )
 
 
 def _check_targets(

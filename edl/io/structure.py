@@ -83,9 +83,13 @@ def _rebuild_layer(spec: Mapping[str, Any], key: PRNGKeyArray, where: str):
         if "lora" in spec:
             lo = spec["lora"]
             layer = LoraLinear.init(
-                layer, rank=lo["rank"], scaling=lo["scaling"], dropout=lo["dropout"],
-                dtype=lo["dtype"], key=key,
-            )  # fmt: skip
+                layer,
+                rank=lo["rank"],
+                scaling=lo["scaling"],
+                dropout=lo["dropout"],
+                dtype=lo["dtype"],
+                key=key,
+            )
         return layer
 
     return apply
@@ -102,8 +106,10 @@ def rebuild(
     linear = find(model, is_linear)
     unknown = sorted(set(structure) - set(linear))
     if unknown:
-        raise ValueError(f"{where}: the recorded layers {unknown} are no linear layers of the "
-                         f"model (it has {sorted(linear)[:4]} ...)")  # fmt: skip
+        raise ValueError(
+            f"{where}: the recorded layers {unknown} are no linear layers of the "
+            f"model (it has {sorted(linear)[:4]} ...)"
+        )
     keys = jax.random.split(jax.random.key(0), len(structure))
     specs = zip(structure.items(), keys, strict=True)
     fns = {p: _rebuild_layer(s, k, f"{where}: {p}") for (p, s), k in specs}

@@ -95,9 +95,13 @@ def _decode_kernel(*refs, plan: _DecodePlan):
         keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
         s, _ = scores(q, k_ref[keys, :], scale=plan.scale, softcap=plan.softcap)
         mask = visible(
-            q_pos, j * block_k + jnp.arange(block_k), causal=True, window=plan.window,
-            kv_len=length, kv_start=start if plan.has_start else None,
-        )  # fmt: skip
+            q_pos,
+            j * block_k + jnp.arange(block_k),
+            causal=True,
+            window=plan.window,
+            kv_len=length,
+            kv_start=start if plan.has_start else None,
+        )
         return online_softmax_step(carry, jnp.where(mask, s * LOG2E, -jnp.inf), v_ref[keys, :])
 
     carry = jax.lax.fori_loop(lo, hi, body, online_softmax_init(rows, q.shape[1]))
@@ -204,11 +208,15 @@ def _decode(
     num_blocks = cache_len // block
     num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
     plan = _DecodePlan(
-        new_tokens=new_tokens, group=group, window=window,
+        new_tokens=new_tokens,
+        group=group,
+        window=window,
         softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), block_k=block,
-        blocks_per_split=cdiv(num_blocks, num_splits), has_start=kv_start is not None,
-    )  # fmt: skip
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        block_k=block,
+        blocks_per_split=cdiv(num_blocks, num_splits),
+        has_start=kv_start is not None,
+    )
 
     q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
     dim = q_rows.shape[3]

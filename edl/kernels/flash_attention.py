@@ -74,10 +74,19 @@ def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
         return BlockSizes(block_q=512, block_k=512, block_q_bwd=512, block_k_bwd=512)
     wide = head_dim > 128 or jnp.dtype(dtype).itemsize > 2
     if wide:
-        return BlockSizes(64, 32, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4,
-                          num_stages_bwd=2)  # fmt: skip
-    return BlockSizes(128, 64, 64, 64, num_warps=4 if head_dim <= 64 else 8, num_stages=3,
-                      num_warps_bwd=4, num_stages_bwd=2)  # fmt: skip
+        return BlockSizes(
+            64, 32, 32, 32, num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=2
+        )
+    return BlockSizes(
+        128,
+        64,
+        64,
+        64,
+        num_warps=4 if head_dim <= 64 else 8,
+        num_stages=3,
+        num_warps_bwd=4,
+        num_stages_bwd=2,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +169,14 @@ def _key_block_mask(plan: _FlashPlan, q_pos, q_seg, ks_ref, j, block_k: int):
     """Visibility of K/V block ``j`` (keys) to the query block at ``q_pos``."""
     keys = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     mask = visible(
-        q_pos, j * block_k + jnp.arange(block_k), causal=plan.causal, window=plan.window,
-        kv_len=plan.key_padding, q_seg=q_seg, kv_seg=None if ks_ref is None else ks_ref[keys],
-    )  # fmt: skip
+        q_pos,
+        j * block_k + jnp.arange(block_k),
+        causal=plan.causal,
+        window=plan.window,
+        kv_len=plan.key_padding,
+        q_seg=q_seg,
+        kv_seg=None if ks_ref is None else ks_ref[keys],
+    )
     return keys, mask
 
 
@@ -225,8 +239,9 @@ def _dkdv_kernel(*refs, plan: _FlashPlan, has_segments: bool):
     k, v = k_ref[...], v_ref[...]
     k_pos = j * block_k + jnp.arange(block_k)
     kv_seg = None if ks_ref is None else ks_ref[...]
-    lo, hi = _q_block_range(j * block_k, j * block_k + block_k - 1, plan, block_q,
-                            padded_q // block_q)  # fmt: skip
+    lo, hi = _q_block_range(
+        j * block_k, j * block_k + block_k - 1, plan, block_q, padded_q // block_q
+    )
     contract_rows = (((0,), (0,)), ((), ()))
 
     # Padded query rows need no mask: their dO (hence dS and P^T dO) is zero.
@@ -235,10 +250,14 @@ def _dkdv_kernel(*refs, plan: _FlashPlan, has_segments: bool):
         rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
         q, do = q_ref[rows, g, :], do_ref[rows, g, :]
         mask = visible(
-            i * block_q + jnp.arange(block_q) + plan.offset, k_pos, causal=plan.causal,
-            window=plan.window, kv_len=plan.key_padding,
-            q_seg=None if qs_ref is None else qs_ref[rows], kv_seg=kv_seg,
-        )  # fmt: skip
+            i * block_q + jnp.arange(block_q) + plan.offset,
+            k_pos,
+            causal=plan.causal,
+            window=plan.window,
+            kv_len=plan.key_padding,
+            q_seg=None if qs_ref is None else qs_ref[rows],
+            kv_seg=kv_seg,
+        )
         p, ds = _probs_and_dscores(q, k, v, do, lse_ref[g, rows], delta_ref[g, rows], mask, plan)
         dv = dv + jax.lax.dot_general(
             p.astype(do.dtype), do, contract_rows, preferred_element_type=jnp.float32
@@ -474,11 +493,21 @@ def _padded_call(
     padded_q = cdiv(q_len, math.lcm(bq, bq_bwd)) * math.lcm(bq, bq_bwd)
     padded_kv = cdiv(kv_len, math.lcm(bk, bk_bwd)) * math.lcm(bk, bk_bwd)
     plan = _FlashPlan(
-        causal=causal, window=window, softcap=None if softcap is None else float(softcap),
-        scale=scale, q_len=q_len, kv_len=kv_len, padded_q=padded_q, padded_kv=padded_kv,
-        block_q=bq, block_k=bk, block_q_bwd=bq_bwd, block_k_bwd=bk_bwd, blocks=blocks,
+        causal=causal,
+        window=window,
+        softcap=None if softcap is None else float(softcap),
+        scale=scale,
+        q_len=q_len,
+        kv_len=kv_len,
+        padded_q=padded_q,
+        padded_kv=padded_kv,
+        block_q=bq,
+        block_k=bk,
+        block_q_bwd=bq_bwd,
+        block_k_bwd=bk_bwd,
+        blocks=blocks,
         interpret=interpret,
-    )  # fmt: skip
+    )
     dim = padded_head_dim(head_dim, interpret)
     q_p = pad_axis(pad_axis(q, 1, padded_q), 3, dim)
     k_p = pad_axis(pad_axis(k, 1, padded_kv), 3, dim)

@@ -248,19 +248,31 @@ def _paged(
     num_blocks = cdiv(pages_per_seq, per_block)
     num_splits = decode_splits(num_splits, batch * kv_heads, num_blocks, interpret)
     plan = _PagedPlan(
-        new_tokens=new_tokens, group=heads // kv_heads, window=window,
+        new_tokens=new_tokens,
+        group=heads // kv_heads,
+        window=window,
         softcap=None if softcap is None else float(softcap),
-        scale=head_dim**-0.5 if scale is None else float(scale), num_pages=num_pages,
-        page_size=page_size, pages_per_seq=pages_per_seq, pages_per_block=per_block,
+        scale=head_dim**-0.5 if scale is None else float(scale),
+        num_pages=num_pages,
+        page_size=page_size,
+        pages_per_seq=pages_per_seq,
+        pages_per_block=per_block,
         blocks_per_split=cdiv(num_blocks, num_splits),
-    )  # fmt: skip
+    )
     q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
     dim = q_rows.shape[3]  # GPU: head_dim padded to a power of two (copies the pool if so)
     out, lse = _paged_call(
-        lengths.astype(jnp.int32), page_table.astype(jnp.int32), layer, q_rows,
-        pad_axis(k_pages, 4, dim), pad_axis(v_pages, 4, dim), plan=plan,
-        num_splits=num_splits, params=params, interpret=interpret,
-    )  # fmt: skip
+        lengths.astype(jnp.int32),
+        page_table.astype(jnp.int32),
+        layer,
+        q_rows,
+        pad_axis(k_pages, 4, dim),
+        pad_axis(v_pages, 4, dim),
+        plan=plan,
+        num_splits=num_splits,
+        params=params,
+        interpret=interpret,
+    )
     return merge_query_rows(out, lse, q)
 
 

@@ -78,10 +78,14 @@ def tower_key_table(hf_prefix: str, edl_prefix: str, *, legacy: tuple[str, ...] 
     rules = []
     for old in legacy:
         rules += [
-            (f"{old}encoder.layers.{{layer}}.{{name}}", f"{edl_prefix}encoder.layers.{{name}}",
-             None, True),
+            (
+                f"{old}encoder.layers.{{layer}}.{{name}}",
+                f"{edl_prefix}encoder.layers.{{name}}",
+                None,
+                True,
+            ),
             (f"{old}{{name}}", f"{edl_prefix}{{name}}", None, True),
-        ]  # fmt: skip
+        ]
     return (
         *rules,
         (f"{hf_prefix}encoder.layers.{{layer}}.{{name}}", f"{edl_prefix}encoder.layers.{{name}}"),
@@ -96,8 +100,11 @@ IGNORED = (r"(.*\.)?embeddings\.position_ids",)
 def dual_key_table() -> KeyTable:
     """The dual models' and the ``...WithProjection`` towers' table: HF keys equal edl
     paths but for the stacked encoder layers (``text_model.`` / ``vision_model.``)."""
-    rules = (*tower_key_table("text_model.", "text_model."),
-             *tower_key_table("vision_model.", "vision_model."), ("{name}", "{name}"))  # fmt: skip
+    rules = (
+        *tower_key_table("text_model.", "text_model."),
+        *tower_key_table("vision_model.", "vision_model."),
+        ("{name}", "{name}"),
+    )
     return KeyTable(rules, ignore_hf=IGNORED)
 
 
@@ -176,9 +183,12 @@ class CLIPTextModel(eqx.Module):
         c = self.config
         h = self.embeddings(input_ids, config=c, position_ids=position_ids)
         h, hidden = self.encoder(
-            h, config=c, segment_ids=padding_segments(attention_mask), causal=True,
+            h,
+            config=c,
+            segment_ids=padding_segments(attention_mask),
+            causal=True,
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         h = self.final_layer_norm(h)
         if c.eos_token_id is None:
             raise ValueError("CLIPTextModel pools at eos_token_id, which this config lacks")
@@ -259,9 +269,11 @@ class CLIPTextModelWithProjection(eqx.Module):
         output_hidden_states: bool = False,
     ) -> ProjectionOutput:
         out = self.text_model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         return ProjectionOutput(
             self.text_projection(out.pooler_output), out.last_hidden_state, out.hidden_states
         )
@@ -353,9 +365,11 @@ class CLIPModel(eqx.Module):
     ) -> CLIPOutput:
         """Every text against every image: scaled cosine similarities."""
         text = self.text_model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         vision = self.vision_model(pixel_values, output_hidden_states=output_hidden_states)
         text_embeds = l2_normalize(self.text_projection(text.pooler_output))
         image_embeds = l2_normalize(self.visual_projection(vision.pooler_output))

@@ -54,14 +54,35 @@ PROBLEM_TYPES = (None, "regression", "single_label_classification", "multi_label
 MLP_KINDS = ("dense", "moe")
 
 # HF keys every family's ``from_hf`` interprets (families add their own).
-COMMON_HF_KEYS = frozenset({
-    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
-    "max_position_embeddings", "initializer_range", "rms_norm_eps", "tie_word_embeddings",
-    "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "num_labels",
-    "pad_token_id", "problem_type", "architectures", "attention_dropout", "pretraining_tp",
-    "dtype", "torch_dtype",  # describe the stored weights; save_pretrained rewrites them
-})  # fmt: skip
+COMMON_HF_KEYS = frozenset(
+    {
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "max_position_embeddings",
+        "initializer_range",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "num_labels",
+        "pad_token_id",
+        "problem_type",
+        "architectures",
+        "attention_dropout",
+        "pretraining_tp",
+        "dtype",
+        "torch_dtype",  # describe the stored weights; save_pretrained rewrites them
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -465,9 +486,13 @@ class DecoderConfig:
         return out
 
     GEMMA_FEATURES: ClassVar[tuple[str, ...]] = (
-        "norm_offset", "embed_scale", "sandwich_norms", "attn_softcap", "final_softcap",
+        "norm_offset",
+        "embed_scale",
+        "sandwich_norms",
+        "attn_softcap",
+        "final_softcap",
         "attn_scale",
-    )  # fmt: skip
+    )
 
     def _require_defaults(self, names: tuple[str, ...]) -> None:
         """``to_hf``'s refusal of features (fields ``names``) the HF type lacks."""
@@ -478,8 +503,9 @@ class DecoderConfig:
     def _require(self, condition: bool, what: str) -> None:
         """``to_hf``'s refusal of settings the HF ``model_type`` cannot express."""
         if not condition:
-            raise ValueError(f"this {type(self).__name__} has no HF {self.model_type!r} "
-                             f"equivalent: {what}")  # fmt: skip
+            raise ValueError(
+                f"this {type(self).__name__} has no HF {self.model_type!r} equivalent: {what}"
+            )
 
 
 def _route_run_options(run: RunOptions, changes: Mapping[str, Any]) -> dict[str, Any]:

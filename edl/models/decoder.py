@@ -136,20 +136,39 @@ class DecoderLayer(eqx.Module):
         k_attn, k_mlp = jax.random.split(key)
         std = c.initializer_range
         attn = Attention.init(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-            qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None, std=std, dtype=dtype, key=k_attn,
-        )  # fmt: skip
+            c.hidden_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+            qkv_bias=c.qkv_bias,
+            o_bias=c.o_bias,
+            qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            std=std,
+            dtype=dtype,
+            key=k_attn,
+        )
         if mlp == "moe":
             block = SparseMoE.init(
-                c.hidden_size, c.expert_intermediate_size, c.num_experts, c.num_experts_per_tok,
-                normalize=c.norm_topk_prob, act=c.hidden_act, std=std, dtype=dtype, key=k_mlp,
-            )  # fmt: skip
+                c.hidden_size,
+                c.expert_intermediate_size,
+                c.num_experts,
+                c.num_experts_per_tok,
+                normalize=c.norm_topk_prob,
+                act=c.hidden_act,
+                std=std,
+                dtype=dtype,
+                key=k_mlp,
+            )
         else:
             block = GatedMLP.init(
-                c.hidden_size, c.intermediate_size, act=c.hidden_act, use_bias=c.mlp_bias,
-                std=std, dtype=dtype, key=k_mlp,
-            )  # fmt: skip
+                c.hidden_size,
+                c.intermediate_size,
+                act=c.hidden_act,
+                use_bias=c.mlp_bias,
+                std=std,
+                dtype=dtype,
+                key=k_mlp,
+            )
         sandwich = _norm(c, dtype) if c.sandwich_norms else None
         return cls(attn, block, _norm(c, dtype), _norm(c, dtype), sandwich, sandwich)
 
@@ -167,9 +186,15 @@ class DecoderLayer(eqx.Module):
         """The block and its router statistics (``None`` for a dense MLP); ``token_mask``
         keeps padding out of those statistics."""
         attn = self.self_attn(
-            self.input_layernorm(h), cos, sin, segment_ids, window=window,
-            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.run.attention_impl,
-        )  # fmt: skip
+            self.input_layernorm(h),
+            cos,
+            sin,
+            segment_ids,
+            window=window,
+            softcap=config.attn_softcap,
+            scale=config.attn_scale,
+            impl=config.run.attention_impl,
+        )
         return self._residual_mlp(self._residual_attn(h, attn), config, token_mask)
 
     def decode(
@@ -185,9 +210,16 @@ class DecoderLayer(eqx.Module):
     ) -> tuple[Hidden, KVCacheLike]:
         """The block on new tokens through a KV cache (see ``Attention.decode``)."""
         attn, cache = self.self_attn.decode(
-            self.input_layernorm(h), cos, sin, cache, layer, window=window,
-            softcap=config.attn_softcap, scale=config.attn_scale, impl=config.run.attention_impl,
-        )  # fmt: skip
+            self.input_layernorm(h),
+            cos,
+            sin,
+            cache,
+            layer,
+            window=window,
+            softcap=config.attn_softcap,
+            scale=config.attn_scale,
+            impl=config.run.attention_impl,
+        )
         return self._residual_mlp(self._residual_attn(h, attn), config, None)[0], cache
 
     def _residual_attn(self, h: jax.Array, attn: jax.Array) -> jax.Array:
@@ -284,11 +316,15 @@ class DecoderModel(eqx.Module):
                 keys[jnp.asarray(mine)],
             )
         embed = Embedding.init(
-            config.vocab_size, config.hidden_size, std=config.initializer_range, dtype=dtype,
+            config.vocab_size,
+            config.hidden_size,
+            std=config.initializer_range,
+            dtype=dtype,
             key=k_embed,
-        )  # fmt: skip
-        return cls(embed, stacks["layers"], stacks.get("dense_layers"), _norm(config, dtype),
-                   config)  # fmt: skip
+        )
+        return cls(
+            embed, stacks["layers"], stacks.get("dense_layers"), _norm(config, dtype), config
+        )
 
     def unstacked(self) -> DecoderModel:
         """The same trunk with each layer stack split into a tuple of layers (``unstack``),
@@ -356,8 +392,9 @@ class DecoderModel(eqx.Module):
         _check_2d("attention_mask", attention_mask, batch, seq)
         _check_2d("segment_ids", segment_ids, batch, seq)
         if cache is not None:
-            return self._decode(h, attention_mask, position_ids, cache, segment_ids,
-                                output_hidden_states)  # fmt: skip
+            return self._decode(
+                h, attention_mask, position_ids, cache, segment_ids, output_hidden_states
+            )
         if position_ids is None:
             position_ids = (
                 _positions_from_segments(segment_ids)
@@ -371,8 +408,9 @@ class DecoderModel(eqx.Module):
 
         def apply(layer: DecoderLayer, carry, window: int | None, _):
             h, stats = carry
-            h, layer_stats = layer(h, cos, sin, segments, config=c, window=window,
-                                   token_mask=token_mask)  # fmt: skip
+            h, layer_stats = layer(
+                h, cos, sin, segments, config=c, window=window, token_mask=token_mask
+            )
             if layer_stats is not None:
                 stats = stats + layer_stats
             return constrain(h, HIDDEN), stats
@@ -380,9 +418,15 @@ class DecoderModel(eqx.Module):
         stats0 = RouterStats.zeros(c.num_experts) if "moe" in c.layer_mlps else None
         layers, groups = self._stacks()
         (h_out, stats), per_layer = run_stack(
-            layers, (h, stats0), apply, settings=c.layer_windows, groups=groups,
-            scan=c.run.scan_layers, remat=c.run.remat, collect=output_hidden_states,
-        )  # fmt: skip
+            layers,
+            (h, stats0),
+            apply,
+            settings=c.layer_windows,
+            groups=groups,
+            scan=c.run.scan_layers,
+            remat=c.run.remat,
+            collect=output_hidden_states,
+        )
         hidden_states = None
         if per_layer is not None:
             hidden_states = jnp.concatenate([h[None], per_layer[0]], axis=0)
@@ -410,7 +454,11 @@ class DecoderModel(eqx.Module):
 
         layers, groups = self._stacks()
         (h, cache), _ = run_stack(
-            layers, (h, cache.reserve(num_new)), apply, settings=c.layer_windows, groups=groups,
+            layers,
+            (h, cache.reserve(num_new)),
+            apply,
+            settings=c.layer_windows,
+            groups=groups,
             scan=c.run.scan_layers,
-        )  # fmt: skip
+        )
         return ModelOutput(self.norm(h), cache=cache.advance(num_new))

@@ -267,8 +267,10 @@ class DualEncoderConfig:
     def _towers_from_hf(cls, c: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict:
         unknown = sorted(set(overrides) - RUN_OPTIONS)
         if unknown:
-            raise ValueError(f"{cls.__name__}.from_hf: unknown overrides {unknown} (run options "
-                             f"only: {sorted(RUN_OPTIONS)})")  # fmt: skip
+            raise ValueError(
+                f"{cls.__name__}.from_hf: unknown overrides {unknown} (run options "
+                f"only: {sorted(RUN_OPTIONS)})"
+            )
         towers = {}
         for name, tower in (("text_config", cls.TEXT), ("vision_config", cls.VISION)):
             sub, legacy = c.get(name) or {}, c.get(f"{name}_dict") or {}

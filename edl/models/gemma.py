@@ -85,12 +85,15 @@ class GemmaConfig(DecoderConfig):
     def to_hf(self, architectures: list[str] | None = None) -> dict[str, Any]:
         """A HF ``config.json`` dict that transformers loads as the same model."""
         self._require(
-            self.norm_offset == 1.0 and self.embed_scale and not self.qk_norm
-            and self.qkv_bias == self.o_bias and not self.mlp_bias
+            self.norm_offset == 1.0
+            and self.embed_scale
+            and not self.qk_norm
+            and self.qkv_bias == self.o_bias
+            and not self.mlp_bias
             and self.num_experts == 0,
             "Gemma's norm offset 1, scaled embeddings, one attention bias, no q/k norms, "
             "MLP bias or experts",
-        )  # fmt: skip
+        )
         out = self._common_to_hf(architectures)
         out.update(attention_bias=self.qkv_bias, hidden_activation=self.hidden_act)
         return out
@@ -119,9 +122,12 @@ class Gemma2Config(GemmaConfig):
     query_pre_attn_scalar: float = 256.0
 
     _READ: ClassVar[frozenset[str]] = GemmaConfig._READ | {
-        "sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
         "final_logit_softcapping",
-    }  # fmt: skip
+    }
 
     def _default_attn_scale(self) -> float:
         return self.query_pre_attn_scalar**-0.5

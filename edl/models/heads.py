@@ -74,9 +74,12 @@ class DecoderForCausalLM(eqx.Module):
         head = None
         if not config.tie_word_embeddings:
             head = Linear.init(
-                config.hidden_size, config.vocab_size, std=config.initializer_range,
-                dtype=dtype, key=k_head,
-            )  # fmt: skip
+                config.hidden_size,
+                config.vocab_size,
+                std=config.initializer_range,
+                dtype=dtype,
+                key=k_head,
+            )
         return cls(cls.trunk.init(config, key=k_model, dtype=dtype), head)
 
     @property
@@ -102,10 +105,14 @@ class DecoderForCausalLM(eqx.Module):
         """Logits ``(batch, seq, vocab)`` in the activation dtype; inputs as the trunk's
         (with a ``cache``, the updated cache is returned too)."""
         out = self.model(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, segment_ids=segment_ids,
-            output_hidden_states=output_hidden_states, cache=cache,
-        )  # fmt: skip
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+            output_hidden_states=output_hidden_states,
+            cache=cache,
+        )
         return CausalLMOutput(
             self.lm_logits(out.last_hidden_state), out.hidden_states, out.cache, out.router_stats
         )
@@ -157,13 +164,20 @@ class DecoderForCausalLM(eqx.Module):
             labels, attention_mask=attention_mask, segment_ids=segment_ids
         )
         out = self.model(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, segment_ids=segment_ids,
-        )  # fmt: skip
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
+        )
         loss, metrics = causal_lm_loss(
-            out.last_hidden_state, self.head_weight, labels, attention_mask=attention_mask,
-            chunk_size=chunk_size, softcap=c.final_softcap,
-        )  # fmt: skip
+            out.last_hidden_state,
+            self.head_weight,
+            labels,
+            attention_mask=attention_mask,
+            chunk_size=chunk_size,
+            softcap=c.final_softcap,
+        )
         if out.router_stats is not None:
             aux, z = load_balancing_loss(out.router_stats), router_z_loss(out.router_stats)
             if c.output_router_logits:
@@ -191,9 +205,12 @@ class DecoderForSequenceClassification(eqx.Module):
         dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_model, k_head = jax.random.split(key)
         score = Linear.init(
-            config.hidden_size, config.num_labels, std=config.initializer_range, dtype=dtype,
+            config.hidden_size,
+            config.num_labels,
+            std=config.initializer_range,
+            dtype=dtype,
             key=k_head,
-        )  # fmt: skip
+        )
         return cls(cls.trunk.init(config, key=k_model, dtype=dtype), score)
 
     @property
@@ -217,10 +234,13 @@ class DecoderForSequenceClassification(eqx.Module):
         position with ``attention_mask`` 1, else the last position.
         """
         out = self.model(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, segment_ids=segment_ids,
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            segment_ids=segment_ids,
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         h = out.last_hidden_state
         batch, seq = h.shape[:2]
         if input_ids is not None and self.config.pad_token_id is not None:
@@ -256,9 +276,11 @@ class DecoderForSequenceClassification(eqx.Module):
         if c.run.check_inputs and single and jnp.issubdtype(labels.dtype, jnp.integer):
             labels = check_ids(labels, c.num_labels, name="labels", what="num_labels", ignore=-100)
         logits = self(
-            input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+            input_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
             position_ids=position_ids,
-        ).logits  # fmt: skip
+        ).logits
         return sequence_classification_loss(logits, labels, problem_type=self.config.problem_type)
 
 

@@ -43,8 +43,9 @@ _LAYERS = "layers"  # the path component of the (default) layer stack
 @functools.cache
 def _template_regex(template: str) -> re.Pattern[str]:
     parts = re.split(r"(\{layer\}|\{expert\}|\{name\})", template)
-    body = "".join(_FIELDS[p[1:-1]] if p[1:-1] in _FIELDS and p[0] == "{" else re.escape(p)
-                   for p in parts)  # fmt: skip
+    body = "".join(
+        _FIELDS[p[1:-1]] if p[1:-1] in _FIELDS and p[0] == "{" else re.escape(p) for p in parts
+    )
     return re.compile(f"^{body}$")
 
 
@@ -224,8 +225,10 @@ def decoder_key_table(
         for rule in (*layer_rules, ("{name}", "{name}")):
             r = rule if isinstance(rule, KeyRule) else KeyRule(*rule)
             edl = tuple(f"{prefix}layers.{e}" for e in r.edl_templates)
-            rules.append(dataclasses.replace(
-                r, hf=f"{prefix}layers.{{layer}}.{r.hf}", edl=edl[0] if len(edl) == 1 else edl
-            ))  # fmt: skip
+            rules.append(
+                dataclasses.replace(
+                    r, hf=f"{prefix}layers.{{layer}}.{r.hf}", edl=edl[0] if len(edl) == 1 else edl
+                )
+            )
     rules.append(KeyRule("{name}", "{name}"))
     return KeyTable(tuple(rules), ignore_hf=ignore_hf)

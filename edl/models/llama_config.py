@@ -21,9 +21,13 @@ __all__ = [
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 _READ = {
-    "attention_bias", "mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers",
+    "attention_bias",
+    "mlp_bias",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
     "layer_types",
-}  # fmt: skip
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,17 +66,36 @@ _VISION = {"clip_vision_model": CLIPVisionConfig, "siglip_vision_model": SiglipV
 _TOWERS = {CLIPVisionConfig: CLIPVisionModel, SiglipVisionConfig: SiglipVisionModel}
 _STRATEGIES = ("default", "full")
 # LlavaConfig's own fields, read as they are.
-_OWN = frozenset({
-    "image_token_index", "image_seq_length", "projector_hidden_act",
-    "vision_feature_select_strategy", "vision_feature_layer", "multimodal_projector_bias",
-    "tie_word_embeddings",
-})  # fmt: skip
-_READ = frozenset({
-    "model_type", "text_config", "vision_config", "image_token_index", "image_token_id",
-    "image_seq_length", "projector_hidden_act", "vision_feature_select_strategy",
-    "vision_feature_layer", "multimodal_projector_bias", "tie_word_embeddings", "architectures",
-    "dtype", "torch_dtype", "transformers_version",
-})  # fmt: skip
+_OWN = frozenset(
+    {
+        "image_token_index",
+        "image_seq_length",
+        "projector_hidden_act",
+        "vision_feature_select_strategy",
+        "vision_feature_layer",
+        "multimodal_projector_bias",
+        "tie_word_embeddings",
+    }
+)
+_READ = frozenset(
+    {
+        "model_type",
+        "text_config",
+        "vision_config",
+        "image_token_index",
+        "image_token_id",
+        "image_seq_length",
+        "projector_hidden_act",
+        "vision_feature_select_strategy",
+        "vision_feature_layer",
+        "multimodal_projector_bias",
+        "tie_word_embeddings",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +231,20 @@ def key_table(config: LlavaConfig) -> KeyTable:
     ``language_model.`` (HF) / ``model.language_model.`` (edl), the vision tower's under
     ``vision_tower.`` / ``model.vision_tower.``; the older layouts load only."""
     rules: list[KeyRule | tuple] = [
-        *tower_key_table("vision_tower.", "model.vision_tower.", legacy=(
-            "vision_tower.vision_model.", "model.vision_tower.vision_model.",
-            "model.vision_tower.")),
+        *tower_key_table(
+            "vision_tower.",
+            "model.vision_tower.",
+            legacy=(
+                "vision_tower.vision_model.",
+                "model.vision_tower.vision_model.",
+                "model.vision_tower.",
+            ),
+        ),
         ("model.multi_modal_projector.{name}", "model.multi_modal_projector.{name}", None, True),
         ("multi_modal_projector.{name}", "model.multi_modal_projector.{name}"),
         ("lm_head.weight", "lm_head.weight", None, True),
         ("language_model.lm_head.weight", "lm_head.weight"),
-    ]  # fmt: skip
+    ]
     for rule in _trunk_rules(config):
         tail = rule.hf.removeprefix("model.language_model.")
         rules.append(dataclasses.replace(rule, load_only=True))
@@ -380,9 +405,12 @@ class LlavaModel(eqx.Module):
         elif pixel_values is not None:
             raise ValueError("pixel_values need input_ids (their image tokens), not embeddings")
         return self.language_model(
-            inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, output_hidden_states=output_hidden_states, cache=cache,
-        )  # fmt: skip
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=output_hidden_states,
+            cache=cache,
+        )
 
 
 class LlavaForConditionalGeneration(eqx.Module):
@@ -406,8 +434,13 @@ class LlavaForConditionalGeneration(eqx.Module):
         k_model, k_head = jax.random.split(key)
         text, head = config.text_config, None
         if not config.tied:
-            head = Linear.init(text.hidden_size, text.vocab_size, std=text.initializer_range,
-                               dtype=dtype, key=k_head)  # fmt: skip
+            head = Linear.init(
+                text.hidden_size,
+                text.vocab_size,
+                std=text.initializer_range,
+                dtype=dtype,
+                key=k_head,
+            )
         return cls(LlavaModel.init(config, key=k_model, dtype=dtype), head)
 
     @property
@@ -438,9 +471,14 @@ class LlavaForConditionalGeneration(eqx.Module):
     ) -> CausalLMOutput:
         """Logits ``(batch, seq, vocab)``; inputs as ``LlavaModel``'s."""
         out = self.model(
-            input_ids, pixel_values, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-            position_ids=position_ids, output_hidden_states=output_hidden_states, cache=cache,
-        )  # fmt: skip
+            input_ids,
+            pixel_values,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=output_hidden_states,
+            cache=cache,
+        )
         return CausalLMOutput(
             self.text_lm().lm_logits(out.last_hidden_state), out.hidden_states, out.cache
         )
@@ -461,6 +499,9 @@ class LlavaForConditionalGeneration(eqx.Module):
         if labels is None:
             labels = jnp.where(input_ids == self.config.image_token_index, -100, input_ids)
         return self.text_lm().compute_loss(
-            labels=labels, inputs_embeds=self.model.embed_inputs(input_ids, pixel_values),
-            attention_mask=attention_mask, position_ids=position_ids, chunk_size=chunk_size,
-        )  # fmt: skip
+            labels=labels,
+            inputs_embeds=self.model.embed_inputs(input_ids, pixel_values),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            chunk_size=chunk_size,
+        )

@@ -35,18 +35,25 @@ FUSED_EXPERT_RULES = (
     KeyRule("mlp.experts.down_proj", "mlp.experts.down_proj", load_only=True),
 )
 
-HF_KEYS = decoder_key_table((
-    ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
-    ("block_sparse_moe.experts.{expert}.w1.weight", "mlp.experts.gate_proj"),
-    ("block_sparse_moe.experts.{expert}.w3.weight", "mlp.experts.up_proj"),
-    ("block_sparse_moe.experts.{expert}.w2.weight", "mlp.experts.down_proj"),
-    *FUSED_EXPERT_RULES,
-))  # fmt: skip
+HF_KEYS = decoder_key_table(
+    (
+        ("block_sparse_moe.gate.weight", "mlp.gate.weight"),
+        ("block_sparse_moe.experts.{expert}.w1.weight", "mlp.experts.gate_proj"),
+        ("block_sparse_moe.experts.{expert}.w3.weight", "mlp.experts.up_proj"),
+        ("block_sparse_moe.experts.{expert}.w2.weight", "mlp.experts.down_proj"),
+        *FUSED_EXPERT_RULES,
+    )
+)
 
 _READ = {
-    "sliding_window", "num_local_experts", "num_experts_per_tok", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "router_z_loss_coef",
-}  # fmt: skip
+    "sliding_window",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "router_z_loss_coef",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +97,13 @@ class MixtralConfig(DecoderConfig):
         self._require_defaults(self.GEMMA_FEATURES)
         self._require(
             not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm)
-            and len(set(self.layer_windows)) == 1 and set(self.layer_mlps) == {"moe"}
-            and self.norm_topk_prob and self.expert_intermediate_size == self.intermediate_size,
+            and len(set(self.layer_windows)) == 1
+            and set(self.layer_mlps) == {"moe"}
+            and self.norm_topk_prob
+            and self.expert_intermediate_size == self.intermediate_size,
             "no biases or q/k norms, one sliding window, every layer MoE with renormalised "
             "top-k weights and experts as wide as intermediate_size",
-        )  # fmt: skip
+        )
         out = self._common_to_hf(architectures)
         out.update(
             sliding_window=self.layer_windows[0],

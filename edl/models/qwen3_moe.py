@@ -28,19 +28,31 @@ __all__ = [
     "Qwen3MoeModel",
 ]
 
-HF_KEYS = decoder_key_table((
-    ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.gate_proj"),
-    ("mlp.experts.{expert}.up_proj.weight", "mlp.experts.up_proj"),
-    ("mlp.experts.{expert}.down_proj.weight", "mlp.experts.down_proj"),
-    *FUSED_EXPERT_RULES,
-))  # fmt: skip
+HF_KEYS = decoder_key_table(
+    (
+        ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.gate_proj"),
+        ("mlp.experts.{expert}.up_proj.weight", "mlp.experts.up_proj"),
+        ("mlp.experts.{expert}.down_proj.weight", "mlp.experts.down_proj"),
+        *FUSED_EXPERT_RULES,
+    )
+)
 
 _READ = {
-    "attention_bias", "use_sliding_window", "sliding_window", "num_experts",
-    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers", "output_router_logits", "router_aux_loss_coef",
-    "router_z_loss_coef", "max_window_layers",
-}  # fmt: skip
+    "attention_bias",
+    "use_sliding_window",
+    "sliding_window",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_z_loss_coef",
+    "max_window_layers",
+}
 
 
 def hf_layer_mlps(c: Mapping[str, Any], n_layers: int, num_experts: int) -> tuple[str, ...]:
@@ -102,10 +114,12 @@ class Qwen3MoeConfig(DecoderConfig):
         """A HF ``config.json`` dict that transformers loads as the same model."""
         self._require_defaults(self.GEMMA_FEATURES)
         self._require(
-            self.qk_norm and self.qkv_bias == self.o_bias and not self.mlp_bias
+            self.qk_norm
+            and self.qkv_bias == self.o_bias
+            and not self.mlp_bias
             and len(set(self.layer_windows)) == 1,
             "q/k norms, one attention bias, no MLP bias and one sliding window for all layers",
-        )  # fmt: skip
+        )
         out = self._common_to_hf(architectures)
         window = self.layer_windows[0]
         out.update(

@@ -56,9 +56,12 @@ def _family(name: str, module: Any, config_cls: type, prefix: str, hf_names: Map
 
 
 LLAMA = _family(
-    "llama", llama, llama.LlamaConfig, "Llama",
+    "llama",
+    llama,
+    llama.LlamaConfig,
+    "Llama",
     {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"},
-)  # fmt: skip
+)
 GEMMA = _family("gemma", gemma, gemma.GemmaConfig, "Gemma", {"gemma": "Gemma"})
 GEMMA2 = _family("gemma2", gemma, gemma.Gemma2Config, "Gemma2", {"gemma2": "Gemma2"})
 MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtral": "Mixtral"})
@@ -67,30 +70,63 @@ QWEN3_MOE = _family(
 )
 
 # Vision and vision-language models.
-CLIP = register(Family("clip", CLIPConfig, clip.dual_key_table(), {"base": clip.CLIPModel},
-                       {"clip": "CLIP"}))  # fmt: skip
-CLIP_TEXT = register(Family(
-    "clip_text_model", CLIPTextConfig, clip.bare_tower_key_table("text_model."),
-    {"base": clip.CLIPTextModel, "with_projection": clip.CLIPTextModelWithProjection},
-    {"clip_text_model": "CLIPText"}, {"with_projection": clip.dual_key_table()},
-))  # fmt: skip
-CLIP_VISION = register(Family(
-    "clip_vision_model", CLIPVisionConfig, clip.bare_tower_key_table("vision_model."),
-    {"base": clip.CLIPVisionModel, "with_projection": clip.CLIPVisionModelWithProjection},
-    {"clip_vision_model": "CLIPVision"}, {"with_projection": clip.dual_key_table()},
-))  # fmt: skip
-SIGLIP = register(Family("siglip", SiglipConfig, clip.dual_key_table(),
-                         {"base": siglip.SiglipModel}, {"siglip": "Siglip"}))  # fmt: skip
-SIGLIP_TEXT = register(Family(
-    "siglip_text_model", SiglipTextConfig, clip.bare_tower_key_table("text_model."),
-    {"base": siglip.SiglipTextModel}, {"siglip_text_model": "SiglipText"},
-))  # fmt: skip
-SIGLIP_VISION = register(Family(
-    "siglip_vision_model", SiglipVisionConfig, clip.bare_tower_key_table("vision_model."),
-    {"base": siglip.SiglipVisionModel}, {"siglip_vision_model": "SiglipVision"},
-))  # fmt: skip
-LLAVA = register(Family(
-    "llava", llava.LlavaConfig, llava.key_table,
-    {"conditional_generation": llava.LlavaForConditionalGeneration, "base": llava.LlavaModel},
-    {"llava": "Llava"}, module_table=llava.module_key_table,
-))  # fmt: skip
+CLIP = register(
+    Family("clip", CLIPConfig, clip.dual_key_table(), {"base": clip.CLIPModel}, {"clip": "CLIP"})
+)
+CLIP_TEXT = register(
+    Family(
+        "clip_text_model",
+        CLIPTextConfig,
+        clip.bare_tower_key_table("text_model."),
+        {"base": clip.CLIPTextModel, "with_projection": clip.CLIPTextModelWithProjection},
+        {"clip_text_model": "CLIPText"},
+        {"with_projection": clip.dual_key_table()},
+    )
+)
+CLIP_VISION = register(
+    Family(
+        "clip_vision_model",
+        CLIPVisionConfig,
+        clip.bare_tower_key_table("vision_model."),
+        {"base": clip.CLIPVisionModel, "with_projection": clip.CLIPVisionModelWithProjection},
+        {"clip_vision_model": "CLIPVision"},
+        {"with_projection": clip.dual_key_table()},
+    )
+)
+SIGLIP = register(
+    Family(
+        "siglip",
+        SiglipConfig,
+        clip.dual_key_table(),
+        {"base": siglip.SiglipModel},
+        {"siglip": "Siglip"},
+    )
+)
+SIGLIP_TEXT = register(
+    Family(
+        "siglip_text_model",
+        SiglipTextConfig,
+        clip.bare_tower_key_table("text_model."),
+        {"base": siglip.SiglipTextModel},
+        {"siglip_text_model": "SiglipText"},
+    )
+)
+SIGLIP_VISION = register(
+    Family(
+        "siglip_vision_model",
+        SiglipVisionConfig,
+        clip.bare_tower_key_table("vision_model."),
+        {"base": siglip.SiglipVisionModel},
+        {"siglip_vision_model": "SiglipVision"},
+    )
+)
+LLAVA = register(
+    Family(
+        "llava",
+        llava.LlavaConfig,
+        llava.key_table,
+        {"conditional_generation": llava.LlavaForConditionalGeneration, "base": llava.LlavaModel},
+        {"llava": "Llava"},
+        module_table=llava.module_key_table,
+    )
+)

@@ -64,9 +64,13 @@ class SiglipTextModel(eqx.Module):
         dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
         k_emb, k_enc, k_head = jax.random.split(key, 3)
         head = Linear.init(
-            config.hidden_size, config.head_size, use_bias=True, std=config.initializer_range,
-            dtype=dtype, key=k_head,
-        )  # fmt: skip
+            config.hidden_size,
+            config.head_size,
+            use_bias=True,
+            std=config.initializer_range,
+            dtype=dtype,
+            key=k_head,
+        )
         return cls(
             TextEmbeddings.init(config, dtype=dtype, key=k_emb),
             Encoder.init(config, dtype=dtype, key=k_enc),
@@ -88,9 +92,11 @@ class SiglipTextModel(eqx.Module):
         c = self.config
         h = self.embeddings(input_ids, config=c, position_ids=position_ids)
         h, hidden = self.encoder(
-            h, config=c, segment_ids=padding_segments(attention_mask),
+            h,
+            config=c,
+            segment_ids=padding_segments(attention_mask),
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         h = self.final_layer_norm(h)
         return EncoderOutput(h, self.head(h[:, -1]), hidden)
 
@@ -191,9 +197,11 @@ class SiglipModel(eqx.Module):
         """Every text against every image: ``cos * exp(logit_scale) + logit_bias``
         (``sigmoid(logits_per_image)`` are the match probabilities)."""
         text = self.text_model(
-            input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
             output_hidden_states=output_hidden_states,
-        )  # fmt: skip
+        )
         vision = self.vision_model(pixel_values, output_hidden_states=output_hidden_states)
         text_embeds, image_embeds = (
             l2_normalize(text.pooler_output),

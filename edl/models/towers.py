@@ -60,9 +60,15 @@ class Encoder(eqx.Module):
 
         def layer(k: PRNGKeyArray) -> EncoderLayer:
             return EncoderLayer.init(
-                c.hidden_size, c.intermediate_size, c.num_attention_heads, act=c.hidden_act,
-                eps=c.layer_norm_eps, std=c.initializer_range, dtype=dtype, key=k,
-            )  # fmt: skip
+                c.hidden_size,
+                c.intermediate_size,
+                c.num_attention_heads,
+                act=c.hidden_act,
+                eps=c.layer_norm_eps,
+                std=c.initializer_range,
+                dtype=dtype,
+                key=k,
+            )
 
         return cls(stack(layer, jax.random.split(key, c.num_hidden_layers)))
 
@@ -82,9 +88,13 @@ class Encoder(eqx.Module):
             return layer(h, segment_ids, causal=causal, impl=impl)
 
         out, per_layer = run_stack(
-            self.layers, h, apply, scan=config.run.scan_layers, remat=config.run.remat,
+            self.layers,
+            h,
+            apply,
+            scan=config.run.scan_layers,
+            remat=config.run.remat,
             collect=output_hidden_states,
-        )  # fmt: skip
+        )
         hidden = None if per_layer is None else jnp.concatenate([h[None], per_layer], axis=0)
         return out, hidden
 
@@ -103,9 +113,10 @@ class TextEmbeddings(eqx.Module):
         std = config.initializer_range
         return cls(
             Embedding.init(config.vocab_size, config.hidden_size, std=std, dtype=dtype, key=k_tok),
-            Embedding.init(config.max_position_embeddings, config.hidden_size, std=std,
-                           dtype=dtype, key=k_pos),
-        )  # fmt: skip
+            Embedding.init(
+                config.max_position_embeddings, config.hidden_size, std=std, dtype=dtype, key=k_pos
+            ),
+        )
 
     def __call__(
         self,
@@ -187,9 +198,14 @@ class VisionEmbeddings(eqx.Module):
         c, std = config, config.initializer_range
         k_patch, k_pos, k_cls = jax.random.split(key, 3)
         patch = PatchEmbedding.init(
-            c.num_channels, c.hidden_size, c.patch_size, use_bias=patch_bias, std=std,
-            dtype=dtype, key=k_patch,
-        )  # fmt: skip
+            c.num_channels,
+            c.hidden_size,
+            c.patch_size,
+            use_bias=patch_bias,
+            std=std,
+            dtype=dtype,
+            key=k_patch,
+        )
         positions = c.num_patches + int(class_token)
         pos = Embedding.init(positions, c.hidden_size, std=std, dtype=dtype, key=k_pos)
         cls_token = std * jax.random.normal(k_cls, (c.hidden_size,), dtype) if class_token else None
@@ -265,12 +281,19 @@ class AttentionPoolingHead(eqx.Module):
         k_probe, k_attn, k_mlp = jax.random.split(key, 3)
         return cls(
             std * jax.random.normal(k_probe, (1, 1, c.hidden_size), dtype),
-            MultiheadAttention.init(c.hidden_size, c.num_attention_heads, std=std, dtype=dtype,
-                                    key=k_attn),
+            MultiheadAttention.init(
+                c.hidden_size, c.num_attention_heads, std=std, dtype=dtype, key=k_attn
+            ),
             LayerNorm.init(c.hidden_size, eps=c.layer_norm_eps, dtype=dtype),
-            MLP.init(c.hidden_size, c.intermediate_size, act=c.hidden_act, std=std, dtype=dtype,
-                     key=k_mlp),
-        )  # fmt: skip
+            MLP.init(
+                c.hidden_size,
+                c.intermediate_size,
+                act=c.hidden_act,
+                std=std,
+                dtype=dtype,
+                key=k_mlp,
+            ),
+        )
 
     def __call__(self, h: Hidden) -> Float[Array, "batch dim"]:
         probe = jnp.broadcast_to(self.probe.astype(h.dtype), (h.shape[0], 1, h.shape[2]))

@@ -72,20 +72,35 @@ def check_number(name: str, value: Any, sign: str | None = None) -> None:
 
 # Signs of the float fields (the others: any finite number).
 FLOAT_SIGNS = {
-    "rms_norm_eps": "positive", "attn_softcap": "positive", "final_softcap": "positive",
-    "attn_scale": "positive", "moe_capacity_factor": "positive",
-    "query_pre_attn_scalar": "positive", "initializer_range": "non-negative",
-    "router_aux_loss_coef": "non-negative", "router_z_loss_coef": "non-negative",
+    "rms_norm_eps": "positive",
+    "attn_softcap": "positive",
+    "final_softcap": "positive",
+    "attn_scale": "positive",
+    "moe_capacity_factor": "positive",
+    "query_pre_attn_scalar": "positive",
+    "initializer_range": "non-negative",
+    "router_aux_loss_coef": "non-negative",
+    "router_z_loss_coef": "non-negative",
     "layer_norm_eps": "positive",
-}  # fmt: skip
+}
 
 # HF config.json keys (of every family) checked before a config is built: they size tuples
 # and divide each other on the way. Ints: key -> (low, high, null allowed).
 _HF_INTS = {
-    **{k: (*INT_BOUNDS[k], False) for k in (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "max_position_embeddings", "num_labels", "num_experts",
-        "num_experts_per_tok")},
+    **{
+        k: (*INT_BOUNDS[k], False)
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "max_position_embeddings",
+            "num_labels",
+            "num_experts",
+            "num_experts_per_tok",
+        )
+    },
     "num_local_experts": (*INT_BOUNDS["num_experts"], False),
     "num_key_value_heads": (*INT_BOUNDS["num_key_value_heads"], True),
     "head_dim": (*INT_BOUNDS["head_dim"], True),
@@ -94,28 +109,41 @@ _HF_INTS = {
     "max_window_layers": (0, INT_BOUNDS["num_hidden_layers"][1], True),
     "decoder_sparse_step": (0, INT_BOUNDS["num_hidden_layers"][1], True),
     "pad_token_id": (None, None, True),
-}  # fmt: skip
+}
 # Numbers: key -> (sign, null allowed).
 _HF_NUMBERS = {
-    "rms_norm_eps": ("positive", False), "initializer_range": ("non-negative", False),
-    "rope_theta": ("positive", False), "attention_dropout": ("non-negative", False),
+    "rms_norm_eps": ("positive", False),
+    "initializer_range": ("non-negative", False),
+    "rope_theta": ("positive", False),
+    "attention_dropout": ("non-negative", False),
     "router_aux_loss_coef": ("non-negative", False),
     "router_z_loss_coef": ("non-negative", False),
     "router_jitter_noise": ("non-negative", False),
     "query_pre_attn_scalar": ("positive", False),
-    "attn_logit_softcapping": ("positive", True), "final_logit_softcapping": ("positive", True),
-}  # fmt: skip
+    "attn_logit_softcapping": ("positive", True),
+    "final_logit_softcapping": ("positive", True),
+}
 _HF_BOOLS = (
-    "tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "norm_topk_prob",
-    "output_router_logits", "use_bidirectional_attention",
-)  # fmt: skip
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "use_sliding_window",
+    "norm_topk_prob",
+    "output_router_logits",
+    "use_bidirectional_attention",
+)
 _HF_TYPES = {  # key -> (JSON type name, Python type); null is allowed
-    "model_type": ("a string", str), "hidden_act": ("a string", str),
-    "hidden_activation": ("a string", str), "problem_type": ("a string", str),
-    "rope_scaling": ("an object", dict), "rope_parameters": ("an object", dict),
-    "id2label": ("an object", dict), "layer_types": ("a list", list),
-    "mlp_only_layers": ("a list", list), "architectures": ("a list", list),
-}  # fmt: skip
+    "model_type": ("a string", str),
+    "hidden_act": ("a string", str),
+    "hidden_activation": ("a string", str),
+    "problem_type": ("a string", str),
+    "rope_scaling": ("an object", dict),
+    "rope_parameters": ("an object", dict),
+    "id2label": ("an object", dict),
+    "layer_types": ("a list", list),
+    "mlp_only_layers": ("a list", list),
+    "architectures": ("a list", list),
+}
 
 
 def check_hf_values(c: Mapping[str, Any]) -> None:

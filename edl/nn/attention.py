@@ -113,9 +113,16 @@ class Attention(eqx.Module):
         b, s, _ = x.shape
         q, k, v = self._project(x, cos, sin)
         out = attention(
-            q, k, v, causal=True, segment_ids=segment_ids, window=window, softcap=softcap,
-            scale=scale, impl=impl,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            causal=True,
+            segment_ids=segment_ids,
+            window=window,
+            softcap=softcap,
+            scale=scale,
+            impl=impl,
+        )
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
 
     def decode(

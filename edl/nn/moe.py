@@ -110,7 +110,14 @@ class SparseMoE(eqx.Module):
         stats = router_stats(logits, probs, chosen, flat_mask)
         e = self.experts
         out = expert_mlp(
-            tokens, weights, chosen, e.gate_proj, e.up_proj, e.down_proj, act=self.act,
-            impl=impl, capacity_factor=capacity_factor,
-        )  # fmt: skip
+            tokens,
+            weights,
+            chosen,
+            e.gate_proj,
+            e.up_proj,
+            e.down_proj,
+            act=self.act,
+            impl=impl,
+            capacity_factor=capacity_factor,
+        )
         return out.reshape(x.shape), stats

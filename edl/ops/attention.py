@@ -170,9 +170,11 @@ def _per_shard(kernel, q, k, v, q_ids, kv_ids):
         return kernel(q, k, v, *(ids or (None, None)))
 
     return jax.shard_map(
-        carry_platforms(per_shard), in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
-        out_specs=head_spec, check_vma=False,
-    )(q, k, v, *ids)  # fmt: skip
+        carry_platforms(per_shard),
+        in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
+        out_specs=head_spec,
+        check_vma=False,
+    )(q, k, v, *ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,9 +341,15 @@ def attention(
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
     if impl == "reference":
         return reference_attention(
-            q, k, v, causal=causal, segment_ids=segment_ids, window=window, softcap=softcap,
+            q,
+            k,
+            v,
+            causal=causal,
+            segment_ids=segment_ids,
+            window=window,
+            softcap=softcap,
             scale=scale,
-        )  # fmt: skip
+        )
     options = _Options(causal=causal, window=window, softcap=softcap, scale=scale)
 
     def plain(q, k, v, q_ids, kv_ids):

@@ -175,9 +175,13 @@ def paged_attention(
     _check_impl("paged_attention", impl, PAGED_IMPLS)
     options = _Options(window=window, softcap=softcap, scale=scale)
     plain = functools.partial(
-        _paged_xla, impl=impl, window=window, softcap=softcap, scale=scale,
+        _paged_xla,
+        impl=impl,
+        window=window,
+        softcap=softcap,
+        scale=scale,
         live_prefix=live_prefix,
-    )  # fmt: skip
+    )
     arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer))
     if impl in ("xla", "reference"):
         return plain(*arrays)
@@ -185,9 +189,19 @@ def paged_attention(
 
 
 def _paged_xla(
-    q, k_pages, v_pages, page_table, lengths, layer, *, impl, window, softcap, scale,
+    q,
+    k_pages,
+    v_pages,
+    page_table,
+    lengths,
+    layer,
+    *,
+    impl,
+    window,
+    softcap,
+    scale,
     live_prefix,
-):  # fmt: skip
+):
     """``paged_attention``'s gathered form (``"xla"`` / ``"reference"``)."""
     page_size = k_pages.shape[-3]
 
@@ -210,10 +224,13 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # platform_dependent keeps only the branch of the platform being lowered for.
     return platform_dependent(
-        q, k, v, mask,
+        q,
+        k,
+        v,
+        mask,
         cpu=functools.partial(cpu.one_token_attention, softcap=softcap, scale=scale),
         default=functools.partial(masked_attention, softcap=softcap, scale=scale),
-    )  # fmt: skip
+    )
 
 
 def _check_impl(name: str, impl: str, impls: tuple[str, ...]) -> None:

@@ -128,9 +128,12 @@ def _traced_check(
     def fail(low: jax.Array, high: jax.Array) -> jax.Array:
         def call(low, high):
             return jax.pure_callback(
-                report, jax.ShapeDtypeStruct(low.shape, low.dtype), low, high,
+                report,
+                jax.ShapeDtypeStruct(low.shape, low.dtype),
+                low,
+                high,
                 vmap_method="broadcast_all",
-            )  # fmt: skip
+            )
 
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty:

@@ -145,7 +145,7 @@ def expert_mlp(
         raise ValueError(
             f"expert_mlp: x {x.shape}, gate {gate.shape}, up {up.shape}, down {down.shape} do "
             f"not fit (experts, intermediate, dim) / (experts, dim, intermediate)"
-        )  # fmt: skip
+        )
     if capacity_factor is not None:
         impl = "capacity"
     if impl not in MOE_IMPLS:
@@ -205,8 +205,11 @@ def _ragged_mlp(rows, sizes, gate, up, down, act):
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0],
     )
-    dot = functools.partial(jax.lax.ragged_dot_general, group_sizes=sizes.astype(jnp.int32),
-                            ragged_dot_dimension_numbers=dims)  # fmt: skip
+    dot = functools.partial(
+        jax.lax.ragged_dot_general,
+        group_sizes=sizes.astype(jnp.int32),
+        ragged_dot_dimension_numbers=dims,
+    )
     h = activation(act)(dot(rows, gate)) * dot(rows, up)
     return dot(h, down)
 

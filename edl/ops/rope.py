@@ -69,8 +69,11 @@ class RopeConfig:
         rope_type = merged.get("rope_type", merged.get("type", "default"))
         theta = merged.get("rope_theta", config.get("rope_theta", default_theta))
         partial = merged.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        numbers = {**{k: merged.get(k) for k in _NUMBERS}, "rope_theta": theta,
-                   "partial_rotary_factor": partial}  # fmt: skip
+        numbers = {
+            **{k: merged.get(k) for k in _NUMBERS},
+            "rope_theta": theta,
+            "partial_rotary_factor": partial,
+        }
         for key, value in numbers.items():
             if value is not None and not _is_number(value):
                 raise ValueError(f"config.json: RoPE {key} must be a number, got {value!r}")

@@ -70,8 +70,13 @@ def fit_spec(
                     )
                 continue
             if dim % (size * axis_sizes[axis]):
-                log.debug("%s: mesh axis %r (%d) does not divide dim %d; replicated there",
-                          path, axis, axis_sizes[axis], dim)  # fmt: skip
+                log.debug(
+                    "%s: mesh axis %r (%d) does not divide dim %d; replicated there",
+                    path,
+                    axis,
+                    axis_sizes[axis],
+                    dim,
+                )
                 continue
             kept.append(axis)
             size *= axis_sizes[axis]

@@ -20,9 +20,10 @@ from edl._lazy import lazy_attributes
 
 _EXPORTS = {
     "Engine": "edl.serve.engine:Engine",
-    **{name: f"edl.serve.types:{name}" for name in ("QueueFull", "RequestOutput",
-                                                     "SamplingParams")},
-}  # fmt: skip
+    **{
+        name: f"edl.serve.types:{name}" for name in ("QueueFull", "RequestOutput", "SamplingParams")
+    },
+}
 
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)
 

@@ -53,8 +53,9 @@ class IncrementalText:
         stop_token_ids: ids that end generation (EOS); they are left out of the text.
     """
 
-    def __init__(self, tokenizer: Any, *, stop: Sequence[str] = (),
-                 stop_token_ids: Iterable[int] = ()) -> None:  # fmt: skip
+    def __init__(
+        self, tokenizer: Any, *, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = ()
+    ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"IncrementalText: stop strings must be non-empty, got {stop!r}")
         self.tokenizer, self.stop = tokenizer, tuple(stop)

@@ -214,5 +214,9 @@ class AsyncEngine:
                 self._deliver(queue, output)
                 if output.finished:
                     del self._queues[output.request_id]
-            self.stats = Stats(len(self._queues), engine.num_free_pages,
-                               engine.num_total_pages, self.stats.steps + 1)  # fmt: skip
+            self.stats = Stats(
+                len(self._queues),
+                engine.num_free_pages,
+                engine.num_total_pages,
+                self.stats.steps + 1,
+            )

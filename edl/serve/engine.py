@@ -156,18 +156,26 @@ class Engine:
         prefix_caching: share whole prompt pages between running requests.
         """
         if not isinstance(model, CausalLM):
-            raise TypeError(f"Engine needs a causal LM (edl.generate.CausalLM), got "
-                            f"{type(model).__name__}")  # fmt: skip
+            raise TypeError(
+                f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
+            )
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
-        sizes = dict(max_batch=max_batch, max_model_len=max_model_len, page_size=page_size,
-                     max_queue=max_queue, prefill_chunk=prefill_chunk,
-                     prefill_tokens=prefill_tokens)  # fmt: skip
+        sizes = dict(
+            max_batch=max_batch,
+            max_model_len=max_model_len,
+            page_size=page_size,
+            max_queue=max_queue,
+            prefill_chunk=prefill_chunk,
+            prefill_tokens=prefill_tokens,
+        )
         bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
         if bad:
             raise ValueError(f"Engine: these must be integers >= 1: {bad}")
         if prefill_tokens < prefill_chunk:
-            raise ValueError(f"Engine: prefill_tokens ({prefill_tokens}) must be at least "
-                             f"prefill_chunk ({prefill_chunk})")  # fmt: skip
+            raise ValueError(
+                f"Engine: prefill_tokens ({prefill_tokens}) must be at least "
+                f"prefill_chunk ({prefill_chunk})"
+            )
         self.vocab_size = model.config.vocab_size
         eos = tuple(eos_token_ids)
         if not all(is_int(i) and 0 <= i < self.vocab_size for i in eos):
@@ -187,9 +195,13 @@ class Engine:
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
         cache = init_paged_cache(
-            model.config, num_pages, page_size, batch=1, cache_len=max_model_len,
+            model.config,
+            num_pages,
+            page_size,
+            batch=1,
+            cache_len=max_model_len,
             dtype=model.model.embed_tokens.weight.dtype,
-        )  # fmt: skip
+        )
         # Two buffers (init_paged_cache shares one zero array), as each step donates both.
         self._k_pages, self._v_pages = cache.k_pages, jnp.zeros_like(cache.v_pages)
         self._pool = PagePool(num_pages)
@@ -222,19 +234,22 @@ class Engine:
             raise ValueError("add_request: the prompt is empty")
         bad = [i for i in prompt if not is_int(i) or not 0 <= i < self.vocab_size]
         if bad:
-            raise ValueError(f"add_request: prompt ids {bad[:8]} are not in [0, "
-                             f"{self.vocab_size})")  # fmt: skip
+            raise ValueError(f"add_request: prompt ids {bad[:8]} are not in [0, {self.vocab_size})")
         bad = [i for i in params.stop_token_ids if i >= self.vocab_size]
         if bad:
             raise ValueError(f"add_request: stop_token_ids {bad} are not < {self.vocab_size}")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"add_request: prompt ({len(prompt)}) + max_tokens "
-                             f"({params.max_tokens}) = {total} exceeds max_model_len "
-                             f"{self.max_model_len}")  # fmt: skip
+            raise ValueError(
+                f"add_request: prompt ({len(prompt)}) + max_tokens "
+                f"({params.max_tokens}) = {total} exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
         if self._pages_for(total) > self.num_total_pages:
-            raise ValueError(f"add_request: {total} tokens need {self._pages_for(total)} pages, "
-                             f"the pool has {self.num_total_pages}")  # fmt: skip
+            raise ValueError(
+                f"add_request: {total} tokens need {self._pages_for(total)} pages, "
+                f"the pool has {self.num_total_pages}"
+            )
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
         seed = int(self._rng.integers(2**32)) if params.seed is None else params.seed
@@ -289,8 +304,12 @@ class Engine:
         """Every ``(rows, width, pages)`` a step may call the model with (the module
         docstring): decode (``width == 1``), then prefill."""
         widths = [(rows, 1) for rows in self.row_buckets]
-        widths += [(rows, width) for width in self.width_buckets for rows in self.row_buckets
-                   if rows * width <= self.prefill_tokens]  # fmt: skip
+        widths += [
+            (rows, width)
+            for width in self.width_buckets
+            for rows in self.row_buckets
+            if rows * width <= self.prefill_tokens
+        ]
         return [(rows, width, pages) for rows, width in widths for pages in self.page_buckets]
 
     def warmup(self) -> None:
@@ -320,9 +339,15 @@ class Engine:
             seed[i], counter[i] = r.seed, len(r.generated)
         sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
         self._k_pages, self._v_pages, next_tokens = model_step(
-            self._model, self._k_pages, self._v_pages, jnp.asarray(table),
-            jnp.asarray(lengths), jnp.asarray(tokens), jnp.asarray(num_new), sampling,
-        )  # fmt: skip
+            self._model,
+            self._k_pages,
+            self._v_pages,
+            jnp.asarray(table),
+            jnp.asarray(lengths),
+            jnp.asarray(tokens),
+            jnp.asarray(num_new),
+            sampling,
+        )
         next_tokens = np.asarray(next_tokens)
         for i, r in enumerate(requests):
             r.computed += int(num_new[i])
@@ -330,8 +355,10 @@ class Engine:
 
     def _pages_after(self, requests: list[_Request], width: int) -> int:
         """The page bucket holding every request's tokens after a call of ``width``."""
-        longest = max(min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
-                      for r in requests)  # fmt: skip
+        longest = max(
+            min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
+            for r in requests
+        )
         return _bucket(self.page_buckets, self._pages_for(longest))
 
     def _prefill_batch(self) -> tuple[list[_Request], int, int]:

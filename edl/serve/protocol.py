@@ -42,15 +42,33 @@ __all__ = [
 class APIError(Exception):
     """An error answered as OpenAI's error body with HTTP ``status``."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
-            status, message, type, param, code)  # fmt: skip
+            status,
+            message,
+            type,
+            param,
+            code,
+        )
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}  # fmt: skip
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -78,25 +96,59 @@ class GenerationRequest:
     include_usage: bool
 
     def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, seed=self.seed,
-                              stop_token_ids=tuple(stop_token_ids))  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop_token_ids=tuple(stop_token_ids),
+        )
 
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-           "stream", "stream_options", "user"}  # fmt: skip
+_COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "user",
+}
 # Defined by OpenAI, not implemented: accepted at the value that means "off" only.
-_NO_OP = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
-          "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-          "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
-          "parallel_tool_calls": (None, True, False), "tools": (None, []),
-          "tool_choice": (None, "none"), "response_format": (None, {"type": "text"})}  # fmt: skip
-_FIELDS = {"completion": _COMMON | {"prompt"},
-           "chat": _COMMON | {"messages", "max_completion_tokens"}}  # fmt: skip
+_NO_OP = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "parallel_tool_calls": (None, True, False),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+_FIELDS = {
+    "completion": _COMMON | {"prompt"},
+    "chat": _COMMON | {"messages", "max_completion_tokens"},
+}
 
 
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float,
-            *, low_open: bool = False) -> float:  # fmt: skip
+def _number(
+    body: Mapping[str, Any],
+    name: str,
+    default: float,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -151,18 +203,21 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         raise bad(f"'stream' must be a boolean, got {stream!r}", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise bad(f"'stream_options' takes only 'include_usage', got {options!r}",
-                  "stream_options")  # fmt: skip
+        raise bad(f"'stream_options' takes only 'include_usage', got {options!r}", "stream_options")
     if options and not stream:
         raise bad("'stream_options' needs 'stream': true", "stream_options")
     return dict(
-        kind=kind, model=body["model"], max_tokens=max_tokens,
+        kind=kind,
+        model=body["model"],
+        max_tokens=max_tokens,
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=None if top_k in (None, -1) else top_k, seed=_integer(body, "seed"),
-        stop=_stop(body.get("stop")), stream=bool(stream),
+        top_k=None if top_k in (None, -1) else top_k,
+        seed=_integer(body, "seed"),
+        stop=_stop(body.get("stop")),
+        stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
-    )  # fmt: skip
+    )
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -179,8 +234,11 @@ def parse_completion(body: Any) -> GenerationRequest:
     ):
         return GenerationRequest(prompt=list(prompt), messages=None, **fields)
     if not isinstance(prompt, str) or not prompt:
-        raise bad("'prompt' must be a non-empty string or list of token ids (one prompt per "
-                  f"request), got {prompt!r}"[:300], "prompt")  # fmt: skip
+        raise bad(
+            "'prompt' must be a non-empty string or list of token ids (one prompt per "
+            f"request), got {prompt!r}"[:300],
+            "prompt",
+        )
     return GenerationRequest(prompt=_text(prompt, "prompt"), messages=None, **fields)
 
 
@@ -200,15 +258,22 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     if isinstance(content, list):  # content parts: text only
         texts = []
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text"
-                    and isinstance(part.get("text"), str)):  # fmt: skip
-                raise bad(f"{where}.content[{j}]: only text parts "
-                          f"({{'type': 'text', 'text': ...}}) are supported, got {part!r}",
-                          f"{where}.content")  # fmt: skip
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise bad(
+                    f"{where}.content[{j}]: only text parts "
+                    f"({{'type': 'text', 'text': ...}}) are supported, got {part!r}",
+                    f"{where}.content",
+                )
             texts.append(part["text"])
         return _text("".join(texts), f"{where}.content")
-    raise bad(f"{where}.content must be a string or a list of text parts, got {content!r}",
-              f"{where}.content")  # fmt: skip
+    raise bad(
+        f"{where}.content must be a string or a list of text parts, got {content!r}",
+        f"{where}.content",
+    )
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -243,34 +308,66 @@ def new_id(kind: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _envelope(id: str, object: str, model: str, choices: list, **extra: Any) -> dict[str, Any]:
-    return {"id": id, "object": object, "created": int(time.time()), "model": model,
-            "choices": choices, **extra}  # fmt: skip
+    return {
+        "id": id,
+        "object": object,
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
 
 
-def completion_response(id: str, model: str, text: str, finish_reason: str | None,
-                        prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+def completion_response(
+    id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
     """A whole ``/v1/completions`` reply (``object: text_completion``) with its usage."""
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return _envelope(id, "text_completion", model, [choice],
-                     usage=usage(prompt_tokens, completion_tokens))  # fmt: skip
+    return _envelope(
+        id, "text_completion", model, [choice], usage=usage(prompt_tokens, completion_tokens)
+    )
 
 
-def chat_response(id: str, model: str, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:  # fmt: skip
+def chat_response(
+    id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    prompt_tokens: int,
+    completion_tokens: int,
+) -> dict[str, Any]:
     """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish_reason}  # fmt: skip
-    return _envelope(id, "chat.completion", model, [choice],
-                     usage=usage(prompt_tokens, completion_tokens))  # fmt: skip
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": text},
+        "logprobs": None,
+        "finish_reason": finish_reason,
+    }
+    return _envelope(
+        id, "chat.completion", model, [choice], usage=usage(prompt_tokens, completion_tokens)
+    )
 
 
-def completion_chunk(id: str, model: str, text: str | None, finish_reason: str | None,
-                     usage: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+def completion_chunk(
+    id: str,
+    model: str,
+    text: str | None,
+    finish_reason: str | None,
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """A stream chunk; ``text=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []
@@ -281,8 +378,13 @@ def completion_chunk(id: str, model: str, text: str | None, finish_reason: str |
     return _envelope(id, "text_completion", model, choices, **extra)
 
 
-def chat_chunk(id: str, model: str, delta: dict[str, str] | None, finish_reason: str | None,
-               usage: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
+def chat_chunk(
+    id: str,
+    model: str,
+    delta: dict[str, str] | None,
+    finish_reason: str | None,
+    usage: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """A stream chunk; ``delta=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []

@@ -108,8 +108,14 @@ async def _disconnected(receive: Any) -> None:
 class _Server:
     """The routes' shared state: the driver, tokenizer and the model's limits."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, model_name: str, max_model_len: int,
-                 stop_token_ids: Sequence[int]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        model_name: str,
+        max_model_len: int,
+        stop_token_ids: Sequence[int],
+    ) -> None:
         self.driver = AsyncEngine(engine)
         self.tokenizer, self.model_name = tokenizer, model_name
         self.max_model_len, self.stop_token_ids = max_model_len, tuple(stop_token_ids)
@@ -132,16 +138,24 @@ class _Server:
     # --- plain routes ----------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self.created,
-                "owned_by": "edl", "max_model_len": self.max_model_len}  # fmt: skip
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "edl",
+            "max_model_len": self.max_model_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(self, request: Request) -> Response:
         stats, up = self.driver.stats, self.driver.alive and not self.draining
         status = "ok" if up else "draining" if self.draining else "unavailable"
-        body = {"status": status,
-                "running": stats.running, "num_free_pages": stats.num_free_pages,
-                "num_total_pages": stats.num_total_pages}  # fmt: skip
+        body = {
+            "status": status,
+            "running": stats.running,
+            "num_free_pages": stats.num_free_pages,
+            "num_total_pages": stats.num_total_pages,
+        }
         return JSONResponse(body, status_code=200 if up else 503)
 
     # --- generation ------------------------------------------------------------------
@@ -156,19 +170,23 @@ class _Server:
         tok = self.tokenizer
         if req.messages is not None:
             if getattr(tok, "chat_template", None) is None:
-                raise protocol.bad(f"the model {self.model_name} has no chat template: use "
-                                   "/v1/completions", "messages")  # fmt: skip
+                raise protocol.bad(
+                    f"the model {self.model_name} has no chat template: use /v1/completions",
+                    "messages",
+                )
             try:
                 return list(tok.apply_chat_template(req.messages, add_generation_prompt=True))
             except Exception as e:  # the template's own errors (jinja raise_exception, ...)
-                raise protocol.bad(f"the chat template rejected the messages: {e}",
-                                   "messages") from e  # fmt: skip
+                raise protocol.bad(
+                    f"the chat template rejected the messages: {e}", "messages"
+                ) from e
         if isinstance(req.prompt, list):
             vocab = tok.vocab_size
             bad = [t for t in req.prompt if not 0 <= t < vocab]
             if bad:
-                raise protocol.bad(f"prompt token id {bad[0]} is outside the vocabulary "
-                                   f"[0, {vocab})", "prompt")  # fmt: skip
+                raise protocol.bad(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt"
+                )
             return req.prompt
         return list(tok.encode(req.prompt, add_bos=bool(getattr(tok, "adds_bos", False))))
 
@@ -178,8 +196,9 @@ class _Server:
             raise protocol.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens, and "
                 f"the prompt has {prompt_tokens}: no room for a reply.",
-                "messages" if req.kind == "chat" else "prompt", "context_length_exceeded",
-            )  # fmt: skip
+                "messages" if req.kind == "chat" else "prompt",
+                "context_length_exceeded",
+            )
         if req.max_tokens is None:  # OpenAI's defaults: 16 for completions, all room for chat
             return min(room, _COMPLETION_DEFAULT_MAX_TOKENS) if req.kind == "completion" else room
         if req.max_tokens > room:
@@ -187,25 +206,34 @@ class _Server:
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, you requested {prompt_tokens + req.max_tokens} tokens "
                 f"({prompt_tokens} in the prompt, {req.max_tokens} for the completion).",
-                "max_tokens", "context_length_exceeded",
-            )  # fmt: skip
+                "max_tokens",
+                "context_length_exceeded",
+            )
         return req.max_tokens
 
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
         if req.model != self.model_name:  # 404, as OpenAI's model_not_found
-            raise APIError(404, f"The model '{req.model}' does not exist (this server serves "
-                           f"'{self.model_name}')", param="model",
-                           code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"The model '{req.model}' does not exist (this server serves '{self.model_name}')",
+                param="model",
+                code="model_not_found",
+            )
         if self.draining:
-            raise APIError(503, "the server is shutting down", type="server_error",
-                           code="shutting_down")  # fmt: skip
+            raise APIError(
+                503, "the server is shutting down", type="server_error", code="shutting_down"
+            )
         ids = self._prompt_ids(req)
         params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
         try:
             stream = await self.driver.add(ids, params)
         except QueueFull as e:
-            raise APIError(429, f"the server is at capacity, retry later ({e})",
-                           type="rate_limit_error", code="rate_limit_exceeded") from e  # fmt: skip
+            raise APIError(
+                429,
+                f"the server is at capacity, retry later ({e})",
+                type="rate_limit_error",
+                code="rate_limit_exceeded",
+            ) from e
         except ValueError as e:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
@@ -213,8 +241,12 @@ class _Server:
         reply = _Reply(self, req, stream, len(ids))
         self.open_replies += 1  # _Reply's plain / sse take it off when they end
         if req.stream:
-            return _EventStream(reply.sse(), reply.close, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache"})  # fmt: skip
+            return _EventStream(
+                reply.sse(),
+                reply.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         return await reply.plain(request)
 
 
@@ -229,13 +261,15 @@ class _Reply:
     """One request's reply: the engine's outputs as text pieces, sent plain or streamed;
     it aborts the request unless the engine finished it."""
 
-    def __init__(self, server: _Server, req: GenerationRequest, stream: RequestStream,
-                 prompt_tokens: int) -> None:  # fmt: skip
+    def __init__(
+        self, server: _Server, req: GenerationRequest, stream: RequestStream, prompt_tokens: int
+    ) -> None:
         self.server, self.req, self.stream = server, req, stream
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.id = protocol.new_id(req.kind)
-        self.text = IncrementalText(server.tokenizer, stop=req.stop,
-                                    stop_token_ids=server.stop_token_ids)  # fmt: skip
+        self.text = IncrementalText(
+            server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
+        )
         self.done = self.closed = False
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
@@ -250,9 +284,11 @@ class _Reply:
                 return
             if out.finished:
                 if out.finish_reason not in _FINISH_REASONS:  # the engine broke the contract
-                    raise RuntimeError(f"the engine finished request {out.request_id} with "
-                                       f"finish_reason {out.finish_reason!r}, not one of "
-                                       f"{_FINISH_REASONS}")  # fmt: skip
+                    raise RuntimeError(
+                        f"the engine finished request {out.request_id} with "
+                        f"finish_reason {out.finish_reason!r}, not one of "
+                        f"{_FINISH_REASONS}"
+                    )
                 self.done = True
                 yield piece + self.text.end(), out.finish_reason
                 return
@@ -295,8 +331,16 @@ class _Reply:
             await asyncio.gather(collecting, watcher, return_exceptions=True)
             self.close()
         build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
-        return JSONResponse(build(self.id, self.server.model_name, text, finish,
-                                  self.prompt_tokens, self.completion_tokens))  # fmt: skip
+        return JSONResponse(
+            build(
+                self.id,
+                self.server.model_name,
+                text,
+                finish,
+                self.prompt_tokens,
+                self.completion_tokens,
+            )
+        )
 
     def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
         model, chat = self.server.model_name, self.req.kind == "chat"
@@ -312,8 +356,9 @@ class _Reply:
         piece; the finish reason; usage when asked; ``[DONE]``."""
         try:
             if self.req.kind == "chat":
-                body = protocol.chat_chunk(self.id, self.server.model_name,
-                                           {"role": "assistant", "content": ""}, None)  # fmt: skip
+                body = protocol.chat_chunk(
+                    self.id, self.server.model_name, {"role": "assistant", "content": ""}, None
+                )
                 yield f"data: {json.dumps(body)}\n\n"
             try:
                 async for piece, finish in self.pieces():
@@ -335,8 +380,14 @@ class _Reply:
             self.close()
 
 
-def create_app(engine: Engine, tokenizer: Any, *, model_name: str, max_model_len: int,
-               stop_token_ids: Sequence[int] = ()) -> Starlette:  # fmt: skip
+def create_app(
+    engine: Engine,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    max_model_len: int,
+    stop_token_ids: Sequence[int] = (),
+) -> Starlette:
     """The ASGI app serving ``engine`` (see the module docstring).
 
     Args:
@@ -366,8 +417,9 @@ def create_app(engine: Engine, tokenizer: Any, *, model_name: str, max_model_len
     async def http_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error(APIError(e.status_code, f"{e.detail}: {request.method} "
-                               f"{request.url.path}", type=kind))  # fmt: skip
+        return _error(
+            APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", type=kind)
+        )
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -406,15 +458,22 @@ class _DrainingServer(uvicorn.Server):
             self.loop.call_soon_threadsafe(lambda: self.loop.create_task(drain()))
 
 
-def make_server(app: Starlette, *, host: str = "127.0.0.1", port: int = 8000,
-                drain_s: float = 30.0, log_level: str = "info") -> uvicorn.Server:  # fmt: skip
+def make_server(
+    app: Starlette,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    drain_s: float = 30.0,
+    log_level: str = "info",
+) -> uvicorn.Server:
     """A uvicorn server for ``app`` (:func:`create_app`); ``.run()`` serves until SIGTERM /
     SIGINT, then: uvicorn stops accepting, the open requests get ``drain_s`` seconds to
     finish and are then aborted (their replies end with ``finish_reason: "abort"``), the
     lifespan stops the engine thread. ``port=0`` picks a free port
     (``server.servers[0].sockets[0].getsockname()`` once ``server.started``)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_s + 10)  # fmt: skip
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 10
+    )
     return _DrainingServer(config, app.state.server, drain_s)
 
 

@@ -75,9 +75,13 @@ def sample_rows(
 ) -> Int[Array, " batch"]:
     """Each row's next token under its own settings (``SlotSampling``)."""
     return jax.vmap(_sample_row)(
-        logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.seed,
+        logits,
+        sampling.temperature,
+        sampling.top_k,
+        sampling.top_p,
+        sampling.seed,
         sampling.counter,
-    )  # fmt: skip
+    )
 
 
 @functools.partial(jax.jit, donate_argnums=(1, 2))

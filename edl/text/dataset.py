@@ -87,8 +87,11 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
         return "edl.ByteTokenizer/1"
     if isinstance(tokenizer, HFTokenizer):
         specials = [tokenizer.bos_id, tokenizer.eos_id, tokenizer.hf.pad_token_id]
-        parts = [tokenizer.hf.backend_tokenizer.to_str(), tokenizer.chat_template or "",
-                 json.dumps([specials, tokenizer.adds_bos])]  # fmt: skip
+        parts = [
+            tokenizer.hf.backend_tokenizer.to_str(),
+            tokenizer.chat_template or "",
+            json.dumps([specials, tokenizer.adds_bos]),
+        ]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
     fingerprint = getattr(tokenizer, "fingerprint", None)
     if not isinstance(fingerprint, str):
@@ -232,8 +235,9 @@ def _encode(
         parts = [pair[field] for field in PREFERENCE_FIELDS]  # type: ignore[literal-required]
         return np.concatenate(parts), [len(p) for p in parts]
     if format == "completion":
-        example = encode_completion(tokenizer, record["prompt"], record["completion"],
-                                    add_bos=add_bos)  # fmt: skip
+        example = encode_completion(
+            tokenizer, record["prompt"], record["completion"], add_bos=add_bos
+        )
     else:
         example = encode_chat(tokenizer, record["messages"])  # type: ignore[arg-type]
     return example["input_ids"], example["labels"]
@@ -334,8 +338,14 @@ def _tokenize(
     field_lengths: list[list[int]] = []
     warned: list[str] = []
     formats: set[str] = set()
-    bar = tqdm(validated_records(source, format), desc=f"tokenizing {source.description}",
-               unit=" records", file=sys.stderr, mininterval=1.0, disable=not progress)  # fmt: skip
+    bar = tqdm(
+        validated_records(source, format),
+        desc=f"tokenizing {source.description}",
+        unit=" records",
+        file=sys.stderr,
+        mininterval=1.0,
+        disable=not progress,
+    )
     for where, kind, record in bar:
         chat = kind == "chat" or (kind == "preference" and isinstance(record["prompt"], list))
         if chat and not isinstance(tokenizer, HFTokenizer):
@@ -372,8 +382,13 @@ def _tokenize(
     lengths = np.array([len(a) for a in ids], dtype=np.int64)
     offsets = np.concatenate([np.zeros(1, np.int64), np.cumsum(lengths)])
     has_labels = bool(labels)
-    meta = {**made_from, "num_documents": len(ids), "num_tokens": int(offsets[-1]),
-            "has_labels": has_labels, "formats": sorted(formats)}  # fmt: skip
+    meta = {
+        **made_from,
+        "num_documents": len(ids),
+        "num_tokens": int(offsets[-1]),
+        "has_labels": has_labels,
+        "formats": sorted(formats),
+    }
     lengths_array = None
     if field_lengths:
         meta["fields"] = list(PREFERENCE_FIELDS)
@@ -381,8 +396,7 @@ def _tokenize(
     flat_ids = np.concatenate(ids)
     flat_labels = np.concatenate(labels) if has_labels else None
     _check_tokenized(tokenizer, source, flat_ids, flat_labels, offsets, made_from["vocab_size"])
-    return TokenizedDataset(flat_ids, flat_labels, offsets, meta,
-                            field_lengths=lengths_array)  # fmt: skip
+    return TokenizedDataset(flat_ids, flat_labels, offsets, meta, field_lengths=lengths_array)
 
 
 def _check_tokenized(

@@ -168,9 +168,12 @@ class HFTokenizer:
         """
         self._require_template()
         return self.hf.apply_chat_template(
-            list(messages), tools=None if tools is None else list(tools), tokenize=False,
-            add_generation_prompt=add_generation_prompt, **dict(template_kwargs or {}),
-        )  # fmt: skip
+            list(messages),
+            tools=None if tools is None else list(tools),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **dict(template_kwargs or {}),
+        )
 
     def apply_chat_template(
         self,
@@ -185,10 +188,13 @@ class HFTokenizer:
         special token is added around it)."""
         self._require_template()
         out = self.hf.apply_chat_template(
-            list(messages), tools=None if tools is None else list(tools), tokenize=True,
-            return_dict=True, add_generation_prompt=add_generation_prompt,
+            list(messages),
+            tools=None if tools is None else list(tools),
+            tokenize=True,
+            return_dict=True,
+            add_generation_prompt=add_generation_prompt,
             **dict(template_kwargs or {}),
-        )  # fmt: skip
+        )
         return list(out["input_ids"])
 
     def _require_template(self) -> None:

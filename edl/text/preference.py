@@ -98,8 +98,10 @@ def encode_preference(
             )
         options = {"tools": tools, "template_kwargs": template_kwargs}
         prompt_ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, **options)
-        sequences = [tokenizer.apply_chat_template(prompt + response, **options)
-                     for response in (chosen, rejected)]  # fmt: skip
+        sequences = [
+            tokenizer.apply_chat_template(prompt + response, **options)
+            for response in (chosen, rejected)
+        ]
     else:
         kinds = {k: type(record[k]).__name__ for k in ("prompt", "chosen", "rejected")}
         raise ValueError(

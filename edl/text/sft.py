@@ -124,9 +124,13 @@ def encode_chat(
     template = tokenizer.chat_template
     if template is not None and _GENERATION_BLOCK.search(template):
         out = tokenizer.hf.apply_chat_template(
-            messages, tools=None if tools is None else list(tools), tokenize=True,
-            return_dict=True, return_assistant_tokens_mask=True, **dict(template_kwargs or {}),
-        )  # fmt: skip
+            messages,
+            tools=None if tools is None else list(tools),
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+            **dict(template_kwargs or {}),
+        )
         mask = np.asarray(out["assistant_masks"], dtype=bool)
         if not mask.any():
             raise ValueError(

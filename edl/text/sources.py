@@ -299,10 +299,14 @@ def hf_dataset(
         if isinstance(data_files, str | os.PathLike | list | tuple):
             local_files = resolve_files(data_files)
         dataset = datasets.load_dataset(
-            os.fspath(path), name, split=split, revision=revision, streaming=streaming,
+            os.fspath(path),
+            name,
+            split=split,
+            revision=revision,
+            streaming=streaming,
             cache_dir=None if cache_dir is None else os.fspath(cache_dir),
             data_files=data_files if local_files is None else [str(f) for f in local_files],
-        )  # fmt: skip
+        )
     fingerprint = getattr(dataset, "_fingerprint", None)
     if streaming or fingerprint is None:
         digest = hashlib.sha256(json.dumps([os.fspath(path), name, split, revision]).encode())

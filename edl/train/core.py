@@ -248,8 +248,15 @@ def run_loop(
             state, compile_seconds, last, reason = _steps(
                 state, step_fn, data, start, steps, callbacks, clock
             )
-        end = RunEnd(state=state, reason=reason, start_step=start, steps=steps,
-                     elapsed=clock(), compile_seconds=compile_seconds, last=last)  # fmt: skip
+        end = RunEnd(
+            state=state,
+            reason=reason,
+            start_step=start,
+            steps=steps,
+            elapsed=clock(),
+            compile_seconds=compile_seconds,
+            last=last,
+        )
         for cb in callbacks:
             cb.on_end(end)
         return state, end

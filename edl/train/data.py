@@ -252,8 +252,12 @@ class EpochCursor(Cursor):
 
     def config_fields(self) -> dict[str, Any]:
         """The settings a saved position is only valid for (checked by :meth:`restore`)."""
-        return {"seed": self.seed, "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "num_documents": len(self.documents)}  # fmt: skip
+        return {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "num_documents": len(self.documents),
+        }
 
     @property
     def position(self) -> dict[str, Any]:
@@ -354,9 +358,15 @@ class TokenBatches(EpochCursor):
             pad_id=self.pad_id,
             truncation=truncation,
         )
-        super().__init__(documents, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         repeat=repeat, process_index=process_index,
-                         process_count=process_count)  # fmt: skip
+        super().__init__(
+            documents,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            repeat=repeat,
+            process_index=process_index,
+            process_count=process_count,
+        )
         self.max_length, self.pack, self.truncation = max_length, pack, truncation
         self.add_bos, self.add_eos = add_bos, add_eos
         self._doc: Doc | None = None

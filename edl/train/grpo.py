@@ -117,15 +117,23 @@ class GRPOConfig:
             "loss_type": self.loss_type in GRPO_LOSSES,
             "scale_rewards": self.scale_rewards in SCALE_REWARDS,
         }
-        allowed = {"num_generations": ">= 2", "max_new_tokens": ">= 1", "num_iterations": ">= 1",
-                   "temperature": "> 0", "beta": ">= 0", "epsilon": "in [0, 1)",
-                   "epsilon_high": ">= 0 or None", "top_p": "in (0, 1]",
-                   "loss_type": f"one of {', '.join(GRPO_LOSSES)}",
-                   "scale_rewards": f"one of {SCALE_REWARDS}"}  # fmt: skip
+        allowed = {
+            "num_generations": ">= 2",
+            "max_new_tokens": ">= 1",
+            "num_iterations": ">= 1",
+            "temperature": "> 0",
+            "beta": ">= 0",
+            "epsilon": "in [0, 1)",
+            "epsilon_high": ">= 0 or None",
+            "top_p": "in (0, 1]",
+            "loss_type": f"one of {', '.join(GRPO_LOSSES)}",
+            "scale_rewards": f"one of {SCALE_REWARDS}",
+        }
         for name, ok in checks.items():
             if not ok:
-                raise ValueError(f"GRPOConfig.{name} must be {allowed[name]}, "
-                                 f"got {getattr(self, name)!r}")  # fmt: skip
+                raise ValueError(
+                    f"GRPOConfig.{name} must be {allowed[name]}, got {getattr(self, name)!r}"
+                )
 
 
 def _record(prompt: Prompt, index: int) -> Mapping[str, Any]:
@@ -176,15 +184,22 @@ def _score(
 def _loss_fn(config: GRPOConfig) -> Callable[[Any, Mapping[str, Array]], Any]:
     def loss_fn(model: Any, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
         num_new = batch["completion_mask"].shape[1]
-        logps = completion_logprobs(model, batch["input_ids"], batch["attention_mask"],
-                                    num_new, config.temperature)  # fmt: skip
+        logps = completion_logprobs(
+            model, batch["input_ids"], batch["attention_mask"], num_new, config.temperature
+        )
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         return grpo_loss(
-            logps, old, batch["advantages"], batch["completion_mask"],
-            ref_logps=batch.get("ref_logps"), beta=config.beta, epsilon=config.epsilon,
-            epsilon_high=config.epsilon_high, loss_type=config.loss_type,
+            logps,
+            old,
+            batch["advantages"],
+            batch["completion_mask"],
+            ref_logps=batch.get("ref_logps"),
+            beta=config.beta,
+            epsilon=config.epsilon,
+            epsilon_high=config.epsilon_high,
+            loss_type=config.loss_type,
             max_new_tokens=config.max_new_tokens,
-        )  # fmt: skip
+        )
 
     return loss_fn
 
@@ -205,12 +220,16 @@ class GRPOStep:
     def __init__(self, update, tokenizer, reward_fns, weights, config, key, reference):
         self.update, self.tokenizer, self.config = update, tokenizer, config
         self.reward_fns, self.weights, self.key, self.reference = (
-            reward_fns, weights, key, reference,
-        )  # fmt: skip
+            reward_fns,
+            weights,
+            key,
+            reference,
+        )
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_id
         if eos is None:
-            raise ValueError("make_grpo_step: the tokenizer has no eos_id; set "
-                             "GRPOConfig.eos_token_id")  # fmt: skip
+            raise ValueError(
+                "make_grpo_step: the tokenizer has no eos_id; set GRPOConfig.eos_token_id"
+            )
         self.eos_id = int(eos)
         pad = getattr(tokenizer, "pad_id", None)
         self.pad_id = self.eos_id if pad is None else int(pad)
@@ -223,33 +242,46 @@ class GRPOStep:
         ``model``; returns the update's batch and the rollout's metrics."""
         c, g = self.config, self.config.num_generations
         if isinstance(prompts, str) or not prompts:
-            raise ValueError(f"GRPO step: prompts must be a non-empty list of prompts, "
-                             f"got {prompts!r:.80}")  # fmt: skip
+            raise ValueError(
+                f"GRPO step: prompts must be a non-empty list of prompts, got {prompts!r:.80}"
+            )
         records = [_record(p, i) for i, p in enumerate(prompts)]
         fields = [sorted(r) for r in records]
         if any(f != fields[0] for f in fields):
-            raise ValueError(f"GRPO step: the prompt records' fields differ: {fields[0]} vs "
-                             f"{next(f for f in fields if f != fields[0])}")  # fmt: skip
+            raise ValueError(
+                f"GRPO step: the prompt records' fields differ: {fields[0]} vs "
+                f"{next(f for f in fields if f != fields[0])}"
+            )
         prompts = [r["prompt"] for r in records]
         encoded = [self._encode(p) for p in prompts]
         rows = [ids for ids in encoded for _ in range(g)]
         ids, mask = _left_pad(rows, self.pad_id)
         t0 = time.perf_counter()
         out = generate(
-            model, ids, attention_mask=mask, max_new_tokens=c.max_new_tokens, key=key,
-            do_sample=True, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-            eos_token_id=self.eos_id, pad_token_id=self.pad_id,
-        )  # fmt: skip
+            model,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=c.max_new_tokens,
+            key=key,
+            do_sample=True,
+            temperature=c.temperature,
+            top_k=c.top_k,
+            top_p=c.top_p,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+        )
         new = jax.block_until_ready(out.sequences[:, ids.shape[1] :])
         t1 = time.perf_counter()
         new_np, num_new = np.asarray(new), np.asarray(out.num_new)
         completion_ids = [new_np[i, : num_new[i]].tolist() for i in range(len(rows))]
         texts = [self.tokenizer.decode([t for t in r if t != self.eos_id]) for r in completion_ids]
         row_prompts = [p for p in prompts for _ in range(g)]
-        columns = {k: [r[k] for r in records for _ in range(g)] for k in records[0]
-                   if k != "prompt"}  # fmt: skip
-        rewards, per_fn = score_completions(self.reward_fns, self.weights, row_prompts, texts,
-                                            completion_ids, columns)  # fmt: skip
+        columns = {
+            k: [r[k] for r in records for _ in range(g)] for k in records[0] if k != "prompt"
+        }
+        rewards, per_fn = score_completions(
+            self.reward_fns, self.weights, row_prompts, texts, completion_ids, columns
+        )
         advantages = group_advantages(jnp.asarray(rewards), g, scale_rewards=c.scale_rewards)
         self.last_rollout = {"prompts": row_prompts, "completions": texts, "rewards": rewards}
         batch = {
@@ -258,9 +290,14 @@ class GRPOStep:
             "completion_mask": completion_mask(new, (self.eos_id,)),
             "advantages": advantages,
         }
-        metrics = {"reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-                   **per_fn, "completion_length": float(num_new.mean()), "sample_s": t1 - t0,
-                   "reward_s": time.perf_counter() - t1}  # fmt: skip
+        metrics = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            **per_fn,
+            "completion_length": float(num_new.mean()),
+            "sample_s": t1 - t0,
+            "reward_s": time.perf_counter() - t1,
+        }
         return batch, metrics
 
     def _encode(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
@@ -274,10 +311,14 @@ class GRPOStep:
         batch, metrics = self.rollout(model, prompts, jax.random.fold_in(self.key, start))
         t0 = time.perf_counter()
         old, ref = _score(
-            model, self.reference if c.beta > 0 else None, batch["input_ids"],
-            batch["attention_mask"], num_new=batch["completion_mask"].shape[1],
-            temperature=c.temperature, old=c.num_iterations > 1,
-        )  # fmt: skip
+            model,
+            self.reference if c.beta > 0 else None,
+            batch["input_ids"],
+            batch["attention_mask"],
+            num_new=batch["completion_mask"].shape[1],
+            temperature=c.temperature,
+            old=c.num_iterations > 1,
+        )
         batch.update({k: v for k, v in (("old_logps", old), ("ref_logps", ref)) if v is not None})
         del model  # the updates donate the state's buffers
         history = []
@@ -324,13 +365,17 @@ def make_grpo_step(
         raise TypeError(f"make_grpo_step: reward_fns must be callables, got {reward_fns!r}")
     weights = config.reward_weights or (1.0,) * len(fns)
     if len(weights) != len(fns) or not all(math.isfinite(w) for w in weights):
-        raise ValueError(f"GRPOConfig.reward_weights: need {len(fns)} finite weights (one per "
-                         f"reward function), got {config.reward_weights}")  # fmt: skip
+        raise ValueError(
+            f"GRPOConfig.reward_weights: need {len(fns)} finite weights (one per "
+            f"reward function), got {config.reward_weights}"
+        )
     if isinstance(reference, str) and reference != "lora_base":
-        raise ValueError(f"make_grpo_step: reference must be 'lora_base' or a model, "
-                         f"got {reference!r}")  # fmt: skip
-    update = make_train_step(_loss_fn(config), tx, clip_norm=clip_norm,
-                             compute_dtype=compute_dtype, donate=donate)  # fmt: skip
+        raise ValueError(
+            f"make_grpo_step: reference must be 'lora_base' or a model, got {reference!r}"
+        )
+    update = make_train_step(
+        _loss_fn(config), tx, clip_norm=clip_norm, compute_dtype=compute_dtype, donate=donate
+    )
     return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference)
 
 
@@ -351,9 +396,15 @@ class PromptBatches(EpochCursor):
         process_index: int = 0,
         process_count: int = 1,
     ) -> None:
-        super().__init__(prompts, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         repeat=repeat, process_index=process_index,
-                         process_count=process_count)  # fmt: skip
+        super().__init__(
+            prompts,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            repeat=repeat,
+            process_index=process_index,
+            process_count=process_count,
+        )
         for i, prompt in enumerate(prompts):
             _record(prompt, i)  # every prompt checked before the run starts
 

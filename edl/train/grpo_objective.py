@@ -131,8 +131,9 @@ def group_advantages(
     rewards' own scale, which overflow where they exceed float32's max).
     """
     if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"group_advantages: scale_rewards must be one of {SCALE_REWARDS}, "
-                         f"got {scale_rewards!r}")  # fmt: skip
+        raise ValueError(
+            f"group_advantages: scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}"
+        )
     if num_generations < 2 or rewards.shape[0] % num_generations:
         raise ValueError(
             f"group_advantages: {rewards.shape[0]} rewards do not split into groups of "
@@ -216,6 +217,10 @@ def grpo_loss(
         kl = masked_mean(per_token_kl)
     loss = reduction.reduce(per_token, mask, max_new_tokens)
     region = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + high) & (adv > 0))
-    metrics = {"loss": loss, "kl": kl, "clip_ratio": masked_mean(region.astype(jnp.float32)),
-               "count": tokens}  # fmt: skip
+    metrics = {
+        "loss": loss,
+        "kl": kl,
+        "clip_ratio": masked_mean(region.astype(jnp.float32)),
+        "count": tokens,
+    }
     return loss, metrics

@@ -50,18 +50,35 @@ logger = logging.getLogger("edl.train")
 
 
 def _check_options(
-    *, steps: int, nan_policy: str, eval_every: int, eval_batches: int, save_every: int,
-    log_every: int, stats_every: int, keep: int | None, time_limit: float | None,
-    max_consecutive_skips: int, has_eval: bool, has_output: bool, callbacks: Sequence[Any],
-    trackers: Sequence[str] | None, profile: tuple[int, int] | None,
-) -> None:  # fmt: skip
+    *,
+    steps: int,
+    nan_policy: str,
+    eval_every: int,
+    eval_batches: int,
+    save_every: int,
+    log_every: int,
+    stats_every: int,
+    keep: int | None,
+    time_limit: float | None,
+    max_consecutive_skips: int,
+    has_eval: bool,
+    has_output: bool,
+    callbacks: Sequence[Any],
+    trackers: Sequence[str] | None,
+    profile: tuple[int, int] | None,
+) -> None:
     """Every option checked before any work, naming the option and what it allows."""
     if nan_policy not in NAN_POLICIES:
         raise ValueError(f"train: nan_policy must be one of {NAN_POLICIES}, got {nan_policy!r}")
-    minimum = {"steps": (steps, 0), "eval_every": (eval_every, 0),
-               "eval_batches": (eval_batches, 1), "save_every": (save_every, 0),
-               "log_every": (log_every, 1), "stats_every": (stats_every, 0),
-               "max_consecutive_skips": (max_consecutive_skips, 1)}  # fmt: skip
+    minimum = {
+        "steps": (steps, 0),
+        "eval_every": (eval_every, 0),
+        "eval_batches": (eval_batches, 1),
+        "save_every": (save_every, 0),
+        "log_every": (log_every, 1),
+        "stats_every": (stats_every, 0),
+        "max_consecutive_skips": (max_consecutive_skips, 1),
+    }
     for name, (value, low) in minimum.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"train: {name} must be an int >= {low}, got {value!r}")
@@ -78,16 +95,19 @@ def _check_options(
         if isinstance(trackers, str) or unknown:
             raise ValueError(f"train: trackers must be a sequence of {TRACKERS}, got {trackers!r}")
         if trackers and not has_output:
-            raise ValueError("train: trackers write into the run directory: they need an "
-                             "output_dir")  # fmt: skip
+            raise ValueError(
+                "train: trackers write into the run directory: they need an output_dir"
+            )
     if profile is not None:
         if not has_output:
-            raise ValueError("train: profile writes its trace into output_dir/profile: it "
-                             "needs an output_dir")  # fmt: skip
+            raise ValueError(
+                "train: profile writes its trace into output_dir/profile: it needs an output_dir"
+            )
         ok = isinstance(profile, tuple) and len(profile) == 2
         if not ok or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in profile):
-            raise ValueError(f"train: profile must be (start_step, count), ints >= 1, got "
-                             f"{profile!r}")  # fmt: skip
+            raise ValueError(
+                f"train: profile must be (start_step, count), ints >= 1, got {profile!r}"
+            )
     bad = [c for c in callbacks if not isinstance(c, Callback)]
     if bad:
         raise TypeError(
@@ -193,90 +213,155 @@ def train(
     ``final_eval_step``, ``loss_png``.
     """
     _check_options(
-        steps=steps, nan_policy=nan_policy, eval_every=eval_every, eval_batches=eval_batches,
-        save_every=save_every, log_every=log_every, stats_every=stats_every, keep=keep,
-        time_limit=time_limit, max_consecutive_skips=max_consecutive_skips,
+        steps=steps,
+        nan_policy=nan_policy,
+        eval_every=eval_every,
+        eval_batches=eval_batches,
+        save_every=save_every,
+        log_every=log_every,
+        stats_every=stats_every,
+        keep=keep,
+        time_limit=time_limit,
+        max_consecutive_skips=max_consecutive_skips,
         has_eval=eval_step is not None and eval_data is not None,
-        has_output=output_dir is not None, callbacks=callbacks, trackers=trackers,
+        has_output=output_dir is not None,
+        callbacks=callbacks,
+        trackers=trackers,
         profile=profile,
-    )  # fmt: skip
+    )
     echo = _echo(progress)
     out = None if output_dir is None else Path(output_dir)
     prepared = run_dir.Prepared(state, [], 0.0, None)
     if out is not None:
-        prepared = run_dir.prepare(out, state, data, resume=resume, overwrite=overwrite,
-                                   echo=echo)  # fmt: skip
+        prepared = run_dir.prepare(out, state, data, resume=resume, overwrite=overwrite, echo=echo)
     standard, summary = _standard_callbacks(
-        out, prepared, data, echo, eval_step=eval_step, eval_data=eval_data,
-        eval_every=eval_every, eval_batches=eval_batches, save_every=save_every, keep=keep,
-        nan_policy=nan_policy, max_consecutive_skips=max_consecutive_skips,
-        time_limit=time_limit, log_every=log_every, stats_every=stats_every,
-        flops_per_token=flops_per_token, peak_flops=peak_flops, config=config,
-        progress=progress, tokenizer=tokenizer, trackers=trackers, profile=profile,
+        out,
+        prepared,
+        data,
+        echo,
+        eval_step=eval_step,
+        eval_data=eval_data,
+        eval_every=eval_every,
+        eval_batches=eval_batches,
+        save_every=save_every,
+        keep=keep,
+        nan_policy=nan_policy,
+        max_consecutive_skips=max_consecutive_skips,
+        time_limit=time_limit,
+        log_every=log_every,
+        stats_every=stats_every,
+        flops_per_token=flops_per_token,
+        peak_flops=peak_flops,
+        config=config,
+        progress=progress,
+        tokenizer=tokenizer,
+        trackers=trackers,
+        profile=profile,
         save_async=save_async,
-    )  # fmt: skip
-    state, end = run_loop(prepared.state, step_fn, data, steps=steps,
-                          callbacks=[*standard, *callbacks], elapsed=prepared.elapsed)  # fmt: skip
+    )
+    state, end = run_loop(
+        prepared.state,
+        step_fn,
+        data,
+        steps=steps,
+        callbacks=[*standard, *callbacks],
+        elapsed=prepared.elapsed,
+    )
     return state, summary(end)
 
 
 def _standard_callbacks(
-    out: Path | None, prepared: run_dir.Prepared, data: Iterator[Any],
-    echo: Callable[[str], None], *, eval_step: Callable[..., Any] | None, eval_data: Any,
-    eval_every: int, eval_batches: int, save_every: int, keep: int | None, nan_policy: str,
-    max_consecutive_skips: int, time_limit: float | None, log_every: int, stats_every: int,
-    flops_per_token: float | None, peak_flops: float | None,
-    config: Mapping[str, Any] | None, progress: bool, tokenizer: Any = None,
-    trackers: Sequence[str] | None = None, profile: tuple[int, int] | None = None,
+    out: Path | None,
+    prepared: run_dir.Prepared,
+    data: Iterator[Any],
+    echo: Callable[[str], None],
+    *,
+    eval_step: Callable[..., Any] | None,
+    eval_data: Any,
+    eval_every: int,
+    eval_batches: int,
+    save_every: int,
+    keep: int | None,
+    nan_policy: str,
+    max_consecutive_skips: int,
+    time_limit: float | None,
+    log_every: int,
+    stats_every: int,
+    flops_per_token: float | None,
+    peak_flops: float | None,
+    config: Mapping[str, Any] | None,
+    progress: bool,
+    tokenizer: Any = None,
+    trackers: Sequence[str] | None = None,
+    profile: tuple[int, int] | None = None,
     save_async: bool = False,
-) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:  # fmt: skip
+) -> tuple[list[Callback], Callable[[RunEnd], dict[str, Any]]]:
     """``train``'s callbacks, in the order they run, for its options (``out`` is the run
     directory, ``None`` for a run that writes nothing), and the function that turns the
     run's end into its summary."""
     lead = out if jax.process_index() == 0 else None  # where process 0 alone writes
-    metrics_log = MetricsLog(None if lead is None else lead / run_dir.METRICS_FILE,
-                             interval=log_every, history=prepared.history)  # fmt: skip
+    metrics_log = MetricsLog(
+        None if lead is None else lead / run_dir.METRICS_FILE,
+        interval=log_every,
+        history=prepared.history,
+    )
     checkpoints = None
     if out is not None:
-        checkpoints = Checkpoint(out / run_dir.CHECKPOINTS, every=save_every, keep=keep,
-                                 data=data, tokenizer=tokenizer, echo=echo,
-                                 asynchronous=save_async)  # fmt: skip
+        checkpoints = Checkpoint(
+            out / run_dir.CHECKPOINTS,
+            every=save_every,
+            keep=keep,
+            data=data,
+            tokenizer=tokenizer,
+            echo=echo,
+            asynchronous=save_async,
+        )
     plot = None if lead is None else LossPlot(lead / "loss.png", metrics_log)
     state = prepared.state
     parameters = edl_module.count_params(edl_module.merge(state.params, state.other))
 
     def summary(end: RunEnd) -> dict[str, Any]:
         return summarize(
-            metrics_log.history, end, resumed_from=prepared.resumed_from, parameters=parameters,
+            metrics_log.history,
+            end,
+            resumed_from=prepared.resumed_from,
+            parameters=parameters,
             loss_png=None if plot is None or plot.written is None else str(plot.written),
-        )  # fmt: skip
+        )
 
     evaluates = eval_every and eval_step is not None and eval_data is not None
     standard: list[Callback | None] = [
         ParamNorm(every=stats_every) if stats_every else None,
         Throughput(every=log_every, flops_per_token=flops_per_token, peak_flops=peak_flops),
         Evaluate(eval_step, eval_data, every=eval_every, max_batches=eval_batches)
-        if evaluates else None,
+        if evaluates
+        else None,
         metrics_log,
         *_trackers(lead, trackers, log_every, config),
         Profile(lead / "profile", *profile, echo=echo)
-        if lead is not None and profile is not None else None,
-        NonFinitePolicy(nan_policy, max_consecutive_skips=max_consecutive_skips,
-                        newest_checkpoint=checkpoints.newest if checkpoints else lambda: None),
+        if lead is not None and profile is not None
+        else None,
+        NonFinitePolicy(
+            nan_policy,
+            max_consecutive_skips=max_consecutive_skips,
+            newest_checkpoint=checkpoints.newest if checkpoints else lambda: None,
+        ),
         ProgressBar() if progress else None,
         checkpoints,
         TimeLimit(time_limit, echo=echo) if time_limit is not None else None,
         StopOnSignal(echo=echo),
         plot,
         RunReport(lead / "run.md", summary, config=config) if lead is not None else None,
-    ]  # fmt: skip
+    ]
     return [c for c in standard if c is not None], summary
 
 
 def _trackers(
-    lead: Path | None, names: Sequence[str] | None, interval: int,
+    lead: Path | None,
+    names: Sequence[str] | None,
+    interval: int,
     config: Mapping[str, Any] | None,
-) -> list[Callback]:  # fmt: skip
+) -> list[Callback]:
     """The trackers ``names`` chose (``None``: TensorBoard if installed), writing under the
     run directory ``lead`` (``None``: this process writes nothing)."""
     if lead is None:

@@ -90,8 +90,9 @@ def document(doc: Any, index: int, tokenizer: Tokenizer, add_bos: bool, add_eos:
             raise ValueError(f"{what} is a dict with neither 'input_ids' nor 'text': {list(doc)}")
         doc = doc["text"]
     if isinstance(doc, str):
-        return Doc(as_tokens(tokenizer.encode(doc, add_bos=add_bos, add_eos=add_eos), what),
-                   None, index)  # fmt: skip
+        return Doc(
+            as_tokens(tokenizer.encode(doc, add_bos=add_bos, add_eos=add_eos), what), None, index
+        )
     return Doc(as_tokens(doc, what), None, index)
 
 

@@ -73,9 +73,13 @@ def token_logps(
     labels = mask_without_context(labels, attention_mask=attention_mask, segment_ids=segment_ids)
     out = model.model(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
     return causal_lm_token_logps(
-        out.last_hidden_state, model.head_weight, labels, attention_mask=attention_mask,
-        chunk_size=chunk_size, softcap=c.final_softcap,
-    )  # fmt: skip
+        out.last_hidden_state,
+        model.head_weight,
+        labels,
+        attention_mask=attention_mask,
+        chunk_size=chunk_size,
+        softcap=c.final_softcap,
+    )
 
 
 def sequence_logps(
@@ -100,9 +104,13 @@ def sequence_logps(
     ``(batch, seq, vocab)`` logits), log-softmax in float32, Gemma 2's final soft-cap applied.
     """
     logps, counted = token_logps(
-        model, input_ids, labels, attention_mask=attention_mask, segment_ids=segment_ids,
+        model,
+        input_ids,
+        labels,
+        attention_mask=attention_mask,
+        segment_ids=segment_ids,
         chunk_size=chunk_size,
-    )  # fmt: skip
+    )
     total = jnp.sum(logps, axis=1)
     if not average:
         return total
@@ -339,9 +347,13 @@ def dpo_loss(
     IPO).
     """
     name = "dpo_loss"
-    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
-                 policy_rejected_logps=policy_rejected_logps, ref_chosen_logps=ref_chosen_logps,
-                 ref_rejected_logps=ref_rejected_logps)  # fmt: skip
+    _check_logps(
+        name,
+        policy_chosen_logps=policy_chosen_logps,
+        policy_rejected_logps=policy_rejected_logps,
+        ref_chosen_logps=ref_chosen_logps,
+        ref_rejected_logps=ref_rejected_logps,
+    )
     entry = _reference_loss(name, loss_type)
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
@@ -387,8 +399,9 @@ def simpo_loss(
     ``β * logps``.
     """
     name = "simpo_loss"
-    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
-                 policy_rejected_logps=policy_rejected_logps)  # fmt: skip
+    _check_logps(
+        name, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps
+    )
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
     if not 0.0 <= label_smoothing < 0.5:
@@ -419,8 +432,9 @@ def orpo_loss(
     of ``log σ(log_odds)``), ``log_odds_chosen`` (the mean log odds) and ``nll_loss``.
     """
     name = "orpo_loss"
-    _check_logps(name, policy_chosen_logps=policy_chosen_logps,
-                 policy_rejected_logps=policy_rejected_logps)  # fmt: skip
+    _check_logps(
+        name, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps
+    )
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
     pairs = Pairs(policy_chosen_logps, policy_rejected_logps, chosen_nll=chosen_nll)

@@ -29,9 +29,13 @@ from edl.train.packing import as_tokens
 __all__ = ["PREFERENCE_KEYS", "PreferenceBatches", "preference_rows"]
 
 PREFERENCE_KEYS = (
-    "chosen_input_ids", "chosen_labels", "chosen_attention_mask",
-    "rejected_input_ids", "rejected_labels", "rejected_attention_mask",
-)  # fmt: skip
+    "chosen_input_ids",
+    "chosen_labels",
+    "chosen_attention_mask",
+    "rejected_input_ids",
+    "rejected_labels",
+    "rejected_attention_mask",
+)
 """The keys of every preference batch."""
 
 _FIELDS = ("prompt_ids", "chosen_ids", "rejected_ids")
@@ -109,16 +113,27 @@ class PreferenceBatches(EpochCursor):
         process_index: int = 0,
         process_count: int = 1,
     ) -> None:
-        _check("PreferenceBatches", batch_size=batch_size, max_length=max_length,
-               pad_id=pad_id, truncation=truncation)  # fmt: skip
+        _check(
+            "PreferenceBatches",
+            batch_size=batch_size,
+            max_length=max_length,
+            pad_id=pad_id,
+            truncation=truncation,
+        )
         if max_prompt_length is not None and max_prompt_length < 0:
             raise ValueError(
                 f"PreferenceBatches: max_prompt_length must be None or >= 0, "
                 f"got {max_prompt_length}"
             )
-        super().__init__(documents, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                         repeat=repeat, process_index=process_index,
-                         process_count=process_count)  # fmt: skip
+        super().__init__(
+            documents,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            repeat=repeat,
+            process_index=process_index,
+            process_count=process_count,
+        )
         self.max_length, self.pad_id, self.truncation = max_length, pad_id, truncation
         self.max_prompt_length = max_prompt_length
         self.truncated = self.dropped = 0
@@ -126,8 +141,10 @@ class PreferenceBatches(EpochCursor):
     def _rows(self, doc_id: int) -> list[tuple[np.ndarray, np.ndarray]] | None:
         """The pair's chosen and rejected rows; None when it is to be skipped."""
         prompt, *responses = _read_pair(self.documents[doc_id], doc_id)
-        rows = [preference_rows(prompt, r, self.max_length, self.truncation,
-                                self.max_prompt_length) for r in responses]  # fmt: skip
+        rows = [
+            preference_rows(prompt, r, self.max_length, self.truncation, self.max_prompt_length)
+            for r in responses
+        ]
         if any(not (labels != IGNORE_INDEX).any() for _, labels in rows):
             self.dropped += 1
             if self.dropped == 1:
@@ -174,8 +191,11 @@ class PreferenceBatches(EpochCursor):
                 row_ids, row_labels = pair[side]
                 ids[r, : len(row_ids)], labels[r, : len(row_ids)] = row_ids, row_labels
                 mask[r, : len(row_ids)] = 1
-            batch |= {f"{name}_input_ids": ids, f"{name}_labels": labels,
-                      f"{name}_attention_mask": mask}  # fmt: skip
+            batch |= {
+                f"{name}_input_ids": ids,
+                f"{name}_labels": labels,
+                f"{name}_attention_mask": mask,
+            }
         return batch
 
     def config_fields(self) -> dict[str, Any]:

@@ -47,8 +47,11 @@ __all__ = [
 ]
 
 REFERENCES = ("lora", "model", "batch")
-PAIR_KEYS = tuple(f"{side}_{k}" for side in ("chosen", "rejected")
-                  for k in ("input_ids", "labels", "attention_mask"))  # fmt: skip
+PAIR_KEYS = tuple(
+    f"{side}_{k}"
+    for side in ("chosen", "rejected")
+    for k in ("input_ids", "labels", "attention_mask")
+)
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 Batch = Mapping[str, Array]
 Step = Callable[[Any, Batch], tuple[Any, dict[str, Array]]]
@@ -84,9 +87,11 @@ def _concatenated(batch: Batch, names: tuple[str, ...], pads: tuple[int, ...]) -
     for name, pad in zip(names, pads, strict=True):
         sides = [batch[f"{side}_{name}"] for side in ("chosen", "rejected")]
         widths = [((0, 0), (0, seq - x.shape[1])) for x in sides]
-        out.append(jnp.concatenate(
-            [jnp.pad(x, w, constant_values=pad) for x, w in zip(sides, widths, strict=True)]
-        ))  # fmt: skip
+        out.append(
+            jnp.concatenate(
+                [jnp.pad(x, w, constant_values=pad) for x, w in zip(sides, widths, strict=True)]
+            )
+        )
     return out
 
 
@@ -102,16 +107,21 @@ def preference_logps(
     predicts its label where there is one, else the next input id.
     """
     _check_batch("preference_logps", batch, PAIR_KEYS)
-    ids, labels, mask = _concatenated(batch, ("input_ids", "labels", "attention_mask"),
-                                      (0, -100, 0))  # fmt: skip
+    ids, labels, mask = _concatenated(
+        batch, ("input_ids", "labels", "attention_mask"), (0, -100, 0)
+    )
     targets = jnp.where(labels != -100, labels, ids) if sft_nll else labels
     logps, counted = token_logps(model, ids, targets, attention_mask=mask, chunk_size=chunk_size)
     completion = counted & jnp.pad(labels[:, 1:] != -100, ((0, 0), (0, 1)))
     sums = jnp.sum(jnp.where(completion, logps, 0.0), axis=1)
     lengths = jnp.sum(completion.astype(jnp.int32), axis=1).astype(jnp.float32)
     n = batch["chosen_input_ids"].shape[0]
-    out = {"chosen_logps": sums[:n], "rejected_logps": sums[n:],
-           "chosen_lengths": lengths[:n], "rejected_lengths": lengths[n:]}  # fmt: skip
+    out = {
+        "chosen_logps": sums[:n],
+        "rejected_logps": sums[n:],
+        "chosen_lengths": lengths[:n],
+        "rejected_lengths": lengths[n:],
+    }
     if sft_nll:
         full = counted[:n]
         out["chosen_nll"] = -jnp.sum(logps[:n]) / jnp.maximum(
@@ -125,8 +135,11 @@ def reference_logps(model: Any, batch: Batch, *, chunk_size: int = 2048) -> dict
     added: ``model``'s summed completion log-probs, for ``make_dpo_step(reference="batch")``
     (compute them once, e.g. ``jax.jit(reference_logps)`` over the data set)."""
     logps = preference_logps(model, batch, chunk_size=chunk_size)
-    return {**batch, "ref_chosen_logps": logps["chosen_logps"],
-            "ref_rejected_logps": logps["rejected_logps"]}  # fmt: skip
+    return {
+        **batch,
+        "ref_chosen_logps": logps["chosen_logps"],
+        "ref_rejected_logps": logps["rejected_logps"],
+    }
 
 
 def _dpo_loss_fn(
@@ -304,10 +317,12 @@ def reward_loss(
         loss = loss + center_rewards_coefficient * jnp.mean(jnp.square(chosen + rejected))
     chosen, rejected = jax.lax.stop_gradient(chosen), jax.lax.stop_gradient(rejected)
     return loss, {
-        "loss": loss, "accuracy": jnp.mean((chosen > rejected).astype(jnp.float32)),
-        "rewards/chosen": jnp.mean(chosen), "rewards/rejected": jnp.mean(rejected),
+        "loss": loss,
+        "accuracy": jnp.mean((chosen > rejected).astype(jnp.float32)),
+        "rewards/chosen": jnp.mean(chosen),
+        "rewards/rejected": jnp.mean(rejected),
         "rewards/margins": jnp.mean(chosen - rejected),
-    }  # fmt: skip
+    }
 
 
 def make_reward_step(
@@ -323,8 +338,12 @@ def make_reward_step(
     ``rejected_input_ids`` and ``rejected_attention_mask`` (labels are not read); chosen and
     rejected run in one forward pass. Metrics: :func:`reward_loss`'s and ``count`` (pairs).
     """
-    keys = ("chosen_input_ids", "chosen_attention_mask", "rejected_input_ids",
-            "rejected_attention_mask")  # fmt: skip
+    keys = (
+        "chosen_input_ids",
+        "chosen_attention_mask",
+        "rejected_input_ids",
+        "rejected_attention_mask",
+    )
 
     def loss_fn(model: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
         num_labels = getattr(model.config, "num_labels", None)
@@ -335,8 +354,9 @@ def make_reward_step(
             )
         _check_batch("make_reward_step", batch, keys)
         pad = model.config.pad_token_id
-        ids, mask = _concatenated(batch, ("input_ids", "attention_mask"),
-                                  (0 if pad is None else pad, 0))  # fmt: skip
+        ids, mask = _concatenated(
+            batch, ("input_ids", "attention_mask"), (0 if pad is None else pad, 0)
+        )
         rewards = model(ids, attention_mask=mask).logits[:, 0]
         n = batch["chosen_input_ids"].shape[0]
         loss, metrics = reward_loss(

@@ -203,8 +203,10 @@ def prepare(
     if "data" in meta and resumable:
         data.restore(meta["data"])
     elif not resumable:
-        echo("resume: the data iterator has no position/restore, so it starts from its "
-             "beginning (use TokenBatches for exact resumption)")  # fmt: skip
+        echo(
+            "resume: the data iterator has no position/restore, so it starts from its "
+            "beginning (use TokenBatches for exact resumption)"
+        )
     history = _read_history(out / METRICS_FILE, step, rewrite=lead)
     elapsed = float(meta.get("elapsed", history[-1]["time"] if history else 0.0))
     echo(f"resuming from {checkpoint.name} (step {step})")

@@ -75,9 +75,15 @@ class OptimizerConfig:
                 f"OptimizerConfig: need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps "
                 f"({self.total_steps}) and total_steps >= 1"
             )
-        ranges = {"learning_rate": (0.0, None), "weight_decay": (0.0, None), "eps": (0.0, None),
-                  "min_lr_ratio": (0.0, 1.0), "b1": (0.0, 1.0), "b2": (0.0, 1.0),
-                  "momentum": (0.0, 1.0)}  # fmt: skip
+        ranges = {
+            "learning_rate": (0.0, None),
+            "weight_decay": (0.0, None),
+            "eps": (0.0, None),
+            "min_lr_ratio": (0.0, 1.0),
+            "b1": (0.0, 1.0),
+            "b2": (0.0, 1.0),
+            "momentum": (0.0, 1.0),
+        }
         for field, (low, high) in ranges.items():
             value = getattr(self, field)
             if not low <= value <= (math.inf if high is None else high):
@@ -107,8 +113,9 @@ def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformatio
     """``(tx, schedule)`` for ``config``; clipping is done by ``make_train_step``."""
     lr = make_schedule(config)
     if config.name == "adamw":
-        tx = optax.adamw(lr, b1=config.b1, b2=config.b2, eps=config.eps,
-                         weight_decay=config.weight_decay)  # fmt: skip
+        tx = optax.adamw(
+            lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay
+        )
     elif config.name == "adafactor":
         tx = optax.adafactor(lr)
     elif config.name == "lion":

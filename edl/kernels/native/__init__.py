@@ -99,11 +99,16 @@ def paged_attention_cpu(
     _check_operands("paged_attention_cpu: q and pools", q, k_pages, v_pages)
     call = jax.ffi.ffi_call("edl_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(
-        q, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+        q,
+        k_pages,
+        v_pages,
+        page_table.astype(jnp.int32),
+        lengths.astype(jnp.int32),
         jnp.asarray(layer, jnp.int32),
-        scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
         window=np.int64(window or 0),
-    )  # fmt: skip
+    )
 
 
 ATTENTION_OUT = "edl_attention_out"  # checkpoint names of the kernel's forward results
@@ -130,10 +135,12 @@ def _forward(q, k, v, q_ids, kv_ids, options):
     batch, q_len, heads, _ = q.shape
     call = jax.ffi.ffi_call(
         "edl_flash_attention_forward",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),
-         jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32)),
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, heads, q_len), jnp.float32),
+        ),
         vmap_method="sequential",
-    )  # fmt: skip
+    )
     return call(q, k, v, q_ids, kv_ids, **_attrs(options))
 
 

@@ -88,13 +88,17 @@ class Checkpoint(Callback):
         self.wait()  # one save at a time
         arrays, rest = eqx.partition(state, eqx.is_array)
         snapshot = eqx.combine(self._copy(arrays), rest)
-        self._writer = threading.Thread(target=self._write_in_background, name=f"edl-save-{step}",
-                                        args=(snapshot, step, metadata))  # fmt: skip
+        self._writer = threading.Thread(
+            target=self._write_in_background,
+            name=f"edl-save-{step}",
+            args=(snapshot, step, metadata),
+        )
         self._writer.start()
 
     def _write(self, state: Any, step: int, metadata: dict[str, Any]) -> None:
-        path = save_state(state, self.directory, metadata=metadata, keep=self.keep,
-                          tokenizer=self.tokenizer)  # fmt: skip
+        path = save_state(
+            state, self.directory, metadata=metadata, keep=self.keep, tokenizer=self.tokenizer
+        )
         self.echo(f"saved {path.name} (step {step})")
 
     def _write_in_background(self, state: Any, step: int, metadata: dict[str, Any]) -> None:

@@ -30,8 +30,9 @@ def logged(info: StepInfo, interval: int) -> bool:
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, int | float]:
     """The numeric scalar metrics (what trackers plot), booleans left out."""
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, int | float) and not isinstance(v, bool)}  # fmt: skip
+    return {
+        k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
 
 
 class MetricsLog(Callback):

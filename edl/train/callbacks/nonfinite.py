@@ -69,8 +69,11 @@ class NonFinitePolicy(Callback):
 
     def _last_good(self) -> str:
         newest = self.newest_checkpoint()
-        return (f"the newest checkpoint, {newest}, is the last good state" if newest
-                else "no checkpoint was saved")  # fmt: skip
+        return (
+            f"the newest checkpoint, {newest}, is the last good state"
+            if newest
+            else "no checkpoint was saved"
+        )
 
     def on_step(self, info: StepInfo) -> None:
         metrics, step = info.metrics, info.step

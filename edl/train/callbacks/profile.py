@@ -55,8 +55,10 @@ class Profile(Callback):
 
     def on_start(self, run: RunStart) -> None:
         if run.start_step >= self.start:
-            self.echo(f"profile: step {self.start} was done before this run (it starts at "
-                      f"step {run.start_step + 1}); nothing traced")  # fmt: skip
+            self.echo(
+                f"profile: step {self.start} was done before this run (it starts at "
+                f"step {run.start_step + 1}); nothing traced"
+            )
         elif run.start_step == self.start - 1:
             self._begin()
 

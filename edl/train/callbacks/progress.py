@@ -32,8 +32,9 @@ class ProgressBar(Callback):
         self._bar: tqdm | None = None
 
     def on_start(self, run: RunStart) -> None:
-        self._bar = tqdm(total=run.steps, initial=run.start_step, dynamic_ncols=True,
-                         file=sys.stderr)  # fmt: skip
+        self._bar = tqdm(
+            total=run.steps, initial=run.start_step, dynamic_ncols=True, file=sys.stderr
+        )
 
     def on_step(self, info: StepInfo) -> None:
         assert self._bar is not None

@@ -57,8 +57,14 @@ def write_run_summary(
     lines = ["# edl run", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {_fmt(value)} |" for key, value in summary.items()]
     if config:
-        lines += ["", "## Configuration", "", "```json", json.dumps(config, indent=2, default=str),
-                  "```"]  # fmt: skip
+        lines += [
+            "",
+            "## Configuration",
+            "",
+            "```json",
+            json.dumps(config, indent=2, default=str),
+            "```",
+        ]
     write_text_atomic(Path(path), "\n".join(lines) + "\n")
 
 

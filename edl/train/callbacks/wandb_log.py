@@ -38,8 +38,9 @@ def _run_id(directory: Path) -> str:
         try:
             return str(json.loads(path.read_text(encoding="utf-8"))["id"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a W&B run id record ({e}); delete it to start "
-                             f"a new W&B run") from None  # fmt: skip
+            raise ValueError(
+                f"{path}: not a W&B run id record ({e}); delete it to start a new W&B run"
+            ) from None
     run_id = uuid.uuid4().hex[:16]
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, json.dumps({"id": run_id}) + "\n")
@@ -73,8 +74,13 @@ class WandbLog(Callback):
         import wandb
 
         run_id = _run_id(self.directory)
-        self._run = wandb.init(project=self.project, id=run_id, resume="allow",
-                               dir=str(self.directory), config=self.config)  # fmt: skip
+        self._run = wandb.init(
+            project=self.project,
+            id=run_id,
+            resume="allow",
+            dir=str(self.directory),
+            config=self.config,
+        )
 
     def on_step(self, info: StepInfo) -> None:
         if self._run is None or not logged(info, self.interval):
