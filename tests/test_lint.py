@@ -1,9 +1,11 @@
 """The code base stays ruff-clean (configured in pyproject.toml)."""
 
 import ast
+import re
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,20 @@ def test_no_code_runs_from_files():
     assert not offences, offences
     bad = "import pickle\nnp.load(f, allow_pickle=True)\nexec(s)\nAuto(p, trust_remote_code=x)"
     assert len(_unsafe(ast.parse(bad))) == 5  # the scan itself finds what it looks for
+
+
+def test_ruff_format_wins():
+    """``ruff format`` decides the layout: a ``# fmt: skip`` / ``# fmt: off`` comment is kept
+    only for a table whose alignment is the point, and then says so on the same line
+    (``# fmt: skip  # a table: ...``)."""
+    marker = re.compile(r"#\s*fmt:\s*(skip|off)\b(?P<rest>.*)$")
+    bare = []
+    for folder in ("edl", "tests", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            with path.open("rb") as f:
+                comments = [t for t in tokenize.tokenize(f.readline) if t.type == tokenize.COMMENT]
+            for token in comments:
+                found = marker.match(token.string)
+                if found and not found["rest"].strip().startswith("#"):
+                    bare.append(f"{path.relative_to(ROOT)}:{token.start[0]}")
+    assert not bare, f"'# fmt: skip' without a reason: {bare[:20]} ({len(bare)} in all)"
