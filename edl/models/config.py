@@ -14,12 +14,12 @@ model computes, only its speed and memory (``moe_capacity_factor`` is the except
 drop tokens, as capacity-based MoE does). ``replace`` and ``from_hf`` accept run options by
 name (``config.replace(remat="full")``).
 
-A model already built keeps its architecture: ``reconfigure`` (what ``edl.models.configure``
-calls) changes the run options and the few fields each config class lists in ``SETTINGS``
-(neither the weights' shapes nor the function the forward pass computes depend on them:
-loss coefficients, init-only values, uninterpreted HF keys), and refuses every other field,
-naming it. Nested configs (LLaVA's, CLIP's and SigLIP's ``text_config`` / ``vision_config``)
-are checked field by field with their own ``SETTINGS``.
+A model already built keeps its architecture: ``edl.models.configure`` changes the run
+options and the few fields each config class lists in ``SETTINGS`` (neither the weights'
+shapes nor the function the forward pass computes depend on them: loss coefficients,
+init-only values, uninterpreted HF keys), and refuses every other field, naming it. Nested
+configs (LLaVA's, CLIP's and SigLIP's ``text_config`` / ``vision_config``) are checked field
+by field with their own ``SETTINGS``.
 
 Sizes that HF derives when ``config.json`` omits them (``num_key_value_heads``,
 ``head_dim``, the RoPE settings, per-layer windows and MLP kinds) are *derived fields*
@@ -46,7 +46,7 @@ from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig
 
-__all__ = ["DecoderConfig", "RunOptions", "flops_per_token", "reconfigure"]
+__all__ = ["DecoderConfig", "RunOptions", "flops_per_token"]
 
 C = TypeVar("C")  # a config class
 
@@ -172,7 +172,7 @@ class DecoderConfig:
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
     ROPE_THETA: ClassVar[float] = 10000.0  # the family's default RoPE base
-    # What ``reconfigure`` lets a built model change besides the run options: the training
+    # What ``edl.models.configure`` lets a built model change besides the run options: the training
     # loss's settings (the forward pass never reads them), an init-only value and the HF keys
     # edl does not interpret. Every other field is architecture (``pad_token_id`` too: the
     # classification head pools at it).
@@ -515,66 +515,6 @@ def _route_run_options(run: RunOptions, changes: Mapping[str, Any]) -> dict[str,
     if options:
         out["run"] = dataclasses.replace(out.get("run", run), **options)
     return out
-
-
-def reconfigure(config: C, changes: Mapping[str, object]) -> C:
-    """``config.replace(**changes)`` for a model already built from ``config``: run options
-    (``RUN_OPTIONS``, by name) and the fields in ``type(config).SETTINGS`` may change, and
-    nested configs (``text_config=...``) as far as their own ``SETTINGS`` allow.
-
-    Any other field shapes the weights (``vocab_size``, ``num_attention_heads``, ...) or
-    defines what they compute (``rope``, ``rms_norm_eps``, ``num_experts_per_tok``, ...), so a
-    change raises ``ValueError`` naming each such field with its current and requested value
-    (as does a field ``config`` lacks). Asking for a field's current value is no change.
-    """
-    names = {f.name for f in dataclasses.fields(config)}
-    unknown = sorted(set(changes) - names - RUN_OPTIONS)
-    if unknown:
-        raise ValueError(
-            f"configure: {type(config).__name__} has no field or run option {unknown}; "
-            f"{_changeable(config)}"
-        )
-    # The requested fields first, so that an invalid request is refused as a change too...
-    changed = _architecture_changes(config, {k: v for k, v in changes.items() if k in names})
-    new = None
-    if not changed:
-        new = config.replace(**changes)
-        # ... then every field read, derived ones included.
-        changed = _architecture_changes(config, _values(new))
-    if changed:
-        raise ValueError(
-            f"configure: refused {', '.join(changed)}: {type(config).__name__} fields that shape "
-            f"the weights or define what they compute; {_changeable(config)}. For another "
-            "architecture, build a new config and model"
-        )
-    return new
-
-
-def _values(config: object) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-
-
-def _architecture_changes(config: object, values: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """``"path (model: current, requested: new)"`` for each field of ``values`` outside
-    ``SETTINGS`` that differs from ``config``'s, looking into nested configs."""
-    out = []
-    for name, new in values.items():
-        old = getattr(config, name)
-        if name in type(config).SETTINGS or new == old:
-            continue
-        if hasattr(old, "SETTINGS") and type(new) is type(old):
-            out += _architecture_changes(old, _values(new), f"{prefix}{name}.")
-        else:
-            out.append(f"{prefix}{name} (model: {old!r}, requested: {new!r})")
-    return out
-
-
-def _changeable(config: object) -> str:
-    settings = sorted(type(config).SETTINGS - {"run"})
-    return (
-        f"a built model changes only its run options {sorted(RUN_OPTIONS)} and its "
-        f"settings {settings}"
-    )
 
 
 def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:

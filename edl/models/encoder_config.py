@@ -63,7 +63,7 @@ class TowerConfig:
     """The fields every encoder tower has (HF names)."""
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
-    # What a built tower may change besides its run options (``edl.models.config.reconfigure``):
+    # What a built tower may change besides its run options (``edl.models.heads.reconfigure``):
     # an init-only value and the HF keys edl does not interpret.
     SETTINGS: ClassVar[frozenset[str]] = frozenset({"run", "initializer_range", "hf_extra"})
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Iterator
-from typing import ClassVar, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from edl.models.config import DecoderConfig, reconfigure
+from edl.models.config import RUN_OPTIONS, DecoderConfig
 from edl.models.decoder import (
     PARTITION_RULES,
     CausalLMOutput,
@@ -285,6 +285,7 @@ class DecoderForSequenceClassification(eqx.Module):
 
 
 M = TypeVar("M", bound=eqx.Module)
+C = TypeVar("C")  # a config class
 
 
 def configure(model: M, **changes: object) -> M:
@@ -300,7 +301,7 @@ def configure(model: M, **changes: object) -> M:
     The architecture does not change: a field that shapes the weights (``vocab_size``,
     ``num_attention_heads``, ``intermediate_size``, ...) or defines what they compute
     (``rope``, ``rms_norm_eps``, ``num_experts_per_tok``, ...) raises ``ValueError`` naming
-    it, with the model's value and the requested one (``edl.models.config.reconfigure``).
+    it, with the model's value and the requested one (:func:`reconfigure`).
     """
     old = model.config
     new = reconfigure(old, changes)
@@ -343,3 +344,63 @@ def _with_configs(tree: T, new: dict[object, object]) -> T:
         return out
 
     return jax.tree.map(swap, tree, is_leaf=_holds_config)
+
+
+def reconfigure(config: C, changes: Mapping[str, object]) -> C:
+    """``config.replace(**changes)`` for a model already built from ``config``: run options
+    (``RUN_OPTIONS``, by name) and the fields in ``type(config).SETTINGS`` may change, and
+    nested configs (``text_config=...``) as far as their own ``SETTINGS`` allow.
+
+    Any other field shapes the weights (``vocab_size``, ``num_attention_heads``, ...) or
+    defines what they compute (``rope``, ``rms_norm_eps``, ``num_experts_per_tok``, ...), so a
+    change raises ``ValueError`` naming each such field with its current and requested value
+    (as does a field ``config`` lacks). Asking for a field's current value is no change.
+    """
+    names = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(changes) - names - RUN_OPTIONS)
+    if unknown:
+        raise ValueError(
+            f"configure: {type(config).__name__} has no field or run option {unknown}; "
+            f"{_changeable(config)}"
+        )
+    # The requested fields first, so that an invalid request is refused as a change too...
+    changed = _architecture_changes(config, {k: v for k, v in changes.items() if k in names})
+    new = None
+    if not changed:
+        new = config.replace(**changes)
+        # ... then every field read, derived ones included.
+        changed = _architecture_changes(config, _values(new))
+    if changed:
+        raise ValueError(
+            f"configure: refused {', '.join(changed)}: {type(config).__name__} fields that shape "
+            f"the weights or define what they compute; {_changeable(config)}. For another "
+            "architecture, build a new config and model"
+        )
+    return new
+
+
+def _values(config: object) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def _architecture_changes(config: object, values: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """``"path (model: current, requested: new)"`` for each field of ``values`` outside
+    ``SETTINGS`` that differs from ``config``'s, looking into nested configs."""
+    out = []
+    for name, new in values.items():
+        old = getattr(config, name)
+        if name in type(config).SETTINGS or new == old:
+            continue
+        if hasattr(old, "SETTINGS") and type(new) is type(old):
+            out += _architecture_changes(old, _values(new), f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name} (model: {old!r}, requested: {new!r})")
+    return out
+
+
+def _changeable(config: object) -> str:
+    settings = sorted(type(config).SETTINGS - {"run"})
+    return (
+        f"a built model changes only its run options {sorted(RUN_OPTIONS)} and its "
+        f"settings {settings}"
+    )

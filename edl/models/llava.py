@@ -117,7 +117,7 @@ class LlavaConfig:
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("llava",)
     # Besides run options (to both models) and the nested configs' own ``SETTINGS``
-    # (``edl.models.config.reconfigure``).
+    # (``edl.models.heads.reconfigure``).
     SETTINGS: ClassVar[frozenset[str]] = frozenset({"hf_extra"})
 
     def __post_init__(self) -> None:
