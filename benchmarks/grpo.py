@@ -36,7 +36,16 @@ import optax
 
 import edl
 from edl.models import LlamaConfig, LlamaForCausalLM
-from edl.train import ByteTokenizer, GRPOConfig, callback, make_grpo_step, make_train_step, train
+from edl.train import (
+    ByteTokenizer,
+    GRPOConfig,
+    LogConfig,
+    RunConfig,
+    callback,
+    make_grpo_step,
+    make_train_step,
+    train,
+)
 
 LETTERS = "abcd"
 TARGET = 8
@@ -155,7 +164,11 @@ def main() -> None:
             yield [rng.choice(list(LETTERS)) + ">" for _ in range(args.prompts)]
 
     state, _ = train(
-        state, step, prompts(), steps=args.steps, progress=False, callbacks=[callback(log)]
+        state,
+        step,
+        prompts(),
+        RunConfig(steps=args.steps, log=LogConfig(progress=False)),
+        callbacks=[callback(log)],
     )
     last = step.last_rollout
     print("samples:", list(zip(last["prompts"], last["completions"], strict=True))[:6])

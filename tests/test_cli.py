@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from edl.cli import main
-from edl.cli.config import FIELDS, TrainConfig
+from edl.cli.config import FIELDS, TrainConfig, default_of
 
 
 def _fails(argv, capsys, code=2):
@@ -25,9 +25,9 @@ def test_every_flag_has_help_with_its_default_and_choices(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for name, field in FIELDS.items():
+    for name, leaf in FIELDS.items():
         assert f"--{name.replace('_', '-')}" in text
-        assert f"(default: {field.default})" in text, name
+        assert f"(default: {leaf.shown(default_of(leaf))})" in text, name
     assert "--optimizer {adamw,adafactor,lion,sgd}" in text
     assert "--nan-policy {stop,skip}" in text and "--schedule {cosine,linear,constant}" in text
 
@@ -53,16 +53,17 @@ def test_help_imports_no_jax():
         (["--sample-tokens", "0"], "sample_tokens must be >= 1, got 0"),
         (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
         (["--num-heads", "3"], "--num-heads (3) must divide --hidden-size (128)"),
-        (["--resume", "--overwrite"], "--resume and --overwrite exclude each other"),
+        (["--resume", "--overwrite"], "resume and overwrite exclude each other"),
         (["--lora-rank", "8"], "--lora-rank needs --model"),
         (["--model", "m"], "--model needs --data"),
         (["--data", "d.jsonl", "--format", "chat"], "--format chat needs --model"),
         (["--model", "m", "--data", "d", "--quantize", "nf4"], "it needs --lora-rank"),
         (["--eval-data", "e.jsonl"], "--eval-data needs --data"),
         (["--format", "json"], "invalid choice: 'json' (choose from 'text', 'completion'"),
-        (["--trackers", "mlflow"], "--trackers: 'mlflow' is not one of tensorboard, wandb"),
-        (["--profile", "3"], "--profile must be START:COUNT"),
-        (["--profile", "0:2"], "--profile must be START:COUNT"),
+        (["--trackers", "mlflow"], "trackers: 'mlflow' is not one of tensorboard, wandb"),
+        (["--profile", "3"], "profile must be START:COUNT"),
+        (["--profile", "0:2"], "profile must be START:COUNT"),
+        (["--keep", "-1"], "keep must be >= 0, got -1"),
     ],
 )
 def test_invalid_flags_fail_before_any_work_in_one_line(tmp_path, capsys, argv, message):
@@ -125,8 +126,9 @@ def test_export_errors_name_the_path(tmp_path, capsys):
 
 def test_defaults_are_valid_and_sized_by_steps():
     config = TrainConfig()
-    assert config.steps > 0 and config.time_limit >= 4 * 240  # the limit is only a safety net
-    assert config.warmup_steps < config.steps and config.eval_every <= config.steps
+    run = config.run
+    assert run.steps > 0 and run.time_limit.seconds >= 4 * 240  # the limit is a safety net
+    assert config.warmup_steps < run.steps and run.eval.every <= run.steps
 
 
 def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tmp_path, capsys):
@@ -173,6 +175,12 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("bits_per_byte" in m for m in lines)
     assert not (run / "tensorboard").exists() and any((run / "profile").rglob("*.xplane.pb"))
+    # run.md records every option; read back, they are the run's configuration.
+    recorded = json.loads((run / "run.md").read_text().split("```json\n")[1].split("```")[0])
+    again = TrainConfig.from_options(recorded)
+    assert again.run.steps == 4 and again.run.checkpoint.every == 2 and again.hidden_size == 32
+    assert again.run.log.trackers == () and again.run.profile.steps == (2, 1)
+    assert again.run.throughput.flops_per_token > 0  # measured from the model, recorded
 
     err = _fails(["train", "--config", str(config)], capsys, code=1)  # the run exists
     assert f"{run} holds an earlier run" in err and "--resume" in err and "--overwrite" in err

@@ -1,7 +1,7 @@
 """The layering holds: no module under edl/ imports a module of a higher layer.
 
-    base utilities (edl, edl._lazy, edl._registry, edl.module, edl.platforms, edl.tree): any
-    layer may use them
+    base utilities (edl, edl._lazy, edl._registry, edl._settings, edl.module, edl.platforms,
+    edl.tree): any layer may use them
     kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
                                                                / images
                                                             <- train / serve / cli
@@ -24,7 +24,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("base", ("edl", "edl._lazy", "edl._registry", "edl.module", "edl.platforms", "edl.tree")),
+    (
+        "base",
+        (
+            "edl",
+            "edl._lazy",
+            "edl._registry",
+            "edl._settings",
+            "edl.module",
+            "edl.platforms",
+            "edl.tree",
+        ),
+    ),
     ("kernels", ("edl.kernels",)),
     ("ops", ("edl.ops",)),
     ("models", ("edl.nn", "edl.models", "edl.lora", "edl.quantize", "edl.state")),

@@ -28,7 +28,7 @@ from edl.sharding import (
     shard_with_shape,
     state_shardings,
 )
-from edl.train import make_eval_step, make_train_step
+from edl.train import CheckpointConfig, LogConfig, RunConfig, make_eval_step, make_train_step
 
 # The default suite keeps pure data and pure FSDP parallelism; the mixes (tensor and
 # sequence axes included) run in the slow set.
@@ -291,10 +291,12 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
             edl.create_state(_model(), tx),
             step,
             data,
-            steps=steps,
-            save_every=2,
-            output_dir=tmp_path,
-            progress=False,
+            RunConfig(
+                steps=steps,
+                output_dir=tmp_path,
+                checkpoint=CheckpointConfig(every=2),
+                log=LogConfig(progress=False),
+            ),
         )
 
     state, summary = run((1, 8, 1, 1), 2)

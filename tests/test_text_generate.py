@@ -37,7 +37,7 @@ from edl.lora import apply_lora, lora_trainable, unwrap_lora  # noqa: E402
 from edl.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from edl.quantize import QuantConfig, dequantize, quantize  # noqa: E402
 from edl.text import ByteTokenizer, load_tokenizer  # noqa: E402
-from edl.train import make_train_step, train  # noqa: E402
+from edl.train import CheckpointConfig, LogConfig, RunConfig, make_train_step, train  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -222,10 +222,12 @@ def test_train_checkpoints_hold_the_tokenizer_and_load_in_transformers(tmp_path,
         state,
         step,
         _lm_batches(),
-        steps=2,
-        save_every=1,
-        output_dir=tmp_path,
-        progress=False,
+        RunConfig(
+            steps=2,
+            output_dir=tmp_path,
+            checkpoint=CheckpointConfig(every=1),
+            log=LogConfig(progress=False),
+        ),
         tokenizer=tokenizer,
     )
     checkpoint = latest_checkpoint(tmp_path / "checkpoints")

@@ -1,6 +1,6 @@
-"""Checkpoints written in the background (``train(save_async=True)``): the same files as a
-synchronous save although the steps go on and donate the state, one save at a time, and a
-failed background save fails the run."""
+"""Checkpoints written in the background (``CheckpointConfig(asynchronous=True)``, the
+``--save-async`` flag): the same files as a synchronous save although the steps go on and
+donate the state, one save at a time, and a failed background save fails the run."""
 
 import filecmp
 import threading
@@ -16,8 +16,8 @@ def _files(run):
 
 
 def test_async_checkpoints_equal_synchronous_ones(tmp_path):
-    _run(tmp_path / "sync", steps=7, save_every=2, keep=None)
-    _run(tmp_path / "async", steps=7, save_every=2, keep=None, save_async=True)
+    _run(tmp_path / "sync", steps=7, save_every=2, keep=0)
+    _run(tmp_path / "async", steps=7, save_every=2, keep=0, save_async=True)
     sync, background = _files(tmp_path / "sync"), _files(tmp_path / "async")
     assert sorted(sync) == sorted(background)
     assert {p.parent.name for p in sync} == {f"checkpoint-0000000{i}" for i in (2, 4, 6, 7)}

@@ -17,8 +17,11 @@ import pytest
 import edl
 from edl.train import (
     ByteTokenizer,
+    CheckpointConfig,
     GRPOConfig,
+    LogConfig,
     PromptBatches,
+    RunConfig,
     completion_logprobs,
     completion_mask,
     group_advantages,
@@ -412,7 +415,15 @@ def test_grpo_end_to_end_shares_params_and_resumes_exactly(tmp_path):
         shared.baseline = {id(x) for x in jax.live_arrays()}
         state = edl.create_state(_byte_llama(), tx)
         state, summary = train(
-            state, call, _prompts(), steps=steps, output_dir=out, save_every=1, progress=False
+            state,
+            call,
+            _prompts(),
+            RunConfig(
+                steps=steps,
+                output_dir=out,
+                checkpoint=CheckpointConfig(every=1),
+                log=LogConfig(progress=False),
+            ),
         )
         return state, summary, shared
 

@@ -16,8 +16,12 @@ import pytest
 import edl
 from edl.train import (
     Callback,
+    CheckpointConfig,
+    LogConfig,
+    NonFiniteConfig,
     NonFiniteLossError,
     OptimizerConfig,
+    RunConfig,
     make_eval_step,
     make_optimizer,
     make_train_step,
@@ -151,18 +155,24 @@ def test_every_optimizer_and_schedule_trains(name, schedule):
     assert losses[-1] < losses[0]
 
 
+_ARGUMENTS = ("callbacks", "eval_step", "eval_data", "tokenizer", "record")
+"""``train``'s arguments besides its ``RunConfig``; the rest of ``_run``'s are run options."""
+
+
 def _run(tmp_path, steps=6, data=None, step=None, **kw):
+    """``train`` on the regression model; ``kw``: flat run options (``save_every=2``, as
+    the ``edl train`` flags) and ``train``'s own arguments."""
     model, loss_fn = _regression()
     tx = optax.adam(1e-2)
-    kw.setdefault("progress", False)
+    arguments = {k: kw.pop(k) for k in _ARGUMENTS if k in kw}
+    options = {"steps": steps, "output_dir": tmp_path, "progress": False, **kw}
     step = step or make_train_step(loss_fn, tx)
     return train(
         edl.create_state(model, tx),
         step,
         data or _batches(100),
-        steps=steps,
-        output_dir=tmp_path,
-        **kw,
+        RunConfig.from_options(options),
+        **arguments,
     )
 
 
@@ -180,7 +190,7 @@ def test_loop_writes_metrics_checkpoints_and_summary(tmp_path):
         stats_every=2,
         eval_step=make_eval_step(loss_fn),
         eval_data=list(_batches(2, seed=9)),
-        config={"what": "test"},
+        record={"what": "test"},
     )
     lines = _lines(tmp_path)
     assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
@@ -280,10 +290,12 @@ def test_skip_policy_counts_skipped_steps_and_stops_after_too_many(tmp_path):
         edl.create_state(model, tx),
         step,
         _poisoned(_batches(20), {2}, nan),
-        steps=8,
-        nan_policy="skip",
-        output_dir=tmp_path / "a",
-        progress=False,
+        RunConfig(
+            steps=8,
+            output_dir=tmp_path / "a",
+            nonfinite=NonFiniteConfig(policy="skip"),
+            log=LogConfig(progress=False),
+        ),
     )
     assert int(state.step) == 8 and summary["skipped_steps"] == 1  # a run of 8 ends at 8
     assert [m["skipped"] for m in _lines(tmp_path / "a")] == [0, 1, 0, 0, 0, 0, 0, 0]
@@ -291,10 +303,12 @@ def test_skip_policy_counts_skipped_steps_and_stops_after_too_many(tmp_path):
         state,
         step,
         _batches(20),
-        steps=8,
-        nan_policy="skip",
-        output_dir=tmp_path / "a",
-        progress=False,
+        RunConfig(
+            steps=8,
+            output_dir=tmp_path / "a",
+            nonfinite=NonFiniteConfig(policy="skip"),
+            log=LogConfig(progress=False),
+        ),
     )
     assert again["stop_reason"] == "already done" and int(state.step) == 8
 
@@ -304,10 +318,11 @@ def test_skip_policy_counts_skipped_steps_and_stops_after_too_many(tmp_path):
             edl.create_state(model, tx),
             step,
             _poisoned(_batches(20), {3, 4, 5}, nan),
-            steps=8,
-            nan_policy="skip",
-            max_consecutive_skips=3,
-            progress=False,
+            RunConfig(
+                steps=8,
+                nonfinite=NonFiniteConfig(policy="skip", max_consecutive_skips=3),
+                log=LogConfig(progress=False),
+            ),
         )
     model, _ = _regression()
     with pytest.raises(ValueError, match="skip_nonfinite=True"):  # at the first step, no NaN
@@ -315,9 +330,9 @@ def test_skip_policy_counts_skipped_steps_and_stops_after_too_many(tmp_path):
             edl.create_state(model, tx),
             make_train_step(loss_fn, tx),
             _batches(20),
-            steps=4,
-            nan_policy="skip",
-            progress=False,
+            RunConfig(
+                steps=4, nonfinite=NonFiniteConfig(policy="skip"), log=LogConfig(progress=False)
+            ),
         )
 
 
@@ -329,13 +344,17 @@ def _untouchable():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"nan_policy": "ignore"}, r"nan_policy must be one of \('stop', 'skip'\)"),
-        ({"log_every": 0}, "log_every must be an int >= 1"),
-        ({"keep": 0}, "keep must be an int >= 1 or None"),
-        ({"time_limit": -1.0}, "time_limit must be > 0"),
+        ({"nan_policy": "ignore"}, "nan_policy must be one of stop, skip; got 'ignore'"),
+        ({"log_every": 0}, "log_every must be >= 1, got 0"),
+        ({"log_every": 1.5}, "log_every must be an int, got 1.5"),
+        ({"keep": -1}, "keep must be >= 0, got -1"),
+        ({"time_limit": -1.0}, "time_limit must be >= 0, got -1.0"),
         ({"eval_every": 2}, "eval_every > 0 needs eval_step and eval_data"),
-        ({"max_consecutive_skips": 0}, "max_consecutive_skips must be an int >= 1"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips must be >= 1, got 0"),
         ({"resume": True, "overwrite": True}, "resume and overwrite exclude each other"),
+        ({"output_dir": None, "save_every": 2}, "save_every > 0 needs an output_dir"),
+        ({"output_dir": None, "trackers": "wandb"}, "trackers needs an output_dir"),
+        ({"sav_every": 2}, "unknown option 'sav_every'; options: eval_batches, eval_every"),
     ],
 )
 def test_options_are_checked_before_any_work(tmp_path, options, message):
@@ -428,10 +447,12 @@ def test_hooks_at_both_ends_of_a_step_keep_the_compiled_step(tmp_path, host):
         edl.create_state(model, tx),
         make_train_step(counted, tx),
         _batches(100),
-        steps=4,
-        output_dir=tmp_path,
-        progress=False,
-        save_every=2,
+        RunConfig(
+            steps=4,
+            output_dir=tmp_path,
+            log=LogConfig(progress=False),
+            checkpoint=CheckpointConfig(every=2),
+        ),
         callbacks=[prune, callback(lambda i: seen.append(_column(i.state)))],
     )
     assert prune.before == [(1, 0, 4), (2, 1, 4), (3, 2, 4), (4, 3, 4)]

@@ -19,6 +19,9 @@ from jaxtyping import TypeCheckError
 import edl
 from edl.lora import apply_lora, lora_trainable, unwrap_lora
 from edl.train import (
+    CheckpointConfig,
+    LogConfig,
+    RunConfig,
     dpo_loss,
     make_dpo_step,
     make_reward_step,
@@ -525,16 +528,13 @@ def test_dpo_step_resumes_exactly_in_train(tiny_llama, tmp_path):
         lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(2))
         state = edl.create_state(lora, tx, trainable=lora_trainable)
         step = make_dpo_step(tx, reference="model", reference_model=tiny_llama)
-        return train(
-            state,
-            step,
-            _Preferences(),
+        run = RunConfig(
             steps=steps,
             output_dir=directory,
-            save_every=2,
-            progress=False,
-            **kw,
+            checkpoint=CheckpointConfig(every=2),
+            log=LogConfig(progress=False),
         )
+        return train(state, step, _Preferences(), run, **kw)
 
     whole, _ = run(tmp_path / "whole", 6)
     stop = edl.train.callback(lambda info: edl.train.Stop("pause") if info.step == 3 else None)

@@ -15,7 +15,7 @@ from test_train_loop import _batches, _regression
 import edl
 from edl.io.checkpoint import latest_checkpoint, list_checkpoints
 from edl.io.safetensors import CheckpointError
-from edl.train import make_train_step, train
+from edl.train import RunConfig, make_train_step, train
 
 
 class _Counted:
@@ -42,15 +42,14 @@ class _Counted:
 def _run(directory, steps, *, data=None, **kw):
     model, loss_fn = _regression()
     tx = optax.adam(1e-2)
-    kw.setdefault("progress", False)
+    callbacks = kw.pop("callbacks", ())
+    options = {"steps": steps, "output_dir": directory, "save_every": 2, "progress": False}
     return train(
         edl.create_state(model, tx),
         make_train_step(loss_fn, tx),
         data if data is not None else _Counted(),
-        steps=steps,
-        output_dir=directory,
-        save_every=2,
-        **kw,
+        RunConfig.from_options({**options, **kw}),
+        callbacks,
     )
 
 

@@ -21,7 +21,11 @@ import numpy as np
 import edl
 from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.train import (
+    CheckpointConfig,
+    LogConfig,
+    NonFiniteConfig,
     OptimizerConfig,
+    RunConfig,
     TokenBatches,
     callback,
     make_optimizer,
@@ -97,11 +101,13 @@ def main() -> None:
         edl.create_state(model, tx),
         step,
         data,
-        steps=args.steps,
-        save_every=3,
-        output_dir=args.output_dir,
-        nan_policy="skip",
-        progress=False,
+        RunConfig(
+            steps=args.steps,
+            output_dir=args.output_dir,
+            checkpoint=CheckpointConfig(every=3),
+            nonfinite=NonFiniteConfig(policy="skip"),
+            log=LogConfig(progress=False),
+        ),
         callbacks=[callback(kill)],
     )
     print(json.dumps(summary))

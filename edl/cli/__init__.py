@@ -15,7 +15,15 @@ import math
 from pathlib import Path
 from typing import Any, NoReturn
 
-from edl.cli.config import FIELDS, CommandError, ConfigError, TrainConfig, flag, read_toml
+from edl.cli.config import (
+    FIELDS,
+    CommandError,
+    ConfigError,
+    TrainConfig,
+    default_of,
+    flag,
+    read_toml,
+)
 
 __all__ = ["TrainConfig", "entry", "main"]
 
@@ -27,8 +35,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-_TYPES = {"int": int, "float": float, "str": str}
-_METAVARS = {"int": "N", "float": "X", "str": "TEXT"}
+_METAVARS = {int: "N", float: "X", str: "TEXT"}
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
@@ -38,29 +45,28 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         metavar="TOML",
         help="TOML file of options (keys as the flags, with _ for -); flags win",
     )
-    for name, field in FIELDS.items():
-        meta = field.metadata
-        shown = meta["help"] + f" (default: {field.default})"
-        if field.type == "bool":
+    for name, leaf in FIELDS.items():
+        shown = f"{leaf.spec.help} (default: {leaf.shown(default_of(leaf))})"
+        if leaf.scalar is bool:
             parser.add_argument(
                 flag(name), action=argparse.BooleanOptionalAction, default=None, help=shown
             )
             continue
-        metavar = None if meta["choices"] else _METAVARS[field.type]
+        kind = leaf.scalar if leaf.spec.parse is None else str  # text parsed by the option
         parser.add_argument(
             flag(name),
-            type=_TYPES[field.type],
+            type=kind,
             default=None,
-            choices=meta["choices"],
+            choices=leaf.spec.choices,
             help=shown,
-            metavar=metavar,
+            metavar=None if leaf.spec.choices else _METAVARS[kind],
         )
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    values: dict[str, Any] = read_toml(args.config) if args.config is not None else {}
+    values: dict[str, object] = read_toml(args.config) if args.config is not None else {}
     values.update({k: v for k, v in vars(args).items() if k in FIELDS and v is not None})
-    return TrainConfig(**values)
+    return TrainConfig.from_options(values)
 
 
 def _parser() -> argparse.ArgumentParser:

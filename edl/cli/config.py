@@ -1,5 +1,12 @@
 """``TrainConfig``: every option of ``edl train``, its default, its help and its check.
 
+The options of the job (model, data, method, LoRA, optimizer, sample, processes) are its
+fields; the run's (length, output directory, checkpoints, evaluation, logging, non-finite
+policy, time limit, profile) are ``edl.train.RunConfig``'s, nested in ``run`` with the
+defaults of ``EMBEDDED_RUN``. Flags, TOML keys and ``run.md``'s record are the flat names of
+``edl._settings`` (``--save-every`` is ``run.checkpoint.every``); ``from_options`` /
+``to_options`` / ``read_toml`` / ``write_toml`` round-trip them.
+
 Imports nothing heavy: ``edl train --help`` and option errors answer before jax loads. The
 options whose names are a registry's (``--loss-type``: ``PREFERENCE_LOSSES``, ``--quantize``:
 ``QUANT_FORMATS``) read it when their value is checked, last, so a registered entry is a
@@ -9,58 +16,49 @@ valid choice without an edit here.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import math
+import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-from edl.train.options import NAN_POLICIES, OPTIMIZERS, SCHEDULES, TRACKERS
+from edl._settings import (
+    ConfigError,
+    Leaf,
+    Registered,
+    check_option,
+    check_options,
+    from_options,
+    leaves,
+    to_options,
+)
+from edl._settings import option as _option
+from edl.train.options import OPTIMIZERS, SCHEDULES
+from edl.train.run_config import (
+    CheckpointConfig,
+    EvalConfig,
+    RunConfig,
+    ThroughputConfig,
+    TimeLimitConfig,
+)
 
-__all__ = ["CommandError", "ConfigError", "TrainConfig", "check_option", "read_toml"]
-
-
-class ConfigError(ValueError):
-    """An option's value is wrong; the message names the option (and the file)."""
+__all__ = ["CommandError", "ConfigError", "TrainConfig", "read_toml", "write_toml"]
 
 
 class CommandError(Exception):
     """A command cannot run (a missing path, say); ``edl`` prints the message, exits 1."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Registered:
-    """Choices that are the names of a registry, ``"module:NAME"`` (plus ``extra`` ones):
-    read when a value is checked, since the registry's module imports jax."""
-
-    registry: str
-    extra: tuple[str, ...] = ()
-
-    def names(self) -> tuple[str, ...]:
-        """``extra`` and the registry's names, as registered now."""
-        module, _, name = self.registry.partition(":")
-        return (*self.extra, *getattr(importlib.import_module(module), name))
-
-    def __str__(self) -> str:
-        where = "a name in " + self.registry.replace(":", ".")
-        return f"{' / '.join(self.extra)} or {where}" if self.extra else where
-
-
-def _option(
-    default: Any,
-    help: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    choices: tuple[str, ...] | None = None,
-    registry: Registered | None = None,
-) -> Any:
-    """A dataclass field with the option's help, range and choices (or the registry whose
-    names they are) as metadata."""
-    if registry is not None:
-        help = f"{help}: {registry}"
-    meta = {"help": help, "low": low, "high": high, "choices": choices, "registry": registry}
-    return dataclasses.field(default=default, metadata=meta)
+EMBEDDED_RUN = RunConfig(
+    steps=1200,
+    output_dir="runs/edl-train",
+    resume=False,
+    checkpoint=CheckpointConfig(every=250),
+    eval=EvalConfig(every=200, batches=4),
+    throughput=ThroughputConfig(peak_flops=1e11),
+    time_limit=TimeLimitConfig(seconds=1200.0),
+)
+"""``edl train``'s run: the library's ``RunConfig`` defaults, sized for the embedded job
+(checkpoints and held-out evaluations during its 1200 steps, a 20-minute safety net)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +131,7 @@ class TrainConfig:
         "dtype of the forward and backward passes (softmax and losses stay float32)",
         choices=("float32", "bfloat16"),
     )
-    output_dir: str = _option("runs/edl-train", "directory for metrics, checkpoints, run.md")
-    steps: int = _option(1200, "optimizer steps of the run (the schedule's length)", low=1.0)
-    time_limit: float = _option(
-        1200.0, "safety net: stop (and save) after this many seconds (0: none)", low=0.0
-    )
-    resume: bool = _option(False, "continue the run in --output-dir from its newest checkpoint")
-    overwrite: bool = _option(False, "delete an earlier run in --output-dir first")
+    run: RunConfig = EMBEDDED_RUN
     batch_size: int = _option(8, "sequences per step", low=1.0)
     seq_len: int = _option(128, "tokens per sequence (bytes)", low=2.0)
     hidden_size: int = _option(128, "model width", low=1.0)
@@ -161,33 +153,11 @@ class TrainConfig:
         1.0, "clip the global gradient norm to this (0: no clipping)", low=0.0
     )
     grad_accum_steps: int = _option(1, "micro-batches per step (must divide --batch-size)", low=1.0)
-    nan_policy: str = _option(
-        "stop", "at a non-finite step: stop, or skip it and go on", choices=NAN_POLICIES
-    )
     seed: int = _option(0, "seed of the weights, data order and sample", low=0.0)
     corpus_bytes: int = _option(4_000_000, "bytes of the embedded corpus to read", low=1.0)
-    eval_every: int = _option(200, "held-out evaluation every this many steps (0: never)", low=0.0)
-    eval_batches: int = _option(4, "batches per held-out evaluation", low=1.0)
-    save_every: int = _option(250, "checkpoint every this many steps (0: only at the end)", low=0.0)
-    keep: int = _option(3, "checkpoints to keep", low=1.0)
-    save_async: bool = _option(
-        False, "write checkpoints in the background while training goes on (one at a time)"
-    )
-    log_every: int = _option(1, "metrics.jsonl interval in steps", low=1.0)
-    trackers: str = _option(
-        "auto",
-        "where metrics and the config also go: a comma list of tensorboard, wandb (W&B's "
-        "WANDB_MODE / WANDB_PROJECT apply), or none; auto: tensorboard when installed",
-    )
-    profile: str = _option(
-        "",
-        "START:COUNT: a jax.profiler trace of steps START to "
-        "START+COUNT-1 into OUTPUT_DIR/profile (empty: none)",
-    )
     prompt: str = _option("def ", "prompt of the sample printed at the end")
     sample_tokens: int = _option(200, "bytes to sample at the end", low=1.0)
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
-    peak_flops: float = _option(1e11, "the machine's peak FLOP/s, for MFU", low=0.0)
     mesh: str = _option(
         "",
         "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest); "
@@ -205,12 +175,9 @@ class TrainConfig:
     process_id: int = _option(0, "this process's rank, 0 .. --num-processes - 1", low=0.0)
 
     def __post_init__(self) -> None:
-        registered = [f.name for f in dataclasses.fields(self) if f.metadata["registry"]]
-        for field in dataclasses.fields(self):
-            if field.name not in registered:
-                check_option(field.name, getattr(self, field.name))
-        if self.resume and self.overwrite:
-            raise ConfigError("--resume and --overwrite exclude each other; choose one")
+        check_options(self, registered=False)  # the run's options checked themselves
+        if self.run.steps < 1:  # the schedule spans the run: a run of 0 steps has none
+            raise ConfigError(f"steps must be >= 1, got {self.run.steps}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"--num-heads ({self.num_heads}) must divide --hidden-size ({self.hidden_size})"
@@ -232,15 +199,14 @@ class TrainConfig:
         if self.eval_data and not self.data:
             raise ConfigError("--eval-data needs --data")
         self._check_method()
-        _ = self.tracker_names, self.profile_steps, self.mesh_dims  # parsed: checked early
+        _ = self.mesh_dims  # parsed: checked early
         self._check_processes()
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
                 f"--grad-accum-steps ({self.grad_accum_steps}) must divide --batch-size "
                 f"({self.batch_size})"
             )
-        for name in registered:  # last: reading a registry imports its module (and jax)
-            check_option(name, getattr(self, name))
+        check_options(self, registered=True)  # last: a registry's module imports jax
 
     def _check_method(self) -> None:
         method = self.method
@@ -312,42 +278,26 @@ class TrainConfig:
         return dims
 
     @property
-    def tracker_names(self) -> tuple[str, ...] | None:
-        """``trackers`` as ``edl.train.train`` takes it (``None``: its default)."""
-        if self.trackers == "auto":
-            return None
-        if self.trackers == "none":
-            return ()
-        names = tuple(n.strip() for n in self.trackers.split(","))
-        unknown = [n for n in names if n not in TRACKERS]
-        if unknown:
-            raise ConfigError(
-                f"--trackers: {unknown[0]!r} is not one of {', '.join(TRACKERS)} "
-                f"(or auto / none); got {self.trackers!r}"
-            )
-        return names
-
-    @property
-    def profile_steps(self) -> tuple[int, int] | None:
-        """``profile`` as ``(start, count)`` (``None``: no profile)."""
-        if not self.profile:
-            return None
-        start, sep, count = self.profile.partition(":")
-        if not (sep and start.isdigit() and count.isdigit() and int(start) and int(count)):
-            raise ConfigError(
-                f"--profile must be START:COUNT, two ints >= 1 (e.g. 10:3), got {self.profile!r}"
-            )
-        return int(start), int(count)
-
-    @property
     def peak_learning_rate(self) -> float:
         """``learning_rate``, or when 0 the default of the kind of run."""
         if self.learning_rate:
             return self.learning_rate
         return 2e-3 if not self.model else 2e-4 if self.lora_rank else 2e-5
 
+    @classmethod
+    def from_options(cls, values: Mapping[str, object], *, where: str = "") -> TrainConfig:
+        """The configuration of flat ``values`` (flags / TOML keys / ``to_options``'s
+        names) over the defaults; errors name the option, after ``where``."""
+        return from_options(cls, values, where=where)
 
-FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    def to_options(self) -> dict[str, object]:
+        """Every option by its flat name (JSON / TOML-ready), as ``run.md`` records it;
+        ``TrainConfig.from_options(config.to_options()) == config``."""
+        return to_options(self)
+
+
+FIELDS: dict[str, Leaf] = leaves(TrainConfig)
+"""Every option of ``edl train``, the run's included, by flat name, in ``--help`` order."""
 
 
 def flag(name: str) -> str:
@@ -355,36 +305,19 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_option(name: str, value: Any) -> None:
-    """Raise ``ConfigError`` unless ``value`` suits option ``name`` (type, range, choice)."""
-    field = FIELDS.get(name)
-    if field is None:
-        raise ConfigError(f"unknown option {name!r}; options: {', '.join(sorted(FIELDS))}")
-    meta, kind = field.metadata, field.type
-    ok = {
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int) and not isinstance(value, bool),
-        "float": isinstance(value, int | float) and not isinstance(value, bool),
-        "str": isinstance(value, str),
-    }[kind]
-    if not ok:
-        article = "an" if kind == "int" else "a"
-        raise ConfigError(f"{name} must be {article} {kind}, got {value!r}")
-    if kind == "float" and not math.isfinite(value):
-        raise ConfigError(f"{name} must be finite, got {value!r}")
-    low, high, choices = meta["low"], meta["high"], meta["choices"]
-    if meta["registry"] is not None and value not in meta["registry"].extra:
-        choices = meta["registry"].names()
-    if low is not None and value < low:
-        raise ConfigError(f"{name} must be >= {low:g}, got {value!r}")
-    if high is not None and value > high:
-        raise ConfigError(f"{name} must be <= {high:g}, got {value!r}")
-    if choices is not None and value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+def default_of(leaf: Leaf) -> object:
+    """``leaf``'s value in ``edl train``'s defaults (read from the field defaults: making a
+    ``TrainConfig`` would check its registries, which import jax)."""
+    field = next(f for f in dataclasses.fields(TrainConfig) if f.name == leaf.path[0])
+    value = field.default
+    for part in leaf.path[1:]:
+        value = getattr(value, part)
+    return value
 
 
-def read_toml(path: Path) -> dict[str, Any]:
-    """The options in a TOML file, each checked; errors name the file."""
+def read_toml(path: Path) -> dict[str, object]:
+    """The options in a TOML file (flat keys, as the flags), each checked; errors name the
+    file."""
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -393,7 +326,30 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     for name, value in values.items():
         try:
-            check_option(name, value)
+            check_option(TrainConfig, name, value)
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
     return values
+
+
+def write_toml(config: TrainConfig, path: Path) -> None:
+    """``config`` as a TOML file of flat options that ``edl train --config`` reads back to
+    the same ``TrainConfig`` (values with a text form, such as ``trackers``, in it)."""
+    lines = []
+    for name, value in config.to_options().items():
+        leaf = FIELDS[name]
+        if leaf.spec.text is not None:
+            value = leaf.shown(_native(value))
+        if value is None:
+            raise ConfigError(f"{name} is None, which TOML cannot hold")
+        # JSON's scalars and lists are TOML's, once DEL (raw in JSON) is escaped.
+        lines.append(
+            f"{name} = " + json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+        )
+    from edl.io.files import write_text_atomic  # imports jax: only when writing
+
+    write_text_atomic(path, "\n".join(lines) + "\n")
+
+
+def _native(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value

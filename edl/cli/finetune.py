@@ -76,12 +76,12 @@ def run_finetune(config: TrainConfig) -> dict[str, Any]:
     eval_batches = None
     if config.eval_data:
         held_out = batches(config, config.eval_data, tokenizer, shuffle=False)
-        eval_batches = [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]
+        eval_batches = [b for _, b in zip(range(config.run.eval.batches), held_out, strict=False)]
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train: {config.model}: {edl.count_params(model):,} parameters "
-        f"({trained:,} trained), {len(data.documents)} examples, {config.steps} steps, "
-        f"output in {config.output_dir}",
+        f"({trained:,} trained), {len(data.documents)} examples, {config.run.steps} steps, "
+        f"output in {config.run.output_dir}",
         file=sys.stderr,
     )
     _, summary = train_model(

@@ -185,7 +185,7 @@ def _step(
 
 def _reported(config: TrainConfig) -> dict[str, Any]:
     """The method's metrics at the first and last step, from the run's ``metrics.jsonl``."""
-    lines = (Path(config.output_dir) / "metrics.jsonl").read_text().splitlines()
+    lines = (Path(config.run.output_dir) / "metrics.jsonl").read_text().splitlines()
     history = [m for m in map(json.loads, lines) if "loss" in m]
     out = {}
     for name in _REPORTED[config.method]:
@@ -208,14 +208,14 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         reward_fns = reward_functions(config.reward)  # a wrong name fails before any work
     else:
         data = _preference_batches(config, tokenizer)
-    updates = config.steps * (config.num_iterations if config.method == "grpo" else 1)
+    updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
     step = _step(config, tx, schedule, tokenizer, reward_fns)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
-        f"parameters ({trained:,} trained), {len(data.documents)} records, {config.steps} "
-        f"steps, output in {config.output_dir}",
+        f"parameters ({trained:,} trained), {len(data.documents)} records, {config.run.steps} "
+        f"steps, output in {config.run.output_dir}",
         file=sys.stderr,
     )
     _, summary = train_model(

@@ -29,6 +29,7 @@ from edl.train import (
     train,
 )
 from edl.train.jitted import StepProgram
+from edl.train.run_config import RunConfig, TimeLimitConfig
 
 __all__ = ["check_output_dir", "loss_fn", "optimizer", "step_options", "train_model"]
 
@@ -47,16 +48,17 @@ def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
 def check_output_dir(config: TrainConfig) -> None:
     """Refuse, before any work, an output directory holding another run (unless
     ``--resume`` or ``--overwrite``)."""
+    run = config.run
     try:
-        run_dir.check(Path(config.output_dir), resume=config.resume, overwrite=config.overwrite)
+        run_dir.check(Path(run.output_dir), resume=run.resume, overwrite=run.overwrite)
     except (FileExistsError, NotADirectoryError) as e:
         raise CommandError(str(e)) from None
 
 
 def optimizer(config: TrainConfig, *, updates: int | None = None) -> tuple[Any, Any]:
     """``(tx, schedule)`` of ``config`` over ``updates`` optimizer updates (default
-    ``config.steps``)."""
-    updates = config.steps if updates is None else updates
+    ``config.run.steps``)."""
+    updates = config.run.steps if updates is None else updates
     return make_optimizer(
         OptimizerConfig(
             name=config.optimizer,
@@ -75,9 +77,31 @@ def step_options(config: TrainConfig) -> dict[str, Any]:
     return {
         "grad_accum_steps": config.grad_accum_steps,
         "clip_norm": config.clip_norm or None,
-        "skip_nonfinite": config.nan_policy == "skip",
+        "skip_nonfinite": config.run.nonfinite.policy == "skip",
         "compute_dtype": compute,
     }
+
+
+def _run_as_asked(config: TrainConfig, model: Any, *, evaluates: bool) -> RunConfig:
+    """``config.run`` as this run can carry it out: no time limit with several processes
+    (said on stderr), no evaluation without held-out batches, and the model's FLOPs per
+    token (for MFU) unless given."""
+    run = config.run
+    if jax.process_count() > 1 and run.time_limit.seconds:
+        print(
+            "edl train: --time-limit is off with several processes (each would stop at "
+            "its own step); size the run by --steps",
+            file=sys.stderr,
+        )
+        run = dataclasses.replace(run, time_limit=TimeLimitConfig())
+    if not evaluates:
+        run = dataclasses.replace(run, eval=dataclasses.replace(run.eval, every=0))
+    if not run.throughput.flops_per_token:
+        measured = flops_per_token(model.config, config.seq_len)
+        run = dataclasses.replace(
+            run, throughput=dataclasses.replace(run.throughput, flops_per_token=measured)
+        )
+    return run
 
 
 def train_model(
@@ -109,36 +133,15 @@ def train_model(
         state = step.place(state)  # a resumed checkpoint is read straight onto the mesh
         data = GlobalBatches(data, mesh)
         eval_batches = [shard_batch(b, mesh) for b in eval_batches or ()] or None
-    several = jax.process_count() > 1
-    if several and config.time_limit:
-        print(
-            "edl train: --time-limit is off with several processes (each would stop at "
-            "its own step); size the run by --steps",
-            file=sys.stderr,
-        )
+    run = _run_as_asked(config, model, evaluates=bool(eval_batches))
     return train(
         state,
         step,
         data,
-        steps=config.steps,
+        run,
+        callbacks,
         eval_step=make_eval_step(loss_fn, mesh=mesh) if eval_batches else None,
         eval_data=eval_batches,
-        eval_every=config.eval_every if eval_batches else 0,
-        eval_batches=config.eval_batches,
-        save_every=config.save_every,
-        output_dir=config.output_dir,
-        resume=config.resume,
-        overwrite=config.overwrite,
-        nan_policy=config.nan_policy,
-        time_limit=None if several else config.time_limit or None,
-        log_every=config.log_every,
-        flops_per_token=flops_per_token(model.config, config.seq_len),
-        peak_flops=config.peak_flops,
-        keep=config.keep,
-        config=dataclasses.asdict(config),
         tokenizer=tokenizer,
-        callbacks=callbacks,
-        trackers=config.tracker_names,
-        profile=config.profile_steps,
-        save_async=config.save_async,
+        record=dataclasses.replace(config, run=run).to_options(),  # as it ran
     )

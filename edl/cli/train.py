@@ -76,7 +76,7 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     model = _model(config, tokenizer)
     print(
         f"edl train: {edl.count_params(model):,} parameters, {len(data.documents)} documents, "
-        f"{config.steps} steps, output in {config.output_dir}",
+        f"{config.run.steps} steps, output in {config.run.output_dir}",
         file=sys.stderr,
     )
     state, summary = train_model(config, model, data, eval_batches, callbacks=[BitsPerByte()])
@@ -133,7 +133,7 @@ def _byte_data(
         )
     if held_out is None:
         return data, None
-    return data, [b for _, b in zip(range(config.eval_batches), held_out, strict=False)]
+    return data, [b for _, b in zip(range(config.run.eval.batches), held_out, strict=False)]
 
 
 def _report(summary: dict[str, Any]) -> None:

@@ -55,6 +55,16 @@ _MODULES = {
         "reference_logps",
         "reward_loss",
     ),
+    "edl.train.run_config": (
+        "CheckpointConfig",
+        "EvalConfig",
+        "LogConfig",
+        "NonFiniteConfig",
+        "ProfileConfig",
+        "RunConfig",
+        "ThroughputConfig",
+        "TimeLimitConfig",
+    ),
     "edl.train.step": (
         "OptimizerConfig",
         "all_finite",

@@ -1,7 +1,8 @@
 """GRPO (group relative policy optimisation) as a step function for ``edl.train.train``.
 
     step = make_grpo_step(tx, tokenizer, [reward_fn], GRPOConfig(num_generations=8), key=key)
-    state, summary = edl.train.train(state, step, prompt_batches, steps=200, output_dir=run)
+    run = edl.train.RunConfig(steps=200, output_dir=run_dir)
+    state, summary = edl.train.train(state, step, prompt_batches, run)
 
 Each call ``step(state, prompts)`` (``prompts``: a list of strings) does one GRPO iteration:
 

@@ -8,6 +8,7 @@ OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 """``OptimizerConfig.schedule``: the learning rate after warmup."""
 NAN_POLICIES = ("stop", "skip")
-"""``train(nan_policy=...)``: raise at a non-finite step, or go on past skipped ones."""
+"""``NonFiniteConfig.policy`` (``nan_policy``): raise at a non-finite step, or go on past
+skipped ones."""
 TRACKERS = ("tensorboard", "wandb")
-"""``train(trackers=...)``: where metrics go besides ``metrics.jsonl`` (always written)."""
+"""``LogConfig.trackers``: where metrics go besides ``metrics.jsonl`` (always written)."""

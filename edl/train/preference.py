@@ -11,7 +11,7 @@ loss is one more entry.
     tx = optax.adamw(5e-6)
     state = edl.create_state(model, tx, trainable=edl.lora.lora_trainable)
     step = make_dpo_step(tx, beta=0.1, reference="lora")   # reference: the LoRA-off base
-    state, summary = train(state, step, batches, steps=1000)
+    state, summary = train(state, step, batches, RunConfig(steps=1000))
     # batches: dicts of chosen_/rejected_ input_ids, labels (-100 on prompt and padding,
     # unshifted) and attention_mask, int32 (batch, seq); see edl.train.preference_step.
 
