@@ -15,20 +15,16 @@ import optax
 import pytest
 
 import edl
-from edl.train import (
-    ByteTokenizer,
-    GRPOConfig,
-    PromptBatches,
+from edl.train import ByteTokenizer, GRPOConfig, PromptBatches, make_grpo_step, train
+from edl.train.grpo import _score
+from edl.train.grpo_objective import (
     completion_logprobs,
     completion_mask,
     group_advantages,
     grpo_loss,
     kl_k3,
-    make_grpo_step,
-    score_completions,
-    train,
 )
-from edl.train.grpo import _score
+from edl.train.grpo_rewards import score_completions
 
 # --- float64 numpy references (TRL 1.16.0 grpo_trainer.py) ---------------------------------
 

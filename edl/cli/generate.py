@@ -17,7 +17,7 @@ from edl.io.export import TOKENIZER_FILES, load_model
 from edl.io.hf import from_pretrained
 from edl.text import ByteTokenizer
 
-__all__ = ["load_model_and_tokenizer", "run_generate", "sample"]
+__all__ = ["run_generate"]
 
 # A hub repo id ("name" or "namespace/name"), as edl.io.hf.resolve_directory reads one.
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")

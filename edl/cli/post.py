@@ -36,7 +36,8 @@ from edl.io.export import load_model
 from edl.lora import lora_trainable
 from edl.models import registry
 from edl.nn import Linear
-from edl.text import load_tokenized, validate_prompt
+from edl.text import load_tokenized
+from edl.text.sources import validate_prompt
 from edl.train import (
     GRPOConfig,
     PreferenceBatches,
@@ -47,7 +48,7 @@ from edl.train import (
 )
 from edl.train.preference import PREFERENCE_LOSSES
 
-__all__ = ["reward_functions", "run_post_training"]
+__all__ = ["run_post_training"]
 
 _REPORTED = {
     "dpo": ("rewards/margins", "rewards/accuracies"),

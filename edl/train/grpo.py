@@ -48,7 +48,7 @@ from edl import lora as edl_lora
 from edl import state as edl_state
 from edl.generate import generate
 from edl.state import TrainState
-from edl.text import validate_prompt
+from edl.text.sources import validate_prompt
 from edl.train.data import EpochCursor
 from edl.train.grpo_objective import (
     GRPO_LOSSES,
@@ -61,14 +61,7 @@ from edl.train.grpo_objective import (
 from edl.train.grpo_rewards import RewardFn, score_completions
 from edl.train.step import make_train_step
 
-__all__ = [
-    "GRPOConfig",
-    "GRPOStep",
-    "PromptBatches",
-    "RewardFn",
-    "make_grpo_step",
-    "score_completions",
-]
+__all__ = ["GRPOConfig", "GRPOStep", "PromptBatches", "make_grpo_step"]
 
 Prompt = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 """One GRPO prompt: text, chat messages (through the tokenizer's chat template with the

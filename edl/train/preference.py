@@ -45,10 +45,8 @@ __all__ = [
     "PreferenceLoss",
     "dpo_loss",
     "orpo_loss",
-    "preference_loss",
     "sequence_logps",
     "simpo_loss",
-    "token_logps",
 ]
 
 Logps = Float[Array, " batch"]
@@ -100,7 +98,7 @@ def sequence_logps(
     padding). Not counted: -100 labels, padded positions, a token whose context is padding,
     and (with ``segment_ids``) the first token of each packed segment, exactly as
     ``compute_loss`` counts them. Computed as ``compute_loss`` is, from the final hidden states
-    by ``edl.ops.causal_lm_token_logps`` in chunks of ``chunk_size`` tokens (never the full
+    by ``edl.ops.losses.causal_lm_token_logps`` in chunks of ``chunk_size`` tokens (never the full
     ``(batch, seq, vocab)`` logits), log-softmax in float32, Gemma 2's final soft-cap applied.
     """
     logps, counted = token_logps(
