@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl._registry import Registry
+from edl.generate.steps import CausalLM
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_token_logps, mask_without_context
 
@@ -54,7 +54,7 @@ Metrics = dict[str, Float[Array, ""]]
 
 
 def token_logps(
-    model: Any,
+    model: CausalLM,
     input_ids: Int[Array, "batch seq"],
     labels: Int[Array, "batch seq"],
     *,
@@ -81,7 +81,7 @@ def token_logps(
 
 
 def sequence_logps(
-    model: Any,
+    model: CausalLM,
     input_ids: Int[Array, "batch seq"],
     labels: Int[Array, "batch seq"],
     *,
