@@ -19,7 +19,7 @@ import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Named", "Registry"]
+__all__ = ["Registry"]
 
 
 @runtime_checkable

@@ -34,7 +34,6 @@ from edl.tree import compile_pattern, find, is_none, tree_apply
 
 __all__ = [
     "DEFAULT_PATTERN",
-    "LoraLinear",
     "apply_lora",
     "lora_layers",
     "lora_params",

@@ -48,7 +48,6 @@ __all__ = [
     "carry_platforms",
     "fail_when_lowered",
     "failing",
-    "failing_when_lowered_on_error",
     "host_check",
     "notice_when_lowered",
     "platform_dependent",

@@ -30,15 +30,7 @@ from edl.nn.quantized import BlockSize, QuantizedLinear
 from edl.ops.quant import QUANT_FORMATS
 from edl.tree import find, tree_apply
 
-__all__ = [
-    "DEFAULT_PATTERN",
-    "QuantConfig",
-    "QuantizedLinear",
-    "dequantize",
-    "is_linear",
-    "is_quantized",
-    "quantize",
-]
+__all__ = ["DEFAULT_PATTERN", "QuantConfig", "dequantize", "is_quantized", "quantize"]
 
 DEFAULT_PATTERN = r"(q|k|v|o|gate|up|down)_proj$"
 """The attention and MLP projections of the Llama family (the LM head and the embeddings

@@ -47,7 +47,6 @@ __all__ = [
     "BATCH",
     "Rules",
     "batch_spec",
-    "broadcast_text",
     "constrain",
     "fit_spec",
     "gather",
@@ -59,7 +58,6 @@ __all__ = [
     "shard_state",
     "shard_with_shape",
     "state_shardings",
-    "sync_processes",
 ]
 
 

@@ -34,11 +34,9 @@ __all__ = [
     "apply_gradients",
     "create",
     "init_tx",
-    "join_other",
     "model",
     "replace",
     "size",
-    "split_other",
     "value_and_grad",
 ]
 

@@ -24,7 +24,8 @@ from transformers.models.siglip.image_processing_pil_siglip import (  # noqa: E4
     SiglipImageProcessorPil,
 )
 
-from edl.images import CONFIG_NAME, PROCESSOR_NAME, ImageProcessor, resize  # noqa: E402
+from edl.images import ImageProcessor, resize  # noqa: E402
+from edl.images.processor import CONFIG_NAME, PROCESSOR_NAME  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -76,7 +76,7 @@ def test_mlp_adamw_round_trip_is_bit_exact(tmp_path, dtype):
     info = json.loads((path / "state.json").read_text())
     assert info["format"] == 1 and info["model_format"] == "tree" and info["has_optimizer"]
     assert set(load_file(path / "model.safetensors")) == {
-        p for p, x in edl.flatten(edl.state.model(state)).items() if edl.tree.is_array_like(x)
+        p for p, x in edl.tree.flatten(edl.state.model(state)).items() if edl.tree.is_array_like(x)
     }
     assert "0.count" in load_file(path, prefix="optimizer")
 

@@ -53,7 +53,9 @@ def _rewrite(directory, change):
 def test_round_trip_is_exact(saved):
     model, directory = saved
     again = edl.from_pretrained(directory)
-    for (p, x), (q, y) in zip(edl.flatten(model).items(), edl.flatten(again).items(), strict=True):
+    for (p, x), (q, y) in zip(
+        edl.tree.flatten(model).items(), edl.tree.flatten(again).items(), strict=True
+    ):
         assert p == q
         np.testing.assert_array_equal(x, y)
     assert again.config == model.config

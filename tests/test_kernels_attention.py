@@ -2,7 +2,7 @@
 
 Forward outputs and all three gradients are compared with a float64 numpy evaluation of the
 plain reference and of its gradients (``_float64_reference``, itself checked against jax
-autodiff of ``ops.reference_attention`` in float64); decode attention with an explicit float64
+autodiff of ``reference_attention`` in float64); decode attention with an explicit float64
 numpy loop. Tolerances: errors are measured relative to max(1, max |expected|). float32
 kernels accumulate in float32 over at most ~100 keys here, so 2e-5 leaves a margin of ~10x
 over the errors seen (~1e-6); 16-bit inputs are compared on the same rounded inputs, and the
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from edl import ops
 from edl.kernels import BlockSizes, flash_attention
 from edl.kernels.decode_attention import decode_attention
 from edl.kernels.flash_attention import _backward, _FlashPlan, _forward
+from edl.ops.attention import reference_attention
 
 # What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
 pytestmark = pytest.mark.gpu
@@ -60,7 +60,7 @@ def _segments(seed, batch, q_len, kv_len):
 def _float64_reference(
     q, k, v, d_out, *, causal=False, segment_ids=None, window=None, softcap=None, scale=None
 ):
-    """Output and (dq, dk, dv) of the plain reference (``ops.reference_attention``) in
+    """Output and (dq, dk, dv) of the plain reference (``reference_attention``) in
     float64 numpy: the forward as defined, the backward by the chain rule through P @ V, the
     masked softmax, the soft-cap and the scaled Q K^T (rows that see no key: zero output and
     zero gradients). Numpy, not jax: jax would compile a float64 program per shape."""
@@ -100,7 +100,7 @@ def _float64_reference(
 
 
 def test_float64_reference_is_autodiff_of_the_plain_reference():
-    """The numpy oracle above against jax autodiff of ``ops.reference_attention`` in float64
+    """The numpy oracle above against jax autodiff of ``reference_attention`` in float64
     (whose logits are float32, hence 1e-5), on a case with GQA, q_len < kv_len, a window, a
     soft-cap, a scale and segments that leave some queries without any key."""
     q, k, v, d_out = _inputs(7, 2, 13, 19, 6, 2, 8)
@@ -111,7 +111,7 @@ def test_float64_reference_is_autodiff_of_the_plain_reference():
 
         @jax.jit
         def autodiff(q, k, v, d_out, segment_ids):
-            fn = functools.partial(ops.reference_attention, segment_ids=segment_ids, **kw)
+            fn = functools.partial(reference_attention, segment_ids=segment_ids, **kw)
             out, vjp = jax.vjp(fn, q, k, v)
             return out, vjp(d_out)
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from edl.kernels import decode_attention, gather_pages, paged_decode_attention
+from edl.kernels import decode_attention, paged_decode_attention
+from edl.kernels.paged_attention import gather_pages
 
 _paged = jax.jit(
     paged_decode_attention, static_argnames=("window", "softcap", "scale", "num_splits")

@@ -1,7 +1,7 @@
 """edl.kernels.tpu.flash_attention (Mosaic) in TPU interpret mode on CPU, against float64.
 
 Outputs and dq/dk/dv are compared with the float64 numpy oracle of test_kernels_attention
-(``_float64_reference``, itself checked there against autodiff of ``ops.reference_attention``),
+(``_float64_reference``, itself checked there against autodiff of ``reference_attention``),
 run in Pallas' TPU interpret mode (``pltpu.InterpretParams()``: TPU memory spaces, DMAs and
 the grid's pipelining simulated). Tolerances as in that file, relative to
 max(1, max |expected|): float32 kernels accumulate in float32 over at most ~700 keys here,

@@ -25,9 +25,9 @@ from edl.lora import (
     with_dropout_key,
 )
 from edl.models import LlamaForCausalLM, configure
-from edl.nn import Linear
+from edl.nn import Linear, QuantizedLinear
 from edl.ops import causal_lm_loss_from_logits, rms_norm
-from edl.quantize import QuantConfig, QuantizedLinear, dequantize, quantize
+from edl.quantize import QuantConfig, dequantize, quantize
 from edl.train import make_train_step
 
 _forward = jax.jit(lambda m, i: m(i).logits)  # one cache: equal structures compile once
@@ -135,10 +135,10 @@ def test_lora_trainable_splits_out_exactly_the_adapters(tiny_llama):
         tiny_llama, rank=4, alpha=8, pattern=r"self_attn\.(q|v)_proj$", key=jax.random.key(2)
     )
     params, other = edl.split(lora, trainable=lora_trainable)
-    assert sorted(edl.flatten(params)) == [
+    assert sorted(edl.tree.flatten(params)) == [
         f"model.layers.self_attn.{m}_proj.lora_{ab}.weight" for m in "qv" for ab in "AB"
     ]
-    assert not any("lora" in p for p in edl.flatten(other))
+    assert not any("lora" in p for p in edl.tree.flatten(other))
     assert jax.tree.structure(lora_params(lora)) == jax.tree.structure(params)
     assert jax.tree.structure(edl.merge(params, other)) == jax.tree.structure(lora)
 
@@ -157,10 +157,10 @@ def _loss(model, batch):
 def test_training_changes_only_the_adapters(tiny_llama, base):
     frozen = tiny_llama if base == "float32" else quantize(tiny_llama, QuantConfig("nf4"))
     lora = apply_lora(frozen, rank=4, alpha=8, key=jax.random.key(3))
-    before = {p: np.asarray(x) for p, x in edl.flatten(lora).items() if hasattr(x, "shape")}
+    before = {p: np.asarray(x) for p, x in edl.tree.flatten(lora).items() if hasattr(x, "shape")}
     tx = optax.adam(3e-2)
     state = edl.create_state(lora, tx, trainable=lora_trainable)
-    moments = [p for p in edl.flatten(state.opt_state) if p.endswith(".weight")]
+    moments = [p for p in edl.tree.flatten(state.opt_state) if p.endswith(".weight")]
     assert moments and all(lora_trainable.search(p) for p in moments)
     step = make_train_step(_loss, tx)
     batch = _task_batch()
@@ -169,7 +169,7 @@ def test_training_changes_only_the_adapters(tiny_llama, base):
         state, metrics = step(state, batch)
         losses.append(float(metrics["loss"]))
     assert losses[-1] < losses[0] - 0.05, losses
-    after = edl.flatten(edl.state.model(state))
+    after = edl.tree.flatten(edl.state.model(state))
     changed = sorted(p for p, x in before.items() if not np.array_equal(x, np.asarray(after[p])))
     assert changed == sorted(p for p in before if lora_trainable.search(p))
     if base == "nf4":

@@ -19,17 +19,16 @@ import jax
 import pytest
 
 from edl.models import (
-    CLIPVisionConfig,
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
     MixtralConfig,
     MixtralForCausalLM,
-    SiglipVisionConfig,
     configure,
     registry,
 )
 from edl.models.config import RUN_OPTIONS, RunOptions
+from edl.models.encoder_config import CLIPVisionConfig, SiglipVisionConfig
 from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig

@@ -139,7 +139,7 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
 
     # ... -> edl again: the same arrays under the same paths.
     again = edl.from_pretrained(tmp_path / "edl")
-    flat, flat_again = edl.flatten(model), edl.flatten(again)
+    flat, flat_again = edl.tree.flatten(model), edl.tree.flatten(again)
     assert flat.keys() == flat_again.keys()
     for path, x in flat.items():
         np.testing.assert_array_equal(flat_again[path], x, err_msg=path)
@@ -155,7 +155,7 @@ def test_experts_are_stacked_and_fused_state_dicts_load(model_type, tmp_path):
     from_files = edl.from_pretrained(tmp_path)
     from_memory = edl.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
     for (p, x), (q, y) in zip(
-        edl.flatten(from_files).items(), edl.flatten(from_memory).items(), strict=True
+        edl.tree.flatten(from_files).items(), edl.tree.flatten(from_memory).items(), strict=True
     ):
         assert p == q
         np.testing.assert_array_equal(x, y, err_msg=p)
@@ -290,7 +290,7 @@ def test_family_defaults_equal_transformers_defaults():
 def test_flops_per_token_counts_active_experts(model_type):
     model = hf.from_state_dict(*_state(model_type))
     c = model.config
-    flat = {p: x for p, x in edl.flatten(model).items() if hasattr(x, "size")}
+    flat = {p: x for p, x in edl.tree.flatten(model).items() if hasattr(x, "size")}
     dense = sum(x.size for p, x in flat.items() if p.endswith("proj.weight"))
     routers = sum(x.size for p, x in flat.items() if p.endswith("mlp.gate.weight"))
     experts = sum(x.size for p, x in flat.items() if ".experts." in p)

@@ -236,7 +236,9 @@ def test_sharded_checkpoint_equals_single_file(tmp_path):
     hf_model.save_pretrained(tmp_path / "many", max_shard_size="10KB")
     assert (tmp_path / "many" / "model.safetensors.index.json").exists()
     one, many = edl.from_pretrained(tmp_path / "one"), edl.from_pretrained(tmp_path / "many")
-    for (p, x), (q, y) in zip(edl.flatten(one).items(), edl.flatten(many).items(), strict=True):
+    for (p, x), (q, y) in zip(
+        edl.tree.flatten(one).items(), edl.tree.flatten(many).items(), strict=True
+    ):
         assert p == q
         np.testing.assert_array_equal(x, y)
 
@@ -282,7 +284,7 @@ def test_flops_per_token(model_type):
     # each query really sees, counted from the attention masks.
     c = model.config
     matmul_weights = (
-        sum(x.size for p, x in edl.flatten(model).items() if p.endswith("proj.weight"))
+        sum(x.size for p, x in edl.tree.flatten(model).items() if p.endswith("proj.weight"))
         + model.head_weight.size
     )
     for seq in (4, 9):

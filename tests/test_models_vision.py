@@ -205,7 +205,9 @@ def test_older_prefixed_tower_files_load(tmp_path):
 
 
 def test_config_and_input_errors_name_the_problem(tmp_path):
-    from edl.models import CLIPConfig, CLIPVisionConfig, CLIPVisionModel
+    from edl.models import CLIPConfig
+    from edl.models.clip import CLIPVisionModel
+    from edl.models.encoder_config import CLIPVisionConfig
 
     with pytest.raises(ValueError, match="image_size 30 is not a multiple of patch_size 7"):
         CLIPVisionConfig(**{**VISION, "patch_size": 7})

@@ -102,12 +102,12 @@ def test_merge_errors_name_paths(block):
 
 
 def test_to_dtype_casts_floating_leaves_only(block):
-    half = edl.to_half(block)
+    half = edl.module.to_half(block)
     assert half.attn.weight.dtype == jnp.float16
     assert half.positions.dtype == jnp.int32 and half.positions is block.positions
     assert half.scale == 0.5 and half.act is jax.nn.gelu
-    assert edl.to_bfloat16(block).lora_a.dtype == jnp.bfloat16
-    back = edl.to_float(half)
+    assert edl.module.to_bfloat16(block).lora_a.dtype == jnp.bfloat16
+    back = edl.module.to_float(half)
     assert back.attn.weight.dtype == jnp.float32
     np.testing.assert_allclose(back.attn.weight, block.attn.weight, rtol=2**-10)
     same = edl.to_dtype(block, jnp.float32)
@@ -122,7 +122,7 @@ def test_count_params_and_nbytes(block):
     assert edl.count_params(block) == 16 + 4 + 8 + 8 + 4
     assert edl.count_params(edl.split(block)[0]) == 36
     assert edl.nbytes(block) == 4 * 40
-    assert edl.nbytes(edl.to_bfloat16(block)) == 2 * 36 + 4 * 4
+    assert edl.nbytes(edl.module.to_bfloat16(block)) == 2 * 36 + 4 * 4
     assert edl.nbytes({"q": jnp.zeros((3, 5), jnp.int4), "m": jnp.zeros(3, jnp.bool_)}) == 8 + 3
     assert edl.nbytes({"s": jax.ShapeDtypeStruct((10, 10), jnp.float16)}) == 200
 

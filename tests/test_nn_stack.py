@@ -14,13 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edl.nn.schedule import Segment
+from edl.nn.schedule import Segment, schedule_period
 from edl.nn.stack import (
     check_remat,
     num_layers,
     run_segments,
     run_stack,
-    schedule_period,
     stack,
     unstack,
 )

@@ -18,14 +18,8 @@ import pytest
 from hypothesis import given, settings
 from test_kernels_attention import _inputs, _numpy_decode, _rel_err
 
-from edl.ops.cached_attention import (
-    LIVE_BRANCHES,
-    cache_mask,
-    cached_attention,
-    live_lengths,
-    paged_attention,
-)
-from edl.ops.cpu import one_token_attention
+from edl.ops.cached_attention import cache_mask, cached_attention, paged_attention
+from edl.ops.cpu import LIVE_BRANCHES, live_lengths, one_token_attention
 
 _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale", "impl"))
 

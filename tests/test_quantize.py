@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 import edl
 from edl.io.checkpoint import load_state, save_state
 from edl.models import LlamaForCausalLM
-from edl.nn import Linear, stack
+from edl.nn import Linear, QuantizedLinear, stack
 from edl.ops.quant import NF4_CODE, dequantize_weight, quantize_weight, quantized_matmul
-from edl.quantize import QuantConfig, QuantizedLinear, is_quantized
+from edl.quantize import QuantConfig, is_quantized
 from edl.quantize import dequantize as dequantize_model
 from edl.quantize import quantize as quantize_model
 

@@ -21,13 +21,15 @@ from edl.cli.config import ConfigError, TrainConfig
 from edl.io.checkpoint import save_state
 from edl.io.export import load_model
 from edl.io.structure import layer_structure, rebuild
+from edl.nn import QuantizedLinear
 from edl.ops.quant import QUANT_FORMATS, QuantFormat, dequantize_weight, quantize_weight
-from edl.quantize import QuantConfig, QuantizedLinear
+from edl.quantize import QuantConfig
 from edl.quantize import quantize as quantize_model
-from edl.train import make_dpo_step, preference_logps
+from edl.train import make_dpo_step
 from edl.train.grpo import GRPOConfig
 from edl.train.grpo_objective import GRPO_LOSSES, GRPOLoss, grpo_loss
 from edl.train.preference import PREFERENCE_LOSSES, PreferenceLoss, dpo_loss
+from edl.train.preference_step import preference_logps
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,7 +182,7 @@ def test_the_byte_tokenizer_moved_and_is_still_exported_by_train():
     from edl.text import tokenizer
 
     assert edl.train.ByteTokenizer is edl.train.text.ByteTokenizer is tokenizer.ByteTokenizer
-    assert edl.train.Tokenizer is Tokenizer
+    assert edl.train.text.Tokenizer is Tokenizer
     assert isinstance(ByteTokenizer(), Tokenizer)
 
 

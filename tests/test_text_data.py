@@ -21,18 +21,16 @@ from test_text import CONVERSATIONS, loaded, tokenizer_dirs  # noqa: F401  (fixt
 from edl.text import (
     IGNORE_INDEX,
     ByteTokenizer,
-    Source,
     TokenizedDataset,
     data_files,
-    detect_format,
     encode_chat,
     hf_dataset,
     load_tokenized,
     read_records,
-    resolve_files,
     sources,
-    tokenizer_fingerprint,
 )
+from edl.text.dataset import tokenizer_fingerprint
+from edl.text.sources import Source, detect_format, resolve_files
 
 with install_import_hook("edl", "beartype.beartype"):
     from edl.train import TokenBatches, batches_from_iterable

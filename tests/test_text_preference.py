@@ -29,7 +29,8 @@ from edl.text import (
 )
 
 with install_import_hook("edl", "beartype.beartype"):
-    from edl.train import PREFERENCE_KEYS, PreferenceBatches, TokenBatches
+    from edl.train import PreferenceBatches, TokenBatches
+    from edl.train.preference_data import PREFERENCE_KEYS
 
 BYTES = ByteTokenizer()
 EOS, PAD = BYTES.eos_id, BYTES.pad_id

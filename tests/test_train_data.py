@@ -13,17 +13,16 @@ from jaxtyping import install_import_hook
 
 # edl/__init__ does not import edl.train, so conftest's hook has not seen it: check it here.
 with install_import_hook("edl", "beartype.beartype"):
+    from edl.text import IGNORE_INDEX
     from edl.train import (
-        IGNORE_INDEX,
         ByteTokenizer,
         TokenBatches,
         batches_from_iterable,
-        default_corpus_files,
         load_corpus,
-        pack_sequences,
-        pad_batch,
         split_corpus,
     )
+    from edl.train.data import pack_sequences, pad_batch
+    from edl.train.text import default_corpus_files
 
 KEYS = {"input_ids", "attention_mask", "labels", "position_ids", "segment_ids"}
 

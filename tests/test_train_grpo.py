@@ -22,16 +22,18 @@ from edl.train import (
     LogConfig,
     PromptBatches,
     RunConfig,
+    make_grpo_step,
+    train,
+)
+from edl.train.grpo import _score
+from edl.train.grpo_objective import (
     completion_logprobs,
     completion_mask,
     group_advantages,
     grpo_loss,
     kl_k3,
-    make_grpo_step,
-    score_completions,
-    train,
 )
-from edl.train.grpo import _score
+from edl.train.grpo_rewards import score_completions
 
 # --- float64 numpy references (TRL 1.16.0 grpo_trainer.py) ---------------------------------
 
@@ -465,12 +467,12 @@ def test_grpo_lora_with_kl_to_the_base_trains_only_the_adapters():
         np.testing.assert_array_equal(a, np.asarray(b))  # the frozen base is untouched
 
 
-def test_grpo_step_rejects_bad_prompts():
+def test_grpo_step_rejects_bad_prompts(tiny_llama):
     step = make_grpo_step(
         optax.sgd(0.1), ByteTokenizer(), _count_a, GRPOConfig(), key=jax.random.key(0)
     )
     with pytest.raises(ValueError, match="prompts must be a non-empty list of prompts"):
-        step.rollout(None, "abc", jax.random.key(0))
+        step.rollout(tiny_llama, "abc", jax.random.key(0))
 
 
 def test_reward_functions_receive_the_records_other_fields():

@@ -19,7 +19,6 @@ from edl.train import (
     CheckpointConfig,
     LogConfig,
     NonFiniteConfig,
-    NonFiniteLossError,
     OptimizerConfig,
     RunConfig,
     make_eval_step,
@@ -27,6 +26,7 @@ from edl.train import (
     make_train_step,
     train,
 )
+from edl.train.callbacks import NonFiniteLossError
 from edl.train.core import StepInfo, Stop, callback
 
 
@@ -90,7 +90,7 @@ def test_clipping_and_learning_rate():
     assert float(metrics["learning_rate"]) == 0.0  # warmup starts at 0
     clipped, metrics = step(clipped, batch)
     np.testing.assert_allclose(metrics["learning_rate"], 0.25)
-    moved = edl.train.global_norm(jax.tree.map(jnp.subtract, clipped.params, state.params))
+    moved = edl.train.step.global_norm(jax.tree.map(jnp.subtract, clipped.params, state.params))
     assert float(moved) <= 0.25 * 1e-3 * 1.0001  # one step of lr 0.25 on a clipped gradient
 
 

@@ -25,13 +25,10 @@ from edl.train import (
     dpo_loss,
     make_dpo_step,
     make_reward_step,
-    orpo_loss,
-    preference_logps,
-    reward_loss,
-    sequence_logps,
-    simpo_loss,
     train,
 )
+from edl.train.preference import orpo_loss, sequence_logps, simpo_loss
+from edl.train.preference_step import preference_logps, reward_loss
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 torch = pytest.importorskip("torch")
@@ -575,7 +572,7 @@ def test_reward_step_raises_accuracy(tiny_llama):
 def test_token_logps_gradients_match_full_logits():
     """The chunked per-token path's gradients (recomputed chunk logits) against autodiff of
     full float64 logits (weights of both signs, a ragged last chunk, ignored labels)."""
-    from edl.ops import causal_lm_token_logps
+    from edl.ops.losses import causal_lm_token_logps
 
     rng = np.random.default_rng(5)
     hidden = rng.normal(size=(2, 7, 8)).astype(np.float32)

@@ -233,7 +233,7 @@ def test_bf16_compute_on_fp32_master_weights_matches_fp32_within_bf16_precision(
 def test_bf16_weights_train_with_bf16_gradients_and_float32_metrics(tiny_llama):
     seen: list = []
     tx = _recording_sgd(0.5, seen)
-    state = edl.create_state(edl.to_bfloat16(tiny_llama), tx)
+    state = edl.create_state(edl.module.to_bfloat16(tiny_llama), tx)
     new, metrics = make_train_step(_lm_loss, tx, clip_norm=1e-3)(state, _ids())  # clipped
     assert seen[-1] == {jnp.dtype(jnp.bfloat16)}
     assert float(metrics["grad_norm"]) > 1e-3  # the clip applied (in the gradients' dtype)
@@ -270,7 +270,7 @@ def _primitives(jaxpr, names):
 def test_softmax_and_loss_run_in_float32_under_bf16_compute(tiny_llama):
     """Every exponential and logarithm (attention softmax, cross entropy) of a bfloat16
     model's loss and its gradient runs in float32."""
-    model = edl.to_bfloat16(tiny_llama)
+    model = edl.module.to_bfloat16(tiny_llama)
     loss = lambda m: _lm_loss(m, _ids())[0]
     jaxpr = jax.make_jaxpr(jax.value_and_grad(loss))(model).jaxpr
     eqns = list(_primitives(jaxpr, {"exp", "exp2", "log", "log1p"}))

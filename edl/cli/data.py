@@ -8,10 +8,11 @@ from pathlib import Path
 
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import process_split
-from edl.text import Source, Tokenizer, data_files, hf_dataset, load_tokenized
+from edl.text import Tokenizer, data_files, hf_dataset, load_tokenized
+from edl.text.sources import Source
 from edl.train import TokenBatches
 
-__all__ = ["batches", "source_of"]
+__all__ = ["batches"]
 
 
 def source_of(spec: str) -> Source:

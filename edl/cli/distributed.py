@@ -17,7 +17,7 @@ import jax
 from edl.cli.config import TrainConfig
 from edl.sharding import make_mesh, shard_batch
 
-__all__ = ["GlobalBatches", "is_lead", "mesh_of", "process_split", "start"]
+__all__ = ["start"]
 
 INIT_TIMEOUT_S = 300
 

@@ -29,7 +29,7 @@ from edl.text import HFTokenizer, load_tokenizer
 from edl.train import TokenBatches
 from edl.tree import find
 
-__all__ = ["load_for_finetuning", "model_directory", "run_finetune"]
+__all__ = ["run_finetune"]
 
 
 def model_directory(source: str) -> str:

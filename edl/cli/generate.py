@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -16,8 +16,9 @@ from edl.generate import generate, generate_text, stream_text
 from edl.io.export import TOKENIZER_FILES, load_model
 from edl.io.hf import from_pretrained
 from edl.text import ByteTokenizer
+from edl.text.hf import HFTokenizer
 
-__all__ = ["load_model_and_tokenizer", "run_generate", "sample"]
+__all__ = ["run_generate"]
 
 # A hub repo id ("name" or "namespace/name"), as edl.io.hf.resolve_directory reads one.
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
@@ -38,7 +39,7 @@ def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: flo
     return [int(t) for t in out.sequences[0]]
 
 
-def _tokenizer(where: str, has_files: bool, model: Any) -> Any:
+def _tokenizer(where: str, has_files: bool, model: eqx.Module) -> HFTokenizer | ByteTokenizer:
     """The model directory's tokenizer (or the hub repo's), else the byte tokenizer."""
     if has_files:
         from edl.text import load_tokenizer
@@ -56,7 +57,9 @@ def _tokenizer(where: str, has_files: bool, model: Any) -> Any:
     return ByteTokenizer()
 
 
-def load_model_and_tokenizer(model: str, *, dtype: str | None = None) -> tuple[Any, Any]:
+def load_model_and_tokenizer(
+    model: str, *, dtype: str | None = None
+) -> tuple[eqx.Module, HFTokenizer | ByteTokenizer]:
     """The model behind ``--model`` (a run directory: its newest whole checkpoint; a
     checkpoint, LoRA-wrapped ones included; a saved model; a hub repo id) and its tokenizer."""
     cast = None if dtype is None else jnp.dtype(dtype)

@@ -15,7 +15,7 @@ from edl.io.safetensors import CheckpointError
 from edl.io.sharded import INDEX_NAME as SHARDS_INDEX
 from edl.io.sharded import read_index
 
-__all__ = ["resolve_model", "run_info"]
+__all__ = ["run_info"]
 
 
 def _checkpoints_dir(path: Path) -> Path:

@@ -25,7 +25,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
+import optax
 
 import edl
 from edl.cli.config import CommandError, TrainConfig
@@ -36,7 +38,9 @@ from edl.io.export import load_model
 from edl.lora import lora_trainable
 from edl.models import registry
 from edl.nn import Linear
-from edl.text import load_tokenized, validate_prompt
+from edl.text import load_tokenized
+from edl.text.hf import HFTokenizer
+from edl.text.sources import validate_prompt
 from edl.train import (
     GRPOConfig,
     PreferenceBatches,
@@ -45,9 +49,10 @@ from edl.train import (
     make_grpo_step,
     make_reward_step,
 )
+from edl.train.grpo_rewards import RewardFn
 from edl.train.preference import PREFERENCE_LOSSES
 
-__all__ = ["reward_functions", "run_post_training"]
+__all__ = ["run_post_training"]
 
 _REPORTED = {
     "dpo": ("rewards/margins", "rewards/accuracies"),
@@ -78,7 +83,7 @@ def reward_functions(spec: str) -> list[Any]:
     return out
 
 
-def _preference_batches(config: TrainConfig, tokenizer: Any) -> PreferenceBatches:
+def _preference_batches(config: TrainConfig, tokenizer: HFTokenizer) -> PreferenceBatches:
     try:
         pairs = load_tokenized(source_of(config.data), tokenizer, format="preference")
     except (OSError, ValueError, ImportError) as e:
@@ -119,8 +124,8 @@ def _prompt_batches(config: TrainConfig) -> PromptBatches:
 
 
 def _reward_model(
-    model: Any, tokenizer: Any, trainable: Any, config: TrainConfig
-) -> tuple[Any, Any]:
+    model: eqx.Module, tokenizer: HFTokenizer, trainable: Any, config: TrainConfig
+) -> tuple[eqx.Module, Any]:
     """The causal LM's backbone under a new one-output ``score`` head (HF's initialisation),
     pooling at the last non-pad token; the head is trained along with any LoRA adapters."""
     family, _ = registry.family_of(model)
@@ -139,13 +144,17 @@ def _reward_model(
     return cls(backbone, score), trainable
 
 
-def _reference_model(config: TrainConfig) -> Any:
+def _reference_model(config: TrainConfig) -> eqx.Module:
     """A frozen copy of ``--model`` (``--reference model``), in the trained weights' dtype."""
     return load_model(model_directory(config.model), dtype=config.param_dtype)
 
 
 def _step(
-    config: TrainConfig, tx: Any, schedule: Any, tokenizer: Any, reward_fns: list[Any]
+    config: TrainConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    tokenizer: HFTokenizer,
+    reward_fns: list[RewardFn],
 ) -> Any:
     options = {**step_options(config), "schedule": schedule}
     if config.method == "reward":

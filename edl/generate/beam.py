@@ -21,7 +21,7 @@ from edl.generate.config import GenerateOutput, GenerationConfig
 from edl.generate.steps import CausalLM
 from edl.ops.sampling import LogitsProcessor
 
-__all__ = ["BeamState", "beam_search"]
+__all__ = ["beam_search"]
 
 _NEG = -1.0e9  # HF's "never choose this" score
 

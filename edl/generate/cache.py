@@ -23,7 +23,6 @@ prefilled efficiently. Later calls attend over the cache (``edl.ops.cached_atten
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -31,6 +30,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int
 
+from edl.models.config import DecoderConfig
 from edl.ops.attention import attention
 from edl.ops.cached_attention import cached_attention
 
@@ -42,7 +42,7 @@ __all__ = [
 CACHE_MULTIPLE = 16  # cache lengths are rounded up to this (the GPU decode kernel's block)
 
 
-def cache_dims(config: Any) -> tuple[int, int, int]:
+def cache_dims(config: DecoderConfig) -> tuple[int, int, int]:
     """``(layers, kv_heads, head_dim)`` of a model config (HF field names)."""
     try:
         return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
@@ -143,7 +143,9 @@ class KVCache(eqx.Module):
         return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
 
 
-def init_cache(config: Any, batch: int, cache_len: int, dtype: DTypeLike = jnp.float32) -> KVCache:
+def init_cache(
+    config: DecoderConfig, batch: int, cache_len: int, dtype: DTypeLike = jnp.float32
+) -> KVCache:
     """An empty (``fresh``) cache for ``batch`` rows of up to ``cache_len`` tokens (rounded up
     to a multiple of 16) for a model with this config (HF field names: ``num_hidden_layers``,
     ``num_key_value_heads``, ``head_dim``)."""

@@ -100,7 +100,7 @@ class GenerationConfig:
         return cls(**{**fields, **overrides})
 
     @classmethod
-    def of_model(cls, model: Any) -> GenerationConfig:
+    def of_model(cls, model: eqx.Module) -> GenerationConfig:
         """The model's own defaults: a causal LM's ``generation_config`` (its
         ``generation_config.json``, read by ``from_pretrained``), else HF's defaults."""
         pairs = getattr(model, "generation_config", ())

@@ -33,7 +33,7 @@ from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
-__all__ = ["DecodeState", "generate", "generate_stream", "logits_processor_for", "prompt_bucket"]
+__all__ = ["generate", "generate_stream"]
 
 
 class DecodeState(eqx.Module):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import equinox as eqx
 import jax
@@ -26,6 +25,7 @@ from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.generate.cache import cache_dims
+from edl.models.config import DecoderConfig
 from edl.ops.attention import attention
 from edl.ops.cached_attention import paged_attention
 from edl.ops.checks import error_if
@@ -53,7 +53,7 @@ class PagedCacheConfig:
         return -(-self.cache_len // self.page_size)
 
 
-def _page_bytes(config: Any, page_size: int, dtype: DTypeLike) -> int:
+def _page_bytes(config: DecoderConfig, page_size: int, dtype: DTypeLike) -> int:
     layers, kv_heads, head_dim = cache_dims(config)
     return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
 
@@ -67,7 +67,7 @@ def _free_device_bytes(device: jax.Device) -> int:
 
 
 def paged_cache_config(
-    config: Any,
+    config: DecoderConfig,
     *,
     page_size: int = 16,
     cache_len: int,
@@ -220,7 +220,7 @@ def free_rows(cache: PagedKVCache, rows: Bool[Array, " batch"]) -> PagedKVCache:
 
 
 def init_paged_cache(
-    config: Any,
+    config: DecoderConfig,
     num_pages: int,
     page_size: int,
     *,

@@ -16,7 +16,8 @@ from jaxtyping import Array, Bool, Float, Int
 
 from edl.generate.cache import init_cache
 from edl.generate.paged import init_paged_cache
-from edl.models.llava import merge_image_features
+from edl.models.config import DecoderConfig
+from edl.models.llava import LlavaConfig, merge_image_features
 from edl.nn.attention import KVCacheLike
 
 __all__ = [
@@ -63,7 +64,7 @@ class CausalLM(Protocol):
     model: CausalTrunk
 
     @property
-    def config(self) -> Any: ...
+    def config(self) -> DecoderConfig: ...
 
     def lm_logits(self, h: Float[Array, "*batch dim"]) -> Float[Array, "*batch vocab"]: ...
 
@@ -103,7 +104,7 @@ class ImageTextLM(Protocol):
     the placeholder id the features replace."""
 
     @property
-    def config(self) -> Any: ...
+    def config(self) -> LlavaConfig: ...
 
     def get_image_features(
         self, pixel_values: Float[Array, "images channels height width"]

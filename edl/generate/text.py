@@ -23,7 +23,7 @@ from jaxtyping import PRNGKeyArray
 
 from edl.generate.config import GenerationConfig
 from edl.generate.decode import CausalLM, generate, generate_stream
-from edl.text.tokenizer import ByteTokenizer
+from edl.text.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 
 __all__ = ["TextStream", "generate_text", "prompt_ids", "stream_text"]
 
@@ -31,7 +31,7 @@ _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
 
 def prompt_ids(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str | None = None,
     *,
     messages: Sequence[Mapping[str, Any]] | None = None,
@@ -63,15 +63,15 @@ def prompt_ids(
     return list(tokenizer.encode(prompt, add_bos=bool(getattr(tokenizer, "adds_bos", False))))
 
 
-def _decode(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
+def _decode(tokenizer: Detokenizer, ids: Sequence[int], skip_special_tokens: bool) -> str:
     if isinstance(tokenizer, ByteTokenizer):  # it always skips its special ids
         return tokenizer.decode(ids)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _config(
-    model: Any,
-    tokenizer: Any,
+    model: CausalLM,
+    tokenizer: Tokenizer,
     *,
     max_new_tokens: int,
     temperature: float,
@@ -109,7 +109,7 @@ class TextStream:
     now stable, ``end()`` the rest; together they are ``decode(ids)`` exactly, whenever
     decoding more ids only appends text (true of byte-level BPE and of UTF-8 bytes)."""
 
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Detokenizer, *, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.skip = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text released so far
@@ -136,7 +136,7 @@ class TextStream:
 
 def stream_text(
     model: CausalLM,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str | None = None,
     *,
     messages: Sequence[Mapping[str, Any]] | None = None,
@@ -178,7 +178,7 @@ def stream_text(
 
 def generate_text(
     model: CausalLM,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     prompt: str | None = None,
     *,
     messages: Sequence[Mapping[str, Any]] | None = None,

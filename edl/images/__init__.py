@@ -29,38 +29,7 @@ own kernels, not Pillow's; edl reproduces the Pillow backend only.
 No jax: pure numpy, and Pillow (the ``edl-jax[vision]`` extra) imported on first use.
 """
 
-from edl.images.processor import CONFIG_NAME, PROCESSOR_NAME, ImageProcessor
-from edl.images.transforms import (
-    IMAGENET_STANDARD_MEAN,
-    IMAGENET_STANDARD_STD,
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    RESAMPLE,
-    ImageLike,
-    center_crop,
-    channels_first,
-    check_image,
-    normalize,
-    rescale,
-    resize,
-    shortest_edge_size,
-)
+from edl.images.processor import ImageProcessor
+from edl.images.transforms import center_crop, channels_first, normalize, rescale, resize
 
-__all__ = [
-    "CONFIG_NAME",
-    "IMAGENET_STANDARD_MEAN",
-    "IMAGENET_STANDARD_STD",
-    "OPENAI_CLIP_MEAN",
-    "OPENAI_CLIP_STD",
-    "PROCESSOR_NAME",
-    "RESAMPLE",
-    "ImageLike",
-    "ImageProcessor",
-    "center_crop",
-    "channels_first",
-    "check_image",
-    "normalize",
-    "rescale",
-    "resize",
-    "shortest_edge_size",
-]
+__all__ = ["ImageProcessor", "center_crop", "channels_first", "normalize", "rescale", "resize"]

@@ -13,11 +13,6 @@ import numpy as np
 from jaxtyping import Float32, Shaped
 
 __all__ = [
-    "IMAGENET_STANDARD_MEAN",
-    "IMAGENET_STANDARD_STD",
-    "OPENAI_CLIP_MEAN",
-    "OPENAI_CLIP_STD",
-    "RESAMPLE",
     "ImageLike",
     "center_crop",
     "channels_first",

@@ -11,15 +11,13 @@ entry points models use; they pick among these by the platform a program is lowe
 
 from edl.kernels import native, tpu
 from edl.kernels.decode_attention import decode_attention
-from edl.kernels.flash_attention import BlockSizes, default_block_sizes, flash_attention
-from edl.kernels.paged_attention import gather_pages, paged_decode_attention
+from edl.kernels.flash_attention import BlockSizes, flash_attention
+from edl.kernels.paged_attention import paged_decode_attention
 
 __all__ = [
     "BlockSizes",
     "decode_attention",
-    "default_block_sizes",
     "flash_attention",
-    "gather_pages",
     "native",
     "paged_decode_attention",
     "tpu",

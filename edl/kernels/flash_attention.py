@@ -40,7 +40,7 @@ from edl.kernels._common import (
     visible,
 )
 
-__all__ = ["BlockSizes", "default_block_sizes", "flash_attention"]
+__all__ = ["BlockSizes", "flash_attention"]
 
 
 @dataclasses.dataclass(frozen=True)

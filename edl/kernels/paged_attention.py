@@ -56,7 +56,7 @@ from edl.kernels._common import (
     visible,
 )
 
-__all__ = ["gather_pages", "paged_decode_attention"]
+__all__ = ["paged_decode_attention"]
 
 _CPU_BLOCK_KEYS = 512  # keys per block in interpret mode
 

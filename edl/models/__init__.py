@@ -5,118 +5,50 @@ Every decoder family runs the one decoder of ``edl.models.decoder`` (trunk) and
 ``config.json``), a declarative HF key table and HF-named classes. The vision families
 (``clip``, ``siglip``) run the encoder towers of ``edl.models.towers``; ``llava`` joins a
 vision tower to any decoder family.
+
+The names below are what a user builds or loads a model with: each family's config and its
+causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA's sequence
+classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
+classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
+vision towers and their configs) are in its module: ``edl.models.llama``,
+``edl.models.gemma``, ``edl.models.mixtral``, ``edl.models.qwen3_moe``,
+``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
+``edl.models.encoder_config``.
 """
 
-from edl.models import (
-    clip,
-    decoder,
-    gemma,
-    heads,
-    llama,
-    llava,
-    mixtral,
-    qwen3_moe,
-    registry,
-    siglip,
-)
-from edl.models.clip import (
-    CLIPModel,
-    CLIPTextModel,
-    CLIPTextModelWithProjection,
-    CLIPVisionModel,
-    CLIPVisionModelWithProjection,
-)
+from edl.models import registry
+from edl.models.clip import CLIPModel
 from edl.models.config import DecoderConfig, RunOptions, flops_per_token
-from edl.models.encoder_config import (
-    CLIPConfig,
-    CLIPTextConfig,
-    CLIPVisionConfig,
-    SiglipConfig,
-    SiglipTextConfig,
-    SiglipVisionConfig,
-)
-from edl.models.gemma import (
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma2ForSequenceClassification,
-    Gemma2Model,
-    GemmaConfig,
-    GemmaForCausalLM,
-    GemmaForSequenceClassification,
-    GemmaModel,
-)
+from edl.models.encoder_config import CLIPConfig, SiglipConfig
+from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.heads import configure
-from edl.models.llama import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    LlamaForSequenceClassification,
-    LlamaModel,
-)
-from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration, LlavaModel
-from edl.models.mixtral import (
-    MixtralConfig,
-    MixtralForCausalLM,
-    MixtralForSequenceClassification,
-    MixtralModel,
-)
-from edl.models.qwen3_moe import (
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-    Qwen3MoeForSequenceClassification,
-    Qwen3MoeModel,
-)
-from edl.models.siglip import SiglipModel, SiglipTextModel, SiglipVisionModel
+from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
+from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
+from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from edl.models.siglip import SiglipModel
 
 __all__ = [
     "CLIPConfig",
     "CLIPModel",
-    "CLIPTextConfig",
-    "CLIPTextModel",
-    "CLIPTextModelWithProjection",
-    "CLIPVisionConfig",
-    "CLIPVisionModel",
-    "CLIPVisionModelWithProjection",
     "DecoderConfig",
     "Gemma2Config",
     "Gemma2ForCausalLM",
-    "Gemma2ForSequenceClassification",
-    "Gemma2Model",
     "GemmaConfig",
     "GemmaForCausalLM",
-    "GemmaForSequenceClassification",
-    "GemmaModel",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaForSequenceClassification",
-    "LlamaModel",
     "LlavaConfig",
     "LlavaForConditionalGeneration",
-    "LlavaModel",
     "MixtralConfig",
     "MixtralForCausalLM",
-    "MixtralForSequenceClassification",
-    "MixtralModel",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
-    "Qwen3MoeForSequenceClassification",
-    "Qwen3MoeModel",
     "RunOptions",
     "SiglipConfig",
     "SiglipModel",
-    "SiglipTextConfig",
-    "SiglipTextModel",
-    "SiglipVisionConfig",
-    "SiglipVisionModel",
-    "clip",
     "configure",
-    "decoder",
     "flops_per_token",
-    "gemma",
-    "heads",
-    "llama",
-    "llava",
-    "mixtral",
-    "qwen3_moe",
     "registry",
-    "siglip",
 ]

@@ -39,7 +39,6 @@ from edl.ops.contrastive import clip_loss, image_text_logits, l2_normalize
 from edl.ops.sharding import Rules
 
 __all__ = [
-    "ENCODER_PARTITION_RULES",
     "CLIPModel",
     "CLIPOutput",
     "CLIPTextModel",
@@ -47,8 +46,6 @@ __all__ = [
     "CLIPVisionModel",
     "CLIPVisionModelWithProjection",
     "ProjectionOutput",
-    "dual_key_table",
-    "tower_key_table",
 ]
 
 Ids = Int[Array, "batch seq"]

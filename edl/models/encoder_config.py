@@ -30,7 +30,6 @@ __all__ = [
     "TextTowerConfig",
     "TowerConfig",
     "VisionTowerConfig",
-    "replace_nested",
 ]
 
 # Keys that describe the stored file rather than the model; save_pretrained rewrites them.

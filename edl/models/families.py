@@ -17,6 +17,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
+
 from edl.models.keymap import KeyTable
 
 __all__ = [
@@ -131,7 +133,7 @@ def family_for(model_type: str) -> Family:
     return _BY_MODEL_TYPE[model_type]
 
 
-def family_of(model: Any) -> tuple[Family, str]:
+def family_of(model: eqx.Module) -> tuple[Family, str]:
     """``(family, task)`` of a model instance."""
     for family in registered():
         for task, cls in family.tasks.items():
@@ -140,7 +142,7 @@ def family_of(model: Any) -> tuple[Family, str]:
     raise TypeError(f"{type(model).__name__} is not a registered edl model class")
 
 
-def architecture(model: Any) -> str:
+def architecture(model: eqx.Module) -> str:
     """The HF architecture name (``"Qwen2ForCausalLM"``) of a model instance."""
     family, task = family_of(model)
     return family.hf_names[model.config.model_type] + TASKS[task]

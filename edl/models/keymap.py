@@ -33,7 +33,7 @@ import dataclasses
 import functools
 import re
 
-__all__ = ["KeyRule", "KeyTable", "Placement", "decoder_key_table"]
+__all__ = ["KeyRule", "KeyTable", "Placement"]
 
 _STACK_AXES = ("layer", "expert")
 _FIELDS = {"layer": r"(?P<layer>\d+)", "expert": r"(?P<expert>\d+)", "name": r"(?P<name>.+?)"}

@@ -17,11 +17,10 @@ from typing import ClassVar
 from edl.models.decoder import PARTITION_RULES, DecoderModel
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
-from edl.models.llama_config import MODEL_TYPES, LlamaConfig
+from edl.models.llama_config import LlamaConfig
 
 __all__ = [
     "HF_KEYS",
-    "MODEL_TYPES",
     "PARTITION_RULES",
     "LlamaConfig",
     "LlamaForCausalLM",

@@ -13,10 +13,7 @@ from typing import Any, ClassVar
 
 from edl.models.config import DecoderConfig
 
-__all__ = [
-    "MODEL_TYPES",
-    "LlamaConfig",
-]
+__all__ = ["LlamaConfig"]
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

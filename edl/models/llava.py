@@ -54,7 +54,6 @@ __all__ = [
     "LlavaMultiModalProjector",
     "key_table",
     "merge_image_features",
-    "module_key_table",
 ]
 
 Ids = Int[Array, "batch seq"]

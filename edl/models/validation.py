@@ -12,9 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = [
-    "check_hf_values",
-]
+__all__ = []
 
 # Plausibility bounds on sizes and counts, far above every released model (the largest
 # have vocabularies of ~262k tokens, hidden sizes up to ~25k, MLPs up to ~74k wide, 126

@@ -23,22 +23,19 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 
 from edl.kernels.native import ATTENTION_LSE, ATTENTION_OUT
-from edl.nn.schedule import Segment, plan_schedule, schedule_period
+from edl.nn.schedule import Segment, plan_schedule
 from edl.ops.moe import MOE_OUT, MOE_ROWS
 from edl.platforms import carry_platforms, platform_dependent
 
 __all__ = [
     "REMAT_POLICIES",
     "RematPolicy",
-    "check_remat",
     "map_stacked",
     "num_layers",
     "run_segments",
     "run_stack",
-    "schedule_period",
     "stack",
     "unstack",
-    "with_remat",
 ]
 
 RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]

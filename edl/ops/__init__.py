@@ -1,80 +1,35 @@
 """Pure array functions: attention (full and against a KV cache), linear, RoPE, norms, MoE
-routing and expert MLPs, losses, quantization, sampling."""
+routing and expert MLPs, losses, quantization, sampling.
 
-from edl.ops.attention import attention, attention_mask, reference_attention
+The names below are the entry points a model author calls; the rest is in the defining
+module: logits processors and sampling (``edl.ops.sampling``), MoE routing and expert MLPs
+(``edl.ops.moe``), the other losses (``edl.ops.losses``), the reference attention and masks
+(``edl.ops.attention``), the quantization formats (``edl.ops.quant``).
+"""
+
+from edl.ops.attention import attention, attention_mask
 from edl.ops.cached_attention import cached_attention, paged_attention
-from edl.ops.losses import (
-    causal_lm_loss,
-    causal_lm_loss_from_logits,
-    causal_lm_token_logps,
-    cross_entropy,
-    mask_without_context,
-    sequence_classification_loss,
-)
+from edl.ops.losses import causal_lm_loss, causal_lm_loss_from_logits, cross_entropy
 from edl.ops.matmul import linear
-from edl.ops.moe import (
-    RouterStats,
-    expert_mlp,
-    load_balancing_loss,
-    route,
-    router_stats,
-    router_z_loss,
-)
 from edl.ops.norms import layer_norm, rms_norm
-from edl.ops.quant import NF4_CODE, dequantize_weight, quantize_weight, quantized_matmul
-from edl.ops.rope import RopeConfig, apply_rope, inv_frequencies, rope_tables
-from edl.ops.sampling import (
-    LogitsProcessor,
-    compose,
-    greedy,
-    min_p,
-    processors_for,
-    repetition_penalty,
-    sample,
-    suppress_tokens,
-    temperature,
-    top_k,
-    top_p,
-)
+from edl.ops.quant import dequantize_weight, quantize_weight, quantized_matmul
+from edl.ops.rope import RopeConfig, apply_rope, rope_tables
 
 __all__ = [
-    "NF4_CODE",
-    "LogitsProcessor",
     "RopeConfig",
-    "RouterStats",
     "apply_rope",
     "attention",
     "attention_mask",
     "cached_attention",
     "causal_lm_loss",
     "causal_lm_loss_from_logits",
-    "causal_lm_token_logps",
-    "compose",
     "cross_entropy",
     "dequantize_weight",
-    "expert_mlp",
-    "greedy",
-    "inv_frequencies",
     "layer_norm",
     "linear",
-    "load_balancing_loss",
-    "mask_without_context",
-    "min_p",
     "paged_attention",
-    "processors_for",
     "quantize_weight",
     "quantized_matmul",
-    "reference_attention",
-    "repetition_penalty",
     "rms_norm",
     "rope_tables",
-    "route",
-    "router_stats",
-    "router_z_loss",
-    "sample",
-    "sequence_classification_loss",
-    "suppress_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
 ]

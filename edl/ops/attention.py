@@ -25,16 +25,7 @@ from edl.ops.dispatch import Kernel, by_platform, never
 from edl.ops.sharding import BATCH, fit_spec
 from edl.platforms import carry_platforms
 
-__all__ = [
-    "IMPLS",
-    "KERNELS",
-    "attention",
-    "attention_mask",
-    "dtype_reason",
-    "masked_attention",
-    "padding_segments",
-    "reference_attention",
-]
+__all__ = ["IMPLS", "KERNELS", "attention", "attention_mask", "reference_attention"]
 
 IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn")
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]

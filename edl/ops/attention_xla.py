@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from einops import rearrange
 from jaxtyping import Array, Bool, Float
 
-__all__ = ["xla_attention"]
+__all__ = []
 
 
 def _logits(qg, k, scale: float, softcap: float | None):

@@ -38,22 +38,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.kernels import decode_attention, gather_pages, native, paged_decode_attention, tpu
+from edl.kernels import decode_attention, native, paged_decode_attention, tpu
 from edl.kernels._common import KERNEL_DTYPES
+from edl.kernels.paged_attention import gather_pages
 from edl.ops import cpu
 from edl.ops.attention import dtype_reason, masked_attention
-from edl.ops.cpu import LIVE_BRANCHES, live_lengths
+from edl.ops.cpu import live_lengths
 from edl.ops.dispatch import Kernel, by_platform, never
 from edl.platforms import platform_dependent
 
 __all__ = [
     "DECODE_KERNELS",
-    "LIVE_BRANCHES",
     "NATIVE_MAX_NEW_TOKENS",
     "PAGED_KERNELS",
-    "cache_mask",
     "cached_attention",
-    "live_lengths",
     "paged_attention",
 ]
 

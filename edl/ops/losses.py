@@ -28,7 +28,6 @@ __all__ = [
     "causal_lm_loss_from_logits",
     "causal_lm_token_logps",
     "cross_entropy",
-    "mask_without_context",
     "sequence_classification_loss",
 ]
 

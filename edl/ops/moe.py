@@ -38,8 +38,6 @@ from edl.ops.activations import activation
 
 __all__ = [
     "MOE_IMPLS",
-    "MOE_OUT",
-    "MOE_ROWS",
     "RouterStats",
     "expert_mlp",
     "load_balancing_loss",

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-__all__ = ["RopeConfig", "apply_rope", "inv_frequencies", "rope_tables"]
+__all__ = ["RopeConfig", "apply_rope", "rope_tables"]
 
 RopeType = Literal["default", "linear", "dynamic", "llama3"]
 

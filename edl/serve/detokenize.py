@@ -18,16 +18,15 @@ text (byte-level BPE, UTF-8 bytes, SentencePiece without space clean-up).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
 
-from edl.text.tokenizer import ByteTokenizer
+from edl.text.tokenizer import ByteTokenizer, Detokenizer
 
 __all__ = ["IncrementalText"]
 
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
 
-def _decode(tokenizer: Any, ids: Sequence[int]) -> str:
+def _decode(tokenizer: Detokenizer, ids: Sequence[int]) -> str:
     if isinstance(tokenizer, ByteTokenizer):  # it always skips its special ids
         return tokenizer.decode(ids)
     return tokenizer.decode(ids, skip_special_tokens=True)
@@ -54,7 +53,11 @@ class IncrementalText:
     """
 
     def __init__(
-        self, tokenizer: Any, *, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = ()
+        self,
+        tokenizer: Detokenizer,
+        *,
+        stop: Sequence[str] = (),
+        stop_token_ids: Iterable[int] = (),
     ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"IncrementalText: stop strings must be non-empty, got {stop!r}")

@@ -26,7 +26,7 @@ from typing import Any
 
 from edl.serve.types import Engine, RequestOutput, SamplingParams
 
-__all__ = ["AsyncEngine", "EngineStopped", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineStopped"]
 
 _log = logging.getLogger("edl.serve")
 

@@ -87,7 +87,7 @@ from edl.serve.pages import PagePool, block_hashes
 from edl.serve.step import SlotSampling, model_step
 from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
-__all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine"]
 
 
 @dataclasses.dataclass(eq=False)

@@ -27,16 +27,7 @@ from edl.serve.types import SamplingParams
 from edl.text.chat import template_role
 from edl.text.tokenizer import checked_text
 
-__all__ = [
-    "APIError",
-    "GenerationRequest",
-    "chat_chunk",
-    "chat_response",
-    "completion_chunk",
-    "completion_response",
-    "parse_chat",
-    "parse_completion",
-]
+__all__ = ["APIError", "GenerationRequest"]
 
 
 class APIError(Exception):

@@ -58,6 +58,7 @@ from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
+from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
 
@@ -111,7 +112,7 @@ class _Server:
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
         stop_token_ids: Sequence[int],
@@ -382,7 +383,7 @@ class _Reply:
 
 def create_app(
     engine: Engine,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     model_name: str,
     max_model_len: int,

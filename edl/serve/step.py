@@ -26,7 +26,7 @@ from jaxtyping import Array, Float, Int, UInt
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
 
-__all__ = ["SlotSampling", "filter_logits", "model_step", "sample_rows"]
+__all__ = ["SlotSampling", "model_step"]
 
 
 class SlotSampling(eqx.Module):

@@ -13,7 +13,7 @@ import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams", "is_int"]
+__all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
 
 
 def is_int(value: object) -> bool:

@@ -21,40 +21,20 @@ files and datasets. Pure Python and numpy: no jax; transformers only inside
   ``edl.train.TokenBatches`` batches.
 """
 
-from edl.text.dataset import (
-    TokenizedDataset,
-    default_cache_dir,
-    load_tokenized,
-    tokenizer_fingerprint,
-)
+from edl.text.dataset import TokenizedDataset, load_tokenized
 from edl.text.hf import HFTokenizer, load_tokenizer
-from edl.text.preference import Preference, encode_preference
-from edl.text.sft import IGNORE_INDEX, Example, encode_chat, encode_completion
-from edl.text.sources import (
-    FORMATS,
-    Source,
-    data_files,
-    detect_format,
-    hf_dataset,
-    read_records,
-    resolve_files,
-    validate_prompt,
-)
+from edl.text.preference import encode_preference
+from edl.text.sft import IGNORE_INDEX, encode_chat, encode_completion
+from edl.text.sources import data_files, hf_dataset, read_records
 from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = [
-    "FORMATS",
     "IGNORE_INDEX",
     "ByteTokenizer",
-    "Example",
     "HFTokenizer",
-    "Preference",
-    "Source",
     "TokenizedDataset",
     "Tokenizer",
     "data_files",
-    "default_cache_dir",
-    "detect_format",
     "encode_chat",
     "encode_completion",
     "encode_preference",
@@ -62,7 +42,4 @@ __all__ = [
     "load_tokenized",
     "load_tokenizer",
     "read_records",
-    "resolve_files",
-    "tokenizer_fingerprint",
-    "validate_prompt",
 ]

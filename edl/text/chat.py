@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["ROLES", "template_role"]
+__all__ = ["ROLES"]
 
 ROLES: Mapping[str, str] = MappingProxyType(
     {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}

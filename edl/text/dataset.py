@@ -55,7 +55,7 @@ from edl.text.sft import encode_chat, encode_completion
 from edl.text.sources import Format, PathLike, Source, data_files, validated_records
 from edl.text.tokenizer import ByteTokenizer, Tokenizer
 
-__all__ = ["TokenizedDataset", "default_cache_dir", "load_tokenized", "tokenizer_fingerprint"]
+__all__ = ["TokenizedDataset", "load_tokenized", "tokenizer_fingerprint"]
 
 # The entry's layout; 2 added `vocab_size` and `checksums` to the JSON. Entries of another
 # version are rebuilt in place: the key has its own version (bumped only when the same inputs

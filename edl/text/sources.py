@@ -58,8 +58,6 @@ __all__ = [
     "detect_format",
     "hf_dataset",
     "read_records",
-    "resolve_files",
-    "validate_prompt",
 ]
 
 Format = Literal["auto", "text", "completion", "chat", "preference"]

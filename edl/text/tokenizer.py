@@ -12,7 +12,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["ByteTokenizer", "Tokenizer"]
+__all__ = ["ByteTokenizer", "Detokenizer", "Tokenizer"]
 
 
 # A UTF-16 surrogate alone in a str: JSON's \ud800 escape decodes to one (a pair of escapes
@@ -46,6 +46,14 @@ class Tokenizer(Protocol):
     def pad_id(self) -> int: ...
 
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]: ...
+
+
+@runtime_checkable
+class Detokenizer(Protocol):
+    """What turning token ids back into text needs: ``decode(ids)`` (``ByteTokenizer`` and
+    ``HFTokenizer`` are two; ``HFTokenizer``'s also takes ``skip_special_tokens``)."""
+
+    def decode(self, ids: Sequence[int], /) -> str: ...
 
 
 def checked_ids(ids: Sequence[int] | np.ndarray, vocab_size: int, where: str = "") -> np.ndarray:

@@ -2,59 +2,23 @@
 (byte tokenizer, default corpus, collators, resumable batch iterators).
 
 Names load on first use (``edl._lazy``), so the ``edl`` command reads its option choices
-from here without importing jax.
+from here without importing jax. The names here are what a training script imports; the
+rest is in the defining module: the loop's events (``edl.train.core``), the data pipeline's
+pieces (``edl.train.data``), the preference losses and GRPO's objective
+(``edl.train.preference``, ``edl.train.grpo_objective``), the step program
+(``edl.train.jitted``), the option tables (``edl.train.options``).
 """
 
 from edl._lazy import lazy_attributes
 
 _MODULES = {
-    "edl.train.callbacks": ("NonFiniteLossError",),
-    "edl.train.core": (
-        "Callback",
-        "RunEnd",
-        "RunStart",
-        "StepInfo",
-        "StepStart",
-        "Stop",
-        "callback",
-        "run_loop",
-    ),
-    "edl.train.data": (
-        "IGNORE_INDEX",
-        "EpochCursor",
-        "Resumable",
-        "TokenBatches",
-        "batches_from_iterable",
-        "pack_sequences",
-        "pad_batch",
-    ),
-    "edl.train.grpo": (
-        "GRPOConfig",
-        "GRPOStep",
-        "PromptBatches",
-        "RewardFn",
-        "make_grpo_step",
-        "score_completions",
-    ),
-    "edl.train.grpo_objective": (
-        "completion_logprobs",
-        "completion_mask",
-        "group_advantages",
-        "grpo_loss",
-        "kl_k3",
-    ),
-    "edl.train.jitted": ("Step", "StepProgram"),
+    "edl.train.core": ("Callback", "StepInfo", "Stop", "callback", "run_loop"),
+    "edl.train.data": ("TokenBatches", "batches_from_iterable"),
+    "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
     "edl.train.loop": ("train",),
-    "edl.train.options": ("NAN_POLICIES", "OPTIMIZERS", "SCHEDULES"),
-    "edl.train.preference": ("dpo_loss", "orpo_loss", "sequence_logps", "simpo_loss"),
-    "edl.train.preference_data": ("PREFERENCE_KEYS", "PreferenceBatches", "preference_rows"),
-    "edl.train.preference_step": (
-        "make_dpo_step",
-        "make_reward_step",
-        "preference_logps",
-        "reference_logps",
-        "reward_loss",
-    ),
+    "edl.train.preference": ("dpo_loss",),
+    "edl.train.preference_data": ("PreferenceBatches",),
+    "edl.train.preference_step": ("make_dpo_step", "make_reward_step"),
     "edl.train.run_config": (
         "CheckpointConfig",
         "EvalConfig",
@@ -65,22 +29,8 @@ _MODULES = {
         "ThroughputConfig",
         "TimeLimitConfig",
     ),
-    "edl.train.step": (
-        "OptimizerConfig",
-        "all_finite",
-        "global_norm",
-        "make_eval_step",
-        "make_optimizer",
-        "make_schedule",
-        "make_train_step",
-    ),
-    "edl.train.text": (
-        "ByteTokenizer",
-        "Tokenizer",
-        "default_corpus_files",
-        "load_corpus",
-        "split_corpus",
-    ),
+    "edl.train.step": ("OptimizerConfig", "make_eval_step", "make_optimizer", "make_train_step"),
+    "edl.train.text": ("ByteTokenizer", "load_corpus", "split_corpus"),
 }
 _EXPORTS = {name: f"{module}:{name}" for module, names in _MODULES.items() for name in names}
 

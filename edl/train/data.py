@@ -26,7 +26,6 @@ from edl.text import IGNORE_INDEX, ByteTokenizer, Tokenizer
 from edl.train.packing import Cursor, Doc, Truncation, as_tokens, assemble, document, next_rows
 
 __all__ = [
-    "IGNORE_INDEX",
     "EpochCursor",
     "Resumable",
     "TokenBatches",
@@ -298,7 +297,7 @@ class TokenBatches(EpochCursor):
 
     ``documents`` are token-id sequences, strings (encoded with ``tokenizer``, default
     :class:`ByteTokenizer`, with ``add_bos`` / ``add_eos``), dicts with ``"text"``, or dicts
-    with ``"input_ids"`` and optionally ``"labels"`` (an SFT :class:`edl.text.Example`, or
+    with ``"input_ids"`` and optionally ``"labels"`` (an SFT :class:`edl.text.sft.Example`, or
     a record of :func:`edl.text.load_tokenized`); any ``Sequence`` works, e.g. a
     :class:`edl.text.TokenizedDataset` (read one document at a time). They are tokenized
     lazily. Token documents are used as given (no BOS/EOS). Documents with no tokens (after

@@ -48,8 +48,10 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from edl import lora as edl_lora
 from edl import state as edl_state
 from edl.generate import generate
+from edl.generate.steps import CausalLM
 from edl.state import TrainState
-from edl.text import validate_prompt
+from edl.text.sources import validate_prompt
+from edl.text.tokenizer import Tokenizer
 from edl.train.data import EpochCursor
 from edl.train.grpo_objective import (
     GRPO_LOSSES,
@@ -62,14 +64,7 @@ from edl.train.grpo_objective import (
 from edl.train.grpo_rewards import RewardFn, score_completions
 from edl.train.step import make_train_step
 
-__all__ = [
-    "GRPOConfig",
-    "GRPOStep",
-    "PromptBatches",
-    "RewardFn",
-    "make_grpo_step",
-    "score_completions",
-]
+__all__ = ["GRPOConfig", "GRPOStep", "PromptBatches", "make_grpo_step"]
 
 Prompt = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
 """One GRPO prompt: text, chat messages (through the tokenizer's chat template with the
@@ -157,7 +152,7 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarra
     return ids, mask
 
 
-def _reference_model(model: Any, reference: Any) -> Any:
+def _reference_model(model: CausalLM, reference: str | CausalLM) -> CausalLM:
     if isinstance(reference, str):
         return edl_lora.unwrap_lora(model)  # "lora_base": the adapters' frozen base
     return reference
@@ -165,7 +160,7 @@ def _reference_model(model: Any, reference: Any) -> Any:
 
 @eqx.filter_jit
 def _score(
-    model: Any,
+    model: CausalLM,
     reference: Any,
     input_ids: Int[Array, "rows total"],
     attention_mask: Bool[Array, "rows total"],
@@ -183,7 +178,7 @@ def _score(
 
 
 def _loss_fn(config: GRPOConfig) -> Callable[[Any, Mapping[str, Array]], Any]:
-    def loss_fn(model: Any, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(model: CausalLM, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
         num_new = batch["completion_mask"].shape[1]
         logps = completion_logprobs(
             model, batch["input_ids"], batch["attention_mask"], num_new, config.temperature
@@ -237,7 +232,7 @@ class GRPOStep:
         self.last_rollout: dict[str, Any] | None = None  # for inspection: texts, rewards
 
     def rollout(
-        self, model: Any, prompts: Sequence[Prompt], key: PRNGKeyArray
+        self, model: CausalLM, prompts: Sequence[Prompt], key: PRNGKeyArray
     ) -> tuple[dict[str, Array], dict[str, float]]:
         """Sample, decode and reward ``num_generations`` completions per prompt with
         ``model``; returns the update's batch and the rollout's metrics."""
@@ -337,7 +332,7 @@ class GRPOStep:
 
 def make_grpo_step(
     tx: optax.GradientTransformation,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     reward_fns: RewardFn | Sequence[RewardFn],
     config: GRPOConfig,
     *,

@@ -24,7 +24,6 @@ from edl._registry import Registry
 
 __all__ = [
     "GRPO_LOSSES",
-    "SCALE_REWARDS",
     "GRPOLoss",
     "completion_logprobs",
     "completion_mask",

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl._registry import Registry
+from edl.generate.steps import CausalLM
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_token_logps, mask_without_context
 
@@ -45,10 +45,8 @@ __all__ = [
     "PreferenceLoss",
     "dpo_loss",
     "orpo_loss",
-    "preference_loss",
     "sequence_logps",
     "simpo_loss",
-    "token_logps",
 ]
 
 Logps = Float[Array, " batch"]
@@ -56,7 +54,7 @@ Metrics = dict[str, Float[Array, ""]]
 
 
 def token_logps(
-    model: Any,
+    model: CausalLM,
     input_ids: Int[Array, "batch seq"],
     labels: Int[Array, "batch seq"],
     *,
@@ -83,7 +81,7 @@ def token_logps(
 
 
 def sequence_logps(
-    model: Any,
+    model: CausalLM,
     input_ids: Int[Array, "batch seq"],
     labels: Int[Array, "batch seq"],
     *,
@@ -100,7 +98,7 @@ def sequence_logps(
     padding). Not counted: -100 labels, padded positions, a token whose context is padding,
     and (with ``segment_ids``) the first token of each packed segment, exactly as
     ``compute_loss`` counts them. Computed as ``compute_loss`` is, from the final hidden states
-    by ``edl.ops.causal_lm_token_logps`` in chunks of ``chunk_size`` tokens (never the full
+    by ``edl.ops.losses.causal_lm_token_logps`` in chunks of ``chunk_size`` tokens (never the full
     ``(batch, seq, vocab)`` logits), log-softmax in float32, Gemma 2's final soft-cap applied.
     """
     logps, counted = token_logps(

@@ -26,7 +26,7 @@ from edl.text import IGNORE_INDEX
 from edl.train.data import Batch, EpochCursor, _check
 from edl.train.packing import as_tokens
 
-__all__ = ["PREFERENCE_KEYS", "PreferenceBatches", "preference_rows"]
+__all__ = ["PREFERENCE_KEYS", "PreferenceBatches"]
 
 PREFERENCE_KEYS = (
     "chosen_input_ids",
@@ -89,7 +89,7 @@ class PreferenceBatches(EpochCursor):
     first time. ``pad_id`` is the tokenizer's (``tokenizer.pad_id``).
 
     Order, process split, ``repeat`` and ``position`` / ``restore`` are
-    :class:`~edl.train.EpochCursor`'s, as for :class:`~edl.train.TokenBatches`: epoch ``e``
+    :class:`~edl.train.data.EpochCursor`'s, as for :class:`~edl.train.TokenBatches`: epoch ``e``
     visits the pairs in ``np.random.default_rng((seed, e)).permutation(n)`` order; every
     process reads the same global batch of ``batch_size`` pairs and yields its contiguous
     block of ``batch_size // process_count``; ``offset`` is always 0. ``repeat=False``

@@ -24,6 +24,7 @@ import optax
 from jaxtyping import Array, Float
 
 from edl import lora as edl_lora
+from edl.generate.steps import CausalLM
 from edl.nn.lora import LoraLinear
 from edl.train.jitted import StepProgram
 from edl.train.preference import (
@@ -96,7 +97,7 @@ def _concatenated(batch: Batch, names: tuple[str, ...], pads: tuple[int, ...]) -
 
 
 def preference_logps(
-    model: Any, batch: Batch, *, chunk_size: int = 2048, sft_nll: bool = False
+    model: CausalLM, batch: Batch, *, chunk_size: int = 2048, sft_nll: bool = False
 ) -> dict[str, Float[Array, " ..."]]:
     """Chosen and rejected in one forward pass of a causal LM: float32 ``(batch,)``
     ``chosen_logps`` / ``rejected_logps`` (summed over counted completion tokens, as
@@ -130,7 +131,7 @@ def preference_logps(
     return out
 
 
-def reference_logps(model: Any, batch: Batch, *, chunk_size: int = 2048) -> dict[str, Array]:
+def reference_logps(model: CausalLM, batch: Batch, *, chunk_size: int = 2048) -> dict[str, Array]:
     """``batch`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` ``(batch,)`` float32
     added: ``model``'s summed completion log-probs, for ``make_dpo_step(reference="batch")``
     (compute them once, e.g. ``jax.jit(reference_logps)`` over the data set)."""
@@ -150,7 +151,9 @@ def _dpo_loss_fn(
     who = f"make_dpo_step(loss_type={loss.name!r}, reference={reference!r})"
     keys = PAIR_KEYS + (REF_KEYS if loss.needs_reference and reference == "batch" else ())
 
-    def loss_fn(model: Any, batch: Batch, reference_model: Any) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(
+        model: CausalLM, batch: Batch, reference_model: CausalLM | None
+    ) -> tuple[Array, dict[str, Array]]:
         _check_batch(who, batch, keys)
         policy = preference_logps(model, batch, chunk_size=chunk_size, sft_nll=loss.sft_nll)
         n = jnp.asarray(batch["chosen_input_ids"].shape[0], jnp.int32)  # weights micro-batches
@@ -178,7 +181,12 @@ def _dpo_loss_fn(
 
 
 def _reference(
-    who: str, model: Any, batch: Batch, reference_model: Any, reference: str, chunk_size: int
+    who: str,
+    model: CausalLM,
+    batch: Batch,
+    reference_model: CausalLM | None,
+    reference: str,
+    chunk_size: int,
 ) -> dict[str, Array]:
     """The reference's summed completion log-probs ``chosen_logps`` / ``rejected_logps``,
     without gradient: from the batch, the LoRA-off ``model`` or ``reference_model``."""
@@ -205,7 +213,7 @@ def make_dpo_step(
     label_smoothing: float = 0.0,
     gamma: float = 0.5,
     reference: Literal["lora", "model", "batch"] = "lora",
-    reference_model: Any = None,
+    reference_model: CausalLM | None = None,
     chunk_size: int = 2048,
     **step_options: Any,
 ) -> Step:
@@ -232,7 +240,7 @@ def make_dpo_step(
             argument (never donated, never trained, not baked into the program);
             ``"batch"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps``
             (:func:`reference_logps`). Reference log-probs carry no gradient.
-        chunk_size: tokens per LM-head chunk (``edl.ops.causal_lm_token_logps``).
+        chunk_size: tokens per LM-head chunk (``edl.ops.losses.causal_lm_token_logps``).
 
     Metrics: the loss's (TRL's names: ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO's
@@ -270,7 +278,7 @@ def make_dpo_step(
 def _with_reference(
     loss_fn: Callable,
     optimizer: optax.GradientTransformation,
-    reference_model: Any,
+    reference_model: CausalLM | None,
     step_options: dict[str, Any],
 ) -> Step:
     """The train step with the reference model's arrays as a constant argument of the
@@ -345,7 +353,7 @@ def make_reward_step(
         "rejected_attention_mask",
     )
 
-    def loss_fn(model: Any, batch: Batch) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(model: eqx.Module, batch: Batch) -> tuple[Array, dict[str, Array]]:
         num_labels = getattr(model.config, "num_labels", None)
         if not hasattr(model, "score") or num_labels != 1:
             raise ValueError(

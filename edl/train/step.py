@@ -291,7 +291,7 @@ def make_train_step(
     they have in the state, and so do their gradients; ``compute_dtype`` is the dtype the
     model computes in. fp32 master weights with bf16 compute:
     ``make_train_step(loss_fn, tx, compute_dtype=jnp.bfloat16)`` on a float32 state; bf16
-    weights: ``edl.create_state(edl.to_bfloat16(model), tx)``. edl's attention softmax and
+    weights: ``edl.create_state(edl.module.to_bfloat16(model), tx)``. edl's attention softmax and
     losses compute in float32 whatever the model's dtype.
 
     Args:

@@ -1,7 +1,7 @@
 """Flash attention for TPU (Pallas/Mosaic): a forward kernel and dq, dk/dv backward kernels.
 
 Same contract as the GPU kernel :func:`edl.kernels.flash_attention` and
-:func:`edl.ops.reference_attention`: layout of ``jax.nn.dot_product_attention``, GQA/MQA
+:func:`edl.ops.attention.reference_attention`: layout of ``jax.nn.dot_product_attention``, GQA/MQA
 without materialising repeated K/V (query head ``h`` reads kv head ``h // group`` through the
 BlockSpec index maps; the dk/dv kernel accumulates a kv head's gradient over its query heads),
 queries as the last ``q_len`` of ``kv_len`` positions (the causal diagonal aligned to the end),
