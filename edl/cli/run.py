@@ -6,19 +6,25 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+from jaxtyping import Array, Float
 
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import GlobalBatches, mesh_of
 from edl.models import flops_per_token
+from edl.module import Trainable
 from edl.sharding import shard_batch
 from edl.state import TrainState
+from edl.text.tokenizer import Tokenizer
 from edl.train import (
     Callback,
     OptimizerConfig,
@@ -28,13 +34,17 @@ from edl.train import (
     run_dir,
     train,
 )
+from edl.train.core import StepFn
 from edl.train.jitted import StepProgram
+from edl.train.loop import Batch
 from edl.train.run_config import RunConfig, TimeLimitConfig
 
 __all__ = ["check_output_dir", "loss_fn", "optimizer", "step_options", "train_model"]
 
 
-def loss_fn(model: Any, batch: dict[str, Any]) -> Any:
+def loss_fn(
+    model: eqx.Module, batch: Mapping[str, np.ndarray | jax.Array]
+) -> tuple[Float[Array, ""], dict[str, Array]]:
     """The model's causal-LM loss on a ``TokenBatches`` batch (labels, packed segments and
     their positions)."""
     return model.compute_loss(
@@ -55,7 +65,9 @@ def check_output_dir(config: TrainConfig) -> None:
         raise CommandError(str(e)) from None
 
 
-def optimizer(config: TrainConfig, *, updates: int | None = None) -> tuple[Any, Any]:
+def optimizer(
+    config: TrainConfig, *, updates: int | None = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """``(tx, schedule)`` of ``config`` over ``updates`` optimizer updates (default
     ``config.run.steps``)."""
     updates = config.run.steps if updates is None else updates
@@ -82,7 +94,7 @@ def step_options(config: TrainConfig) -> dict[str, Any]:
     }
 
 
-def _run_as_asked(config: TrainConfig, model: Any, *, evaluates: bool) -> RunConfig:
+def _run_as_asked(config: TrainConfig, model: eqx.Module, *, evaluates: bool) -> RunConfig:
     """``config.run`` as this run can carry it out: no time limit with several processes
     (said on stderr), no evaluation without held-out batches, and the model's FLOPs per
     token (for MFU) unless given."""
@@ -106,15 +118,15 @@ def _run_as_asked(config: TrainConfig, model: Any, *, evaluates: bool) -> RunCon
 
 def train_model(
     config: TrainConfig,
-    model: Any,
-    data: Any,
-    eval_batches: Sequence[Any] | None,
+    model: eqx.Module,
+    data: Iterator[Batch],
+    eval_batches: Sequence[Batch] | None,
     *,
-    trainable: Any = None,
-    tokenizer: Any = None,
+    trainable: Trainable = None,
+    tokenizer: Tokenizer | None = None,
     callbacks: Sequence[Callback] = (),
-    step: Any = None,
-    tx: Any = None,
+    step: StepFn | None = None,
+    tx: optax.GradientTransformation | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);

@@ -5,16 +5,19 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jaxtyping import PyTree
 
 from edl.io.checkpoint import latest_checkpoint, save_state
 from edl.io.files import write_share
+from edl.state import TrainState
+from edl.text.tokenizer import Tokenizer
 from edl.train.core import Callback, RunEnd, StepInfo
 from edl.train.data import Resumable
 
@@ -57,8 +60,8 @@ class Checkpoint(Callback):
         *,
         every: int = 0,
         keep: int | None = 3,
-        data: Any = None,
-        tokenizer: Any = None,
+        data: Iterator[PyTree] | None = None,
+        tokenizer: Tokenizer | None = None,
         echo: Callable[[str], None] = print,
         asynchronous: bool = False,
         write_share: float = 0.25,
@@ -77,7 +80,7 @@ class Checkpoint(Callback):
         path = latest_checkpoint(self.directory)
         return None if path is None else path.name
 
-    def _save(self, state: Any, step: int, elapsed: float) -> None:
+    def _save(self, state: TrainState, step: int, elapsed: float) -> None:
         metadata: dict[str, Any] = {"elapsed": elapsed}
         if isinstance(self.data, Resumable):
             metadata["data"] = self.data.position
@@ -95,13 +98,13 @@ class Checkpoint(Callback):
         )
         self._writer.start()
 
-    def _write(self, state: Any, step: int, metadata: dict[str, Any]) -> None:
+    def _write(self, state: TrainState, step: int, metadata: dict[str, Any]) -> None:
         path = save_state(
             state, self.directory, metadata=metadata, keep=self.keep, tokenizer=self.tokenizer
         )
         self.echo(f"saved {path.name} (step {step})")
 
-    def _write_in_background(self, state: Any, step: int, metadata: dict[str, Any]) -> None:
+    def _write_in_background(self, state: TrainState, step: int, metadata: dict[str, Any]) -> None:
         _lower_priority()
         try:
             with write_share(self.write_share):
