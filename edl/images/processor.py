@@ -413,9 +413,9 @@ class ImageProcessor:
 
 
 def _files() -> Any:
-    """``edl.io.files`` (JSON read with errors naming the file, atomic writes), imported when a
-    file is read or written: importing the ``edl.io`` package imports jax, which
-    preprocessing never needs."""
+    """``edl.io.formats.files`` (JSON read with errors naming the file, atomic writes),
+    imported when a file is read or written: importing the ``edl.io`` package imports jax,
+    which preprocessing never needs."""
     from edl.io import files
 
     return files

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from edl.io.files import atomic_file, write_chunked
-from edl.io.safetensors.format import (
+from edl.io.formats.files import atomic_file, write_chunked
+from edl.io.formats.safetensors.format import (
     _CODES,
     CheckpointError,
     LazyTensor,
@@ -23,7 +23,7 @@ from edl.io.safetensors.format import (
     TensorLike,
     parse_size,
 )
-from edl.io.safetensors.reader import _byte_view
+from edl.io.formats.safetensors.reader import _byte_view
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edl.io.files import UnsafePathError, inside
-from edl.io.safetensors.format import (
+from edl.io.formats.files import UnsafePathError, inside
+from edl.io.formats.safetensors.format import (
     CheckpointError,
     MissingTensorError,
     StrPath,
@@ -40,7 +40,7 @@ def _byte_view(arr: np.ndarray) -> np.ndarray:
 
 def _shard(index: Path, name: str, key: str) -> Path:
     """The shard ``name`` that ``index``'s ``weight_map[key]`` names, checked to stay inside
-    the index's directory after resolving symlinks (``edl.io.files.inside``): a checkpoint
+    the index's directory after resolving symlinks (``edl.io.formats.files.inside``): a checkpoint
     whose shard links to ``~/.cache/huggingface/token`` must not be read as its weights. An
     index that is a link (the Hugging Face cache's snapshots) may name shards that resolve
     beside the file it links to."""
