@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from edl.io.formats.files import read_json
-from edl.io.formats.safetensors import DTYPES, CheckpointError
+from edl.io.formats.safetensors.format import DTYPES, CheckpointError
 
 __all__ = [
     "INDEX_NAME",

@@ -21,9 +21,9 @@ from edl.io.formats.safetensors.format import (
     LazyTensor,
     StrPath,
     TensorLike,
+    byte_view,
     parse_size,
 )
-from edl.io.formats.safetensors.reader import _byte_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _write_safetensors(path: Path, planned: Sequence[_Planned], metadata: dict[s
         for p in planned:
             arr = _materialise(p, path)
             if arr.size:
-                write_chunked(f, memoryview(_byte_view(arr)))
+                write_chunked(f, memoryview(byte_view(arr)))
             del arr
 
 
