@@ -262,7 +262,7 @@ def export_model(
     out_dir: str | os.PathLike[str],
     *,
     merge_lora: bool = False,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
 ) -> Path:
     """Write the model of ``source`` (a checkpoint or model directory, see
     :func:`load_model`) to ``out_dir`` as a plain Hugging Face model directory (weights,

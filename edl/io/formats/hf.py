@@ -197,9 +197,9 @@ def _load(
     source: TensorSource,
     table: KeyTable,
     *,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     sharding: Any = None,
-) -> Any:
+) -> eqx.Module:
     abstract = eqx.filter_eval_shape(model_cls.init, config, key=jax.random.key(0))
     targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
     tied = getattr(config, "tie_word_embeddings", False)
@@ -223,7 +223,7 @@ def _load(
 def from_pretrained(
     path_or_repo_id: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     revision: str | None = None,
     task: str | None = None,
     sharding: Any = None,
@@ -231,7 +231,7 @@ def from_pretrained(
     local_files_only: bool = False,
     token: str | None = None,
     **config_overrides: Any,
-) -> Any:
+) -> eqx.Module:
     """Load a HF checkpoint (local directory, HF cache or hub repo id) as an edl model.
 
     Args:
@@ -298,9 +298,9 @@ def from_state_dict(
     mapping: Mapping[str, Any],
     *,
     task: str = "causal_lm",
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     sharding: Any = None,
-) -> Any:
+) -> eqx.Module:
     """Build a model from HF-named arrays (numpy, jax, or a torch ``state_dict``).
 
     ``config`` is an edl config or a HF ``config.json`` dict (EasyDeL's ``transform_fn``).
@@ -446,7 +446,7 @@ def save_tokenizer(tokenizer: Tokenizer | None, directory: str | os.PathLike[str
 
 
 def push_to_hub(
-    model: Any,
+    model: eqx.Module,
     repo_id: str,
     *,
     private: bool | None = None,
@@ -454,7 +454,7 @@ def push_to_hub(
     revision: str | None = None,
     commit_message: str = "Upload model with edl",
     max_shard_size: int | str = "2GB",
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
 ) -> Any:
     """``save_pretrained`` into a temporary directory, then upload it as one commit through
     ``huggingface_hub`` (creating the repo if needed). Returns the commit info."""
@@ -471,7 +471,7 @@ def push_to_hub(
         )
 
 
-def to_torch(model: Any) -> Any:
+def to_torch(model: eqx.Module) -> Any:  # a torch.nn.Module (torch not imported)
     """The equivalent ``transformers`` model (torch, eval mode) with ``model``'s weights.
 
     Goes through HF files in a temporary directory, so transformers applies its own weight

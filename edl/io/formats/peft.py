@@ -82,7 +82,7 @@ def _settings(layers: dict[str, LoraLinear]) -> dict[str, tuple[int, float, floa
 
 
 def _targeting(
-    model: PyTree, layers: dict[str, LoraLinear], table: Any
+    model: PyTree, layers: dict[str, LoraLinear], table: KeyTable
 ) -> dict[str, tuple[int, float, float]]:
     """PEFT's ``target_modules`` names with each one's (rank, scaling, dropout).
 
@@ -107,7 +107,7 @@ def _targeting(
 def _peft_config(
     model: PyTree,
     layers: dict[str, LoraLinear],
-    table: Any,
+    table: KeyTable,
     task: str,
     base_model_name_or_path: str | None,
 ) -> dict[str, Any]:
@@ -269,7 +269,7 @@ class _Modules:
     and stack index). MoE routers are linear layers in edl but not ``nn.Linear`` in
     transformers (5), so PEFT neither adapts them nor counts them as "all-linear"."""
 
-    def __init__(self, model: PyTree, table: Any) -> None:
+    def __init__(self, model: PyTree, table: KeyTable) -> None:
         moe = find(model, lambda x: isinstance(x, SparseMoE))
         routers = {f"{m}.gate" for m in moe}
         self.linear: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -289,7 +289,7 @@ class _Modules:
                 self.names.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
 
     @staticmethod
-    def name(table: Any, path: str, index: tuple[int, ...]) -> str:
+    def name(table: KeyTable, path: str, index: tuple[int, ...]) -> str:
         """The HF module name of edl's ``path`` (a module) at stack ``index``: through the
         key table, as its adapter keys are named."""
         return table.to_hf(f"{path}{_SUFFIXES[0]}", index or None).removesuffix(_SUFFIXES[0])
