@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jaxtyping import install_import_hook
 
 with install_import_hook("edl", "beartype.beartype"):
-    from edl.io import safetensors as sf
+    from edl.io.formats import safetensors as sf
     from edl.io.formats.safetensors import (
         CheckpointError,
         CheckpointReader,

@@ -416,7 +416,7 @@ def _files() -> Any:
     """``edl.io.formats.files`` (JSON read with errors naming the file, atomic writes),
     imported when a file is read or written: importing the ``edl.io`` package imports jax,
     which preprocessing never needs."""
-    from edl.io import files
+    from edl.io.formats import files
 
     return files
 
