@@ -13,7 +13,7 @@ from edl._lazy import lazy_attributes
 __version__ = "0.1.0"
 
 _MODULES = {
-    "edl.io.hf": (
+    "edl.io.formats.hf": (
         "from_pretrained",
         "from_state_dict",
         "push_to_hub",

@@ -11,7 +11,7 @@
 ``<layer>.lora_A.weight (r, in)`` and ``<layer>.lora_B.weight (out, r)``, with the layer
 axis in front in a layer stack. On a quantized model (``edl.quantize``) this is QLoRA.
 
-Adapters in PEFT's file format (``save_adapter`` / ``load_adapter``) are ``edl.io.peft``:
+Adapters in PEFT's file format (``save_adapter`` / ``load_adapter``) are ``edl.io.formats.peft``:
 files sit a layer above model surgery, and this module reaches nothing above it.
 """
 

@@ -97,19 +97,19 @@ def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int):
 def _die_in_save(state, args) -> None:
     """Save ``state`` as the next step; process 1 dies right after writing its pieces (before
     the barrier that lets process 0 complete the checkpoint)."""
-    import edl.io.sharded
+    import edl.io.checkpoint.sharded
     from edl import state as edl_state
     from edl.io.checkpoint import save_state
 
     if args.process_id == 1:
-        real = edl.io.sharded.save_tensors
+        real = edl.io.checkpoint.sharded.save_tensors
 
         def write_then_die(*a, **kw):
             real(*a, **kw)
             print("process 1: pieces written, dying", flush=True)
             os._exit(9)
 
-        edl.io.sharded.save_tensors = write_then_die
+        edl.io.checkpoint.sharded.save_tensors = write_then_die
     save_state(edl_state.replace(state, step=state.step + 1), args.checkpoint)
     raise AssertionError("the save completed although process 1 died in it")
 
@@ -162,7 +162,7 @@ def main() -> None:
     if args.checkpoint:
         from edl import tree
         from edl.io.checkpoint import save_state
-        from edl.io.safetensors import save_file
+        from edl.io.formats.safetensors import save_file
         from edl.sharding import gather_state
 
         save_state(state, args.checkpoint, metadata={"steps": args.steps})
@@ -173,7 +173,7 @@ def main() -> None:
                 os.path.join(args.checkpoint, "gathered.safetensors"),
             )
         from edl import state as edl_state
-        from edl.io.hf import save_pretrained
+        from edl.io.formats.hf import save_pretrained
 
         # Every process streams the sharded model out with process 0, tensor by tensor.
         save_pretrained(edl_state.model(state), os.path.join(args.checkpoint, "hf"))

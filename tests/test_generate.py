@@ -22,7 +22,7 @@ from edl.generate import (
     paged_cache_config,
 )
 from edl.generate import decode as decode_module
-from edl.io.hf import from_state_dict
+from edl.io.formats.hf import from_state_dict
 from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.ops.cached_attention import cached_attention
 

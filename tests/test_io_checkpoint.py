@@ -24,7 +24,7 @@ from edl.io.checkpoint import (
     save_state,
     verify_checkpoint,
 )
-from edl.io.safetensors import CheckpointError, load_file
+from edl.io.formats.safetensors import CheckpointError, load_file
 from edl.models import LlamaConfig, LlamaForCausalLM
 
 LLAMA = LlamaConfig(
@@ -252,7 +252,7 @@ _KILLED_WRITER = """
 import os, signal, sys
 import equinox as eqx, jax, optax
 import edl
-from edl.io import checkpoint
+from edl.io.checkpoint import train_state as checkpoint
 
 state = edl.create_state(eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0)), optax.adam(1e-2))
 checkpoint.save_state(state, sys.argv[1])

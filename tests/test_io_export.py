@@ -16,7 +16,7 @@ import edl
 from edl.io import export
 from edl.io.checkpoint import save_state
 from edl.io.export import EXPORT_MARKER, export_model
-from edl.io.files import UnsafePathError
+from edl.io.formats.files import UnsafePathError
 from edl.models import LlamaConfig, LlamaForCausalLM
 
 LLAMA = LlamaConfig(

@@ -1,4 +1,5 @@
-"""edl.io.hf: clear errors on bad checkpoints, HF cache / hub plumbing, config round trips."""
+"""edl.io.formats.hf: clear errors on bad checkpoints, HF cache / hub plumbing, config round
+trips."""
 
 import dataclasses
 import json
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 
 import edl
-from edl.io import hf
-from edl.io.safetensors import CheckpointError, load_file, save_file
+from edl.io.formats import hf
+from edl.io.formats.safetensors import CheckpointError, load_file, save_file
 from edl.models import LlamaConfig, LlamaForCausalLM, gemma, llama, mixtral, qwen3_moe
 from edl.models.config import RunOptions
 from edl.models.gemma import GemmaConfig

@@ -1,4 +1,4 @@
-"""edl.io.safetensors: the format, interop with the official library and transformers,
+"""edl.io.formats.safetensors: the format, interop with the official library and transformers,
 sharding, streaming reads/writes and corruption reporting."""
 
 import json
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from jaxtyping import install_import_hook
 
 with install_import_hook("edl", "beartype.beartype"):
-    from edl.io import safetensors as sf
-    from edl.io.safetensors import (
+    from edl.io.formats import safetensors as sf
+    from edl.io.formats.safetensors import (
         CheckpointError,
         CheckpointReader,
         LazyTensor,
@@ -651,7 +651,7 @@ def test_truncated_after_open(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# What the official library does not give (why edl keeps its own; see edl.io.safetensors).
+# What the official library does not give (why edl keeps its own; see edl.io.formats.safetensors).
 # Each test shows the library's behaviour next to ours, so it fails if either changes.
 # --------------------------------------------------------------------------------------------
 

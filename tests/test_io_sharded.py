@@ -1,5 +1,5 @@
-"""Sharded checkpoints (``edl.io.sharded`` through ``save_state(sharded=True)``): the pieces
-each device holds are written once, and read back onto other meshes, or onto one device,
+"""Sharded checkpoints (``edl.io.checkpoint.sharded`` through ``save_state(sharded=True)``):
+the pieces each device holds are written once, and read back onto other meshes, or onto one device,
 exactly; a damaged or hostile ``shards.json`` or a missing piece file is refused naming the
 file and the entry. (Two processes writing one checkpoint:
 tests/test_sharding_multiprocess.py.)"""
@@ -24,8 +24,8 @@ from edl.io.checkpoint import (
     verify_checkpoint,
 )
 from edl.io.export import export_model
-from edl.io.hf import save_pretrained
-from edl.io.safetensors import CheckpointError, load_file, save_file
+from edl.io.formats.hf import save_pretrained
+from edl.io.formats.safetensors import CheckpointError, load_file, save_file
 from edl.models import LlamaForCausalLM
 from edl.sharding import make_mesh, shard_state
 

@@ -11,11 +11,19 @@ The check reads source only (``ast``, nothing is imported): every ``import edl.x
 edge; a module may import its own layer and those below. docs/ARCHITECTURE.md says what
 each layer owns. Lazy forwards (``edl._lazy.lazy_attributes``, e.g. ``edl.lora``'s PEFT
 names) load on first use and are not imports.
+
+Inside ``edl.io`` the same holds for its own layers (``IO_LAYERS``)::
+
+    formats (edl.io.formats) <- model files (edl.io.model_files)
+        <- checkpoints (edl.io.checkpoint) <- export (edl.io.export)
+
+and the longest chain of imports between its modules stays short (``IO_CHAIN_LIMIT``).
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import textwrap
 from pathlib import Path
 
@@ -204,3 +212,117 @@ def test_no_import_cycle():
     cyclic = {"edl.a": {"edl.b"}, "edl.b": {"edl.a"}}
     with pytest.raises(graphlib.CycleError):  # the check finds what it looks for
         tuple(graphlib.TopologicalSorter(cyclic).static_order())
+
+
+# -- inside edl.io -------------------------------------------------------------------------
+
+IO_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("formats", ("edl.io.formats",)),
+    ("model files", ("edl.io.model_files",)),
+    ("checkpoints", ("edl.io.checkpoint",)),
+    ("export", ("edl.io.export",)),
+)
+IO_FACADE = "edl.io"  # the package's __init__: what users import, above every io layer
+IO_CHAIN_LIMIT = 7
+"""Modules on the longest import chain inside ``edl.io`` (10 before its split into layers:
+export -> checkpoint -> model_files -> peft -> hf -> plan -> safetensors -> writer ->
+reader -> files)."""
+
+
+def _io_layer_of(module: str) -> int | None:
+    for index, (_, packages) in enumerate(IO_LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in packages):
+            return index
+    return None
+
+
+def _io_graph(root: Path) -> dict[str, set[str]]:
+    """Each module under ``root/edl/io`` (a package's ``__init__`` as the package) and the
+    ``edl.io`` modules it imports, top level or inside functions."""
+
+    def is_module(name: str) -> bool:
+        path = root.joinpath(*name.split("."))
+        return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+    graph = {}
+    for file in sorted((root / "edl" / "io").rglob("*.py")):
+        module = _module_name(root, file)
+        package = file.name == "__init__.py"
+        found = imports_of(module, file.read_text(encoding="utf-8"), is_module, is_package=package)
+        inside = {t for _, t in found if t == IO_FACADE or t.startswith(IO_FACADE + ".")}
+        graph[module] = inside - {module}
+    return graph
+
+
+def upward_io_imports(root: Path) -> list[str]:
+    """One line per import, inside ``edl.io``, of a module of a higher io layer, of the
+    ``edl.io`` facade, or by a module in no io layer."""
+    problems = []
+    for module, targets in sorted(_io_graph(root).items()):
+        if module == IO_FACADE:
+            continue
+        rank = _io_layer_of(module)
+        if rank is None:
+            problems.append(f"{module} is in no io layer; add it to IO_LAYERS")
+            continue
+        for target in sorted(targets):
+            target_rank = _io_layer_of(target)
+            if target_rank is None or target_rank > rank:
+                where = "no io layer" if target_rank is None else IO_LAYERS[target_rank][0]
+                problems.append(f"{module} ({IO_LAYERS[rank][0]}) imports {target} ({where})")
+    return problems
+
+
+def longest_io_chain(root: Path) -> tuple[str, ...]:
+    """The longest chain of imports between ``edl.io`` modules, starting at a module (a
+    package's ``__init__`` is a facade, but importing a package imports what it does)."""
+    graph = _io_graph(root)
+
+    @functools.cache
+    def longest(module: str) -> tuple[str, ...]:
+        chains = [(module, *longest(t)) for t in graph.get(module, ())]
+        return max(chains, key=len, default=(module,))
+
+    starts = [m for m in graph if not (root.joinpath(*m.split(".")) / "__init__.py").is_file()]
+    return max((longest(m) for m in starts), key=len)
+
+
+def test_io_layers_import_only_downward():
+    problems = upward_io_imports(ROOT)
+    assert not problems, "upward imports inside edl.io:\n" + "\n".join(problems)
+
+
+def test_io_import_chain_stays_flat():
+    chain = longest_io_chain(ROOT)
+    assert len(chain) <= IO_CHAIN_LIMIT, " -> ".join(chain)
+
+
+def test_io_layer_check_reports_upward_imports(tmp_path):
+    _write(
+        tmp_path,
+        {
+            "edl/io/__init__.py": "",  # the facade (it may import anything)
+            "edl/io/formats/__init__.py": "",
+            "edl/io/formats/hf.py": "from edl.io.formats import files\n",  # same layer
+            "edl/io/formats/files.py": "def f():\n    from edl.io import export\n",
+            "edl/io/model_files.py": "import edl.io.checkpoint.state\n",
+            "edl/io/checkpoint/__init__.py": "",
+            "edl/io/checkpoint/state.py": "from edl.io.formats import hf\n",  # downward
+            "edl/io/export.py": "from edl.io import hf\n",  # the facade's name
+            "edl/io/stray.py": "",
+        },
+    )
+    assert upward_io_imports(tmp_path) == [
+        "edl.io.export (export) imports edl.io (no io layer)",
+        "edl.io.formats.files (formats) imports edl.io.export (export)",
+        "edl.io.model_files (model files) imports edl.io.checkpoint.state (checkpoints)",
+        "edl.io.stray is in no io layer; add it to IO_LAYERS",
+    ]
+    assert longest_io_chain(tmp_path) == (
+        "edl.io.model_files",
+        "edl.io.checkpoint.state",
+        "edl.io.formats.hf",
+        "edl.io.formats.files",
+        "edl.io.export",
+        "edl.io",
+    )

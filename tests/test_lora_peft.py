@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import edl
-from edl.io.peft import load_adapter, save_adapter
-from edl.io.safetensors import load_file, save_file
+from edl.io.formats.peft import load_adapter, save_adapter
+from edl.io.formats.safetensors import load_file, save_file
 from edl.lora import apply_lora, lora_params, wrap_lora
 
 torch = pytest.importorskip("torch")
@@ -200,7 +200,7 @@ def _peft_load(tiny_llama, directory):
 
 def _adapted(lora):
     """HF module name -> whether its lora_B is nonzero, for every adapter of an edl model."""
-    tensors = edl.io.hf.export_state_dict(lora_params(lora))
+    tensors = edl.io.formats.hf.export_state_dict(lora_params(lora))
     suffix = ".lora_B.weight"
     return {
         k.removesuffix(suffix): bool(np.any(t.load()))

@@ -22,8 +22,8 @@ from hf_parity import TOL, VOCAB, assert_close_on_real_tokens, padded_batch, ran
 
 import edl
 from edl.generate import generate
-from edl.io import hf
-from edl.io.safetensors import load_file
+from edl.io.formats import hf
+from edl.io.formats.safetensors import load_file
 from edl.models import configure, flops_per_token, registry
 
 torch = pytest.importorskip("torch")

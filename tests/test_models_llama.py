@@ -15,8 +15,8 @@ import pytest
 from hf_parity import TOL, VOCAB, assert_close_on_real_tokens, padded_batch, random_hf_model
 
 import edl
-from edl.io import hf
-from edl.io.safetensors import load_file
+from edl.io.formats import hf
+from edl.io.formats.safetensors import load_file
 from edl.kernels import native
 from edl.models import LlamaConfig, LlamaForCausalLM, configure, flops_per_token
 

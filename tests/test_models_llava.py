@@ -215,7 +215,7 @@ def test_lora_on_the_language_model_with_the_vision_tower_frozen(llava, tmp_path
     # The trained adapter as PEFT writes it (module names of transformers 5's LLaVA):
     # peft applies it to the transformers model with the same result.
     peft = pytest.importorskip("peft")
-    from edl.io.peft import load_adapter, save_adapter
+    from edl.io.formats.peft import load_adapter, save_adapter
 
     save_adapter(trained, tmp_path / "adapter")
     base = transformers.LlavaForConditionalGeneration.from_pretrained(directory)

@@ -20,7 +20,7 @@ from edl.cli import main
 from edl.cli.config import ConfigError, TrainConfig
 from edl.io.checkpoint import save_state
 from edl.io.export import load_model
-from edl.io.structure import layer_structure, rebuild
+from edl.io.formats.structure import layer_structure, rebuild
 from edl.nn import QuantizedLinear
 from edl.ops.quant import QUANT_FORMATS, QuantFormat, dequantize_weight, quantize_weight
 from edl.quantize import QuantConfig

@@ -623,7 +623,7 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch):
 
     import edl.serve.server
     from edl.cli import main
-    from edl.io.hf import save_pretrained
+    from edl.io.formats.hf import save_pretrained
     from edl.models import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

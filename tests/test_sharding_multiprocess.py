@@ -136,7 +136,7 @@ def test_two_processes_match_single_device(tmp_path):
     # The two processes' checkpoint, onto one device and onto this process's 8 devices.
     import edl
     from edl.io.checkpoint import load_state, verify_checkpoint
-    from edl.io.safetensors import load_file
+    from edl.io.formats.safetensors import load_file
     from edl.sharding import make_mesh, shard_state
 
     checkpoint = tmp_path / "checkpoints" / f"checkpoint-{STEPS:08d}"

@@ -31,8 +31,8 @@ from edl.io.checkpoint import (  # noqa: E402
     verify_checkpoint,
 )
 from edl.io.export import export_model, load_model  # noqa: E402
-from edl.io.hf import save_pretrained  # noqa: E402
-from edl.io.safetensors import CheckpointError  # noqa: E402
+from edl.io.formats.hf import save_pretrained  # noqa: E402
+from edl.io.formats.safetensors import CheckpointError  # noqa: E402
 from edl.lora import apply_lora, lora_trainable, unwrap_lora  # noqa: E402
 from edl.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from edl.quantize import QuantConfig, dequantize, quantize  # noqa: E402

@@ -14,7 +14,7 @@ from test_train_loop import _batches, _regression
 
 import edl
 from edl.io.checkpoint import latest_checkpoint, list_checkpoints
-from edl.io.safetensors import CheckpointError
+from edl.io.formats.safetensors import CheckpointError
 from edl.train import RunConfig, make_train_step, train
 
 

@@ -346,7 +346,7 @@ def write_toml(config: TrainConfig, path: Path) -> None:
         lines.append(
             f"{name} = " + json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
         )
-    from edl.io.files import write_text_atomic  # imports jax: only when writing
+    from edl.io.formats.files import write_text_atomic  # imports jax: only when writing
 
     write_text_atomic(path, "\n".join(lines) + "\n")
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
 from edl.io.export import export_model
-from edl.io.hf import ADAPTER_CONFIG
+from edl.io.formats.hf import ADAPTER_CONFIG
 
 __all__ = ["run_export"]
 

@@ -14,13 +14,13 @@ from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
 from edl.generate import generate, generate_text, stream_text
 from edl.io.export import TOKENIZER_FILES, load_model
-from edl.io.hf import from_pretrained
+from edl.io.formats.hf import from_pretrained
 from edl.text import ByteTokenizer
 from edl.text.hf import HFTokenizer
 
 __all__ = ["run_generate"]
 
-# A hub repo id ("name" or "namespace/name"), as edl.io.hf.resolve_directory reads one.
+# A hub repo id ("name" or "namespace/name"), as edl.io.formats.hf.resolve_directory reads one.
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 
 

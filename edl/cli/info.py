@@ -9,11 +9,11 @@ from pathlib import Path
 
 from edl.cli.config import CommandError
 from edl.io.checkpoint import STATE_NAME, list_checkpoints, verify_checkpoint
-from edl.io.files import read_json
-from edl.io.hf import CONFIG_NAME
-from edl.io.safetensors import CheckpointError
-from edl.io.sharded import INDEX_NAME as SHARDS_INDEX
-from edl.io.sharded import read_index
+from edl.io.checkpoint.sharded import INDEX_NAME as SHARDS_INDEX
+from edl.io.checkpoint.sharded import read_index
+from edl.io.formats.files import read_json
+from edl.io.formats.hf import CONFIG_NAME
+from edl.io.formats.safetensors import CheckpointError
 
 __all__ = ["run_info"]
 

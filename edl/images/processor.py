@@ -413,10 +413,10 @@ class ImageProcessor:
 
 
 def _files() -> Any:
-    """``edl.io.files`` (JSON read with errors naming the file, atomic writes), imported when a
-    file is read or written: importing the ``edl.io`` package imports jax, which
-    preprocessing never needs."""
-    from edl.io import files
+    """``edl.io.formats.files`` (JSON read with errors naming the file, atomic writes),
+    imported when a file is read or written: importing the ``edl.io`` package imports jax,
+    which preprocessing never needs."""
+    from edl.io.formats import files
 
     return files
 

@@ -1,8 +1,18 @@
-"""Files on disk: Hugging Face safetensors checkpoints, configs and the hub, training
-checkpoints, PEFT adapters, and exports of checkpoints as plain Hugging Face directories."""
+"""Files on disk, in layers (each imports only those before it, ``tests/test_layers.py``):
 
-from edl.io import checkpoint, export, hf, model_files, peft, safetensors, structure
-from edl.io.hf import (
+- ``edl.io.formats``: safetensors, Hugging Face model directories (``hf``), PEFT adapters
+  (``peft``), the load plan, and the model ``manifest`` the writers take;
+- ``edl.io.model_files``: a model's files as checkpoints and exports hold them (LoRA
+  adapters as PEFT's embedded adapter, quantized codes aside);
+- ``edl.io.checkpoint``: training checkpoints (``save_state`` / ``load_state``), sharded
+  across processes or not;
+- ``edl.io.export``: ``load_model`` of any edl model directory, ``export_model`` to a plain
+  Hugging Face directory.
+"""
+
+from edl.io import checkpoint, export, model_files
+from edl.io.formats import hf, manifest, peft, safetensors
+from edl.io.formats.hf import (
     export_state_dict,
     from_pretrained,
     from_state_dict,
@@ -10,19 +20,22 @@ from edl.io.hf import (
     save_pretrained,
     to_torch,
 )
+from edl.io.formats.manifest import Manifest, describe
 
 __all__ = [
+    "Manifest",
     "checkpoint",
+    "describe",
     "export",
     "export_state_dict",
     "from_pretrained",
     "from_state_dict",
     "hf",
+    "manifest",
     "model_files",
     "peft",
     "push_to_hub",
     "safetensors",
     "save_pretrained",
-    "structure",
     "to_torch",
 ]

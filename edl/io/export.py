@@ -38,22 +38,21 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from edl import lora as edl_lora
 from edl import quantize as edl_quantize
-from edl.io import checkpoint as ckpt
-from edl.io import hf
-from edl.io.checkpoint_dir import check_named_files
-from edl.io.files import UnsafePathError, fsync, inside, read_json, write_json_atomic
-from edl.io.hf import ADAPTER_CONFIG
+from edl.io.checkpoint.directory import STATE_NAME, check_named_files, read_manifest
+from edl.io.checkpoint.sharded import StoredArrays
+from edl.io.formats import hf
+from edl.io.formats.files import UnsafePathError, fsync, inside, read_json, write_json_atomic
+from edl.io.formats.hf import ADAPTER_CONFIG
+from edl.io.formats.manifest import Manifest, describe, rebuild
+from edl.io.formats.peft import ADAPTER_WEIGHTS, load_adapter
+from edl.io.formats.safetensors import LazyTensor, save_tensors
 from edl.io.model_files import read_model_files, write_model_files
-from edl.io.peft import ADAPTER_WEIGHTS, load_adapter
-from edl.io.safetensors import LazyTensor, save_tensors
-from edl.io.sharded import StoredArrays
-from edl.io.structure import rebuild
-from edl.models import registry
 from edl.module import require_float_dtype
-from edl.tree import find, flatten, is_array_like, named_map
+from edl.tree import flatten, is_array_like, named_map
 
 __all__ = ["EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
 
@@ -76,7 +75,7 @@ TOKENIZER_FILES = (
 def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
     """``directory``'s ``state.json``, its file names checked to stay inside it
     (``check_named_files``), or ``None`` when it has none."""
-    file = directory / ckpt.STATE_NAME
+    file = directory / STATE_NAME
     if not file.is_file():
         return None
     info = read_json(file, what="checkpoint state")
@@ -84,13 +83,15 @@ def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
     return info
 
 
-def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
+def load_model(path: str | os.PathLike[str], *, dtype: DTypeLike | None = None) -> eqx.Module:
     """The model in an edl model directory: a training checkpoint (LoRA-wrapped and
-    quantized models rebuilt from ``state.json``'s ``"layers"``, exactly as trained), a
+    quantized models rebuilt from ``state.json``'s manifest, exactly as trained), a
     Hugging Face model directory with an embedded PEFT adapter (the base with the adapter
     applied, as transformers does with peft installed), or a plain Hugging Face model
-    directory / hub repo id (``edl.io.hf.from_pretrained``). ``dtype`` casts floating
-    weights (quantization codes and scales keep theirs)."""
+    directory / hub repo id (``edl.io.formats.hf.from_pretrained``). ``dtype`` casts
+    floating weights (quantization codes and scales keep theirs). A checkpoint written
+    before manifests is read by its ``config.json`` and ``"layers"``
+    (``edl.io.checkpoint.directory.read_manifest``)."""
     directory = Path(path)
     info = _checkpoint_info(directory) if directory.is_dir() else None
     if info is not None and info.get("model_format") == "sharded":
@@ -99,7 +100,8 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
             f"process): edl export streams it into a Hugging Face directory, "
             f"edl.io.checkpoint.load_state reads it onto a mesh"
         )
-    if info is None or not info.get("layers"):
+    manifest = None if info is None else read_manifest(directory, info)
+    if manifest is None or not manifest.layer_structure:
         model = hf.from_pretrained(path, dtype=dtype)
         if directory.is_dir() and (directory / ADAPTER_CONFIG).is_file():
             model = load_adapter(model, directory, dtype=dtype)
@@ -109,13 +111,7 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
             f"load_model: {directory} holds no Hugging Face-layout model "
             f"(model_format {info.get('model_format')!r})"
         )
-    _, config, model_cls = registry.resolve(hf.load_config(directory))
-    where = f"load_model: {directory / ckpt.STATE_NAME} 'layers'"
-
-    def build() -> Any:
-        return rebuild(model_cls.init(config, key=jax.random.key(0)), info["layers"], where=where)
-
-    abstract = eqx.filter_eval_shape(build)
+    abstract = rebuild(manifest, where=f"load_model: {directory / STATE_NAME} 'layers'")
     targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
     if dtype is not None:
         require_float_dtype(dtype, "load_model: dtype")
@@ -126,7 +122,7 @@ def load_model(path: str | os.PathLike[str], *, dtype: Any = None) -> Any:
             for p, x in targets.items()
         }
     try:
-        loaded = read_model_files(directory, abstract, targets)
+        loaded = read_model_files(directory, abstract, targets, manifest=manifest)
     except ValueError as e:
         raise ValueError(f"load_model: {e}") from None
     model = named_map(lambda p, x: loaded.get(p, x), abstract)
@@ -160,7 +156,7 @@ def _tokenizer_files(source: Path, info: dict[str, Any] | None) -> dict[str, Pat
     names = info.get("tokenizer_files") if info else None
     if names is None:
         return {n: _own_file(source, n) for n in TOKENIZER_FILES if (source / n).is_file()}
-    state = source / ckpt.STATE_NAME
+    state = source / STATE_NAME
     files = {}
     for i, name in enumerate(names):
         file = inside(source, name, source=state, entry=f"tokenizer_files[{i}]")
@@ -192,31 +188,43 @@ def _destination(out: Path) -> Path:
     return target
 
 
-def _write_export(model: Any, tmp: Path, out: Path, *, merge_lora: bool, dtype: Any) -> bool:
+def _write_export(
+    model: eqx.Module, tmp: Path, out: Path, *, merge_lora: bool, dtype: DTypeLike | None
+) -> bool:
     """The model's files in ``tmp`` (to become ``out``); returns whether an adapter was
     written beside the base."""
-    has_lora = bool(find(model, lambda x: isinstance(x, edl_lora.LoraLinear)))
-    dense = edl_quantize.dequantize(model) if edl_quantize.is_quantized(model) else model
-    if has_lora and merge_lora:
-        dense = edl_lora.merge_lora(dense)
-    parts = write_model_files(dense, tmp, dtype=dtype, base_model_name_or_path=str(out.resolve()))
+    manifest = describe(model)
+    dense = edl_quantize.dequantize(model) if manifest.quantized_layers else model
+    manifest = manifest.without("quantized")
+    if manifest.lora_targets and merge_lora:
+        dense, manifest = edl_lora.merge_lora(dense), manifest.without("lora")
+    out_name = str(out.resolve())
+    parts = write_model_files(
+        dense, tmp, dtype=dtype, base_model_name_or_path=out_name, manifest=manifest
+    )
     return ADAPTER_WEIGHTS in parts
 
 
-def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtype: Any) -> bool:
-    """A sharded checkpoint's model as HF files in ``tmp``, one tensor at a time (a stacked
-    array one layer at a time), read from the processes' pieces: the whole model is never
-    in memory. Plain registered models only (LoRA / quantized layers: resume the run in one
-    process and export its checkpoint). Returns False (no adapter)."""
-    if info.get("layers"):
+def _write_sharded_export(
+    source: Path, manifest: Manifest, tmp: Path, *, dtype: DTypeLike | None
+) -> bool:
+    """A sharded checkpoint's model (``manifest``: its ``read_manifest``) as HF files in
+    ``tmp``, one tensor at a time (a stacked array one layer at a time), read from the
+    processes' pieces: the whole model is never in memory. Plain registered models only
+    (LoRA / quantized layers: resume the run in one process and export its checkpoint).
+    Returns False (no adapter)."""
+    if manifest.layer_structure:
         raise ValueError(
             f"export: {source} is a sharded checkpoint of a model with LoRA or "
             f"quantized layers, which export does not stream yet; resume the "
             f"run in one process and export its checkpoint"
         )
-    _, config, model_cls = registry.resolve(hf.load_config(source))
-    abstract = eqx.filter_eval_shape(lambda: model_cls.init(config, key=jax.random.key(0)))
-    table = registry.family_of(abstract)[0].key_table_for(config, type(abstract))
+    if not manifest.registered:
+        raise ValueError(
+            f"export: {source} is a sharded checkpoint of a {manifest.model_class or 'pytree'} "
+            "that no registered family builds: export writes Hugging Face files"
+        )
+    table = manifest.key_table()
     with StoredArrays(source, "model") as stored:
         tensors = {}
         for path, entry in stored.arrays.items():
@@ -243,7 +251,7 @@ def _write_sharded_export(source: Path, info: dict[str, Any], tmp: Path, *, dtyp
                 )
         save_tensors(tensors, tmp, metadata={"format": "pt"})
     floats = {t.dtype.name for t in tensors.values() if jnp.issubdtype(t.dtype, jnp.floating)}
-    hf.write_config(abstract, tmp, floats.pop() if len(floats) == 1 else None)
+    hf.write_config(manifest, tmp, floats.pop() if len(floats) == 1 else None)
     if (source / hf.GENERATION_CONFIG_NAME).is_file():
         shutil.copy2(_own_file(source, hf.GENERATION_CONFIG_NAME), tmp / hf.GENERATION_CONFIG_NAME)
     return False
@@ -254,7 +262,7 @@ def export_model(
     out_dir: str | os.PathLike[str],
     *,
     merge_lora: bool = False,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
 ) -> Path:
     """Write the model of ``source`` (a checkpoint or model directory, see
     :func:`load_model`) to ``out_dir`` as a plain Hugging Face model directory (weights,
@@ -294,7 +302,8 @@ def export_model(
     tmp.mkdir()
     try:
         if sharded:
-            adapter = _write_sharded_export(source, info, tmp, dtype=dtype)
+            manifest = read_manifest(source, info)
+            adapter = _write_sharded_export(source, manifest, tmp, dtype=dtype)
         else:
             adapter = _write_export(model, tmp, target, merge_lora=merge_lora, dtype=dtype)
         _copy_tokenizer_files(tokenizer_files, tmp, source)
@@ -322,7 +331,7 @@ def _copy_tokenizer_files(files: dict[str, Path], tmp: Path, source: Path) -> No
     for name, file in files.items():
         if (tmp / name).exists():
             raise ValueError(
-                f"export: {source / ckpt.STATE_NAME}: tokenizer_files names {name!r}, a file "
+                f"export: {source / STATE_NAME}: tokenizer_files names {name!r}, a file "
                 "the export writes itself"
             )
         (tmp / name).parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ layers is written so that transformers loads it as it is::
 so ``AutoModelForCausalLM.from_pretrained(directory)`` (with peft) is the fine-tuned model,
 and ``peft.PeftModel.from_pretrained(base, directory)`` reads the adapter alone. edl reads
 the codes back, not the dequantized copy, so a QLoRA checkpoint resumes bit for bit; what
-the base layers were (rank, scaling, format, ...) is ``edl.io.structure``'s record, which
+the base layers were (rank, scaling, format, ...) is ``edl.io.formats.structure``'s record, which
 ``save_state`` keeps in ``state.json``. Older checkpoints, whose ``model.safetensors`` holds
 the wrapped names (``q_proj.base_layer.weight``, ``q_proj.lora_A.weight``), still read.
 """
@@ -27,21 +27,21 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 from jax.typing import DTypeLike
 
 from edl import lora as edl_lora
 from edl import quantize as edl_quantize
-from edl.io import hf
-from edl.io.peft import ADAPTER_WEIGHTS, PEFT_PREFIX, save_adapter
-from edl.io.plan import TensorSource, load_arrays, plan_load
-from edl.io.safetensors import CheckpointReader, save_tensors
-from edl.models import registry
-from edl.nn.lora import LoraLinear
-from edl.tree import find, named_map
+from edl.io.formats import hf
+from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.peft import ADAPTER_WEIGHTS, PEFT_PREFIX, save_adapter
+from edl.io.formats.plan import TensorSource, load_arrays, plan_load
+from edl.io.formats.safetensors import CheckpointReader, save_tensors
+from edl.models.keymap import KeyTable
+from edl.tree import named_map
 
 __all__ = ["MODEL", "QUANTIZED", "read_model_files", "write_model_files"]
 
@@ -54,28 +54,40 @@ _BASE = ".base_layer"
 
 
 def write_model_files(
-    model: Any,
+    model: eqx.Module,
     directory: str | os.PathLike[str],
     *,
     dtype: DTypeLike | None = None,
     base_model_name_or_path: str | None = None,
+    manifest: Manifest | None = None,
 ) -> list[str]:
     """Write ``model`` (a registered edl model class) into ``directory`` as described above;
     return the safetensors prefixes written (``"model"``, ``"adapter_model"``,
     ``"quantized"``). ``dtype`` casts the floating weights and adapters (never the codes
     and scales). ``base_model_name_or_path`` goes in ``adapter_config.json``: transformers
     before the embedded-adapter rule loads the base from there, so point it at where
-    ``directory`` will be."""
-    has_lora = bool(find(model, lambda x: isinstance(x, LoraLinear)))
-    quantized = edl_quantize.is_quantized(model)
+    ``directory`` will be. ``manifest``: ``model``'s (``describe(model)`` when not given)."""
+    manifest = manifest or describe(model)
+    has_lora, quantized = bool(manifest.lora_targets), bool(manifest.quantized_layers)
     dense = edl_quantize.dequantize(model) if quantized else model
-    hf.save_pretrained(edl_lora.unwrap_lora(dense) if has_lora else dense, directory, dtype=dtype)
+    dense_manifest = manifest.without("quantized")
+    base, base_manifest = dense, dense_manifest
+    if has_lora:
+        base, base_manifest = edl_lora.unwrap_lora(dense), dense_manifest.without("lora")
+    hf.save_pretrained(base, directory, dtype=dtype, manifest=base_manifest)
     parts = [MODEL]
     if has_lora:
-        save_adapter(dense, directory, base_model_name_or_path=base_model_name_or_path, dtype=dtype)
+        save_adapter(
+            dense,
+            directory,
+            base_model_name_or_path=base_model_name_or_path,
+            dtype=dtype,
+            manifest=dense_manifest,
+        )
         parts.append(ADAPTER_WEIGHTS)
     if quantized:
-        codes = hf.export_state_dict(named_map(lambda p, x: x if _CODES.search(p) else None, model))
+        codes_only = named_map(lambda p, x: x if _CODES.search(p) else None, model)
+        codes = hf.export_state_dict(codes_only, manifest=manifest)
         save_tensors(codes, directory, prefix=QUANTIZED, metadata={"format": "edl"})
         parts.append(QUANTIZED)
     return parts
@@ -105,7 +117,9 @@ def _base_names(keys: list[str], expected: set[str]) -> dict[str, str]:
     return names
 
 
-def _expected_names(table: Any, targets: Mapping[str, Any]) -> set[str]:
+def _expected_names(
+    table: KeyTable, targets: Mapping[str, jax.Array | jax.ShapeDtypeStruct]
+) -> set[str]:
     return {
         table.to_hf(p, tuple(int(i) for i in index) or None)
         for p, t in targets.items()
@@ -114,17 +128,21 @@ def _expected_names(table: Any, targets: Mapping[str, Any]) -> set[str]:
 
 
 def read_model_files(
-    directory: str | os.PathLike[str], model: Any, targets: Mapping[str, Any]
+    directory: str | os.PathLike[str],
+    model: eqx.Module,
+    targets: Mapping[str, jax.Array | jax.ShapeDtypeStruct],
+    *,
+    manifest: Manifest | None = None,
 ) -> dict[str, jax.Array]:
     """The arrays of ``model`` (a registered edl model class, possibly LoRA-wrapped and
     quantized; abstract is fine) from the files :func:`write_model_files` wrote, keyed by
     edl path. ``targets`` (edl path -> array-like) gives each array's dtype and placement
-    (``edl.io.plan.load_arrays``). Every tensor is checked against the model before any is
-    read: one ``ValueError`` names the directory and every missing, unexpected, duplicated
-    or mis-shaped key."""
+    (``edl.io.formats.plan.load_arrays``). Every tensor is checked against the model before
+    any is read: one ``ValueError`` names the directory and every missing, unexpected,
+    duplicated or mis-shaped key. ``manifest``: ``model``'s (``describe(model)`` when not
+    given)."""
     directory = Path(directory)
-    family, _ = registry.family_of(model)
-    table = family.key_table_for(model.config, type(model))
+    table = (manifest or describe(model)).key_table()
     tied = getattr(model.config, "tie_word_embeddings", False)
     expected = _expected_names(table, targets)
     abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in targets.items()}

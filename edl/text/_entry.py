@@ -13,7 +13,7 @@ SHA instructions of current x86 and ARM servers it is the faster of the two in h
 (there, 2.0 vs 1.1 GB/s), and it is the hash of the cache's keys.
 
 Writes go to a temporary name, fsync'd and moved into place (``os.replace``), the JSON
-last. ``edl.io.files.atomic_file`` does this for a file object, but safetensors writes to a
+last. ``edl.io.formats.files.atomic_file`` does this for a file object, but safetensors writes to a
 path, and importing ``edl.io`` imports jax, which ``edl.text`` does not.
 """
 

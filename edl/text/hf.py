@@ -27,7 +27,7 @@ from edl.text.tokenizer import checked_ids, checked_text
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
-# What a hub repo id can be ("name" or "namespace/name"), the rule of edl.io.hf's
+# What a hub repo id can be ("name" or "namespace/name"), the rule of edl.io.formats.hf's
 # resolve_directory: anything else is a local path, and a missing one is an error.
 _REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 # Tokenizer files a directory must hold one of (transformers reads the others beside them).
@@ -253,7 +253,7 @@ def load_tokenizer(
     A local directory must hold tokenizer files (``tokenizer.json``,
     ``tokenizer_config.json``, ...). What cannot be a repo id (``"name"`` or
     ``"namespace/name"``: absolute paths, ``./``, ``~``, more than one ``/``) is a local path,
-    as in :func:`edl.io.hf.from_pretrained`. A repo id is fetched through the hub (or its
+    as in :func:`edl.io.formats.hf.from_pretrained`. A repo id is fetched through the hub (or its
     local cache) at ``revision``; ``local_files_only=None`` leaves the choice to
     transformers (``HF_HUB_OFFLINE``). Raises ``FileNotFoundError`` naming a missing path or
     a directory without tokenizer files, and ``ImportError`` naming the extra to install

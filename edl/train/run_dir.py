@@ -25,8 +25,8 @@ from typing import Any
 import jax
 
 from edl.io.checkpoint import list_checkpoints, load_state, verify_checkpoint
-from edl.io.files import write_text_atomic
-from edl.io.safetensors import CheckpointError
+from edl.io.formats.files import write_text_atomic
+from edl.io.formats.safetensors import CheckpointError
 from edl.sharding import sync_processes
 from edl.state import TrainState
 from edl.train.callbacks.metrics_log import METRICS_FILE

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from edl.io.checkpoint import latest_checkpoint, save_state
-from edl.io.files import write_share
+from edl.io.formats.files import write_share
 from edl.state import TrainState
 from edl.text.tokenizer import Tokenizer
 from edl.train.core import Callback, RunEnd, StepInfo
@@ -47,7 +47,7 @@ class Checkpoint(Callback):
     one save at a time (the next waits for the previous), at most one extra copy of the
     state, and the run's end waits for the last save. The writer runs at the lowest CPU
     priority and writes tensor data for at most ``write_share`` of its time (sleeping in
-    between, ``edl.io.files.write_share``), so the steps it overlaps barely slow down; a
+    between, ``edl.io.formats.files.write_share``), so the steps it overlaps barely slow down; a
     save then takes about ``1 / write_share`` times as long. A failed background save
     raises at the next save or at the end. A kill during a save leaves the previous checkpoint the
     newest complete one, as for a synchronous save."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from edl.io.files import write_text_atomic
+from edl.io.formats.files import write_text_atomic
 from edl.train.core import Callback, RunEnd
 
 __all__ = ["RunReport", "summarize", "write_run_summary"]

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edl.io.files import write_text_atomic
+from edl.io.formats.files import write_text_atomic
 from edl.train.callbacks.metrics_log import logged, scalars
 from edl.train.core import Callback, RunStart, StepInfo
 

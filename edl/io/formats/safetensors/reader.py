@@ -12,14 +12,15 @@ from pathlib import Path
 
 import numpy as np
 
-from edl.io.files import UnsafePathError, inside
-from edl.io.safetensors.format import (
+from edl.io.formats.files import UnsafePathError, inside
+from edl.io.formats.safetensors.format import (
     CheckpointError,
     MissingTensorError,
     StrPath,
     TensorInfo,
     _read_header,
     _read_index,
+    byte_view,
 )
 
 
@@ -33,14 +34,9 @@ def _pread_into(fd: int, view: memoryview, offset: int, lock: threading.Lock) ->
     return len(data)
 
 
-def _byte_view(arr: np.ndarray) -> np.ndarray:
-    """The C-contiguous ``arr``'s memory as a flat writeable/readable uint8 array (no copy)."""
-    return arr.reshape(-1).view(np.uint8)
-
-
 def _shard(index: Path, name: str, key: str) -> Path:
     """The shard ``name`` that ``index``'s ``weight_map[key]`` names, checked to stay inside
-    the index's directory after resolving symlinks (``edl.io.files.inside``): a checkpoint
+    the index's directory after resolving symlinks (``edl.io.formats.files.inside``): a checkpoint
     whose shard links to ``~/.cache/huggingface/token`` must not be read as its weights. An
     index that is a link (the Hugging Face cache's snapshots) may name shards that resolve
     beside the file it links to."""
@@ -219,7 +215,7 @@ class CheckpointReader:
         """Tensor ``name`` as a fresh, writeable array of its stored dtype and shape."""
         info = self.info(name)
         out = np.empty(info.shape, info.dtype)
-        self._read_bytes(info, _byte_view(out))
+        self._read_bytes(info, byte_view(out))
         return out
 
     def read_into(self, name: str, out: np.ndarray) -> np.ndarray:
@@ -238,7 +234,7 @@ class CheckpointReader:
         if not out.flags.writeable:
             raise CheckpointError(f"{info.file}: destination for tensor {name!r} is read-only")
         if out.dtype == info.dtype and out.flags.c_contiguous:
-            self._read_bytes(info, _byte_view(out))
+            self._read_bytes(info, byte_view(out))
         else:
             np.copyto(out, self.read(name), casting="unsafe")
         return out

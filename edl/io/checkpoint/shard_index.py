@@ -1,4 +1,4 @@
-"""``shards.json``, the index of a sharded checkpoint (:mod:`edl.io.sharded`): its names,
+"""``shards.json``, the index of a sharded checkpoint (:mod:`edl.io.checkpoint.sharded`): its names,
 and :func:`read_index`, the one reader of it, which validates all of it before any of it is
 used.
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from edl.io.files import read_json
-from edl.io.safetensors import DTYPES, CheckpointError
+from edl.io.formats.files import read_json
+from edl.io.formats.safetensors.format import DTYPES, CheckpointError
 
 __all__ = [
     "INDEX_NAME",

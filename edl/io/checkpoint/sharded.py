@@ -11,7 +11,7 @@ The layout (``model_format: "sharded"`` in ``state.json``, see ``edl.io.checkpoi
   name, start, stop). Written by process 0, which can list every process's pieces itself:
   they follow from each array's sharding alone (:func:`pieces`).
 
-Every reader takes the index through :func:`edl.io.shard_index.read_index`, which checks
+Every reader takes the index through :func:`edl.io.checkpoint.shard_index.read_index`, which checks
 all of it before a value is read (field types, process ids, bounds, each piece's tensor
 name, the pieces of every array tiling it exactly) and raises ``CheckpointError`` naming
 ``shards.json`` and the entry; opening a section (:class:`StoredArrays`) also checks every
@@ -35,9 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from edl.io.files import write_json_atomic
-from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
-from edl.io.shard_index import (
+from edl.io.checkpoint.shard_index import (
     INDEX_NAME,
     KINDS,
     Piece,
@@ -47,8 +45,10 @@ from edl.io.shard_index import (
     missing_file,
     read_index,
 )
+from edl.io.formats.files import write_json_atomic
+from edl.io.formats.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
 
-__all__ = [  # the index's names too: edl.io.sharded is the module the rest of edl uses
+__all__ = [  # the index's names too: edl.io.checkpoint.sharded is the module the rest of edl uses
     "INDEX_NAME",
     "KINDS",
     "Piece",

@@ -4,7 +4,7 @@
 Names map through the family's declarative key table (``edl.models.keymap``) in both
 directions. Loading checks the whole checkpoint against the model first (missing,
 unexpected and mis-shaped keys in one error), then streams tensor by tensor into one
-preallocated host buffer per edl array (``edl.io.plan``: a stacked layer array receives
+preallocated host buffer per edl array (``edl.io.formats.plan``: a stacked layer array receives
 every layer's tensor), sending each buffer to the device before the next is filled: peak
 host memory is one array, not the checkpoint.
 """
@@ -26,13 +26,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec, Sharding
+from jax.typing import DTypeLike
 
-from edl.io.files import read_json, write_json_atomic
-from edl.io.plan import TensorSource, load_arrays, plan_load
-from edl.io.safetensors import CheckpointReader, LazyTensor, save_tensors
+from edl.io.formats.files import read_json, write_json_atomic
+from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.plan import TensorSource, load_arrays, plan_load
+from edl.io.formats.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.models import registry
 from edl.models.keymap import KeyTable
 from edl.module import require_float_dtype
+from edl.text.tokenizer import Tokenizer
 from edl.tree import flatten, is_array_like, named_map
 
 __all__ = [
@@ -194,9 +197,9 @@ def _load(
     source: TensorSource,
     table: KeyTable,
     *,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     sharding: Any = None,
-) -> Any:
+) -> eqx.Module:
     abstract = eqx.filter_eval_shape(model_cls.init, config, key=jax.random.key(0))
     targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
     tied = getattr(config, "tie_word_embeddings", False)
@@ -220,7 +223,7 @@ def _load(
 def from_pretrained(
     path_or_repo_id: str | os.PathLike[str],
     *,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     revision: str | None = None,
     task: str | None = None,
     sharding: Any = None,
@@ -228,7 +231,7 @@ def from_pretrained(
     local_files_only: bool = False,
     token: str | None = None,
     **config_overrides: Any,
-) -> Any:
+) -> eqx.Module:
     """Load a HF checkpoint (local directory, HF cache or hub repo id) as an edl model.
 
     Args:
@@ -273,7 +276,7 @@ def from_pretrained(
         warnings.warn(
             f"from_pretrained: {directory} also holds a PEFT adapter ({ADAPTER_CONFIG}), which "
             "this loads without: edl.io.export.load_model(directory) applies it (as "
-            "transformers does with peft installed), or edl.io.peft.load_adapter(model, "
+            "transformers does with peft installed), or edl.io.formats.peft.load_adapter(model, "
             "directory)",
             stacklevel=2,
         )
@@ -295,9 +298,9 @@ def from_state_dict(
     mapping: Mapping[str, Any],
     *,
     task: str = "causal_lm",
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     sharding: Any = None,
-) -> Any:
+) -> eqx.Module:
     """Build a model from HF-named arrays (numpy, jax, or a torch ``state_dict``).
 
     ``config`` is an edl config or a HF ``config.json`` dict (EasyDeL's ``transform_fn``).
@@ -317,16 +320,22 @@ def from_state_dict(
 
 
 def export_state_dict(
-    model: Any, *, dtype: Any = None, key_table: KeyTable | None = None
+    model: eqx.Module,
+    *,
+    dtype: DTypeLike | None = None,
+    key_table: KeyTable | None = None,
+    manifest: Manifest | None = None,
 ) -> dict[str, LazyTensor]:
     """HF key -> lazily materialised numpy tensor, in HF naming (stacked arrays split per
     layer). Nothing is copied to the host until a tensor is loaded. ``dtype`` (casting
     floating weights) must be a floating dtype. ``key_table``: other names than the
-    family's files use (PEFT adapters name HF's in-memory modules)."""
+    family's files use (PEFT adapters name HF's in-memory modules); else the table of
+    ``manifest`` (``describe(model)`` when not given; pass the whole model's for a part of
+    one, such as ``edl.lora.lora_params(model)`` of a quantized model, whose layer settings
+    cannot be read from the part)."""
     if dtype is not None:
         require_float_dtype(dtype, "export_state_dict: dtype")
-    family, _ = registry.family_of(model)
-    table = key_table or family.key_table_for(model.config, type(model))
+    table = key_table or (manifest or describe(model)).key_table()
     out: dict[str, LazyTensor] = {}
     for path, leaf in flatten(model).items():
         if not is_array_like(leaf):
@@ -364,12 +373,13 @@ def _stored_dtype_name(tensors: Mapping[str, LazyTensor]) -> str | None:
 
 
 def save_pretrained(
-    model: Any,
+    model: eqx.Module,
     directory: str | os.PathLike[str],
     *,
     max_shard_size: int | str = "2GB",
-    dtype: Any = None,
-    tokenizer: Any = None,
+    dtype: DTypeLike | None = None,
+    tokenizer: Tokenizer | None = None,
+    manifest: Manifest | None = None,
 ) -> Path:
     """Write ``model`` in HF layout (``config.json`` + safetensors, sharded with
     ``model.safetensors.index.json`` beyond ``max_shard_size``, and the causal LM's
@@ -384,36 +394,48 @@ def save_pretrained(
     A model spread over several processes streams out one tensor at a time: every process
     calls ``save_pretrained`` (same model, same directory), each tensor is all-gathered in
     turn, and process 0 writes it; no host ever holds more than one tensor of the model.
+
+    ``manifest``: ``model``'s (``edl.io.formats.manifest.describe``), computed when not given.
     """
     if dtype is not None:
         require_float_dtype(dtype, "save_pretrained: dtype")
+    manifest = manifest or describe(model)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = export_state_dict(model, dtype=dtype)
+    tensors = export_state_dict(model, dtype=dtype, manifest=manifest)
     if jax.process_index() != 0:  # gather each tensor with process 0, which writes it
         for tensor in tensors.values():
             tensor.load()
         return directory
     save_tensors(tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"})
-    write_config(model, directory, _stored_dtype_name(tensors))
+    generation = getattr(model, "generation_config", ())
+    write_config(manifest, directory, _stored_dtype_name(tensors), generation=generation)
     save_tokenizer(tokenizer, directory)
     return directory
 
 
-def write_config(model: Any, directory: str | os.PathLike[str], stored_dtype: str | None) -> None:
-    """``model``'s ``config.json`` (``stored_dtype``: the weights' one floating dtype, as
-    ``torch_dtype``) and, when it has one, ``generation_config.json`` into ``directory``."""
-    config = model.config.to_hf(architectures=[registry.architecture(model)])
+def write_config(
+    manifest: Manifest,
+    directory: str | os.PathLike[str],
+    stored_dtype: str | None,
+    *,
+    generation: tuple[tuple[str, str], ...] = (),
+) -> None:
+    """The ``config.json`` of the model ``manifest`` describes (``stored_dtype``: the
+    weights' one floating dtype, as ``torch_dtype``) and, when ``generation`` (a causal
+    LM's ``generation_config``) holds any, ``generation_config.json`` into ``directory``."""
+    if manifest.config is None:
+        raise TypeError(f"{manifest.model_class} is not a registered edl model class")
+    config = dict(manifest.config)
     if stored_dtype is not None:
         config["torch_dtype"] = config["dtype"] = stored_dtype  # transformers 4 / 5 spellings
     write_json_atomic(Path(directory) / CONFIG_NAME, config)
-    generation = getattr(model, "generation_config", ())
     if generation:
         values = {k: json.loads(v) for k, v in generation}
         write_json_atomic(Path(directory) / GENERATION_CONFIG_NAME, values)
 
 
-def save_tokenizer(tokenizer: Any, directory: str | os.PathLike[str]) -> list[str]:
+def save_tokenizer(tokenizer: Tokenizer | None, directory: str | os.PathLike[str]) -> list[str]:
     """Write ``tokenizer``'s files into ``directory`` when it has a ``save(directory)``
     method (``edl.text.HFTokenizer``); returns the names written (``[]`` for ``None`` or a
     tokenizer without files, such as ``ByteTokenizer``)."""
@@ -424,7 +446,7 @@ def save_tokenizer(tokenizer: Any, directory: str | os.PathLike[str]) -> list[st
 
 
 def push_to_hub(
-    model: Any,
+    model: eqx.Module,
     repo_id: str,
     *,
     private: bool | None = None,
@@ -432,7 +454,7 @@ def push_to_hub(
     revision: str | None = None,
     commit_message: str = "Upload model with edl",
     max_shard_size: int | str = "2GB",
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
 ) -> Any:
     """``save_pretrained`` into a temporary directory, then upload it as one commit through
     ``huggingface_hub`` (creating the repo if needed). Returns the commit info."""
@@ -449,7 +471,7 @@ def push_to_hub(
         )
 
 
-def to_torch(model: Any) -> Any:
+def to_torch(model: eqx.Module) -> Any:  # a torch.nn.Module (torch not imported)
     """The equivalent ``transformers`` model (torch, eval mode) with ``model``'s weights.
 
     Goes through HF files in a temporary directory, so transformers applies its own weight
@@ -459,7 +481,7 @@ def to_torch(model: Any) -> Any:
         import transformers
     except ImportError as e:  # pragma: no cover - depends on the environment
         raise ImportError("to_torch needs torch and transformers installed") from e
-    arch = registry.architecture(model)
+    manifest = describe(model)
     with tempfile.TemporaryDirectory(prefix="edl-to-torch-") as tmp:
-        save_pretrained(model, tmp)
-        return getattr(transformers, arch).from_pretrained(tmp).eval()
+        save_pretrained(model, tmp, manifest=manifest)
+        return getattr(transformers, manifest.architecture).from_pretrained(tmp).eval()

@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from edl.io.files import atomic_file, write_chunked
-from edl.io.safetensors.format import (
+from edl.io.formats.files import atomic_file, write_chunked
+from edl.io.formats.safetensors.format import (
     _CODES,
     CheckpointError,
     LazyTensor,
     StrPath,
     TensorLike,
+    byte_view,
     parse_size,
 )
-from edl.io.safetensors.reader import _byte_view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ def _write_safetensors(path: Path, planned: Sequence[_Planned], metadata: dict[s
         for p in planned:
             arr = _materialise(p, path)
             if arr.size:
-                write_chunked(f, memoryview(_byte_view(arr)))
+                write_chunked(f, memoryview(byte_view(arr)))
             del arr
 
 

@@ -9,7 +9,7 @@
 PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.q_proj
 .lora_A.weight``); edl maps them through the model family's HF key table, the same one
 ``save_pretrained`` uses, so stacking and splitting layers is the table's business, and
-loads them through ``edl.io.plan`` like every other loader. The LoRA layers themselves
+loads them through ``edl.io.formats.plan`` like every other loader. The LoRA layers themselves
 (``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows no files.
 """
 
@@ -28,12 +28,13 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
-from edl.io.files import read_json, write_json_atomic
-from edl.io.hf import ADAPTER_CONFIG, export_state_dict
-from edl.io.plan import TensorSource, load_arrays, plan_load
-from edl.io.safetensors import CheckpointReader, save_file
+from edl.io.formats.files import read_json, write_json_atomic
+from edl.io.formats.hf import ADAPTER_CONFIG, export_state_dict
+from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.plan import TensorSource, load_arrays, plan_load
+from edl.io.formats.safetensors import CheckpointReader, save_file
 from edl.lora import lora_layers, lora_params, lora_trainable, wrap_lora
-from edl.models import registry
+from edl.models.keymap import KeyTable
 from edl.module import merge, split
 from edl.nn.lora import LoraLinear, leading_shape
 from edl.nn.moe import SparseMoE
@@ -58,12 +59,14 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _BASE_SUFFIX = ".base_layer.weight"
 
 
-def _table(model: PyTree, what: str) -> tuple[Any, str]:
+def _table(manifest: Manifest, what: str) -> tuple[KeyTable, str]:
+    """The HF module-name table and the task of the model ``manifest`` describes."""
     try:
-        family, task = registry.family_of(model)
+        table = manifest.module_table()
     except TypeError as e:
         raise TypeError(f"{what}: PEFT key names need a registered edl model class: {e}") from e
-    return family.module_table_for(model.config, type(model)), task
+    assert manifest.task is not None  # a registered model has one
+    return table, manifest.task
 
 
 def _name(path: str) -> str:
@@ -79,7 +82,7 @@ def _settings(layers: dict[str, LoraLinear]) -> dict[str, tuple[int, float, floa
 
 
 def _targeting(
-    model: PyTree, layers: dict[str, LoraLinear], table: Any
+    model: PyTree, layers: dict[str, LoraLinear], table: KeyTable
 ) -> dict[str, tuple[int, float, float]]:
     """PEFT's ``target_modules`` names with each one's (rank, scaling, dropout).
 
@@ -104,7 +107,7 @@ def _targeting(
 def _peft_config(
     model: PyTree,
     layers: dict[str, LoraLinear],
-    table: Any,
+    table: KeyTable,
     task: str,
     base_model_name_or_path: str | None,
 ) -> dict[str, Any]:
@@ -147,6 +150,7 @@ def save_adapter(
     *,
     base_model_name_or_path: str | None = None,
     dtype: DTypeLike | None = None,
+    manifest: Manifest | None = None,
 ) -> Path:
     """Write the adapters as PEFT does: ``adapter_config.json`` + ``adapter_model.safetensors``
     (keys ``base_model.model.<HF module>.lora_A.weight``, one per layer), loadable by
@@ -156,9 +160,11 @@ def save_adapter(
     Written beside the base model's own files (``save_pretrained``), the directory is what
     transformers calls a model with an embedded adapter: with peft installed,
     ``AutoModelForCausalLM.from_pretrained(directory)`` loads the base and applies the
-    adapter. Raises ``ValueError`` when the adapters differ in dropout (PEFT has one)."""
+    adapter. Raises ``ValueError`` when the adapters differ in dropout (PEFT has one).
+    ``manifest``: ``model``'s (``edl.io.formats.manifest.describe``), computed when not
+    given."""
     layers = lora_layers(model, "save_adapter")
-    table, task = _table(model, "save_adapter")
+    table, task = _table(manifest or describe(model), "save_adapter")
     config = _peft_config(model, layers, table, task, base_model_name_or_path)
     tensors = export_state_dict(lora_params(model), dtype=dtype, key_table=table)
     tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
@@ -263,7 +269,7 @@ class _Modules:
     and stack index). MoE routers are linear layers in edl but not ``nn.Linear`` in
     transformers (5), so PEFT neither adapts them nor counts them as "all-linear"."""
 
-    def __init__(self, model: PyTree, table: Any) -> None:
+    def __init__(self, model: PyTree, table: KeyTable) -> None:
         moe = find(model, lambda x: isinstance(x, SparseMoE))
         routers = {f"{m}.gate" for m in moe}
         self.linear: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -283,7 +289,7 @@ class _Modules:
                 self.names.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
 
     @staticmethod
-    def name(table: Any, path: str, index: tuple[int, ...]) -> str:
+    def name(table: KeyTable, path: str, index: tuple[int, ...]) -> str:
         """The HF module name of edl's ``path`` (a module) at stack ``index``: through the
         key table, as its adapter keys are named."""
         return table.to_hf(f"{path}{_SUFFIXES[0]}", index or None).removesuffix(_SUFFIXES[0])
@@ -486,13 +492,14 @@ def load_adapter(
     """
     directory = Path(directory)
     config = _read_config(directory)
-    table, task = _table(model, "load_adapter")
+    manifest = describe(model)
+    table, task = _table(manifest, "load_adapter")
     file = directory / ADAPTER_CONFIG
     modules = _Modules(model, table)
     head = "lm_head" if task == "causal_lm" else None
-    targeted = _targets(
-        config, modules, task=task, model_type=model.config.model_type, head=head, file=file
-    )
+    assert manifest.config is not None  # _table refused an unregistered model
+    model_type = manifest.config["model_type"]
+    targeted = _targets(config, modules, task=task, model_type=model_type, head=head, file=file)
     with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
         shapes = {k: tuple(reader.info(k).shape) for k in reader}
         layers, keys = _adapted_layers(config, modules, targeted, shapes, reader.path)

@@ -21,12 +21,12 @@ checkpoint counts as complete only if its ``state.json`` parses (and, sharded, i
 previous good checkpoint; its leftovers are deleted by the next save. Re-saving a
 step first renames the old ``checkpoint-N`` to ``checkpoint-N.old``, which still counts as
 step N's checkpoint until the new one is in place, so at every instant a complete checkpoint
-exists. :func:`verify_checkpoint` checks a checkpoint's files without loading them (a
-truncated or missing tensor file fails there). Everything is safetensors and JSON (no
-pickle).
+exists. ``edl.io.checkpoint.directory.verify_checkpoint`` checks a checkpoint's files
+without loading them (a truncated or missing tensor file fails there). Everything is
+safetensors and JSON (no pickle).
 
 With several processes (``jax.distributed``), or ``sharded=True``, the model and optimizer
-arrays are written as the pieces each process holds (``edl.io.sharded``: one file set per
+arrays are written as the pieces each process holds (``edl.io.checkpoint.sharded``: one file set per
 process and ``shards.json``), nothing gathered to one host. Every process calls
 ``save_state`` with the same state and directory, on a filesystem they share; the
 temporary directory's name comes from process 0, and only after every process has
@@ -39,6 +39,7 @@ of processes, each process reading only the blocks its devices hold.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.metadata
 import itertools
 import json
@@ -58,9 +59,10 @@ from jaxtyping import PyTree
 
 from edl import state as edl_state
 from edl import tree as edl_tree
-from edl.io import hf
-from edl.io import sharded as sharded_io
-from edl.io.checkpoint_dir import (
+from edl.io.checkpoint import sharded as sharded_io
+from edl.io.checkpoint.directory import (
+    _MODEL,
+    _OPTIMIZER,
     _TMP,
     STATE_NAME,
     _prune,
@@ -68,85 +70,26 @@ from edl.io.checkpoint_dir import (
     _replace_atomically,
     check_named_files,
     latest_checkpoint,
-    list_checkpoints,
 )
-from edl.io.files import fsync, read_json, write_json_atomic
+from edl.io.formats import hf
+from edl.io.formats.files import fsync, read_json, write_json_atomic
+from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.plan import LoadPlan, TensorSource, load_arrays
+from edl.io.formats.safetensors import CheckpointReader, LazyTensor, save_tensors
 from edl.io.model_files import read_model_files, write_model_files
-from edl.io.plan import LoadPlan, TensorSource, load_arrays
-from edl.io.safetensors import CheckpointError, CheckpointReader, LazyTensor, save_tensors
-from edl.io.structure import layer_structure
-from edl.models import registry
 from edl.module import require_float_dtype
 from edl.sharding import broadcast_text, sync_processes
 from edl.state import TrainState
+from edl.text.tokenizer import Tokenizer
 
-__all__ = [
-    "latest_checkpoint",
-    "list_checkpoints",
-    "load_state",
-    "save_state",
-    "verify_checkpoint",
-]
+__all__ = ["FORMAT", "load_state", "save_state"]
 
 logger = logging.getLogger("edl")
 
 FORMAT = 1
 """Version of the checkpoint layout, stored as ``state.json``'s ``"format"``."""
 
-_MODEL, _OPTIMIZER = "model", "optimizer"
-
-
-def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check that a checkpoint's files are whole, without reading tensor data; return its
-    ``state.json``.
-
-    ``state.json`` (and a HF-layout model's ``config.json``) must parse, the files it names
-    stay inside the checkpoint (``check_named_files``), and every safetensors file must be
-    present with a valid header and exactly the length that header promises (a sharded
-    file's index must name existing shards, inside, holding its tensors). A sharded
-    checkpoint's ``shards.json`` must be valid (``edl.io.shard_index.read_index``) and every
-    process's piece file present, holding each piece with the recorded shape and dtype.
-    Raises ``CheckpointError`` naming the file (and entry) and what is wrong. Values are not
-    checksummed: a flipped bit inside tensor data passes.
-    """
-    path = Path(checkpoint)
-    info = _read_info(path)
-    if info is None:
-        try:
-            read_json(path / STATE_NAME, what="checkpoint state")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(str(e)) from None
-        raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
-    try:
-        check_named_files(path, info)
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
-    prefixes = [*info.get("model_files", [_MODEL])]
-    if info.get("has_optimizer"):
-        prefixes += info.get("optimizer_files", [_OPTIMIZER])
-    if info.get("model_format") == "sharded":  # the index, and every piece in its file
-        kinds = (_MODEL, _OPTIMIZER) if info.get("has_optimizer") else (_MODEL,)
-        sharded_io.verify_pieces(path, kinds)
-    for prefix in prefixes:
-        with CheckpointReader(path, prefix=prefix):
-            pass  # opening validates every header against its file's length
-    if info.get("model_format") == "hf":
-        try:
-            read_json(path / hf.CONFIG_NAME, what="model config")
-        except (OSError, ValueError) as e:
-            raise CheckpointError(str(e)) from None
-    return info
-
-
 # -- saving --------------------------------------------------------------------------------
-
-
-def _is_hf(model: Any) -> bool:
-    try:
-        registry.family_of(model)
-    except TypeError:
-        return False
-    return True
 
 
 def _arrays(tree: PyTree, what: str) -> dict[str, Any]:
@@ -206,7 +149,7 @@ def save_state(
     float_dtype: DTypeLike | None = None,
     metadata: Mapping[str, Any] | None = None,
     keep: int | None = 3,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     sharded: bool | None = None,
 ) -> Path:
     """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
@@ -227,10 +170,11 @@ def save_state(
             instead of whole tensors (HF layout for registered families); ``None``: when
             ``jax.process_count() > 1``, where whole tensors would need a gather.
 
-    ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and, for a
-    model with LoRA adapters or quantized layers, their settings (``"layers"``,
-    ``edl.io.structure``), so the checkpoint can be loaded and exported without the code
-    that built the model (``edl.io.export``).
+    ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and the
+    model's manifest (``"manifest"``, ``edl.io.formats.manifest``: family, task,
+    architecture, config and, for a model with LoRA adapters or quantized layers, their
+    settings, which ``"layers"`` also holds for older readers), so the checkpoint can be
+    loaded and exported without the code that built the model (``edl.io.export``).
 
     Re-saving a step replaces the old checkpoint of that step. After the save, incomplete
     ``checkpoint-*`` directories and ``.tmp-checkpoint-*`` leftovers of killed writers are
@@ -259,13 +203,22 @@ def save_state(
         final,
         state,
         json.loads(meta_text),
+        _Contents(describe(edl_state.model(state)), float_dtype, save_optimizer, tokenizer),
         sharded=sharded,
         keep=keep,
-        float_dtype=float_dtype,
-        save_optimizer=save_optimizer,
-        tokenizer=tokenizer,
     )
     return final
+
+
+@dataclasses.dataclass(frozen=True)
+class _Contents:
+    """What a save writes besides the state itself (``save_state``'s arguments), and the
+    model's manifest, computed once."""
+
+    manifest: Manifest
+    float_dtype: DTypeLike | None
+    save_optimizer: bool
+    tokenizer: Tokenizer | None
 
 
 def _write_and_commit(
@@ -273,12 +226,10 @@ def _write_and_commit(
     final: Path,
     state: TrainState,
     metadata: Any,
+    contents: _Contents,
     *,
     sharded: bool,
     keep: int | None,
-    float_dtype: DTypeLike | None,
-    save_optimizer: bool,
-    tokenizer: Any,
 ) -> None:
     """Every process writes its files into one temporary directory; once all have (a
     barrier), process 0 writes ``state.json``, renames the directory to ``final`` and
@@ -293,11 +244,11 @@ def _write_and_commit(
     sync_processes(f"edl-save-{token}-begin")
     try:
         if sharded:
-            info = _write_sharded(tmp, state, float_dtype, save_optimizer, tokenizer)
+            info = _write_sharded(tmp, state, contents)
             _fsync_files(tmp, sharded_io.file_prefix("", jax.process_index()))
             sync_processes(f"edl-save-{token}-written")  # every process's pieces are on disk
         else:
-            info = _write_contents(tmp, state, float_dtype, save_optimizer, tokenizer, final)
+            info = _write_contents(tmp, state, contents, final)
         if lead:
             info["metadata"] = metadata
             _fsync_files(tmp, "")
@@ -328,84 +279,90 @@ def _fsync_files(directory: Path, marker: str) -> None:
             fsync(file)
 
 
-def _write_sharded(
-    tmp: Path,
+def _info(
     state: TrainState,
-    float_dtype: DTypeLike | None,
-    save_optimizer: bool,
-    tokenizer: Any,
+    contents: _Contents,
+    model_format: str,
+    model_files: list[str],
+    has_optimizer: bool,
+    tokenizer_files: list[str],
 ) -> dict[str, Any]:
-    """Write this process's pieces (and, from process 0, ``shards.json`` and the tokenizer's
-    files) into ``tmp``; return ``state.json``'s fields but ``metadata``."""
+    """``state.json``'s fields but ``metadata`` (and a sharded save's
+    ``"optimizer_files"``)."""
+    float_dtype = contents.float_dtype
+    return {
+        "step": int(state.step),
+        "format": FORMAT,
+        "edl_version": _version(),
+        "model_format": model_format,
+        "has_optimizer": has_optimizer,
+        "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
+        "model_files": model_files,
+        "layers": contents.manifest.to_json()["layer_structure"],
+        "manifest": contents.manifest.to_json(),
+        "tokenizer_files": tokenizer_files,
+    }
+
+
+def _write_sharded(tmp: Path, state: TrainState, contents: _Contents) -> dict[str, Any]:
+    """Write this process's pieces (and, from process 0, ``shards.json``, the model's
+    ``config.json`` and the tokenizer's files) into ``tmp``; return ``state.json``'s fields
+    but ``metadata``."""
     model = edl_state.model(state)
-    sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, _arrays(model, "model"), float_dtype)}
-    has_optimizer = save_optimizer and state.opt_state is not None
+    arrays = _arrays(model, "model")
+    sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, arrays, contents.float_dtype)}
+    has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
         arrays = _arrays(state.opt_state, "opt_state")
         sections[_OPTIMIZER] = sharded_io.write_pieces(tmp, _OPTIMIZER, arrays, None)
     lead = jax.process_index() == 0
     if lead:
         sharded_io.write_index(tmp, sections)
-        if _is_hf(model):  # the architecture, for tools that rebuild or export the model
+        if contents.manifest.registered:  # for tools that rebuild or export the model
             floats = {
                 v["dtype"]
                 for v in sections[_MODEL].values()
                 if jnp.issubdtype(np.dtype(v["dtype"]), jnp.floating)
             }
-            hf.write_config(model, tmp, floats.pop() if len(floats) == 1 else None)
+            generation = getattr(model, "generation_config", ())
+            stored = floats.pop() if len(floats) == 1 else None
+            hf.write_config(contents.manifest, tmp, stored, generation=generation)
     prefixes = {
         kind: [sharded_io.file_prefix(kind, p) for p in range(jax.process_count())]
         for kind in (_MODEL, _OPTIMIZER)
     }
-    return {
-        "step": int(state.step),
-        "format": FORMAT,
-        "edl_version": _version(),
-        "model_format": "sharded",
-        "has_optimizer": has_optimizer,
-        "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
-        "model_files": prefixes[_MODEL],
-        "optimizer_files": prefixes[_OPTIMIZER] if has_optimizer else [],
-        "layers": layer_structure(model),
-        "tokenizer_files": hf.save_tokenizer(tokenizer, tmp) if lead else [],
-    }
+    tokenizer_files = hf.save_tokenizer(contents.tokenizer, tmp) if lead else []
+    info = _info(state, contents, "sharded", prefixes[_MODEL], has_optimizer, tokenizer_files)
+    return {**info, "optimizer_files": prefixes[_OPTIMIZER] if has_optimizer else []}
 
 
 def _write_contents(
-    tmp: Path,
-    state: TrainState,
-    float_dtype: DTypeLike | None,
-    save_optimizer: bool,
-    tokenizer: Any,
-    final: Path,
+    tmp: Path, state: TrainState, contents: _Contents, final: Path
 ) -> dict[str, Any]:
     """Write the model (HF layout when its family has one, ``edl.io.model_files``), the
     tokenizer's files and the optimizer state into ``tmp``, which becomes ``final``; return
     ``state.json``'s fields but ``metadata``."""
-    model = edl_state.model(state)
-    if _is_hf(model):
+    model, manifest = edl_state.model(state), contents.manifest
+    if manifest.registered:
         # The adapter's base is this very directory (transformers 5 reads it from here anyway).
         model_files = write_model_files(
-            model, tmp, dtype=float_dtype, base_model_name_or_path=str(final.resolve())
+            model,
+            tmp,
+            dtype=contents.float_dtype,
+            base_model_name_or_path=str(final.resolve()),
+            manifest=manifest,
         )
     else:
-        save_tensors(_host_tensors(_arrays(model, "model"), float_dtype), tmp, prefix=_MODEL)
+        tensors = _host_tensors(_arrays(model, "model"), contents.float_dtype)
+        save_tensors(tensors, tmp, prefix=_MODEL)
         model_files = [_MODEL]
-    has_optimizer = save_optimizer and state.opt_state is not None
+    has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
         tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
         save_tensors(tensors, tmp, prefix=_OPTIMIZER)
-    return {
-        "step": int(state.step),
-        "format": FORMAT,
-        "edl_version": _version(),
-        "model_format": "hf" if _is_hf(model) else "tree",
-        "has_optimizer": has_optimizer,
-        "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
-        "model_files": model_files,
-        "layers": layer_structure(model),
-        "tokenizer_files": hf.save_tokenizer(tokenizer, tmp),
-    }
+    model_format = "hf" if manifest.registered else "tree"
+    tokenizer_files = hf.save_tokenizer(contents.tokenizer, tmp)
+    return _info(state, contents, model_format, model_files, has_optimizer, tokenizer_files)
 
 
 def _targets(tree: PyTree) -> dict[str, Any]:
@@ -495,13 +452,14 @@ def load_state(
     targets = _targets(model)
     model_format = info.get("model_format")
     if model_format == "hf":
-        if not _is_hf(model):
+        manifest = describe(model)
+        if not manifest.registered:
             raise ValueError(
                 f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
                 f"is a {type(model).__name__}, not a registered edl model class"
             )
         try:
-            loaded = read_model_files(checkpoint, model, targets)
+            loaded = read_model_files(checkpoint, model, targets, manifest=manifest)
         except ValueError as e:
             raise ValueError(f"load_state: checkpoint {e}") from None
     elif model_format == "tree":

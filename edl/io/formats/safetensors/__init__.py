@@ -20,7 +20,7 @@ tensor at a time while writing, so values may be ``LazyTensor``s produced on dem
 is written to a temporary file in the target directory and moved into place with
 ``os.replace``. All format problems raise ``CheckpointError`` naming the file and the tensor.
 No pickle is involved anywhere. This package depends on nothing else in edl but
-``edl.io.files`` (atomic writes).
+``edl.io.formats.files`` (atomic writes).
 
 Why edl keeps its own rather than reading and writing through ``safetensors`` (checked against
 safetensors 0.8.0; ``tests/test_io_safetensors.py``, section "What the official library does
@@ -37,13 +37,14 @@ not give", pins each point):
 - Writing takes every tensor materialised at once (``TensorSpec`` holds raw pointers that must
   stay alive for the call), with no shard planning; ``save_tensors`` streams ``LazyTensor``s.
   ``serialize_file`` does write a temporary file and rename it, but without fsync and leaves
-  the file owner-only (``0o600``); ``edl.io.files.atomic_file`` fsyncs and honours the umask.
+  the file owner-only (``0o600``); ``edl.io.formats.files.atomic_file`` fsyncs and honours the
+  umask.
 
 Files either side writes are read bit-identically by the other (the interop tests in the same
 file, bf16 and fp8 included through ``safetensors.torch``).
 """
 
-from edl.io.safetensors.format import (
+from edl.io.formats.safetensors.format import (
     DTYPES,
     MAX_HEADER_SIZE,
     CheckpointError,
@@ -55,8 +56,8 @@ from edl.io.safetensors.format import (
     TensorLike,
     parse_size,
 )
-from edl.io.safetensors.reader import CheckpointReader, load_file, open_checkpoint
-from edl.io.safetensors.writer import save_file, save_tensors
+from edl.io.formats.safetensors.reader import CheckpointReader, load_file, open_checkpoint
+from edl.io.formats.safetensors.writer import save_file, save_tensors
 
 __all__ = [
     "DTYPES",

@@ -307,3 +307,8 @@ def _read_index(index: Path) -> dict[str, str]:
                 f"got {fname!r}"
             )
     return weight_map
+
+
+def byte_view(arr: np.ndarray) -> np.ndarray:
+    """The C-contiguous ``arr``'s memory as a flat writeable/readable uint8 array (no copy)."""
+    return arr.reshape(-1).view(np.uint8)

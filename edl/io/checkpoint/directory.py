@@ -1,8 +1,9 @@
 """The directory of a run's checkpoints: ``checkpoint-N`` names, which are complete
 (``state.json`` is written last), listing, atomic replacement of a re-saved step and pruning;
-and :func:`check_named_files`, which keeps the files a ``state.json`` names inside its
-checkpoint. What a checkpoint holds, and saving and loading it, is
-:mod:`edl.io.checkpoint`'s."""
+and what a checkpoint's ``state.json`` says: :func:`check_named_files`, which keeps the files
+it names inside the checkpoint, :func:`verify_checkpoint`, which checks them whole, and
+:func:`read_manifest`, the model it holds. Saving and loading a checkpoint is
+:mod:`edl.io.checkpoint.train_state`'s."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from edl.io.files import fsync, inside
-from edl.io.shard_index import missing_file
+from edl.io.checkpoint.shard_index import KINDS, missing_file
+from edl.io.checkpoint.sharded import verify_pieces
+from edl.io.formats.files import fsync, inside, read_json
+from edl.io.formats.hf import CONFIG_NAME, load_config
+from edl.io.formats.manifest import Manifest
+from edl.io.formats.safetensors import CheckpointError, CheckpointReader
 
-__all__ = ["STATE_NAME", "check_named_files", "latest_checkpoint", "list_checkpoints"]
+__all__ = [
+    "STATE_NAME",
+    "check_named_files",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_manifest",
+    "verify_checkpoint",
+]
 
 logger = logging.getLogger("edl")
 
@@ -32,6 +44,7 @@ _SUFFIXES = (".safetensors", ".safetensors.index.json")  # what a prefix names
 _NAME = re.compile(r"checkpoint-(\d+)(\.old)?")
 _OLD = ".old"  # step N's previous checkpoint while a re-save of step N replaces it
 _TMP = ".tmp-checkpoint-"
+_MODEL, _OPTIMIZER = KINDS  # the model's and the optimizer state's safetensors prefixes
 
 # -- small file-system helpers -------------------------------------------------------------
 
@@ -67,7 +80,7 @@ def check_named_files(checkpoint: Path, info: Mapping[str, Any]) -> None:
     Every entry of ``"model_files"`` and ``"optimizer_files"`` (safetensors prefixes: the
     prefix itself, then the ``.safetensors`` and ``.safetensors.index.json`` files it names)
     and of ``"tokenizer_files"`` must be a relative name that stays inside ``checkpoint``
-    after resolving symlinks (``edl.io.files.inside``): ``state.json`` is data, and one that
+    after resolving symlinks (``edl.io.formats.files.inside``): ``state.json`` is data, and one that
     named ``/home/me/.cache/huggingface/token`` or ``../../secret`` must not make edl read
     or export that file. Raises ``UnsafePathError`` (a ``ValueError``) naming ``state.json``
     and the entry (``tokenizer_files[2]``), or ``ValueError`` when a list is not a list.
@@ -194,4 +207,66 @@ def _prune(root: Path, current: Path, keep: int | None) -> None:
     fsync(root)
 
 
-# -- loading -------------------------------------------------------------------------------
+# -- a checkpoint's contents -----------------------------------------------------------
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check that a checkpoint's files are whole, without reading tensor data; return its
+    ``state.json``.
+
+    ``state.json`` (and a HF-layout model's ``config.json``, and its manifest) must parse,
+    the files it names
+    stay inside the checkpoint (``check_named_files``), and every safetensors file must be
+    present with a valid header and exactly the length that header promises (a sharded
+    file's index must name existing shards, inside, holding its tensors). A sharded
+    checkpoint's ``shards.json`` must be valid (``edl.io.checkpoint.shard_index.read_index``)
+    and every process's piece file present, holding each piece with the recorded shape and
+    dtype.
+    Raises ``CheckpointError`` naming the file (and entry) and what is wrong. Values are not
+    checksummed: a flipped bit inside tensor data passes.
+    """
+    path = Path(checkpoint)
+    info = _read_info(path)
+    if info is None:
+        try:
+            read_json(path / STATE_NAME, what="checkpoint state")
+        except (OSError, ValueError) as e:
+            raise CheckpointError(str(e)) from None
+        raise CheckpointError(f"{path / STATE_NAME}: lacks an integer 'step' or a 'format'")
+    try:
+        check_named_files(path, info)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+    prefixes = [*info.get("model_files", [_MODEL])]
+    if info.get("has_optimizer"):
+        prefixes += info.get("optimizer_files", [_OPTIMIZER])
+    if info.get("model_format") == "sharded":  # the index, and every piece in its file
+        kinds = (_MODEL, _OPTIMIZER) if info.get("has_optimizer") else (_MODEL,)
+        verify_pieces(path, kinds)
+    for prefix in prefixes:
+        with CheckpointReader(path, prefix=prefix):
+            pass  # opening validates every header against its file's length
+    try:
+        if info.get("model_format") == "hf":
+            read_json(path / CONFIG_NAME, what="model config")
+        if "manifest" in info:
+            read_manifest(path, info)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
+    return info
+
+
+def read_manifest(checkpoint: Path, info: Mapping[str, Any]) -> Manifest:
+    """The manifest of the model in ``checkpoint`` (``info``: its ``state.json``): the one
+    ``state.json`` holds, or, for a checkpoint written before manifests, the one its
+    ``config.json`` (a Hugging Face-layout model, or a sharded one with a config) and
+    ``"layers"`` say, as they were read then. ``ValueError`` / ``FileNotFoundError`` name
+    the file."""
+    state = checkpoint / STATE_NAME
+    if "manifest" in info:
+        return Manifest.from_json(info["manifest"], where=f"{state}: manifest")
+    layers = info.get("layers") or {}
+    model_format = info.get("model_format")
+    if model_format == "hf" or (model_format == "sharded" and (checkpoint / CONFIG_NAME).is_file()):
+        return Manifest.from_hf_config(load_config(checkpoint), layers, where=f"{state} 'layers'")
+    return Manifest(None, None, None, None, None, layers)

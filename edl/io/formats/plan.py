@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from edl.io.safetensors import CheckpointReader
+from edl.io.formats.safetensors.reader import CheckpointReader
 from edl.models.keymap import KeyTable, Placement
 
 __all__ = ["LoadPlan", "TensorSource", "load_arrays", "plan_load"]
