@@ -39,7 +39,7 @@ def models(tiny_llama):
 def _structure(model):
     """Each array's path, shape and dtype, and each linear layer's class (the run options,
     which no file holds, aside)."""
-    arrays = {p: (x.shape, jnp.dtype(x.dtype)) for p, x in edl.flatten(model).items()}
+    arrays = {p: (x.shape, jnp.dtype(x.dtype)) for p, x in edl.tree.flatten(model).items()}
     return arrays, {p: type(layer) for p, layer in find(model, is_linear).items()}
 
 
@@ -53,7 +53,7 @@ def test_manifest_round_trips_and_rebuilds_the_structure(models, name):
     assert back.config == json.loads(json.dumps(model.config.to_hf(["LlamaForCausalLM"])))
     abstract = rebuild(back)
     assert _structure(abstract) == _structure(model)
-    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in edl.flatten(abstract).values())
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in edl.tree.flatten(abstract).values())
     assert back.key_table().to_hf("model.embed_tokens.weight") == "model.embed_tokens.weight"
 
 
@@ -119,7 +119,7 @@ def _strip_manifest(checkpoint):
 
 
 def _arrays(model):
-    return {p: np.asarray(x) for p, x in edl.flatten(model).items() if hasattr(x, "shape")}
+    return {p: np.asarray(x) for p, x in edl.tree.flatten(model).items() if hasattr(x, "shape")}
 
 
 def _files(directory):
