@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from edl.cli import main
@@ -175,9 +176,12 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all("bits_per_byte" in m for m in lines)
     assert not (run / "tensorboard").exists() and any((run / "profile").rglob("*.xplane.pb"))
-    # run.md records every option; read back, they are the run's configuration.
+    # run.md records every option in effect; read back, they are the run's configuration.
     recorded = json.loads((run / "run.md").read_text().split("```json\n")[1].split("```")[0])
-    again = TrainConfig.from_options(recorded)
+    assert f"{jax.device_count()} x cpu" in recorded["environment"]["devices"]
+    assert recorded["environment"]["versions"]["jax"] == jax.__version__
+    assert recorded["options"]["learning_rate"] == 2e-3  # the rate used, not the 0 default
+    again = TrainConfig.from_options(recorded["options"])
     assert again.run.steps == 4 and again.run.checkpoint.every == 2 and again.hidden_size == 32
     assert again.run.log.trackers == () and again.run.profile.steps == (2, 1)
     assert again.run.throughput.flops_per_token > 0  # measured from the model, recorded

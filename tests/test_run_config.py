@@ -146,3 +146,18 @@ class _Outer:
 def test_two_options_may_not_share_a_name():
     with pytest.raises(TypeError, match="option name 'save_every' is used twice"):
         leaves(_Outer)
+
+
+def test_the_record_holds_the_options_in_effect():
+    """run.md records what shaped the run: the learning rate used, and none of the options
+    of another kind of run (issue 46: a --model run listed the byte model's size)."""
+    embedded = TrainConfig().in_effect()
+    assert embedded["learning_rate"] == 2e-3 and embedded["hidden_size"] == 128
+    assert "loss_type" not in embedded and "num_generations" not in embedded
+    assert "lora_alpha" not in embedded  # no --lora-rank: no LoRA scaling
+    options = {"model": "m", "data": "d.jsonl", "method": "dpo", "lora_rank": 8}
+    dpo = TrainConfig.from_options(options).in_effect()
+    assert dpo["learning_rate"] == 2e-4 and dpo["loss_type"] == "sigmoid"
+    assert dpo["lora_alpha"] == 16.0 and "num_generations" not in dpo
+    assert not {"hidden_size", "corpus_bytes", "prompt"} & set(dpo)
+    assert TrainConfig.from_options(dpo).in_effect() == dpo  # the same run again

@@ -28,6 +28,7 @@ from edl.train import (
 )
 from edl.train.callbacks import NonFiniteLossError
 from edl.train.core import StepInfo, Stop, callback
+from edl.train.step import make_schedule
 
 
 def _regression():
@@ -87,11 +88,14 @@ def test_clipping_and_learning_rate():
     batch = next(_batches(1))
     step = make_train_step(loss_fn, tx, clip_norm=1e-3, schedule=schedule, donate=False)
     clipped, metrics = step(state, batch)
-    assert float(metrics["learning_rate"]) == 0.0  # warmup starts at 0
-    clipped, metrics = step(clipped, batch)
-    np.testing.assert_allclose(metrics["learning_rate"], 0.25)
+    np.testing.assert_allclose(metrics["learning_rate"], 0.25)  # warmup from peak / 2, not 0
     moved = edl.train.step.global_norm(jax.tree.map(jnp.subtract, clipped.params, state.params))
     assert float(moved) <= 0.25 * 1e-3 * 1.0001  # one step of lr 0.25 on a clipped gradient
+    clipped, metrics = step(clipped, batch)
+    np.testing.assert_allclose(metrics["learning_rate"], 0.5)  # the peak at the warmup's end
+    # Then the linear decay to the floor over the other 8 steps, from the peak at step 2.
+    floor = 0.5 * config.min_lr_ratio
+    np.testing.assert_allclose([schedule(2), schedule(3)], [0.5, 0.5 - (0.5 - floor) / 8])
 
 
 def _nan_in_masked_row(batch):
@@ -475,3 +479,15 @@ def test_a_replacement_the_compiled_step_cannot_take_is_named(tmp_path):
 
     with pytest.raises(ValueError, match=r"Wrong\.replace_state must return a TrainState"):
         _run(tmp_path / "b", steps=2, callbacks=[Wrong()])
+
+
+@pytest.mark.parametrize("warmup", [1, 3, 10])
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_warmup_never_gives_a_step_learning_rate_zero(warmup, schedule):
+    config = OptimizerConfig(
+        schedule=schedule, learning_rate=2e-4, warmup_steps=warmup, total_steps=warmup + 10
+    )
+    lr = make_schedule(config)
+    rates = np.array([float(lr(k)) for k in range(warmup + 1)])
+    expected = 2e-4 * np.minimum(np.arange(1, warmup + 2), warmup) / warmup
+    np.testing.assert_allclose(rates, expected, rtol=1e-6)  # peak * (k + 1) / warmup, then peak

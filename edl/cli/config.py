@@ -284,6 +284,21 @@ class TrainConfig:
             return self.learning_rate
         return 2e-3 if not self.model else 2e-4 if self.lora_rank else 2e-5
 
+    def in_effect(self) -> dict[str, object]:
+        """The options that shape this run, by flat name, as it uses them: the learning
+        rate actually used (``peak_learning_rate``), and without the options of another
+        kind of run (the embedded model's size, corpus and sample for a ``--model`` run;
+        another method's options; LoRA settings without ``--lora-rank``).
+        ``TrainConfig.from_options`` of it makes the same run."""
+        options = self.to_options()
+        options["learning_rate"] = self.peak_learning_rate
+        unused = set(_METHOD_OPTIONS.get("*", ())) - set(_METHOD_OPTIONS[self.method])
+        if self.model:
+            unused |= set(_EMBEDDED_JOB_OPTIONS)
+        if not self.lora_rank:
+            unused |= {"lora_alpha", "quantize"}
+        return {name: value for name, value in options.items() if name not in unused}
+
     @classmethod
     def from_options(cls, values: Mapping[str, object], *, where: str = "") -> TrainConfig:
         """The configuration of flat ``values`` (flags / TOML keys / ``to_options``'s
@@ -295,6 +310,36 @@ class TrainConfig:
         ``TrainConfig.from_options(config.to_options()) == config``."""
         return to_options(self)
 
+
+_EMBEDDED_JOB_OPTIONS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "corpus_bytes",
+    "prompt",
+    "sample_tokens",
+    "sample_temperature",
+)
+"""The embedded byte-level job's options: its model, corpus and the sample it prints."""
+
+_METHOD_OPTIONS = {
+    "sft": (),
+    "dpo": ("loss_type", "beta", "reference"),
+    "reward": (),
+    "grpo": (
+        "beta",
+        "reference",
+        "reward",
+        "num_generations",
+        "max_new_tokens",
+        "temperature",
+        "num_iterations",
+    ),
+}
+"""The options each ``--method`` reads besides the common ones."""
+_METHOD_OPTIONS["*"] = tuple(dict.fromkeys(n for names in _METHOD_OPTIONS.values() for n in names))
 
 FIELDS: dict[str, Leaf] = leaves(TrainConfig)
 """Every option of ``edl train``, the run's included, by flat name, in ``--help`` order."""

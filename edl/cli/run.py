@@ -94,6 +94,24 @@ def step_options(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+def recorded(config: TrainConfig, mesh: jax.sharding.Mesh | None) -> dict[str, object]:
+    """What ``run.md`` (and the trackers) record of a run: ``options``, every option that
+    shaped it as it took effect (``TrainConfig.in_effect``: ``TrainConfig.from_options`` of
+    it makes the same run), and ``environment``: the devices, the mesh and the versions."""
+    device = jax.devices()[0]
+    environment = {
+        "devices": f"{jax.device_count()} x {device.platform} ({device.device_kind})",
+        "processes": jax.process_count(),
+        "mesh": None if mesh is None else dict(mesh.shape),
+        "versions": {
+            "edl": edl.__version__,
+            "jax": jax.__version__,
+            "python": sys.version.split()[0],
+        },
+    }
+    return {"options": config.in_effect(), "environment": environment}
+
+
 def _run_as_asked(config: TrainConfig, model: eqx.Module, *, evaluates: bool) -> RunConfig:
     """``config.run`` as this run can carry it out: no time limit with several processes
     (said on stderr), no evaluation without held-out batches, and the model's FLOPs per
@@ -155,5 +173,5 @@ def train_model(
         eval_step=make_eval_step(loss_fn, mesh=mesh) if eval_batches else None,
         eval_data=eval_batches,
         tokenizer=tokenizer,
-        record=dataclasses.replace(config, run=run).to_options(),  # as it ran
+        record=recorded(dataclasses.replace(config, run=run), mesh),
     )

@@ -92,7 +92,12 @@ class OptimizerConfig:
 
 
 def make_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """The learning rate as a function of the optimizer step."""
+    """The learning rate as a function of the optimizer step (counted from 0).
+
+    Warmup rises linearly over ``warmup_steps`` steps to the peak, from ``peak /
+    warmup_steps`` at step 0: every step moves the weights (a warmup from 0, as transformers'
+    ``get_*_schedule_with_warmup``, spends its first step at learning rate 0). Then the main
+    schedule runs from the peak over the remaining ``total_steps - warmup_steps``."""
     peak, floor = config.learning_rate, config.learning_rate * config.min_lr_ratio
     decay_steps = max(1, config.total_steps - config.warmup_steps)
     if config.schedule == "cosine":
@@ -105,7 +110,10 @@ def make_schedule(config: OptimizerConfig) -> optax.Schedule:
         raise ValueError(f"OptimizerConfig.schedule: unknown {config.schedule!r}")
     if config.warmup_steps == 0:
         return main
-    warmup = optax.linear_schedule(0.0, peak, config.warmup_steps)
+    first = peak / config.warmup_steps  # step k of the warmup: peak * (k + 1) / warmup_steps
+    if config.warmup_steps == 1:
+        return optax.join_schedules([optax.constant_schedule(first), main], [1])
+    warmup = optax.linear_schedule(first, peak, config.warmup_steps - 1)
     return optax.join_schedules([warmup, main], [config.warmup_steps])
 
 
