@@ -460,6 +460,9 @@ def test_grpo_lora_with_kl_to_the_base_trains_only_the_adapters():
         assert metrics["sample_s"] > 0 and metrics["train_s"] > 0
         assert metrics["reward/_low_bytes"] == pytest.approx(metrics["reward_mean"] / 2, rel=1e-5)
         assert metrics["reward_std"] > 0  # a learning signal in every step
+        # tokens/s counts the batch's tokens per update (2 updates); sampled ones apart.
+        assert 0 < metrics["sampled_tokens"] <= 2 * 4 * 6
+        assert metrics["tokens"] >= 2 * (metrics["sampled_tokens"] + 2 * 4 * len("ab"))
         kls.append(metrics["kl"])
     # B starts at zero (policy == base), then the rewards move the policy away from the base.
     assert min(kls) >= 0 and kls[-1] > 0

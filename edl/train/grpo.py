@@ -327,6 +327,11 @@ class GRPOStep:
             metrics[k] = float(np.mean([h[k] for h in history]))
         metrics["nonfinite"] = int(max(h["nonfinite"] for h in history))
         metrics["count"] = float(history[0]["count"])
+        # What tokens/s counts: the batch's real tokens, run forward and backward per update;
+        # the completions sampled, reported apart (sampled_tokens_per_s).
+        trained = int(np.sum(np.asarray(batch["attention_mask"])))
+        metrics["tokens"] = float(trained * c.num_iterations)
+        metrics["sampled_tokens"] = float(np.sum(np.asarray(batch["completion_mask"])))
         return edl_state.replace(state, step=start + 1), metrics
 
 

@@ -21,7 +21,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 from edl import lora as edl_lora
 from edl.generate.steps import CausalLM
@@ -131,6 +131,15 @@ def preference_logps(
     return out
 
 
+def _pair_tokens(batch: Batch) -> Int[Array, ""]:
+    """The tokens a preference step runs the model over: both sequences' real tokens (the
+    ``tokens`` metric that tokens/s and MFU count; ``count`` is the pairs)."""
+    return sum(
+        jnp.sum(jnp.asarray(batch[f"{side}_attention_mask"], jnp.int32))
+        for side in ("chosen", "rejected")
+    )
+
+
 def reference_logps(model: CausalLM, batch: Batch, *, chunk_size: int = 2048) -> dict[str, Array]:
     """``batch`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` ``(batch,)`` float32
     added: ``model``'s summed completion log-probs, for ``make_dpo_step(reference="batch")``
@@ -175,7 +184,7 @@ def _dpo_loss_fn(
                 chosen_nll=policy.get("chosen_nll"),
             )
         value, metrics = preference_loss(loss, pairs, options, chosen, rejected)
-        return value, {**metrics, "count": n}
+        return value, {**metrics, "count": n, "tokens": _pair_tokens(batch)}
 
     return loss_fn
 
@@ -370,6 +379,7 @@ def make_reward_step(
         loss, metrics = reward_loss(
             rewards[:n], rewards[n:], center_rewards_coefficient=center_rewards_coefficient
         )
-        return loss, {**metrics, "count": jnp.asarray(n, jnp.int32)}
+        count = jnp.asarray(n, jnp.int32)
+        return loss, {**metrics, "count": count, "tokens": _pair_tokens(batch)}
 
     return make_train_step(loss_fn, optimizer, **step_options)

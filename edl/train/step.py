@@ -169,6 +169,12 @@ def _micro_batches(batch: Batch, steps: int) -> Batch:
     return jax.tree_util.tree_map_with_path(split, batch)
 
 
+SUMMED_METRICS = ("count", "tokens")
+"""Metrics that are totals over the batch (summed over micro-batches): ``count``, what the
+loss averages over (target tokens, or pairs), and ``tokens``, the tokens the model ran over
+where that differs (preference pairs; what tokens/s counts)."""
+
+
 def _weight(metrics: Mapping[str, jax.Array]) -> jax.Array:
     """A micro-batch's share: its token (or example) count when the loss reports one."""
     if "count" in metrics:
@@ -177,13 +183,14 @@ def _weight(metrics: Mapping[str, jax.Array]) -> jax.Array:
 
 
 def _combine(metrics: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
-    """Per-micro-batch metrics ``(steps, ...)`` -> one: counts sum, the rest weighted means."""
+    """Per-micro-batch metrics ``(steps, ...)`` -> one: counts (``SUMMED_METRICS``) sum, the
+    rest are means weighted by ``count``."""
     total = jnp.sum(weights)
     safe_total = jnp.where(total > 0, total, 1.0)
     out = {}
     for key, value in metrics.items():
         value = jnp.asarray(value)
-        if key == "count":
+        if key in SUMMED_METRICS:
             out[key] = jnp.sum(value, axis=0)
         else:
             out[key] = jnp.sum(value.astype(jnp.float32) * weights, axis=0) / safe_total

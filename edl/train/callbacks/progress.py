@@ -21,13 +21,26 @@ def _fmt(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
+SHOWN = (
+    "reward_mean",
+    "rewards/margins",
+    "rewards/accuracies",
+    "loss",
+    "tokens_per_s",
+    "mfu",
+)
+"""The bar's metrics, those a step reports, in this order: each method's main number first
+(GRPO's mean reward, DPO's reward margin and accuracy; their losses are near zero or
+constant by construction), then the loss, tokens/s and MFU."""
+
+
 class ProgressBar(Callback):
-    """The steps done out of the schedule, with ``shown`` metrics (loss, tokens/s, MFU) as
-    the bar's postfix; after an evaluation, a line with its ``eval_*`` metrics."""
+    """The steps done out of the schedule, with ``shown`` metrics (``SHOWN``) as the bar's
+    postfix; after an evaluation, a line with its ``eval_*`` metrics."""
 
     every = 1
 
-    def __init__(self, shown: Sequence[str] = ("loss", "tokens_per_s", "mfu")) -> None:
+    def __init__(self, shown: Sequence[str] = SHOWN) -> None:
         self.shown = tuple(shown)
         self._bar: tqdm | None = None
 
