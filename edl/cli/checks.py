@@ -11,6 +11,7 @@ declared format, and ``--reward``'s functions importable (``CommandError``: exit
 
 from __future__ import annotations
 
+import glob
 import math
 from pathlib import Path
 
@@ -67,17 +68,20 @@ def check_model_path(model: str) -> None:
 
 
 def check_data(spec: str, format: str, *, flag: str) -> None:
-    """``spec`` (``--data`` / ``--eval-data``): local files exist and their first record is
-    a ``format`` record (``"prompt"``: a GRPO prompt); a hub dataset name is read when the
-    data loads. ``CommandError`` naming the flag and the file (and line)."""
-    from edl.cli.data import source_of  # imports the text stack: only when there is data
+    """``spec`` (``--data`` / ``--eval-data``): local files exist and the first record of
+    the first file is a ``format`` record (``"prompt"``: a GRPO prompt); a hub dataset name
+    is read when the data loads. ``CommandError`` naming the flag and the file (and line).
+    Only the first file is read (and hashed): a large data set costs nothing here."""
+    from edl.text import data_files  # imports the text stack: only when there is data
+    from edl.text.sources import resolve_files
 
-    name = spec.partition(":")[0]
-    if is_repo_id(name) and not Path(spec).expanduser().exists():
-        return
+    if not (Path(spec).expanduser().exists() or glob.has_magic(spec)):
+        if is_repo_id(spec.partition(":")[0]):
+            return
+        raise CommandError(f"{flag} {no_such_path(spec)}")
     try:
-        source = source_of(spec)
-        first = next(iter(source.records()), None)
+        first_file = resolve_files(spec)[:1]
+        first = next(iter(data_files(first_file).records()), None)
         if first is not None:
             _check_record(first[1], format, first[0])
     except (OSError, ValueError) as e:
