@@ -483,7 +483,7 @@ def test_missing_local_path_is_named_not_taken_for_a_repo_id(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     (tmp_path / "runs").mkdir()
     for path in [tmp_path / "nope", "./nope", "../nope", "runs/a/final", "runs/.hidden", "a b"]:
-        with pytest.raises(FileNotFoundError, match="no such checkpoint directory"):
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
             edl.from_pretrained(path)
 
 

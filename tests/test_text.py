@@ -397,7 +397,7 @@ def test_save_writes_only_text_files_that_transformers_reads_back(loaded, tmp_pa
 
 def test_load_tokenizer_errors_name_the_path(tmp_path, tokenizer_dirs, monkeypatch):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(FileNotFoundError, match="no-such-model: no such tokenizer directory"):
+    with pytest.raises(FileNotFoundError, match="no-such-model: no such file or directory"):
         load_tokenizer(missing)
     with pytest.raises(FileNotFoundError, match=f"{tmp_path}: no tokenizer files"):
         load_tokenizer(tmp_path)

@@ -5,7 +5,10 @@
 standard library's own sources, byte-level) for a few minutes on a CPU, then prints a
 sample. Every option is a flag, or a key of a TOML file given with ``--config`` (flags win).
 Parsing and checking the options imports no jax, so ``--help`` and mistakes answer at once;
-errors are one line on stderr and exit status 2 (1 for a run that fails).
+errors are one line on stderr and exit status 2 (1 for a run that fails). ``edl train``
+checks the rest (``--mesh`` against the devices, paths, the data's first record, the output
+directory, ``--reward``) right after jax starts, before any model loads
+(``edl.cli.checks``).
 """
 
 from __future__ import annotations
@@ -305,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"edl {args.command}: error: {e}\n")
     try:  # the commands import jax: only after every option was checked
         _run(args, config if args.command == "train" else None)
+    except ConfigError as e:  # an option that needed jax to check (--mesh vs the devices)
+        parser.exit(2, f"edl {args.command}: error: {e}\n")
     except CommandError as e:
         parser.exit(1, f"edl {args.command}: error: {e}\n")
 

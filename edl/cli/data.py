@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 from pathlib import Path
 
+from edl._hub import hub_offline, is_repo_id, no_such_path, offline_error
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import process_split
 from edl.text import Tokenizer, data_files, hf_dataset, load_tokenized
@@ -17,11 +18,21 @@ __all__ = ["batches"]
 
 def source_of(spec: str) -> Source:
     """The records ``spec`` names: local files (a file, a directory or a glob), else a
-    Hugging Face ``datasets`` name, ``NAME`` or ``NAME:SPLIT`` (default split ``train``)."""
+    Hugging Face ``datasets`` name, ``NAME`` or ``NAME:SPLIT`` (default split ``train``).
+    A ``NAME`` that is not repo-id-shaped (``edl._hub.is_repo_id``: ``nope.jsonl``,
+    ``data/x/y``) is a missing local path: ``FileNotFoundError`` naming it, no hub look-up;
+    with ``HF_HUB_OFFLINE=1`` a hub name missing from the cache says so."""
     if Path(spec).expanduser().exists() or glob.has_magic(spec):
         return data_files(spec)
     name, _, split = spec.partition(":")
-    return hf_dataset(name, split=split or "train")
+    if not is_repo_id(name):
+        raise no_such_path(spec)
+    try:
+        return hf_dataset(name, split=split or "train")
+    except (OSError, ValueError, ConnectionError) as e:
+        if hub_offline():
+            raise offline_error(name, "dataset") from e
+        raise
 
 
 def batches(config: TrainConfig, spec: str, tokenizer: Tokenizer, *, shuffle: bool) -> TokenBatches:

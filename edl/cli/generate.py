@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from edl._hub import is_repo_id
 from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
 from edl.generate import generate, generate_text, stream_text
@@ -19,9 +19,6 @@ from edl.text import ByteTokenizer
 from edl.text.hf import HFTokenizer
 
 __all__ = ["run_generate"]
-
-# A hub repo id ("name" or "namespace/name"), as edl.io.formats.hf.resolve_directory reads one.
-_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 
 
 def sample(model, prompt_ids, max_new_tokens: int, *, key=None, temperature: float = 0.0):
@@ -65,7 +62,7 @@ def load_model_and_tokenizer(
     cast = None if dtype is None else jnp.dtype(dtype)
     path = Path(model).expanduser()
     try:
-        if path.exists() or not _REPO_ID.fullmatch(model):
+        if not is_repo_id(model):
             directory = resolve_model(path)
             loaded = load_model(directory, dtype=cast)
             has_files = any((directory / n).is_file() for n in TOKENIZER_FILES)

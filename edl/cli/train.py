@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 import edl
+from edl.cli.checks import check_before_work
 from edl.cli.config import TrainConfig
 from edl.cli.distributed import is_lead, process_split, start
 from edl.cli.generate import sample
@@ -62,6 +63,7 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     loop's summary. With ``config.model``: fine-tuning (``edl.cli.finetune``). With several
     processes every one runs this; process 0 prints."""
     start(config)
+    check_before_work(config)  # one line and an exit code, before any model or data loads
     if config.method != "sft":
         from edl.cli.post import run_post_training
 

@@ -14,7 +14,6 @@ transformers is the optional extra ``edl-jax[text]``; it is imported on the firs
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -23,13 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from edl._hub import hub_offline, is_repo_id, no_such_path, offline_error
 from edl.text.tokenizer import checked_ids, checked_text
 
 __all__ = ["HFTokenizer", "load_tokenizer"]
 
-# What a hub repo id can be ("name" or "namespace/name"), the rule of edl.io.formats.hf's
-# resolve_directory: anything else is a local path, and a missing one is an error.
-_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
 # Tokenizer files a directory must hold one of (transformers reads the others beside them).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # What `save` writes: JSON, Jinja templates and text vocabularies; a binary file only when
@@ -251,8 +248,8 @@ def load_tokenizer(
     """The tokenizer of a model directory or hub repo, read by transformers' ``AutoTokenizer``.
 
     A local directory must hold tokenizer files (``tokenizer.json``,
-    ``tokenizer_config.json``, ...). What cannot be a repo id (``"name"`` or
-    ``"namespace/name"``: absolute paths, ``./``, ``~``, more than one ``/``) is a local path,
+    ``tokenizer_config.json``, ...). What is not a repo id (``edl._hub.is_repo_id``:
+    absolute paths, ``./``, ``~``, more than one ``/``, a file extension) is a local path,
     as in :func:`edl.io.formats.hf.from_pretrained`. A repo id is fetched through the hub (or its
     local cache) at ``revision``; ``local_files_only=None`` leaves the choice to
     transformers (``HF_HUB_OFFLINE``). Raises ``FileNotFoundError`` naming a missing path or
@@ -270,8 +267,8 @@ def load_tokenizer(
         where: str = str(path)
     elif path.exists():
         raise ValueError(f"{path} is a file; pass the directory that holds the tokenizer files")
-    elif len(text) > 96 or not _REPO_ID.fullmatch(text):
-        raise FileNotFoundError(f"{path}: no such tokenizer directory (and not a hub repo id)")
+    elif not is_repo_id(text):
+        raise no_such_path(text)
     else:
         where, source_files = text, frozenset()
     try:
@@ -288,5 +285,7 @@ def load_tokenizer(
         # Tokenizer files are data: never import a class an ``auto_map`` names.
         hf = AutoTokenizer.from_pretrained(where, use_fast=True, trust_remote_code=False, **options)
     except OSError as e:  # transformers' errors for missing files and unknown repos
+        if not source_files and hub_offline():
+            raise offline_error(where) from e
         raise OSError(f"{where}: transformers could not read a tokenizer: {e}") from e
     return HFTokenizer(hf, where, source_files=source_files)

@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import PartitionSpec, Sharding
 from jax.typing import DTypeLike
 
+from edl._hub import hub_offline, is_repo_id, no_such_path, offline_error
 from edl.io.formats.files import read_json, write_json_atomic
 from edl.io.formats.manifest import Manifest, describe
 from edl.io.formats.plan import TensorSource, load_arrays, plan_load
@@ -71,11 +72,13 @@ def resolve_directory(
     """A local directory as is; otherwise a hub repo id, fetched (config + safetensors only)
     through ``huggingface_hub``, which serves the local HF cache when offline.
 
-    What cannot be a repo id (``"name"`` or ``"namespace/name"``: absolute paths, ``./``,
-    ``../``, ``~``, more than one ``/``, characters a repo name cannot hold) is a local path,
-    and a missing one raises ``FileNotFoundError`` naming it. A string that is a valid repo
-    id goes to the hub even when part of it exists locally, as in transformers: a local
-    ``meta-llama/`` folder must not stop ``"meta-llama/Llama-3.2-1B"`` from downloading.
+    What is not a repo id (``edl._hub.is_repo_id``: absolute paths, ``./``, ``../``, ``~``,
+    more than one ``/``, a file extension, characters a repo name cannot hold) is a local
+    path, and a missing one raises ``FileNotFoundError`` naming it, with no network access.
+    With ``HF_HUB_OFFLINE=1`` only the local cache is read, and a miss says so. A
+    repo-id-shaped string goes to the hub even when part of it exists locally, as in
+    transformers: a local ``meta-llama/`` folder must not stop ``"meta-llama/Llama-3.2-1B"``
+    from downloading.
     When the hub then fails, the error notes the local near miss, in case a path was meant.
     """
     text = os.fspath(path_or_repo_id)
@@ -84,8 +87,10 @@ def resolve_directory(
         return path
     if path.exists():
         raise ValueError(f"{path} is a file; pass the checkpoint directory")
-    if len(text) > 96 or not _REPO_ID.fullmatch(text):
-        raise FileNotFoundError(f"{path}: no such checkpoint directory (and not a hub repo id)")
+    if not is_repo_id(text):
+        raise no_such_path(text)
+    if hub_offline() and not local_files_only:
+        local_files_only = True  # no network at all; the cache may still hold it
     from huggingface_hub import snapshot_download
 
     try:
@@ -100,15 +105,11 @@ def resolve_directory(
             )
         )
     except Exception as e:
+        if hub_offline():
+            raise offline_error(text) from e
         if path.parent != Path(".") and path.parent.is_dir():
             e.add_note(f"edl: no local directory {path} either (though {path.parent} exists)")
         raise
-
-
-# A hub repo id as huggingface_hub validates it: "name" or "namespace/name" of letters,
-# digits, "-", "_", ".", neither part starting or ending with "-" or ".", no "--" or "..";
-# so "." / ".." parts (relative paths) never match.
-_REPO_ID = re.compile(r"(?!.*(--|\.\.))\w([\w.-]*\w)?(/\w([\w.-]*\w)?)?")
 
 
 def load_config(directory: str | os.PathLike[str]) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""Checks before work (``edl.cli.checks``): each mistake of ``edl train`` is one line and an
+exit code, before any model loads (the loaders are replaced by ones that fail the test)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from edl.cli import main
+
+
+@pytest.fixture(autouse=True)
+def no_model_loads(monkeypatch):
+    """Loading a model (fine-tuning's, or the embedded job's) fails the test."""
+    import edl.cli.finetune
+    import edl.cli.post
+    import edl.cli.train
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the checks")
+
+    monkeypatch.setattr(edl.cli.finetune, "load_for_finetuning", loaded)
+    monkeypatch.setattr(edl.cli.post, "load_for_finetuning", loaded)
+    monkeypatch.setattr(edl.cli.train, "_model", loaded)
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "train.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "pairs.jsonl").write_text(
+        json.dumps({"prompt": "p", "chosen": "a", "rejected": "b"}) + "\n"
+    )
+    return tmp_path
+
+
+def _fails(argv, capsys, code):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--output-dir", "out", *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == code, err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+    assert err.startswith("edl train: error: "), err
+    return err
+
+
+def test_mesh_larger_than_the_devices_exits_2_naming_both_counts(workdir, capsys):
+    present = jax.device_count()
+    err = _fails(["--mesh", f"{present + 1},1,1,1"], capsys, code=2)
+    assert f"asks for {present + 1} devices, {present} present" in err
+    err = _fails([f"--mesh=-1,{present + 1},1,1"], capsys, code=2)
+    assert f"needs a multiple of {present + 1} devices, {present} present" in err
+
+
+def test_mesh_with_post_training_exits_2(workdir, capsys):
+    argv = ["--method", "dpo", "--model", "model", "--data", "pairs.jsonl", "--mesh", "1,1,1,1"]
+    assert "--mesh is for --method sft, not dpo" in _fails(argv, capsys, code=2)
+
+
+@pytest.mark.parametrize("model", [[], ["--model", "model"]], ids=["embedded", "finetune"])
+def test_missing_data_file_fails_at_once_without_the_hub(workdir, capsys, monkeypatch, model):
+    import edl.cli.data
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(edl.cli.data, "hf_dataset", no_hub)
+    err = _fails([*model, "--data", "nope.jsonl"], capsys, code=1)
+    assert "--data nope.jsonl: no such file or directory" in err
+    err = _fails([*model, "--data", "train.jsonl", "--eval-data", "held/out.txt"], capsys, code=1)
+    assert "--eval-data held/out.txt: no such file or directory" in err
+
+
+def test_missing_model_path_fails_at_once(workdir, capsys):
+    err = _fails(["--model", "runs/x/final", "--data", "train.jsonl"], capsys, code=1)
+    assert "--model runs/x/final: no such file or directory" in err
+
+
+def test_first_record_in_the_wrong_format_fails_before_the_model(workdir, capsys):
+    err = _fails(["--model", "model", "--data", "train.jsonl", "--format", "chat"], capsys, 1)
+    assert "train.jsonl:1: format 'chat' needs field(s) ['messages']" in err
+    err = _fails(["--method", "dpo", "--model", "model", "--data", "train.jsonl"], capsys, 1)
+    assert "format 'preference' needs field(s)" in err
+    argv = ["--method", "grpo", "--reward", "m:f", "--model", "model", "--data", "pairs.jsonl"]
+    assert "'prompt' field" not in _fails(argv, capsys, 1)  # pairs have a prompt: reward next
+
+
+def test_unimportable_reward_fails_before_the_model(workdir, capsys):
+    (workdir / "prompts.jsonl").write_text(json.dumps({"prompt": "p"}) + "\n")
+    argv = ["--method", "grpo", "--model", "model", "--data", "prompts.jsonl"]
+    err = _fails([*argv, "--reward", "no_such_module_xyz:score"], capsys, code=1)
+    assert "--reward no_such_module_xyz:score: cannot import" in err
+
+
+@pytest.mark.parametrize("method", ["sft", "dpo"])
+def test_earlier_run_in_the_output_dir_fails_before_the_model(workdir, capsys, method):
+    (workdir / "out").mkdir()
+    (workdir / "out" / "metrics.jsonl").write_text("{}\n")
+    data = "train.jsonl" if method == "sft" else "pairs.jsonl"
+    argv = ["--method", method, "--model", "model", "--data", data]
+    assert "holds an earlier run" in _fails(argv, capsys, code=1)
