@@ -12,8 +12,10 @@ the model's leaves (nothing is copied), so freezing most of a large model costs 
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -28,6 +30,7 @@ from jaxtyping import PyTree
 from edl import tree as edl_tree
 
 __all__ = [
+    "TRAINABLE_FORMS",
     "Trainable",
     "abstract",
     "count_params",
@@ -44,10 +47,32 @@ __all__ = [
 
 # The last member is meant as PyTree[bool]; it is typed loosely so that a bad mask reaches
 # edl's own check, which names the offending leaf.
-Trainable: TypeAlias = Callable[[Any], bool] | str | re.Pattern[str] | PyTree | None
-"""What may be trained: ``None`` (every inexact array), a leaf predicate, a regex searched in
-path strings, or a pytree of Python bools that is a prefix of the model. Whatever is given is
-narrowed to inexact (floating/complex) arrays: nothing else can carry a gradient."""
+Trainable: TypeAlias = (
+    Callable[[Any], bool] | Callable[[str, Any], bool] | str | re.Pattern[str] | PyTree | None
+)
+
+TRAINABLE_FORMS = """``trainable`` takes one of these forms:
+
+    None                         every floating-point array (the default)
+    r"lora_[AB]"                 a regex (str or re.Pattern), searched in each leaf's path
+                                 string, e.g. "layers.3.self_attn.q_proj.weight"
+    lambda path, leaf: ...       a predicate of the path string and the leaf
+    lambda leaf: ...             a predicate of the leaf alone
+    a pytree of Python bools     a prefix of the model: True trains the whole subtree
+
+Whatever is given is narrowed to inexact (floating / complex) arrays: nothing else can
+carry a gradient. Example, everything but the embeddings::
+
+    edl.split(model, lambda path, leaf: not path.startswith("model.embed_tokens."))
+"""
+
+"""What may be trained (``split``, ``create_state``, ``summary``): see ``TRAINABLE_FORMS``."""
+
+
+def shows_trainable_forms(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Append ``TRAINABLE_FORMS`` to ``fn``'s docstring, so ``help(fn)`` shows them inline."""
+    fn.__doc__ = f"{fn.__doc__.rstrip()}\n\n{textwrap.indent(TRAINABLE_FORMS, '    ')}"
+    return fn
 
 
 def is_inexact_array_like(x: Any) -> bool:
@@ -55,8 +80,9 @@ def is_inexact_array_like(x: Any) -> bool:
     return edl_tree.is_array_like(x) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
+@shows_trainable_forms
 def trainable_mask(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> PyTree[bool]:
-    """A bool per leaf of ``model``: True where the leaf is trainable (see :data:`Trainable`)."""
+    """A bool per leaf of ``model``: True where the leaf is trainable."""
     if trainable is None:
         return jax.tree.map(is_inexact_array_like, model)
     if isinstance(trainable, str | re.Pattern):
@@ -65,8 +91,33 @@ def trainable_mask(model: PyTree, trainable: Trainable = None, *, sep: str = "."
             lambda p, x: is_inexact_array_like(x) and pattern.search(p) is not None, model, sep=sep
         )
     if callable(trainable) and not isinstance(trainable, eqx.Module):
+        if _takes_path(trainable):
+            return edl_tree.named_map(
+                lambda p, x: is_inexact_array_like(x) and bool(trainable(p, x)), model, sep=sep
+            )
         return jax.tree.map(lambda x: is_inexact_array_like(x) and bool(trainable(x)), model)
     return _broadcast_bool_prefix(trainable, model, sep)
+
+
+def _takes_path(predicate: Callable[..., Any]) -> bool:
+    """Whether a ``trainable`` predicate takes ``(path, leaf)`` (two required positional
+    parameters) rather than ``(leaf)``; any other signature is refused, naming it."""
+    try:
+        signature = inspect.signature(predicate)
+    except (TypeError, ValueError):  # a builtin without a signature: called with the leaf
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    required = [
+        p for p in signature.parameters.values() if p.kind in positional and p.default is p.empty
+    ]
+    if len(required) in (1, 2):
+        return len(required) == 2
+    if not required and any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+        return False
+    raise TypeError(
+        f"trainable: the predicate {predicate!r} has signature {signature}; it must take "
+        "(leaf) or (path, leaf)"
+    )
 
 
 def _broadcast_bool_prefix(mask: PyTree, model: PyTree, sep: str) -> PyTree[bool]:
@@ -87,6 +138,7 @@ def _broadcast_bool_prefix(mask: PyTree, model: PyTree, sep: str) -> PyTree[bool
         raise ValueError(f"trainable mask is not a prefix of the model's structure: {e}") from e
 
 
+@shows_trainable_forms
 def split(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> tuple[PyTree, PyTree]:
     """Split ``model`` into ``(params, other)``: the trainable arrays and everything else.
 
@@ -95,7 +147,7 @@ def split(model: PyTree, trainable: Trainable = None, *, sep: str = ".") -> tupl
 
     Args:
         model: any pytree, typically an ``eqx.Module``.
-        trainable: see :data:`Trainable`; default: every inexact array.
+        trainable: what to train (the forms below); default: every inexact array.
     """
     return eqx.partition(model, trainable_mask(model, trainable, sep=sep))
 
@@ -218,18 +270,29 @@ def _human(n: int | float, unit: str = "") -> str:
     return f"{n / 1000:.2f}T{unit}"
 
 
+@shows_trainable_forms
 def summary(
-    model: PyTree, trainable: Trainable = None, *, sep: str = ".", max_rows: int | None = None
+    model: PyTree,
+    trainable: Trainable = None,
+    *,
+    sep: str = ".",
+    max_rows: int | None = None,
+    trainable_only: bool = False,
 ) -> str:
     """A table of the model's arrays: path, shape, dtype, element count, trainable, and totals.
 
+    Trainable rows come first (each group in the model's order), so a shortened table shows
+    what trains; ``trainable_only`` lists only those (the totals still count every array).
     ``max_rows`` keeps the first and last rows of very long tables.
     """
     mask = edl_tree.flatten(trainable_mask(model, trainable, sep=sep), sep)
     arrays = {p: x for p, x in edl_tree.flatten(model, sep).items() if edl_tree.is_array_like(x)}
+    listed = sorted(arrays, key=lambda p: not mask[p])  # stable: the model's order per group
+    if trainable_only:
+        listed = [p for p in listed if mask[p]]
     rows = [
         (p, str(tuple(x.shape)), str(x.dtype), f"{math.prod(x.shape):,}", "yes" if mask[p] else "")
-        for p, x in arrays.items()
+        for p, x in ((p, arrays[p]) for p in listed)
     ]
     header = ("path", "shape", "dtype", "params", "trainable")
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]

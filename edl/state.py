@@ -205,6 +205,7 @@ def _as_step(step: int | jax.Array) -> Int[Array, ""]:
     return step.astype(jnp.int32)
 
 
+@edl_module.shows_trainable_forms
 def create(
     model: PyTree,
     tx: optax.GradientTransformation | None = None,
@@ -212,7 +213,7 @@ def create(
     trainable: edl_module.Trainable = None,
     step: int | Int[Array, ""] = 0,
 ) -> TrainState:
-    """Split ``model`` by ``trainable`` (see ``edl.module.Trainable``) into a new state.
+    """Split ``model`` by ``trainable`` into a new state (``step``, ``params``, ``other``).
 
     With ``tx``, the optimizer state is initialised for the trainable arrays only.
     """

@@ -198,6 +198,44 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     assert steps == [1, 2]
 
     main(["info", str(run)])
-    assert "checkpoint-00000002" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "checkpoint-00000002" in shown
+    # What the run used and where it ended, from run.md and metrics.jsonl.
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert f"run {run}: the embedded byte-level model, method sft" in shown
+    assert f"jax {jax.__version__}" in shown
+    assert f"final step 2: loss={last['loss']:.6g}" in shown
     main(["generate", "--model", str(run), "--prompt", "import", "--max-new-tokens", "5"])
     assert capsys.readouterr().out.startswith("import")
+
+
+def test_info_reports_the_run_main_numbers_and_last_evaluation(tmp_path):
+    """``edl info``'s run lines from a GRPO-like run's files: the model and method used, the
+    method's main number before the loss, the last evaluation; a kill's partial line is skipped
+    and any other broken line is named."""
+    from edl.cli.config import CommandError
+    from edl.cli.info import run_report
+    from edl.train.callbacks.run_report import write_run_summary
+
+    record = {
+        "options": {"model": "HuggingFaceTB/SmolLM2-135M", "method": "grpo"},
+        "environment": {"devices": "8 x cpu (cpu)", "mesh": {"data": 8}, "versions": {"jax": "9"}},
+    }
+    write_run_summary(tmp_path / "run.md", {"end_step": 3}, record)
+    lines = [
+        {"step": 1, "loss": 0.5, "reward_mean": 0.25},
+        {"step": 2, "loss": 0.4, "eval_loss": 1.5, "eval_accuracy": 0.5},
+        {"step": 3, "loss": 1e-6, "reward_mean": 0.75, "tokens_per_s": 9.0},
+    ]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(m) + "\n" for m in lines) + '{"step": 4, "lo')
+    assert run_report(tmp_path) == [
+        f"run {tmp_path}: HuggingFaceTB/SmolLM2-135M, method grpo",
+        "  devices 8 x cpu (cpu), mesh {'data': 8}; jax 9",
+        "  final step 3: reward_mean=0.75, loss=1e-06",
+        "  final evaluation (step 2): eval_accuracy=0.5, eval_loss=1.5",
+    ]
+    metrics.write_text('{"step": 1\n{"step": 2, "loss": 1.0}\n')
+    with pytest.raises(CommandError, match=r"metrics.jsonl: line 1 is not JSON"):
+        run_report(tmp_path)
+    assert run_report(tmp_path / "nothing") == []

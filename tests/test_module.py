@@ -69,11 +69,28 @@ def test_split_by_regex_predicate_and_bool_tree(block):
     by_pred = edl.split(block, lambda x: x.ndim == 2)[0]
     assert _trainable_paths(by_pred) == {"attn.weight", "lora_a", "lora_b"}
 
+    # A predicate of (path, leaf): freeze by path without a lookahead regex.
+    by_path = edl.split(block, lambda path, leaf: not path.startswith("attn.") and leaf.ndim == 2)
+    assert _trainable_paths(by_path[0]) == {"lora_a", "lora_b"}
+    seen = []
+    edl.split(block, lambda path, leaf, scale=1.0: seen.append(path) or False)  # a default: 2
+    assert "attn.weight" in seen
+
     mask = Block(
         attn=True, lora_a=False, lora_b=True, positions=True, scale=True, act=True, name="block"
     )
     assert _trainable_paths(edl.split(block, mask)[0]) == {"attn.weight", "attn.bias", "lora_b"}
     assert _trainable_paths(edl.split(block, False)[0]) == set()
+
+
+def test_trainable_predicates_of_other_arity_are_refused(block):
+    with pytest.raises(TypeError, match=r"must take \(leaf\) or \(path, leaf\)"):
+        edl.split(block, lambda path, leaf, depth: True)
+
+
+def test_help_of_split_and_create_state_shows_the_trainable_forms():
+    for fn in (edl.split, edl.create_state, edl.summary):
+        assert "lambda path, leaf" in fn.__doc__ and "a pytree of Python bools" in fn.__doc__
 
 
 def test_trainable_mask_errors_name_the_problem(block):
@@ -152,6 +169,12 @@ def test_summary_lists_arrays_with_totals(block):
     assert "act" not in {line.split()[0] for line in lines}
     short = edl.summary(block, max_rows=2).splitlines()
     assert "... 3 more rows ..." in short
+    # Trainable rows first, so a short table shows what trains; or only those.
+    first = [line.split()[0] for line in edl.summary(block, "lora").splitlines()[2:4]]
+    assert first == ["lora_a", "lora_b"]
+    only = edl.summary(block, "lora_b", trainable_only=True).splitlines()
+    assert [line.split()[0] for line in only[2:-2]] == ["lora_b"]
+    assert only[-1] == "total: 40 params (40), trainable: 8 (8), 160B"
     big = {"w": jax.ShapeDtypeStruct((1000, 2500), jnp.bfloat16)}
     assert edl.summary(big).splitlines()[-1] == (
         "total: 2,500,000 params (2.50M), trainable: 2,500,000 (2.50M), 5.00MB"

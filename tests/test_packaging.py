@@ -103,6 +103,7 @@ def test_wheel_holds_every_package_file_and_the_metadata(tmp_path):
     assert metadata["Description-Content-Type"] == "text/markdown"
     assert metadata["Requires-Python"] == PROJECT["requires-python"]
     assert set(metadata.get_all("Provides-Extra")) == EXTRAS
+    assert "__init__.py" not in names  # the clone's root guard (the import trap) stays out
     assert "edl = edl.cli:entry" in entry_points
 
 
@@ -111,3 +112,17 @@ def test_changelog_has_the_current_version():
     assert re.search(rf"^## \[{re.escape(edl.__version__)}\]", changelog, flags=re.M), (
         f"CHANGELOG.md has no '## [{edl.__version__}]' section (edl.__version__)"
     )
+
+
+def test_a_clone_named_edl_imported_from_its_parent_says_how_to_fix_it(tmp_path):
+    """The import trap: a clone named ``edl`` on sys.path (the current directory) would import
+    as an empty namespace package and fail later with a bare AttributeError; the clone's root
+    ``__init__.py`` stops it at import, naming the clone and the fix."""
+    (tmp_path / "edl").symlink_to(ROOT, target_is_directory=True)
+    done = subprocess.run(
+        [sys.executable, "-c", "import edl"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: `import edl` found the clone"), done.stderr
+    assert f"pip install -e {ROOT}" in last

@@ -85,8 +85,9 @@ def _wandb_run(directory):
     return history, config, ids
 
 
-def test_tensorboard_logs_the_metrics_and_the_config(tmp_path):
+def test_tensorboard_logs_the_metrics_and_the_config(tmp_path, capsys):
     _run(tmp_path, steps=4, trackers=("tensorboard",), record={"what": "test"})
+    assert f"tensorboard --logdir {tmp_path / 'tensorboard'}" in capsys.readouterr().err
     scalars, texts = _tensorboard_events(tmp_path / "tensorboard")
     losses = {m["step"]: m["loss"] for m in _lines(tmp_path)}
     assert scalars["loss"] == pytest.approx(losses, rel=1e-6)  # float32 in the event

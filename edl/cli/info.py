@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from edl.cli.config import CommandError
 from edl.io.checkpoint import STATE_NAME, list_checkpoints, verify_checkpoint
@@ -15,7 +17,7 @@ from edl.io.formats.files import read_json
 from edl.io.formats.hf import CONFIG_NAME
 from edl.io.formats.safetensors import CheckpointError
 
-__all__ = ["run_info"]
+__all__ = ["resolve_model", "run_info", "run_report"]
 
 
 def _checkpoints_dir(path: Path) -> Path:
@@ -42,13 +44,59 @@ def resolve_model(path: Path) -> Path:
     )
 
 
+def _shown(record: Mapping[str, Any], keys: Sequence[str]) -> str:
+    return ", ".join(f"{k}={record[k]:.6g}" for k in keys if isinstance(record.get(k), float | int))
+
+
+def run_report(path: Path) -> list[str]:
+    """What a run directory says of its run, from ``run.md`` (written at the end: the model,
+    method, devices, mesh and versions used) and ``metrics.jsonl`` (every logged step: the
+    final loss and each method's main number, and the last evaluation). ``[]`` for a path
+    that is no run directory."""
+    from edl.train.callbacks.metrics_log import METRICS_FILE
+    from edl.train.callbacks.progress import SHOWN
+    from edl.train.callbacks.run_report import read_run_record
+    from edl.train.run_dir import read_history
+
+    try:
+        record = read_run_record(path / "run.md")
+        history = read_history(path / METRICS_FILE)
+    except ValueError as e:
+        raise CommandError(str(e)) from None
+    lines = []
+    if record is not None:
+        options, environment = record.get("options", {}), record.get("environment", {})
+        model = options.get("model") or "the embedded byte-level model"
+        lines.append(f"run {path}: {model}, method {options.get('method')}")
+        versions = ", ".join(f"{k} {v}" for k, v in environment.get("versions", {}).items())
+        lines.append(
+            f"  devices {environment.get('devices')}, mesh {environment.get('mesh')}; {versions}"
+        )
+    trained = [m for m in history if "loss" in m]
+    if trained:
+        last = trained[-1]
+        main = [k for k in SHOWN if k not in ("tokens_per_s", "mfu")] + ["bits_per_byte"]
+        numbers = _shown(last, main)
+        lines.append(f"  final step {last.get('step')}: {numbers}")
+    evals = [m for m in history if any(k.startswith("eval_") for k in m)]
+    if evals:
+        keys = sorted(k for k in evals[-1] if k.startswith("eval_"))
+        lines.append(
+            f"  final evaluation (step {evals[-1].get('step')}): {_shown(evals[-1], keys)}"
+        )
+    return lines
+
+
 def run_info(path: Path) -> None:
-    """Print the checkpoints of a run (the newest's state.json) and the model's summary."""
+    """Print what a run did (:func:`run_report`), its checkpoints (the newest's state.json)
+    and the model's summary."""
     import edl
     from edl.io.export import load_model
 
     if not path.exists():
         raise CommandError(f"{path} does not exist")
+    for line in run_report(path):
+        print(line)
     found = list_checkpoints(_checkpoints_dir(path))
     if found:
         print(f"{_checkpoints_dir(path)}: {len(found)} checkpoint(s); newest {found[-1].name}")

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = [
     "Prepared",
     "check",
     "prepare",
+    "read_history",
 ]
 
 CHECKPOINTS = "checkpoints"
@@ -78,6 +80,12 @@ def _remove_run(directory: Path, names: list[str]) -> None:
     for name in names:
         os.replace(directory / name, trash / name)
     shutil.rmtree(trash)
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl`` (``[]`` when it does not exist), in order; a
+    partial last line (a kill mid-write) is left out, any other bad line raises, naming it."""
+    return _read_history(path, sys.maxsize, rewrite=False)
 
 
 def _read_history(path: Path, upto: int, *, rewrite: bool = True) -> list[dict[str, Any]]:

@@ -14,7 +14,9 @@ import numpy as np
 from edl.io.formats.files import write_text_atomic
 from edl.train.core import Callback, RunEnd
 
-__all__ = ["RunReport", "summarize", "write_run_summary"]
+__all__ = ["RunReport", "read_run_record", "summarize", "write_run_summary"]
+
+_RECORD_START, _RECORD_END = "## Configuration\n\n```json\n", "\n```\n"
 
 
 def summarize(history: Sequence[Mapping[str, Any]], end: RunEnd, **extra: Any) -> dict[str, Any]:
@@ -56,16 +58,33 @@ def write_run_summary(
     """``run.md``: the summary as a table, then the run's configuration as JSON (atomic)."""
     lines = ["# edl run", "", "| | |", "|---|---|"]
     lines += [f"| {key} | {_fmt(value)} |" for key, value in summary.items()]
+    text = "\n".join(lines) + "\n"
     if config:
-        lines += [
-            "",
-            "## Configuration",
-            "",
-            "```json",
-            json.dumps(config, indent=2, default=str),
-            "```",
-        ]
-    write_text_atomic(Path(path), "\n".join(lines) + "\n")
+        text += f"\n{_RECORD_START}{json.dumps(config, indent=2, default=str)}{_RECORD_END}"
+    write_text_atomic(Path(path), text)
+
+
+def read_run_record(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The configuration ``write_run_summary`` put in ``path`` (``run.md``): ``None`` when the
+    file or the section is absent; a section that is not a JSON object raises, naming it."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    start = text.find(_RECORD_START)
+    if start < 0:
+        return None
+    body = text[start + len(_RECORD_START) :]
+    end = body.find(_RECORD_END)
+    try:
+        record = json.loads(body if end < 0 else body[:end])
+    except ValueError as e:
+        raise ValueError(f"{path}: its Configuration section is not JSON: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(
+            f"{path}: its Configuration section is {type(record).__name__}, not an object"
+        )
+    return record
 
 
 class RunReport(Callback):

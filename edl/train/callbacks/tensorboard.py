@@ -1,11 +1,12 @@
 """``TensorBoardLog``: scalar metrics as TensorBoard events (the optional ``tensorboard``
-extra, ``tensorboardX``)."""
+extra: ``tensorboardX`` writes them, ``tensorboard`` views them)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ def tensorboard_available() -> bool:
 class TensorBoardLog(Callback):
     """Every numeric metric as a scalar at the step, on the steps a ``MetricsLog`` with
     the same ``interval`` writes, into ``directory`` (created on the first write); the
-    run's ``config``, when given, as the text ``config`` (JSON) with the first write."""
+    run's ``config``, when given, as the text ``config`` (JSON) with the first write, which
+    also says on stderr how to view them (``tensorboard --logdir DIRECTORY``)."""
 
     every = 1
 
@@ -50,6 +52,11 @@ class TensorBoardLog(Callback):
             from tensorboardX import SummaryWriter
 
             self._writer = SummaryWriter(str(self.directory))
+            print(
+                f"TensorBoard events in {self.directory}; view them with: "
+                f"tensorboard --logdir {self.directory}",
+                file=sys.stderr,
+            )
             if self.config is not None:
                 text = json.dumps(self.config, indent=2, default=str)
                 self._writer.add_text("config", f"```\n{text}\n```", info.step)
