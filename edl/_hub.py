@@ -13,9 +13,20 @@ from __future__ import annotations
 
 import os
 import re
+import urllib.error
+import urllib.request
 from pathlib import Path
+from typing import Literal
 
-__all__ = ["FILE_SUFFIXES", "hub_offline", "is_repo_id", "no_such_path", "offline_error"]
+__all__ = [
+    "FILE_SUFFIXES",
+    "hub_offline",
+    "hub_unreachable",
+    "is_repo_id",
+    "no_such_path",
+    "offline_error",
+    "unreachable_error",
+]
 
 # A hub repo id as huggingface_hub validates it: "name" or "namespace/name" of letters,
 # digits, "-", "_", ".", neither part starting or ending with "-" or ".", no "--" or "..";
@@ -87,4 +98,60 @@ def offline_error(repo_id: str, what: str = "repo") -> FileNotFoundError:
     return FileNotFoundError(
         f"{repo_id}: hub {what} not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 "
         "forbids downloading it (unset HF_HUB_OFFLINE, or pass a local path)"
+    )
+
+
+_PROBE_TIMEOUT_S = 10.0
+
+
+def _endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+_ANSWERS: dict[str, str | None] = {}
+""":func:`hub_unreachable`'s answer per endpoint, kept for the process."""
+
+
+def _probe(endpoint: str) -> str | None:
+    if endpoint not in _ANSWERS:
+        _ANSWERS[endpoint] = _ask(endpoint)
+    return _ANSWERS[endpoint]
+
+
+def _ask(endpoint: str) -> str | None:
+    try:
+        request = urllib.request.Request(endpoint, method="HEAD")
+        with urllib.request.urlopen(request, timeout=_PROBE_TIMEOUT_S):
+            return None
+    except urllib.error.HTTPError:
+        return None  # the hub answered: reachable (what it says of a repo is the loader's)
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub (``HF_ENDPOINT``, default ``https://huggingface.co``) cannot be reached,
+    or ``None`` when it answers: ONE request (a ``HEAD`` of the endpoint, 10 s at most,
+    proxies from the environment), made once per process and endpoint. The hub libraries
+    retry a failed request five times with backoff (about 30 s per file, a minute for a
+    model and its tokenizer); edl asks once, before any of them runs."""
+    return _probe(_endpoint())
+
+
+def unreachable_error(
+    repo_id: str, reason: str, kind: Literal["model", "dataset"] = "model"
+) -> ConnectionError:
+    """The error for hub repo ``repo_id`` while :func:`hub_unreachable` gives ``reason``:
+    it says whether the repo is in the local Hugging Face cache (then ``HF_HUB_OFFLINE=1``
+    reads it from there) or not."""
+    from huggingface_hub import constants  # reads the cache's location from the environment
+
+    cached = Path(constants.HF_HUB_CACHE, f"{kind}s--{repo_id.replace('/', '--')}").is_dir()
+    fix = (
+        "it is in the local Hugging Face cache: rerun with HF_HUB_OFFLINE=1 to read it from there"
+        if cached
+        else "it is not in the local Hugging Face cache: check the network, or pass a local path"
+    )
+    return ConnectionError(
+        f"{repo_id}: a hub {kind} repo id, but {_endpoint()} cannot be reached ({reason}); {fix}"
     )

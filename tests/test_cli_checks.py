@@ -8,6 +8,7 @@ import json
 import jax
 import pytest
 
+import edl._hub
 from edl.cli import main
 
 
@@ -102,3 +103,78 @@ def test_earlier_run_in_the_output_dir_fails_before_the_model(workdir, capsys, m
     data = "train.jsonl" if method == "sft" else "pairs.jsonl"
     argv = ["--method", method, "--model", "model", "--data", data]
     assert "holds an earlier run" in _fails(argv, capsys, code=1)
+
+
+@pytest.fixture
+def closed_endpoint(monkeypatch):
+    """``HF_ENDPOINT`` at a local port nothing listens on: the hub is unreachable at once."""
+    import socket
+
+    with socket.socket() as s:  # a free port, closed again: connecting is refused
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    edl._hub._ANSWERS.clear()
+    yield f"http://127.0.0.1:{port}"
+    edl._hub._ANSWERS.clear()
+
+
+def test_unreachable_hub_fails_at_once_naming_the_repo_and_the_cache(
+    workdir, capsys, monkeypatch, closed_endpoint
+):
+    """A repo id with the hub unreachable: one request, one line (not the hub libraries'
+    minute of retries), saying whether the repo is cached and how to read it from there."""
+    import huggingface_hub.constants
+
+    import edl.cli.data
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("the hub was asked")
+
+    monkeypatch.setattr(edl.cli.data, "hf_dataset", no_hub)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(workdir / "hub"))
+    (workdir / "hub" / "models--someone--cached").mkdir(parents=True)
+    err = _fails(["--model", "someone/missing", "--data", "train.jsonl"], capsys, code=1)
+    assert f"--model someone/missing: a hub model repo id, but {closed_endpoint} cannot" in err
+    assert "not in the local Hugging Face cache" in err
+    err = _fails(["--model", "someone/cached", "--data", "train.jsonl"], capsys, code=1)
+    assert "rerun with HF_HUB_OFFLINE=1" in err
+    err = _fails(["--data", "someone/prefs:test"], capsys, code=1)
+    assert "--data someone/prefs: a hub dataset repo id, but" in err
+    # Offline, the hub is not asked at all: the loaders read the cache (and say so on a miss).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(edl._hub, "_ask", no_hub)
+    from edl.cli.checks import check_model_path
+
+    check_model_path("someone/missing")
+
+
+def test_a_reachable_hub_is_asked_once(monkeypatch):
+    """Any HTTP answer (404 included) means reachable; the answer is kept per endpoint."""
+    import http.server
+    import threading
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        requests = 0
+
+        def do_HEAD(self):
+            type(self).requests += 1
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        edl._hub._ANSWERS.clear()
+        assert edl._hub.hub_unreachable() is None
+        assert edl._hub.hub_unreachable() is None
+        assert NotFound.requests == 1
+    finally:
+        server.shutdown()
+        edl._hub._ANSWERS.clear()

@@ -5,7 +5,8 @@ is read, each answered in one line.
 any model or data is loaded, for every ``--method``: the ``--mesh`` against the devices
 present (``ConfigError``: exit 2), ``--mesh`` with a post-training method, the output
 directory, ``--model`` and ``--data`` / ``--eval-data`` paths (a path-shaped value that does
-not exist never reaches the hub, ``edl._hub``), the first record of local data files in the
+not exist never reaches the hub, ``edl._hub``; a repo id needs the hub reachable, asked
+once, unless ``HF_HUB_OFFLINE``), the first record of local data files in the
 declared format, and ``--reward``'s functions importable (``CommandError``: exit 1).
 """
 
@@ -14,14 +15,15 @@ from __future__ import annotations
 import glob
 import math
 from pathlib import Path
+from typing import Literal
 
 import jax
 
-from edl._hub import is_repo_id, no_such_path
+from edl._hub import hub_offline, hub_unreachable, is_repo_id, no_such_path, unreachable_error
 from edl.cli.config import CommandError, ConfigError, TrainConfig
 from edl.cli.run import check_output_dir
 
-__all__ = ["check_before_work", "check_data", "check_mesh", "check_model_path"]
+__all__ = ["check_before_work", "check_data", "check_hub", "check_mesh", "check_model_path"]
 
 
 def check_before_work(config: TrainConfig) -> None:
@@ -61,10 +63,23 @@ def check_mesh(config: TrainConfig, devices: int) -> None:
 
 
 def check_model_path(model: str) -> None:
-    """``--model``: an existing path, or a hub repo id (looked up when the model loads);
-    ``CommandError`` for a missing path-shaped value."""
-    if not is_repo_id(model) and not Path(model).expanduser().exists():
+    """``--model``: an existing path, or a hub repo id (looked up when the model loads) with
+    the hub reachable (:func:`check_hub`); ``CommandError`` for a missing path-shaped value."""
+    if is_repo_id(model):
+        check_hub(model, "model", flag="--model")
+    elif not Path(model).expanduser().exists():
         raise CommandError(f"--model {no_such_path(model)}")
+
+
+def check_hub(repo_id: str, kind: Literal["model", "dataset"], *, flag: str) -> None:
+    """Unless ``HF_HUB_OFFLINE``: one request to the hub (``edl._hub.hub_unreachable``), and
+    ``CommandError`` at once when it cannot be reached, instead of the hub libraries' minute
+    of retries; the message says whether the repo is cached (``HF_HUB_OFFLINE=1`` reads it)."""
+    if hub_offline():
+        return
+    reason = hub_unreachable()
+    if reason is not None:
+        raise CommandError(f"{flag} {unreachable_error(repo_id, reason, kind)}")
 
 
 def check_data(spec: str, format: str, *, flag: str) -> None:
@@ -76,9 +91,11 @@ def check_data(spec: str, format: str, *, flag: str) -> None:
     from edl.text.sources import resolve_files
 
     if not (Path(spec).expanduser().exists() or glob.has_magic(spec)):
-        if is_repo_id(spec.partition(":")[0]):
-            return
-        raise CommandError(f"{flag} {no_such_path(spec)}")
+        name = spec.partition(":")[0]
+        if not is_repo_id(name):
+            raise CommandError(f"{flag} {no_such_path(spec)}")
+        check_hub(name, "dataset", flag=flag)
+        return
     try:
         first_file = resolve_files(spec)[:1]
         first = next(iter(data_files(first_file).records()), None)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from edl._hub import is_repo_id
+from edl.cli.checks import check_hub
 from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
 from edl.generate import generate, generate_text, stream_text
@@ -69,6 +70,7 @@ def load_model_and_tokenizer(
             return loaded, _tokenizer(str(directory), has_files, loaded)
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
+    check_hub(model, "model", flag="--model")
     try:
         loaded = from_pretrained(model, dtype=cast)
         return loaded, _tokenizer(model, True, loaded)
