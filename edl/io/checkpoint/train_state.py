@@ -57,8 +57,10 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from edl import lora as edl_lora
 from edl import state as edl_state
 from edl import tree as edl_tree
+from edl.io.checkpoint import adapter_only, model_arrays
 from edl.io.checkpoint import sharded as sharded_io
 from edl.io.checkpoint.directory import (
     _MODEL,
@@ -72,11 +74,11 @@ from edl.io.checkpoint.directory import (
     latest_checkpoint,
 )
 from edl.io.formats import hf
+from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import fsync, read_json, write_json_atomic
 from edl.io.formats.manifest import Manifest, describe
-from edl.io.formats.plan import LoadPlan, TensorSource, load_arrays
-from edl.io.formats.safetensors import CheckpointReader, LazyTensor, save_tensors
-from edl.io.model_files import read_model_files, write_model_files
+from edl.io.formats.safetensors import LazyTensor, save_tensors
+from edl.io.model_files import write_model_files
 from edl.module import require_float_dtype
 from edl.sharding import broadcast_text, sync_processes
 from edl.state import TrainState
@@ -151,6 +153,7 @@ def save_state(
     keep: int | None = 3,
     tokenizer: Tokenizer | None = None,
     sharded: bool | None = None,
+    base: BaseReference | None = None,
 ) -> Path:
     """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
 
@@ -169,6 +172,12 @@ def save_state(
         sharded: write every array as the pieces the processes hold (module docstring)
             instead of whole tensors (HF layout for registered families); ``None``: when
             ``jax.process_count() > 1``, where whole tensors would need a gather.
+        base: for a LoRA-wrapped model trained from a base model on disk or on the hub,
+            the reference to that base (``edl.io.formats.base_ref.reference(source)``,
+            computed once when the base is loaded): the checkpoint then holds the adapters
+            alone, in PEFT's layout, and ``state.json``'s ``"base"`` points at the base
+            (``edl.io.checkpoint.adapter_only``). Every array of ``state.params`` must be a
+            LoRA matrix. ``None``: the whole model is saved (the full layout).
 
     ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and the
     model's manifest (``"manifest"``, ``edl.io.formats.manifest``: family, task,
@@ -198,12 +207,14 @@ def save_state(
         raise ValueError(f"save_state: sharded=False needs one process; {processes} run")
     root = Path(directory)
     final = root / f"checkpoint-{step:08d}"
+    if base is not None:
+        adapter_only.check_trained(state, describe(edl_state.model(state)))
     _write_and_commit(
         root,
         final,
         state,
         json.loads(meta_text),
-        _Contents(describe(edl_state.model(state)), float_dtype, save_optimizer, tokenizer),
+        _Contents(describe(edl_state.model(state)), float_dtype, save_optimizer, tokenizer, base),
         sharded=sharded,
         keep=keep,
     )
@@ -219,6 +230,7 @@ class _Contents:
     float_dtype: DTypeLike | None
     save_optimizer: bool
     tokenizer: Tokenizer | None
+    base: BaseReference | None = None
 
 
 def _write_and_commit(
@@ -290,6 +302,7 @@ def _info(
     """``state.json``'s fields but ``metadata`` (and a sharded save's
     ``"optimizer_files"``)."""
     float_dtype = contents.float_dtype
+    base = {} if contents.base is None else {"base": contents.base.to_json()}
     return {
         "step": int(state.step),
         "format": FORMAT,
@@ -301,6 +314,7 @@ def _info(
         "layers": contents.manifest.to_json()["layer_structure"],
         "manifest": contents.manifest.to_json(),
         "tokenizer_files": tokenizer_files,
+        **base,
     }
 
 
@@ -310,6 +324,8 @@ def _write_sharded(tmp: Path, state: TrainState, contents: _Contents) -> dict[st
     but ``metadata``."""
     model = edl_state.model(state)
     arrays = _arrays(model, "model")
+    if contents.base is not None:  # the adapters' pieces alone
+        arrays = {p: x for p, x in arrays.items() if edl_lora.lora_trainable.search(p)}
     sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, arrays, contents.float_dtype)}
     has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
@@ -343,7 +359,11 @@ def _write_contents(
     tokenizer's files and the optimizer state into ``tmp``, which becomes ``final``; return
     ``state.json``'s fields but ``metadata``."""
     model, manifest = edl_state.model(state), contents.manifest
-    if manifest.registered:
+    if contents.base is not None:
+        model_files = adapter_only.write_adapters(
+            tmp, model, manifest, contents.base, contents.float_dtype
+        )
+    elif manifest.registered:
         # The adapter's base is this very directory (transformers 5 reads it from here anyway).
         model_files = write_model_files(
             model,
@@ -361,44 +381,9 @@ def _write_contents(
         tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
         save_tensors(tensors, tmp, prefix=_OPTIMIZER)
     model_format = "hf" if manifest.registered else "tree"
+    model_format = adapter_only.ADAPTER_FORMAT if contents.base is not None else model_format
     tokenizer_files = hf.save_tokenizer(contents.tokenizer, tmp)
     return _info(state, contents, model_format, model_files, has_optimizer, tokenizer_files)
-
-
-def _targets(tree: PyTree) -> dict[str, Any]:
-    return {p: x for p, x in edl_tree.flatten(tree).items() if edl_tree.is_array_like(x)}
-
-
-def _check_kinds(where: str, stored: Mapping[str, np.dtype], targets: Mapping[str, Any]) -> None:
-    bad = [
-        f"  {p}: expected {np.dtype(t.dtype)} vs stored {stored[p]}"
-        for p, t in targets.items()
-        if jnp.issubdtype(stored[p], jnp.inexact) != jnp.issubdtype(t.dtype, jnp.inexact)
-    ]
-    if bad:
-        raise ValueError(
-            f"{where}: {len(bad)} tensors cannot be cast between floating and integer "
-            "(expected vs actual):\n" + "\n".join(bad)
-        )
-
-
-def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
-    """Tensors keyed by edl path, checked against ``targets`` before any data is read."""
-    with CheckpointReader(checkpoint, prefix=prefix) as reader:
-        infos = {k: reader.info(k) for k in reader}
-        stored = {k: jax.ShapeDtypeStruct(i.shape, i.dtype) for k, i in infos.items()}
-        edl_tree.validate(stored, targets, check_dtype=False).raise_if_invalid(
-            f"checkpoint {reader.path}"
-        )
-        _check_kinds(str(reader.path), {k: i.dtype for k, i in infos.items()}, targets)
-        plan = LoadPlan.by_name(TensorSource.from_reader(reader), targets)
-        return load_arrays(plan, targets)  # cast to the targets' dtypes
-
-
-def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
-    return edl_tree.named_map(
-        lambda p, x: loaded[p] if p in loaded and edl_tree.is_array_like(x) else x, tree
-    )
 
 
 def _resolve(directory: Path) -> Path:
@@ -419,6 +404,7 @@ def load_state(
     like: TrainState,
     *,
     allow_missing_optimizer: bool = False,
+    base: BaseReference | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Load a checkpoint into the structure of ``like``; return ``(state, metadata)``.
 
@@ -433,6 +419,12 @@ def load_state(
     ``allow_missing_optimizer=True``, which keeps ``like.opt_state`` (a fresh optimizer).
     ``metadata`` is what :func:`save_state` was given (``{}`` if nothing). A file named by
     ``state.json`` outside the checkpoint raises ``ValueError`` (``check_named_files``).
+
+    An adapter-only checkpoint (``save_state(..., base=ref)``) holds no base model: its base
+    is ``like``'s (concrete) arrays, and ``base`` must be the reference to the base ``like``
+    was built from (``edl.io.formats.base_ref.reference``, computed when it was loaded); a
+    base whose weights hash differently, or none, is refused, naming both hashes and the
+    checkpoint's ``state.json``. ``base`` is ignored for a checkpoint holding its base.
     """
     checkpoint = _resolve(Path(directory))
     info = _read_info(checkpoint)
@@ -448,33 +440,14 @@ def load_state(
         )
     check_named_files(checkpoint, info)
 
-    model = edl_state.model(like)
-    targets = _targets(model)
+    loaded = model_arrays.read_model(checkpoint, info, edl_state.model(like), base)
     model_format = info.get("model_format")
-    if model_format == "hf":
-        manifest = describe(model)
-        if not manifest.registered:
-            raise ValueError(
-                f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
-                f"is a {type(model).__name__}, not a registered edl model class"
-            )
-        try:
-            loaded = read_model_files(checkpoint, model, targets, manifest=manifest)
-        except ValueError as e:
-            raise ValueError(f"load_state: checkpoint {e}") from None
-    elif model_format == "tree":
-        loaded = _read_tree(checkpoint, _MODEL, targets)
-    elif model_format == "sharded":
-        loaded = sharded_io.read_pieces(checkpoint, _MODEL, targets)
-    else:
-        raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
-
     opt_state = like.opt_state
     if like.opt_state is not None:
-        opt_targets = _targets(like.opt_state)
+        opt_targets = model_arrays.targets_of(like.opt_state)
         if info.get("has_optimizer"):
-            read = sharded_io.read_pieces if model_format == "sharded" else _read_tree
-            opt_state = _fill(like.opt_state, read(checkpoint, _OPTIMIZER, opt_targets))
+            read = sharded_io.read_pieces if model_format == "sharded" else model_arrays.read_tree
+            opt_state = model_arrays.fill(like.opt_state, read(checkpoint, _OPTIMIZER, opt_targets))
         elif opt_targets and not allow_missing_optimizer:
             raise ValueError(
                 f"load_state: {checkpoint} has no optimizer state (saved with "
@@ -488,8 +461,8 @@ def load_state(
     state = edl_state.replace(
         like,
         step=step,
-        params=_fill(like.params, loaded),
-        other=_fill(like.other, loaded),
+        params=model_arrays.fill(like.params, loaded),
+        other=model_arrays.fill(like.other, loaded),
         opt_state=opt_state,
     )
     metadata = info.get("metadata")
