@@ -45,7 +45,7 @@ def _commands() -> str:
     return block.group(1)
 
 
-def _build_model(directory: Path) -> None:
+def _build_model(directory: Path, hidden_size: int = 64, intermediate_size: int = 128) -> None:
     """A 2-layer Llama (random weights) with a BPE tokenizer trained on the conversations."""
     import jax
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -70,8 +70,8 @@ def _build_model(directory: Path) -> None:
     tokenizer.chat_template = CHATML
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

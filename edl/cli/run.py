@@ -20,6 +20,7 @@ from jaxtyping import Array, Float
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import GlobalBatches, mesh_of
+from edl.io.formats.base_ref import BaseReference
 from edl.models import flops_per_token
 from edl.module import Trainable
 from edl.sharding import shard_batch
@@ -145,13 +146,15 @@ def train_model(
     callbacks: Sequence[Callback] = (),
     step: StepFn | None = None,
     tx: optax.GradientTransformation | None = None,
+    base: BaseReference | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
     ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
     ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training).
     With ``--mesh`` (or several processes) the state, batches and evaluation live on the
-    mesh (``edl.cli.distributed``). Returns ``edl.train.train``'s ``(state, summary)``."""
+    mesh (``edl.cli.distributed``). ``base``: a LoRA run's base reference, for adapter-only
+    checkpoints (``edl.train.train``). Returns ``edl.train.train``'s ``(state, summary)``."""
     mesh = mesh_of(config)
     if step is None:
         tx, schedule = optimizer(config)
@@ -174,4 +177,5 @@ def train_model(
         eval_data=eval_batches,
         tokenizer=tokenizer,
         record=recorded(dataclasses.replace(config, run=run), mesh),
+        base=base,
     )
