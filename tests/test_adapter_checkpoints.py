@@ -193,3 +193,92 @@ def test_transformers_and_peft_load_the_adapter_only_checkpoint(tmp_path):
         want = hf(torch.tensor(ids)).logits.numpy()
     got = load_model(checkpoint)(jnp.asarray(ids, jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
+def _disk_use(directory):
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _one_line_failure(argv, capsys):
+    from edl.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+    return err
+
+
+@pytest.mark.slow  # three LoRA runs of 5 / 2 steps on a 2-layer model, each compiling (~2 min)
+def test_cli_lora_checkpoints_are_adapters_resume_exactly_and_generate_as_the_full_ones(
+    tmp_path, capsys
+):
+    from edl.cli import main
+    from edl.io.formats.safetensors import load_file
+    from tests.test_finetune_readme import _build_model, _write_chats
+
+    model, chat = tmp_path / "model", tmp_path / "chat.jsonl"
+    _build_model(model, hidden_size=256, intermediate_size=512)
+    _write_chats(chat)
+    common = ["train", "--model", str(model), "--data", str(chat), "--lora-rank", "2"]
+    common += ["--batch-size", "2", "--seq-len", "64", "--save-every", "1", "--keep", "0"]
+    common += ["--warmup-steps", "0", "--learning-rate", "1e-2", "--steps", "5", "--no-progress"]
+    adapters, full = tmp_path / "adapters", tmp_path / "full"
+    main([*common, "--output-dir", str(adapters)])
+    main([*common, "--save-base", "--output-dir", str(full)])
+    capsys.readouterr()
+
+    # Five checkpoints each; the adapter-only ones hold no base and under 10% of the disk.
+    last = "checkpoints/checkpoint-00000005"
+    assert len(list((adapters / "checkpoints").glob("checkpoint-*"))) == 5
+    assert not list(adapters.rglob("model*.safetensors")) and not list(
+        adapters.rglob("config.json")
+    )
+    assert (full / last / "model.safetensors").is_file()
+    ratio = _disk_use(adapters / "checkpoints") / _disk_use(full / "checkpoints")
+    assert ratio < 0.10, ratio
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(adapters / last / name), load_file(full / last / name)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+
+    # Resumed from step 3 (checkpoints 4 and 5 gone): bit-equal to the uninterrupted run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(adapters, resumed)
+    for step in (4, 5):
+        shutil.rmtree(resumed / f"checkpoints/checkpoint-{step:08d}")
+    main([*common, "--resume", "--output-dir", str(resumed)])
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["start_step"] == 3
+    for name in ("adapter_model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(adapters / last / name), load_file(resumed / last / name)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+    # generate / export / info from the adapter-only run equal the full layout's.
+    prompt = ["--prompt", "What is", "--max-new-tokens", "8"]
+    main(["generate", "--model", str(adapters), *prompt])
+    text = capsys.readouterr().out
+    main(["generate", "--model", str(full), *prompt])
+    assert text.strip() and capsys.readouterr().out == text
+    for run in (adapters, full):
+        main(["export", str(run), str(tmp_path / f"export-{run.name}")])
+    for name in ("model.safetensors", "adapter_model.safetensors"):
+        a = load_file(tmp_path / "export-adapters" / name)
+        b = load_file(tmp_path / "export-full" / name)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    main(["info", str(adapters)])
+    assert '"model_format": "adapter"' in capsys.readouterr().out
+
+    # A changed base is refused by generate and by resume; a missing one in one line.
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    shutil.copy(model / "model.safetensors", tmp_path / "saved.safetensors")
+    edl.io.formats.safetensors.save_file(weights, model / "model.safetensors")
+    err = _one_line_failure(["generate", "--model", str(adapters), *prompt], capsys)
+    assert "refusing a different base" in err and str(adapters / last / "state.json") in err
+    err = _one_line_failure(
+        [*common, "--steps", "6", "--resume", "--output-dir", str(adapters)], capsys
+    )
+    assert "refusing a different base" in err
+    shutil.move(model, tmp_path / "gone")
+    err = _one_line_failure(["export", str(adapters), str(tmp_path / "x")], capsys)
+    assert f"base model {model}" in err and "no such directory" in err

@@ -20,7 +20,10 @@ from jaxtyping import Array, Float
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import GlobalBatches, mesh_of
+from edl.io.checkpoint import STATE_NAME, latest_checkpoint
+from edl.io.checkpoint.adapter_only import check_same_base, stored_base
 from edl.io.formats.base_ref import BaseReference
+from edl.io.formats.files import read_json
 from edl.models import flops_per_token
 from edl.module import Trainable
 from edl.sharding import shard_batch
@@ -135,6 +138,22 @@ def _run_as_asked(config: TrainConfig, model: eqx.Module, *, evaluates: bool) ->
     return run
 
 
+def check_resumed_base(output_dir: Path, base: BaseReference | None) -> None:
+    """Refuse, before the run starts, to resume an adapter-only checkpoint in
+    ``output_dir`` from another base than the one it was trained on (``load_state``
+    checks it again when it reads the checkpoint): one line naming both hashes."""
+    checkpoint = latest_checkpoint(output_dir / run_dir.CHECKPOINTS)
+    if checkpoint is None:
+        return
+    try:
+        info = read_json(checkpoint / STATE_NAME, what="checkpoint state")
+        stored = stored_base(info, checkpoint)
+        if stored is not None:
+            check_same_base(stored, base, checkpoint)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--resume: {e}") from None
+
+
 def train_model(
     config: TrainConfig,
     model: eqx.Module,
@@ -167,6 +186,8 @@ def train_model(
         data = GlobalBatches(data, mesh)
         eval_batches = [shard_batch(b, mesh) for b in eval_batches or ()] or None
     run = _run_as_asked(config, model, evaluates=bool(eval_batches))
+    if run.resume and run.output_dir is not None:
+        check_resumed_base(Path(run.output_dir), base)
     return train(
         state,
         step,

@@ -43,7 +43,7 @@ from jax.typing import DTypeLike
 
 from edl import lora as edl_lora
 from edl import quantize as edl_quantize
-from edl.io.checkpoint.adapter_only import ADAPTER_FORMAT, stored_base
+from edl.io.checkpoint.adapter_only import ADAPTER_FORMAT, read_adapters, stored_base
 from edl.io.checkpoint.directory import STATE_NAME, check_named_files, read_manifest
 from edl.io.checkpoint.sharded import StoredArrays
 from edl.io.formats import hf
@@ -53,7 +53,7 @@ from edl.io.formats.hf import ADAPTER_CONFIG
 from edl.io.formats.manifest import Manifest, describe, rebuild
 from edl.io.formats.peft import ADAPTER_WEIGHTS, load_adapter
 from edl.io.formats.safetensors import LazyTensor, save_tensors
-from edl.io.model_files import read_adapters, read_model_files, write_model_files
+from edl.io.model_files import read_model_files, write_model_files
 from edl.module import require_float_dtype
 from edl.nn import LoraLinear
 from edl.tree import find, flatten, is_array_like, named_map

@@ -43,7 +43,7 @@ from edl.io.formats.safetensors import CheckpointReader, save_tensors
 from edl.models.keymap import KeyTable
 from edl.tree import named_map
 
-__all__ = ["MODEL", "QUANTIZED", "read_adapters", "read_model_files", "write_model_files"]
+__all__ = ["MODEL", "QUANTIZED", "read_model_files", "write_model_files"]
 
 MODEL = "model"
 """The base model's safetensors prefix (``model.safetensors`` or its shards)."""
@@ -160,31 +160,6 @@ def read_model_files(
         except ValueError as e:
             raise ValueError(f"{directory}: {e}") from None
         return load_arrays(plan, targets)
-
-
-def read_adapters(
-    directory: str | os.PathLike[str],
-    model: eqx.Module,
-    targets: Mapping[str, jax.Array | jax.ShapeDtypeStruct],
-    *,
-    manifest: Manifest | None = None,
-) -> dict[str, jax.Array]:
-    """The LoRA A/B arrays of ``model`` (LoRA-wrapped, abstract is fine) from the PEFT
-    adapter file in ``directory`` (``adapter_model.safetensors``), keyed by edl path: those
-    of ``targets`` that ``edl.lora.lora_trainable`` matches, each checked and cast as
-    :func:`read_model_files` does. An adapter-only checkpoint's base comes from elsewhere
-    (``edl.io.formats.base_ref``); this reads what the checkpoint itself holds."""
-    directory = Path(directory)
-    table = (manifest or describe(model)).key_table()
-    wanted = {p: t for p, t in targets.items() if edl_lora.lora_trainable.search(p)}
-    abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in wanted.items()}
-    with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
-        source = TensorSource.from_reader(reader, {k.removeprefix(PEFT_PREFIX): k for k in reader})
-        try:
-            plan = plan_load(table, abstract, source)
-        except ValueError as e:
-            raise ValueError(f"{reader.path}: {e}") from None
-        return load_arrays(plan, wanted)
 
 
 def _union(sources: list[tuple[Path, TensorSource]]) -> TensorSource:

@@ -25,19 +25,22 @@ are read. ``edl.io.export.load_model(checkpoint)`` finds the base by the stored 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 from jaxtyping import PyTree
 
 from edl import lora as edl_lora
 from edl import tree as edl_tree
 from edl.io.formats.base_ref import BaseReference
-from edl.io.formats.manifest import Manifest
-from edl.io.formats.peft import ADAPTER_WEIGHTS, save_adapter
-from edl.io.model_files import read_adapters
+from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.peft import ADAPTER_WEIGHTS, PEFT_PREFIX, save_adapter
+from edl.io.formats.plan import TensorSource, load_arrays, plan_load
+from edl.io.formats.safetensors import CheckpointReader
 from edl.state import TrainState
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "check_same_base",
     "check_trained",
     "read_adapter_only",
+    "read_adapters",
     "stored_base",
     "write_adapters",
 ]
@@ -84,6 +88,31 @@ def write_adapters(
         manifest=manifest,
     )
     return [ADAPTER_WEIGHTS]
+
+
+def read_adapters(
+    directory: str | os.PathLike[str],
+    model: eqx.Module,
+    targets: Mapping[str, jax.Array | jax.ShapeDtypeStruct],
+    *,
+    manifest: Manifest | None = None,
+) -> dict[str, jax.Array]:
+    """The LoRA A/B arrays of ``model`` (LoRA-wrapped, abstract is fine) from the PEFT
+    adapter file in ``directory`` (``adapter_model.safetensors``), keyed by edl path: those
+    of ``targets`` that ``edl.lora.lora_trainable`` matches, each checked and cast as
+    :func:`read_model_files` does. An adapter-only checkpoint's base comes from elsewhere
+    (``edl.io.formats.base_ref``); this reads what the checkpoint itself holds."""
+    directory = Path(directory)
+    table = (manifest or describe(model)).key_table()
+    wanted = {p: t for p, t in targets.items() if edl_lora.lora_trainable.search(p)}
+    abstract = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in wanted.items()}
+    with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
+        source = TensorSource.from_reader(reader, {k.removeprefix(PEFT_PREFIX): k for k in reader})
+        try:
+            plan = plan_load(table, abstract, source)
+        except ValueError as e:
+            raise ValueError(f"{reader.path}: {e}") from None
+        return load_arrays(plan, wanted)
 
 
 def stored_base(info: Mapping[str, Any], checkpoint: Path) -> BaseReference | None:

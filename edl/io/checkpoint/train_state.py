@@ -38,9 +38,7 @@ of processes, each process reading only the blocks its devices hold.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.metadata
 import itertools
 import json
 import logging
@@ -60,7 +58,7 @@ from jaxtyping import PyTree
 from edl import lora as edl_lora
 from edl import state as edl_state
 from edl import tree as edl_tree
-from edl.io.checkpoint import adapter_only, model_arrays
+from edl.io.checkpoint import adapter_only, tensors
 from edl.io.checkpoint import sharded as sharded_io
 from edl.io.checkpoint.directory import (
     _MODEL,
@@ -77,8 +75,9 @@ from edl.io.formats import hf
 from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import fsync, read_json, write_json_atomic
 from edl.io.formats.manifest import Manifest, describe
-from edl.io.formats.safetensors import LazyTensor, save_tensors
-from edl.io.model_files import write_model_files
+from edl.io.formats.plan import LoadPlan, TensorSource, load_arrays
+from edl.io.formats.safetensors import CheckpointReader, save_tensors
+from edl.io.model_files import read_model_files, write_model_files
 from edl.module import require_float_dtype
 from edl.sharding import broadcast_text, sync_processes
 from edl.state import TrainState
@@ -92,55 +91,6 @@ FORMAT = 1
 """Version of the checkpoint layout, stored as ``state.json``'s ``"format"``."""
 
 # -- saving --------------------------------------------------------------------------------
-
-
-def _arrays(tree: PyTree, what: str) -> dict[str, Any]:
-    """Array leaves by path, refusing what safetensors cannot hold."""
-    out = {}
-    for path, leaf in edl_tree.flatten(tree).items():
-        if not edl_tree.is_array_like(leaf):
-            continue
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise ValueError(f"save_state: {what}.{path} is abstract (a ShapeDtypeStruct)")
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"save_state: {what}.{path} is a typed PRNG key array; store "
-                "jax.random.key_data(key) instead (or pass it in metadata)"
-            )
-        out[path] = leaf
-    return out
-
-
-def _host_tensors(arrays: Mapping[str, Any], dtype: DTypeLike | None) -> dict[str, LazyTensor]:
-    """Tensors copied to the host one at a time while written, floats cast to ``dtype``."""
-    out = {}
-    for path, x in arrays.items():
-        cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-        want = np.dtype(dtype if cast else x.dtype)
-
-        def load(x: Any = x, want: np.dtype = want, cast: bool = cast) -> np.ndarray:
-            return np.asarray(x.astype(want) if cast else x)
-
-        out[path] = LazyTensor(tuple(x.shape), want, load)
-    return out
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.ndarray | np.generic | jax.Array):
-        return x.tolist()
-    if isinstance(x, os.PathLike):
-        return os.fspath(x)
-    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
-
-
-def _version() -> str | None:
-    import edl
-
-    version = getattr(edl, "__version__", None)
-    if version is None:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            version = importlib.metadata.version("edl-jax")
-    return version
 
 
 def save_state(
@@ -197,7 +147,7 @@ def save_state(
     if step < 0:
         raise ValueError(f"save_state: step must be non-negative, got {step}")
     try:
-        meta_text = json.dumps(dict(metadata or {}), default=_json_default)
+        meta_text = json.dumps(dict(metadata or {}), default=tensors.json_default)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_state: metadata is not JSON-serialisable: {e}") from e
 
@@ -306,7 +256,7 @@ def _info(
     return {
         "step": int(state.step),
         "format": FORMAT,
-        "edl_version": _version(),
+        "edl_version": tensors.edl_version(),
         "model_format": model_format,
         "has_optimizer": has_optimizer,
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
@@ -323,13 +273,13 @@ def _write_sharded(tmp: Path, state: TrainState, contents: _Contents) -> dict[st
     ``config.json`` and the tokenizer's files) into ``tmp``; return ``state.json``'s fields
     but ``metadata``."""
     model = edl_state.model(state)
-    arrays = _arrays(model, "model")
+    arrays = tensors.arrays_of(model, "model")
     if contents.base is not None:  # the adapters' pieces alone
         arrays = {p: x for p, x in arrays.items() if edl_lora.lora_trainable.search(p)}
     sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, arrays, contents.float_dtype)}
     has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
-        arrays = _arrays(state.opt_state, "opt_state")
+        arrays = tensors.arrays_of(state.opt_state, "opt_state")
         sections[_OPTIMIZER] = sharded_io.write_pieces(tmp, _OPTIMIZER, arrays, None)
     lead = jax.process_index() == 0
     if lead:
@@ -373,17 +323,86 @@ def _write_contents(
             manifest=manifest,
         )
     else:
-        tensors = _host_tensors(_arrays(model, "model"), contents.float_dtype)
-        save_tensors(tensors, tmp, prefix=_MODEL)
+        host = tensors.host_tensors(tensors.arrays_of(model, "model"), contents.float_dtype)
+        save_tensors(host, tmp, prefix=_MODEL)
         model_files = [_MODEL]
     has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
-        tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
-        save_tensors(tensors, tmp, prefix=_OPTIMIZER)
+        host = tensors.host_tensors(tensors.arrays_of(state.opt_state, "opt_state"), None)
+        save_tensors(host, tmp, prefix=_OPTIMIZER)
     model_format = "hf" if manifest.registered else "tree"
     model_format = adapter_only.ADAPTER_FORMAT if contents.base is not None else model_format
     tokenizer_files = hf.save_tokenizer(contents.tokenizer, tmp)
     return _info(state, contents, model_format, model_files, has_optimizer, tokenizer_files)
+
+
+def _targets(tree: PyTree) -> dict[str, Any]:
+    return {p: x for p, x in edl_tree.flatten(tree).items() if edl_tree.is_array_like(x)}
+
+
+def _check_kinds(where: str, stored: Mapping[str, np.dtype], targets: Mapping[str, Any]) -> None:
+    bad = [
+        f"  {p}: expected {np.dtype(t.dtype)} vs stored {stored[p]}"
+        for p, t in targets.items()
+        if jnp.issubdtype(stored[p], jnp.inexact) != jnp.issubdtype(t.dtype, jnp.inexact)
+    ]
+    if bad:
+        raise ValueError(
+            f"{where}: {len(bad)} tensors cannot be cast between floating and integer "
+            "(expected vs actual):\n" + "\n".join(bad)
+        )
+
+
+def _read_tree(checkpoint: Path, prefix: str, targets: Mapping[str, Any]) -> dict[str, jax.Array]:
+    """Tensors keyed by edl path, checked against ``targets`` before any data is read."""
+    with CheckpointReader(checkpoint, prefix=prefix) as reader:
+        infos = {k: reader.info(k) for k in reader}
+        stored = {k: jax.ShapeDtypeStruct(i.shape, i.dtype) for k, i in infos.items()}
+        edl_tree.validate(stored, targets, check_dtype=False).raise_if_invalid(
+            f"checkpoint {reader.path}"
+        )
+        _check_kinds(str(reader.path), {k: i.dtype for k, i in infos.items()}, targets)
+        plan = LoadPlan.by_name(TensorSource.from_reader(reader), targets)
+        return load_arrays(plan, targets)  # cast to the targets' dtypes
+
+
+def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
+    return edl_tree.named_map(
+        lambda p, x: loaded[p] if p in loaded and edl_tree.is_array_like(x) else x, tree
+    )
+
+
+def _read_model(
+    checkpoint: Path, info: dict[str, Any], model: Any, base: BaseReference | None
+) -> dict[str, jax.Array]:
+    """The model arrays ``checkpoint`` holds for ``model`` (``like``'s), by edl path: all of
+    them, or an adapter-only checkpoint's adapters (its base must be ``base``'s)."""
+    targets = _targets(model)
+    model_format = info.get("model_format")
+    stored = adapter_only.stored_base(info, checkpoint)
+    if stored is not None:
+        adapter_only.check_same_base(stored, base, checkpoint)
+        if model_format == "sharded":  # the adapters' pieces; the base stays like's
+            lora = {p: t for p, t in targets.items() if edl_lora.lora_trainable.search(p)}
+            return sharded_io.read_pieces(checkpoint, _MODEL, lora)
+    if model_format in ("hf", adapter_only.ADAPTER_FORMAT):
+        manifest = describe(model)
+        if not manifest.registered:
+            raise ValueError(
+                f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
+                f"is a {type(model).__name__}, not a registered edl model class"
+            )
+        if model_format == adapter_only.ADAPTER_FORMAT:
+            return adapter_only.read_adapter_only(checkpoint, model, targets, manifest)
+        try:
+            return read_model_files(checkpoint, model, targets, manifest=manifest)
+        except ValueError as e:
+            raise ValueError(f"load_state: checkpoint {e}") from None
+    if model_format == "tree":
+        return _read_tree(checkpoint, _MODEL, targets)
+    if model_format == "sharded":
+        return sharded_io.read_pieces(checkpoint, _MODEL, targets)
+    raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
 
 
 def _resolve(directory: Path) -> Path:
@@ -440,14 +459,14 @@ def load_state(
         )
     check_named_files(checkpoint, info)
 
-    loaded = model_arrays.read_model(checkpoint, info, edl_state.model(like), base)
+    loaded = _read_model(checkpoint, info, edl_state.model(like), base)
     model_format = info.get("model_format")
     opt_state = like.opt_state
     if like.opt_state is not None:
-        opt_targets = model_arrays.targets_of(like.opt_state)
+        opt_targets = _targets(like.opt_state)
         if info.get("has_optimizer"):
-            read = sharded_io.read_pieces if model_format == "sharded" else model_arrays.read_tree
-            opt_state = model_arrays.fill(like.opt_state, read(checkpoint, _OPTIMIZER, opt_targets))
+            read = sharded_io.read_pieces if model_format == "sharded" else _read_tree
+            opt_state = _fill(like.opt_state, read(checkpoint, _OPTIMIZER, opt_targets))
         elif opt_targets and not allow_missing_optimizer:
             raise ValueError(
                 f"load_state: {checkpoint} has no optimizer state (saved with "
@@ -461,8 +480,8 @@ def load_state(
     state = edl_state.replace(
         like,
         step=step,
-        params=model_arrays.fill(like.params, loaded),
-        other=model_arrays.fill(like.other, loaded),
+        params=_fill(like.params, loaded),
+        other=_fill(like.other, loaded),
         opt_state=opt_state,
     )
     metadata = info.get("metadata")
