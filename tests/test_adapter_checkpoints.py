@@ -282,3 +282,20 @@ def test_cli_lora_checkpoints_are_adapters_resume_exactly_and_generate_as_the_fu
     shutil.move(model, tmp_path / "gone")
     err = _one_line_failure(["export", str(adapters), str(tmp_path / "x")], capsys)
     assert f"base model {model}" in err and "no such directory" in err
+
+
+def test_a_sharded_adapter_only_save_writes_the_adapters_pieces_alone(tmp_path):
+    from edl.io.checkpoint.sharded import StoredArrays
+
+    base_dir = _base(tmp_path / "base")
+    state, ref = _state(base_dir)
+    checkpoint = save_state(state, tmp_path / "run", base=ref, sharded=True)
+    info = verify_checkpoint(checkpoint)
+    assert info["model_format"] == "sharded" and info["base"]["sha256"] == ref.sha256
+    with StoredArrays(checkpoint, "model") as stored:
+        assert stored.arrays and all(lora_trainable.search(p) for p in stored.arrays)
+    fresh, same = _state(base_dir, key=2)
+    loaded, _ = load_state(checkpoint, fresh, base=same)
+    assert _equal(loaded, state)
+    with pytest.raises(ValueError, match="refusing a different base"):
+        load_state(checkpoint, fresh, base=dataclasses.replace(ref, sha256="1" * 64))
