@@ -221,7 +221,8 @@ def test_cli_lora_checkpoints_are_adapters_resume_exactly_and_generate_as_the_fu
     model, chat = tmp_path / "model", tmp_path / "chat.jsonl"
     _build_model(model, hidden_size=256, intermediate_size=512)
     _write_chats(chat)
-    common = ["train", "--model", str(model), "--data", str(chat), "--lora-rank", "2"]
+    common = ["train", "--model", str(model), "--data", str(chat), "--format", "chat"]
+    common += ["--lora-rank", "2"]
     common += ["--batch-size", "2", "--seq-len", "64", "--save-every", "1", "--keep", "0"]
     common += ["--warmup-steps", "0", "--learning-rate", "1e-2", "--steps", "5", "--no-progress"]
     adapters, full = tmp_path / "adapters", tmp_path / "full"

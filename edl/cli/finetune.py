@@ -24,7 +24,7 @@ from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import batches
 from edl.cli.distributed import is_lead
 from edl.cli.info import resolve_model
-from edl.cli.run import check_output_dir, train_model
+from edl.cli.run import check_output_dir, check_resumed_base, train_model
 from edl.io.export import load_base
 from edl.io.formats.base_ref import BaseReference, reference
 from edl.lora import apply_lora, lora_trainable
@@ -68,6 +68,8 @@ def load_for_finetuning(
         raise CommandError(f"--model {config.model}: {type(model).__name__} is not a causal LM")
     if is_quantized(model) and not config.lora_rank:
         raise CommandError(f"--model {config.model} is quantized: train it with --lora-rank")
+    if config.run.resume and config.run.output_dir is not None:
+        check_resumed_base(Path(config.run.output_dir), base)
     if not config.lora_rank:
         return model, tokenizer, None, None
     model = apply_lora(

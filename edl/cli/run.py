@@ -186,8 +186,6 @@ def train_model(
         data = GlobalBatches(data, mesh)
         eval_batches = [shard_batch(b, mesh) for b in eval_batches or ()] or None
     run = _run_as_asked(config, model, evaluates=bool(eval_batches))
-    if run.resume and run.output_dir is not None:
-        check_resumed_base(Path(run.output_dir), base)
     return train(
         state,
         step,

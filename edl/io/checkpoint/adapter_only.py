@@ -137,8 +137,8 @@ def check_same_base(stored: BaseReference, base: BaseReference | None, checkpoin
     if base.sha256 != stored.sha256:
         raise ValueError(
             f"load_state: {state} was trained on base model {stored.describe()} with weights "
-            f"sha256 {stored.sha256}, but like was built from {base.describe()} with sha256 "
-            f"{base.sha256}; refusing a different base"
+            f"sha256 {stored.sha256}, but the base given (like's) is {base.describe()} with "
+            f"sha256 {base.sha256}; refusing a different base"
         )
     if dict(base.quantization or {}) != dict(stored.quantization or {}):
         raise ValueError(
