@@ -173,8 +173,6 @@ def reference(
         raise no_such_path(text)
     sha, files = hash_weights(directory)
     name = None if dtype is None else np.dtype(dtype).name
-    if name is None and dtype is not None:
-        name = str(dtype)
     return BaseReference(text, sha, revision, files, name, quantization)
 
 
