@@ -7,15 +7,16 @@ Face directory, the base; rank-8 LoRA adapters on every projection (2.44M parame
 issue's 2.4M) are trained by AdamW. Five checkpoints of the state (steps 1 to 5) are saved
 adapter-only (``save_state(..., base=reference(base))``) and five with the base inside
 (``save_state(...)``), and the directories' bytes are summed. No tokenizer files (a real run
-adds the tokenizer's, about 3.5 MB for SmolLM2, to both). ``--shape tiny`` is a quick run.
+adds the tokenizer's, about 3.5 MB for SmolLM2, to both). ``--quick`` (``--shape tiny
+--rank 2``): the 2-layer model and rank of ``tests/test_adapter_checkpoints.py``'s CLI test.
 
-    python -m benchmarks.checkpoint_size [--shape 135m|tiny] [--rank 8] [--checkpoints 5]
+    python -m benchmarks.checkpoint_size [--quick] [--shape 135m|tiny] [--rank 8]
+        [--checkpoints 5]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -25,6 +26,7 @@ import jax
 import optax
 
 import edl
+from benchmarks._common import table, write_json
 from edl.io.checkpoint import save_state
 from edl.io.formats.base_ref import reference
 from edl.lora import apply_lora, lora_trainable
@@ -70,7 +72,10 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="135m")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--checkpoints", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="--shape tiny --rank 2")
     args = parser.parse_args()
+    if args.quick:
+        args.shape, args.rank = "tiny", 2
 
     model = LlamaForCausalLM.init(LlamaConfig(**SHAPES[args.shape]), key=jax.random.key(0))
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,7 +101,8 @@ def main() -> None:
         "adapter_only_save_s_median": round(statistics.median(adapter_s), 3),
         "full_save_s_median": round(statistics.median(full_s), 3),
     }
-    print(json.dumps(result, indent=2))
+    print(table(list(result), [list(result.values())]))
+    print(f"wrote {write_json('checkpoint_size', [result])}")
 
 
 if __name__ == "__main__":
