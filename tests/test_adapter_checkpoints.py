@@ -300,3 +300,19 @@ def test_a_sharded_adapter_only_save_writes_the_adapters_pieces_alone(tmp_path):
     assert _equal(loaded, state)
     with pytest.raises(ValueError, match="refusing a different base"):
         load_state(checkpoint, fresh, base=dataclasses.replace(ref, sha256="1" * 64))
+
+
+def test_an_adapter_only_checkpoint_as_the_base_of_another_run(tmp_path):
+    """``edl train --model RUN`` continues a LoRA run from its merged weights: the new run's
+    reference is to the first run's (adapter-only) checkpoint, found and checked in turn."""
+    base_dir = _base(tmp_path / "base")
+    state, ref = _state(base_dir)
+    first = save_state(state, tmp_path / "first", base=ref)
+    merged = load_base(first, dtype=jnp.float32)  # the first run's adapters merged
+    assert _equal(merged, edl.lora.merge_lora(load_model(first)))
+    second_ref = reference(first, dtype=jnp.float32)
+    assert second_ref.files == ("adapter_model.safetensors",)
+    model = apply_lora(merged, rank=2, alpha=4, key=jax.random.key(3))
+    second = edl.create_state(model, optax.adam(1e-3), trainable=lora_trainable)
+    checkpoint = save_state(second, tmp_path / "second", base=second_ref)
+    assert _equal(load_model(checkpoint), edl.state.model(second))
