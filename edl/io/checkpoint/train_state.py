@@ -9,6 +9,10 @@ One directory per step, written atomically::
         adapter_config.json + adapter_model.safetensors, quantized.safetensors
                                           # LoRA adapters (PEFT's layout) and quantized
                                           # codes beside the base (edl.io.model_files)
+        adapter_config.json + adapter_model.safetensors
+                                          # save_state(..., base=ref): a LoRA model's
+                                          # adapters alone, no base (edl.io.checkpoint
+                                          # .adapter_only; state.json's "base" points at it)
         model*.safetensors                # any other pytree: arrays keyed by edl.tree paths
         optimizer*.safetensors            # opt_state arrays keyed by edl.tree paths
         state.json                        # step, versions, user metadata; written last

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from edl._hub import is_repo_id, no_such_path, repo_id_shaped
+from edl._hub import hub_offline, is_repo_id, no_such_path, offline_error, repo_id_shaped
 from edl.io.formats import hf
 from edl.io.formats.safetensors import CheckpointReader
 
@@ -49,6 +49,7 @@ __all__ = ["BaseReference", "hash_weights", "locate", "reference", "verify", "we
 WEIGHT_PREFIXES = ("model", "adapter_model", "quantized")
 """The safetensors prefixes a model directory's weights go by (``edl.io.model_files``):
 the base, an embedded PEFT adapter, edl's quantized codes. Optimizer state is no weight."""
+_SUFFIXES = (".safetensors", ".safetensors.index.json")  # what a safetensors prefix names
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REVISION = re.compile(r"[\w.\-/]{1,256}")
 _CHUNK = 1 << 24
@@ -118,7 +119,7 @@ def weight_files(directory: str | os.PathLike[str]) -> list[Path]:
     directory = Path(directory)
     found = []
     for prefix in WEIGHT_PREFIXES:
-        if not any((directory / f"{prefix}{s}").is_file() for s in hf.SAFETENSORS_SUFFIXES):
+        if not any((directory / f"{prefix}{s}").is_file() for s in _SUFFIXES):
             continue
         with CheckpointReader(directory, prefix=prefix) as reader:
             index = [reader.path] if reader.path.name.endswith(".json") else []
@@ -202,9 +203,31 @@ def locate(
             f"{where}: {text!r} is neither an absolute path, a ./ or ../ path, nor a hub repo id"
         )
     try:
-        return hf.resolve_directory_of_repo(text, revision=ref.revision if base is None else None)
+        return _snapshot(text, ref.revision if base is None else None)
     except Exception as e:  # the hub's errors: no such repo, offline, no network
         raise FileNotFoundError(f"{where}: the hub could not serve {text}: {e}") from None
+
+
+def _snapshot(repo_id: str, revision: str | None) -> Path:
+    """Hub repo ``repo_id`` at ``revision`` fetched as ``edl.from_pretrained`` fetches it
+    (config + safetensors), whatever the working directory holds at that path; with
+    ``HF_HUB_OFFLINE=1`` only the local cache is read, and a miss says so."""
+    from huggingface_hub import snapshot_download
+
+    offline = hub_offline()
+    try:
+        return Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                local_files_only=offline,
+                allow_patterns=["*.json", "*.safetensors"],
+            )
+        )
+    except Exception as e:
+        if offline:
+            raise offline_error(repo_id) from e
+        raise
 
 
 def verify(ref: BaseReference, directory: Path, checkpoint: Path) -> None:

@@ -55,8 +55,6 @@ __all__ = [
 CONFIG_NAME = "config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 """A PEFT adapter's config; beside ``config.json`` it makes an "embedded adapter" directory."""
-SAFETENSORS_SUFFIXES = (".safetensors", ".safetensors.index.json")
-"""What a safetensors prefix names: one file, or an index of shards."""
 GENERATION_CONFIG_NAME = "generation_config.json"
 
 
@@ -91,23 +89,6 @@ def resolve_directory(
         raise ValueError(f"{path} is a file; pass the checkpoint directory")
     if not is_repo_id(text):
         raise no_such_path(text)
-    return resolve_directory_of_repo(
-        text, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only, token=token
-    )
-
-
-def resolve_directory_of_repo(
-    repo_id: str,
-    *,
-    revision: str | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    token: str | None = None,
-) -> Path:
-    """Hub repo ``repo_id`` fetched (config + safetensors only) through ``huggingface_hub``
-    whatever the disk holds at that path (``resolve_directory`` looks there first); with
-    ``HF_HUB_OFFLINE=1`` only the local cache is read, and a miss says so."""
-    path = Path(repo_id).expanduser()
     if hub_offline() and not local_files_only:
         local_files_only = True  # no network at all; the cache may still hold it
     from huggingface_hub import snapshot_download
@@ -115,7 +96,7 @@ def resolve_directory_of_repo(
     try:
         return Path(
             snapshot_download(
-                repo_id,
+                text,
                 revision=revision,
                 cache_dir=cache_dir,
                 local_files_only=local_files_only,
@@ -125,7 +106,7 @@ def resolve_directory_of_repo(
         )
     except Exception as e:
         if hub_offline():
-            raise offline_error(repo_id) from e
+            raise offline_error(text) from e
         if path.parent != Path(".") and path.parent.is_dir():
             e.add_note(f"edl: no local directory {path} either (though {path.parent} exists)")
         raise
