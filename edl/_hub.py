@@ -25,6 +25,7 @@ __all__ = [
     "is_repo_id",
     "no_such_path",
     "offline_error",
+    "repo_id_shaped",
     "unreachable_error",
 ]
 
@@ -69,11 +70,15 @@ def is_repo_id(text: str) -> bool:
     """Whether ``text`` names a hub repo rather than a local path: repo-id-shaped
     (``"name"`` or ``"owner/name"``, at most 96 characters; no leading ``/``, ``./``,
     ``~``), no file extension of :data:`FILE_SUFFIXES`, and nothing at that path."""
+    return repo_id_shaped(text) and not Path(text).expanduser().exists()
+
+
+def repo_id_shaped(text: str) -> bool:
+    """:func:`is_repo_id` without looking at the disk: the shape alone, for names read from
+    metadata, which the working directory must not decide (``edl.io.formats.base_ref``)."""
     if len(text) > _REPO_ID_MAX or not _REPO_ID.fullmatch(text):
         return False
-    if Path(text).suffix.lower() in FILE_SUFFIXES:
-        return False
-    return not Path(text).expanduser().exists()
+    return Path(text).suffix.lower() not in FILE_SUFFIXES
 
 
 def no_such_path(text: str) -> FileNotFoundError:

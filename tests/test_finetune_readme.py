@@ -45,7 +45,7 @@ def _commands() -> str:
     return block.group(1)
 
 
-def _build_model(directory: Path) -> None:
+def _build_model(directory: Path, hidden_size: int = 64, intermediate_size: int = 128) -> None:
     """A 2-layer Llama (random weights) with a BPE tokenizer trained on the conversations."""
     import jax
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -70,8 +70,8 @@ def _build_model(directory: Path) -> None:
     tokenizer.chat_template = CHATML
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -147,8 +147,10 @@ def test_readme_finetune_commands_train_generate_and_export(tmp_path):
     )
     assert expected.strip() and printed.strip() == expected.strip()
 
-    # The run's newest checkpoint itself (base + PEFT adapter beside it) in transformers:
-    # its greedy reply equals `edl generate --model runs/sft`'s.
+    # The run's newest checkpoint itself (the PEFT adapter alone, its base_model_name_or_path
+    # the base's absolute path) in transformers + peft: its greedy reply equals `edl generate
+    # --model runs/sft`'s.
+    assert not list(checkpoints[-1].glob("model*.safetensors"))
     model = AutoModelForCausalLM.from_pretrained(checkpoints[-1])
     generated = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
     expected = tokenizer.decode(generated, skip_special_tokens=True)
@@ -220,8 +222,15 @@ def test_finetune_options_qlora_bf16_completion_resume_and_full(tmp_path, capsys
         want = hf(torch.tensor(ids)).logits.numpy()
     got = edl.from_pretrained(tmp_path / "merged")(jnp.asarray(ids, jnp.int32)).logits
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-4)
-    # The QLoRA checkpoint itself: the dequantized base with the adapter beside it.
-    checkpoint = AutoModelForCausalLM.from_pretrained(run / "checkpoints/checkpoint-00000003")
+    # The QLoRA checkpoints hold the adapters and a reference to the unquantized base, no
+    # codes (derived from the base again on resume and load). Exported without
+    # --merge-lora (the dequantized base, the adapter beside it) it is the same model in
+    # transformers + peft.
+    last = run / "checkpoints/checkpoint-00000003"
+    assert not list(last.glob("model*.safetensors")) and not list(last.glob("quantized*"))
+    assert info["base"]["quantization"]["format"] == "nf4"
+    main(["export", str(run), str(tmp_path / "adapter")])
+    checkpoint = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter")
     with torch.no_grad():
         np.testing.assert_allclose(checkpoint(torch.tensor(ids)).logits.numpy(), want, atol=1e-4)
 

@@ -296,7 +296,7 @@ class TrainConfig:
         if self.model:
             unused |= set(_EMBEDDED_JOB_OPTIONS)
         if not self.lora_rank:
-            unused |= {"lora_alpha", "quantize"}
+            unused |= {"lora_alpha", "quantize", "save_base"}
         return {name: value for name, value in options.items() if name not in unused}
 
     @classmethod

@@ -1,12 +1,16 @@
 """``edl train --model``: full, LoRA or QLoRA fine-tuning of a Hugging Face causal LM on the
 user's data, with the model's own tokenizer and chat template.
 
-Checkpoints are HF model directories with the tokenizer files and ``generation_config.json``
-beside the weights, so ``edl generate --model RUN_DIR`` and ``edl export`` read them.
+Checkpoints hold the tokenizer files beside the weights, so ``edl generate --model RUN_DIR``
+and ``edl export`` read them. A full fine-tune's are HF model directories; a LoRA / QLoRA
+run's hold the adapters (PEFT's layout), the optimizer state and a reference to the base
+(``edl.io.formats.base_ref``: its path or hub repo id and the sha256 of its weights, hashed
+once when the base is loaded), or the whole model too with ``--save-base``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -20,14 +24,13 @@ from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import batches
 from edl.cli.distributed import is_lead
 from edl.cli.info import resolve_model
-from edl.cli.run import check_output_dir, train_model
-from edl.io.export import load_model
-from edl.lora import apply_lora, lora_trainable, merge_lora
-from edl.nn import LoraLinear
-from edl.quantize import QuantConfig, is_quantized, quantize
+from edl.cli.run import check_output_dir, check_resumed_base, train_model
+from edl.io.export import load_base
+from edl.io.formats.base_ref import BaseReference, reference
+from edl.lora import apply_lora, lora_trainable
+from edl.quantize import QuantConfig, is_quantized
 from edl.text import HFTokenizer, load_tokenizer
 from edl.train import TokenBatches
-from edl.tree import find
 
 __all__ = ["run_finetune"]
 
@@ -39,39 +42,47 @@ def model_directory(source: str) -> str:
     return str(resolve_model(path)) if path.exists() else source
 
 
-def load_for_finetuning(config: TrainConfig) -> tuple[Any, HFTokenizer, Any]:
-    """``(model, tokenizer, trainable)`` for ``config.model``: the weights in
+def load_for_finetuning(
+    config: TrainConfig,
+) -> tuple[Any, HFTokenizer, Any, BaseReference | None]:
+    """``(model, tokenizer, trainable, base)`` for ``config.model``: the weights in
     ``config.param_dtype``, quantized (``config.quantize``) and wrapped in LoRA adapters
-    (``config.lora_rank``) as asked; ``trainable`` is what ``edl.create_state`` trains
-    (``None``: every weight). A checkpoint of an earlier LoRA run is continued from its
-    merged weights."""
+    (``config.lora_rank``) as asked (``edl.io.export.load_base``: a checkpoint of an earlier
+    LoRA run is continued from its merged weights); ``trainable`` is what
+    ``edl.create_state`` trains (``None``: every weight); ``base`` is the reference to the
+    base of a LoRA run (its weights hashed here, once), ``None`` for a full fine-tune."""
     source = model_directory(config.model)
+    quantization = None
+    if config.quantize != "none":
+        quantization = dataclasses.asdict(QuantConfig(config.quantize))
+    dtype = jnp.dtype(config.param_dtype)
     try:
         tokenizer = load_tokenizer(source)
-        model = load_model(source, dtype=jnp.dtype(config.param_dtype))
+        model = load_base(source, dtype=dtype, quantization=quantization)
+        base = None
+        if config.lora_rank:
+            base = reference(source, dtype=dtype, quantization=quantization)
     except (OSError, ValueError) as e:
         raise CommandError(f"--model {config.model}: {e}") from None
     if not hasattr(model, "compute_loss"):
         raise CommandError(f"--model {config.model}: {type(model).__name__} is not a causal LM")
-    if find(model, lambda x: isinstance(x, LoraLinear)):
-        model = merge_lora(model)  # an earlier LoRA run: its adapters become the base
     if is_quantized(model) and not config.lora_rank:
         raise CommandError(f"--model {config.model} is quantized: train it with --lora-rank")
-    if config.quantize != "none" and not is_quantized(model):
-        model = quantize(model, QuantConfig(config.quantize))
+    if config.run.resume and config.run.output_dir is not None:
+        check_resumed_base(Path(config.run.output_dir), base)
     if not config.lora_rank:
-        return model, tokenizer, None
+        return model, tokenizer, None, None
     model = apply_lora(
         model, rank=config.lora_rank, alpha=config.lora_alpha, key=jax.random.key(config.seed)
     )
-    return model, tokenizer, lora_trainable
+    return model, tokenizer, lora_trainable, base
 
 
 def run_finetune(config: TrainConfig) -> dict[str, Any]:
     """Fine-tune ``config.model`` on ``config.data``; print one JSON line of results and a
     sample; return the loop's summary."""
     check_output_dir(config)
-    model, tokenizer, trainable = load_for_finetuning(config)
+    model, tokenizer, trainable, base = load_for_finetuning(config)
     data: TokenBatches = batches(config, config.data, tokenizer, shuffle=True)
     eval_batches = None
     if config.eval_data:
@@ -85,7 +96,7 @@ def run_finetune(config: TrainConfig) -> dict[str, Any]:
         file=sys.stderr,
     )
     _, summary = train_model(
-        config, model, data, eval_batches, trainable=trainable, tokenizer=tokenizer
+        config, model, data, eval_batches, trainable=trainable, tokenizer=tokenizer, base=base
     )
     out = {
         k: summary.get(k)

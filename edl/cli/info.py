@@ -32,6 +32,12 @@ def resolve_model(path: Path) -> Path:
         raise CommandError(f"{path} does not exist")
     if (path / CONFIG_NAME).is_file():
         return path
+    if (path / STATE_NAME).is_file():  # a checkpoint (an adapter-only one has no config)
+        try:
+            verify_checkpoint(path)
+        except CheckpointError as e:
+            raise CommandError(str(e)) from None
+        return path
     for checkpoint in reversed(list_checkpoints(_checkpoints_dir(path))):
         try:
             verify_checkpoint(checkpoint)
@@ -106,7 +112,11 @@ def run_info(path: Path) -> None:
     if (model_dir / SHARDS_INDEX).is_file():
         print(_sharded_summary(model_dir))
         return
-    print(edl.summary(load_model(model_dir)))
+    try:
+        model = load_model(model_dir)  # an adapter-only checkpoint: its base is found first
+    except (OSError, ValueError) as e:
+        raise CommandError(str(e)) from None
+    print(edl.summary(model))
 
 
 def _sharded_summary(checkpoint: Path) -> str:

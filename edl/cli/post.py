@@ -208,9 +208,10 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     """Post-train ``config.model`` by ``config.method`` on ``config.data``; print one JSON
     line of results; return the loop's summary."""
     check_output_dir(config)
-    model, tokenizer, trainable = load_for_finetuning(config)
-    if config.method == "reward":
+    model, tokenizer, trainable, base = load_for_finetuning(config)
+    if config.method == "reward":  # a new head beside the adapters: no adapter-only form
         model, trainable = _reward_model(model, tokenizer, trainable, config)
+        base = None
     reward_fns = []
     if config.method == "grpo":
         data: Any = _prompt_batches(config)
@@ -228,7 +229,15 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         file=sys.stderr,
     )
     _, summary = train_model(
-        config, model, data, None, trainable=trainable, tokenizer=tokenizer, step=step, tx=tx
+        config,
+        model,
+        data,
+        None,
+        trainable=trainable,
+        tokenizer=tokenizer,
+        step=step,
+        tx=tx,
+        base=base,
     )
     out = {
         k: summary.get(k)

@@ -20,6 +20,10 @@ from jaxtyping import Array, Float
 import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.distributed import GlobalBatches, mesh_of
+from edl.io.checkpoint import STATE_NAME, latest_checkpoint
+from edl.io.checkpoint.adapter_only import check_same_base, stored_base
+from edl.io.formats.base_ref import BaseReference
+from edl.io.formats.files import read_json
 from edl.models import flops_per_token
 from edl.module import Trainable
 from edl.sharding import shard_batch
@@ -134,6 +138,22 @@ def _run_as_asked(config: TrainConfig, model: eqx.Module, *, evaluates: bool) ->
     return run
 
 
+def check_resumed_base(output_dir: Path, base: BaseReference | None) -> None:
+    """Refuse, before the run starts, to resume an adapter-only checkpoint in
+    ``output_dir`` from another base than the one it was trained on (``load_state``
+    checks it again when it reads the checkpoint): one line naming both hashes."""
+    checkpoint = latest_checkpoint(output_dir / run_dir.CHECKPOINTS)
+    if checkpoint is None:
+        return
+    try:
+        info = read_json(checkpoint / STATE_NAME, what="checkpoint state")
+        stored = stored_base(info, checkpoint)
+        if stored is not None:
+            check_same_base(stored, base, checkpoint)
+    except (OSError, ValueError) as e:
+        raise CommandError(f"--resume: {e}") from None
+
+
 def train_model(
     config: TrainConfig,
     model: eqx.Module,
@@ -145,13 +165,15 @@ def train_model(
     callbacks: Sequence[Callback] = (),
     step: StepFn | None = None,
     tx: optax.GradientTransformation | None = None,
+    base: BaseReference | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
     ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
     ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training).
     With ``--mesh`` (or several processes) the state, batches and evaluation live on the
-    mesh (``edl.cli.distributed``). Returns ``edl.train.train``'s ``(state, summary)``."""
+    mesh (``edl.cli.distributed``). ``base``: a LoRA run's base reference, for adapter-only
+    checkpoints (``edl.train.train``). Returns ``edl.train.train``'s ``(state, summary)``."""
     mesh = mesh_of(config)
     if step is None:
         tx, schedule = optimizer(config)
@@ -174,4 +196,5 @@ def train_model(
         eval_data=eval_batches,
         tokenizer=tokenizer,
         record=recorded(dataclasses.replace(config, run=run), mesh),
+        base=base,
     )

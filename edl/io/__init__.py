@@ -1,13 +1,15 @@
 """Files on disk, in layers (each imports only those before it, ``tests/test_layers.py``):
 
 - ``edl.io.formats``: safetensors, Hugging Face model directories (``hf``), PEFT adapters
-  (``peft``), the load plan, and the model ``manifest`` the writers take;
+  (``peft``), the load plan, the model ``manifest`` the writers take, and ``base_ref``: the
+  base model an adapter-only checkpoint points at (path or repo id, sha256 of its weights);
 - ``edl.io.model_files``: a model's files as checkpoints and exports hold them (LoRA
   adapters as PEFT's embedded adapter, quantized codes aside);
 - ``edl.io.checkpoint``: training checkpoints (``save_state`` / ``load_state``), sharded
-  across processes or not;
-- ``edl.io.export``: ``load_model`` of any edl model directory, ``export_model`` to a plain
-  Hugging Face directory.
+  across processes or not, a LoRA model's adapter-only (``adapter_only``);
+- ``edl.io.export``: ``load_model`` of any edl model directory (an adapter-only checkpoint's
+  base found and checked), ``load_base``, ``export_model`` to a plain Hugging Face
+  directory.
 """
 
 from edl.io import checkpoint, export, model_files

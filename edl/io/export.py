@@ -31,6 +31,7 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +43,11 @@ from jax.typing import DTypeLike
 
 from edl import lora as edl_lora
 from edl import quantize as edl_quantize
+from edl.io.checkpoint.adapter_only import ADAPTER_FORMAT, read_adapters, stored_base
 from edl.io.checkpoint.directory import STATE_NAME, check_named_files, read_manifest
 from edl.io.checkpoint.sharded import StoredArrays
 from edl.io.formats import hf
+from edl.io.formats.base_ref import locate, verify
 from edl.io.formats.files import UnsafePathError, fsync, inside, read_json, write_json_atomic
 from edl.io.formats.hf import ADAPTER_CONFIG
 from edl.io.formats.manifest import Manifest, describe, rebuild
@@ -52,9 +55,10 @@ from edl.io.formats.peft import ADAPTER_WEIGHTS, load_adapter
 from edl.io.formats.safetensors import LazyTensor, save_tensors
 from edl.io.model_files import read_model_files, write_model_files
 from edl.module import require_float_dtype
-from edl.tree import flatten, is_array_like, named_map
+from edl.nn import LoraLinear
+from edl.tree import find, flatten, is_array_like, named_map
 
-__all__ = ["EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_model"]
+__all__ = ["EXPORT_MARKER", "TOKENIZER_FILES", "export_model", "load_base", "load_model"]
 
 EXPORT_MARKER = "edl_export.json"
 """The file that marks a directory as an ``export_model`` output (which may be replaced)."""
@@ -83,7 +87,12 @@ def _checkpoint_info(directory: Path) -> dict[str, Any] | None:
     return info
 
 
-def load_model(path: str | os.PathLike[str], *, dtype: DTypeLike | None = None) -> eqx.Module:
+def load_model(
+    path: str | os.PathLike[str],
+    *,
+    dtype: DTypeLike | None = None,
+    base: str | os.PathLike[str] | None = None,
+) -> eqx.Module:
     """The model in an edl model directory: a training checkpoint (LoRA-wrapped and
     quantized models rebuilt from ``state.json``'s manifest, exactly as trained), a
     Hugging Face model directory with an embedded PEFT adapter (the base with the adapter
@@ -91,9 +100,17 @@ def load_model(path: str | os.PathLike[str], *, dtype: DTypeLike | None = None) 
     directory / hub repo id (``edl.io.formats.hf.from_pretrained``). ``dtype`` casts
     floating weights (quantization codes and scales keep theirs). A checkpoint written
     before manifests is read by its ``config.json`` and ``"layers"``
-    (``edl.io.checkpoint.directory.read_manifest``)."""
+    (``edl.io.checkpoint.directory.read_manifest``).
+
+    An adapter-only checkpoint (``edl.io.checkpoint.adapter_only``) holds the adapters and
+    a reference to its base: the base is found by the reference, or at ``base`` (a directory
+    or hub repo id holding the same weights elsewhere), refused when its weights hash
+    differently (``edl.io.formats.base_ref``), built as the run built it
+    (:func:`load_base`), and the adapters are put on it."""
     directory = Path(path)
     info = _checkpoint_info(directory) if directory.is_dir() else None
+    if info is not None and info.get("model_format") == ADAPTER_FORMAT:
+        return _load_adapter_only(directory, info, dtype=dtype, base=base)
     if info is not None and info.get("model_format") == "sharded":
         raise ValueError(
             f"load_model: {directory} is a sharded checkpoint (one file set per "
@@ -112,15 +129,7 @@ def load_model(path: str | os.PathLike[str], *, dtype: DTypeLike | None = None) 
             f"(model_format {info.get('model_format')!r})"
         )
     abstract = rebuild(manifest, where=f"load_model: {directory / STATE_NAME} 'layers'")
-    targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
-    if dtype is not None:
-        require_float_dtype(dtype, "load_model: dtype")
-        targets = {
-            p: jax.ShapeDtypeStruct(x.shape, dtype)
-            if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
-            else x
-            for p, x in targets.items()
-        }
+    targets = _targets(abstract, dtype)
     try:
         loaded = read_model_files(directory, abstract, targets, manifest=manifest)
     except ValueError as e:
@@ -130,6 +139,83 @@ def load_model(path: str | os.PathLike[str], *, dtype: DTypeLike | None = None) 
     if generation and hasattr(model, "generation_config"):
         model = dataclasses.replace(model, generation_config=generation)
     return model
+
+
+def load_base(
+    source: str | os.PathLike[str],
+    *,
+    dtype: DTypeLike | None = None,
+    quantization: Mapping[str, Any] | None = None,
+) -> eqx.Module:
+    """The base model a LoRA / QLoRA run trains adapters on, from ``source`` (any
+    :func:`load_model` source): loaded in ``dtype``, an earlier run's LoRA adapters merged
+    into it, then, unless it is quantized already, quantized with ``quantization``
+    (``edl.quantize.QuantConfig``'s fields; ``None``: not). ``edl train --model`` builds its
+    base so, and an adapter-only checkpoint's base is built again so, identically."""
+    model = load_model(source, dtype=dtype)
+    if find(model, lambda x: isinstance(x, LoraLinear)):
+        model = edl_lora.merge_lora(model)
+    if quantization is not None and not edl_quantize.is_quantized(model):
+        try:
+            config = edl_quantize.QuantConfig(**quantization)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"load_base: quantization {dict(quantization)!r}: {e}") from None
+        model = edl_quantize.quantize(model, config)
+    return model
+
+
+def _load_adapter_only(
+    directory: Path,
+    info: dict[str, Any],
+    *,
+    dtype: DTypeLike | None,
+    base: str | os.PathLike[str] | None,
+) -> eqx.Module:
+    """The model of an adapter-only checkpoint: its base found (``base``, else the stored
+    reference), verified and built by :func:`load_base`, its adapters read on top."""
+    ref = stored_base(info, directory)
+    assert ref is not None  # an adapter-only checkpoint's state.json has one
+    found = locate(ref, directory, base=base)
+    verify(ref, found, directory)
+    base_model = load_base(found, dtype=ref.dtype, quantization=ref.quantization)
+    manifest = read_manifest(directory, info)
+    abstract = rebuild(manifest, where=f"load_model: {directory / STATE_NAME} 'manifest'")
+    targets = _targets(abstract, dtype)
+    adapters = read_adapters(directory, abstract, targets, manifest=manifest)
+    base_arrays = {p: x for p, x in flatten(base_model).items() if is_array_like(x)}
+
+    def pick(path: str, x: Any) -> Any:
+        if not is_array_like(x) or path in adapters:
+            return adapters.get(path, x)
+        key = path.replace(".base_layer.", ".")
+        found = base_arrays.pop(key, None)
+        if found is None or found.shape != x.shape:
+            what = "none" if found is None else f"shape {found.shape}"
+            raise ValueError(
+                f"load_model: {directory / STATE_NAME}: the base model has {what} at {key}, "
+                f"the checkpoint's model needs shape {x.shape}"
+            )
+        return found.astype(targets[path].dtype)
+
+    model = named_map(pick, abstract)
+    if hasattr(base_model, "generation_config"):
+        model = dataclasses.replace(model, generation_config=base_model.generation_config)
+    return model
+
+
+def _targets(abstract: eqx.Module, dtype: DTypeLike | None) -> dict[str, Any]:
+    """``abstract``'s arrays by path, floating ones cast to ``dtype`` (quantization scales
+    keep theirs)."""
+    targets = {p: x for p, x in flatten(abstract).items() if is_array_like(x)}
+    if dtype is None:
+        return targets
+    require_float_dtype(dtype, "load_model: dtype")
+    return {
+        p: jax.ShapeDtypeStruct(x.shape, dtype)
+        if jnp.issubdtype(x.dtype, jnp.floating) and not p.endswith(".scales")
+        else x
+        for p, x in targets.items()
+    }
 
 
 def _own_file(directory: Path, name: str) -> Path:

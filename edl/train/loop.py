@@ -20,6 +20,7 @@ import jax
 from jaxtyping import PyTree
 
 from edl import module as edl_module
+from edl.io.formats.base_ref import BaseReference
 from edl.state import TrainState
 from edl.text.tokenizer import Tokenizer
 from edl.train import run_dir
@@ -83,6 +84,7 @@ def train(
     eval_data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
     tokenizer: Tokenizer | None = None,
     record: Mapping[str, object] | None = None,
+    base: BaseReference | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Run ``step_fn`` until ``state.step == run.steps``; returns ``(state, summary)``.
 
@@ -106,6 +108,11 @@ def train(
             transformers' ``AutoTokenizer`` and ``AutoModelForCausalLM`` load as is.
         record: the configuration recorded in ``run.md`` and sent to the trackers (default:
             ``run.to_options()``; ``edl train`` records all its options).
+        base: for a LoRA run, the reference to the base model ``state`` was built from
+            (``edl.io.formats.base_ref.reference``, hashed once when it was loaded): the
+            checkpoints then hold the adapters alone and point at the base
+            (``edl.io.checkpoint.adapter_only``), unless ``run.checkpoint.save_base``; a
+            resumed adapter-only checkpoint must have been trained on the same base.
 
     In a multi-process run (``jax.distributed``) only process 0 writes ``metrics.jsonl``,
     the trackers, ``run.md``, ``loss.png`` and the profile; every process keeps the
@@ -122,7 +129,7 @@ def train(
     prepared = run_dir.Prepared(state, [], 0.0, None)
     if out is not None:
         prepared = run_dir.prepare(
-            out, state, data, resume=run.resume, overwrite=run.overwrite, echo=echo
+            out, state, data, resume=run.resume, overwrite=run.overwrite, echo=echo, base=base
         )
     context = RunContext(
         out,
@@ -133,6 +140,7 @@ def train(
         eval_data=eval_data,
         tokenizer=tokenizer,
         record=run.to_options() if record is None else record,
+        base=base,
     )
     standard, summary = standard_callbacks(run, context)
     state, end = run_loop(
@@ -160,6 +168,7 @@ class RunContext:
     eval_data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None
     tokenizer: Tokenizer | None = None
     record: Mapping[str, object] | None = None
+    base: BaseReference | None = None
 
 
 def standard_callbacks(
@@ -215,13 +224,15 @@ def standard_callbacks(
 
 
 def _checkpoints(run: RunConfig, context: RunContext, out: Path) -> Checkpoint:
-    """``run.checkpoint``'s callback, saving the data position and the tokenizer too."""
+    """``run.checkpoint``'s callback, saving the data position and the tokenizer too, and
+    for a LoRA run with a base reference, adapter-only (unless ``save_base``)."""
     return Checkpoint(
         out / run_dir.CHECKPOINTS,
         every=run.checkpoint.every,
         keep=run.checkpoint.keep or None,
         data=context.data,
         tokenizer=context.tokenizer,
+        base=None if run.checkpoint.save_base else context.base,
         echo=context.echo,
         asynchronous=run.checkpoint.asynchronous,
     )

@@ -36,8 +36,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """``Checkpoint``: when checkpoints are written into ``output_dir/checkpoints``, and how
-    many are kept. The last step is always saved."""
+    """``Checkpoint``: when checkpoints are written into ``output_dir/checkpoints``, how
+    many are kept, and whether a LoRA run's checkpoints hold its base model. The last step
+    is always saved."""
 
     every: int = option(
         0, "checkpoint every this many steps (0: only at the end)", name="save_every", low=0
@@ -47,6 +48,12 @@ class CheckpointConfig:
         False,
         "write checkpoints in the background while training goes on (one at a time)",
         name="save_async",
+    )
+    save_base: bool = option(
+        False,
+        "LoRA / QLoRA runs: also save the base model in every checkpoint (the full Hugging "
+        "Face layout); without it a checkpoint holds the adapters and a reference to the "
+        "base (its path or hub repo id and the sha256 of its weights)",
     )
 
     def __post_init__(self) -> None:

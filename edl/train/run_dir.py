@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from edl.io.checkpoint import list_checkpoints, load_state, verify_checkpoint
+from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import write_text_atomic
 from edl.io.formats.safetensors import CheckpointError
 from edl.sharding import sync_processes
@@ -172,12 +173,16 @@ def prepare(
     resume: bool,
     overwrite: bool,
     echo: Callable[[str], None],
+    base: BaseReference | None = None,
 ) -> Prepared:
     """Get ``directory`` ready for a run starting from ``state`` (see the module docstring).
 
     In a multi-process run every process calls it; process 0 alone changes the directory
     (deletes, sets corrupt checkpoints aside, cuts ``metrics.jsonl``), the others wait
     for it, then read the same checkpoint.
+
+    ``base``: the reference to the base model ``state`` was built from, which an
+    adapter-only checkpoint must have been trained on (``edl.io.checkpoint.load_state``).
 
     Raises ``FileExistsError`` for an earlier run without ``resume`` or ``overwrite``,
     ``CheckpointError`` when checkpoints exist but none is whole, and ``ValueError`` when
@@ -205,7 +210,7 @@ def prepare(
         # A run killed before its first save.
         history = _read_history(out / METRICS_FILE, 0, rewrite=lead)
         return Prepared(state, history, 0.0, None)
-    state, meta = load_state(checkpoint, like=state)
+    state, meta = load_state(checkpoint, like=state, base=base)
     step = int(info["step"])
     resumable = isinstance(data, Resumable)
     if "data" in meta and resumable:

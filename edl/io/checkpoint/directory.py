@@ -19,6 +19,7 @@ from typing import Any
 
 from edl.io.checkpoint.shard_index import KINDS, missing_file
 from edl.io.checkpoint.sharded import verify_pieces
+from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import fsync, inside, read_json
 from edl.io.formats.hf import CONFIG_NAME, load_config
 from edl.io.formats.manifest import Manifest
@@ -251,6 +252,8 @@ def verify_checkpoint(checkpoint: str | os.PathLike[str]) -> dict[str, Any]:
             read_json(path / CONFIG_NAME, what="model config")
         if "manifest" in info:
             read_manifest(path, info)
+        if "base" in info:  # an adapter-only checkpoint's reference: checked, not followed
+            BaseReference.from_json(info["base"], where=str(path / STATE_NAME))
     except (OSError, ValueError) as e:
         raise CheckpointError(str(e)) from None
     return info

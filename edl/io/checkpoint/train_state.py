@@ -9,6 +9,10 @@ One directory per step, written atomically::
         adapter_config.json + adapter_model.safetensors, quantized.safetensors
                                           # LoRA adapters (PEFT's layout) and quantized
                                           # codes beside the base (edl.io.model_files)
+        adapter_config.json + adapter_model.safetensors
+                                          # save_state(..., base=ref): a LoRA model's
+                                          # adapters alone, no base (edl.io.checkpoint
+                                          # .adapter_only; state.json's "base" points at it)
         model*.safetensors                # any other pytree: arrays keyed by edl.tree paths
         optimizer*.safetensors            # opt_state arrays keyed by edl.tree paths
         state.json                        # step, versions, user metadata; written last
@@ -38,9 +42,7 @@ of processes, each process reading only the blocks its devices hold.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.metadata
 import itertools
 import json
 import logging
@@ -57,8 +59,10 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import PyTree
 
+from edl import lora as edl_lora
 from edl import state as edl_state
 from edl import tree as edl_tree
+from edl.io.checkpoint import adapter_only, tensors
 from edl.io.checkpoint import sharded as sharded_io
 from edl.io.checkpoint.directory import (
     _MODEL,
@@ -72,10 +76,11 @@ from edl.io.checkpoint.directory import (
     latest_checkpoint,
 )
 from edl.io.formats import hf
+from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import fsync, read_json, write_json_atomic
 from edl.io.formats.manifest import Manifest, describe
 from edl.io.formats.plan import LoadPlan, TensorSource, load_arrays
-from edl.io.formats.safetensors import CheckpointReader, LazyTensor, save_tensors
+from edl.io.formats.safetensors import CheckpointReader, save_tensors
 from edl.io.model_files import read_model_files, write_model_files
 from edl.module import require_float_dtype
 from edl.sharding import broadcast_text, sync_processes
@@ -92,55 +97,6 @@ FORMAT = 1
 # -- saving --------------------------------------------------------------------------------
 
 
-def _arrays(tree: PyTree, what: str) -> dict[str, Any]:
-    """Array leaves by path, refusing what safetensors cannot hold."""
-    out = {}
-    for path, leaf in edl_tree.flatten(tree).items():
-        if not edl_tree.is_array_like(leaf):
-            continue
-        if isinstance(leaf, jax.ShapeDtypeStruct):
-            raise ValueError(f"save_state: {what}.{path} is abstract (a ShapeDtypeStruct)")
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"save_state: {what}.{path} is a typed PRNG key array; store "
-                "jax.random.key_data(key) instead (or pass it in metadata)"
-            )
-        out[path] = leaf
-    return out
-
-
-def _host_tensors(arrays: Mapping[str, Any], dtype: DTypeLike | None) -> dict[str, LazyTensor]:
-    """Tensors copied to the host one at a time while written, floats cast to ``dtype``."""
-    out = {}
-    for path, x in arrays.items():
-        cast = dtype is not None and jnp.issubdtype(x.dtype, jnp.floating)
-        want = np.dtype(dtype if cast else x.dtype)
-
-        def load(x: Any = x, want: np.dtype = want, cast: bool = cast) -> np.ndarray:
-            return np.asarray(x.astype(want) if cast else x)
-
-        out[path] = LazyTensor(tuple(x.shape), want, load)
-    return out
-
-
-def _json_default(x: Any) -> Any:
-    if isinstance(x, np.ndarray | np.generic | jax.Array):
-        return x.tolist()
-    if isinstance(x, os.PathLike):
-        return os.fspath(x)
-    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
-
-
-def _version() -> str | None:
-    import edl
-
-    version = getattr(edl, "__version__", None)
-    if version is None:
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            version = importlib.metadata.version("edl-jax")
-    return version
-
-
 def save_state(
     state: TrainState,
     directory: str | os.PathLike[str],
@@ -151,6 +107,7 @@ def save_state(
     keep: int | None = 3,
     tokenizer: Tokenizer | None = None,
     sharded: bool | None = None,
+    base: BaseReference | None = None,
 ) -> Path:
     """Write ``state`` to ``directory/checkpoint-{step:08d}`` atomically and return that path.
 
@@ -169,6 +126,12 @@ def save_state(
         sharded: write every array as the pieces the processes hold (module docstring)
             instead of whole tensors (HF layout for registered families); ``None``: when
             ``jax.process_count() > 1``, where whole tensors would need a gather.
+        base: for a LoRA-wrapped model trained from a base model on disk or on the hub,
+            the reference to that base (``edl.io.formats.base_ref.reference(source)``,
+            computed once when the base is loaded): the checkpoint then holds the adapters
+            alone, in PEFT's layout, and ``state.json``'s ``"base"`` points at the base
+            (``edl.io.checkpoint.adapter_only``). Every array of ``state.params`` must be a
+            LoRA matrix. ``None``: the whole model is saved (the full layout).
 
     ``state.json`` records the tokenizer's file names (``"tokenizer_files"``) and the
     model's manifest (``"manifest"``, ``edl.io.formats.manifest``: family, task,
@@ -188,7 +151,7 @@ def save_state(
     if step < 0:
         raise ValueError(f"save_state: step must be non-negative, got {step}")
     try:
-        meta_text = json.dumps(dict(metadata or {}), default=_json_default)
+        meta_text = json.dumps(dict(metadata or {}), default=tensors.json_default)
     except (TypeError, ValueError) as e:
         raise TypeError(f"save_state: metadata is not JSON-serialisable: {e}") from e
 
@@ -198,12 +161,14 @@ def save_state(
         raise ValueError(f"save_state: sharded=False needs one process; {processes} run")
     root = Path(directory)
     final = root / f"checkpoint-{step:08d}"
+    if base is not None:
+        adapter_only.check_trained(state, describe(edl_state.model(state)))
     _write_and_commit(
         root,
         final,
         state,
         json.loads(meta_text),
-        _Contents(describe(edl_state.model(state)), float_dtype, save_optimizer, tokenizer),
+        _Contents(describe(edl_state.model(state)), float_dtype, save_optimizer, tokenizer, base),
         sharded=sharded,
         keep=keep,
     )
@@ -219,6 +184,7 @@ class _Contents:
     float_dtype: DTypeLike | None
     save_optimizer: bool
     tokenizer: Tokenizer | None
+    base: BaseReference | None = None
 
 
 def _write_and_commit(
@@ -290,10 +256,11 @@ def _info(
     """``state.json``'s fields but ``metadata`` (and a sharded save's
     ``"optimizer_files"``)."""
     float_dtype = contents.float_dtype
+    base = {} if contents.base is None else {"base": contents.base.to_json()}
     return {
         "step": int(state.step),
         "format": FORMAT,
-        "edl_version": _version(),
+        "edl_version": tensors.edl_version(),
         "model_format": model_format,
         "has_optimizer": has_optimizer,
         "float_dtype": None if float_dtype is None else np.dtype(float_dtype).name,
@@ -301,6 +268,7 @@ def _info(
         "layers": contents.manifest.to_json()["layer_structure"],
         "manifest": contents.manifest.to_json(),
         "tokenizer_files": tokenizer_files,
+        **base,
     }
 
 
@@ -309,11 +277,13 @@ def _write_sharded(tmp: Path, state: TrainState, contents: _Contents) -> dict[st
     ``config.json`` and the tokenizer's files) into ``tmp``; return ``state.json``'s fields
     but ``metadata``."""
     model = edl_state.model(state)
-    arrays = _arrays(model, "model")
+    arrays = tensors.arrays_of(model, "model")
+    if contents.base is not None:  # the adapters' pieces alone
+        arrays = {p: x for p, x in arrays.items() if edl_lora.lora_trainable.search(p)}
     sections = {_MODEL: sharded_io.write_pieces(tmp, _MODEL, arrays, contents.float_dtype)}
     has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
-        arrays = _arrays(state.opt_state, "opt_state")
+        arrays = tensors.arrays_of(state.opt_state, "opt_state")
         sections[_OPTIMIZER] = sharded_io.write_pieces(tmp, _OPTIMIZER, arrays, None)
     lead = jax.process_index() == 0
     if lead:
@@ -343,7 +313,11 @@ def _write_contents(
     tokenizer's files and the optimizer state into ``tmp``, which becomes ``final``; return
     ``state.json``'s fields but ``metadata``."""
     model, manifest = edl_state.model(state), contents.manifest
-    if manifest.registered:
+    if contents.base is not None:
+        model_files = adapter_only.write_adapters(
+            tmp, model, manifest, contents.base, contents.float_dtype
+        )
+    elif manifest.registered:
         # The adapter's base is this very directory (transformers 5 reads it from here anyway).
         model_files = write_model_files(
             model,
@@ -353,14 +327,15 @@ def _write_contents(
             manifest=manifest,
         )
     else:
-        tensors = _host_tensors(_arrays(model, "model"), contents.float_dtype)
-        save_tensors(tensors, tmp, prefix=_MODEL)
+        host = tensors.host_tensors(tensors.arrays_of(model, "model"), contents.float_dtype)
+        save_tensors(host, tmp, prefix=_MODEL)
         model_files = [_MODEL]
     has_optimizer = contents.save_optimizer and state.opt_state is not None
     if has_optimizer:
-        tensors = _host_tensors(_arrays(state.opt_state, "opt_state"), None)
-        save_tensors(tensors, tmp, prefix=_OPTIMIZER)
+        host = tensors.host_tensors(tensors.arrays_of(state.opt_state, "opt_state"), None)
+        save_tensors(host, tmp, prefix=_OPTIMIZER)
     model_format = "hf" if manifest.registered else "tree"
+    model_format = adapter_only.ADAPTER_FORMAT if contents.base is not None else model_format
     tokenizer_files = hf.save_tokenizer(contents.tokenizer, tmp)
     return _info(state, contents, model_format, model_files, has_optimizer, tokenizer_files)
 
@@ -401,6 +376,39 @@ def _fill(tree: PyTree, loaded: Mapping[str, Any]) -> PyTree:
     )
 
 
+def _read_model(
+    checkpoint: Path, info: dict[str, Any], model: Any, base: BaseReference | None
+) -> dict[str, jax.Array]:
+    """The model arrays ``checkpoint`` holds for ``model`` (``like``'s), by edl path: all of
+    them, or an adapter-only checkpoint's adapters (its base must be ``base``'s)."""
+    targets = _targets(model)
+    model_format = info.get("model_format")
+    stored = adapter_only.stored_base(info, checkpoint)
+    if stored is not None:
+        adapter_only.check_same_base(stored, base, checkpoint)
+        if model_format == "sharded":  # the adapters' pieces; the base stays like's
+            lora = {p: t for p, t in targets.items() if edl_lora.lora_trainable.search(p)}
+            return sharded_io.read_pieces(checkpoint, _MODEL, lora)
+    if model_format in ("hf", adapter_only.ADAPTER_FORMAT):
+        manifest = describe(model)
+        if not manifest.registered:
+            raise ValueError(
+                f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
+                f"is a {type(model).__name__}, not a registered edl model class"
+            )
+        if model_format == adapter_only.ADAPTER_FORMAT:
+            return adapter_only.read_adapter_only(checkpoint, model, targets, manifest)
+        try:
+            return read_model_files(checkpoint, model, targets, manifest=manifest)
+        except ValueError as e:
+            raise ValueError(f"load_state: checkpoint {e}") from None
+    if model_format == "tree":
+        return _read_tree(checkpoint, _MODEL, targets)
+    if model_format == "sharded":
+        return sharded_io.read_pieces(checkpoint, _MODEL, targets)
+    raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
+
+
 def _resolve(directory: Path) -> Path:
     if (directory / STATE_NAME).exists():
         return directory
@@ -419,6 +427,7 @@ def load_state(
     like: TrainState,
     *,
     allow_missing_optimizer: bool = False,
+    base: BaseReference | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Load a checkpoint into the structure of ``like``; return ``(state, metadata)``.
 
@@ -433,6 +442,12 @@ def load_state(
     ``allow_missing_optimizer=True``, which keeps ``like.opt_state`` (a fresh optimizer).
     ``metadata`` is what :func:`save_state` was given (``{}`` if nothing). A file named by
     ``state.json`` outside the checkpoint raises ``ValueError`` (``check_named_files``).
+
+    An adapter-only checkpoint (``save_state(..., base=ref)``) holds no base model: its base
+    is ``like``'s (concrete) arrays, and ``base`` must be the reference to the base ``like``
+    was built from (``edl.io.formats.base_ref.reference``, computed when it was loaded); a
+    base whose weights hash differently, or none, is refused, naming both hashes and the
+    checkpoint's ``state.json``. ``base`` is ignored for a checkpoint holding its base.
     """
     checkpoint = _resolve(Path(directory))
     info = _read_info(checkpoint)
@@ -448,27 +463,8 @@ def load_state(
         )
     check_named_files(checkpoint, info)
 
-    model = edl_state.model(like)
-    targets = _targets(model)
+    loaded = _read_model(checkpoint, info, edl_state.model(like), base)
     model_format = info.get("model_format")
-    if model_format == "hf":
-        manifest = describe(model)
-        if not manifest.registered:
-            raise ValueError(
-                f"load_state: {checkpoint} holds a Hugging Face-layout model but like's model "
-                f"is a {type(model).__name__}, not a registered edl model class"
-            )
-        try:
-            loaded = read_model_files(checkpoint, model, targets, manifest=manifest)
-        except ValueError as e:
-            raise ValueError(f"load_state: checkpoint {e}") from None
-    elif model_format == "tree":
-        loaded = _read_tree(checkpoint, _MODEL, targets)
-    elif model_format == "sharded":
-        loaded = sharded_io.read_pieces(checkpoint, _MODEL, targets)
-    else:
-        raise ValueError(f"load_state: {checkpoint}: unknown model_format {model_format!r}")
-
     opt_state = like.opt_state
     if like.opt_state is not None:
         opt_targets = _targets(like.opt_state)

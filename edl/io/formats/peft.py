@@ -110,6 +110,7 @@ def _peft_config(
     table: KeyTable,
     task: str,
     base_model_name_or_path: str | None,
+    revision: str | None = None,
 ) -> dict[str, Any]:
     """``adapter_config.json`` for ``layers`` (see :func:`_targeting`); the most common rank
     and alpha are ``r`` / ``lora_alpha``, the others go in ``rank_pattern`` /
@@ -140,7 +141,7 @@ def _peft_config(
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "revision": None,
+        "revision": revision,
     }
 
 
@@ -151,6 +152,7 @@ def save_adapter(
     base_model_name_or_path: str | None = None,
     dtype: DTypeLike | None = None,
     manifest: Manifest | None = None,
+    revision: str | None = None,
 ) -> Path:
     """Write the adapters as PEFT does: ``adapter_config.json`` + ``adapter_model.safetensors``
     (keys ``base_model.model.<HF module>.lora_A.weight``, one per layer), loadable by
@@ -162,10 +164,12 @@ def save_adapter(
     ``AutoModelForCausalLM.from_pretrained(directory)`` loads the base and applies the
     adapter. Raises ``ValueError`` when the adapters differ in dropout (PEFT has one).
     ``manifest``: ``model``'s (``edl.io.formats.manifest.describe``), computed when not
-    given."""
+    given. ``base_model_name_or_path`` and ``revision`` (a hub commit) say where PEFT and
+    transformers find the base model (``AutoModelForCausalLM.from_pretrained(directory)``
+    of a directory holding only the adapter loads the base from there)."""
     layers = lora_layers(model, "save_adapter")
     table, task = _table(manifest or describe(model), "save_adapter")
-    config = _peft_config(model, layers, table, task, base_model_name_or_path)
+    config = _peft_config(model, layers, table, task, base_model_name_or_path, revision)
     tensors = export_state_dict(lora_params(model), dtype=dtype, key_table=table)
     tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
     directory = Path(directory)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jaxtyping import PyTree
 
 from edl.io.checkpoint import latest_checkpoint, save_state
+from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import write_share
 from edl.state import TrainState
 from edl.text.tokenizer import Tokenizer
@@ -37,8 +38,10 @@ class Checkpoint(Callback):
     the run ends (schedule done, time limit, SIGTERM, data exhausted), keeping the newest
     ``keep``. Each checkpoint's metadata holds ``data.position`` (when ``data`` has one) and
     ``elapsed``, the run's seconds so far, which a resumed run continues from; each holds
-    ``tokenizer``'s files when it has any (``edl.text.HFTokenizer``). ``every=0``
-    saves only at the end. Not reached when the run raises: the newest checkpoint then stays
+    ``tokenizer``'s files when it has any (``edl.text.HFTokenizer``). With ``base`` (the
+    reference to a LoRA model's base, ``edl.io.formats.base_ref``) each holds the adapters
+    alone (``save_state(..., base=)``). ``every=0`` saves only at the end. Not reached
+    when the run raises: the newest checkpoint then stays
     the last one saved.
 
     ``asynchronous``: the loop goes on while a checkpoint is written. The save copies the
@@ -65,8 +68,10 @@ class Checkpoint(Callback):
         echo: Callable[[str], None] = print,
         asynchronous: bool = False,
         write_share: float = 0.25,
+        base: BaseReference | None = None,
     ) -> None:
         self.directory, self.every, self.keep = Path(directory), every, keep
+        self.base = base
         self.data, self.tokenizer, self.echo = data, tokenizer, echo
         if not 0.0 < write_share <= 1.0:
             raise ValueError(f"Checkpoint: write_share must be in (0, 1], got {write_share!r}")
@@ -100,7 +105,12 @@ class Checkpoint(Callback):
 
     def _write(self, state: TrainState, step: int, metadata: dict[str, Any]) -> None:
         path = save_state(
-            state, self.directory, metadata=metadata, keep=self.keep, tokenizer=self.tokenizer
+            state,
+            self.directory,
+            metadata=metadata,
+            keep=self.keep,
+            tokenizer=self.tokenizer,
+            base=self.base,
         )
         self.echo(f"saved {path.name} (step {step})")
 
