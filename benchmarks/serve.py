@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
     parser.add_argument("--out", help="also write the JSON results to this file")
     parser.add_argument(
-        "--server", action="store_true", help="internal: be the server process this benchmark starts"
+        "--server", action="store_true", help="internal: the server process this script starts"
     )
     return parser
 
