@@ -117,14 +117,10 @@ def _live_bytes() -> int:
     return sum(x.nbytes for x in jax.live_arrays())
 
 
-def run_seed(args: argparse.Namespace, seed: int) -> dict:
-    """SFT warm-up then GRPO for one seed; returns that run's numbers."""
-    gc.collect()  # the previous seed's arrays are not counted as this one's live bytes
-    t_start = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    tok = ByteTokenizer()
+def _sft_model(seed: int, sft_steps: int, rng: np.random.Generator) -> LlamaForCausalLM:
+    """The seed's 2-layer Llama, from scratch, after the SFT warm-up."""
     config = LlamaConfig(
-        vocab_size=tok.vocab_size,
+        vocab_size=ByteTokenizer().vocab_size,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -132,9 +128,35 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         num_key_value_heads=2,
     )
     model = LlamaForCausalLM.init(config, key=jax.random.key(seed))
-    t0 = time.perf_counter()
-    model = _sft(model, tok, args.sft_steps, rng)
-    sft_s = time.perf_counter() - t0
+    return _sft(model, ByteTokenizer(), sft_steps, rng)
+
+
+def _history_numbers(history: list[dict]) -> dict:
+    """Means over the first / last 10% of steps, and seconds summed over the run."""
+    tenth = max(1, len(history) // 10)
+    mean = lambda rows, k: float(np.mean([r[k] for r in rows]))
+    return {
+        "reward_first": mean(history[:tenth], "reward_mean"),
+        "reward_last": mean(history[-tenth:], "reward_mean"),
+        "match_first": mean(history[:tenth], "reward/match"),
+        "match_last": mean(history[-tenth:], "reward/match"),
+        "length_last": mean(history[-tenth:], "completion_length"),
+        "kl_last": mean(history[-tenth:], "kl"),
+        "sample_s": sum(r["sample_s"] for r in history),
+        "train_s": sum(r["train_s"] for r in history),
+        "reward_s": sum(r["reward_s"] for r in history),
+        "first_step_s": history[0]["sample_s"] + history[0]["train_s"],
+    }
+
+
+def run_seed(args: argparse.Namespace, seed: int) -> dict:
+    """SFT warm-up then GRPO for one seed; returns that run's numbers."""
+    gc.collect()  # the previous seed's arrays are not counted as this one's live bytes
+    t_start = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    tok = ByteTokenizer()
+    model = _sft_model(seed, args.sft_steps, rng)
+    sft_s = time.perf_counter() - t_start
 
     grpo = GRPOConfig(
         num_generations=args.generations,
@@ -188,21 +210,10 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     )
     last = step.last_rollout
     print("  samples:", list(zip(last["prompts"], last["completions"], strict=True))[::16][:4])
-    tenth = max(1, len(history) // 10)
-    mean = lambda rows, k: float(np.mean([r[k] for r in rows]))
     params_bytes, state_bytes = edl.nbytes(state.params), edl.nbytes(state)
     return {
         "seed": seed,
-        "reward_first": mean(history[:tenth], "reward_mean"),
-        "reward_last": mean(history[-tenth:], "reward_mean"),
-        "match_first": mean(history[:tenth], "reward/match"),
-        "match_last": mean(history[-tenth:], "reward/match"),
-        "length_last": mean(history[-tenth:], "completion_length"),
-        "kl_last": mean(history[-tenth:], "kl"),
-        "sample_s": sum(r["sample_s"] for r in history),
-        "train_s": sum(r["train_s"] for r in history),
-        "reward_s": sum(r["reward_s"] for r in history),
-        "first_step_s": history[0]["sample_s"] + history[0]["train_s"],
+        **_history_numbers(history),
         "sft_s": sft_s,
         "total_s": time.perf_counter() - t_start,
         "parameters": edl.count_params(state.params),
