@@ -11,6 +11,7 @@ changed. Each command must finish, print its JSON summary with ``end_step`` equa
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -73,12 +74,14 @@ def test_post_training_commands_run_as_written(tmp_path):
     summaries = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     steps = [int(s) for s in re.findall(r"--steps (\d+)", script)]
     assert [s["end_step"] for s in summaries] == steps
+    assert all(s["stop_reason"] == "steps" and math.isfinite(s["final_loss"]) for s in summaries)
     for run, summary in zip(("dpo", "rm", "grpo"), summaries, strict=True):
         checkpoint = (
             tmp_path / "runs" / run / "checkpoints" / f"checkpoint-{summary['end_step']:08d}"
         )
         assert (checkpoint / "config.json").is_file(), sorted(checkpoint.parent.iterdir())
-        metrics = [json.loads(line) for line in (tmp_path / "runs" / run / "metrics.jsonl").open()]
+        log = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in log]
         assert metrics and all(isinstance(v, float | int) for m in metrics for v in m.values()), (
             metrics[-1]
         )
