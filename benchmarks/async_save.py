@@ -54,16 +54,34 @@ def _timed_step(step, state, batch):
     return state, time.perf_counter() - start
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--shares", type=float, nargs="+", default=[1.0, 0.25])
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="timed rounds, each one save per --shares value (quick: 2)",
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=512, help="the byte-level Llama's hidden size (quick: 128)"
+    )
+    parser.add_argument("--layers", type=int, default=8, help="its decoder layers (quick: 2)")
+    parser.add_argument("--batch", type=int, default=8, help="rows per train step")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per row")
+    parser.add_argument(
+        "--shares",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.25],
+        help="Checkpoint write_share values, each timed in turn",
+    )
     parser.add_argument("--quick", action="store_true", help="a small model, 2 rounds")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.quick:
         args.hidden, args.layers, args.rounds = 128, 2, 2
     state, step, batch = _setup(args.hidden, args.layers, args.batch, args.seq)

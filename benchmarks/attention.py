@@ -49,23 +49,50 @@ def _measure(impl, q, k, v, causal, repeats):
     return timings
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     gpu = jax.default_backend() == "gpu"
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one short sequence, one head_dim")
     parser.add_argument(
-        "--seqs", default="512,1024,2048,4096,8192,16384" if gpu else "256,512,1024,2048"
+        "--seqs",
+        default="512,1024,2048,4096,8192,16384" if gpu else "256,512,1024,2048",
+        help="comma-separated sequence lengths (quick: the first)",
     )
-    parser.add_argument("--head-dims", default="64,128")
-    parser.add_argument("--dtype", default="bfloat16" if gpu else "float32")
-    parser.add_argument("--tokens", type=int, default=16384 if gpu else 4096)
-    parser.add_argument("--hidden", type=int, default=2048 if gpu else 256)
+    parser.add_argument(
+        "--head-dims", default="64,128", help="comma-separated head sizes (quick: the first)"
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16" if gpu else "float32",
+        help="dtype of q, k, v (bfloat16 on GPU, else float32)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=16384 if gpu else 4096,
+        help="tokens per call: batch = tokens // seq",
+    )
+    parser.add_argument(
+        "--hidden",
+        type=int,
+        default=2048 if gpu else 256,
+        help="heads x head_dim: heads = hidden // head_dim",
+    )
     parser.add_argument("--kv-group", type=int, default=1, help="query heads per kv head")
     parser.add_argument(
-        "--impls", default="pallas,reference,cudnn" if gpu else "native,pallas,reference,xla"
+        "--impls",
+        default="pallas,reference,cudnn" if gpu else "native,pallas,reference,xla",
+        help="comma-separated attention impls to time",
     )
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed repeats per measurement (median)"
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     seqs = [int(s) for s in args.seqs.split(",")][: 1 if args.quick else None]
     head_dims = [int(d) for d in args.head_dims.split(",")][: 1 if args.quick else None]
     impls = args.impls.split(",")

@@ -81,12 +81,22 @@ def measure(shape, batch: int, new: int, impls, rounds: int) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one shape, 3 rounds")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--impls", nargs="+", default=["reference", "xla", "pallas"])
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (quick: 3)")
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["reference", "xla", "pallas"],
+        help="edl.ops.cached_attention impls to time (pallas: small shapes only)",
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rounds = 3 if args.quick else args.rounds
     rows = []
     for shape in QUICK_SHAPES if args.quick else SHAPES:

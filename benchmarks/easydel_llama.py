@@ -31,16 +31,21 @@ def _seconds(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers")
+    parser.add_argument("--batch", type=int, default=4, help="rows per step")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per row")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--intermediate", type=int, default=688, help="MLP intermediate size")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=688)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
 
     import easydel as ed
     import jax

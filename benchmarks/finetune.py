@@ -223,12 +223,17 @@ def _check_losses(edl_model, torch_model, batch, device) -> tuple[float, float]:
     return float(edl_loss), float(torch_loss)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="hidden 256, 4 layers, seq 256")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; quick 3)")
     parser.add_argument("--dtype", default="float32", help="both sides' weights and compute")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rounds = args.rounds or (3 if args.quick else 5)
     print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)
 

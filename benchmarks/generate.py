@@ -69,8 +69,9 @@ def _torch_call(torch_model, ids, new):
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 small layers, 16 new tokens")
     parser.add_argument(
         "--impls",
@@ -81,8 +82,12 @@ def main() -> None:
     parser.add_argument(
         "--unstacked", nargs="*", default=["auto"], help="impls also timed with unstack_layers=True"
     )
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     variants = {impl: (impl, False) for impl in args.impls}
     variants |= {f"{impl}/unstacked": (impl, True) for impl in args.unstacked}
     prompt, new = (8, 16) if args.quick else (32, 128)

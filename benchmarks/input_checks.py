@@ -150,11 +150,18 @@ def measure(
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds of few calls")
-    parser.add_argument("--rounds", type=int, default=31)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--rounds", type=int, default=31, help="interleaved timed rounds (quick: 3)"
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rounds = 3 if args.quick else args.rounds
     rows = []
     for config in CONFIGS:

@@ -122,8 +122,9 @@ def measure_generate(impl: str, batch: int, quick: bool, rounds: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="3 row counts, 3 rounds")
     parser.add_argument(
         "--shapes",
@@ -131,9 +132,13 @@ def main() -> None:
         default=["256x688", "688x256", "1024x1024"],
         help="weights as IN x OUT",
     )
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    parser.add_argument("--dtype", default="float32", help="dtype of x and W")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds (quick: 3)")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     row_counts = [1, 8, 64] if args.quick else [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
     rounds = 3 if args.quick else args.rounds
     results = []

@@ -203,12 +203,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a / b
 
 
-def main() -> None:
-    reexec_with_huge_pages(["-m", "benchmarks.model", *sys.argv[1:]])
-    jnp.zeros(())  # initialise the backend before timing anything
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small widths, 2 and 4 layers")
-    parser.add_argument("--layers", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="dense Llama depths to time (default 4 16 32; quick 2 4)",
+    )
     parser.add_argument(
         "--moe-layers",
         type=int,
@@ -222,7 +227,13 @@ def main() -> None:
         help="python of a venv with easydel==0.3.0 (default $EDL_EASYDEL_PYTHON;"
         " none: no EasyDeL columns)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    reexec_with_huge_pages(["-m", "benchmarks.model", *sys.argv[1:]])
+    jnp.zeros(())  # initialise the backend before timing anything
+    args = build_parser().parse_args()
     layer_counts = args.layers or ([2, 4] if args.quick else [4, 16, 32])
     moe_counts = [2] if args.quick else [4]
     moe_counts = moe_counts if args.moe_layers is None else args.moe_layers

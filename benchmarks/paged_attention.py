@@ -142,12 +142,19 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model, few rounds")
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--rows", type=int, default=16)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--rounds", type=int, default=12, help="interleaved timed rounds (quick: 3)"
+    )
+    parser.add_argument("--rows", type=int, default=16, help="sequences decoded at once")
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     rounds = 3 if args.quick else args.rounds
     news = (1, 4) if args.quick else (1, 2, 4, 8, 16)
     ops = op_table(args.rows, rounds, news)

@@ -38,11 +38,18 @@ def _weight_error(model, reference) -> float:
     return (num / sum(float(jnp.sum(want[p].weight ** 2)) for p in want)) ** 0.5
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small widths, 2 layers")
-    parser.add_argument("--layers", type=int, default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default 4; quick 2)"
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     layers = args.layers or (2 if args.quick else 4)
     batch, seq = (2, 64) if args.quick else (4, 256)
     rounds, number = (3, 1) if args.quick else (9, 3)

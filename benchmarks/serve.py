@@ -251,20 +251,41 @@ def _sequential_torch(model, prompts: list[list[int]], max_tokens: int) -> float
     return len(prompts) * max_tokens / (time.perf_counter() - start)
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a ~10M model, 1 / 4 clients")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    parser.add_argument("--prompt-len", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--prefill-chunk", type=int, default=128)
-    parser.add_argument("--prefill-tokens", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 4, 16, 64],
+        help="concurrent clients per measurement (quick: 1 4)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=100, help="prompt tokens per request")
+    parser.add_argument(
+        "--max-tokens", type=int, default=128, help="new tokens per request (quick: 32)"
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=int, default=128, help="the engine's prefill chunk (tokens)"
+    )
+    parser.add_argument(
+        "--prefill-tokens", type=int, default=256, help="the engine's prefill tokens per step"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=768, help="the served Llama's hidden size (quick: 384)"
+    )
+    parser.add_argument("--layers", type=int, default=16, help="its decoder layers (quick: 6)")
     parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
     parser.add_argument("--out", help="also write the JSON results to this file")
-    parser.add_argument("--server", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--server", action="store_true", help="internal: the server process this script starts"
+    )
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.server:
         return _server_process(args)
     if args.quick:

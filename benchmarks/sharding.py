@@ -112,10 +112,15 @@ def _measure(name, dims, rules, config, tx, ids, reps) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, short sequences")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if jax.device_count() != 8:
         raise SystemExit(f"needs 8 devices, found {jax.device_count()} (check XLA_FLAGS)")
     batch, seq = (8, 32) if args.quick else (8, 128)

@@ -98,16 +98,34 @@ def _measure(name: str, dtype, steps: int, peak: float) -> dict:
     }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    gpu = jax.default_backend() == "gpu"
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--configs",
+        default="default,1b" if gpu else "default",
+        help="comma-separated configs: default (edl train's model), 1b",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16" if gpu else "float32",
+        help="the model's parameter dtype (bfloat16 on GPU, else float32)",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed train steps per config")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=989.0 if gpu else 0.1,
+        help="the device's peak TFLOP/s, for MFU (989: H100 bf16 dense)",
+    )
+    return parser
+
+
 def main() -> None:
     # As the edl command does (edl.cli.allocator); EDL_HUGE_PAGES=0 keeps the environment.
     reexec_with_huge_pages(["-m", "benchmarks.train", *sys.argv[1:]])
-    gpu = jax.default_backend() == "gpu"
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="default,1b" if gpu else "default")
-    parser.add_argument("--dtype", default="bfloat16" if gpu else "float32")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--peak-tflops", type=float, default=989.0 if gpu else 0.1)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     peak = args.peak_tflops * 1e12
     rows = [
         _measure(name, jnp.dtype(args.dtype), args.steps, peak) for name in args.configs.split(",")

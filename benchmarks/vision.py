@@ -256,8 +256,9 @@ def _bench_model(family, patch, args) -> list[dict[str, Any]]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="2-layer hidden-128 towers, batches 1 and 4, 2 rounds"
     )
@@ -279,7 +280,11 @@ def main() -> None:
         help="edl run.attention_impl values, each a variant",
     )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (5; quick 2)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     args.batch_sizes = args.batch_sizes or ([1, 4] if args.quick else [1, 8, 32])
     args.rounds = args.rounds or (2 if args.quick else 5)
     print(f"load average {os.getloadavg()[0]:.2f} at the start", flush=True)

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted(path.relative_to(ROOT).as_posix() for path in DOCS.rglob("*.md"))
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```$", flags=re.S | re.M)
-# Blocks shown, not run: shell commands (the fine-tune tutorial's are run by
-# tests/test_finetune_readme.py), diagrams and outputs, files.
+# Blocks shown, not run: shell commands (the fine-tune and post-training tutorials' are run by
+# tests/test_finetune_readme.py and tests/test_post_training_readme.py), diagrams and outputs,
+# files.
 SHOWN = {"bash", "text", "toml", "json"}
 # Pages whose blocks run in the default suite (a few seconds each); the others take from
 # ~10 s to minutes and run in the slow set.

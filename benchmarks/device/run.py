@@ -197,14 +197,20 @@ def _on_signal(signum: int, frame: Any) -> None:
     raise Stopped(signal.Signals(signum).name)
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--dry-run", action="store_true", help="every section on the CPU with tiny shapes (< 60 s)"
     )
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run")
     default_out = os.environ.get("OUT") or str(ROOT / "benchmarks" / "results" / "device")
-    parser.add_argument("--out", type=Path, default=Path(default_out))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(default_out),
+        help="the report's folder (default $OUT, else benchmarks/results/device)",
+    )
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
@@ -213,6 +219,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--jobs", type=int, default=None, help="sections at once (default 1; 2 in a dry run)"
     )
+    return parser
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.jobs = args.jobs or (2 if args.dry_run else 1)
     args.sections = [s for s in args.sections.split(",") if s]

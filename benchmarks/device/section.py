@@ -38,15 +38,20 @@ def section_function(name: str) -> Callable[..., None]:
     return getattr(importlib.import_module(module), function)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse the arguments, run the section into its sink; 0 on success, 1 on an error."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=list(SECTIONS))
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("name", choices=list(SECTIONS), help="the section to run")
     parser.add_argument("--result", type=Path, required=True, help="the section's JSON file")
     parser.add_argument("--out", type=Path, required=True, help="the run's output folder")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes")
     parser.add_argument("--budget", type=float, default=60.0, help="seconds this section has")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the arguments, run the section into its sink; 0 on success, 1 on an error."""
+    args = build_parser().parse_args(argv)
     deadline = Deadline(args.budget)
     sink = Sink(args.result)
     sink.write()
