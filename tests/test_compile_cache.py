@@ -146,7 +146,7 @@ def test_the_cli_train_path_checks_ids_on_the_host():
     assert not hasattr(data, "position")  # a plain iterator is no Resumable one
 
 
-@pytest.mark.slow  # two tiny edl train runs in subprocesses (~25 s)
+@pytest.mark.slow  # two tiny edl train runs in subprocesses (~35 s)
 def test_a_restarted_edl_train_loads_its_train_eval_and_sample_programs(tmp_path):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "EDL_COMPILE_CACHE": "1"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
