@@ -1,7 +1,7 @@
 """How long ``edl serve`` takes to start, with jax's persistent compilation cache cold and warm.
 
 A random byte-level Llama (``--hidden`` / ``--layers``; defaults: hidden 256, 8 layers, about
-7M parameters) is saved to a temporary directory; ``edl serve --model DIR`` then starts
+6M parameters) is saved to a temporary directory; ``edl serve --model DIR`` then starts
 ``--starts`` times in a row (the first with an empty compilation cache, a fresh
 ``JAX_COMPILATION_CACHE_DIR``, the others with what the earlier starts left there), each
 in its own process. Per start: seconds until ``/health`` answers, until one completion
