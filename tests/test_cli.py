@@ -200,4 +200,9 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     main(["info", str(run)])
     assert "checkpoint-00000002" in capsys.readouterr().out
     main(["generate", "--model", str(run), "--prompt", "import", "--max-new-tokens", "5"])
-    assert capsys.readouterr().out.startswith("import")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("import")
+    # The wait for the first token (the decode loop's compile) is said on stderr, not stdout.
+    said = captured.err.splitlines()
+    assert said[0] == "edl generate: compiling the decode loop (and the first token) ..."
+    assert said[1].startswith("edl generate: the decode loop (and the first token) ready in ")
