@@ -173,3 +173,20 @@ def test_a_restarted_edl_train_loads_its_train_eval_and_sample_programs(tmp_path
         assert ready[0][0].endswith("(compiled)")
         assert ready[1][0].endswith("(from the compilation cache)")
         assert any(f"compiling {what}" in x for x in second)
+
+
+def test_the_commands_that_compile_read_edl_compile_cache(tmp_path, monkeypatch, capsys):
+    """``edl train`` / ``generate`` / ``serve`` / ``export`` turn the cache on before any
+    work: a bad ``EDL_COMPILE_CACHE`` is one line and exit status 2 (``info`` compiles
+    nothing and does not read it)."""
+    from edl.cli import main
+
+    monkeypatch.setenv("EDL_COMPILE_CACHE", "maybe")
+    with pytest.raises(SystemExit) as caught:
+        main(["export", str(tmp_path / "missing"), str(tmp_path / "out")])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "edl export: error: EDL_COMPILE_CACHE must be 0 (off) or 1 (on), got 'maybe'\n"
+    with pytest.raises(SystemExit) as caught:
+        main(["info", str(tmp_path / "missing")])
+    assert "EDL_COMPILE_CACHE" not in capsys.readouterr().err
