@@ -20,6 +20,7 @@ _MODULES = {
         "save_pretrained",
         "to_torch",
     ),
+    "edl.compile_cache": ("enable_compile_cache",),
     "edl.module": ("abstract", "count_params", "merge", "nbytes", "split", "summary", "to_dtype"),
     "edl.state": ("TrainState", "apply_gradients", "value_and_grad"),
 }

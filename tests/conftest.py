@@ -10,6 +10,12 @@ _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
+# The ``edl`` command's persistent compilation cache stays off in tests (the commands run in
+# process and in subprocesses, which inherit this): no test writes to the user's real cache,
+# and no test's outcome depends on what an earlier run left there. tests/test_compile_cache.py
+# turns it on in temporary directories.
+os.environ["EDL_COMPILE_CACHE"] = "0"
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -206,7 +206,12 @@ def test_train_with_toml_and_flags_then_resume_refuse_overwrite_info_generate(tm
     assert f"jax {jax.__version__}" in shown
     assert f"final step 2: loss={last['loss']:.6g}" in shown
     main(["generate", "--model", str(run), "--prompt", "import", "--max-new-tokens", "5"])
-    assert capsys.readouterr().out.startswith("import")
+    captured = capsys.readouterr()
+    assert captured.out.startswith("import")
+    # The wait for the first token (the decode loop's compile) is said on stderr, not stdout.
+    said = captured.err.splitlines()
+    assert said[0] == "edl generate: compiling the decode loop (and the first token) ..."
+    assert said[1].startswith("edl generate: the decode loop (and the first token) ready in ")
 
 
 def test_info_reports_the_run_main_numbers_and_last_evaluation(tmp_path):

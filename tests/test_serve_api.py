@@ -508,6 +508,19 @@ def test_cli_serve_checks_options(capsys):
     assert "argument --max-batch: must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_cli_serve_says_what_it_does_from_the_first_second(tmp_path, capsys):
+    from edl.cli import main
+
+    with pytest.raises(SystemExit) as caught:
+        main(["serve", "--model", str(tmp_path / "missing")])
+    assert caught.value.code == 1
+    first, error = capsys.readouterr().err.splitlines()
+    assert first.startswith("edl serve [") and first.endswith(
+        f"]: loading {tmp_path / 'missing'} ..."
+    )
+    assert error.startswith("edl serve: error: ") and "missing" in error
+
+
 @pytest.mark.slow  # the real engine on a tiny Llama, through the openai client (~40 s)
 def test_real_tiny_model_matches_generate_text(tmp_path):
     import jax
@@ -613,7 +626,7 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
 
 
 @pytest.mark.slow  # loads a saved tiny Llama through edl serve's path (jax, ~5 s)
-def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch):
+def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
     """``edl serve`` with a stand-in ``edl.serve.engine``: the model loaded from its
     directory, the engine built with the CLI's sizes, the app given the model's EOS ids,
     max_model_len and name, then served (here: captured, not run)."""
@@ -639,9 +652,15 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch):
     built, served = [], []
 
     class StandIn(FakeEngine):
-        def __init__(self, model, *, max_batch, max_model_len, eos_token_ids):
+        row_buckets, width_buckets, page_buckets = (1, 2, 3), (16, 64), (4, 6)
+
+        def __init__(self, model, *, max_batch, max_model_len, eos_token_ids, echo):
             super().__init__(max_running=max_batch)
             built.append((type(model).__name__, max_batch, max_model_len, eos_token_ids))
+            echo("a line from the engine")
+
+        def step_shapes(self):
+            return [(1, 1, 4)] * 12
 
     monkeypatch.setitem(sys.modules, "edl.serve.engine", types.SimpleNamespace(Engine=StandIn))
     monkeypatch.setattr(edl.serve.server, "serve", lambda app, **kw: served.append((app, kw)))
@@ -654,3 +673,15 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch):
     assert (state.model_name, state.max_model_len) == (str(tmp_path / "m"), 96)
     assert state.stop_token_ids == (ByteTokenizer.eos_id,)  # no generation_config: the tokenizer's
     assert isinstance(state.tokenizer, ByteTokenizer)
+    # What it does, on stderr from the first second, each line timed from the start.
+    said = [line.split("]: ", 1) for line in capsys.readouterr().err.splitlines()]
+    assert all(t.startswith("edl serve [") and t.endswith(" s") for t, _ in said), said
+    assert [m for _, m in said] == [
+        f"loading {tmp_path / 'm'} ...",
+        f"loaded {said[1][1].split()[1]} parameters; building the engine ...",
+        "a line from the engine",
+        "engine ready: 12 step shapes (batch rows (1, 2, 3), prefill widths (16, 64), pages "
+        "(4, 6)); compilation cache: off",
+        "each step shape compiles when a request first needs it (--warmup: all now)",
+        "starting the HTTP server on http://127.0.0.1:8123",
+    ]

@@ -395,3 +395,53 @@ def test_page_pool_shares_prefixes_and_frees_with_the_last_user(prompts, data):
         first = next(iter(pool._unused_cached))
         assert pool.allocate(64 - cached + 1)[-1] == first and first not in pool._hash_of
     assert pool.num_cached == max(cached - 1, 0)
+
+
+def test_warmup_and_first_use_of_each_shape_are_reported(tiny_llama, monkeypatch):
+    """``echo`` hears every shape ``warmup`` compiles (n/total, elapsed, an estimate) and,
+    serving, the first call of each shape a request waits on, once."""
+    lines: list[str] = []
+    engine = Engine(tiny_llama, echo=lines.append, **GEOMETRY)
+    shapes = engine.step_shapes()
+    monkeypatch.setattr(
+        engine_module, "model_step", _stub_step(8, np.random.default_rng(0), shapes)
+    )
+    _run(engine, {0: [(_prompts(0, (5,))[0], SamplingParams(max_tokens=3))]})
+    assert lines == [
+        "compiling prefill 1x8, 4 pages (first use) ...",
+        lines[1],
+        "compiling decode 1x1, 4 pages (first use) ...",
+        lines[3],
+    ]
+    assert lines[1].startswith("prefill 1x8, 4 pages ready in ")
+    assert lines[3].startswith("decode 1x1, 4 pages ready in ") and lines[3].endswith("(compiled)")
+    lines.clear()
+    engine.warmup()  # the two shapes used already are not compiled again
+    assert len(lines) == len(shapes) - 2
+    assert lines[0].startswith("compiled decode 2x1, 4 pages (1/2): ")
+    assert lines[-1].startswith("compiled decode 4x1, 4 pages (2/2): ")
+    assert " s so far, about " in lines[0] and lines[-1].endswith(" about 0 s left")
+    assert engine_module.warmup_progress((4, 8, 16), 3, 12, 2.0, 6.0, cached=True) == (
+        "loaded prefill 4x8, 16 pages (3/12): 2.0 s; 6 s so far, about 18 s left"
+    )
+
+
+def test_the_serving_step_holds_no_host_callback(tiny_llama, monkeypatch):
+    """jax never writes a program with a host callback to its persistent compilation cache,
+    so the step the engine compiles must hold none (the pages are checked on the host);
+    a table too short for a row's tokens is refused on the host, naming the request."""
+    texts: list[str] = []
+    engine = Engine(tiny_llama, **GEOMETRY)
+    stub = _stub_step(8, np.random.default_rng(0), engine.step_shapes())
+
+    def spy(*args):  # lowered only: what it would compile, not run
+        texts.append(model_step.lower(*args).as_text())
+        return stub(*args)
+
+    monkeypatch.setattr(engine_module, "model_step", spy)
+    _run(engine, {0: [(_prompts(1, (3,))[0], SamplingParams(max_tokens=2))]})
+    assert len(texts) == 2 and not any("callback" in text for text in texts)
+    request = engine_module._Request(7, (1, 2, 3), SamplingParams(max_tokens=2), 0, frozenset(), [])
+    request.pages, request.computed = [0], 8
+    with pytest.raises(RuntimeError, match="request 7 needs 2 pages for 8 \\+ 1 tokens"):
+        engine_module._check_pages(request, 1, 4, 8)

@@ -184,7 +184,8 @@ def _lines(directory):
     return [json.loads(x) for x in (directory / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_loop_writes_metrics_checkpoints_and_summary(tmp_path):
+def test_loop_writes_metrics_checkpoints_and_summary(tmp_path, caplog):
+    caplog.set_level("INFO", logger="edl.train")
     _, loss_fn = _regression()
     state, summary = _run(
         tmp_path,
@@ -209,6 +210,15 @@ def test_loop_writes_metrics_checkpoints_and_summary(tmp_path):
     assert names == ["checkpoint-00000002", "checkpoint-00000004", "checkpoint-00000006"]
     run_md = (tmp_path / "run.md").read_text()
     assert "final_loss" in run_md and '"what": "test"' in run_md
+    # The compiles the user waits on are announced, then timed (once each).
+    said = [r.getMessage() for r in caplog.records if r.name == "edl.train"]
+    for what in ("the train step", "the eval step (and the first evaluation)"):
+        assert said.count(f"compiling {what} ...") == 1, said
+        (ready,) = [m for m in said if m.startswith(f"{what} ready in ")]
+        assert ready.endswith(" s (compiled)")
+    assert said.index("compiling the train step ...") < said.index(
+        "compiling the eval step (and the first evaluation) ..."
+    )
 
 
 def test_log_every_sets_the_metrics_interval(tmp_path):

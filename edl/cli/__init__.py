@@ -246,6 +246,19 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
 
 
+def _compile_cache() -> None:
+    """jax's persistent compilation cache on (``edl.compile_cache``; ``EDL_COMPILE_CACHE=0``
+    keeps it off): a restart with the same shapes loads its programs instead of compiling."""
+    from edl.compile_cache import enable_compile_cache
+
+    try:
+        enable_compile_cache()
+    except ValueError as e:  # a bad EDL_COMPILE_CACHE value
+        raise ConfigError(str(e)) from None
+    except OSError as e:  # the directory cannot be made
+        raise CommandError(str(e)) from None
+
+
 def _usage(parser: argparse.ArgumentParser, message: str) -> NoReturn:
     """A usage error of ``edl generate`` (checked after parsing), as argparse's own."""
     parser.exit(2, f"edl generate: error: {message} (see edl generate --help)\n")
@@ -314,7 +327,13 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"edl {args.command}: error: {e}\n")
 
 
+_COMPILING = ("train", "generate", "serve", "export")
+"""The commands that compile programs, and so use jax's persistent compilation cache."""
+
+
 def _run(args: argparse.Namespace, config: TrainConfig | None) -> None:
+    if args.command in _COMPILING:
+        _compile_cache()
     if config is not None:
         from edl.cli.train import run_train
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import equinox as eqx
@@ -13,6 +14,7 @@ from edl._hub import is_repo_id
 from edl.cli.checks import check_hub
 from edl.cli.config import CommandError
 from edl.cli.info import resolve_model
+from edl.compile_cache import announce_compile
 from edl.generate import generate, generate_text, stream_text
 from edl.io.export import TOKENIZER_FILES, load_model
 from edl.io.formats.hf import from_pretrained
@@ -85,7 +87,8 @@ def load_model_and_tokenizer(
 def run_generate(args: argparse.Namespace) -> None:
     """Stream the model's text for ``args`` (``edl generate``'s checked options) to stdout:
     a plain prompt followed by its continuation, or a chat reply alone; beam search prints
-    at the end."""
+    at the end. stderr says when the decode loop compiles and how long the first token (or
+    the beam search) took."""
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
     options = dict(
         chat=args.chat,
@@ -96,17 +99,26 @@ def run_generate(args: argparse.Namespace) -> None:
         top_k=args.top_k,
         key=jax.random.key(args.seed),
     )
-    if not args.chat:
-        print(args.prompt, end="", flush=True)
+    shown = "" if args.chat else args.prompt
     try:
         if args.num_beams > 1:
-            print(
-                generate_text(model, tokenizer, args.prompt, num_beams=args.num_beams, **options),
-                end="",
-            )
+            with announce_compile(f"the beam search ({args.num_beams} beams, all of it)", _say):
+                text = generate_text(
+                    model, tokenizer, args.prompt, num_beams=args.num_beams, **options
+                )
+            print(shown + text, end="")
         else:
-            for piece in stream_text(model, tokenizer, args.prompt, **options):
+            pieces = stream_text(model, tokenizer, args.prompt, **options)
+            # The first piece waits for the compile: said on stderr before the text starts.
+            with announce_compile("the decode loop (and the first token)", _say):
+                first = next(pieces, "")
+            print(shown + first, end="", flush=True)
+            for piece in pieces:
                 print(piece, end="", flush=True)
     except ValueError as e:  # a chat without a template, an id the model lacks, ...
         raise CommandError(str(e)) from None
     print()
+
+
+def _say(message: str) -> None:
+    print(f"edl generate: {message}", file=sys.stderr, flush=True)

@@ -24,8 +24,9 @@ from edl.io.checkpoint import STATE_NAME, latest_checkpoint
 from edl.io.checkpoint.adapter_only import check_same_base, stored_base
 from edl.io.formats.base_ref import BaseReference
 from edl.io.formats.files import read_json
-from edl.models import flops_per_token
+from edl.models import configure, flops_per_token
 from edl.module import Trainable
+from edl.ops.checks import check_ids
 from edl.sharding import shard_batch
 from edl.state import TrainState
 from edl.text.tokenizer import Tokenizer
@@ -57,6 +58,38 @@ def loss_fn(
         segment_ids=jnp.asarray(batch["segment_ids"]),
         position_ids=jnp.asarray(batch["position_ids"]),
     )
+
+
+def _checked(batch: Batch, vocab_size: int) -> Batch:
+    """``batch`` after its ``input_ids`` and ``labels`` were checked against ``vocab_size``
+    (``edl.ops.checks.check_ids`` on the host: ``ValueError`` naming the bad value)."""
+    check_ids(np.asarray(batch["input_ids"]), vocab_size)
+    if "labels" in batch:
+        check_ids(np.asarray(batch["labels"]), vocab_size, name="labels", ignore=-100)
+    return batch
+
+
+class HostCheckedBatches:
+    """``data``'s batches, each checked on the host as it is drawn (``_checked``), so the
+    compiled train and eval steps need not check their ids (``check_inputs=False``): the
+    in-program check is a host callback, and jax never writes a program holding one to its
+    persistent compilation cache, so every restart would compile the step again.
+    ``position`` / ``restore`` / ``documents`` are ``data``'s (checkpoints keep the data
+    position)."""
+
+    def __init__(self, data: Iterator[Batch], vocab_size: int) -> None:
+        self.data, self.vocab_size = data, vocab_size
+
+    def __iter__(self) -> HostCheckedBatches:
+        return self
+
+    def __next__(self) -> Batch:
+        return _checked(next(self.data), self.vocab_size)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("position", "restore", "documents"):
+            return getattr(self.data, name)
+        raise AttributeError(name)
 
 
 def check_output_dir(config: TrainConfig) -> None:
@@ -178,6 +211,10 @@ def train_model(
     if step is None:
         tx, schedule = optimizer(config)
         step = make_train_step(loss_fn, tx, schedule=schedule, mesh=mesh, **step_options(config))
+        # Ids checked on the host instead of in the steps: see HostCheckedBatches.
+        vocab = model.config.vocab_size
+        model, data = configure(model, check_inputs=False), HostCheckedBatches(data, vocab)
+        eval_batches = [_checked(b, vocab) for b in eval_batches] if eval_batches else None
     state = edl.create_state(model, tx, trainable=trainable)
     if mesh is not None:
         if not (isinstance(step, StepProgram) and step.mesh is mesh):

@@ -1,41 +1,85 @@
 """``edl serve``: a model behind the OpenAI-compatible HTTP server (:mod:`edl.serve.server`),
 batched by ``edl.serve.engine.Engine`` (continuous batching over a paged KV cache) with the
-model's EOS ids; ``--warmup`` compiles the engine's step shapes before it listens."""
+model's EOS ids; ``--warmup`` compiles the engine's step shapes before it listens.
+
+It says what it does on stderr from its first second, each line with the seconds since
+start: loading the model, building the engine (how many step shapes, where the compilation
+cache is), each shape ``--warmup`` compiles with the time so far and an estimate of the time
+left, and, while serving, each step shape a request is first to need (it waits on that
+compile)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from collections.abc import Callable
 
 from edl.cli.config import CommandError
 
-__all__ = ["run_serve"]
+__all__ = ["run_serve", "stderr_log"]
 
 # Seconds open requests get to finish after SIGTERM before they are aborted.
 DRAIN_S = 30.0
 
 
+def stderr_log(start: float) -> Callable[[str], None]:
+    """A function printing ``edl serve [  12.3 s]: message`` lines to stderr, the seconds
+    counted from ``start`` (a ``time.perf_counter()`` value)."""
+
+    def say(message: str) -> None:
+        print(
+            f"edl serve [{time.perf_counter() - start:6.1f} s]: {message}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """Load ``args.model`` and its tokenizer, build the engine and serve until SIGTERM."""
+    say = stderr_log(time.perf_counter())
+    say(f"loading {args.model} ...")
     try:
         from edl.serve.server import create_app, serve
     except ImportError as e:
         raise CommandError(
             f"edl serve needs the serve extra (pip install 'edl-jax[serve]'): {e}"
         ) from None
+    import jax
+
     from edl.cli.generate import load_model_and_tokenizer
     from edl.generate import GenerationConfig
+    from edl.module import count_params
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
     max_model_len = args.max_model_len or model.config.max_position_embeddings
     eos = GenerationConfig.of_model(model).eos_ids
     if not eos and getattr(tokenizer, "eos_id", None) is not None:
         eos = (int(tokenizer.eos_id),)
+    say(f"loaded {count_params(model):,} parameters; building the engine ...")
     from edl.serve.engine import Engine
 
-    engine = Engine(model, max_batch=args.max_batch, max_model_len=max_model_len, eos_token_ids=eos)
+    engine = Engine(
+        model,
+        max_batch=args.max_batch,
+        max_model_len=max_model_len,
+        eos_token_ids=eos,
+        echo=say,
+    )
+    cache = jax.config.jax_compilation_cache_dir
+    shapes = len(engine.step_shapes())
+    say(
+        f"engine ready: {shapes} step shapes (batch rows {engine.row_buckets}, prefill widths "
+        f"{engine.width_buckets}, pages {engine.page_buckets}); compilation cache: "
+        f"{cache or 'off'}"
+    )
     if args.warmup:
-        print(f"edl serve: compiling {len(engine.step_shapes())} step shapes", flush=True)
+        say(f"compiling {shapes} step shapes (--warmup) ...")
         engine.warmup()
+    else:
+        say("each step shape compiles when a request first needs it (--warmup: all now)")
     app = create_app(
         engine,
         tokenizer,
@@ -43,4 +87,5 @@ def run_serve(args: argparse.Namespace) -> None:
         max_model_len=max_model_len,
         stop_token_ids=eos,
     )
+    say(f"starting the HTTP server on http://{args.host}:{args.port}")
     serve(app, host=args.host, port=args.port, drain_s=DRAIN_S)

@@ -15,6 +15,7 @@ from edl.cli.config import TrainConfig
 from edl.cli.distributed import is_lead, process_split, start
 from edl.cli.generate import sample
 from edl.cli.run import check_output_dir, train_model
+from edl.compile_cache import announce_compile
 from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.sharding import gather_state
 from edl.train import (
@@ -84,20 +85,25 @@ def run_train(config: TrainConfig) -> dict[str, Any]:
     state, summary = train_model(config, model, data, eval_batches, callbacks=[BitsPerByte()])
     # Sampled on each host from the whole model (all-gathered from several processes).
     trained = edl.state.model(state if jax.process_count() == 1 else gather_state(state))
-    text = tokenizer.decode(
-        sample(
+    say = _stderr if is_lead() else lambda _: None
+    with announce_compile(f"the sample's decode loop ({config.sample_tokens} tokens)", say):
+        ids = sample(
             trained,
             tokenizer.encode(config.prompt),
             config.sample_tokens,
             key=jax.random.key(config.seed),
             temperature=config.sample_temperature,
         )
-    )
+    text = tokenizer.decode(ids)
     if is_lead():
         _report(summary)
         print(f"--- sample (temperature {config.sample_temperature}, prompt {config.prompt!r}) ---")
         print(text)
     return summary
+
+
+def _stderr(message: str) -> None:
+    print(f"edl train: {message}", file=sys.stderr, flush=True)
 
 
 def _byte_data(

@@ -103,7 +103,11 @@ class PagedKVCache(eqx.Module):
     ``whole_table`` (static): the page table's width is already what a step needs (the
     serving engine trims it on the host to a few fixed widths), so attention reads every page
     of it instead of choosing, in the program, how much of it is live (``edl.ops.
-    paged_attention``'s ``live_prefix``: one compiled branch per live length and layer)."""
+    paged_attention``'s ``live_prefix``: one compiled branch per live length and layer).
+    ``checked`` (static): ``reserve`` raises, through a host callback, when pages run out or
+    a row outgrows its table; the serving engine checks that on the host before each step
+    and turns it off, since jax never writes a program holding a host callback to its
+    persistent compilation cache."""
 
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
     v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
@@ -112,6 +116,7 @@ class PagedKVCache(eqx.Module):
     free: Bool[Array, " num_pages"]
     fresh: bool = eqx.field(static=True, default=False)
     whole_table: bool = eqx.field(static=True, default=False)
+    checked: bool = eqx.field(static=True, default=True)
 
     @property
     def num_pages(self) -> int:
@@ -133,8 +138,9 @@ class PagedKVCache(eqx.Module):
         free_ids = jnp.nonzero(self.free, size=self.num_pages, fill_value=self.num_pages)[0]
         short = jnp.sum(wanted) > jnp.sum(self.free)
         too_long = jnp.any(needed > pages_per_seq)
-        table = error_if(table, short, "PagedKVCache: out of free pages")
-        table = error_if(table, too_long, "PagedKVCache: a row outgrew pages_per_seq")
+        if self.checked:  # a host callback: such a program is never in jax's disk cache
+            table = error_if(table, short, "PagedKVCache: out of free pages")
+            table = error_if(table, too_long, "PagedKVCache: a row outgrew pages_per_seq")
         new_pages = jnp.take(free_ids, rank, mode="clip").astype(jnp.int32)
         table = jnp.where(wanted, new_pages, table)
         taken = jnp.where(wanted, new_pages, self.num_pages).reshape(-1)

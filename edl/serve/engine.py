@@ -75,11 +75,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
+from edl.compile_cache import cache_hits
 from edl.generate.decode import _without_id_checks
 from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
@@ -125,6 +127,43 @@ def _bucket(buckets: tuple[int, ...], size: int) -> int:
     return next(b for b in buckets if b >= size)
 
 
+def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> None:
+    """The step's table row (``pages`` of the request's pages) holds its ``new`` tokens: the
+    host's check, which the compiled step does not repeat (``edl.serve.step``)."""
+    needed = -(-(request.computed + new) // page_size)
+    if needed > min(len(request.pages), pages):
+        raise RuntimeError(
+            f"Engine: request {request.id} needs {needed} pages for {request.computed} + "
+            f"{new} tokens, its table row holds {min(len(request.pages), pages)} "
+            f"({len(request.pages)} allocated, {pages} in the step's table)"
+        )
+
+
+def shape_name(shape: tuple[int, int, int]) -> str:
+    """A step shape ``(rows, width, pages)`` as the progress lines name it: ``decode 8x1,
+    4 pages`` or ``prefill 2x64, 16 pages``."""
+    rows, width, pages = shape
+    return f"{'decode' if width == 1 else 'prefill'} {rows}x{width}, {pages} pages"
+
+
+def warmup_progress(
+    shape: tuple[int, int, int],
+    done: int,
+    total: int,
+    seconds: float,
+    elapsed: float,
+    cached: bool = False,
+) -> str:
+    """One line of ``Engine.warmup``'s progress: the shape just compiled (the ``done``-th
+    of ``total``; ``cached``: loaded from jax's persistent cache) and its ``seconds``, the
+    ``elapsed`` seconds so far and the time left at the mean pace so far."""
+    left = elapsed / done * (total - done)
+    return (
+        f"{'loaded' if cached else 'compiled'} {shape_name(shape)} ({done}/{total}): "
+        f"{seconds:.1f} s; {elapsed:.0f} s so far, about {left:.0f} s left"
+    )
+
+
 class Engine:
     """Continuous batching over a paged KV cache (module docstring)."""
 
@@ -141,6 +180,7 @@ class Engine:
         prefill_tokens: int | None = None,
         eos_token_ids: Sequence[int] = (),
         prefix_caching: bool = True,
+        echo: Callable[[str], None] | None = None,
     ):
         """Args:
         model: a causal LM (``edl.generate.CausalLM``).
@@ -154,6 +194,9 @@ class Engine:
             ``prefill_chunk``; at least that).
         eos_token_ids: ids that end every request (``finish_reason="stop"``).
         prefix_caching: share whole prompt pages between running requests.
+        echo: hears each step shape's first call (``"compiling decode 8x1, 4 pages
+            (first use) ..."``, then how long it took), and ``warmup``'s progress; None:
+            silent.
         """
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -211,6 +254,8 @@ class Engine:
         self._pending: list[RequestOutput] = []  # abort notices for the next step
         self._next_id = 0
         self._rng = np.random.default_rng()  # seeds of requests that give none
+        self._echo = echo
+        self._compiled: set[tuple[int, int, int]] = set()  # shapes called at least once
 
     @property
     def num_free_pages(self) -> int:
@@ -315,9 +360,18 @@ class Engine:
     def warmup(self) -> None:
         """Compile ``model_step`` for every shape of ``step_shapes()`` now (each call runs
         rows with no tokens: the cache is unchanged), so serving never waits on XLA. Takes
-        seconds per shape for a deep model (the layers are unrolled)."""
-        for rows, width, pages in self.step_shapes():
-            self._call([], rows, width, pages)
+        seconds per shape for a deep model (the layers are unrolled), less where jax's
+        persistent compilation cache has them. ``echo`` hears each shape as it compiles:
+        ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``."""
+        shapes = [s for s in self.step_shapes() if s not in self._compiled]
+        start = time.perf_counter()
+        for done, shape in enumerate(shapes, 1):
+            t0, hits = time.perf_counter(), cache_hits()
+            self._call([], *shape)
+            if self._echo is not None:
+                now, cached = time.perf_counter(), cache_hits() > hits
+                line = warmup_progress(shape, done, len(shapes), now - t0, now - start, cached)
+                self._echo(line)
 
     def _call(self, requests: list[_Request], rows: int, width: int, pages: int) -> np.ndarray:
         """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
@@ -333,11 +387,17 @@ class Engine:
         for i, r in enumerate(requests):
             p = r.params
             new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
+            _check_pages(r, len(new), pages, self.page_size)
             tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
             table[i, : min(len(r.pages), pages)] = r.pages[:pages]
             temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
             seed[i], counter[i] = r.seed, len(r.generated)
         sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
+        shape = (rows, width, pages)
+        first = shape not in self._compiled and self._echo is not None and bool(requests)
+        if first:  # a request waits on this compile: say so (warmup reports its own)
+            self._echo(f"compiling {shape_name(shape)} (first use) ...")
+        t0, hits = time.perf_counter(), cache_hits()
         self._k_pages, self._v_pages, next_tokens = model_step(
             self._model,
             self._k_pages,
@@ -349,6 +409,10 @@ class Engine:
             sampling,
         )
         next_tokens = np.asarray(next_tokens)
+        if first:
+            how = "from the compilation cache" if cache_hits() > hits else "compiled"
+            self._echo(f"{shape_name(shape)} ready in {time.perf_counter() - t0:.1f} s ({how})")
+        self._compiled.add(shape)
         for i, r in enumerate(requests):
             r.computed += int(num_new[i])
         return next_tokens

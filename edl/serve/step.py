@@ -10,8 +10,12 @@ trimmed table (``PagedKVCache.whole_table``).
 
 Pages are allocated by the host (``edl.serve.pages``), which knows which pages requests
 share; the cache's ``page_table`` and ``lengths`` come from it every step and its ``free``
-mask is all False, so the model's own ``PagedKVCache.reserve`` has nothing to allocate and
-raises ("out of free pages") if the host ever gave a slot too few pages.
+mask is all False, so the model's own ``PagedKVCache.reserve`` has nothing to allocate. The
+engine checks on the host, before each call, that every row's table covers its tokens
+(``Engine._call``), and the program holds no check of its own (``PagedKVCache(checked=
+False)``): a program with a host callback is never written to jax's persistent compilation
+cache, and the step must be, so that a restarted server loads its shapes instead of
+compiling them.
 """
 
 from __future__ import annotations
@@ -101,11 +105,14 @@ def model_step(
 ]:
     """Row ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
     the model, their keys/values written to its pages (``page_table[b]`` must cover
-    ``lengths[b] + num_new[b]`` tokens; attention reads all of it); returns the updated
-    pools and each row's next token, sampled after its last new token (meaningless where
-    ``num_new`` is 0). The pools are donated: pass the returned ones to the next call."""
+    ``lengths[b] + num_new[b]`` tokens, unchecked here; attention reads all of it); returns
+    the updated pools and each row's next token, sampled after its last new token
+    (meaningless where ``num_new`` is 0). The pools are donated: pass the returned ones to
+    the next call."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
-    cache = PagedKVCache(k_pages, v_pages, page_table, lengths, free, whole_table=True)
+    cache = PagedKVCache(
+        k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
+    )
     width = tokens.shape[1]
     mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
     out = model.model(tokens, attention_mask=mask, cache=cache)

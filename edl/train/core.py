@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from edl.compile_cache import announce_compile
 from edl.state import TrainState
 from edl.train.jitted import Step
 
@@ -220,6 +221,7 @@ def run_loop(
     steps: int,
     callbacks: Sequence[Callback] = (),
     elapsed: float = 0.0,
+    echo: Callable[[str], None] | None = None,
 ) -> tuple[TrainState, RunEnd]:
     """Run ``step_fn`` until ``state.step == steps`` or a callback stops the run.
 
@@ -234,6 +236,8 @@ def run_loop(
         callbacks: run in this order (see :class:`Callback`).
         elapsed: seconds already spent by the run being resumed (``StepInfo.elapsed``
             continues from it).
+        echo: where to say that the first step compiles and how long that took
+            (``edl.compile_cache.announce_compile``; None: say nothing).
 
     Returns ``(state, end)``: the state after the last step and how the run ended.
     """
@@ -246,7 +250,7 @@ def run_loop(
         compile_seconds, last, reason = None, None, "already done"
         if start < steps:
             state, compile_seconds, last, reason = _steps(
-                state, step_fn, data, start, steps, callbacks, clock
+                state, step_fn, data, start, steps, callbacks, clock, echo
             )
         end = RunEnd(
             state=state,
@@ -276,14 +280,18 @@ def _compile(step_fn: StepFn, state: TrainState, batch: Any) -> tuple[TrainState
     return state, step_fn
 
 
-def _steps(state, step_fn, data, start, steps, callbacks, clock):
+def _steps(state, step_fn, data, start, steps, callbacks, clock, echo):
     """The step loop proper; returns ``(state, compile_seconds, last_info, reason)``."""
     try:
         batch = next(data)
     except StopIteration:
         return state, None, None, "data exhausted"
     t0 = time.perf_counter()
-    state, compiled = _compile(step_fn, state, batch)
+    if echo is None:
+        state, compiled = _compile(step_fn, state, batch)
+    else:
+        with announce_compile("the train step", echo):
+            state, compiled = _compile(step_fn, state, batch)
     compile_seconds = time.perf_counter() - t0
     train_seconds, info = 0.0, None
     for step in range(start + 1, steps + 1):

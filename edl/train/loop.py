@@ -150,6 +150,7 @@ def train(
         steps=run.steps,
         callbacks=[*standard, *callbacks],
         elapsed=prepared.elapsed,
+        echo=echo,
     )
     return state, summary(end)
 
@@ -200,6 +201,7 @@ def standard_callbacks(
             context.eval_data,
             every=run.eval.every,
             max_batches=run.eval.batches,
+            echo=echo,
         )
         if run.eval.every and evaluates
         else None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from edl.compile_cache import announce_compile
 from edl.state import TrainState
 from edl.train.core import Callback, StepInfo, to_host
 
@@ -49,7 +50,8 @@ class Evaluate(Callback):
     """``eval_*`` metrics (see :func:`evaluate`) every ``every`` steps and after the last.
 
     ``data``: an iterable of batches, re-iterated at each evaluation (a list), or a
-    callable returning a fresh iterable.
+    callable returning a fresh iterable. ``echo`` (None: silent) hears that the first
+    evaluation compiles the eval step, and how long that evaluation took.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class Evaluate(Callback):
         *,
         every: int,
         max_batches: int | None = None,
+        echo: Callable[[str], None] | None = None,
     ) -> None:
         self.eval_step, self.data, self.every, self.max_batches = (
             eval_step,
@@ -66,7 +69,13 @@ class Evaluate(Callback):
             every,
             max_batches,
         )
+        self.echo, self._compiled = echo, False
 
     def metrics(self, info: StepInfo) -> dict[str, float]:
         batches = self.data() if callable(self.data) else self.data
-        return evaluate(info.state, self.eval_step, batches, max_batches=self.max_batches)
+        if self._compiled or self.echo is None:
+            return evaluate(info.state, self.eval_step, batches, max_batches=self.max_batches)
+        with announce_compile("the eval step (and the first evaluation)", self.echo):
+            out = evaluate(info.state, self.eval_step, batches, max_batches=self.max_batches)
+        self._compiled = True
+        return out
