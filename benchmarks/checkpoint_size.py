@@ -67,13 +67,22 @@ def _saves(state, directory: Path, count: int, base) -> list[float]:
     return seconds
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="135m")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--checkpoints", type=int, default=5)
+    parser.add_argument(
+        "--shape", choices=sorted(SHAPES), default="135m", help="the model's shape (default: 135m)"
+    )
+    parser.add_argument("--rank", type=int, default=8, help="LoRA rank (default: 8)")
+    parser.add_argument(
+        "--checkpoints", type=int, default=5, help="checkpoints saved and kept (default: 5)"
+    )
     parser.add_argument("--quick", action="store_true", help="--shape tiny --rank 2")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     if args.quick:
         args.shape, args.rank = "tiny", 2
 

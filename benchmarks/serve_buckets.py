@@ -112,14 +112,19 @@ def _bucket_sets(max_batch: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=256, help="hidden size (default: 256)")
     parser.add_argument("--layers", type=int, default=8, help="layers (default: 8)")
     parser.add_argument("--max-batch", type=int, default=16, help="rows at most (default: 16)")
     parser.add_argument("--repeats", type=int, default=10, help="calls per shape a round (10)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (7)")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     engine = _engine(args.hidden, args.layers, args.max_batch)
     half = max(1, args.max_batch // 2)
     shapes = [(rows, 1, 16) for rows in range(1, args.max_batch + 1)]

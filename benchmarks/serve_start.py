@@ -111,7 +111,8 @@ def _one_start(args: argparse.Namespace, model: Path, cache: Path) -> dict[str, 
     return {"health_s": health, "first_reply_s": first, "burst_done_s": burst}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warmup", action="store_true", help="start with edl serve --warmup")
     parser.add_argument("--starts", type=int, default=2, help="starts in a row (default: 2)")
@@ -122,7 +123,11 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (16)")
     parser.add_argument("--no-cache", action="store_true", help="every start with the cache off")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model, cache = Path(tmp) / "model", Path(tmp) / "jax-cache"
         _save_model(model, args.hidden, args.layers)

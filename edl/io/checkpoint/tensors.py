@@ -54,6 +54,8 @@ def host_tensors(arrays: Mapping[str, Any], dtype: DTypeLike | None) -> dict[str
 
 
 def json_default(x: Any) -> Any:
+    """``json.dumps``' ``default`` for ``state.json``'s metadata: arrays as lists, paths as
+    strings; anything else raises ``TypeError`` naming its type."""
     if isinstance(x, np.ndarray | np.generic | jax.Array):
         return x.tolist()
     if isinstance(x, os.PathLike):
@@ -62,6 +64,7 @@ def json_default(x: Any) -> Any:
 
 
 def edl_version() -> str | None:
+    """The edl version ``state.json`` records (``None`` where the package says none)."""
     import edl
 
     version = getattr(edl, "__version__", None)
