@@ -137,7 +137,7 @@ class DecoderForCausalLM(eqx.Module):
         attention_mask: Mask | None = None,
         position_ids: Positions | None = None,
         segment_ids: Ids | None = None,
-        chunk_size: int = 2048,
+        chunk_size: int | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Next-token cross entropy (HF semantics), without ever forming full logits.
 
