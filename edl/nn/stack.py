@@ -228,7 +228,12 @@ def run_segments(
     and a layer's weights saved that way were copied into a stacked buffer on every step
     (scan forwards weights it saves only when they reach it directly). Around the run, each
     branch's scan forwards them, and the zeros the CPU program computes for what only the
-    other branch saves are removed by XLA."""
+    other branch saves are removed by XLA.
+
+    Stacks or a carry holding 16-bit floats are scanned, in programs lowered for CPU, by
+    ``edl.nn.packed_scan.packed_scan``: XLA:CPU widens 16-bit data movement to float32, and
+    a plain scan of bfloat16 layers held float32 copies of every weight and saved
+    activation (``benchmarks/RESULTS.md``, "memory: a LoRA step's peak per precision")."""
     check_remat(remat)
     unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
     arrays, statics = {}, {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 __all__ = [
@@ -188,7 +189,8 @@ def causal_lm_loss(
         shift: with True, position ``t`` predicts ``labels[:, t + 1]`` and the last position
             predicts nothing; with False, ``labels`` are already aligned with ``hidden``.
         chunk_size: tokens per chunk: memory holds ``(chunk_size, vocab)`` float32 logits at a
-            time. Larger than ``batch * seq`` means a single chunk.
+            time. Larger than ``batch * seq`` means a single chunk. None:
+            ``default_chunk_size`` of the hidden states' dtype (2048; 1024 for 16-bit floats).
         softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
 
     Returns:
@@ -273,7 +275,7 @@ CHUNK_TOKENS = 2048
 32 bits or more; 16-bit ones take half (``default_chunk_size``)."""
 
 
-def default_chunk_size(dtype: jnp.dtype) -> int:
+def default_chunk_size(dtype: DTypeLike) -> int:
     """Tokens per LM-head chunk for hidden states of ``dtype``: ``CHUNK_TOKENS``, halved for
     16-bit floats. The chunk's logits are float32 whatever the model's dtype (an honest
     log-softmax), so a bfloat16 run, which keeps its activations in half the bytes, keeps this

@@ -251,7 +251,8 @@ def make_dpo_step(
             argument (never donated, never trained, not baked into the program);
             ``"batch"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps``
             (:func:`reference_logps`). Reference log-probs carry no gradient.
-        chunk_size: tokens per LM-head chunk (``edl.ops.losses.causal_lm_token_logps``).
+        chunk_size: tokens per LM-head chunk (``edl.ops.losses.causal_lm_token_logps``; None:
+            ``edl.ops.losses.default_chunk_size``).
 
     Metrics: the loss's (TRL's names: ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO's
