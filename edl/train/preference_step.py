@@ -155,7 +155,7 @@ def reference_logps(
 
 
 def _dpo_loss_fn(
-    loss: PreferenceLoss, options: LossOptions, reference: str, chunk_size: int
+    loss: PreferenceLoss, options: LossOptions, reference: str, chunk_size: int | None
 ) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:
     """``loss_fn(model, batch, reference_model) -> (loss, metrics)`` (the reference model is
     used only for ``reference="model"``)."""
