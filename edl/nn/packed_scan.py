@@ -99,7 +99,7 @@ def packed_scan(
         out = jax.core.eval_jaxpr(closed.jaxpr, const_leaves, *c_leaves, *x_leaves)
         return out[:n_c], out[n_c:]
 
-    scan = _make_scan(step, n_consts=len(consts), n_carry=n_c, n_xs=len(xs_flat))
+    scan = _make_scan(step, n_consts=len(consts), n_carry=n_c)
     c_out, ys = scan(consts, c_flat, xs_flat)
     return jax.tree.unflatten(c_tree, c_out), jax.tree.unflatten(y_tree, ys)
 
@@ -108,7 +108,7 @@ def _struct(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
 
-def _make_scan(step: Callable, *, n_consts: int, n_carry: int, n_xs: int) -> Callable:
+def _make_scan(step: Callable, *, n_consts: int, n_carry: int) -> Callable:
     """The ``custom_vjp`` scan of ``step(consts, carry, x) -> (carry, y)`` over flat lists:
     ``scan(consts, carry, xs) -> (carry, ys)``."""
     layout: dict[str, Any] = {}  # set while the forward body is traced, read by the backward
@@ -142,16 +142,7 @@ def _make_scan(step: Callable, *, n_consts: int, n_carry: int, n_xs: int) -> Cal
         layout["diff"] = perturbed
 
         def one(c, x):
-            inputs = [*consts, *c, *x]
-
-            def f(*diff_values):
-                it = iter(diff_values)
-                full = [next(it) if d else v for v, d in zip(inputs, perturbed, strict=True)]
-                c_out, y = step(full[:n_consts], full[n_consts : n_consts + n_carry], full[-n_xs:])
-                return tuple(c_out), tuple(y)
-
-            diff = [v for v, d in zip(inputs, perturbed, strict=True) if d]
-            (c_out, y), pullback = jax.vjp(f, *diff)
+            (c_out, y), pullback = _linearize(step, [*consts, *c, *x], perturbed, n_consts, n_carry)
             return c_out, list(y), _split_residuals(pullback, consts, x, layout)
 
         c_out, ys, residuals = run(consts, carry, xs, one)
@@ -170,9 +161,26 @@ def _make_scan(step: Callable, *, n_consts: int, n_carry: int, n_xs: int) -> Cal
     return scan
 
 
+def _linearize(step: Callable, inputs: list, perturbed: list, n_consts: int, n_carry: int):
+    """``jax.vjp`` of one iteration with respect to its ``perturbed`` inputs only (a frozen
+    weight gets no cotangent computed): ``((carry, y), pullback)``."""
+
+    def f(*diff_values):
+        it = iter(diff_values)
+        full = [next(it) if d else v for v, d in zip(inputs, perturbed, strict=True)]
+        c_out, y = step(
+            full[:n_consts], full[n_consts : n_consts + n_carry], full[n_consts + n_carry :]
+        )
+        return tuple(c_out), tuple(y)
+
+    return jax.vjp(f, *[v for v, d in zip(inputs, perturbed, strict=True) if d])
+
+
 def _split_residuals(pullback, consts: Sequence, x: Sequence, layout: dict) -> list:
     """The pullback's residual arrays that must be stacked; records where the others come
-    from (a slice of ``xs``, a const) in ``layout`` for the backward scan."""
+    from (a slice of ``xs``, a const) in ``layout`` for the backward scan. A residual that is
+    an input unchanged is that very object (jax keeps the primal it was given), so identity
+    finds a layer's weights, which are then sliced again rather than copied per iteration."""
     leaves, tree = jax.tree.flatten(pullback)
     where_x = {id(v): k for k, v in enumerate(x)}
     where_c = {id(v): k for k, v in enumerate(consts)}
@@ -204,12 +212,11 @@ def _zeros_like_cotangent(x: Any) -> Any:
 
 def _backward(layout, consts, xs, residuals, g_carry, g_ys, n_consts: int, n_carry: int):
     """The reverse scan: each iteration's pullback, its ``xs`` cotangents stacked (packed),
-    the consts' summed (in float32 for 16-bit ones) in the carry."""
+    the consts' summed in the carry (in their own dtype, as ``lax.scan``'s transpose)."""
     diff = layout["diff"]
     diff_consts = [k for k in range(n_consts) if diff[k]]
     diff_carry = [k for k in range(n_carry) if diff[n_consts + k]]
     diff_xs = [k for k in range(len(xs)) if diff[n_consts + n_carry + k]]
-    acc_dtype = lambda v: jnp.float32 if is_packed(jnp.result_type(v)) else jnp.result_type(v)
     carry_structs = layout["carry"]
 
     def one(state, inp):
@@ -239,7 +246,7 @@ def _backward(layout, consts, xs, residuals, g_carry, g_ys, n_consts: int, n_car
         g_consts = [a + g.astype(a.dtype) for a, g in zip(g_consts, g_const_step, strict=True)]
         return (g_c_diff, g_consts), [_pack(g) for g in g_x]
 
-    zeros = [jnp.zeros(jnp.shape(consts[k]), acc_dtype(consts[k])) for k in diff_consts]
+    zeros = [jnp.zeros(jnp.shape(consts[k]), jnp.result_type(consts[k])) for k in diff_consts]
     g_ys_packed = [
         _pack(g) if _inexact(a) else jnp.zeros((len(g),), jnp.int8)
         for g, a in zip(g_ys, layout["ys"], strict=True)
@@ -252,7 +259,7 @@ def _backward(layout, consts, xs, residuals, g_carry, g_ys, n_consts: int, n_car
     )
     out_consts = [None] * n_consts
     for k, g in zip(diff_consts, g_consts, strict=True):
-        out_consts[k] = g.astype(jnp.result_type(consts[k]))
+        out_consts[k] = g
     out_carry = [None] * n_carry
     for k, g in zip(diff_carry, g_init, strict=True):
         out_carry[k] = g
