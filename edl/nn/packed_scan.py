@@ -6,7 +6,8 @@ stack inside a loop is rewritten to slice a float32 copy of the whole stack (hoi
 the loop), and the ``dynamic-update-slice`` that stacks a saved activation into the scan's
 residual buffer turns that buffer float32. A bfloat16 train step of a scanned layer stack
 therefore held float32 copies of every layer's weights and of every saved activation: more
-memory than the float32 step (``benchmarks/RESULTS.md``, "memory: peak per precision").
+memory than the float32 step (``benchmarks/RESULTS.md``, "memory: a LoRA step's peak per
+precision").
 
 Integers are not widened. This scan moves every 16-bit float that crosses an iteration
 (sliced inputs, saved residuals, stacked gradients) as ``uint16`` bits
