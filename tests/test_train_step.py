@@ -277,3 +277,59 @@ def test_softmax_and_loss_run_in_float32_under_bf16_compute(tiny_llama):
     assert any(e.primitive.name == "exp" for e in eqns)
     low = [e for e in eqns if e.invars[0].aval.dtype != jnp.float32]
     assert not low, low
+
+
+# --- memory per precision ----------------------------------------------------------------
+
+
+def _lora_step_memory(param_dtype, compute_dtype=None):
+    """XLA's compiled memory plan (MiB) of a LoRA train step of a small Llama (2 scanned
+    layers, 4 x 128 tokens, a vocabulary small enough that the layers' activations, not the
+    LM head's logits, dominate): lowered from shapes alone and compiled, never run."""
+    from edl.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    tx = optax.adamw(1e-3)
+
+    def build():
+        model = LlamaForCausalLM.init(config, key=jax.random.key(0), dtype=param_dtype)
+        model = apply_lora(model, rank=8, alpha=16, key=jax.random.key(1))
+        return edl.create_state(model, tx, trainable=lora_trainable)
+
+    ids = jax.ShapeDtypeStruct((4, 128), jnp.int32)
+    batch = {"input_ids": ids, "labels": ids, "segment_ids": ids, "position_ids": ids}
+
+    def loss_fn(model, batch):
+        return model.compute_loss(
+            batch["input_ids"],
+            labels=batch["labels"],
+            segment_ids=batch["segment_ids"],
+            position_ids=batch["position_ids"],
+        )
+
+    step = make_train_step(loss_fn, tx, compute_dtype=compute_dtype)
+    analysis = step.lower(jax.eval_shape(build), batch).compile().memory_analysis()
+    return {
+        "temp": analysis.temp_size_in_bytes / 2**20,
+        "peak": (analysis.argument_size_in_bytes + analysis.temp_size_in_bytes) / 2**20,
+    }
+
+
+def test_a_bf16_lora_step_plans_at_most_two_thirds_of_the_float32_memory():
+    """The issue: bfloat16 parameters and compute saved no memory on CPU (XLA:CPU widened
+    the scanned layers' weights and saved activations to float32, ``edl.nn.packed_scan``).
+    XLA's memory plan is deterministic: no run, no timing. Measured here: float32 temp
+    8.3 MiB, bfloat16 4.9 (0.59x; it was 8.5 against 10.2: 0.84x)."""
+    f32 = _lora_step_memory(jnp.float32)
+    bf16 = _lora_step_memory(jnp.bfloat16)
+    assert bf16["temp"] <= 0.65 * f32["temp"], (bf16, f32)
+    assert bf16["peak"] <= 0.65 * f32["peak"], (bf16, f32)

@@ -137,7 +137,7 @@ class DecoderForCausalLM(eqx.Module):
         attention_mask: Mask | None = None,
         position_ids: Positions | None = None,
         segment_ids: Ids | None = None,
-        chunk_size: int = 2048,
+        chunk_size: int | None = None,
     ) -> tuple[Float[Array, ""], dict[str, Array]]:
         """Next-token cross entropy (HF semantics), without ever forming full logits.
 
@@ -150,7 +150,8 @@ class DecoderForCausalLM(eqx.Module):
         models also report the router's ``aux_loss`` (load balancing) and ``z_loss``; as in
         transformers, the auxiliary loss times ``router_aux_loss_coef`` is added to the loss
         when ``output_router_logits`` is set, and the z-loss times ``router_z_loss_coef``
-        whenever that is non-zero.
+        whenever that is non-zero. ``chunk_size``: tokens per LM-head chunk
+        (``edl.ops.losses.causal_lm_loss``; None: 2048, 1024 for a 16-bit model).
         Returns ``(loss, {"loss", "accuracy", "count"[, "aux_loss", "z_loss"]})``.
         """
         c = self.config

@@ -14,6 +14,7 @@ and ``run_segments`` runs each segment as one ``lax.scan`` over its blocks, or u
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int, Key, PRNGKeyArray, PyTree
 
 from edl.kernels.native import ATTENTION_LSE, ATTENTION_OUT
+from edl.nn.packed_scan import has_packed, packed_scan
 from edl.nn.schedule import Segment, plan_schedule
 from edl.ops.moe import MOE_OUT, MOE_ROWS
 from edl.platforms import carry_platforms, platform_dependent
@@ -40,17 +42,38 @@ __all__ = [
 
 RematPolicy = Literal["auto", "none", "full", "dots", "dots_no_batch"]
 
+LOW_RANK = 8
+"""A matmul without batch dims whose contracted size times this is at most its output
+features is *low-rank* (a LoRA adapter's ``B`` product): the ``"dots"`` policy recomputes
+it (from its saved rank-sized input, at most 1/8 of the cost of the product it adds to)
+rather than saving an output as wide as the full projection's."""
+
+
+def _saves_dot(prim: Any, *avals: Any, **params: Any) -> bool:
+    """The ``"dots"`` policy's matmuls: every ``dot_general`` but the low-rank ones."""
+    if prim is not jax.lax.dot_general_p:
+        return False
+    (contract, rhs_contract), (batch, _) = params["dimension_numbers"]
+    if batch:
+        return True
+    lhs, rhs = avals[0], avals[1]
+    rank = math.prod(lhs.shape[d] for d in contract)
+    features = math.prod(n for d, n in enumerate(rhs.shape) if d not in rhs_contract)
+    return rank * LOW_RANK > features
+
+
 # "none": keep every activation; "full": recompute the whole layer in the backward pass;
-# "dots": save matmul outputs only, with the other results a backward pass would otherwise
-# recompute at a matmul's cost: the native CPU attention kernel's output and log-sum-exp, and
-# an MoE layer's dispatched rows and expert outputs (named where they are computed);
+# "dots": save matmul outputs only (but low-rank ones, ``LOW_RANK``), with the other results
+# a backward pass would otherwise recompute at a matmul's cost: the native CPU attention
+# kernel's output and log-sum-exp, and an MoE layer's dispatched rows and expert outputs
+# (named where they are computed);
 # "dots_no_batch": save only matmuls without batch dims (weight-stationary projections),
 # recompute attention. "auto" (run_segments) is "dots" lowered for CPU and "none" elsewhere.
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.checkpoint_dots,
+        _saves_dot,
         jax.checkpoint_policies.save_only_these_names(
             ATTENTION_OUT, ATTENTION_LSE, MOE_ROWS, MOE_OUT
         ),
@@ -205,7 +228,12 @@ def run_segments(
     and a layer's weights saved that way were copied into a stacked buffer on every step
     (scan forwards weights it saves only when they reach it directly). Around the run, each
     branch's scan forwards them, and the zeros the CPU program computes for what only the
-    other branch saves are removed by XLA."""
+    other branch saves are removed by XLA.
+
+    Stacks or a carry holding 16-bit floats are scanned, in programs lowered for CPU, by
+    ``edl.nn.packed_scan.packed_scan``: XLA:CPU widens 16-bit data movement to float32, and
+    a plain scan of bfloat16 layers held float32 copies of every weight and saved
+    activation (``benchmarks/RESULTS.md``, "memory: a LoRA step's peak per precision")."""
     check_remat(remat)
     unrolled = not scan or any(isinstance(s, tuple) for s in stacks.values())
     arrays, statics = {}, {}
@@ -213,26 +241,18 @@ def run_segments(
         arrays[g], statics[g] = eqx.partition(s, eqx.is_array)
         if isinstance(s, tuple):  # one layer's static parts stand for all
             statics[g] = statics[g][0]
-    if remat == "auto":
-        run = functools.partial(
-            _run_segments, statics, segments, apply=apply, unrolled=unrolled, collect=collect
-        )
+    run = functools.partial(
+        _run_segments, statics, segments, apply=apply, unrolled=unrolled, collect=collect
+    )
+    packs = not unrolled and has_packed((arrays, carry))
+    if remat == "auto" or packs:
         return platform_dependent(
             arrays,
             carry,
-            cpu=functools.partial(run, remat="dots"),
-            default=functools.partial(run, remat="none"),
+            cpu=functools.partial(run, remat="dots" if remat == "auto" else remat, packed=packs),
+            default=functools.partial(run, remat="none" if remat == "auto" else remat),
         )
-    return _run_segments(
-        statics,
-        segments,
-        arrays,
-        carry,
-        apply=apply,
-        unrolled=unrolled,
-        remat=remat,
-        collect=collect,
-    )
+    return run(arrays, carry, remat=remat)
 
 
 def _run_segments(
@@ -245,8 +265,10 @@ def _run_segments(
     unrolled: bool,
     remat: str,
     collect: bool,
+    packed: bool = False,
 ) -> tuple[PyTree, PyTree | None]:
-    """``run_segments`` on the stacks' ``arrays`` and static parts, ``remat`` a policy."""
+    """``run_segments`` on the stacks' ``arrays`` and static parts, ``remat`` a policy;
+    ``packed``: scans are ``edl.nn.packed_scan.packed_scan`` (16-bit floats as bits)."""
 
     def layer_fn(group: str, setting: Any) -> Callable[[PyTree, PyTree, Array], PyTree]:
         def one(c: PyTree, params: PyTree, index: Array) -> PyTree:
@@ -260,7 +282,7 @@ def _run_segments(
         if not unrolled:
             fns = [layer_fn(*kind) for kind in segment.block]
             index = indices[segment.start : segment.stop : len(segment.block)]
-            carry, ys = _scan_segment(segment, arrays, fns, carry, index, collect)
+            carry, ys = _scan_segment(segment, arrays, fns, carry, index, collect, packed)
             outputs.append(ys)
             continue
         for layer in segment.layers():
@@ -285,6 +307,7 @@ def _scan_segment(
     carry: PyTree,
     index: Int[Array, " repeats"],
     collect: bool,
+    packed: bool = False,
 ) -> tuple[PyTree, PyTree | None]:
     """One ``lax.scan`` over ``segment``'s blocks; ``fns[k]`` runs block layer ``k`` and
     ``index`` holds each block's first global layer index. Returns the carry and, with
@@ -318,7 +341,8 @@ def _scan_segment(
         return c, ys[0] if width == 1 else jax.tree.map(lambda *y: jnp.stack(y), *ys)
 
     xs = {g: blocks(g) for g in dict.fromkeys(g for g, _ in segment.block)}
-    carry, ys = jax.lax.scan(carry_platforms(body), carry, (xs, index))
+    scan = packed_scan if packed else jax.lax.scan
+    carry, ys = scan(carry_platforms(body), carry, (xs, index))
     if collect and width > 1:
         ys = jax.tree.map(lambda y: y.reshape(repeats * width, *y.shape[2:]), ys)
     return carry, ys

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 __all__ = [
@@ -170,7 +171,7 @@ def causal_lm_loss(
     attention_mask: Mask | None = None,
     ignore_index: int = -100,
     shift: bool = True,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
     softcap: float | None = None,
 ) -> tuple[Float[Array, ""], dict[str, Array]]:
     """Next-token cross entropy from final hidden states, chunked over tokens (HF's
@@ -188,7 +189,8 @@ def causal_lm_loss(
         shift: with True, position ``t`` predicts ``labels[:, t + 1]`` and the last position
             predicts nothing; with False, ``labels`` are already aligned with ``hidden``.
         chunk_size: tokens per chunk: memory holds ``(chunk_size, vocab)`` float32 logits at a
-            time. Larger than ``batch * seq`` means a single chunk.
+            time. Larger than ``batch * seq`` means a single chunk. None:
+            ``default_chunk_size`` of the hidden states' dtype (2048; 1024 for 16-bit floats).
         softcap: logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
 
     Returns:
@@ -222,7 +224,7 @@ def causal_lm_token_logps(
     attention_mask: Mask | None = None,
     ignore_index: int = -100,
     shift: bool = True,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
     softcap: float | None = None,
 ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
     """Each position's float32 log-probability of its target, chunked as ``causal_lm_loss``
@@ -268,6 +270,20 @@ def mask_without_context(
     return labels.at[:, 1:].set(jnp.where(no_context, ignored, labels[:, 1:]))
 
 
+CHUNK_TOKENS = 2048
+"""Tokens per chunk of the LM head's loss when ``chunk_size`` is None, for hidden states of
+32 bits or more; 16-bit ones take half (``default_chunk_size``)."""
+
+
+def default_chunk_size(dtype: DTypeLike) -> int:
+    """Tokens per LM-head chunk for hidden states of ``dtype``: ``CHUNK_TOKENS``, halved for
+    16-bit floats. The chunk's logits are float32 whatever the model's dtype (an honest
+    log-softmax), so a bfloat16 run, which keeps its activations in half the bytes, keeps this
+    float32 block at half the tokens too: ``(1024, vocab)`` float32 is the size of a
+    bfloat16 block of 2048 tokens. Below 2048 tokens a step is one chunk either way."""
+    return CHUNK_TOKENS // 2 if jnp.dtype(dtype).itemsize <= 2 else CHUNK_TOKENS
+
+
 def _check_head(name: str, hidden: Array, head: Array) -> tuple[int, int]:
     """``(batch, seq)`` of ``hidden (batch, seq, dim)``, checked against ``head (vocab, dim)``."""
     if hidden.ndim != 3:
@@ -286,11 +302,14 @@ def _chunked(
     head: Array,
     targets: Array,
     valid: Array,
-    chunk_size: int,
+    chunk_size: int | None,
     softcap: float | None,
 ) -> tuple[Array, Array, Array, Array]:
     """The flattened tokens as ``(n_chunks, chunk, ...)`` blocks (padding never counted) and
     the head in the common dtype: ``(x, targets, valid, head)`` for a scan over chunks."""
+    dtype = jnp.promote_types(hidden.dtype, head.dtype)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(dtype)
     if chunk_size <= 0:
         raise ValueError(f"{name}: chunk_size must be positive, got {chunk_size}")
     if softcap is not None and softcap <= 0:
@@ -300,7 +319,6 @@ def _chunked(
     chunk = max(1, min(chunk_size, n))
     n_chunks = -(-n // chunk)
     pad = n_chunks * chunk - n
-    dtype = jnp.promote_types(hidden.dtype, head.dtype)
     x = jnp.pad(hidden.astype(dtype).reshape(n, dim), ((0, pad), (0, 0)))
     t = jnp.pad(targets.reshape(n), (0, pad))
     v = jnp.pad(valid.reshape(n), (0, pad))

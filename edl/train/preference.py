@@ -60,7 +60,7 @@ def token_logps(
     *,
     attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
 ) -> tuple[Float[Array, "batch seq"], Bool[Array, "batch seq"]]:
     """``(logps, counted)`` ``(batch, seq)``: ``logps[:, t] = log p(labels[:, t + 1] |
     prefix)`` in float32 (0.0 where not counted) and whether it is counted; see
@@ -88,7 +88,7 @@ def sequence_logps(
     attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
     segment_ids: Int[Array, "batch seq"] | None = None,
     average: bool = False,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
 ) -> Float[Array, " batch"]:
     """Per sequence, the sum (``average=True``: the mean over counted tokens, 0.0 when none)
     of ``log p(labels[:, t + 1] | input_ids[:, :t + 1])`` under a causal LM

@@ -97,7 +97,7 @@ def _concatenated(batch: Batch, names: tuple[str, ...], pads: tuple[int, ...]) -
 
 
 def preference_logps(
-    model: CausalLM, batch: Batch, *, chunk_size: int = 2048, sft_nll: bool = False
+    model: CausalLM, batch: Batch, *, chunk_size: int | None = None, sft_nll: bool = False
 ) -> dict[str, Float[Array, " ..."]]:
     """Chosen and rejected in one forward pass of a causal LM: float32 ``(batch,)``
     ``chosen_logps`` / ``rejected_logps`` (summed over counted completion tokens, as
@@ -140,7 +140,9 @@ def _pair_tokens(batch: Batch) -> Int[Array, ""]:
     )
 
 
-def reference_logps(model: CausalLM, batch: Batch, *, chunk_size: int = 2048) -> dict[str, Array]:
+def reference_logps(
+    model: CausalLM, batch: Batch, *, chunk_size: int | None = None
+) -> dict[str, Array]:
     """``batch`` with ``ref_chosen_logps`` / ``ref_rejected_logps`` ``(batch,)`` float32
     added: ``model``'s summed completion log-probs, for ``make_dpo_step(reference="batch")``
     (compute them once, e.g. ``jax.jit(reference_logps)`` over the data set)."""
@@ -153,7 +155,7 @@ def reference_logps(model: CausalLM, batch: Batch, *, chunk_size: int = 2048) ->
 
 
 def _dpo_loss_fn(
-    loss: PreferenceLoss, options: LossOptions, reference: str, chunk_size: int
+    loss: PreferenceLoss, options: LossOptions, reference: str, chunk_size: int | None
 ) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:
     """``loss_fn(model, batch, reference_model) -> (loss, metrics)`` (the reference model is
     used only for ``reference="model"``)."""
@@ -195,7 +197,7 @@ def _reference(
     batch: Batch,
     reference_model: CausalLM | None,
     reference: str,
-    chunk_size: int,
+    chunk_size: int | None,
 ) -> dict[str, Array]:
     """The reference's summed completion log-probs ``chosen_logps`` / ``rejected_logps``,
     without gradient: from the batch, the LoRA-off ``model`` or ``reference_model``."""
@@ -223,7 +225,7 @@ def make_dpo_step(
     gamma: float = 0.5,
     reference: Literal["lora", "model", "batch"] = "lora",
     reference_model: CausalLM | None = None,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
     **step_options: Any,
 ) -> Step:
     """A preference-optimisation ``step(state, batch) -> (state, metrics)`` for a causal LM
@@ -249,7 +251,8 @@ def make_dpo_step(
             argument (never donated, never trained, not baked into the program);
             ``"batch"``: the batch's ``ref_chosen_logps`` / ``ref_rejected_logps``
             (:func:`reference_logps`). Reference log-probs carry no gradient.
-        chunk_size: tokens per LM-head chunk (``edl.ops.losses.causal_lm_token_logps``).
+        chunk_size: tokens per LM-head chunk (``edl.ops.losses.causal_lm_token_logps``; None:
+            ``edl.ops.losses.default_chunk_size``).
 
     Metrics: the loss's (TRL's names: ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO's
