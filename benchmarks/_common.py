@@ -86,3 +86,21 @@ def write_json(name: str, rows: list[dict[str, Any]], **meta: Any) -> Path:
     tmp.write_text(json.dumps(payload, indent=2))
     tmp.replace(path)
     return path
+
+
+def byte_llama_config(hidden: int, layers: int, max_len: int) -> Any:
+    """The serving benchmarks' model: a byte-level Llama (``edl.train.ByteTokenizer``'s
+    vocabulary) of ``hidden`` width and ``layers`` layers, 64-wide heads, 2 query heads per
+    KV head, an MLP of 8/3 the width."""
+    from edl.models import LlamaConfig
+    from edl.train import ByteTokenizer
+
+    return LlamaConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=max_len,
+    )

@@ -39,23 +39,16 @@ import jax.numpy as jnp
 import numpy as np
 
 import edl
+from benchmarks._common import byte_llama_config
 from edl.generate import generate
-from edl.models import LlamaConfig, LlamaForCausalLM
+from edl.models import LlamaForCausalLM
 from edl.serve.engine import Engine
 from edl.serve.server import create_app, make_server
 from edl.train import ByteTokenizer
 
 
 def _model(hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=ByteTokenizer.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=max_len,
-    )
+    config = byte_llama_config(hidden, layers, max_len)
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     # Only printable ASCII bytes win the argmax (the other rows of the head are zero, below
     # the best of 95 random logits): every token is text at once, so each streamed chunk is

@@ -33,24 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from edl.models import LlamaConfig, LlamaForCausalLM
+from benchmarks._common import byte_llama_config
+from edl.models import LlamaForCausalLM
 from edl.serve.engine import Engine, _bucket, _buckets
 from edl.serve.step import SlotSampling, model_step
-from edl.train import ByteTokenizer
 
 _PAGE = 16
 
 
 def _engine(hidden: int, layers: int, max_batch: int) -> Engine:
-    config = LlamaConfig(
-        vocab_size=ByteTokenizer.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=1024,
-    )
+    config = byte_llama_config(hidden, layers, 1024)
     model = LlamaForCausalLM.init(config, key=jax.random.key(0))
     return Engine(model, max_batch=max_batch, max_model_len=1024, page_size=_PAGE)
 

@@ -31,6 +31,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from benchmarks._common import byte_llama_config
+
 _TIMEOUT_S = 900.0
 
 
@@ -38,18 +40,9 @@ def _save_model(directory: Path, hidden: int, layers: int) -> None:
     import jax
 
     import edl
-    from edl.models import LlamaConfig, LlamaForCausalLM
-    from edl.train import ByteTokenizer
+    from edl.models import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=ByteTokenizer.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3,
-        num_hidden_layers=layers,
-        num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128),
-        max_position_embeddings=1024,
-    )
+    config = byte_llama_config(hidden, layers, 1024)
     edl.save_pretrained(LlamaForCausalLM.init(config, key=jax.random.key(0)), directory)
 
 
