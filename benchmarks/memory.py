@@ -173,15 +173,10 @@ def _table(results: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.memory",
-        description=(
-            "Peak memory of a LoRA SFT step of a 135M-shape Llama per precision setting "
-            "(float32; bfloat16 parameters and compute; float32 parameters with bfloat16 "
-            "compute): XLA's compiled memory analysis and the measured process peak, each "
-            "precision in a subprocess of its own."
-        ),
+        prog="python -m benchmarks.memory", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument(
         "--precisions",
@@ -193,7 +188,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=512, help="tokens per row (512)")
     parser.add_argument("--quick", action="store_true", help="4 layers instead of 30")
     parser.add_argument("--json", type=Path, help="also write the results to this JSON file")
-    parser.add_argument("--child", choices=sorted(PRECISIONS), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--child",
+        choices=sorted(PRECISIONS),
+        help="internal: measure one precision in this process (the parent runs one per child)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.child:
         result = measure(
