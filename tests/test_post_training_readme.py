@@ -79,7 +79,14 @@ def test_post_training_commands_run_as_written(tmp_path):
         checkpoint = (
             tmp_path / "runs" / run / "checkpoints" / f"checkpoint-{summary['end_step']:08d}"
         )
-        assert (checkpoint / "config.json").is_file(), sorted(checkpoint.parent.iterdir())
+        # LoRA DPO / GRPO checkpoints hold the adapters and a reference to the base; the
+        # reward model (a new score head) keeps the full layout.
+        held = "config.json" if run == "rm" else "adapter_config.json"
+        assert (checkpoint / held).is_file(), sorted(checkpoint.iterdir())
+        if run != "rm":
+            base = json.loads((checkpoint / "state.json").read_text())["base"]
+            assert base["source"] == str(tmp_path / "model")
+            assert not (checkpoint / "model.safetensors").exists()
         log = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
         metrics = [json.loads(line) for line in log]
         assert metrics and all(isinstance(v, float | int) for m in metrics for v in m.values()), (
