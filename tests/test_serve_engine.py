@@ -196,6 +196,17 @@ def test_add_request_rejects_bad_input_and_a_full_queue(tiny_llama):
     engine.add_request([3], params)
 
 
+def test_engine_sizes_are_checked_naming_them(tiny_llama):
+    with pytest.raises(ValueError, match=r"integers >= 1: \{'max_batch': 0, 'page_size': -1\}"):
+        Engine(tiny_llama, max_batch=0, page_size=-1)
+    with pytest.raises(
+        ValueError, match=r"prefill_tokens \(8\) must be at least prefill_chunk \(16"
+    ):
+        Engine(tiny_llama, prefill_chunk=16, prefill_tokens=8)
+    with pytest.raises(ValueError, match=r"eos_token_ids must lie in \[0, 64\)"):
+        Engine(tiny_llama, eos_token_ids=(64,))
+
+
 @pytest.mark.slow  # ~200 engine steps and a wide generate batch, compiled (~20 s)
 def test_random_schedule_with_aborts_matches_generate_and_frees_pages(tiny_llama):
     rng = np.random.default_rng(7)

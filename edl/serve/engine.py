@@ -164,6 +164,19 @@ def warmup_progress(
     )
 
 
+def _check_sizes(**sizes: object) -> None:
+    """``Engine``'s sizes are integers >= 1, and a prefill call holds at least one chunk;
+    ``ValueError`` naming the offending ones."""
+    bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
+    if bad:
+        raise ValueError(f"Engine: these must be integers >= 1: {bad}")
+    if sizes["prefill_tokens"] < sizes["prefill_chunk"]:
+        raise ValueError(
+            f"Engine: prefill_tokens ({sizes['prefill_tokens']}) must be at least "
+            f"prefill_chunk ({sizes['prefill_chunk']})"
+        )
+
+
 class Engine:
     """Continuous batching over a paged KV cache (module docstring)."""
 
@@ -203,7 +216,7 @@ class Engine:
                 f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
             )
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
-        sizes = dict(
+        _check_sizes(
             max_batch=max_batch,
             max_model_len=max_model_len,
             page_size=page_size,
@@ -211,14 +224,6 @@ class Engine:
             prefill_chunk=prefill_chunk,
             prefill_tokens=prefill_tokens,
         )
-        bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
-        if bad:
-            raise ValueError(f"Engine: these must be integers >= 1: {bad}")
-        if prefill_tokens < prefill_chunk:
-            raise ValueError(
-                f"Engine: prefill_tokens ({prefill_tokens}) must be at least "
-                f"prefill_chunk ({prefill_chunk})"
-            )
         self.vocab_size = model.config.vocab_size
         eos = tuple(eos_token_ids)
         if not all(is_int(i) and 0 <= i < self.vocab_size for i in eos):
