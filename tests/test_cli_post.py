@@ -189,3 +189,61 @@ def test_grpo_prompts_are_checked_like_chat_records(tmp_path):
     assert record["prompt"][0] == {"role": "system", "content": "Be brief."}
     with pytest.raises(ValueError, match=r"prompts\[1\]: prompt\[0\]\.role .*'hacker'"):
         PromptBatches([good, bad], batch_size=1)
+
+
+def test_preference_batches_are_checked_on_the_host_naming_the_array():
+    """Post-training steps compile without the in-program id check (a host callback, which
+    jax never writes to its persistent cache): the batches are checked as they are drawn."""
+    import numpy as np
+
+    from edl.cli.run import HostCheckedBatches
+
+    good = np.array([[1, 2, 3]])
+    batch = {
+        "chosen_input_ids": good,
+        "chosen_labels": np.array([[-100, 2, 3]]),
+        "rejected_input_ids": good,
+        "rejected_labels": np.array([[-100, 2, 99]]),
+    }
+    with pytest.raises(ValueError, match=r"rejected_labels.*99"):
+        next(HostCheckedBatches(iter([batch]), 16))
+    batch["rejected_labels"] = np.array([[-100, 2, 3]])
+    assert next(HostCheckedBatches(iter([batch]), 16)) is batch
+
+
+@pytest.mark.slow  # two one-step runs of each method in subprocesses (~40 s each)
+@pytest.mark.parametrize("method", ["dpo", "reward"])
+def test_a_restarted_post_training_run_loads_its_step_from_the_compilation_cache(tmp_path, method):
+    import os
+    import subprocess
+    import sys
+
+    _build_model(tmp_path / "model")
+    data = tmp_path / "prefs.jsonl"
+    _preferences(data)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "EDL_COMPILE_CACHE": "1"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    argv = [
+        *("train", "--method", method, "--model", str(tmp_path / "model")),
+        *("--data", str(data), "--lora-rank", "4", "--steps", "1"),
+        *("--batch-size", "2", "--seq-len", "64", "--trackers", "none", "--overwrite"),
+        *("--output-dir", str(tmp_path / "run")),
+    ]
+    code = f"from edl.cli import main; main({argv!r})"
+    said = []
+    for _ in range(2):
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        said.append([x for x in done.stderr.replace("\r", "\n").splitlines() if " ready in " in x])
+    first = [x for x in said[0] if "the train step" in x]
+    second = [x for x in said[1] if "the train step" in x]
+    assert len(first) == len(second) == 1, said
+    assert first[0].endswith("(compiled)")
+    assert second[0].endswith("(from the compilation cache)"), said[1]

@@ -33,10 +33,16 @@ import edl
 from edl.cli.config import CommandError, TrainConfig
 from edl.cli.data import source_of
 from edl.cli.finetune import load_for_finetuning, model_directory
-from edl.cli.run import check_output_dir, optimizer, step_options, train_model
+from edl.cli.run import (
+    HostCheckedBatches,
+    check_output_dir,
+    optimizer,
+    step_options,
+    train_model,
+)
 from edl.io.export import load_model
 from edl.lora import lora_trainable
-from edl.models import registry
+from edl.models import configure, registry
 from edl.nn import Linear
 from edl.text import load_tokenized
 from edl.text.hf import HFTokenizer
@@ -145,8 +151,11 @@ def _reward_model(
 
 
 def _reference_model(config: TrainConfig) -> eqx.Module:
-    """A frozen copy of ``--model`` (``--reference model``), in the trained weights' dtype."""
-    return load_model(model_directory(config.model), dtype=config.param_dtype)
+    """A frozen copy of ``--model`` (``--reference model``), in the trained weights' dtype,
+    without the in-program id check (the batches are checked on the host: see
+    ``edl.cli.run.HostCheckedBatches``)."""
+    frozen = load_model(model_directory(config.model), dtype=config.param_dtype)
+    return configure(frozen, check_inputs=False)
 
 
 def _step(
@@ -212,12 +221,16 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     if config.method == "reward":  # a new head beside the adapters: no adapter-only form
         model, trainable = _reward_model(model, tokenizer, trainable, config)
         base = None
+    # Token ids are checked on the host, not in the compiled steps, so that jax can keep the
+    # steps in its persistent compilation cache (edl.cli.run.HostCheckedBatches). GRPO's
+    # prompts are checked by edl.generate before sampling; sampled ids lie in the vocabulary.
+    model = configure(model, check_inputs=False)
     reward_fns = []
     if config.method == "grpo":
         data: Any = _prompt_batches(config)
         reward_fns = reward_functions(config.reward)  # a wrong name fails before any work
     else:
-        data = _preference_batches(config, tokenizer)
+        data = HostCheckedBatches(_preference_batches(config, tokenizer), model.config.vocab_size)
     updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
     step = _step(config, tx, schedule, tokenizer, reward_fns)

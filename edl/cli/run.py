@@ -44,7 +44,14 @@ from edl.train.jitted import StepProgram
 from edl.train.loop import Batch
 from edl.train.run_config import RunConfig, TimeLimitConfig
 
-__all__ = ["check_output_dir", "loss_fn", "optimizer", "step_options", "train_model"]
+__all__ = [
+    "HostCheckedBatches",
+    "check_output_dir",
+    "loss_fn",
+    "optimizer",
+    "step_options",
+    "train_model",
+]
 
 
 def loss_fn(
@@ -61,11 +68,15 @@ def loss_fn(
 
 
 def _checked(batch: Batch, vocab_size: int) -> Batch:
-    """``batch`` after its ``input_ids`` and ``labels`` were checked against ``vocab_size``
-    (``edl.ops.checks.check_ids`` on the host: ``ValueError`` naming the bad value)."""
-    check_ids(np.asarray(batch["input_ids"]), vocab_size)
-    if "labels" in batch:
-        check_ids(np.asarray(batch["labels"]), vocab_size, name="labels", ignore=-100)
+    """``batch`` after its token ids were checked against ``vocab_size`` on the host
+    (``edl.ops.checks.check_ids``: ``ValueError`` naming the array and the bad value): every
+    ``input_ids`` / ``*_input_ids`` array, and every ``labels`` / ``*_labels`` one (``-100``
+    is ignored), so causal-LM and preference batches (``chosen_*`` / ``rejected_*``) alike."""
+    for key, value in batch.items():
+        if key == "input_ids" or key.endswith("_input_ids"):
+            check_ids(np.asarray(value), vocab_size, name=key)
+        elif key == "labels" or key.endswith("_labels"):
+            check_ids(np.asarray(value), vocab_size, name=key, ignore=-100)
     return batch
 
 
