@@ -221,6 +221,17 @@ def test_loop_writes_metrics_checkpoints_and_summary(tmp_path, caplog):
     )
 
 
+def test_a_step_that_compiles_inside_its_call_is_not_announced(tmp_path, caplog):
+    """A plain Python step (GRPO's samples, then updates) compiles inside its first call:
+    the loop cannot time that, so it says nothing rather than "ready in 0.0 s"."""
+    caplog.set_level("INFO", logger="edl.train")
+    _, loss_fn = _regression()
+    jitted = make_train_step(loss_fn, optax.adam(1e-2))
+    _run(tmp_path, steps=2, step=lambda state, batch: jitted(state, batch))
+    said = [r.getMessage() for r in caplog.records if r.name == "edl.train"]
+    assert not [m for m in said if "the train step" in m], said
+
+
 def test_log_every_sets_the_metrics_interval(tmp_path):
     """Every ``log_every`` steps and the last, plus every evaluated step, are logged."""
     _, loss_fn = _regression()

@@ -287,7 +287,9 @@ def _steps(state, step_fn, data, start, steps, callbacks, clock, echo):
     except StopIteration:
         return state, None, None, "data exhausted"
     t0 = time.perf_counter()
-    if echo is None:
+    # Only a step compiled ahead of time is announced: any other (GRPO's, which samples and
+    # compiles inside its first call) would read "ready in 0.0 s".
+    if echo is None or not isinstance(step_fn, Step | jax.stages.Wrapped):
         state, compiled = _compile(step_fn, state, batch)
     else:
         with announce_compile("the train step", echo):
