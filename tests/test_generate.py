@@ -10,6 +10,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from packaging.version import Version
 
 import edl
 from edl.generate import (
@@ -106,6 +107,26 @@ def _assert_same_tokens(hf_sequences, ours, pad=PAD):
     assert np.all(ours[:, hf_sequences.shape[1] :] == pad)
 
 
+def _assert_same_greedy_tokens(hf_output, ours, prompt_len, tie=1e-4):
+    """Token-exact with HF, except that a row may part from HF's where HF's own processed
+    scores rank the two tokens within ``tie`` (on a GPU, float32 sums in another order move
+    a near-tie's winner); the row is compared no further after that."""
+    expected = hf_output.sequences.numpy()
+    ours = np.asarray(ours)[:, : expected.shape[1]]
+    for row in range(expected.shape[0]):
+        differ = np.flatnonzero(ours[row] != expected[row])
+        if differ.size == 0:
+            continue
+        col = int(differ[0])
+        assert col >= prompt_len, f"row {row}: prompt changed at column {col}"
+        scores = hf_output.scores[col - prompt_len][row].numpy()
+        margin = scores[expected[row, col]] - scores[ours[row, col]]
+        assert margin <= tie, (
+            f"row {row}, column {col}: edl chose {ours[row, col]}, HF {expected[row, col]}, "
+            f"{margin:.3g} below HF's choice in HF's processed scores (a near-tie is <= {tie})"
+        )
+
+
 # qwen2 / qwen3 differ from llama in their attention biases / q-k norms, which the logits
 # parity tests check per family; their decoding end to end is in the slow set.
 @pytest.mark.parametrize(
@@ -138,14 +159,20 @@ def test_greedy_matches_transformers(model_type):
         assert np.all(generated[row, n:] == PAD)
 
 
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.24"),
+    reason="transformers before 5.24 (5.17 on the GPU image) penalises the left padding too",
+)
 def test_repetition_penalty_matches_transformers():
     """HF penalises the prompt without its left padding, and every generated token."""
     hf, model = _hf_model("llama", seed=2)
     ids, mask = _prompts(seed=2)
     kw = dict(max_new_tokens=10, repetition_penalty=1.5)
-    ref = _hf_generate(hf, ids, mask, do_sample=False, **kw).numpy()
+    ref = _hf_generate(
+        hf, ids, mask, do_sample=False, output_scores=True, return_dict_in_generate=True, **kw
+    )
     out = generate(model, ids, attention_mask=mask, pad_token_id=PAD, **kw)
-    _assert_same_tokens(ref, out.sequences)
+    _assert_same_greedy_tokens(ref, out.sequences, ids.shape[1])
     plain = generate(model, ids, attention_mask=mask, max_new_tokens=10, pad_token_id=PAD)
     assert not np.array_equal(plain.sequences, out.sequences)  # the penalty mattered
 

@@ -219,9 +219,11 @@ def test_auto_falls_back_with_one_warning_where_pallas_cannot_run(recwarn):
             ops.attention(q, q, q, impl="pallas")
 
 
-def test_cudnn_needs_a_gpu():
+def test_cudnn_needs_a_gpu_and_half_precision():
+    """Without CUDA, or (on a GPU) with float32 inputs, a ValueError that says why."""
     kv = jnp.ones((1, 4, 2, 8))
-    with pytest.raises(ValueError, match=r"impl='cudnn' cannot run: .*CUDA backend"):
+    why = "bfloat16/float16 inputs, got float32" if jax.default_backend() == "gpu" else "CUDA"
+    with pytest.raises(ValueError, match=rf"impl='cudnn' cannot run: .*{why}"):
         ops.attention(kv, kv, kv, impl="cudnn")
-    with pytest.raises(ValueError, match=r"impl='cudnn' cannot run: .*CUDA backend"):
+    with pytest.raises(ValueError, match=rf"impl='cudnn' cannot run: .*{why}"):
         jax.jit(functools.partial(ops.attention, impl="cudnn"))(kv, kv, kv)

@@ -28,6 +28,13 @@ _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture
+def on_cpu():
+    """Run the test's programs on the CPU (the CPU's own decode forms, whatever the backend)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @st.composite
 def cases(draw):
     kv_heads = draw(st.sampled_from([1, 2, 4]))
@@ -78,6 +85,7 @@ def test_one_token_attention_matches_float64(dtype, tol):
     assert _rel_err(out, expected) < tol
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_decode_step_reads_the_cache_in_place_on_cpu():
     """On CPU one new token takes the block-diagonal form (no (batch, kv_heads, len, dim) copy
     of the cache), several new tokens the grouped einsum; "auto" means "xla" there."""
@@ -156,6 +164,7 @@ def test_stacked_cache_at_a_layer_equals_that_layers_cache(impl, new):
 
 
 @pytest.mark.parametrize("longest", [1, 16, 17, 40, 64])
+@pytest.mark.usefixtures("on_cpu")
 def test_cpu_decode_reads_only_the_live_prefix(longest):
     """On CPU the "xla" path reads no cache position at or past the end of the block holding
     the longest row (NaN there would show), and gives the float64 answer; "reference" reads
@@ -174,6 +183,7 @@ def test_cpu_decode_reads_only_the_live_prefix(longest):
         assert np.isnan(np.asarray(jax.jit(functools.partial(run, impl="reference"))())).any()
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_paged_pools_stacked_over_layers_read_only_the_live_pages():
     """``layer=`` on stacked page pools: one gather from the stack, only the table columns
     below the longest row (pages after them are NaN here), equal to the contiguous cache."""

@@ -59,7 +59,8 @@ def _cache_block(cache_len: int, requested: int, interpret: bool) -> int:
     >= 16 on GPU, where Triton needs one)."""
     if interpret:
         return max(b for b in range(1, min(requested, cache_len) + 1) if cache_len % b == 0)
-    block = min(next_pow2(requested), next_pow2(cache_len))
+    # Triton's smallest block is 16 keys, so a smaller request is raised to it.
+    block = max(16, min(next_pow2(requested), next_pow2(cache_len)))
     while block >= 16 and cache_len % block:
         block //= 2
     if block < 16:

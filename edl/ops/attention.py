@@ -236,7 +236,11 @@ def _cudnn_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
     if "cuda" not in jax.extend.backend.backends():
         # jax looks for cuDNN while tracing, so only a process with CUDA can trace it.
         return "cuDNN attention is traced only where jax has a CUDA backend"
-    return "cuDNN attention has no softcap" if options.softcap is not None else None
+    if options.softcap is not None:
+        return "cuDNN attention has no softcap"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"cuDNN attention takes bfloat16/float16 inputs, got {q.dtype}"
+    return None
 
 
 def _cudnn(options: _Options, q, k, v, q_ids, kv_ids):
