@@ -29,10 +29,10 @@ pytest.importorskip("starlette")
 
 from serve_fakes import EOS, MODEL, ChatBytes, FakeEngine, reply_of  # noqa: E402
 
-from edl.serve.detokenize import IncrementalText  # noqa: E402
 from edl.serve.server import create_app, make_server  # noqa: E402
 from edl.serve.types import Engine  # noqa: E402
 from edl.text import ByteTokenizer  # noqa: E402
+from edl.text.detokenize import IncrementalText  # noqa: E402
 
 
 @contextlib.contextmanager

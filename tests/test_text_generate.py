@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 import edl  # noqa: E402
-from edl.generate import TextStream, generate_text, stream_text  # noqa: E402
+from edl.generate import generate_text, stream_text  # noqa: E402
 from edl.io.checkpoint import (  # noqa: E402
     latest_checkpoint,
     load_state,
@@ -37,6 +37,7 @@ from edl.lora import apply_lora, lora_trainable, unwrap_lora  # noqa: E402
 from edl.models import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from edl.quantize import QuantConfig, dequantize, quantize  # noqa: E402
 from edl.text import ByteTokenizer, load_tokenizer  # noqa: E402
+from edl.text.detokenize import IncrementalText  # noqa: E402
 from edl.train import CheckpointConfig, LogConfig, RunConfig, make_train_step, train  # noqa: E402
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -164,18 +165,19 @@ def test_generate_text_equals_transformers_greedy(tmp_path, tokenizer, kind):
     assert isinstance(beams, str)
 
 
-def test_text_stream_holds_back_incomplete_characters_and_words(tokenizer):
+def test_incremental_text_holds_back_incomplete_characters(tokenizer):
+    """The one incremental detokenizer (``stream_text`` and the server): pieces join to the
+    text, none holds half a character, and they come as tokens arrive."""
     text = "Grüße aus Köln: 東京 and naïve café\nok 🚀 done"
     for tok, ids in [
         (ByteTokenizer(), ByteTokenizer().encode(text)),
         (tokenizer, tokenizer.encode(text)),
     ]:
-        stream = TextStream(tok)
+        stream = IncrementalText(tok)
         pieces = [stream.push([i]) for i in ids] + [stream.end()]
         assert "".join(pieces) == text
         assert not any("\ufffd" in p for p in pieces)
-        assert len([p for p in pieces if p]) > 3  # released as it went, not all at the end
-        assert all(p.endswith((" ", "\n")) for p in pieces[:-1] if p)  # whole words only
+        assert len([p for p in pieces if p]) > len(text) // 4  # released as it went
 
 
 @pytest.mark.slow  # greedy and sampled byte-level decoding, streamed and not (~30 s)

@@ -13,7 +13,7 @@ from edl.generate.config import GenerateOutput, GenerationConfig
 from edl.generate.decode import generate, generate_stream
 from edl.generate.paged import PagedKVCache, free_rows, init_paged_cache, paged_cache_config
 from edl.generate.steps import CausalLM
-from edl.generate.text import TextStream, generate_text, prompt_ids, stream_text
+from edl.generate.text import generate_text, prompt_ids, stream_text
 
 __all__ = [
     "CausalLM",
@@ -21,7 +21,6 @@ __all__ = [
     "GenerationConfig",
     "KVCache",
     "PagedKVCache",
-    "TextStream",
     "free_rows",
     "generate",
     "generate_stream",

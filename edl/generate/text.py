@@ -23,11 +23,10 @@ from jaxtyping import PRNGKeyArray
 
 from edl.generate.config import GenerationConfig
 from edl.generate.decode import CausalLM, generate, generate_stream
-from edl.text.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
+from edl.text.detokenize import IncrementalText, decode
+from edl.text.tokenizer import Tokenizer
 
-__all__ = ["TextStream", "generate_text", "prompt_ids", "stream_text"]
-
-_REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
+__all__ = ["generate_text", "prompt_ids", "stream_text"]
 
 
 def prompt_ids(
@@ -63,12 +62,6 @@ def prompt_ids(
     return list(tokenizer.encode(prompt, add_bos=bool(getattr(tokenizer, "adds_bos", False))))
 
 
-def _decode(tokenizer: Detokenizer, ids: Sequence[int], skip_special_tokens: bool) -> str:
-    if isinstance(tokenizer, ByteTokenizer):  # it always skips its special ids
-        return tokenizer.decode(ids)
-    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-
 def _config(
     model: CausalLM,
     tokenizer: Tokenizer,
@@ -101,39 +94,6 @@ def _config(
     return config.replace(**changes)
 
 
-class TextStream:
-    """Text pieces of a growing list of token ids, as transformers' ``TextStreamer`` cuts
-    them: the whole ids are decoded again at each token and the new text is released up to
-    its last space (all of it after a newline), holding back a trailing incomplete UTF-8
-    character or word that a later token may still change. ``push(ids)`` returns the piece
-    now stable, ``end()`` the rest; together they are ``decode(ids)`` exactly, whenever
-    decoding more ids only appends text (true of byte-level BPE and of UTF-8 bytes)."""
-
-    def __init__(self, tokenizer: Detokenizer, *, skip_special_tokens: bool = True) -> None:
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.ids: list[int] = []
-        self.sent = 0  # characters of the decoded text released so far
-
-    def _take(self, upto: int, text: str) -> str:
-        piece = text[self.sent : max(upto, self.sent)]
-        self.sent += len(piece)
-        return piece
-
-    def push(self, ids: Sequence[int]) -> str:
-        """Add ``ids``; returns the newly stable text (maybe ``""``)."""
-        self.ids.extend(int(i) for i in ids)
-        text = _decode(self.tokenizer, self.ids, self.skip)
-        if text.endswith("\n"):
-            return self._take(len(text), text)
-        stable = text.rstrip(_REPLACEMENT)
-        return self._take(stable.rfind(" ") + 1, text)
-
-    def end(self) -> str:
-        """The text not yet released."""
-        text = _decode(self.tokenizer, self.ids, self.skip)
-        return self._take(len(text), text)
-
-
 def stream_text(
     model: CausalLM,
     tokenizer: Tokenizer,
@@ -150,8 +110,10 @@ def stream_text(
     skip_special_tokens: bool = True,
 ) -> Iterator[str]:
     """Like :func:`generate_text` (no beam search), yielding the text in pieces as tokens
-    are generated (:class:`TextStream`); their concatenation is :func:`generate_text`'s
-    text for the same arguments."""
+    are generated (the server's incremental detokenizer,
+    :class:`edl.text.detokenize.IncrementalText`: a piece is released once no later token
+    can change it); their concatenation is :func:`generate_text`'s text for the same
+    arguments whenever decoding more ids only appends text."""
     ids = prompt_ids(tokenizer, prompt, messages=messages, system=system, chat=chat)
     config = _config(
         model,
@@ -163,7 +125,7 @@ def stream_text(
         num_beams=1,
     )
     eos = set(config.eos_ids)
-    stream = TextStream(tokenizer, skip_special_tokens=skip_special_tokens)
+    stream = IncrementalText(tokenizer, skip_special_tokens=skip_special_tokens)
     for step in generate_stream(model, np.asarray([ids], np.int32), key=key, config=config):
         token = int(step[0])
         if token in eos:
@@ -223,4 +185,4 @@ def generate_text(
     new = np.asarray(out.sequences[0, len(ids) : len(ids) + int(out.num_new[0])]).tolist()
     eos = set(config.eos_ids)
     cut = next((i for i, t in enumerate(new) if t in eos), len(new))
-    return _decode(tokenizer, new[:cut], skip_special_tokens)
+    return decode(tokenizer, new[:cut], skip_special_tokens)

@@ -4,7 +4,7 @@ an OpenAI-compatible HTTP server over it (``edl.serve.server``).
 ``edl.serve.types`` (the engine interface: ``SamplingParams``, ``RequestOutput``,
 ``QueueFull``, the ``Engine`` protocol), ``edl.serve.engine`` (``Engine``: scheduler, pages,
 the jitted model step), ``edl.serve.driver`` (the engine thread), ``edl.serve.protocol``
-(OpenAI's request / response shapes), ``edl.serve.detokenize`` (incremental text, stop
+(OpenAI's request / response shapes), ``edl.text.detokenize`` (incremental text, stop
 strings), ``edl.serve.server`` (``create_app``: Starlette, the ``edl-jax[serve]`` extra)::
 
     engine = Engine(model, max_batch=8, eos_token_ids=(2,))

@@ -18,7 +18,7 @@ prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``;
 ``max_model_len`` for chat.
 
 One background thread runs the engine (:class:`edl.serve.driver.AsyncEngine`); text is
-detokenized incrementally with stop strings (:mod:`edl.serve.detokenize`): a stop string
+detokenized incrementally with stop strings (:mod:`edl.text.detokenize`): a stop string
 ends the reply before it and aborts the request in the engine. A client that disconnects
 (mid-stream, or while waiting for a plain reply) aborts its request, which frees its
 pages. Shutdown (SIGTERM / SIGINT, :func:`serve` / :func:`make_server`): uvicorn stops
@@ -54,10 +54,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edl.serve import protocol
-from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
+from edl.text.detokenize import IncrementalText
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]

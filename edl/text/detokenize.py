@@ -1,4 +1,5 @@
-"""Incremental detokenization with OpenAI's stop strings, for one request.
+"""Incremental detokenization with OpenAI's stop strings: the one used by the server
+(``edl.serve``) and by ``edl.generate.stream_text``.
 
 ``IncrementalText(tokenizer, stop=...)`` takes the new token ids as the engine returns
 them and gives back the text that is now final. Decoding is windowed, as TGI's and vLLM's:
@@ -21,15 +22,17 @@ from collections.abc import Iterable, Sequence
 
 from edl.text.tokenizer import ByteTokenizer, Detokenizer
 
-__all__ = ["IncrementalText"]
+__all__ = ["IncrementalText", "decode"]
 
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 sequence decodes to
 
 
-def _decode(tokenizer: Detokenizer, ids: Sequence[int]) -> str:
-    if isinstance(tokenizer, ByteTokenizer):  # it always skips its special ids
+def decode(tokenizer: Detokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """``tokenizer.decode(ids)``, special tokens skipped unless asked (``ByteTokenizer``
+    always skips its own)."""
+    if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.decode(ids)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
@@ -47,9 +50,10 @@ class IncrementalText:
     """Final text of a growing reply; see the module docstring.
 
     Args:
-        tokenizer: ``decode(ids)`` (``HFTokenizer``: special tokens skipped).
+        tokenizer: ``decode(ids)`` (``HFTokenizer`` or ``ByteTokenizer``).
         stop: the request's stop strings (empty ones are not allowed).
         stop_token_ids: ids that end generation (EOS); they are left out of the text.
+        skip_special_tokens: leave special tokens out of the text (the default).
     """
 
     def __init__(
@@ -58,11 +62,13 @@ class IncrementalText:
         *,
         stop: Sequence[str] = (),
         stop_token_ids: Iterable[int] = (),
+        skip_special_tokens: bool = True,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError(f"IncrementalText: stop strings must be non-empty, got {stop!r}")
         self.tokenizer, self.stop = tokenizer, tuple(stop)
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0  # the decode window: ids[prefix:read] are decoded
         self.decoded = ""  # the text of ids[:read]
@@ -72,8 +78,8 @@ class IncrementalText:
     def _advance(self, final: bool) -> None:
         """Decode the ids past ``read`` onto ``decoded`` (unless they end mid-character and
         more may come)."""
-        known = _decode(self.tokenizer, self.ids[self.prefix : self.read])
-        window = _decode(self.tokenizer, self.ids[self.prefix :])
+        known = decode(self.tokenizer, self.ids[self.prefix : self.read], self.skip_special_tokens)
+        window = decode(self.tokenizer, self.ids[self.prefix :], self.skip_special_tokens)
         if len(window) > len(known) and (final or not window.endswith(_REPLACEMENT)):
             self.decoded += window[len(known) :]
             self.prefix, self.read = self.read, len(self.ids)
