@@ -22,7 +22,9 @@ prefilled efficiently. Later calls attend over the cache (``edl.ops.cached_atten
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -35,6 +37,7 @@ from edl.ops.attention import attention
 from edl.ops.cached_attention import cached_attention
 
 __all__ = [
+    "Cache",
     "KVCache",
     "init_cache",
 ]
@@ -54,7 +57,47 @@ def _new_positions(lengths: Int[Array, " batch"], new: int) -> Int[Array, "batch
     return lengths[:, None] + jnp.arange(new, dtype=lengths.dtype)[None]
 
 
-class KVCache(eqx.Module):
+class Cache(eqx.Module):
+    """What the contiguous and the paged cache share: how new queries attend and how
+    ``lengths`` advance; each cache says only how it reads its keys and values
+    (``_read``). A cache holds ``lengths`` ``(batch,)`` and the static flag ``fresh``."""
+
+    @abc.abstractmethod
+    def _read(
+        self,
+        layer: Int[Array, ""] | int,
+        q: Float[Array, "batch new heads head_dim"],
+        lengths: Int[Array, " batch"],
+        options: dict[str, Any],
+    ) -> Float[Array, "batch new heads head_dim"]:
+        """``q`` (in the cache's dtype) attending to each row's first ``lengths`` tokens
+        of layer ``layer``, the new ones included."""
+
+    def attend(
+        self,
+        layer: Int[Array, ""] | int,
+        q: Float[Array, "batch new heads head_dim"],
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        impl: str = "auto",
+    ) -> Float[Array, "batch new heads head_dim"]:
+        """The new queries attend to the cache (after ``update`` of this layer); a fresh
+        cache's new tokens attend only to each other (the flash kernel: a whole prefill)."""
+        options = dict(window=window, softcap=softcap, scale=scale, impl=impl)
+        if self.fresh:
+            return attention(q, k, v, causal=True, **options)
+        return self._read(layer, q, self.lengths + q.shape[1], options).astype(q.dtype)
+
+    def advance(self, num_new: Int[Array, " batch"]) -> Cache:
+        """``lengths += num_new`` once every layer has been updated."""
+        return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
+
+
+class KVCache(Cache):
     """Contiguous cache: keys/values ``(layers, batch, cache_len, kv_heads, head_dim)``."""
 
     k: Float[Array, "layers batch cache_len kv_heads head_dim"]
@@ -99,35 +142,10 @@ class KVCache(eqx.Module):
             v=self.v.at[layer, rows, pos].set(v, mode="drop"),
         )
 
-    def attend(
-        self,
-        layer: Int[Array, ""] | int,
-        q: Float[Array, "batch new heads head_dim"],
-        k: Float[Array, "batch new kv_heads head_dim"],
-        v: Float[Array, "batch new kv_heads head_dim"],
-        *,
-        window: int | None = None,
-        softcap: float | None = None,
-        scale: float | None = None,
-        impl: str = "auto",
-    ) -> Float[Array, "batch new heads head_dim"]:
-        """The new queries attend to the cache (after ``update`` of this layer)."""
-        if self.fresh:
-            return attention(
-                q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
-            )
-        out = cached_attention(
-            q.astype(self.k.dtype),
-            self.k,
-            self.v,
-            self.lengths + q.shape[1],
-            layer=layer,
-            window=window,
-            softcap=softcap,
-            scale=scale,
-            impl=impl,
+    def _read(self, layer, q, lengths, options):
+        return cached_attention(
+            q.astype(self.k.dtype), self.k, self.v, lengths, layer=layer, **options
         )
-        return out.astype(q.dtype)
 
     def select_rows(self, rows: Int[Array, " new_batch"]) -> KVCache:
         """The cache of rows ``rows`` (repeat a prompt for beams, reorder beams)."""
@@ -137,10 +155,6 @@ class KVCache(eqx.Module):
             v=jnp.take(self.v, rows, axis=1),
             lengths=jnp.take(self.lengths, rows, axis=0),
         )
-
-    def advance(self, num_new: Int[Array, " batch"]) -> KVCache:
-        """``lengths += num_new`` once every layer has been updated."""
-        return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
 
 
 def init_cache(

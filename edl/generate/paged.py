@@ -24,9 +24,8 @@ import numpy as np
 from jax.typing import DTypeLike
 from jaxtyping import Array, Bool, Float, Int
 
-from edl.generate.cache import cache_dims
+from edl.generate.cache import Cache, cache_dims
 from edl.models.config import DecoderConfig
-from edl.ops.attention import attention
 from edl.ops.cached_attention import paged_attention
 from edl.ops.checks import error_if
 
@@ -96,7 +95,7 @@ def paged_cache_config(
     return geometry
 
 
-class PagedKVCache(eqx.Module):
+class PagedKVCache(Cache):
     """Pages ``(layers, num_pages, page_size, kv_heads, head_dim)``, each row's
     ``page_table`` (``-1`` = no page), its ``lengths``, and which pages are ``free``.
 
@@ -171,40 +170,17 @@ class PagedKVCache(eqx.Module):
             v_pages=self.v_pages.at[layer, page, slot].set(v, mode="drop"),
         )
 
-    def attend(
-        self,
-        layer: Int[Array, ""] | int,
-        q: Float[Array, "batch new heads head_dim"],
-        k: Float[Array, "batch new kv_heads head_dim"],
-        v: Float[Array, "batch new kv_heads head_dim"],
-        *,
-        window: int | None = None,
-        softcap: float | None = None,
-        scale: float | None = None,
-        impl: str = "auto",
-    ) -> Float[Array, "batch new heads head_dim"]:
-        """The new queries attend to their rows' pages (after ``update`` of this layer)."""
-        if self.fresh:
-            return attention(
-                q, k, v, causal=True, window=window, softcap=softcap, scale=scale, impl=impl
-            )
-        out = paged_attention(
+    def _read(self, layer, q, lengths, options):
+        return paged_attention(
             q.astype(self.k_pages.dtype),
             self.k_pages,
             self.v_pages,
             self.page_table,
-            self.lengths + q.shape[1],
+            lengths,
             layer=layer,
-            window=window,
-            softcap=softcap,
-            scale=scale,
-            impl=impl,
             live_prefix=not self.whole_table,
+            **options,
         )
-        return out.astype(q.dtype)
-
-    def advance(self, num_new: Int[Array, " batch"]) -> PagedKVCache:
-        return dataclasses.replace(self, lengths=self.lengths + num_new, fresh=False)
 
     def select_rows(self, rows: Int[Array, " new_batch"]) -> PagedKVCache:
         raise NotImplementedError(
