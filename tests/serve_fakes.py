@@ -106,6 +106,10 @@ class FakeEngine:
     def num_total_pages(self) -> int:
         return 100
 
+    @property
+    def num_waiting(self) -> int:
+        return 0  # every request runs at once (QueueFull past max_running)
+
 
 def main() -> None:
     from edl.serve.server import create_app, serve

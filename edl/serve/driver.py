@@ -57,10 +57,11 @@ class RequestStream:
 class Stats:
     """A snapshot the engine thread takes after each step (read from any thread)."""
 
-    running: int = 0
+    running: int = 0  # admitted and not finished
     num_free_pages: int | None = None
     num_total_pages: int | None = None
     steps: int = 0
+    waiting: int | None = None  # added and not yet admitted
 
 
 class AsyncEngine:
@@ -214,9 +215,11 @@ class AsyncEngine:
                 self._deliver(queue, output)
                 if output.finished:
                     del self._queues[output.request_id]
+            waiting = engine.num_waiting
             self.stats = Stats(
-                len(self._queues),
+                len(self._queues) - waiting,
                 engine.num_free_pages,
                 engine.num_total_pages,
                 self.stats.steps + 1,
+                waiting,
             )

@@ -270,6 +270,11 @@ class Engine:
     def num_total_pages(self) -> int:
         return self._pool.num_pages
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and not yet admitted."""
+        return len(self._waiting)
+
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -7,7 +7,8 @@ uvicorn: the ``edl-jax[serve]`` extra).
 
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain, or server-sent
 events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format, then
-``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Requests are validated by
+``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
+:mod:`edl.serve.metrics`). Requests are validated by
 :mod:`edl.serve.protocol`; errors are OpenAI's body ``{"error": {"message", "type",
 "param", "code"}}``: 400 for a bad request (malformed JSON or messages, max_tokens < 1,
 temperature / top_p out of range, a prompt that leaves no room in ``max_model_len``), 404
@@ -30,8 +31,8 @@ Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
 wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
 penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done: an API key, metrics
-(Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
+several prompts in one /v1/completions call. Also not done: an API key, per-request
+timeouts, a queue in the driver in front of ``QueueFull`` (429 at
 once), tokenization off the event loop (chat templates of long conversations take
 milliseconds there).
 """
@@ -55,6 +56,7 @@ from starlette.routing import Route
 
 from edl.serve import protocol
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
 from edl.text.detokenize import IncrementalText
@@ -122,6 +124,7 @@ class _Server:
         self.max_model_len, self.stop_token_ids = max_model_len, tuple(stop_token_ids)
         self.created = int(time.time())
         self.open_replies = 0  # requests added and not yet answered in full
+        self.metrics = ServerMetrics(lambda: self.driver.stats)
         self.draining = False  # shutting down: no new requests
 
     async def drain(self, drain_s: float) -> None:
@@ -154,10 +157,15 @@ class _Server:
         body = {
             "status": status,
             "running": stats.running,
+            "waiting": stats.waiting,
             "num_free_pages": stats.num_free_pages,
             "num_total_pages": stats.num_total_pages,
         }
         return JSONResponse(body, status_code=200 if up else 503)
+
+    async def scrape(self, request: Request) -> Response:
+        """Prometheus' text format (``edl.serve.metrics``)."""
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     # --- generation ------------------------------------------------------------------
 
@@ -239,7 +247,7 @@ class _Server:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        reply = _Reply(self, req, stream, len(ids))
+        reply = _Reply(self, req, stream, len(ids), self.metrics.timer(len(ids)))
         self.open_replies += 1  # _Reply's plain / sse take it off when they end
         if req.stream:
             return _EventStream(
@@ -263,9 +271,14 @@ class _Reply:
     it aborts the request unless the engine finished it."""
 
     def __init__(
-        self, server: _Server, req: GenerationRequest, stream: RequestStream, prompt_tokens: int
+        self,
+        server: _Server,
+        req: GenerationRequest,
+        stream: RequestStream,
+        prompt_tokens: int,
+        timer: RequestTimer,
     ) -> None:
-        self.server, self.req, self.stream = server, req, stream
+        self.server, self.req, self.stream, self.timer = server, req, stream, timer
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(
@@ -277,10 +290,12 @@ class _Reply:
         """``(text, finish_reason)``; the last has a finish reason."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
+            self.timer.tokens(len(out.new_token_ids))
             piece = self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
                 self.done = True
+                self.timer.finish("stop")
                 yield piece, "stop"
                 return
             if out.finished:
@@ -291,6 +306,7 @@ class _Reply:
                         f"{_FINISH_REASONS}"
                     )
                 self.done = True
+                self.timer.finish(out.finish_reason)
                 yield piece + self.text.end(), out.finish_reason
                 return
             if piece:
@@ -427,6 +443,7 @@ def create_app(
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.scrape, methods=["GET"]),
     ]
 
     async def server_error(request: Request, e: Exception) -> Response:

@@ -90,3 +90,6 @@ class Engine(Protocol):
 
     @property
     def num_total_pages(self) -> int: ...
+
+    @property
+    def num_waiting(self) -> int: ...
