@@ -18,7 +18,12 @@ import pytest
 from hypothesis import given, settings
 from test_kernels_attention import _inputs, _numpy_decode, _rel_err
 
-from edl.ops.cached_attention import cache_mask, cached_attention, paged_attention
+from edl.ops.cached_attention import (
+    NATIVE_MAX_NEW_TOKENS,
+    cache_mask,
+    cached_attention,
+    paged_attention,
+)
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths, one_token_attention
 
 _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale", "impl"))
@@ -56,7 +61,7 @@ def cases(draw):
 
 
 @settings(max_examples=12, deadline=None)
-@given(cases(), st.sampled_from(["xla", "auto", "reference"]))
+@given(cases(), st.sampled_from(["xla", "auto", "native", "reference"]))
 def test_cached_attention_matches_float64(c, impl):
     d = c["head_dim"]
     q, k, v, _ = _inputs(
@@ -87,8 +92,9 @@ def test_one_token_attention_matches_float64(dtype, tol):
 
 @pytest.mark.usefixtures("on_cpu")
 def test_decode_step_reads_the_cache_in_place_on_cpu():
-    """On CPU one new token takes the block-diagonal form (no (batch, kv_heads, len, dim) copy
-    of the cache), several new tokens the grouped einsum; "auto" means "xla" there."""
+    """On CPU "xla" with one new token takes the block-diagonal form (no (batch, kv_heads,
+    len, dim) copy of the cache), several new tokens the grouped einsum; "auto" is the native
+    kernel up to NATIVE_MAX_NEW_TOKENS new tokens (the cache read in place), then "xla"."""
     q, k, v, _ = _inputs(0, 2, 1, 32, 8, 4, 16)
     lengths = jnp.asarray([5, 32], jnp.int32)
 
@@ -103,8 +109,10 @@ def test_decode_step_reads_the_cache_in_place_on_cpu():
     def ops(impl):  # the compiled CPU program's instructions (opcode and shape), names aside
         return sorted(re.findall(r"= (\S+) ([\w-]+)\(", hlo(q, impl)))
 
-    assert ops("auto") == ops("xla")  # lowered for CPU, "auto" keeps only the XLA branch
-    assert "edl_decode_attention" not in hlo(q, "auto")
+    assert ops("auto") == ops("native")  # lowered for CPU, "auto" keeps only the native call
+    assert "edl_paged_attention" in hlo(q, "auto") and "edl_decode_attention" not in hlo(q, "auto")
+    wide = jnp.concatenate([q] * (NATIVE_MAX_NEW_TOKENS + 1), axis=1)
+    assert "edl_paged_attention" not in hlo(wide, "auto")  # a prompt chunk: XLA's GEMMs
     pallas = functools.partial(cached_attention, impl="pallas")
     assert "edl_decode_attention" in str(jax.make_jaxpr(pallas)(q, k, v, lengths))
     q3 = jnp.concatenate([q, q, q], axis=1)
@@ -144,7 +152,7 @@ def _poisoned_stack(seed, layers, batch, cache_len, kv_heads, d, live):
     return jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
 
 
-@pytest.mark.parametrize("impl", ["xla", "auto", "reference", "pallas"])
+@pytest.mark.parametrize("impl", ["xla", "auto", "native", "reference", "pallas"])
 @pytest.mark.parametrize("new", [1, 2])
 def test_stacked_cache_at_a_layer_equals_that_layers_cache(impl, new):
     """``layer=`` (traced under jit, or a Python int) reads exactly that layer's cache."""

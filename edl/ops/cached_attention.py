@@ -11,15 +11,14 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
 - ``"pallas"``: the platform's Pallas decode kernel: ``edl.kernels.decode_attention`` /
   ``paged_decode_attention`` (Triton on GPU, interpreted on CPU), ``edl.kernels.tpu``'s
   (Mosaic) on TPU.
-- ``"native"`` (paged only): ``edl.kernels.native.paged_attention_cpu``, a C++ kernel for CPU.
+- ``"native"``: ``edl.kernels.native.paged_attention_cpu``, a C++ kernel for CPU that reads
+  the cache where it lies (a contiguous cache is a pool of one page per row to it).
 - ``"reference"``: ``masked_attention`` under :func:`cache_mask`, the definition.
 - ``"xla"``: the same maths arranged for XLA. With one new token per row (a decode step) and
   lowering for CPU it reads the cache in place (``edl.ops.cpu.one_token_attention``).
-- ``"auto"``: the Pallas kernel on GPUs and TPUs; on CPU ``"xla"`` for a contiguous cache
-  (Pallas only interprets the kernel there, one (row, kv head) program at a time: the slower
-  path in a decode step, ``benchmarks/RESULTS.md``, "generate: a decode step's attention reads
-  the cache in place") and the native kernel for a paged one (at most
-  ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
+- ``"auto"``: the Pallas kernel on GPUs and TPUs; on CPU the native kernel for at most
+  ``NATIVE_MAX_NEW_TOKENS`` new tokens per row, else ``"xla"`` (Pallas only interprets its
+  kernel there, one (row, kv head) program at a time).
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -59,7 +58,7 @@ __all__ = [
 # steps, slower than XLA's GEMMs for prompt chunks (benchmarks/RESULTS.md, "serve: paged
 # attention read in place on CPU").
 NATIVE_MAX_NEW_TOKENS = 4
-IMPLS = ("auto", "pallas", "xla", "reference")
+IMPLS = ("auto", "pallas", "native", "xla", "reference")
 PAGED_IMPLS = ("auto", "pallas", "native", "xla", "reference")
 
 
@@ -124,7 +123,8 @@ def cached_attention(
         lengths: valid cache entries per row, the new tokens included.
         layer: with caches stacked over layers, the layer to read (module docstring).
         window, softcap, scale: as ``edl.ops.attention``.
-        impl: ``"pallas"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module docstring).
+        impl: ``"pallas"``, ``"native"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module
+            docstring).
     """
     _check_layer("cached_attention", k_cache, layer)
     _check_impl("cached_attention", impl, IMPLS)
@@ -279,37 +279,6 @@ def _triton_decode_unsupported(options: _Options, q, k_cache, v_cache, *_) -> st
 _TRITON_DECODE = Kernel(
     "pallas", _decode(decode_attention, interpret=False), _triton_decode_unsupported
 )
-# Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the interpreted
-# kernel only when asked for by name (XLA reads the cache faster there).
-DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
-    "cpu": (
-        Kernel(
-            "pallas", _decode(decode_attention, interpret=True), _pallas_dtypes, preferred=never
-        ),
-    ),
-    "cuda": (_TRITON_DECODE,),
-    "rocm": (_TRITON_DECODE,),
-    "tpu": (Kernel("pallas", _decode(tpu.decode_attention), _tpu_dtypes),),
-}
-
-
-# -- paged caches -------------------------------------------------------------------------------
-
-
-def _paged(kernel, **kernel_options):
-    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
-        return kernel(
-            q,
-            k_pages,
-            v_pages,
-            page_table,
-            lengths,
-            layer=layer,
-            **dataclasses.asdict(options),
-            **kernel_options,
-        )
-
-    return call
 
 
 def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
@@ -337,6 +306,53 @@ def _native_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | Non
 
 def _few_tokens(options: _Options, q, *_) -> bool:
     return q.shape[1] <= NATIVE_MAX_NEW_TOKENS
+
+
+def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer):
+    """A contiguous cache is a pool of one page per row (``page_size = cache_len``): the
+    native paged kernel reads it in place, the rows' live positions only."""
+    table = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
+    return _native_paged(options, q, k_cache, v_cache, table, lengths, layer)
+
+
+# Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the native
+# kernel for decode steps, the interpreted Pallas kernel only when asked for by name.
+DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
+    "cpu": (
+        Kernel(
+            "native",
+            _native_contiguous,
+            _native_unsupported,
+            preferred=_few_tokens,
+            quiet=lambda: native.turned_off(),
+        ),
+        Kernel(
+            "pallas", _decode(decode_attention, interpret=True), _pallas_dtypes, preferred=never
+        ),
+    ),
+    "cuda": (_TRITON_DECODE,),
+    "rocm": (_TRITON_DECODE,),
+    "tpu": (Kernel("pallas", _decode(tpu.decode_attention), _tpu_dtypes),),
+}
+
+
+# -- paged caches -------------------------------------------------------------------------------
+
+
+def _paged(kernel, **kernel_options):
+    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+        return kernel(
+            q,
+            k_pages,
+            v_pages,
+            page_table,
+            lengths,
+            layer=layer,
+            **dataclasses.asdict(options),
+            **kernel_options,
+        )
+
+    return call
 
 
 def _triton_paged_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
