@@ -39,16 +39,20 @@ milliseconds there).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
+import anyio.to_thread
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -56,6 +60,8 @@ from starlette.routing import Route
 from edl.serve import protocol
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.guard import ensure_fd_limit, guarded_protocol, require_api_key
+from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
 from edl.text.tokenizer import Tokenizer
@@ -66,9 +72,13 @@ _COMPLETION_DEFAULT_MAX_TOKENS = 16
 _FINISH_REASONS = ("stop", "length", "abort")
 
 
-def _error(e: APIError) -> JSONResponse:
+def _error(e: APIError) -> Response:
+    """OpenAI's error body, as ASCII JSON: a message may echo the client's text, whose lone
+    surrogates have no UTF-8 (Starlette's ``JSONResponse`` would fail on them with a 500)."""
     headers = {"Retry-After": "1"} if e.status == 429 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return Response(
+        json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json"
+    )
 
 
 class _EventStream(StreamingResponse):
@@ -123,6 +133,10 @@ class _Server:
         self.created = int(time.time())
         self.open_replies = 0  # requests added and not yet answered in full
         self.draining = False  # shutting down: no new requests
+        # Tokenization and chat templates run here, off the event loop (a long prompt takes
+        # seconds). One thread: transformers' fast tokenizers are not safe to call from
+        # several at once ("Already borrowed"), and the GIL would serialize them anyway.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, "edl-tokenize")
 
     async def drain(self, drain_s: float) -> None:
         """Shutdown's first half (a signal, :func:`make_server`): refuse new requests, give
@@ -162,10 +176,10 @@ class _Server:
     # --- generation ------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, protocol.parse_completion(await _json(request)))
+        return await self._generate(request, await _parsed(request, protocol.parse_completion))
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, protocol.parse_chat(await _json(request)))
+        return await self._generate(request, await _parsed(request, protocol.parse_chat))
 
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
         tok = self.tokenizer
@@ -224,7 +238,8 @@ class _Server:
             raise APIError(
                 503, "the server is shutting down", type="server_error", code="shutting_down"
             )
-        ids = self._prompt_ids(req)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self.tokenizing, self._prompt_ids, req)
         params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
         try:
             stream = await self.driver.add(ids, params)
@@ -251,11 +266,12 @@ class _Server:
         return await reply.plain(request)
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise protocol.bad(f"the request body is not valid JSON: {e}") from e
+async def _parsed(request: Request, parse: Any) -> GenerationRequest:
+    """The body read (Starlette stops it at ``max_body_bytes``: 413), then decoded and
+    validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
+    and to check for lone surrogates, and ``/health`` must not wait on it."""
+    data = await request.body()
+    return await anyio.to_thread.run_sync(lambda: parse(protocol.decode_body(data)))
 
 
 class _Reply:
@@ -388,6 +404,8 @@ def create_app(
     model_name: str,
     max_model_len: int,
     stop_token_ids: Sequence[int] = (),
+    options: ServerOptions | None = None,
+    api_key: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` (see the module docstring).
 
@@ -398,9 +416,19 @@ def create_app(
         model_name: the ``model`` clients must name.
         max_model_len: prompt plus reply tokens at most.
         stop_token_ids: the EOS ids, passed to every request (and left out of the text).
+        options: the API key and the limits (:class:`edl.serve.options.ServerOptions`;
+            None: its defaults); :func:`make_server` reads the connection limits from
+            ``app.state.options``.
+        api_key: short for ``options.api_key``: every ``/v1/*`` request then needs
+            ``Authorization: Bearer <api_key>`` (the ``openai`` client's ``api_key=``).
     """
     if max_model_len < 2:
         raise ValueError(f"create_app: max_model_len must be >= 2, got {max_model_len}")
+    options = ServerOptions() if options is None else options
+    if api_key is not None:
+        if options.api_key not in (None, api_key):
+            raise ValueError("create_app: api_key and options.api_key differ; give one")
+        options = dataclasses.replace(options, api_key=api_key)
     server = _Server(engine, tokenizer, model_name, max_model_len, stop_token_ids)
 
     @contextlib.asynccontextmanager
@@ -410,6 +438,7 @@ def create_app(
             yield
         finally:
             await server.driver.stop()
+            server.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, APIError)
@@ -418,9 +447,13 @@ def create_app(
     async def http_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        return _error(
-            APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", type=kind)
-        )
+        message = f"{e.detail}: {request.method} {request.url.path}"
+        if e.status_code == 413:  # Starlette's max_body_size, passed while reading
+            message = (
+                f"the request body is larger than this server's limit of "
+                f"{options.max_body_bytes} bytes (max_body_bytes): {request.url.path}"
+            )
+        return _error(APIError(e.status_code, message, type=kind))
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -434,8 +467,15 @@ def create_app(
         return _error(APIError(500, f"internal error: {e!r}", type="server_error"))
 
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
-    app.state.server = server
+    key = [] if options.api_key is None else [Middleware(require_api_key, options.api_key)]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers=handlers,
+        middleware=key,
+        max_body_size=options.max_body_bytes,
+    )
+    app.state.server, app.state.options = server, options
     return app
 
 
@@ -471,9 +511,23 @@ def make_server(
     SIGINT, then: uvicorn stops accepting, the open requests get ``drain_s`` seconds to
     finish and are then aborted (their replies end with ``finish_reason: "abort"``), the
     lifespan stops the engine thread. ``port=0`` picks a free port
-    (``server.servers[0].sockets[0].getsockname()`` once ``server.started``)."""
+    (``server.servers[0].sockets[0].getsockname()`` once ``server.started``).
+
+    The connection limits are ``app.state.options``' (:class:`ServerOptions`): uvicorn's
+    ``timeout_keep_alive`` and ``h11_max_incomplete_event_size``, and edl's header deadline
+    and connection limit (:func:`edl.serve.guard.guarded_protocol`); the process's
+    open-file limit is raised to fit ``max_connections`` (:func:`ensure_fd_limit`)."""
+    options: ServerOptions = app.state.options
+    ensure_fd_limit(options.max_connections)
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 10
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=drain_s + 10,
+        http=guarded_protocol(options.header_timeout_s, options.max_connections),
+        timeout_keep_alive=options.keep_alive_s,  # type: ignore[arg-type]  # a float works
+        h11_max_incomplete_event_size=options.max_header_bytes,
     )
     return _DrainingServer(config, app.state.server, drain_s)
 

@@ -1,0 +1,151 @@
+"""What the server does before a request reaches a route (``edl.serve.options.ServerOptions``
+says which limits; ``edl.serve.server`` wires them):
+
+- :func:`guarded_protocol`: uvicorn's HTTP protocol with a header deadline and a connection
+  limit, which uvicorn lacks. A connection must finish a request's headers within
+  ``header_timeout_s`` of opening (or of the end of its last reply), else it is closed;
+  trickling a byte at a time does not extend it. At ``max_connections`` open, a new
+  connection closes the oldest one that is waiting for a request (idle, or mid-headers),
+  or, when every open one has a request in progress, is closed itself: file descriptors stay
+  bounded and a slow-headers flood cannot lock out a fresh client.
+- :func:`require_api_key`: an ASGI middleware, 401 without the key on ``/v1/*``. (The body
+  limit is Starlette's own, ``Starlette(max_body_size=...)``: a larger ``Content-Length`` is
+  refused before the body is read, a chunked body as soon as it passes the limit.)
+- :func:`ensure_fd_limit`: the process's open-file limit raised to fit ``max_connections``,
+  or an error naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+from edl.serve.protocol import APIError
+
+__all__ = ["ensure_fd_limit", "guarded_protocol", "require_api_key"]
+
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
+
+FD_RESERVE = 64
+"""File descriptors kept for what is not a connection (the listening socket, the event
+loop, the engine's threads and files) when :func:`ensure_fd_limit` sizes the limit."""
+
+
+def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyncio.Protocol]:
+    """A subclass of uvicorn's HTTP protocol (``AutoHTTPProtocol``: httptools' when
+    installed, else h11's) with the header deadline and connection limit of this module's
+    docstring; pass it as ``uvicorn.Config(http=...)``. Each call makes a new class: its
+    connection table belongs to one server."""
+
+    class Guarded(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        waiting: ClassVar[dict[Guarded, None]] = {}  # waiting for headers, oldest first
+        open: ClassVar[set[Guarded]] = set()  # open, and not closed by this guard
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._deadline: asyncio.TimerHandle | None = None
+            self._armed_cycle: Any = None
+            Guarded.open.add(self)
+            self._arm()
+            if len(Guarded.open) > max_connections:
+                victim = next((c for c in Guarded.waiting if c is not self), self)
+                victim._close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._deadline is not None and self.cycle is not self._armed_cycle:
+                self._disarm()  # a request started: its headers are complete
+
+        def on_response_complete(self) -> None:
+            cycle = self.cycle
+            super().on_response_complete()  # may start a pipelined request at once
+            if not self.transport.is_closing() and self.cycle is cycle:
+                self._arm()  # the rest of this body and the next headers: one deadline
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            Guarded.open.discard(self)
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._armed_cycle = self.cycle
+            self._deadline = self.loop.call_later(header_timeout_s, self._close)
+            Guarded.waiting[self] = None
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+            Guarded.waiting.pop(self, None)
+
+        def _close(self) -> None:
+            self._disarm()
+            Guarded.open.discard(self)
+            self.transport.close()
+
+    Guarded.__name__ = Guarded.__qualname__ = f"Guarded{AutoHTTPProtocol.__name__}"
+    return Guarded
+
+
+def ensure_fd_limit(max_connections: int) -> None:
+    """Raise the soft limit on open files (``RLIMIT_NOFILE``) to ``max_connections`` +
+    :data:`FD_RESERVE` when it is lower and the hard limit allows; ``ValueError`` naming
+    ``max_connections`` when it does not (accepting past the limit makes every accept fail,
+    each failure logged with a traceback). Nothing on a platform without ``resource``."""
+    try:
+        import resource
+    except ImportError:  # Windows: no such limit to read
+        return
+    need = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(
+            f"max_connections {max_connections} needs {need} open files ({FD_RESERVE} kept "
+            f"for the rest), but this process may open {hard} at most (RLIMIT_NOFILE): lower "
+            f"max_connections to {max(1, hard - FD_RESERVE)} or raise the limit (ulimit -n)"
+        )
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+async def _send_error(send: Any, error: APIError, headers: dict[str, str] | None = None) -> None:
+    """OpenAI's error body as a whole response (ASCII JSON: any echoed text encodes)."""
+    body = json.dumps(error.body()).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope: Any, name: bytes) -> bytes | None:
+    return next((v for k, v in scope["headers"] if k == name), None)
+
+
+def require_api_key(app: ASGIApp, api_key: str) -> ASGIApp:
+    """``app`` behind ``Authorization: Bearer <api_key>`` for every path under ``/v1/``
+    (compared with ``hmac.compare_digest``: the time taken does not tell how much of a
+    guess was right); else 401 ``invalid_api_key`` before the body is read."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def guarded(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = _header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, expected):
+                what = "no API key" if not given else "an incorrect API key"
+                error = APIError(
+                    401,
+                    f"{what} was provided: send 'Authorization: Bearer <key>' with the key "
+                    "the server was started with (--api-key / EDL_API_KEY)",
+                    code="invalid_api_key",
+                )
+                return await _send_error(send, error, {"www-authenticate": "Bearer"})
+        await app(scope, receive, send)
+
+    return guarded
