@@ -8,9 +8,9 @@ says which limits; ``edl.serve.server`` wires them):
   connection closes the oldest one that is waiting for a request (idle, or mid-headers),
   or, when every open one has a request in progress, is closed itself: file descriptors stay
   bounded and a slow-headers flood cannot lock out a fresh client.
-- :func:`require_api_key`: an ASGI middleware, 401 without the key on ``/v1/*``. (The body
-  limit is Starlette's own, ``Starlette(max_body_size=...)``: a larger ``Content-Length`` is
-  refused before the body is read, a chunked body as soon as it passes the limit.)
+- :func:`require_api_key` and :func:`limit_body`: ASGI middlewares (401 without the key on
+  ``/v1/*``; 413 past the body limit: a larger ``Content-Length`` before the body is read,
+  a chunked body as soon as it passes the limit).
 - :func:`ensure_fd_limit`: the process's open-file limit raised to fit ``max_connections``,
   or an error naming it.
 """
@@ -27,7 +27,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from edl.serve.protocol import APIError
 
-__all__ = ["ensure_fd_limit", "guarded_protocol", "require_api_key"]
+__all__ = ["BodyTooLarge", "ensure_fd_limit", "guarded_protocol", "limit_body", "require_api_key"]
 
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
 
@@ -93,24 +93,34 @@ def guarded_protocol(header_timeout_s: float, max_connections: int) -> type[asyn
     return Guarded
 
 
+def accept_backlog(max_connections: int) -> int:
+    """The listening socket's backlog, which is also how many connections asyncio accepts
+    in one go, before any of them reaches the guard (``connection_made`` runs a loop turn
+    or two later): bounded so that a burst cannot overshoot ``max_connections`` by much."""
+    return min(128, max_connections)
+
+
 def ensure_fd_limit(max_connections: int) -> None:
-    """Raise the soft limit on open files (``RLIMIT_NOFILE``) to ``max_connections`` +
-    :data:`FD_RESERVE` when it is lower and the hard limit allows; ``ValueError`` naming
+    """Raise the soft limit on open files (``RLIMIT_NOFILE``) to what ``max_connections``
+    needs (plus two accept bursts, :func:`accept_backlog`, and :data:`FD_RESERVE`) when
+    it is lower and the hard limit allows; ``ValueError`` naming
     ``max_connections`` when it does not (accepting past the limit makes every accept fail,
     each failure logged with a traceback). Nothing on a platform without ``resource``."""
     try:
         import resource
     except ImportError:  # Windows: no such limit to read
         return
-    need = max_connections + FD_RESERVE
+    # A burst is accepted before the guard sees it: up to a backlog per loop turn, for
+    # the two turns until connection_made runs.
+    need = max_connections + 2 * accept_backlog(max_connections) + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= need:
         return
     if hard != resource.RLIM_INFINITY and hard < need:
         raise ValueError(
-            f"max_connections {max_connections} needs {need} open files ({FD_RESERVE} kept "
-            f"for the rest), but this process may open {hard} at most (RLIMIT_NOFILE): lower "
-            f"max_connections to {max(1, hard - FD_RESERVE)} or raise the limit (ulimit -n)"
+            f"max_connections {max_connections} needs {need} open files (with accept bursts "
+            f"and {FD_RESERVE} kept for the rest), but this process may open {hard} at most "
+            "(RLIMIT_NOFILE): lower max_connections or raise the limit (ulimit -n)"
         )
     resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
 
@@ -149,3 +159,46 @@ def require_api_key(app: ASGIApp, api_key: str) -> ASGIApp:
         await app(scope, receive, send)
 
     return guarded
+
+
+class BodyTooLarge(APIError):
+    """413: the request body passed ``max_body_bytes`` (raised from ``receive``, so the
+    route reading the body stops there; the app's ``APIError`` handler answers it)."""
+
+    def __init__(self, limit: int, seen: str) -> None:
+        super().__init__(
+            413,
+            f"the request body is larger than this server's limit of {limit} bytes "
+            f"(max_body_bytes; {seen})",
+            code="request_too_large",
+        )
+
+
+def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
+    """``app`` with request bodies of at most ``max_bytes``: a larger ``Content-Length`` is
+    answered 413 before any of the body is read; a body without one (chunked) raises
+    :class:`BodyTooLarge` from ``receive`` as soon as it passes the limit, so nothing past
+    it is buffered. (Starlette's own ``max_body_size`` answers a declared length with a
+    plain-text 413 whatever the app's handlers say; OpenAI's clients expect JSON.)"""
+
+    async def limited(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            error = BodyTooLarge(max_bytes, f"Content-Length: {int(declared)}")
+            return await _send_error(send, error)
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > max_bytes:
+                    raise BodyTooLarge(max_bytes, f"{seen} bytes read when it stopped")
+            return message
+
+        await app(scope, counted, send)
+
+    return limited

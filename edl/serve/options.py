@@ -8,9 +8,9 @@ What enforces each (``edl.serve.guard``, ``edl.serve.server``):
 
 - ``api_key``: an ASGI middleware; every ``/v1/*`` request needs ``Authorization: Bearer
   <key>`` (compared in constant time), else 401 with OpenAI's error body; ``/health`` is open.
-- ``max_body_bytes``: Starlette's ``max_body_size``, counted as the body is read: a
-  declared ``Content-Length`` above it is refused before any byte is read, a chunked body
-  the moment it passes it (413 naming the limit); the rest is never buffered.
+- ``max_body_bytes``: an ASGI middleware counting the body as it is read: a declared
+  ``Content-Length`` above it is refused before any byte is read, a chunked body the moment
+  it passes it (413 naming the limit); the rest is never buffered.
 - ``keep_alive_s``: uvicorn's ``timeout_keep_alive`` (an idle connection between requests).
 - ``max_header_bytes``: uvicorn's ``h11_max_incomplete_event_size`` (h11, the HTTP parser
   when ``httptools`` is not installed; ``httptools`` has its own fixed limit).

@@ -60,7 +60,13 @@ from starlette.routing import Route
 from edl.serve import protocol
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
-from edl.serve.guard import ensure_fd_limit, guarded_protocol, require_api_key
+from edl.serve.guard import (
+    accept_backlog,
+    ensure_fd_limit,
+    guarded_protocol,
+    limit_body,
+    require_api_key,
+)
 from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
@@ -267,7 +273,7 @@ class _Server:
 
 
 async def _parsed(request: Request, parse: Any) -> GenerationRequest:
-    """The body read (Starlette stops it at ``max_body_bytes``: 413), then decoded and
+    """The body read (``limit_body`` stops it at ``max_body_bytes``: 413), then decoded and
     validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
     and to check for lone surrogates, and ``/health`` must not wait on it."""
     data = await request.body()
@@ -447,13 +453,9 @@ def create_app(
     async def http_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, HTTPException)
         kind = "invalid_request_error" if e.status_code < 500 else "server_error"
-        message = f"{e.detail}: {request.method} {request.url.path}"
-        if e.status_code == 413:  # Starlette's max_body_size, passed while reading
-            message = (
-                f"the request body is larger than this server's limit of "
-                f"{options.max_body_bytes} bytes (max_body_bytes): {request.url.path}"
-            )
-        return _error(APIError(e.status_code, message, type=kind))
+        return _error(
+            APIError(e.status_code, f"{e.detail}: {request.method} {request.url.path}", type=kind)
+        )
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
@@ -467,13 +469,11 @@ def create_app(
         return _error(APIError(500, f"internal error: {e!r}", type="server_error"))
 
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
+    # The key first: a client without it is refused before its body is read.
     key = [] if options.api_key is None else [Middleware(require_api_key, options.api_key)]
+    middleware = [*key, Middleware(limit_body, options.max_body_bytes)]
     app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers=handlers,
-        middleware=key,
-        max_body_size=options.max_body_bytes,
+        routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware
     )
     app.state.server, app.state.options = server, options
     return app
@@ -528,6 +528,7 @@ def make_server(
         http=guarded_protocol(options.header_timeout_s, options.max_connections),
         timeout_keep_alive=options.keep_alive_s,  # type: ignore[arg-type]  # a float works
         h11_max_incomplete_event_size=options.max_header_bytes,
+        backlog=accept_backlog(options.max_connections),
     )
     return _DrainingServer(config, app.state.server, drain_s)
 
