@@ -12,6 +12,11 @@ off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options
 (``include_usage``). Fields OpenAI defines but this server does not implement are accepted
 only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
 field is an error naming it.
+
+Limits the engine or Unicode set: ``top_k`` below 2**31 (the engine's int32), ``seed`` in
+[0, 2**32) (its uint32); text with a lone surrogate (a JSON ``\\ud800`` escape: no UTF-8)
+is refused naming its field. :func:`decode_body` turns a request body into JSON (UTF-8,
+nested at most :data:`MAX_BODY_DEPTH` deep) or a 400.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from edl.text.chat import template_role
 from edl.text.sources import json_nests_deeper_than
 from edl.text.tokenizer import checked_text
 
-__all__ = ["APIError", "GenerationRequest"]
+__all__ = ["MAX_BODY_DEPTH", "APIError", "GenerationRequest", "decode_body"]
 
 
 class APIError(Exception):

@@ -9,10 +9,22 @@ Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain, or se
 events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format, then
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``. Requests are validated by
 :mod:`edl.serve.protocol`; errors are OpenAI's body ``{"error": {"message", "type",
-"param", "code"}}``: 400 for a bad request (malformed JSON or messages, max_tokens < 1,
-temperature / top_p out of range, a prompt that leaves no room in ``max_model_len``), 404
-for an unknown model or route, 429 when the engine's queue is full, 503 when the engine is
-stopped or failed. A chat is rendered by the tokenizer's chat template with the generation
+"param", "code"}}``: 400 for a bad request (a body that is not UTF-8 JSON, nests deeper
+than 64 levels or is not an object; malformed messages, max_tokens < 1, temperature / top_p
+/ top_k / seed out of range, a lone surrogate in any text, a prompt that leaves no room in
+``max_model_len``), 401 without the API key (when one is set), 404 for an unknown model or
+route, 413 for a body over ``max_body_bytes``, 429 when the engine's queue is full, 503
+when the engine is stopped or failed.
+
+Guards (:class:`edl.serve.options.ServerOptions`, enforced by :mod:`edl.serve.guard`): an
+API key on ``/v1/*`` (``/health`` stays open), a body limit counted while the body is read,
+a deadline for a connection's request headers, a connection limit (a new connection closes
+the oldest one still waiting for a request), uvicorn's keep-alive timeout and header size
+limit. The request body is parsed and validated in a worker thread, and prompts are
+tokenized (chat templates rendered) in one tokenizer thread, so ``/health`` and the streams
+in flight never wait on a large request. Tests: tests/test_serve_hardening.py.
+
+A chat is rendered by the tokenizer's chat template with the generation
 prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``;
 ``max_tokens`` defaults to 16 for completions (OpenAI's default) and to the room left in
 ``max_model_len`` for chat.
@@ -30,10 +42,9 @@ Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
 wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
 penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done: an API key, metrics
-(Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
-once), tokenization off the event loop (chat templates of long conversations take
-milliseconds there).
+several prompts in one /v1/completions call. Also not done: metrics (Prometheus),
+per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at once), TLS
+(put a reverse proxy in front for it).
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -272,7 +283,7 @@ class _Server:
         return await reply.plain(request)
 
 
-async def _parsed(request: Request, parse: Any) -> GenerationRequest:
+async def _parsed(request: Request, parse: Callable[[Any], GenerationRequest]) -> GenerationRequest:
     """The body read (``limit_body`` stops it at ``max_body_bytes``: 413), then decoded and
     validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
     and to check for lone surrogates, and ``/health`` must not wait on it."""
