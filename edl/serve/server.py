@@ -56,11 +56,9 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from functools import partial
 from typing import Any
 
 import anyio.to_thread
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -71,13 +69,7 @@ from starlette.routing import Route
 from edl.serve import protocol
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
-from edl.serve.guard import (
-    accept_backlog,
-    ensure_fd_limit,
-    guarded_protocol,
-    limit_body,
-    require_api_key,
-)
+from edl.serve.guard import limit_body, make_server, require_api_key, serve
 from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
@@ -488,62 +480,3 @@ def create_app(
     )
     app.state.server, app.state.options = server, options
     return app
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose first exit signal also starts the app's drain."""
-
-    def __init__(self, config: uvicorn.Config, server: _Server, drain_s: float) -> None:
-        super().__init__(config)
-        self.app_server, self.drain_s = server, drain_s
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first and self.loop is not None:  # the signal may come in any thread: wake the loop
-            drain = partial(self.app_server.drain, self.drain_s)
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(drain()))
-
-
-def make_server(
-    app: Starlette,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    drain_s: float = 30.0,
-    log_level: str = "info",
-) -> uvicorn.Server:
-    """A uvicorn server for ``app`` (:func:`create_app`); ``.run()`` serves until SIGTERM /
-    SIGINT, then: uvicorn stops accepting, the open requests get ``drain_s`` seconds to
-    finish and are then aborted (their replies end with ``finish_reason: "abort"``), the
-    lifespan stops the engine thread. ``port=0`` picks a free port
-    (``server.servers[0].sockets[0].getsockname()`` once ``server.started``).
-
-    The connection limits are ``app.state.options``' (:class:`ServerOptions`): uvicorn's
-    ``timeout_keep_alive`` and ``h11_max_incomplete_event_size``, and edl's header deadline
-    and connection limit (:func:`edl.serve.guard.guarded_protocol`); the process's
-    open-file limit is raised to fit ``max_connections`` (:func:`ensure_fd_limit`)."""
-    options: ServerOptions = app.state.options
-    ensure_fd_limit(options.max_connections)
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level,
-        timeout_graceful_shutdown=drain_s + 10,
-        http=guarded_protocol(options.header_timeout_s, options.max_connections),
-        timeout_keep_alive=options.keep_alive_s,  # type: ignore[arg-type]  # a float works
-        h11_max_incomplete_event_size=options.max_header_bytes,
-        backlog=accept_backlog(options.max_connections),
-    )
-    return _DrainingServer(config, app.state.server, drain_s)
-
-
-def serve(app: Starlette, **options: Any) -> None:
-    """``make_server(app, **options).run()``: serve until SIGTERM / SIGINT."""
-    make_server(app, **options).run()
