@@ -201,10 +201,17 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize(("body", "status", "param"), BAD_VALUES)
-def test_bad_values_are_4xx_naming_the_field(body, status, param):
+@pytest.fixture(scope="module")
+def plain():
+    """``(host, port)`` of one server with the default options, for the requests that
+    leave nothing behind."""
     with serving() as (host, port, _):
-        got, _, reply = request(host, port, "POST", "/v1/completions", json.dumps(body))
+        yield host, port
+
+
+@pytest.mark.parametrize(("body", "status", "param"), BAD_VALUES)
+def test_bad_values_are_4xx_naming_the_field(plain, body, status, param):
+    got, _, reply = request(*plain, "POST", "/v1/completions", json.dumps(body))
     assert (got, reply["error"]["param"]) == (status, param), reply
 
 
@@ -219,11 +226,10 @@ def test_bad_values_are_4xx_naming_the_field(body, status, param):
         (b'"text"', "must be a JSON object, got str"),
     ],
 )
-def test_bodies_that_are_not_a_json_object_are_400(raw, says):
-    with serving() as (host, port, _):
-        status, _, reply = request(host, port, "POST", "/v1/chat/completions", raw)
-        assert status == 400 and says in reply["error"]["message"], reply
-        health_within(host, port)
+def test_bodies_that_are_not_a_json_object_are_400(plain, raw, says):
+    status, _, reply = request(*plain, "POST", "/v1/chat/completions", raw)
+    assert status == 400 and says in reply["error"]["message"], reply
+    health_within(*plain)
 
 
 # --- the body limit, and /health while a big request comes in -------------------------
@@ -380,7 +386,7 @@ def test_connections_that_never_finish_their_headers_are_closed():
         reused.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         assert reused.recv(4096).startswith(b"HTTP/1.1 200 ")
         reused.sendall(b"GET /health HTTP/1.1\r\n")
-        for _ in range(15):  # a byte every 0.1 s does not extend the deadline
+        for _ in range(8):  # a byte every 0.1 s does not extend the deadline (0.5 s)
             with contextlib.suppress(OSError):
                 trickle.sendall(b"X")
             time.sleep(0.1)
@@ -409,6 +415,30 @@ def test_a_flood_of_connections_is_capped_and_health_still_answers():
             s.close()
 
 
+def test_uvicorn_gets_its_own_limits_and_headers_past_the_size_are_400():
+    options = ServerOptions(keep_alive_s=2.5, max_header_bytes=4096)
+    with serving(options=options) as (host, port, server):
+        assert server.config.timeout_keep_alive == 2.5
+        assert server.config.h11_max_incomplete_event_size == 4096
+        with socket.create_connection((host, port), timeout=5) as s:
+            # h11 counts a header block while it is incomplete (one that arrives whole in
+            # one read is parsed): 8 KiB of headers with no end yet is refused
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8192)
+            assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
+        health_within(host, port)
+
+
+def test_a_connection_limit_the_process_cannot_open_is_refused_at_start():
+    resource = pytest.importorskip("resource")
+    from edl.serve.guard import ensure_fd_limit
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no hard limit on open files here")
+    with pytest.raises(ValueError, match=rf"max_connections {hard} needs \d+ open files"):
+        ensure_fd_limit(hard)
+
+
 def test_a_flood_past_the_open_file_limit_leaves_no_traceback():
     """300 connections that never finish their headers against a server (a subprocess)
     whose process may open 256 files: it stays under the limit (no failing accept, no
@@ -425,7 +455,16 @@ def test_a_flood_past_the_open_file_limit_leaves_no_traceback():
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
     proc = subprocess.Popen(
-        [sys.executable, str(script), "--port", str(port), "--options", options],
+        [
+            sys.executable,
+            str(script),
+            "--port",
+            str(port),
+            "--drain-s",
+            "0.1",
+            "--options",
+            options,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

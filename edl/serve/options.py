@@ -13,7 +13,9 @@ What enforces each (``edl.serve.guard``, ``edl.serve.server``):
   it passes it (413 naming the limit); the rest is never buffered.
 - ``keep_alive_s``: uvicorn's ``timeout_keep_alive`` (an idle connection between requests).
 - ``max_header_bytes``: uvicorn's ``h11_max_incomplete_event_size`` (h11, the HTTP parser
-  when ``httptools`` is not installed; ``httptools`` has its own fixed limit).
+  when ``httptools`` is not installed: it bounds a header block while it is incomplete, so
+  one that arrives whole in a single read is still parsed; ``httptools`` has its own
+  fixed limit).
 - ``header_timeout_s`` and ``max_connections``: edl's subclass of uvicorn's HTTP protocol,
   since uvicorn has neither (0.54: a connection that never finishes its headers is held
   forever, and it accepts connections until the process runs out of file descriptors).
@@ -67,7 +69,9 @@ class ServerOptions:
         low=1,
     )
     max_header_bytes: int = option(
-        16384, "largest request line + headers in bytes (400 beyond)", low=1024
+        16384,
+        "a request line + headers still incomplete past this many bytes is refused (400)",
+        low=1024,
     )
 
     def __post_init__(self) -> None:
