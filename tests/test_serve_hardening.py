@@ -311,6 +311,22 @@ def test_health_answers_while_a_30_mb_request_is_refused():
             assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
 
 
+def test_a_body_that_never_arrives_whole_is_408():
+    with serving(options=ServerOptions(body_timeout_s=0.3)) as (host, port, _):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b'\r\nContent-Length: 100\r\n\r\n{"model": '
+            )
+            reply = s.recv(65536)
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408 ")
+        error = json.loads(body)["error"]
+        assert error["code"] == "request_timeout" and "within 0.3 s" in error["message"]
+        assert "(body_timeout_s; 10 bytes came)" in error["message"]
+        health_within(host, port)
+
+
 class _Blocking(ChatBytes):
     """A tokenizer whose ``encode`` / chat template wait for the test (as a 30 MB prompt
     would keep it busy) on prompts that start with ``BLOCK``."""

@@ -187,11 +187,13 @@ class BodyTooLarge(APIError):
         )
 
 
-def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
-    """``app`` with request bodies of at most ``max_bytes``: a larger ``Content-Length`` is
-    answered 413 before any of the body is read; a body without one (chunked) raises
-    :class:`BodyTooLarge` from ``receive`` as soon as it passes the limit, so nothing past
-    it is buffered. (Starlette's own ``max_body_size`` answers a declared length with a
+def limit_body(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
+    """``app`` with request bodies of at most ``max_bytes``, whole within ``timeout_s`` of
+    the headers: a larger ``Content-Length`` is answered 413 before any of the body is read;
+    a body without one (chunked) raises :class:`BodyTooLarge` from ``receive`` as soon as
+    it passes the limit, so nothing past it is buffered; a body still incomplete at the
+    deadline raises a 408 (a client trickling its body would hold the connection and the
+    route forever). (Starlette's own ``max_body_size`` answers a declared length with a
     plain-text 413 whatever the app's handlers say; OpenAI's clients expect JSON.)"""
 
     async def limited(scope: Any, receive: Any, send: Any) -> None:
@@ -201,13 +203,21 @@ def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             error = BodyTooLarge(max_bytes, f"Content-Length: {int(declared)}")
             return await _send_error(send, error)
-        seen = 0
+        seen, more = 0, True
+        deadline = asyncio.get_running_loop().time() + timeout_s
 
         async def counted() -> Any:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, more
+            if not more:  # the body is in: what follows is the wait for a disconnect
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise _body_timeout(timeout_s, seen) from None
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                more = message.get("more_body", False)
                 if seen > max_bytes:
                     raise BodyTooLarge(max_bytes, f"{seen} bytes read when it stopped")
             return message
@@ -215,6 +225,15 @@ def limit_body(app: ASGIApp, max_bytes: int) -> ASGIApp:
         await app(scope, counted, send)
 
     return limited
+
+
+def _body_timeout(timeout_s: float, seen: int) -> APIError:
+    return APIError(
+        408,
+        f"the request body did not arrive within {timeout_s} s of its headers "
+        f"(body_timeout_s; {seen} bytes came)",
+        code="request_timeout",
+    )
 
 
 class _DrainingServer(uvicorn.Server):

@@ -10,7 +10,8 @@ What enforces each (``edl.serve.guard``, ``edl.serve.server``):
   <key>`` (compared in constant time), else 401 with OpenAI's error body; ``/health`` is open.
 - ``max_body_bytes``: an ASGI middleware counting the body as it is read: a declared
   ``Content-Length`` above it is refused before any byte is read, a chunked body the moment
-  it passes it (413 naming the limit); the rest is never buffered.
+  it passes it (413 naming the limit); the rest is never buffered. ``body_timeout_s``: the
+  same middleware, a deadline for the whole body (408), against a client that trickles it.
 - ``keep_alive_s``: uvicorn's ``timeout_keep_alive`` (an idle connection between requests).
 - ``max_header_bytes``: uvicorn's ``h11_max_incomplete_event_size`` (h11, the HTTP parser
   when ``httptools`` is not installed: it bounds a header block while it is incomplete, so
@@ -57,6 +58,11 @@ class ServerOptions:
         10.0,
         "seconds a connection gets to send a request's headers (from its opening or the "
         "end of its last reply) before it is closed",
+        low=0.001,
+    )
+    body_timeout_s: float = option(
+        60.0,
+        "seconds a request's body gets to arrive whole after its headers (408 beyond)",
         low=0.001,
     )
     keep_alive_s: float = option(

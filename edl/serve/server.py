@@ -13,16 +13,18 @@ events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format
 than 64 levels or is not an object; malformed messages, max_tokens < 1, temperature / top_p
 / top_k / seed out of range, a lone surrogate in any text, a prompt that leaves no room in
 ``max_model_len``), 401 without the API key (when one is set), 404 for an unknown model or
-route, 413 for a body over ``max_body_bytes``, 429 when the engine's queue is full, 503
-when the engine is stopped or failed.
+route, 408 for a body not in within ``body_timeout_s``, 413 for a body over
+``max_body_bytes``, 429 when the engine's queue is full, 503 when the engine is stopped or
+failed.
 
 Guards (:class:`edl.serve.options.ServerOptions`, enforced by :mod:`edl.serve.guard`): an
-API key on ``/v1/*`` (``/health`` stays open), a body limit counted while the body is read,
-a deadline for a connection's request headers, a connection limit (a new connection closes
-the oldest one still waiting for a request), uvicorn's keep-alive timeout and header size
-limit. The request body is parsed and validated in a worker thread, and prompts are
-tokenized (chat templates rendered) in one tokenizer thread, so ``/health`` and the streams
-in flight never wait on a large request. Tests: tests/test_serve_hardening.py.
+API key on ``/v1/*`` (``/health`` stays open), a body limit counted while the body is read
+and a deadline for it, a deadline for a connection's request headers, a connection limit
+(a new connection closes the oldest one still waiting for a request), uvicorn's keep-alive
+timeout and header size limit. The request body is parsed and validated in a worker
+thread, and prompts are tokenized (chat templates rendered) in one tokenizer thread, so
+``/health`` and the streams in flight never wait on a large request. Tests:
+tests/test_serve_hardening.py.
 
 A chat is rendered by the tokenizer's chat template with the generation
 prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``;
@@ -474,7 +476,7 @@ def create_app(
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
     # The key first: a client without it is refused before its body is read.
     key = [] if options.api_key is None else [Middleware(require_api_key, options.api_key)]
-    middleware = [*key, Middleware(limit_body, options.max_body_bytes)]
+    middleware = [*key, Middleware(limit_body, options.max_body_bytes, options.body_timeout_s)]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware
     )
