@@ -60,7 +60,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -282,7 +281,7 @@ async def _parsed(request: Request, parse: Callable[[Any], GenerationRequest]) -
     validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
     and to check for lone surrogates, and ``/health`` must not wait on it."""
     data = await request.body()
-    return await anyio.to_thread.run_sync(lambda: parse(protocol.decode_body(data)))
+    return await asyncio.to_thread(lambda: parse(protocol.decode_body(data)))
 
 
 class _Reply:
