@@ -112,15 +112,24 @@ class FakeEngine:
 
 
 def main() -> None:
+    from edl.serve.options import ServerOptions
     from edl.serve.server import create_app, serve
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--drain-s", type=float, default=1.0)
+    parser.add_argument("--options", type=json.loads, default={}, help="ServerOptions, as JSON")
     args = parser.parse_args()
     engine = FakeEngine(step_delay=args.step_delay)
-    app = create_app(engine, ChatBytes(), model_name=MODEL, max_model_len=256, stop_token_ids=[EOS])
+    app = create_app(
+        engine,
+        ChatBytes(),
+        model_name=MODEL,
+        max_model_len=256,
+        stop_token_ids=[EOS],
+        options=ServerOptions(**args.options),
+    )
     driver = app.state.server.driver
     stop = driver.stop
 

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from edl._settings import Leaf, from_options, leaves
 from edl.cli.config import (
     FIELDS,
     CommandError,
@@ -27,6 +30,7 @@ from edl.cli.config import (
     flag,
     read_toml,
 )
+from edl.serve.options import API_KEY_ENV, ServerOptions
 
 __all__ = ["TrainConfig", "entry", "main"]
 
@@ -48,8 +52,16 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
         metavar="TOML",
         help="TOML file of options (keys as the flags, with _ for -); flags win",
     )
-    for name, leaf in FIELDS.items():
-        shown = f"{leaf.spec.help} (default: {leaf.shown(default_of(leaf))})"
+    _add_option_flags(parser, FIELDS, default_of)
+
+
+def _add_option_flags(
+    parser: argparse.ArgumentParser, fields: dict[str, Leaf], default: Callable[[Leaf], object]
+) -> None:
+    """A flag per option of ``fields`` (``edl._settings.leaves`` of a settings class), its
+    help and shown default from the declaration; every flag's own default is None (unset)."""
+    for name, leaf in fields.items():
+        shown = f"{leaf.spec.help} (default: {leaf.shown(default(leaf))})"
         if leaf.scalar is bool:
             parser.add_argument(
                 flag(name), action=argparse.BooleanOptionalAction, default=None, help=shown
@@ -235,6 +247,7 @@ def _add_serve(commands: Any) -> None:
         help="compile every step shape before listening (seconds per shape "
         "for a deep model; otherwise each compiles on first use)",
     )
+    _add_option_flags(serve, leaves(ServerOptions), lambda leaf: leaf.field.default)
 
 
 def _check_serve(args: argparse.Namespace) -> None:
@@ -244,6 +257,20 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --max-batch: must be >= 1, got {args.max_batch}")
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
+    args.options = _server_options(args)
+
+
+def _server_options(args: argparse.Namespace) -> ServerOptions:
+    """``ServerOptions`` from the flags; the API key from ``$EDL_API_KEY`` when the flag is
+    not given (an empty variable is refused: a key meant to be there is missing)."""
+    values = {k: v for k, v in vars(args).items() if k in leaves(ServerOptions) and v is not None}
+    if "api_key" not in values and API_KEY_ENV in os.environ:
+        values["api_key"] = os.environ[API_KEY_ENV]
+        if not values["api_key"].strip():
+            raise ConfigError(f"{API_KEY_ENV} is set but empty: unset it, or set the key")
+    if not values.get("api_key", "x").strip():
+        raise ConfigError("argument --api-key: must not be empty")
+    return from_options(ServerOptions, values, where="argument ")
 
 
 def _compile_cache() -> None:

@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 
 from edl.cli.config import CommandError
+from edl.serve.options import API_KEY_ENV, ServerOptions, is_loopback
 
-__all__ = ["run_serve", "stderr_log"]
+__all__ = ["run_serve", "stderr_log", "warn_if_exposed"]
 
 # Seconds open requests get to finish after SIGTERM before they are aborted.
 DRAIN_S = 30.0
@@ -35,6 +36,15 @@ def stderr_log(start: float) -> Callable[[str], None]:
         )
 
     return say
+
+
+def warn_if_exposed(host: str, options: ServerOptions, say: Callable[[str], None]) -> None:
+    """A warning line when the server listens beyond this machine with no API key."""
+    if options.api_key is None and not is_loopback(host):
+        say(
+            f"WARNING: --host {host} is not a loopback address and no API key is set "
+            f"(--api-key or ${API_KEY_ENV}): anyone who can reach this port can use the model"
+        )
 
 
 def run_serve(args: argparse.Namespace) -> None:
@@ -86,6 +96,8 @@ def run_serve(args: argparse.Namespace) -> None:
         model_name=args.served_model_name or args.model,
         max_model_len=max_model_len,
         stop_token_ids=eos,
+        options=args.options,
     )
+    warn_if_exposed(args.host, args.options, say)
     say(f"starting the HTTP server on http://{args.host}:{args.port}")
     serve(app, host=args.host, port=args.port, drain_s=DRAIN_S)

@@ -12,22 +12,29 @@ off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options
 (``include_usage``). Fields OpenAI defines but this server does not implement are accepted
 only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
 field is an error naming it.
+
+Limits the engine or Unicode set: ``top_k`` below 2**31 (the engine's int32), ``seed`` in
+[0, 2**32) (its uint32); text with a lone surrogate (a JSON ``\\ud800`` escape: no UTF-8)
+is refused naming its field. :func:`decode_body` turns a request body into JSON (UTF-8,
+nested at most :data:`MAX_BODY_DEPTH` deep) or a 400.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edl.serve.types import SamplingParams
+from edl.serve.types import SEED_END, TOP_K_END, SamplingParams
 from edl.text.chat import template_role
+from edl.text.sources import json_nests_deeper_than
 from edl.text.tokenizer import checked_text
 
-__all__ = ["APIError", "GenerationRequest"]
+__all__ = ["MAX_BODY_DEPTH", "APIError", "GenerationRequest", "decode_body"]
 
 
 class APIError(Exception):
@@ -65,6 +72,29 @@ class APIError(Exception):
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     """A 400 ``invalid_request_error``."""
     return APIError(400, message, param=param, code=code)
+
+
+MAX_BODY_DEPTH = 64
+"""How deep arrays / objects may nest in a request body (a chat body is 5 deep: body,
+``messages``, message, content parts, part). Checked before parsing, by a scan that does
+not recurse: Python's ``json`` recurses once per level (100k levels: ``RecursionError``)."""
+
+
+def decode_body(data: bytes) -> Any:
+    """A request body's JSON value: UTF-8 (RFC 8259), nested at most
+    :data:`MAX_BODY_DEPTH` deep; anything else is a 400 saying what is wrong. CPU-bound
+    on a large body (the server runs it off the event loop)."""
+    if json_nests_deeper_than(data, MAX_BODY_DEPTH):
+        raise bad(
+            f"the request body nests arrays / objects deeper than {MAX_BODY_DEPTH} levels; "
+            "refused before parsing"
+        )
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise bad(f"the request body is not UTF-8 (byte {e.start}: {e.reason})") from e
+    except ValueError as e:  # JSONDecodeError, and ints past Python's 4300-digit limit
+        raise bad(f"the request body is not valid JSON: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +188,15 @@ def _integer(body: Mapping[str, Any], name: str) -> int | None:
     return value
 
 
+def _integer_in(body: Mapping[str, Any], name: str, low: int, end: int, shown: str) -> int | None:
+    """An optional integer in ``[low, end)`` (``shown``: that range as the error says it):
+    what the engine keeps in a fixed-width integer."""
+    value = _integer(body, name)
+    if value is not None and not low <= value < end:
+        raise bad(f"'{name}' must be an integer in {shown}, got {value}", name)
+    return value
+
+
 def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if value is None:
@@ -166,7 +205,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise bad(f"'stop' must be a non-empty string or a list of them, got {value!r}", "stop")
     if len(stops) > 4:
         raise bad(f"'stop' takes at most 4 strings, got {len(stops)}", "stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop") for s in stops)
 
 
 def _common(body: Any, kind: str) -> dict[str, Any]:
@@ -187,8 +226,8 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     if max_tokens is not None and max_tokens < 1:
         raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
     top_k = _integer(body, "top_k")
-    if top_k is not None and top_k < 1 and top_k != -1:
-        raise bad(f"'top_k' must be >= 1 (or -1: off), got {top_k}", "top_k")
+    if top_k is not None and top_k != -1:  # -1: off
+        _integer_in(body, "top_k", 1, TOP_K_END, "[1, 2**31) (or -1: off)")
     stream = body.get("stream", False)
     if not isinstance(stream, bool | None):
         raise bad(f"'stream' must be a boolean, got {stream!r}", "stream")
@@ -204,7 +243,7 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=None if top_k in (None, -1) else top_k,
-        seed=_integer(body, "seed"),
+        seed=_integer_in(body, "seed", 0, SEED_END, "[0, 2**32)"),
         stop=_stop(body.get("stop")),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),

@@ -10,10 +10,24 @@ events with ``"stream": true``: ``data: {chunk}`` lines in OpenAI's chunk format
 ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus:
 :mod:`edl.serve.metrics`). Requests are validated by
 :mod:`edl.serve.protocol`; errors are OpenAI's body ``{"error": {"message", "type",
-"param", "code"}}``: 400 for a bad request (malformed JSON or messages, max_tokens < 1,
-temperature / top_p out of range, a prompt that leaves no room in ``max_model_len``), 404
-for an unknown model or route, 429 when the engine's queue is full, 503 when the engine is
-stopped or failed. A chat is rendered by the tokenizer's chat template with the generation
+"param", "code"}}``: 400 for a bad request (a body that is not UTF-8 JSON, nests deeper
+than 64 levels or is not an object; malformed messages, max_tokens < 1, temperature / top_p
+/ top_k / seed out of range, a lone surrogate in any text, a prompt that leaves no room in
+``max_model_len``), 401 without the API key (when one is set), 404 for an unknown model or
+route, 408 for a body not in within ``body_timeout_s``, 413 for a body over
+``max_body_bytes``, 429 when the engine's queue is full, 503 when the engine is stopped or
+failed.
+
+Guards (:class:`edl.serve.options.ServerOptions`, enforced by :mod:`edl.serve.guard`): an
+API key on ``/v1/*`` (``/health`` stays open), a body limit counted while the body is read
+and a deadline for it, a deadline for a connection's request headers, a connection limit
+(a new connection closes the oldest one still waiting for a request), uvicorn's keep-alive
+timeout and header size limit. The request body is parsed and validated in a worker
+thread, and prompts are tokenized (chat templates rendered) in one tokenizer thread, so
+``/health`` and the streams in flight never wait on a large request. Tests:
+tests/test_serve_hardening.py.
+
+A chat is rendered by the tokenizer's chat template with the generation
 prompt; a completion prompt is encoded as transformers' ``tokenizer(prompt)``;
 ``max_tokens`` defaults to 16 for completions (OpenAI's default) and to the room left in
 ``max_model_len`` for chat.
@@ -31,32 +45,34 @@ Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
 wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
 penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done: an API key, per-request
-timeouts, a queue in the driver in front of ``QueueFull`` (429 at
-once), tokenization off the event loop (chat templates of long conversations take
-milliseconds there).
+several prompts in one /v1/completions call. Also not done:
+per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at once), TLS
+(put a reverse proxy in front for it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
-from functools import partial
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edl.serve import protocol
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.guard import limit_body, make_server, require_api_key, serve
 from edl.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
 from edl.text.detokenize import IncrementalText
@@ -68,9 +84,13 @@ _COMPLETION_DEFAULT_MAX_TOKENS = 16
 _FINISH_REASONS = ("stop", "length", "abort")
 
 
-def _error(e: APIError) -> JSONResponse:
+def _error(e: APIError) -> Response:
+    """OpenAI's error body, as ASCII JSON: a message may echo the client's text, whose lone
+    surrogates have no UTF-8 (Starlette's ``JSONResponse`` would fail on them with a 500)."""
     headers = {"Retry-After": "1"} if e.status == 429 else None
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return Response(
+        json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json"
+    )
 
 
 class _EventStream(StreamingResponse):
@@ -126,6 +146,10 @@ class _Server:
         self.open_replies = 0  # requests added and not yet answered in full
         self.metrics = ServerMetrics(lambda: self.driver.stats)
         self.draining = False  # shutting down: no new requests
+        # Tokenization and chat templates run here, off the event loop (a long prompt takes
+        # seconds). One thread: transformers' fast tokenizers are not safe to call from
+        # several at once ("Already borrowed"), and the GIL would serialize them anyway.
+        self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, "edl-tokenize")
 
     async def drain(self, drain_s: float) -> None:
         """Shutdown's first half (a signal, :func:`make_server`): refuse new requests, give
@@ -170,10 +194,10 @@ class _Server:
     # --- generation ------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, protocol.parse_completion(await _json(request)))
+        return await self._generate(request, await _parsed(request, protocol.parse_completion))
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, protocol.parse_chat(await _json(request)))
+        return await self._generate(request, await _parsed(request, protocol.parse_chat))
 
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
         tok = self.tokenizer
@@ -232,7 +256,8 @@ class _Server:
             raise APIError(
                 503, "the server is shutting down", type="server_error", code="shutting_down"
             )
-        ids = self._prompt_ids(req)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self.tokenizing, self._prompt_ids, req)
         params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
         try:
             stream = await self.driver.add(ids, params)
@@ -259,11 +284,12 @@ class _Server:
         return await reply.plain(request)
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise protocol.bad(f"the request body is not valid JSON: {e}") from e
+async def _parsed(request: Request, parse: Callable[[Any], GenerationRequest]) -> GenerationRequest:
+    """The body read (``limit_body`` stops it at ``max_body_bytes``: 413), then decoded and
+    validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
+    and to check for lone surrogates, and ``/health`` must not wait on it."""
+    data = await request.body()
+    return await asyncio.to_thread(lambda: parse(protocol.decode_body(data)))
 
 
 class _Reply:
@@ -404,6 +430,8 @@ def create_app(
     model_name: str,
     max_model_len: int,
     stop_token_ids: Sequence[int] = (),
+    options: ServerOptions | None = None,
+    api_key: str | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` (see the module docstring).
 
@@ -414,9 +442,19 @@ def create_app(
         model_name: the ``model`` clients must name.
         max_model_len: prompt plus reply tokens at most.
         stop_token_ids: the EOS ids, passed to every request (and left out of the text).
+        options: the API key and the limits (:class:`edl.serve.options.ServerOptions`;
+            None: its defaults); :func:`make_server` reads the connection limits from
+            ``app.state.options``.
+        api_key: short for ``options.api_key``: every ``/v1/*`` request then needs
+            ``Authorization: Bearer <api_key>`` (the ``openai`` client's ``api_key=``).
     """
     if max_model_len < 2:
         raise ValueError(f"create_app: max_model_len must be >= 2, got {max_model_len}")
+    options = ServerOptions() if options is None else options
+    if api_key is not None:
+        if options.api_key not in (None, api_key):
+            raise ValueError("create_app: api_key and options.api_key differ; give one")
+        options = dataclasses.replace(options, api_key=api_key)
     server = _Server(engine, tokenizer, model_name, max_model_len, stop_token_ids)
 
     @contextlib.asynccontextmanager
@@ -426,6 +464,7 @@ def create_app(
             yield
         finally:
             await server.driver.stop()
+            server.tokenizing.shutdown(wait=False, cancel_futures=True)
 
     async def api_error(request: Request, e: Exception) -> Response:
         assert isinstance(e, APIError)
@@ -451,50 +490,11 @@ def create_app(
         return _error(APIError(500, f"internal error: {e!r}", type="server_error"))
 
     handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
-    app.state.server = server
-    return app
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's server, whose first exit signal also starts the app's drain."""
-
-    def __init__(self, config: uvicorn.Config, server: _Server, drain_s: float) -> None:
-        super().__init__(config)
-        self.app_server, self.drain_s = server, drain_s
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self.loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        first = not self.should_exit
-        super().handle_exit(sig, frame)
-        if first and self.loop is not None:  # the signal may come in any thread: wake the loop
-            drain = partial(self.app_server.drain, self.drain_s)
-            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(drain()))
-
-
-def make_server(
-    app: Starlette,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    drain_s: float = 30.0,
-    log_level: str = "info",
-) -> uvicorn.Server:
-    """A uvicorn server for ``app`` (:func:`create_app`); ``.run()`` serves until SIGTERM /
-    SIGINT, then: uvicorn stops accepting, the open requests get ``drain_s`` seconds to
-    finish and are then aborted (their replies end with ``finish_reason: "abort"``), the
-    lifespan stops the engine thread. ``port=0`` picks a free port
-    (``server.servers[0].sockets[0].getsockname()`` once ``server.started``)."""
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 10
+    # The key first: a client without it is refused before its body is read.
+    key = [] if options.api_key is None else [Middleware(require_api_key, options.api_key)]
+    middleware = [*key, Middleware(limit_body, options.max_body_bytes, options.body_timeout_s)]
+    app = Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers=handlers, middleware=middleware
     )
-    return _DrainingServer(config, app.state.server, drain_s)
-
-
-def serve(app: Starlette, **options: Any) -> None:
-    """``make_server(app, **options).run()``: serve until SIGTERM / SIGINT."""
-    make_server(app, **options).run()
+    app.state.server, app.state.options = server, options
+    return app

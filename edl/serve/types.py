@@ -15,6 +15,12 @@ from typing import Protocol, runtime_checkable
 
 __all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
 
+SEED_END = 2**32
+"""Seeds are in ``[0, SEED_END)``: the engine keeps them as uint32."""
+TOP_K_END = 2**31
+"""``top_k`` is below ``TOP_K_END``: the engine keeps it as int32 (a larger one would fail
+in the engine's thread, not in ``add_request``)."""
+
 
 def is_int(value: object) -> bool:
     """An integer (numpy's too), not a bool."""
@@ -44,9 +50,9 @@ class SamplingParams:
         p = self.top_p
         if not isinstance(p, numbers.Real) or isinstance(p, bool) or not 0 <= p <= 1:
             problems.append(f"top_p must be in [0, 1], got {p!r}")
-        if self.top_k is not None and (not is_int(self.top_k) or self.top_k < 1):
-            problems.append(f"top_k must be None or an integer >= 1, got {self.top_k!r}")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
+        if self.top_k is not None and (not is_int(self.top_k) or not 1 <= self.top_k < TOP_K_END):
+            problems.append(f"top_k must be None or an integer in [1, 2**31), got {self.top_k!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_END):
             problems.append(f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
         stop = self.stop_token_ids
         if not isinstance(stop, tuple) or not all(is_int(i) and i >= 0 for i in stop):

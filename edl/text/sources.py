@@ -57,6 +57,7 @@ __all__ = [
     "data_files",
     "detect_format",
     "hf_dataset",
+    "json_nests_deeper_than",
     "read_records",
 ]
 
@@ -179,7 +180,7 @@ def _read_text(path: Path, data: bytes | None = None) -> str:
         raise ValueError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from e
 
 
-def _deeper_than(data: bytes, limit: int) -> bool:
+def json_nests_deeper_than(data: bytes, limit: int) -> bool:
     """Whether arrays / objects in the JSON text ``data`` nest deeper than ``limit``
     (brackets inside strings do not count); a scan in numpy, no recursion."""
     if data.count(b"[") + data.count(b"{") <= limit:
@@ -198,7 +199,7 @@ def _deeper_than(data: bytes, limit: int) -> bool:
 
 def _too_deep_line(data: bytes, limit: int) -> int:
     """The line (from 1) of ``data`` where nesting first passes ``limit``; for the error
-    only, after :func:`_deeper_than` (a Python loop over the brackets up to there)."""
+    only, after :func:`json_nests_deeper_than` (a Python loop over the brackets up to there)."""
     depth = 0
     for token in _BRACKET_OR_STRING.finditer(data):
         depth += _NESTING.get(token.group(), 0)  # a string: 0
@@ -226,7 +227,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Record]]:
                     f"{where}: line longer than MAX_LINE_BYTES ({MAX_LINE_BYTES} bytes, not "
                     "counting its newline); one record per line"
                 )
-            if _deeper_than(raw, MAX_JSON_DEPTH):
+            if json_nests_deeper_than(raw, MAX_JSON_DEPTH):
                 raise _too_deep(where)
             line = _read_text(Path(where), raw)
             if not line.strip():
@@ -242,7 +243,7 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Record]]:
 
 def _json_records(path: Path) -> Iterator[tuple[str, Record]]:
     raw = path.read_bytes()
-    if _deeper_than(raw, MAX_JSON_DEPTH + 1):  # + 1: the array of records
+    if json_nests_deeper_than(raw, MAX_JSON_DEPTH + 1):  # + 1: the array of records
         raise _too_deep(f"{path}:{_too_deep_line(raw, MAX_JSON_DEPTH + 1)}")
     try:
         data = json.loads(_read_text(path, raw))
