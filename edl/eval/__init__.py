@@ -1,0 +1,1 @@
+"""Evaluation with lm-evaluation-harness (the ``eval`` extra: ``pip install 'edl-jax[eval]'``)."""
