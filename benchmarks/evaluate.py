@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=16, help="rows per batch (default: 16)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (default: 3)")
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=None,
+        help="torch's intra-op threads for the hf backend (default: torch's own choice)",
+    )
     return parser
 
 
@@ -101,6 +107,10 @@ def _setup(root: Path, hidden: int, layers: int, questions: int) -> None:
 def main() -> None:
     args = build_parser().parse_args()
     import lm_eval
+    import torch
+
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
 
     from edl.eval.run import task_manager
 
@@ -131,7 +141,8 @@ def main() -> None:
                 result = out["results"]["bench_mc"]
                 accs[name].add((result["acc,none"], result["acc_norm,none"]))
     assert accs["hf"] == accs["edl"] and len(accs["hf"]) == 1, accs
-    print(f"{args.questions * 4} loglikelihood requests, batch {args.batch_size}")
+    threads = torch.get_num_threads()
+    print(f"{args.questions * 4} loglikelihood requests, batch {args.batch_size}, torch {threads}")
     for what, seconds in (("wall", times), ("CPU", cpu)):
         hf, edl = statistics.median(seconds["hf"]), statistics.median(seconds["edl"][1:])
         print(
