@@ -242,6 +242,39 @@ def test_batches_sort_longest_first_and_pad_to_few_widths():
     assert [t.shape[1] for _, t, _ in batches([Request(tuple(range(17)), 1)], 1, 16)] == [16]
 
 
+def test_generate_until_stops_when_every_row_has_hit_a_stop_string(model_dir, monkeypatch):
+    """The stream ends at the step where the last row's text first holds a stop string
+    (not after max_gen_toks), and each text is what the whole generation cut there gives."""
+    from lm_eval.api.instance import Instance
+
+    from edl.eval import lm as lm_module
+
+    steps = []
+    real_stream = lm_module.generate_stream
+
+    def counted(*args, **kwargs):
+        for tokens in real_stream(*args, **kwargs):
+            steps.append(tokens)
+            yield tokens
+
+    monkeypatch.setattr(lm_module, "generate_stream", counted)
+    lm = EdlLM(pretrained=str(model_dir), batch_size=2)
+    contexts = ["The sky is", "Two plus"]
+
+    def ask(until: list[str]) -> list[str]:
+        kwargs = {"until": until, "max_gen_toks": 12, "do_sample": False}
+        requests = [Instance("generate_until", {}, (c, kwargs), i) for i, c in enumerate(contexts)]
+        steps.clear()
+        return lm.generate_until(requests, disable_tqdm=True)
+
+    whole = ask([])  # only EOS ends a row: the random model never emits it here
+    assert len(steps) == 12 and all(len(t) >= 6 for t in whole)
+    stops = [whole[0][2:4], whole[1][4:6]]  # text each row produces a few tokens in
+    cut = ask(stops)
+    assert len(steps) < 12
+    assert cut == [w.split(stops[0])[0].split(stops[1])[0] for w in whole]
+
+
 def test_unsupported_generation_settings_and_batch_sizes_are_refused_by_name(model_dir):
     lm = EdlLM(pretrained=str(model_dir))
     with pytest.raises(ValueError, match=r"\['num_beams'\]"):

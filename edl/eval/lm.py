@@ -9,7 +9,8 @@ context / continuation split, the same BOS rules, truncation from the left to
 ``max_length``, ``loglikelihood_rolling``'s disjoint windows of ``max_length`` tokens), so on
 the same model and task the scores are ``hf``'s. Log-likelihoods come from one compiled
 teacher-forced forward per batch (``edl.eval.scoring``), ``generate_until`` from
-``edl.generate.generate`` (greedy unless the task samples), cut at the task's stop strings.
+``edl.generate.generate_stream`` (greedy unless the task samples), ended once every row of a
+batch has hit EOS or a stop string, each text cut at its first stop string.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from edl.eval.scoring import Request, score_requests
-from edl.generate import generate
+from edl.generate import GenerationConfig, generate_stream
 from edl.generate.steps import CausalLM
 
 __all__ = ["DEFAULT_MAX_LENGTH", "EdlLM"]
@@ -304,13 +305,45 @@ class EdlLM(TemplateLM):
             mask = np.zeros((len(prompts), width), np.int32)
             for row, p in enumerate(prompts):
                 ids[row, width - len(p) :], mask[row, width - len(p) :] = p, 1
-            self._key, key = jax.random.split(self._key)
-            result = generate(
-                self.model, ids, attention_mask=mask, max_new_tokens=max_new, key=key, **overrides
-            )
-            sequences, counts = jax.device_get((result.sequences, result.num_new))
-            for row, i in enumerate(rows):
-                new = sequences[row, width : width + int(counts[row])].tolist()
-                text = self.tokenizer.decode(new, skip_special_tokens=True)
-                texts[i] = postprocess_generated_text(text, until, None)
+            for i, text in zip(
+                rows,
+                self._generate_batch(ids, mask, len(rows), until, max_new, overrides),
+                strict=True,
+            ):
+                texts[i] = text
         return texts
+
+    def _generate_batch(
+        self,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        n_rows: int,
+        until: list[str],
+        max_new: int,
+        overrides: Mapping[str, Any],
+    ) -> list[str]:
+        """The texts of the first ``n_rows`` rows of a left-padded batch ``(rows, width)``,
+        each cut at its first stop string. Generation (``edl.generate.generate_stream``:
+        ``generate``'s tokens, step by step) ends as soon as every row has hit an EOS or a
+        stop string, not after ``max_new`` tokens: a task's answers are usually short."""
+        self._key, key = jax.random.split(self._key)
+        eos = set(GenerationConfig.of_model(self.model).replace(**overrides).eos_ids)
+        stops = [s for s in until if s]
+        new: list[list[int]] = [[] for _ in range(n_rows)]
+        done = [False] * n_rows
+        stream = generate_stream(
+            self.model, ids, attention_mask=mask, max_new_tokens=max_new, key=key, **overrides
+        )
+        for tokens in stream:
+            for row in range(n_rows):
+                if done[row]:
+                    continue
+                token = int(tokens[row])
+                new[row].append(token)
+                text = self.tokenizer.decode(new[row], skip_special_tokens=True)
+                done[row] = token in eos or any(s in text for s in stops)
+            if all(done):
+                stream.close()
+                break
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for t in new]
+        return [postprocess_generated_text(t, until, None) for t in texts]
