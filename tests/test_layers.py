@@ -4,7 +4,7 @@
     edl.compile_cache, edl.module, edl.platforms, edl.tree): any layer may use them
     kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
                                                                / images
-                                                            <- train / serve / cli
+                                                            <- train / serve / eval / cli
 
 The check reads source only (``ast``, nothing is imported): every ``import edl.x`` and
 ``from edl.x import y`` (relative ones resolved), at top level or inside a function, is an
@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ops", ("edl.ops",)),
     ("models", ("edl.nn", "edl.models", "edl.lora", "edl.quantize", "edl.state")),
     ("io", ("edl.io", "edl.generate", "edl.sharding", "edl.text", "edl.images")),
-    ("apps", ("edl.train", "edl.serve", "edl.cli")),
+    ("apps", ("edl.train", "edl.serve", "edl.eval", "edl.cli")),
 )
 
 

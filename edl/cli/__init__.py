@@ -1,5 +1,5 @@
 """The ``edl`` command: ``edl train``, ``edl generate``, ``edl export``, ``edl info``,
-``edl serve``.
+``edl serve``, ``edl eval``.
 
 ``edl train`` with no arguments trains a small Llama on the embedded corpus (the Python
 standard library's own sources, byte-level) for a few minutes on a CPU, then prints a
@@ -86,7 +86,8 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="edl", description="edl's command line: train, generate, export, info, serve."
+        prog="edl",
+        description="edl's command line: train, generate, export, info, serve, eval.",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = commands.add_parser(
@@ -121,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         "--dtype", choices=_DTYPES, default=None, help="cast floating weights (default: as stored)"
     )
     _add_serve(commands)
+    _add_eval(commands)
     info = commands.add_parser("info", help="summarise a saved model, checkpoint or run")
     info.add_argument("path", type=Path, help="a run directory, checkpoint or saved model")
     return parser
@@ -250,6 +252,78 @@ def _add_serve(commands: Any) -> None:
     _add_option_flags(serve, leaves(ServerOptions), lambda leaf: leaf.field.default)
 
 
+def _add_eval(commands: Any) -> None:
+    ev = commands.add_parser(
+        "eval",
+        help="score a model on lm-evaluation-harness tasks",
+        description="Run lm-evaluation-harness tasks on a model in this process (lm-eval's "
+        "model 'edl': batched, compiled log-likelihoods and generation), print lm-eval's "
+        "table and write the results as JSON. Needs the eval extra (pip install "
+        "'edl-jax[eval]'). Scores equal lm-eval's own hf backend on the same model.",
+    )
+    ev.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR_OR_REPO",
+        help="a run directory, checkpoint, saved model or hub repo id (with tokenizer files)",
+    )
+    ev.add_argument(
+        "--tasks", required=True, metavar="T1,T2", help="comma-separated lm-eval task names"
+    )
+    ev.add_argument(
+        "--include-path",
+        type=Path,
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a directory of task YAMLs besides lm-eval's own (repeatable)",
+    )
+    ev.add_argument(
+        "--limit", type=float, default=None, metavar="N", help="documents per task at most"
+    )
+    ev.add_argument(
+        "--num-fewshot", type=int, default=None, metavar="K", help="few-shot examples per prompt"
+    )
+    ev.add_argument(
+        "--batch-size", type=int, default=8, metavar="B", help="rows per batch (default: 8)"
+    )
+    ev.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        metavar="L",
+        help="tokens the model sees at most (default: the model's max_position_embeddings)",
+    )
+    ev.add_argument(
+        "--dtype", choices=_DTYPES, default=None, help="compute in this dtype (default: as stored)"
+    )
+    ev.add_argument(
+        "--output", type=Path, default=None, metavar="FILE", help="write the results JSON here"
+    )
+
+
+def _check_eval(args: argparse.Namespace) -> None:
+    """``edl eval``'s options, checked before jax or lm-eval is imported."""
+    args.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not args.tasks:
+        raise ConfigError("argument --tasks: no task names given")
+    if args.batch_size < 1:
+        raise ConfigError(f"argument --batch-size: must be >= 1, got {args.batch_size}")
+    if args.limit is not None:
+        if not args.limit > 0:
+            raise ConfigError(f"argument --limit: must be > 0, got {args.limit}")
+        args.limit = int(args.limit) if args.limit >= 1 else args.limit  # a count or a fraction
+    if args.max_length is not None and args.max_length < 2:
+        raise ConfigError(f"argument --max-length: must be >= 2, got {args.max_length}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"argument --num-fewshot: must be >= 0, got {args.num_fewshot}")
+    for path in args.include_path or ():
+        if not path.is_dir():
+            raise ConfigError(f"argument --include-path: {path} is not a directory")
+    if args.output is not None and not args.output.parent.is_dir():
+        raise ConfigError(f"argument --output: {args.output.parent} is not a directory")
+
+
 def _check_serve(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"argument --port: must be in [0, 65535], got {args.port}")
@@ -344,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
             _check_generate(parser, args)
         elif args.command == "serve":
             _check_serve(args)
+        elif args.command == "eval":
+            _check_eval(args)
     except ConfigError as e:
         parser.exit(2, f"edl {args.command}: error: {e}\n")
     try:  # the commands import jax: only after every option was checked
@@ -354,7 +430,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"edl {args.command}: error: {e}\n")
 
 
-_COMPILING = ("train", "generate", "serve", "export")
+_COMPILING = ("train", "generate", "serve", "export", "eval")
 """The commands that compile programs, and so use jax's persistent compilation cache."""
 
 
@@ -377,6 +453,10 @@ def _run(args: argparse.Namespace, config: TrainConfig | None) -> None:
         from edl.cli.serve import run_serve
 
         run_serve(args)
+    elif args.command == "eval":
+        from edl.cli.evaluate import run_eval
+
+        run_eval(args)
     else:
         from edl.cli.info import run_info
 
