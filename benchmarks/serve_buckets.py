@@ -72,7 +72,7 @@ def _calls(engine: Engine, args: list, n: int) -> float:
     """Seconds of ``n`` steps of ``args``' shape, one after another (the pools donated)."""
     start = time.perf_counter()
     for _ in range(n):
-        engine._k_pages, engine._v_pages, out = model_step(
+        engine._k_pages, engine._v_pages, out, _ = model_step(
             engine._model, engine._k_pages, engine._v_pages, *args
         )
         out.block_until_ready()

@@ -6,11 +6,16 @@ whose ``body()`` is OpenAI's error object ``{"error": {"message", "type", "param
 "code"}}``. The response builders return the JSON objects of OpenAI's completions and chat
 completions (plain, and the chunks of a stream). No web framework here.
 
+Log-probs: ``/v1/completions`` ``logprobs`` (0-20, OpenAI's legacy shape) and ``echo`` (the
+prompt and its log-probs lead the reply; ``max_tokens`` 0 allowed), several prompts in one
+call (lm-evaluation-harness's batches; not streamed); chat ``logprobs: true`` with
+``top_logprobs`` (0-20). All from the model's distribution before sampling processors.
+
 Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
 off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
 (``include_usage``). Fields OpenAI defines but this server does not implement are accepted
-only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
+only at their no-op value (``presence_penalty: 0``, ...); any other
 field is an error naming it.
 """
 
@@ -23,7 +28,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edl.serve.types import SamplingParams
+from edl.serve.types import MAX_LOGPROBS, SamplingParams
 from edl.text.chat import template_role
 from edl.text.tokenizer import checked_text
 
@@ -85,6 +90,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top log-probs per token (0: the token's own); None: off
+    echo: bool = False  # completions: the prompt (and its log-probs) leads the reply
 
     def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
         return SamplingParams(
@@ -94,6 +101,9 @@ class GenerationRequest:
             top_k=self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(stop_token_ids),
+            logprobs=self.logprobs,
+            # echo: the prompt's own log-probs (max_tokens 0 needs them in the engine).
+            prompt_logprobs=(self.logprobs or 0) if self.echo else None,
         )
 
 
@@ -126,8 +136,8 @@ _NO_OP = {
     "response_format": (None, {"type": "text"}),
 }
 _FIELDS = {
-    "completion": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages", "max_completion_tokens"},
+    "completion": _COMMON | {"prompt", "logprobs", "echo"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 
 
@@ -173,7 +183,7 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
-        if name in _NO_OP and value not in _NO_OP[name]:
+        if name in _NO_OP and name not in _FIELDS[kind] and value not in _NO_OP[name]:
             raise bad(f"'{name}' is not supported by this server (got {value!r})", name)
         if name not in _FIELDS[kind] and name not in _NO_OP:
             raise bad(f"unknown field '{name}' (supported: {sorted(_FIELDS[kind])})", name)
@@ -184,8 +194,13 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     max_tokens = _integer(body, "max_tokens")
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _integer(body, "max_completion_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    least = 0 if kind == "completion" and body.get("echo") is True else 1  # echo: prompt only
+    if max_tokens is not None and max_tokens < least:
+        raise bad(
+            f"'max_tokens' must be at least {least}{' (0 with echo)' if least else ''}, "
+            f"got {max_tokens}",
+            "max_tokens",
+        )
     top_k = _integer(body, "top_k")
     if top_k is not None and top_k < 1 and top_k != -1:
         raise bad(f"'top_k' must be >= 1 (or -1: off), got {top_k}", "top_k")
@@ -208,7 +223,33 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         stop=_stop(body.get("stop")),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
+        **_logprob_fields(body, kind, bool(stream)),
     )
+
+
+def _logprob_fields(body: Mapping[str, Any], kind: str, stream: bool) -> dict[str, Any]:
+    """``logprobs`` / ``echo`` (completions: ``logprobs`` an integer 0-20) or ``logprobs`` /
+    ``top_logprobs`` (chat: a boolean and an integer 0-20 that needs it), checked."""
+    if kind == "completion":
+        k = _integer(body, "logprobs")
+        echo = body.get("echo")
+        if echo not in (None, True, False):
+            raise bad(f"'echo' must be a boolean, got {echo!r}", "echo")
+        if echo and stream:
+            raise bad("'echo' is not supported with 'stream': true", "echo")
+        name = "logprobs"
+    else:
+        on, echo = body.get("logprobs"), False
+        if on not in (None, True, False):
+            raise bad(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
+        k = _integer(body, "top_logprobs")
+        if k is not None and not on:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        k = (k or 0) if on else None
+        name = "top_logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return dict(logprobs=k, echo=bool(echo))
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -231,6 +272,19 @@ def parse_completion(body: Any) -> GenerationRequest:
             "prompt",
         )
     return GenerationRequest(prompt=_text(prompt, "prompt"), messages=None, **fields)
+
+
+def parse_completions(body: Any) -> list[GenerationRequest]:
+    """A ``/v1/completions`` body whose ``prompt`` may also be a list of several prompts
+    (strings, or lists of token ids: lm-evaluation-harness sends its batches so): one
+    request per prompt, answered as the choices of one reply (not streamed)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    several = isinstance(prompt, list) and len(prompt) > 1
+    if not several or not all(isinstance(p, str | list) for p in prompt):
+        return [parse_completion(body)]
+    if body.get("stream"):
+        raise bad("several prompts in one request cannot be streamed", "stream")
+    return [parse_completion({**body, "prompt": [p]}) for p in prompt]
 
 
 def _text(text: str, param: str) -> str:
@@ -317,6 +371,46 @@ def _envelope(id: str, object: str, model: str, choices: list, **extra: Any) -> 
     }
 
 
+# A token's log-prob, top alternatives and text, as the server hands them to the builders:
+# ``(text, logprob or None (an echoed prompt's first token), [(text, logprob), ...])``.
+TokenLogprob = tuple[str, float | None, list[tuple[str, float]]]
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object of ``/v1/completions``: ``tokens``,
+    ``token_logprobs``, ``top_logprobs`` (per token a dict text -> log-prob of the top ones
+    and the token itself, as vLLM; None where the log-prob is None) and ``text_offset`` (each
+    token's start in the choice's text, counted from ``offset``)."""
+    out: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for text, logprob, top in entries:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(None if logprob is None else {**dict(top), text: logprob})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _token(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}, ...]}, ...]}``."""
+    return {
+        "content": [
+            {**_token(text, logprob or 0.0), "top_logprobs": [_token(t, p) for t, p in top]}
+            for text, logprob, top in entries
+        ]
+    }
+
+
 def completion_response(
     id: str,
     model: str,
@@ -324,9 +418,10 @@ def completion_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``/v1/completions`` reply (``object: text_completion``) with its usage."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(
         id, "text_completion", model, [choice], usage=usage(prompt_tokens, completion_tokens)
     )
@@ -339,12 +434,13 @@ def chat_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     return _envelope(
@@ -358,12 +454,13 @@ def completion_chunk(
     text: str | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A stream chunk; ``text=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "text_completion", model, choices, **extra)
@@ -375,12 +472,13 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A stream chunk; ``delta=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "chat.completion.chunk", model, choices, **extra)

@@ -57,7 +57,7 @@ from edl.serve import protocol
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
-from edl.serve.types import Engine, QueueFull
+from edl.serve.types import Engine, Logprob, QueueFull
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
@@ -162,7 +162,10 @@ class _Server:
     # --- generation ------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, protocol.parse_completion(await _json(request)))
+        reqs = protocol.parse_completions(await _json(request))
+        if len(reqs) == 1:
+            return await self._generate(request, reqs[0])
+        return await self._generate_many(request, reqs)
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, protocol.parse_chat(await _json(request)))
@@ -193,6 +196,8 @@ class _Server:
 
     def _max_tokens(self, req: GenerationRequest, prompt_tokens: int) -> int:
         room = self.max_model_len - prompt_tokens
+        if req.max_tokens == 0 and room >= 0:  # echo: the prompt's log-probs only
+            return 0
         if room < 1:
             raise protocol.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens, and "
@@ -213,6 +218,39 @@ class _Server:
         return req.max_tokens
 
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        reply = await self._start(req)
+        if req.stream:
+            return _EventStream(
+                reply.sse(),
+                reply.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await reply.plain(request)
+
+    async def _generate_many(self, request: Request, reqs: list[GenerationRequest]) -> Response:
+        """Several prompts of one ``/v1/completions`` call: one engine request each, run
+        together, answered as one reply's choices (``index`` in prompt order)."""
+        replies: list[_Reply] = []
+        try:
+            for req in reqs:
+                replies.append(await self._start(req))
+            bodies = await _unless_disconnected(
+                request, asyncio.gather(*(r.body() for r in replies))
+            )
+        finally:
+            for reply in replies:
+                reply.close()
+        if bodies is None:
+            return Response(status_code=499)
+        choices = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        counts = [
+            sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens")
+        ]
+        return JSONResponse({**bodies[0], "choices": choices, "usage": protocol.usage(*counts)})
+
+    async def _start(self, req: GenerationRequest) -> _Reply:
+        """Checks ``req`` against the served model and adds it to the engine."""
         if req.model != self.model_name:  # 404, as OpenAI's model_not_found
             raise APIError(
                 404,
@@ -239,16 +277,40 @@ class _Server:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        reply = _Reply(self, req, stream, len(ids))
-        self.open_replies += 1  # _Reply's plain / sse take it off when they end
-        if req.stream:
-            return _EventStream(
-                reply.sse(),
-                reply.close,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return await reply.plain(request)
+        reply = _Reply(self, req, stream, ids)
+        self.open_replies += 1  # _Reply's close takes it off
+        return reply
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as log-prob entries name it (decoded alone)."""
+        return self.tokenizer.decode([token_id])
+
+    def logprob_entry(self, entry: Logprob | None, token_id: int) -> protocol.TokenLogprob:
+        """An engine ``Logprob`` (None: an echoed prompt's first token) as the protocol's
+        ``(text, logprob, top)``; log-probs below -9999 are sent as -9999 (JSON has no
+        -Infinity), as vLLM does."""
+        if entry is None:
+            return self.token_text(token_id), None, []
+        top = [(self.token_text(i), max(p, -9999.0)) for i, p in entry.top]
+        return self.token_text(entry.token_id), max(entry.logprob, -9999.0), top
+
+
+async def _unless_disconnected(request: Request, work: Any) -> Any:
+    """``await work``, or None (``work`` cancelled) if the client disconnects first."""
+    working = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({working, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not working.done():
+            return None
+        try:
+            return working.result()
+        except EngineStopped as e:
+            raise APIError(500, str(e), type="server_error") from e
+    finally:
+        for task in (working, watcher):
+            task.cancel()
+        await asyncio.gather(working, watcher, return_exceptions=True)
 
 
 async def _json(request: Request) -> Any:
@@ -263,20 +325,25 @@ class _Reply:
     it aborts the request unless the engine finished it."""
 
     def __init__(
-        self, server: _Server, req: GenerationRequest, stream: RequestStream, prompt_tokens: int
+        self, server: _Server, req: GenerationRequest, stream: RequestStream, prompt: list[int]
     ) -> None:
         self.server, self.req, self.stream = server, req, stream
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
+        self.prompt, self.prompt_tokens, self.completion_tokens = prompt, len(prompt), 0
+        # Log-prob entries (protocol.TokenLogprob) not yet sent, and all of the prompt's.
+        self.logprobs: list[protocol.TokenLogprob] = []
+        self.prompt_logprobs: list[protocol.TokenLogprob] = []
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(
             server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
         )
         self.done = self.closed = False
+        self.sent_chars = 0  # text streamed so far (the legacy log-probs' text_offset)
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """``(text, finish_reason)``; the last has a finish reason."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
+            self._take_logprobs(out)
             piece = self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
@@ -296,6 +363,25 @@ class _Reply:
             if piece:
                 yield piece, None
 
+    def _take_logprobs(self, out: Any) -> None:
+        """Keep an engine output's log-prob entries, as text, until they are sent."""
+        entry = self.server.logprob_entry
+        if out.prompt_logprobs is not None:
+            pairs = zip(out.prompt_logprobs, self.prompt, strict=True)
+            self.prompt_logprobs = [entry(e, t) for e, t in pairs]
+        if out.logprobs is not None:
+            self.logprobs += [entry(e, e.token_id) for e in out.logprobs]
+
+    def _sent_logprobs(self, offset: int) -> dict[str, Any] | None:
+        """The entries kept so far in the request's shape (legacy completions' from text
+        ``offset``, or chat's), and forget them; None when the request asked for none."""
+        if self.req.logprobs is None:
+            return None
+        entries, self.logprobs = self.logprobs, []
+        if self.req.kind == "chat":
+            return protocol.chat_logprobs(entries)
+        return protocol.completion_logprobs(entries, offset)
+
     def close(self) -> None:
         """The reply's end (once; from ``finally`` blocks): the request leaves the engine
         if it has not finished."""
@@ -306,50 +392,46 @@ class _Reply:
         if not self.done:
             self.server.driver.abort(self.stream.request_id)
 
+    async def body(self) -> dict[str, Any]:
+        """The whole reply's JSON body, once the engine has finished it. With ``echo`` the
+        prompt's text leads the text and its entries lead the log-probs."""
+        texts, finish = [], None
+        async for piece, reason in self.pieces():
+            texts.append(piece)
+            finish = reason
+        text = "".join(texts)
+        if self.req.echo:
+            text = self.server.tokenizer.decode(self.prompt) + text
+            self.logprobs = self.prompt_logprobs + self.logprobs
+        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
+        return build(
+            self.id,
+            self.server.model_name,
+            text,
+            finish,
+            self.prompt_tokens,
+            self.completion_tokens,
+            self._sent_logprobs(0),
+        )
+
     async def plain(self, request: Request) -> Response:
         """Collect the reply, aborting it if the client disconnects meanwhile."""
-
-        async def collect() -> tuple[str, str | None]:
-            texts, reason = [], None
-            async for piece, finish in self.pieces():
-                texts.append(piece)
-                reason = finish
-            return "".join(texts), reason
-
-        collecting = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_disconnected(request.receive))
         try:
-            await asyncio.wait({collecting, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not collecting.done():  # the client is gone: nobody reads the answer
-                return Response(status_code=499)
-            try:
-                text, finish = collecting.result()
-            except EngineStopped as e:
-                raise APIError(500, str(e), type="server_error") from e
+            body = await _unless_disconnected(request, self.body())
         finally:
-            for task in (collecting, watcher):
-                task.cancel()
-            await asyncio.gather(collecting, watcher, return_exceptions=True)
             self.close()
-        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
-        return JSONResponse(
-            build(
-                self.id,
-                self.server.model_name,
-                text,
-                finish,
-                self.prompt_tokens,
-                self.completion_tokens,
-            )
-        )
+        # None: the client is gone, nobody reads the answer.
+        return Response(status_code=499) if body is None else JSONResponse(body)
 
     def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
         model, chat = self.server.model_name, self.req.kind == "chat"
+        logprobs = None if piece is None else self._sent_logprobs(self.sent_chars)
+        self.sent_chars += len(piece or "")
         if chat:
             delta = None if piece is None else ({"content": piece} if piece else {})
-            body = protocol.chat_chunk(self.id, model, delta, finish, usage)
+            body = protocol.chat_chunk(self.id, model, delta, finish, usage, logprobs)
         else:
-            body = protocol.completion_chunk(self.id, model, piece, finish, usage)
+            body = protocol.completion_chunk(self.id, model, piece, finish, usage, logprobs)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self) -> AsyncIterator[str]:
