@@ -79,6 +79,7 @@ def test_token_logprobs_is_torch_log_softmax():
         token_logprobs(jnp.asarray(logits), jnp.asarray(tokens), 21)
 
 
+@pytest.mark.slow  # three decode programs compiled (~20 s on the 2-core VM)
 def test_generate_logprobs_equal_transformers_before_processors(models):
     hf, model = models
     ids = np.array([[0, 0, 5, 9, 12, 3], [7, 8, 9, 10, 11, 12]])
@@ -91,7 +92,9 @@ def test_generate_logprobs_equal_transformers_before_processors(models):
             np.testing.assert_array_equal(out.sequences, plain.sequences)
         assert out.logprobs.shape == (2, 5) and out.top_ids.shape == (2, 5, 4)
         for row in range(2):
-            seq = [int(t) for t, m in zip(out.sequences[row], [*mask[row], *[1] * 5]) if m]
+            seq = [
+                int(t) for t, m in zip(out.sequences[row], [*mask[row], *[1] * 5], strict=True) if m
+            ]
             ref = hf_logprobs(hf, seq)
             start = int(mask[row].sum())
             for j in range(5):  # the raw distribution, not the tempered / top-k one
@@ -122,6 +125,7 @@ def _run(engine, requests):
     return [got[i] for i in ids]
 
 
+@pytest.mark.slow  # warms up both variants of four step shapes (~40 s on the 2-core VM)
 def test_engine_logprobs_and_prompt_logprobs_equal_transformers(models):
     hf, model = models
     rng = np.random.default_rng(0)
@@ -132,7 +136,7 @@ def test_engine_logprobs_and_prompt_logprobs_equal_transformers(models):
     compiled = model_step._cache_size()
     asks = SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, prompt_logprobs=2)
     sampled = SamplingParams(max_tokens=4, temperature=0.7, top_k=5, seed=3, logprobs=0)
-    (ta, la, pa), (tb, lb, pb), (tc, lc, pc), (td, _, pd) = _run(
+    (ta, la, pa), (_, lb, pb), (tc, lc, pc), (td, _, pd) = _run(
         engine,
         [
             (a, asks),
@@ -151,7 +155,7 @@ def test_engine_logprobs_and_prompt_logprobs_equal_transformers(models):
             np.testing.assert_allclose(e.logprob, at[tokens[j]], atol=TOL)
             assert len(e.top) == k
             if k:
-                _check_top(*map(np.array, zip(*e.top)), at, k)
+                _check_top(*map(np.array, zip(*e.top, strict=True)), at, k)
     ref = hf_logprobs(hf, a)
     for got, k in ((pa, 2), (pd, 0)):
         assert len(got) == len(a) and got[0] is None
@@ -159,7 +163,7 @@ def test_engine_logprobs_and_prompt_logprobs_equal_transformers(models):
             assert got[t].token_id == a[t] and len(got[t].top) == k
             np.testing.assert_allclose(got[t].logprob, ref[t - 1, a[t]], atol=TOL)
             if k:
-                _check_top(*map(np.array, zip(*got[t].top)), ref[t - 1], k)
+                _check_top(*map(np.array, zip(*got[t].top, strict=True)), ref[t - 1], k)
     assert engine.num_free_pages == engine.num_total_pages
     with pytest.raises(ValueError, match=r"max_tokens must be an integer >= 1 \(0 only with"):
         SamplingParams(max_tokens=0)
@@ -228,7 +232,9 @@ def test_lm_eval_loglikelihood_request_to_edl_serve_equals_transformers():
                 greedy = all(
                     t == max(top.values())
                     for t, top in zip(
-                        lp["token_logprobs"][ctxlen:end], lp["top_logprobs"][ctxlen:end]
+                        lp["token_logprobs"][ctxlen:end],
+                        lp["top_logprobs"][ctxlen:end],
+                        strict=True,
                     )
                 )
                 assert greedy == all(ref[t - 1].argmax() == ids[t] for t in range(ctxlen, len(ids)))

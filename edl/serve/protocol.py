@@ -233,14 +233,14 @@ def _logprob_fields(body: Mapping[str, Any], kind: str, stream: bool) -> dict[st
     if kind == "completion":
         k = _integer(body, "logprobs")
         echo = body.get("echo")
-        if echo not in (None, True, False):
+        if not (echo is None or isinstance(echo, bool)):
             raise bad(f"'echo' must be a boolean, got {echo!r}", "echo")
         if echo and stream:
             raise bad("'echo' is not supported with 'stream': true", "echo")
         name = "logprobs"
     else:
         on, echo = body.get("logprobs"), False
-        if on not in (None, True, False):
+        if not (on is None or isinstance(on, bool)):
             raise bad(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
         k = _integer(body, "top_logprobs")
         if k is not None and not on:
