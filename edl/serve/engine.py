@@ -56,6 +56,13 @@ needed (least recently released first), so a system prompt is computed once.
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
+Log-probs (``SamplingParams.logprobs`` / ``prompt_logprobs``, ``edl.serve.logprobs``): a
+call computes them only when one of its requests asks, through ``model_step``'s log-prob
+variant of its shape (``step_programs()``: each shape twice; ``warmup`` compiles both); a
+prefill chunk then also returns every position's log-probs of the next prompt token.
+Prompt log-probs need every prompt position computed, so such requests share no cached
+prefix pages.
+
 Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
 temperature, top-k and top-p in HF's order, each token drawn with the key
 ``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
@@ -67,7 +74,7 @@ token that ends a request (``finish_reason="stop"``); stop *strings* are the ser
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
 chats reuse only their prompt's blocks); logits processors beyond temperature / top-k /
-top-p, log-probs; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
+top-p; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
 Pallas paged *decode* kernel with ``width`` queries per row, untested there.
 """
 

@@ -28,9 +28,12 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
-penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done: an API key, metrics
+wiring). Log-probs (:mod:`edl.serve.protocol`): completions' ``logprobs`` / ``echo``
+(lm-evaluation-harness's loglikelihood requests, several prompts per call answered as
+choices, not streamed) and chat's ``logprobs`` / ``top_logprobs``; token texts are each
+token decoded alone. Not implemented, rejected with a 400 naming the field: ``n`` > 1,
+penalties, ``logit_bias``, tools, ``response_format``, ``echo`` streamed, ``best_of``,
+``suffix``. Also not done: an API key, metrics
 (Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
 once), tokenization off the event loop (chat templates of long conversations take
 milliseconds there).
