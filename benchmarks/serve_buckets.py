@@ -35,7 +35,8 @@ import numpy as np
 
 from benchmarks._common import byte_llama_config
 from edl.models import LlamaForCausalLM
-from edl.serve.engine import Engine, _bucket, _buckets
+from edl.serve import shapes
+from edl.serve.engine import Engine
 from edl.serve.step import SlotSampling, model_step
 
 _PAGE = 16
@@ -97,8 +98,8 @@ def _time_shapes(engine: Engine, shapes: list[tuple], repeats: int, rounds: int)
 
 def _bucket_sets(max_batch: int) -> dict[str, tuple[int, ...]]:
     return {
-        "powers of 2 (today)": _buckets(max_batch, 1, 2),
-        "powers of 4": _buckets(max_batch, 1, 4),
+        "powers of 2 (today)": shapes.buckets(max_batch, 1, 2),
+        "powers of 4": shapes.buckets(max_batch, 1, 4),
         "1, 8, max": tuple(sorted({1, min(8, max_batch), max_batch})),
         "max only": (max_batch,),
     }
@@ -139,7 +140,9 @@ def main() -> None:
         )
     sets = {}
     for name, buckets in _bucket_sets(args.max_batch).items():
-        padded = [decode[_bucket(buckets, n)]["step_ms"] for n in range(1, args.max_batch + 1)]
+        padded = [
+            decode[shapes.bucket(buckets, n)]["step_ms"] for n in range(1, args.max_batch + 1)
+        ]
         exact = [decode[n]["step_ms"] for n in range(1, args.max_batch + 1)]
         sets[name] = {
             "buckets": buckets,

@@ -94,6 +94,7 @@ from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
 from edl.serve.pages import PagePool, block_hashes
+from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
 from edl.serve.step import SlotSampling, model_step
 from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams, is_int
 
@@ -122,20 +123,6 @@ class _Request:
         return self.computed < len(self.prompt)
 
 
-def _buckets(top: int, smallest: int, factor: int) -> tuple[int, ...]:
-    """``smallest * factor ** i`` below ``top``, then ``top``."""
-    sizes, size = [], smallest
-    while size < top:
-        sizes.append(size)
-        size *= factor
-    return (*sizes, top)
-
-
-def _bucket(buckets: tuple[int, ...], size: int) -> int:
-    """The smallest bucket holding ``size``."""
-    return next(b for b in buckets if b >= size)
-
-
 def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> None:
     """The step's table row (``pages`` of the request's pages) holds its ``new`` tokens: the
     host's check, which the compiled step does not repeat (``edl.serve.step``)."""
@@ -145,46 +132,6 @@ def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> Non
             f"Engine: request {request.id} needs {needed} pages for {request.computed} + "
             f"{new} tokens, its table row holds {min(len(request.pages), pages)} "
             f"({len(request.pages)} allocated, {pages} in the step's table)"
-        )
-
-
-def shape_name(shape: tuple[int, ...]) -> str:
-    """A step shape ``(rows, width, pages)`` or program ``(rows, width, pages, logprobs)``
-    as the progress lines name it: ``decode 8x1, 4 pages`` or ``prefill 2x64, 16 pages,
-    log-probs``."""
-    rows, width, pages = shape[:3]
-    tail = ", log-probs" if shape[3:] and shape[3] else ""
-    return f"{'decode' if width == 1 else 'prefill'} {rows}x{width}, {pages} pages{tail}"
-
-
-def warmup_progress(
-    shape: tuple[int, ...],
-    done: int,
-    total: int,
-    seconds: float,
-    elapsed: float,
-    cached: bool = False,
-) -> str:
-    """One line of ``Engine.warmup``'s progress: the shape just compiled (the ``done``-th
-    of ``total``; ``cached``: loaded from jax's persistent cache) and its ``seconds``, the
-    ``elapsed`` seconds so far and the time left at the mean pace so far."""
-    left = elapsed / done * (total - done)
-    return (
-        f"{'loaded' if cached else 'compiled'} {shape_name(shape)} ({done}/{total}): "
-        f"{seconds:.1f} s; {elapsed:.0f} s so far, about {left:.0f} s left"
-    )
-
-
-def _check_sizes(**sizes: object) -> None:
-    """``Engine``'s sizes are integers >= 1, and a prefill call holds at least one chunk;
-    ``ValueError`` naming the offending ones."""
-    bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
-    if bad:
-        raise ValueError(f"Engine: these must be integers >= 1: {bad}")
-    if sizes["prefill_tokens"] < sizes["prefill_chunk"]:
-        raise ValueError(
-            f"Engine: prefill_tokens ({sizes['prefill_tokens']}) must be at least "
-            f"prefill_chunk ({sizes['prefill_chunk']})"
         )
 
 
@@ -227,7 +174,7 @@ class Engine:
                 f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
             )
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
-        _check_sizes(
+        check_sizes(
             max_batch=max_batch,
             max_model_len=max_model_len,
             page_size=page_size,
@@ -247,10 +194,10 @@ class Engine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.prefill_tokens = prefill_tokens
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
-        self.row_buckets = _buckets(max_batch, 1, 2)
-        self.width_buckets = _buckets(prefill_chunk, min(16, prefill_chunk), 4)
+        self.row_buckets = buckets(max_batch, 1, 2)
+        self.width_buckets = buckets(prefill_chunk, min(16, prefill_chunk), 4)
         # From 4 pages: reading a few unused pages costs less than compiling more shapes.
-        self.page_buckets = _buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
+        self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
         cache = init_paged_cache(
@@ -454,7 +401,7 @@ class Engine:
             min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
             for r in requests
         )
-        return _bucket(self.page_buckets, self._pages_for(longest))
+        return bucket(self.page_buckets, self._pages_for(longest))
 
     def _prefill_batch(self) -> tuple[list[_Request], int, int]:
         """The oldest prefilling requests whose padded chunks fit ``prefill_tokens``, and the
@@ -464,8 +411,8 @@ class Engine:
             if not r.prefilling:
                 continue
             chunk = min(len(r.prompt) - r.computed, self.prefill_chunk)
-            w = _bucket(self.width_buckets, max(width, chunk))
-            n = _bucket(self.row_buckets, len(chosen) + 1)
+            w = bucket(self.width_buckets, max(width, chunk))
+            n = bucket(self.row_buckets, len(chosen) + 1)
             if n * w > self.prefill_tokens:
                 break
             chosen.append(r)
@@ -479,7 +426,7 @@ class Engine:
         self._admit()
         decoding = [r for r in self._running if not r.prefilling]
         if decoding:
-            rows, pages = _bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
+            rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
             next_tokens, arrays = self._call(decoding, rows, 1, pages)
             outputs += [
                 self._emit(r, int(t), arrays, i)

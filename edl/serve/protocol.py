@@ -371,46 +371,6 @@ def _envelope(id: str, object: str, model: str, choices: list, **extra: Any) -> 
     }
 
 
-# A token's log-prob, top alternatives and text, as the server hands them to the builders:
-# ``(text, logprob or None (an echoed prompt's first token), [(text, logprob), ...])``.
-TokenLogprob = tuple[str, float | None, list[tuple[str, float]]]
-
-
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """OpenAI's legacy ``logprobs`` object of ``/v1/completions``: ``tokens``,
-    ``token_logprobs``, ``top_logprobs`` (per token a dict text -> log-prob of the top ones
-    and the token itself, as vLLM; None where the log-prob is None) and ``text_offset`` (each
-    token's start in the choice's text, counted from ``offset``)."""
-    out: dict[str, list] = {
-        "tokens": [],
-        "token_logprobs": [],
-        "top_logprobs": [],
-        "text_offset": [],
-    }
-    for text, logprob, top in entries:
-        out["tokens"].append(text)
-        out["token_logprobs"].append(logprob)
-        out["top_logprobs"].append(None if logprob is None else {**dict(top), text: logprob})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
-
-
-def _token(text: str, logprob: float) -> dict[str, Any]:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
-
-
-def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-    """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes,
-    top_logprobs: [{token, logprob, bytes}, ...]}, ...]}``."""
-    return {
-        "content": [
-            {**_token(text, logprob or 0.0), "top_logprobs": [_token(t, p) for t, p in top]}
-            for text, logprob, top in entries
-        ]
-    }
-
-
 def completion_response(
     id: str,
     model: str,

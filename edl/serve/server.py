@@ -28,7 +28,7 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Log-probs (:mod:`edl.serve.protocol`): completions' ``logprobs`` / ``echo``
+wiring). Log-probs (:mod:`edl.serve.logprob_replies`): completions' ``logprobs`` / ``echo``
 (lm-evaluation-harness's loglikelihood requests, several prompts per call answered as
 choices, not streamed) and chat's ``logprobs`` / ``top_logprobs``; token texts are each
 token decoded alone. Not implemented, rejected with a 400 naming the field: ``n`` > 1,
@@ -59,8 +59,9 @@ from starlette.routing import Route
 from edl.serve import protocol
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.logprob_replies import ReplyLogprobs
 from edl.serve.protocol import APIError, GenerationRequest
-from edl.serve.types import Engine, Logprob, QueueFull
+from edl.serve.types import Engine, QueueFull
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
@@ -284,19 +285,6 @@ class _Server:
         self.open_replies += 1  # _Reply's close takes it off
         return reply
 
-    def token_text(self, token_id: int) -> str:
-        """One token's text as log-prob entries name it (decoded alone)."""
-        return self.tokenizer.decode([token_id])
-
-    def logprob_entry(self, entry: Logprob | None, token_id: int) -> protocol.TokenLogprob:
-        """An engine ``Logprob`` (None: an echoed prompt's first token) as the protocol's
-        ``(text, logprob, top)``; log-probs below -9999 are sent as -9999 (JSON has no
-        -Infinity), as vLLM does."""
-        if entry is None:
-            return self.token_text(token_id), None, []
-        top = [(self.token_text(i), max(p, -9999.0)) for i, p in entry.top]
-        return self.token_text(entry.token_id), max(entry.logprob, -9999.0), top
-
 
 async def _unless_disconnected(request: Request, work: Any) -> Any:
     """``await work``, or None (``work`` cancelled) if the client disconnects first."""
@@ -332,9 +320,8 @@ class _Reply:
     ) -> None:
         self.server, self.req, self.stream = server, req, stream
         self.prompt, self.prompt_tokens, self.completion_tokens = prompt, len(prompt), 0
-        # Log-prob entries (protocol.TokenLogprob) not yet sent, and all of the prompt's.
-        self.logprobs: list[protocol.TokenLogprob] = []
-        self.prompt_logprobs: list[protocol.TokenLogprob] = []
+        wanted = req.logprobs is not None
+        self.logprobs = ReplyLogprobs(server.tokenizer, req.kind, prompt) if wanted else None
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(
             server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
@@ -346,7 +333,8 @@ class _Reply:
         """``(text, finish_reason)``; the last has a finish reason."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
-            self._take_logprobs(out)
+            if self.logprobs is not None:
+                self.logprobs.take(out)
             piece = self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
@@ -365,25 +353,6 @@ class _Reply:
                 return
             if piece:
                 yield piece, None
-
-    def _take_logprobs(self, out: Any) -> None:
-        """Keep an engine output's log-prob entries, as text, until they are sent."""
-        entry = self.server.logprob_entry
-        if out.prompt_logprobs is not None:
-            pairs = zip(out.prompt_logprobs, self.prompt, strict=True)
-            self.prompt_logprobs = [entry(e, t) for e, t in pairs]
-        if out.logprobs is not None:
-            self.logprobs += [entry(e, e.token_id) for e in out.logprobs]
-
-    def _sent_logprobs(self, offset: int) -> dict[str, Any] | None:
-        """The entries kept so far in the request's shape (legacy completions' from text
-        ``offset``, or chat's), and forget them; None when the request asked for none."""
-        if self.req.logprobs is None:
-            return None
-        entries, self.logprobs = self.logprobs, []
-        if self.req.kind == "chat":
-            return protocol.chat_logprobs(entries)
-        return protocol.completion_logprobs(entries, offset)
 
     def close(self) -> None:
         """The reply's end (once; from ``finally`` blocks): the request leaves the engine
@@ -405,7 +374,8 @@ class _Reply:
         text = "".join(texts)
         if self.req.echo:
             text = self.server.tokenizer.decode(self.prompt) + text
-            self.logprobs = self.prompt_logprobs + self.logprobs
+            if self.logprobs is not None:
+                self.logprobs.echo()
         build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
         return build(
             self.id,
@@ -414,7 +384,7 @@ class _Reply:
             finish,
             self.prompt_tokens,
             self.completion_tokens,
-            self._sent_logprobs(0),
+            None if self.logprobs is None else self.logprobs.sent(0),
         )
 
     async def plain(self, request: Request) -> Response:
@@ -428,7 +398,8 @@ class _Reply:
 
     def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
         model, chat = self.server.model_name, self.req.kind == "chat"
-        logprobs = None if piece is None else self._sent_logprobs(self.sent_chars)
+        sending = piece is not None and self.logprobs is not None
+        logprobs = self.logprobs.sent(self.sent_chars) if sending else None
         self.sent_chars += len(piece or "")
         if chat:
             delta = None if piece is None else ({"content": piece} if piece else {})
