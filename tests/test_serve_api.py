@@ -197,7 +197,7 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
-    ({"model": MODEL, "prompt": "hi", "echo": True, "stream": True}, 400, "echo"),
+    ({"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo"),
     ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400, "stream"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
@@ -743,6 +743,20 @@ def test_logprobs_in_openai_shapes(shared):
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert lp.token_logprobs[1:] == [fake_logprob(t, 1).logprob for t in ids[1:]]
     assert out.usage.prompt_tokens == 9 and out.usage.completion_tokens == 0
+    # Streamed with echo: the prompt and its entries lead; offsets run over the whole text.
+    chunks = list(
+        api.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, logprobs=0, echo=True, stream=True
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    lps = [p for c in chunks if c.choices[0].logprobs for p in c.choices[0].logprobs.token_logprobs]
+    assert text == "Hi" + want[:4] and "".join(tokens) == text
+    assert offsets == list(range(6)) and lps[0] is None and None not in lps[1:]
 
     messages = [{"role": "user", "content": "Hi"}]
     tokens = ByteTokenizer().encode(reply_of(chat_prompt(messages)))[:6]

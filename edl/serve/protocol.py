@@ -7,8 +7,8 @@ whose ``body()`` is OpenAI's error object ``{"error": {"message", "type", "param
 completions (plain, and the chunks of a stream). No web framework here.
 
 Log-probs: ``/v1/completions`` ``logprobs`` (0-20, OpenAI's legacy shape) and ``echo`` (the
-prompt and its log-probs lead the reply; ``max_tokens`` 0 allowed), several prompts in one
-call (lm-evaluation-harness's batches; not streamed); chat ``logprobs: true`` with
+prompt and its log-probs lead the reply, streamed or not; ``max_tokens`` 0 allowed), several
+prompts in one call (lm-evaluation-harness's batches; not streamed); chat ``logprobs: true`` with
 ``top_logprobs`` (0-20). All from the model's distribution before sampling processors.
 
 Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
@@ -235,8 +235,6 @@ def _logprob_fields(body: Mapping[str, Any], kind: str, stream: bool) -> dict[st
         echo = body.get("echo")
         if not (echo is None or isinstance(echo, bool)):
             raise bad(f"'echo' must be a boolean, got {echo!r}", "echo")
-        if echo and stream:
-            raise bad("'echo' is not supported with 'stream': true", "echo")
         name = "logprobs"
     else:
         on, echo = body.get("logprobs"), False

@@ -29,10 +29,11 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
 wiring). Log-probs (:mod:`edl.serve.logprob_replies`): completions' ``logprobs`` / ``echo``
-(lm-evaluation-harness's loglikelihood requests, several prompts per call answered as
-choices, not streamed) and chat's ``logprobs`` / ``top_logprobs``; token texts are each
-token decoded alone. Not implemented, rejected with a 400 naming the field: ``n`` > 1,
-penalties, ``logit_bias``, tools, ``response_format``, ``echo`` streamed, ``best_of``,
+(lm-evaluation-harness's loglikelihood requests; several prompts per call are answered as
+choices, not streamed; one prompt streams, echo too) and chat's ``logprobs`` /
+``top_logprobs``; token texts are each token decoded alone. Not implemented, rejected with a
+400 naming the field: ``n`` > 1, penalties, ``logit_bias``, tools, ``response_format``,
+``best_of``,
 ``suffix``. Also not done: an API key, metrics
 (Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
 once), tokenization off the event loop (chat templates of long conversations take
@@ -328,6 +329,7 @@ class _Reply:
         )
         self.done = self.closed = False
         self.sent_chars = 0  # text streamed so far (the legacy log-probs' text_offset)
+        self.echoed = not req.echo  # echo: the prompt leads the first piece
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
         """``(text, finish_reason)``; the last has a finish reason."""
@@ -335,7 +337,7 @@ class _Reply:
             self.completion_tokens += len(out.new_token_ids)
             if self.logprobs is not None:
                 self.logprobs.take(out)
-            piece = self.text.push(out.new_token_ids)
+            piece = self._echo() + self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
                 self.done = True
@@ -354,6 +356,16 @@ class _Reply:
             if piece:
                 yield piece, None
 
+    def _echo(self) -> str:
+        """With ``echo``, once (at the engine's first output, which brings the prompt's
+        log-probs): the prompt's text, its log-prob entries put first."""
+        if self.echoed:
+            return ""
+        self.echoed = True
+        if self.logprobs is not None:
+            self.logprobs.echo()
+        return self.server.tokenizer.decode(self.prompt)
+
     def close(self) -> None:
         """The reply's end (once; from ``finally`` blocks): the request leaves the engine
         if it has not finished."""
@@ -365,17 +377,12 @@ class _Reply:
             self.server.driver.abort(self.stream.request_id)
 
     async def body(self) -> dict[str, Any]:
-        """The whole reply's JSON body, once the engine has finished it. With ``echo`` the
-        prompt's text leads the text and its entries lead the log-probs."""
+        """The whole reply's JSON body, once the engine has finished it."""
         texts, finish = [], None
         async for piece, reason in self.pieces():
             texts.append(piece)
             finish = reason
         text = "".join(texts)
-        if self.req.echo:
-            text = self.server.tokenizer.decode(self.prompt) + text
-            if self.logprobs is not None:
-                self.logprobs.echo()
         build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
         return build(
             self.id,
