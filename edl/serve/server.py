@@ -33,11 +33,9 @@ wiring). Log-probs (:mod:`edl.serve.logprob_replies`): completions' ``logprobs``
 choices, not streamed; one prompt streams, echo too) and chat's ``logprobs`` /
 ``top_logprobs``; token texts are each token decoded alone. Not implemented, rejected with a
 400 naming the field: ``n`` > 1, penalties, ``logit_bias``, tools, ``response_format``,
-``best_of``,
-``suffix``. Also not done: an API key, metrics
-(Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
-once), tokenization off the event loop (chat templates of long conversations take
-milliseconds there).
+``best_of``, ``suffix``. Also not done: an API key, metrics (Prometheus), per-request
+timeouts, a queue in the driver in front of ``QueueFull`` (429 at once), tokenization off
+the event loop (chat templates of long conversations take milliseconds there).
 """
 
 from __future__ import annotations
