@@ -470,5 +470,5 @@ class Engine:
         if p.logprobs is not None and new and arrays is not None:
             logprobs = (lp.sampled_entry(arrays, row, token, p.logprobs),)
         if p.prompt_logprobs is not None and len(request.generated) <= 1:
-            prompt = tuple(request.prompt_logprobs)
+            prompt, request.prompt_logprobs = tuple(request.prompt_logprobs), []
         return RequestOutput(request.id, new, reason is not None, reason, logprobs, prompt)

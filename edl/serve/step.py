@@ -177,6 +177,7 @@ def model_step(
     next_tokens = sample_rows(logits, sampling)
     extra = None
     if logprobs:
-        assert targets is not None, "model_step(logprobs=True) needs targets"
+        if targets is None:
+            raise ValueError("model_step(logprobs=True) needs targets (batch, width)")
         extra = step_logprobs(model, out.last_hidden_state, logits, next_tokens, targets)
     return out.cache.k_pages, out.cache.v_pages, next_tokens, extra
