@@ -135,7 +135,11 @@ def _server_process(args: argparse.Namespace) -> None:
     )
     start = time.perf_counter()
     engine.warmup()
-    warmup = {"shapes": len(engine.step_shapes()), "seconds": time.perf_counter() - start}
+    warmup = {
+        "shapes": len(engine.step_shapes()),
+        "programs": len(engine.step_programs()),  # each shape with and without log-probs
+        "seconds": time.perf_counter() - start,
+    }
     app = create_app(engine, ByteTokenizer(), model_name="bench", max_model_len=max_len)
     server = make_server(app, port=0, log_level="warning")
     thread = threading.Thread(target=server.run)
@@ -165,7 +169,8 @@ def _served(args: argparse.Namespace) -> dict[str, dict]:
     started = json.loads(process.stdout.readline())
     port, warmup = started["port"], started["warmup"]
     print(
-        f"  warm-up: {warmup['shapes']} step shapes compiled in {warmup['seconds']:.0f} s",
+        f"  warm-up: {warmup['programs']} step programs ({warmup['shapes']} shapes) compiled "
+        f"in {warmup['seconds']:.0f} s",
         flush=True,
     )
     from openai import OpenAI

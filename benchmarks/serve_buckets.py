@@ -35,7 +35,8 @@ import numpy as np
 
 from benchmarks._common import byte_llama_config
 from edl.models import LlamaForCausalLM
-from edl.serve.engine import Engine, _bucket, _buckets
+from edl.serve import shapes
+from edl.serve.engine import Engine
 from edl.serve.step import SlotSampling, model_step
 
 _PAGE = 16
@@ -72,7 +73,7 @@ def _calls(engine: Engine, args: list, n: int) -> float:
     """Seconds of ``n`` steps of ``args``' shape, one after another (the pools donated)."""
     start = time.perf_counter()
     for _ in range(n):
-        engine._k_pages, engine._v_pages, out = model_step(
+        engine._k_pages, engine._v_pages, out, _ = model_step(
             engine._model, engine._k_pages, engine._v_pages, *args
         )
         out.block_until_ready()
@@ -97,8 +98,8 @@ def _time_shapes(engine: Engine, shapes: list[tuple], repeats: int, rounds: int)
 
 def _bucket_sets(max_batch: int) -> dict[str, tuple[int, ...]]:
     return {
-        "powers of 2 (today)": _buckets(max_batch, 1, 2),
-        "powers of 4": _buckets(max_batch, 1, 4),
+        "powers of 2 (today)": shapes.buckets(max_batch, 1, 2),
+        "powers of 4": shapes.buckets(max_batch, 1, 4),
         "1, 8, max": tuple(sorted({1, min(8, max_batch), max_batch})),
         "max only": (max_batch,),
     }
@@ -139,7 +140,9 @@ def main() -> None:
         )
     sets = {}
     for name, buckets in _bucket_sets(args.max_batch).items():
-        padded = [decode[_bucket(buckets, n)]["step_ms"] for n in range(1, args.max_batch + 1)]
+        padded = [
+            decode[shapes.bucket(buckets, n)]["step_ms"] for n in range(1, args.max_batch + 1)
+        ]
         exact = [decode[n]["step_ms"] for n in range(1, args.max_batch + 1)]
         sets[name] = {
             "buckets": buckets,

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from edl.serve.types import QueueFull, RequestOutput, SamplingParams
+from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams
 from edl.text import ByteTokenizer
 
 MODEL = "fake-model"
@@ -22,6 +22,14 @@ EOS = ByteTokenizer.eos_id
 def reply_of(prompt_ids: Sequence[int]) -> str:
     """The fake model's whole reply to a prompt (multi-byte characters on purpose)."""
     return f"You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+
+
+def fake_logprob(token: int, k: int) -> Logprob:
+    """The fake model's log-prob of ``token`` (-1 - token / 1000) and its ``k`` alternatives
+    (ids ``token + 1 + i``, log-probs -2 - i)."""
+    return Logprob(
+        token, -1 - token / 1000, tuple(((token + 1 + i) % 256, -2.0 - i) for i in range(k))
+    )
 
 
 class ChatBytes(ByteTokenizer):
@@ -50,6 +58,7 @@ class FakeEngine:
         self.finished: list[int] = []
         self.threads: set[int] = set()
         self.largest_batch = 0
+        self.prompts: dict[int, list[int]] = {}
 
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
@@ -62,6 +71,9 @@ class FakeEngine:
             raise QueueFull(f"{len(self.running)} requests running")
         request_id = next(self.ids)
         tokens = [*ByteTokenizer().encode(reply_of(prompt_ids)), EOS]
+        if params.max_tokens == 0:
+            tokens = list(prompt_ids)
+        self.prompts[request_id] = list(prompt_ids)
         self.running[request_id] = (tokens, params, [])
         return request_id
 
@@ -79,6 +91,11 @@ class FakeEngine:
         self.largest_batch = max(self.largest_batch, len(self.running))
         outputs = []
         for request_id, (tokens, params, done) in list(self.running.items()):
+            if params.max_tokens == 0:  # echo only: the prompt's log-probs, no token
+                del self.running[request_id]
+                prompt = (None, *(fake_logprob(t, params.prompt_logprobs) for t in tokens[1:]))
+                outputs.append(RequestOutput(request_id, (), True, "length", None, prompt))
+                continue
             token = tokens[len(done)]
             done.append(token)
             reason = (
@@ -91,7 +108,14 @@ class FakeEngine:
             if reason is not None:
                 del self.running[request_id]
                 self.finished.append(request_id)
-            outputs.append(RequestOutput(request_id, (token,), reason is not None, reason))
+            logprobs = None if params.logprobs is None else (fake_logprob(token, params.logprobs),)
+            prompt = None
+            if params.prompt_logprobs is not None and len(done) == 1:
+                ids = self.prompts[request_id][1:]
+                prompt = (None, *(fake_logprob(t, params.prompt_logprobs) for t in ids))
+            outputs.append(
+                RequestOutput(request_id, (token,), reason is not None, reason, logprobs, prompt)
+            )
         return outputs
 
     def has_unfinished(self) -> bool:

@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from serve_fakes import EOS, MODEL, ChatBytes, FakeEngine, reply_of  # noqa: E402
+from serve_fakes import EOS, MODEL, ChatBytes, FakeEngine, fake_logprob, reply_of  # noqa: E402
 
 from edl.serve.server import create_app, make_server  # noqa: E402
 from edl.serve.types import Engine  # noqa: E402
@@ -195,7 +195,10 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo"),
+    ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400, "stream"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
@@ -204,6 +207,26 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
 ]
 BAD_CHAT = [
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1},
+        400,
+        "logprobs",
+    ),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "logprobs": True,
+            "top_logprobs": 21,
+        },
+        400,
+        "top_logprobs",
+    ),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
     ({"model": MODEL, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
@@ -685,3 +708,75 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
         "each step shape compiles when a request first needs it (--warmup: all now)",
         "starting the HTTP server on http://127.0.0.1:8123",
     ]
+
+
+def _fake_entries(tokens, k):
+    return [(ByteTokenizer().decode([t]), fake_logprob(t, k)) for t in tokens]
+
+
+def test_logprobs_in_openai_shapes(shared):
+    """Log-probs as the engine reports them, in OpenAI's shapes: /v1/completions' legacy
+    object (with echo: the prompt first, its first log-prob None; max_tokens 0 allowed;
+    several prompts as choices), chat's ``content`` entries, streamed and not."""
+    url = shared[1]
+    api = client(url)
+    want = reply_of(ByteTokenizer().encode("Hi"))
+    out = api.completions.create(model=MODEL, prompt="Hi", max_tokens=5, logprobs=2)
+    lp = out.choices[0].logprobs
+    reply = ByteTokenizer().encode(want)[:5]
+    entries = _fake_entries(reply, 2)
+    assert out.choices[0].text == want[:5] and lp.tokens == [t for t, _ in entries]
+    assert lp.token_logprobs == [e.logprob for _, e in entries]
+    assert lp.text_offset == [0, 1, 2, 3, 4]
+    tok = ByteTokenizer()
+    assert lp.top_logprobs[0] == {
+        **{tok.decode([i]): p for i, p in entries[0][1].top},
+        entries[0][0]: entries[0][1].logprob,
+    }
+    # lm-evaluation-harness's loglikelihood call: echo, several token-id prompts.
+    prompts = [tok.encode("Hi"), tok.encode("Hey you")]
+    out = api.completions.create(model=MODEL, prompt=prompts, max_tokens=0, logprobs=1, echo=True)
+    assert [c.index for c in out.choices] == [0, 1]
+    for choice, ids in zip(out.choices, prompts, strict=True):
+        lp = choice.logprobs
+        assert choice.text == tok.decode(ids) and lp.tokens == [tok.decode([t]) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == [fake_logprob(t, 1).logprob for t in ids[1:]]
+    assert out.usage.prompt_tokens == 9 and out.usage.completion_tokens == 0
+    # Streamed with echo: the prompt and its entries lead; offsets run over the whole text.
+    chunks = list(
+        api.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, logprobs=0, echo=True, stream=True
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks)
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [
+        o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset
+    ]
+    lps = [p for c in chunks if c.choices[0].logprobs for p in c.choices[0].logprobs.token_logprobs]
+    assert text == "Hi" + want[:4] and "".join(tokens) == text
+    assert offsets == list(range(6)) and lps[0] is None and None not in lps[1:]
+
+    messages = [{"role": "user", "content": "Hi"}]
+    tokens = ByteTokenizer().encode(reply_of(chat_prompt(messages)))[:6]
+    out = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, logprobs=True, top_logprobs=2
+    )
+    content = out.choices[0].logprobs.content
+    for got, (text, entry) in zip(content, _fake_entries(tokens, 2), strict=True):
+        assert got.token == text and got.logprob == entry.logprob
+        assert got.bytes == list(text.encode()) and len(got.top_logprobs) == 2
+        assert [t.logprob for t in got.top_logprobs] == [p for _, p in entry.top]
+    chunks = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, logprobs=True, top_logprobs=2, stream=True
+    )
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert plain.choices[0].logprobs is None

@@ -82,9 +82,9 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
     compiled_before = model_step._cache_size()
     engine = Engine(tiny_llama, **GEOMETRY)
     assert engine.step_shapes() == [(1, 1, 4), (2, 1, 4), (4, 1, 4), (1, 8, 4)]
-    engine.warmup()  # every shape: nothing compiles from here on
+    engine.warmup()  # every shape, with and without log-probs: nothing compiles from here on
     warm = model_step._cache_size()
-    assert warm - compiled_before <= 4
+    assert warm - compiled_before <= 8
     assert engine.num_free_pages == engine.num_total_pages and not engine.has_unfinished()
 
     free_after_join = {}
@@ -257,9 +257,9 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
     """A ``model_step`` stand-in that checks what the scheduler hands the model: the token
     shape is one of the engine's, each busy row's page table covers its new tokens, padding
     rows hold no pages and no row writes (its new tokens and the chunk's padding) into a
-    page another row holds."""
+    page another row holds. It returns no log-probs (no request here asks)."""
 
-    def step(model, k, v, table, lengths, tokens, num_new, sampling):
+    def step(model, k, v, table, lengths, tokens, num_new, sampling, targets=None, *, logprobs):
         table, lengths, num_new = map(np.asarray, (table, lengths, num_new))
         assert (*tokens.shape, table.shape[1]) in shapes, (tokens.shape, table.shape)
         busy = num_new > 0
@@ -272,7 +272,7 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
             written = set(table[row, first:end].tolist()) - {-1}
             others = set(np.delete(table, row, axis=0).ravel().tolist())
             assert not written & others, f"row {row} writes into a shared page"
-        return k, v, jnp.asarray(rng.integers(0, 64, table.shape[0]), jnp.int32)
+        return k, v, jnp.asarray(rng.integers(0, 64, table.shape[0]), jnp.int32), None
 
     return step
 
@@ -427,10 +427,10 @@ def test_warmup_and_first_use_of_each_shape_are_reported(tiny_llama, monkeypatch
     assert lines[1].startswith("prefill 1x8, 4 pages ready in ")
     assert lines[3].startswith("decode 1x1, 4 pages ready in ") and lines[3].endswith("(compiled)")
     lines.clear()
-    engine.warmup()  # the two shapes used already are not compiled again
-    assert len(lines) == len(shapes) - 2
-    assert lines[0].startswith("compiled decode 2x1, 4 pages (1/2): ")
-    assert lines[-1].startswith("compiled decode 4x1, 4 pages (2/2): ")
+    engine.warmup()  # the two programs used already are not compiled again
+    assert len(lines) == len(engine.step_programs()) - 2 == 2 * len(shapes) - 2
+    assert lines[0].startswith("compiled decode 2x1, 4 pages (1/6): ")
+    assert lines[-1].startswith("compiled prefill 1x8, 4 pages, log-probs (6/6): ")
     assert " s so far, about " in lines[0] and lines[-1].endswith(" about 0 s left")
     assert engine_module.warmup_progress((4, 8, 16), 3, 12, 2.0, 6.0, cached=True) == (
         "loaded prefill 4x8, 16 pages (3/12): 2.0 s; 6 s so far, about 18 s left"
@@ -445,9 +445,9 @@ def test_the_serving_step_holds_no_host_callback(tiny_llama, monkeypatch):
     engine = Engine(tiny_llama, **GEOMETRY)
     stub = _stub_step(8, np.random.default_rng(0), engine.step_shapes())
 
-    def spy(*args):  # lowered only: what it would compile, not run
-        texts.append(model_step.lower(*args).as_text())
-        return stub(*args)
+    def spy(*args, **kw):  # lowered only: what it would compile, not run
+        texts.append(model_step.lower(*args, **kw).as_text())
+        return stub(*args, **kw)
 
     monkeypatch.setattr(engine_module, "model_step", spy)
     _run(engine, {0: [(_prompts(1, (3,))[0], SamplingParams(max_tokens=2))]})

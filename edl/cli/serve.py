@@ -86,7 +86,11 @@ def run_serve(args: argparse.Namespace) -> None:
         f"{cache or 'off'}"
     )
     if args.warmup:
-        say(f"compiling {shapes} step shapes (--warmup) ...")
+        programs = len(engine.step_programs())  # each shape with and without log-probs
+        say(
+            f"compiling {programs} step programs ({shapes} shapes, log-probs off and on; "
+            "--warmup) ..."
+        )
         engine.warmup()
     else:
         say("each step shape compiles when a request first needs it (--warmup: all now)")

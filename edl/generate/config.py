@@ -112,8 +112,16 @@ class GenerateOutput(eqx.Module):
     generated tokens, ``pad_id`` after a row's EOS (HF's layout, without HF's trimming of
     columns that every row left empty). ``num_new``: generated tokens per row, EOS included.
     ``scores``: beam search's final (length-penalised) beam scores, else ``None``. With
-    beams, rows are ``batch * num_return_sequences``, best beam first."""
+    beams, rows are ``batch * num_return_sequences``, best beam first.
+
+    With ``generate(..., logprobs=k)``: ``logprobs`` ``(rows, max_new_tokens)``, each
+    generated token's log-prob under the model (float32 log-softmax of its raw logits, before
+    any processor), and ``top_ids`` / ``top_logprobs`` ``(rows, max_new_tokens, k)``, the
+    ``k`` most likely tokens at each step, most likely first; 0 after a row's EOS. Else None."""
 
     sequences: Int[Array, "rows total"]
     num_new: Int[Array, " rows"]
     scores: Float[Array, " rows"] | None = None
+    logprobs: Float[Array, "rows new"] | None = None
+    top_logprobs: Float[Array, "rows new k"] | None = None
+    top_ids: Int[Array, "rows new k"] | None = None

@@ -31,6 +31,7 @@ from edl.generate.config import GenerateOutput, GenerationConfig
 from edl.generate.steps import CausalLM, ImagePrompt, ImageTextLM
 from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
+from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
 __all__ = ["generate", "generate_stream"]
@@ -40,22 +41,79 @@ class DecodeState(eqx.Module):
     """The greedy / sampling decode loop's state after ``step`` tokens per row: the
     logits for the next token, the KV cache, the tokens so far (``generated[:, :step]``;
     ``pad_id`` after a row's EOS and, until written, beyond ``step``) and which rows are
-    ``done`` (have hit EOS)."""
+    ``done`` (have hit EOS). With log-probs asked (``generate(..., logprobs=k)``), each
+    step's chosen token's log-prob and the ``k`` most likely ids and log-probs (``Logprobs``);
+    else None, and the loop computes none."""
 
     step: Int[Array, ""]
     logits: Float[Array, "batch vocab"]
     cache: KVCacheLike
     generated: Int[Array, "batch max_new"]
     done: Bool[Array, " batch"]
+    logprobs: Logprobs | None = None
 
     @classmethod
     def start(
-        cls, logits: Float[Array, "batch vocab"], cache: KVCacheLike, max_new: int, pad_id: int
+        cls,
+        logits: Float[Array, "batch vocab"],
+        cache: KVCacheLike,
+        max_new: int,
+        pad_id: int,
+        logprobs: int | None = None,
     ) -> DecodeState:
         """The state after the prefill: nothing generated yet."""
         rows = logits.shape[0]
         generated = jnp.full((rows, max_new), pad_id, jnp.int32)
-        return cls(jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_))
+        lp = None if logprobs is None else Logprobs.empty(rows, max_new, logprobs)
+        return cls(jnp.int32(0), logits, cache, generated, jnp.zeros((rows,), jnp.bool_), lp)
+
+
+# --- log-probs (issue 47) ------------------------------------------------------------------
+
+
+class Logprobs(eqx.Module):
+    """Per generated token, from the model's raw logits before any processor
+    (``edl.ops.logprobs.token_logprobs``): ``chosen`` ``(batch, max_new)``, ``top_ids`` and
+    ``top`` ``(batch, max_new, k)``; 0 where a row had finished."""
+
+    chosen: Float[Array, "batch max_new"]
+    top_ids: Int[Array, "batch max_new k"]
+    top: Float[Array, "batch max_new k"]
+
+    @classmethod
+    def empty(cls, rows: int, max_new: int, k: int) -> Logprobs:
+        return cls(
+            jnp.zeros((rows, max_new), jnp.float32),
+            jnp.zeros((rows, max_new, k), jnp.int32),
+            jnp.zeros((rows, max_new, k), jnp.float32),
+        )
+
+    def record(
+        self,
+        step: Int[Array, ""],
+        logits: Float[Array, "batch vocab"],
+        token: Int[Array, " batch"],
+        done: Bool[Array, " batch"],
+    ) -> Logprobs:
+        """These log-probs with column ``step`` set from ``logits`` and the chosen ``token``."""
+        chosen, ids, top = token_logprobs(logits, token, self.top_ids.shape[-1])
+        live = ~done
+        return Logprobs(
+            self.chosen.at[:, step].set(jnp.where(live, chosen, 0.0)),
+            self.top_ids.at[:, step].set(jnp.where(live[:, None], ids, 0)),
+            self.top.at[:, step].set(jnp.where(live[:, None], top, 0.0)),
+        )
+
+
+def _check_logprobs(logprobs: int | None, num_beams: int) -> None:
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int):
+        raise ValueError(f"generate: logprobs must be None or an integer, got {logprobs!r}")
+    if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"generate: logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
+    if num_beams > 1:
+        raise ValueError("generate: logprobs are not reported by beam search; use num_beams=1")
 
 
 @functools.lru_cache(maxsize=128)
@@ -90,13 +148,17 @@ def _sample_step(
     token = sample(scores, steps.fold_step(key, step)) if config.do_sample else greedy(scores)
     token = jnp.where(state.done, config.pad_id, token)
     generated = state.generated.at[:, step].set(token)
+    lp = state.logprobs
+    if lp is not None:  # from the raw logits, before the processors
+        lp = lp.record(step, state.logits, token, state.done)
     done = state.done | steps.is_eos(token, config.eos_ids)
     logits, cache = steps.decode_step(model, token, state.cache)
-    return DecodeState(step + 1, logits, cache, generated, done), token
+    return DecodeState(step + 1, logits, cache, generated, done, lp), token
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers")
+    jax.jit,
+    static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers", "logprobs"),
 )
 def _generate_compiled(
     model,
@@ -110,6 +172,7 @@ def _generate_compiled(
     max_new,
     page_size=None,
     unstack_layers=False,
+    logprobs=None,
 ):
     if config.num_beams > 1:
         return beam_search(
@@ -125,7 +188,7 @@ def _generate_compiled(
     logits, cache, prompt, mask = steps.start(
         model, input_ids, attention_mask, max_new, page_size, images
     )
-    state = DecodeState.start(logits, cache, max_new, config.pad_id)
+    state = DecodeState.start(logits, cache, max_new, config.pad_id, logprobs)
     body = functools.partial(
         _sample_step,
         steps.decoder(model, unstack_layers),
@@ -140,9 +203,13 @@ def _generate_compiled(
         return (s.step < max_new) & ~jnp.all(s.done)
 
     final = jax.lax.while_loop(running, lambda s: body(s)[0], state)
+    lp = final.logprobs
     return GenerateOutput(
         jnp.concatenate([input_ids, final.generated], axis=1),
         _num_new(final.generated, final.step, config),
+        logprobs=None if lp is None else lp.chosen,
+        top_logprobs=None if lp is None else lp.top,
+        top_ids=None if lp is None else lp.top_ids,
     )
 
 
@@ -286,6 +353,7 @@ def generate(
     page_size: int | None = None,
     unstack_layers: bool = False,
     bucket_prompts: bool = True,
+    logprobs: int | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -323,11 +391,18 @@ def generate(
             0) before compiling, so a new prompt length usually reuses a compiled program
             (one per bucket, ``max_new_tokens`` and setting); the output keeps the prompt as
             given. The padding's cost is a wider prefill and cache.
+        logprobs: also return each generated token's log-prob and the ``logprobs`` (0-20)
+            most likely ids and log-probs at each step (``GenerateOutput.logprobs``,
+            ``top_ids``, ``top_logprobs``), from the model's float32 log-softmax before any
+            processor (vLLM's and OpenAI's definition); 0: the chosen token's only. None
+            (default): none computed. Not with beam search.
 
     Returns:
-        ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
+        ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores,
+        log-probs when asked).
     """
     config = _resolve(model, config, max_new_tokens, overrides)
+    _check_logprobs(logprobs, config.num_beams)
     model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     _check_image_tokens(ids, images)
@@ -349,6 +424,7 @@ def generate(
         max_new=max_new,
         page_size=page_size,
         unstack_layers=unstack_layers,
+        logprobs=logprobs,
     )
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
     return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])

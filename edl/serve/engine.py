@@ -56,6 +56,13 @@ needed (least recently released first), so a system prompt is computed once.
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
+Log-probs (``SamplingParams.logprobs`` / ``prompt_logprobs``, ``edl.serve.logprobs``): a
+call computes them only when one of its requests asks, through ``model_step``'s log-prob
+variant of its shape (``step_programs()``: each shape twice; ``warmup`` compiles both); a
+prefill chunk then also returns every position's log-probs of the next prompt token.
+Prompt log-probs need every prompt position computed, so such requests share no cached
+prefix pages.
+
 Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
 temperature, top-k and top-p in HF's order, each token drawn with the key
 ``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
@@ -67,7 +74,7 @@ token that ends a request (``finish_reason="stop"``); stop *strings* are the ser
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
 chats reuse only their prompt's blocks); logits processors beyond temperature / top-k /
-top-p, log-probs; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
+top-p; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
 Pallas paged *decode* kernel with ``width`` queries per row, untested there.
 """
 
@@ -85,9 +92,11 @@ from edl.compile_cache import cache_hits
 from edl.generate.decode import _without_id_checks
 from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
+from edl.serve import logprobs as lp
 from edl.serve.pages import PagePool, block_hashes
+from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
 from edl.serve.step import SlotSampling, model_step
-from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
+from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams, is_int
 
 __all__ = ["Engine"]
 
@@ -107,24 +116,11 @@ class _Request:
     computed: int = 0  # tokens whose keys/values are in the cache
     published: int = 0  # prompt blocks offered to the prefix cache
     generated: list[int] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] = dataclasses.field(default_factory=lambda: [None])
 
     @property
     def prefilling(self) -> bool:
         return self.computed < len(self.prompt)
-
-
-def _buckets(top: int, smallest: int, factor: int) -> tuple[int, ...]:
-    """``smallest * factor ** i`` below ``top``, then ``top``."""
-    sizes, size = [], smallest
-    while size < top:
-        sizes.append(size)
-        size *= factor
-    return (*sizes, top)
-
-
-def _bucket(buckets: tuple[int, ...], size: int) -> int:
-    """The smallest bucket holding ``size``."""
-    return next(b for b in buckets if b >= size)
 
 
 def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> None:
@@ -136,44 +132,6 @@ def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> Non
             f"Engine: request {request.id} needs {needed} pages for {request.computed} + "
             f"{new} tokens, its table row holds {min(len(request.pages), pages)} "
             f"({len(request.pages)} allocated, {pages} in the step's table)"
-        )
-
-
-def shape_name(shape: tuple[int, int, int]) -> str:
-    """A step shape ``(rows, width, pages)`` as the progress lines name it: ``decode 8x1,
-    4 pages`` or ``prefill 2x64, 16 pages``."""
-    rows, width, pages = shape
-    return f"{'decode' if width == 1 else 'prefill'} {rows}x{width}, {pages} pages"
-
-
-def warmup_progress(
-    shape: tuple[int, int, int],
-    done: int,
-    total: int,
-    seconds: float,
-    elapsed: float,
-    cached: bool = False,
-) -> str:
-    """One line of ``Engine.warmup``'s progress: the shape just compiled (the ``done``-th
-    of ``total``; ``cached``: loaded from jax's persistent cache) and its ``seconds``, the
-    ``elapsed`` seconds so far and the time left at the mean pace so far."""
-    left = elapsed / done * (total - done)
-    return (
-        f"{'loaded' if cached else 'compiled'} {shape_name(shape)} ({done}/{total}): "
-        f"{seconds:.1f} s; {elapsed:.0f} s so far, about {left:.0f} s left"
-    )
-
-
-def _check_sizes(**sizes: object) -> None:
-    """``Engine``'s sizes are integers >= 1, and a prefill call holds at least one chunk;
-    ``ValueError`` naming the offending ones."""
-    bad = {k: v for k, v in sizes.items() if not is_int(v) or v < 1}
-    if bad:
-        raise ValueError(f"Engine: these must be integers >= 1: {bad}")
-    if sizes["prefill_tokens"] < sizes["prefill_chunk"]:
-        raise ValueError(
-            f"Engine: prefill_tokens ({sizes['prefill_tokens']}) must be at least "
-            f"prefill_chunk ({sizes['prefill_chunk']})"
         )
 
 
@@ -216,7 +174,7 @@ class Engine:
                 f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
             )
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
-        _check_sizes(
+        check_sizes(
             max_batch=max_batch,
             max_model_len=max_model_len,
             page_size=page_size,
@@ -236,10 +194,10 @@ class Engine:
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.prefill_tokens = prefill_tokens
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
-        self.row_buckets = _buckets(max_batch, 1, 2)
-        self.width_buckets = _buckets(prefill_chunk, min(16, prefill_chunk), 4)
+        self.row_buckets = buckets(max_batch, 1, 2)
+        self.width_buckets = buckets(prefill_chunk, min(16, prefill_chunk), 4)
         # From 4 pages: reading a few unused pages costs less than compiling more shapes.
-        self.page_buckets = _buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
+        self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
         cache = init_paged_cache(
@@ -308,7 +266,9 @@ class Engine:
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
         seed = int(self._rng.integers(2**32)) if params.seed is None else params.seed
-        hashes = block_hashes(prompt, self.page_size) if self.prefix_caching else []
+        # Prompt log-probs need every prompt position computed: no shared pages.
+        sharing = self.prefix_caching and params.prompt_logprobs is None
+        hashes = block_hashes(prompt, self.page_size) if sharing else []
         stop = self.eos_token_ids | frozenset(params.stop_token_ids)
         request = _Request(self._next_id, prompt, params, seed, stop, hashes)
         self._next_id += 1
@@ -373,7 +333,7 @@ class Engine:
         seconds per shape for a deep model (the layers are unrolled), less where jax's
         persistent compilation cache has them. ``echo`` hears each shape as it compiles:
         ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``."""
-        shapes = [s for s in self.step_shapes() if s not in self._compiled]
+        shapes = [s for s in self.step_programs() if s not in self._compiled]
         start = time.perf_counter()
         for done, shape in enumerate(shapes, 1):
             t0, hits = time.perf_counter(), cache_hits()
@@ -383,11 +343,19 @@ class Engine:
                 line = warmup_progress(shape, done, len(shapes), now - t0, now - start, cached)
                 self._echo(line)
 
-    def _call(self, requests: list[_Request], rows: int, width: int, pages: int) -> np.ndarray:
+    def step_programs(self) -> list[tuple[int, int, int, bool]]:
+        """``step_shapes()``, each without and with log-probs (``model_step``'s two variants):
+        every program ``warmup`` compiles."""
+        return [(*shape, logprobs) for logprobs in (False, True) for shape in self.step_shapes()]
+
+    def _call(
+        self, requests: list[_Request], rows: int, width: int, pages: int, logprobs: bool = False
+    ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
         """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
         tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
-        to ``pages``; returns each row's sampled token and advances each request's
-        ``computed`` by its new tokens."""
+        to ``pages``; returns each row's sampled token and, in the log-prob variant (when a
+        request asks, or ``logprobs``), its log-prob arrays; records prompt log-probs and
+        advances each request's ``computed`` by its new tokens."""
         tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
         table = np.full((rows, pages), -1, np.int32)
@@ -403,12 +371,13 @@ class Engine:
             temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
             seed[i], counter[i] = r.seed, len(r.generated)
         sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
-        shape = (rows, width, pages)
+        logprobs = logprobs or lp.needs_logprobs(requests)
+        shape = (rows, width, pages, logprobs)
         first = shape not in self._compiled and self._echo is not None and bool(requests)
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(shape)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, next_tokens = model_step(
+        self._k_pages, self._v_pages, next_tokens, extra = model_step(
             self._model,
             self._k_pages,
             self._v_pages,
@@ -417,15 +386,19 @@ class Engine:
             jnp.asarray(tokens),
             jnp.asarray(num_new),
             sampling,
+            jnp.asarray(lp.prompt_targets(requests, rows, width)) if logprobs else None,
+            logprobs=logprobs,
         )
-        next_tokens = np.asarray(next_tokens)
+        next_tokens, arrays = np.asarray(next_tokens), lp.host_arrays(extra)
         if first:
             how = "from the compilation cache" if cache_hits() > hits else "compiled"
             self._echo(f"{shape_name(shape)} ready in {time.perf_counter() - t0:.1f} s ({how})")
         self._compiled.add(shape)
         for i, r in enumerate(requests):
+            if r.prefilling and r.params.prompt_logprobs is not None:
+                r.prompt_logprobs += lp.prompt_entries(arrays, i, r, int(num_new[i]))
             r.computed += int(num_new[i])
-        return next_tokens
+        return next_tokens, arrays
 
     def _pages_after(self, requests: list[_Request], width: int) -> int:
         """The page bucket holding every request's tokens after a call of ``width``."""
@@ -433,7 +406,7 @@ class Engine:
             min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
             for r in requests
         )
-        return _bucket(self.page_buckets, self._pages_for(longest))
+        return bucket(self.page_buckets, self._pages_for(longest))
 
     def _prefill_batch(self) -> tuple[list[_Request], int, int]:
         """The oldest prefilling requests whose padded chunks fit ``prefill_tokens``, and the
@@ -443,8 +416,8 @@ class Engine:
             if not r.prefilling:
                 continue
             chunk = min(len(r.prompt) - r.computed, self.prefill_chunk)
-            w = _bucket(self.width_buckets, max(width, chunk))
-            n = _bucket(self.row_buckets, len(chosen) + 1)
+            w = bucket(self.width_buckets, max(width, chunk))
+            n = bucket(self.row_buckets, len(chosen) + 1)
             if n * w > self.prefill_tokens:
                 break
             chosen.append(r)
@@ -458,16 +431,20 @@ class Engine:
         self._admit()
         decoding = [r for r in self._running if not r.prefilling]
         if decoding:
-            rows, pages = _bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
-            next_tokens = self._call(decoding, rows, 1, pages)
-            outputs += [self._emit(r, int(t)) for r, t in zip(decoding, next_tokens, strict=False)]
+            rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
+            next_tokens, arrays = self._call(decoding, rows, 1, pages)
+            outputs += [
+                self._emit(r, int(t), arrays, i)
+                for i, (r, t) in enumerate(zip(decoding, next_tokens, strict=False))
+            ]
         prefilling, rows, width = self._prefill_batch()
         if prefilling:
-            next_tokens = self._call(prefilling, rows, width, self._pages_after(prefilling, width))
-            for r, t in zip(prefilling, next_tokens, strict=False):  # padding rows last
+            pages = self._pages_after(prefilling, width)
+            next_tokens, arrays = self._call(prefilling, rows, width, pages)
+            for i, (r, t) in enumerate(zip(prefilling, next_tokens, strict=False)):  # padding last
                 self._publish(r)
                 if not r.prefilling:  # its prompt is done: the first token is out
-                    outputs.append(self._emit(r, int(t)))
+                    outputs.append(self._emit(r, int(t), arrays, i))
         return outputs
 
     def _publish(self, request: _Request) -> None:
@@ -477,15 +454,26 @@ class Engine:
             self._pool.publish(request.pages[j], request.hashes[j])
         request.published = max(request.published, done)
 
-    def _emit(self, request: _Request, token: int) -> RequestOutput:
-        """Record a generated token; finish the request on a stop token or its length."""
-        request.generated.append(token)
+    def _emit(
+        self, request: _Request, token: int, arrays: dict[str, np.ndarray] | None, row: int
+    ) -> RequestOutput:
+        """Record a generated token (none at ``max_tokens=0``) with its log-probs where
+        asked; finish the request on a stop token or its length. A request's first output
+        carries its prompt log-probs where asked."""
+        p = request.params
+        new = (token,) if p.max_tokens > 0 else ()
+        request.generated += new
         reason = None
-        if token in request.stop_ids:
+        if token in request.stop_ids and new:
             reason = "stop"
-        elif len(request.generated) >= request.params.max_tokens:
+        elif len(request.generated) >= p.max_tokens:
             reason = "length"
         if reason is not None:
             self._release(request)
             del self._live[request.id]
-        return RequestOutput(request.id, (token,), reason is not None, reason)
+        logprobs = prompt = None
+        if p.logprobs is not None and new and arrays is not None:
+            logprobs = (lp.sampled_entry(arrays, row, token, p.logprobs),)
+        if p.prompt_logprobs is not None and len(request.generated) <= 1:
+            prompt, request.prompt_logprobs = tuple(request.prompt_logprobs), []
+        return RequestOutput(request.id, new, reason is not None, reason, logprobs, prompt)

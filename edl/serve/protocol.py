@@ -6,11 +6,16 @@ whose ``body()`` is OpenAI's error object ``{"error": {"message", "type", "param
 "code"}}``. The response builders return the JSON objects of OpenAI's completions and chat
 completions (plain, and the chunks of a stream). No web framework here.
 
+Log-probs: ``/v1/completions`` ``logprobs`` (0-20, OpenAI's legacy shape) and ``echo`` (the
+prompt and its log-probs lead the reply, streamed or not; ``max_tokens`` 0 allowed), several
+prompts in one call (lm-evaluation-harness's batches; not streamed); chat ``logprobs: true`` with
+``top_logprobs`` (0-20). All from the model's distribution before sampling processors.
+
 Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
 off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
 (``include_usage``). Fields OpenAI defines but this server does not implement are accepted
-only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
+only at their no-op value (``presence_penalty: 0``, ...); any other
 field is an error naming it.
 
 Limits the engine or Unicode set: ``top_k`` below 2**31 (the engine's int32), ``seed`` in
@@ -29,7 +34,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from edl.serve.types import SEED_END, TOP_K_END, SamplingParams
+from edl.serve.types import MAX_LOGPROBS, SEED_END, TOP_K_END, SamplingParams
 from edl.text.chat import template_role
 from edl.text.sources import json_nests_deeper_than
 from edl.text.tokenizer import checked_text
@@ -115,6 +120,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # top log-probs per token (0: the token's own); None: off
+    echo: bool = False  # completions: the prompt (and its log-probs) leads the reply
 
     def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
         return SamplingParams(
@@ -124,6 +131,9 @@ class GenerationRequest:
             top_k=self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(stop_token_ids),
+            logprobs=self.logprobs,
+            # echo: the prompt's own log-probs (max_tokens 0 needs them in the engine).
+            prompt_logprobs=(self.logprobs or 0) if self.echo else None,
         )
 
 
@@ -156,8 +166,8 @@ _NO_OP = {
     "response_format": (None, {"type": "text"}),
 }
 _FIELDS = {
-    "completion": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages", "max_completion_tokens"},
+    "completion": _COMMON | {"prompt", "logprobs", "echo"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 
 
@@ -212,7 +222,7 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad(f"the request body must be a JSON object, got {type(body).__name__}")
     for name, value in body.items():
-        if name in _NO_OP and value not in _NO_OP[name]:
+        if name in _NO_OP and name not in _FIELDS[kind] and value not in _NO_OP[name]:
             raise bad(f"'{name}' is not supported by this server (got {value!r})", name)
         if name not in _FIELDS[kind] and name not in _NO_OP:
             raise bad(f"unknown field '{name}' (supported: {sorted(_FIELDS[kind])})", name)
@@ -223,8 +233,13 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
     max_tokens = _integer(body, "max_tokens")
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _integer(body, "max_completion_tokens")
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"'max_tokens' must be at least 1, got {max_tokens}", "max_tokens")
+    least = 0 if kind == "completion" and body.get("echo") is True else 1  # echo: prompt only
+    if max_tokens is not None and max_tokens < least:
+        raise bad(
+            f"'max_tokens' must be at least {least}{' (0 with echo)' if least else ''}, "
+            f"got {max_tokens}",
+            "max_tokens",
+        )
     top_k = _integer(body, "top_k")
     if top_k is not None and top_k != -1:  # -1: off
         _integer_in(body, "top_k", 1, TOP_K_END, "[1, 2**31) (or -1: off)")
@@ -247,7 +262,31 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         stop=_stop(body.get("stop")),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
+        **_logprob_fields(body, kind, bool(stream)),
     )
+
+
+def _logprob_fields(body: Mapping[str, Any], kind: str, stream: bool) -> dict[str, Any]:
+    """``logprobs`` / ``echo`` (completions: ``logprobs`` an integer 0-20) or ``logprobs`` /
+    ``top_logprobs`` (chat: a boolean and an integer 0-20 that needs it), checked."""
+    if kind == "completion":
+        k = _integer(body, "logprobs")
+        echo = body.get("echo")
+        if not (echo is None or isinstance(echo, bool)):
+            raise bad(f"'echo' must be a boolean, got {echo!r}", "echo")
+        name = "logprobs"
+    else:
+        on, echo = body.get("logprobs"), False
+        if not (on is None or isinstance(on, bool)):
+            raise bad(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
+        k = _integer(body, "top_logprobs")
+        if k is not None and not on:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        k = (k or 0) if on else None
+        name = "top_logprobs"
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise bad(f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", name)
+    return dict(logprobs=k, echo=bool(echo))
 
 
 def parse_completion(body: Any) -> GenerationRequest:
@@ -270,6 +309,19 @@ def parse_completion(body: Any) -> GenerationRequest:
             "prompt",
         )
     return GenerationRequest(prompt=_text(prompt, "prompt"), messages=None, **fields)
+
+
+def parse_completions(body: Any) -> list[GenerationRequest]:
+    """A ``/v1/completions`` body whose ``prompt`` may also be a list of several prompts
+    (strings, or lists of token ids: lm-evaluation-harness sends its batches so): one
+    request per prompt, answered as the choices of one reply (not streamed)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    several = isinstance(prompt, list) and len(prompt) > 1
+    if not several or not all(isinstance(p, str | list) for p in prompt):
+        return [parse_completion(body)]
+    if body.get("stream"):
+        raise bad("several prompts in one request cannot be streamed", "stream")
+    return [parse_completion({**body, "prompt": [p]}) for p in prompt]
 
 
 def _text(text: str, param: str) -> str:
@@ -363,9 +415,10 @@ def completion_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``/v1/completions`` reply (``object: text_completion``) with its usage."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _envelope(
         id, "text_completion", model, [choice], usage=usage(prompt_tokens, completion_tokens)
     )
@@ -378,12 +431,13 @@ def chat_response(
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": text},
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
     return _envelope(
@@ -397,12 +451,13 @@ def completion_chunk(
     text: str | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A stream chunk; ``text=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "text_completion", model, choices, **extra)
@@ -414,12 +469,13 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A stream chunk; ``delta=None`` is the usage-only last chunk (no choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "chat.completion.chunk", model, choices, **extra)

@@ -43,11 +43,13 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
-penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done:
-per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at once), TLS
-(put a reverse proxy in front for it).
+wiring). Log-probs (:mod:`edl.serve.logprob_replies`): completions' ``logprobs`` / ``echo``
+(lm-evaluation-harness's loglikelihood requests; several prompts per call are answered as
+choices, not streamed; one prompt streams, echo too) and chat's ``logprobs`` /
+``top_logprobs``; token texts are each token decoded alone. Not implemented, rejected with a
+400 naming the field: ``n`` > 1, penalties, ``logit_bias``, tools, ``response_format``,
+``best_of``, ``suffix``. Also not done: per-request timeouts, a queue in the driver in front
+of ``QueueFull`` (429 at once), TLS (put a reverse proxy in front for it).
 """
 
 from __future__ import annotations
@@ -59,29 +61,28 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edl.serve import protocol
-from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.driver import AsyncEngine, EngineStopped
 from edl.serve.guard import limit_body, make_server, require_api_key, serve
-from edl.serve.metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from edl.serve.metrics import CONTENT_TYPE, ServerMetrics
 from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
+from edl.serve.reply import EventStream, Reply, ReplyContext, unless_disconnected
 from edl.serve.types import Engine, QueueFull
-from edl.text.detokenize import IncrementalText
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
-_FINISH_REASONS = ("stop", "length", "abort")
 
 
 def _error(e: APIError) -> Response:
@@ -91,41 +92,6 @@ def _error(e: APIError) -> Response:
     return Response(
         json.dumps(e.body()), status_code=e.status, headers=headers, media_type="application/json"
     )
-
-
-class _EventStream(StreamingResponse):
-    """A streaming response that always watches for the client's disconnect and then
-    cancels the body iterator, whatever ASGI spec version the server reports; ``on_close``
-    runs at the end in any case (even if the body never started)."""
-
-    def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self.on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        async def body() -> None:
-            await self.stream_response(send)
-            watcher.cancel()
-
-        streaming = asyncio.ensure_future(body())
-        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streaming, watcher):
-                task.cancel()
-            await asyncio.gather(streaming, watcher, return_exceptions=True)
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self.on_close()
-        # A failure of the body (not the client going away: OSError on send) is raised.
-        error = None if streaming.cancelled() else streaming.exception()
-        if error is not None and not isinstance(error, OSError):
-            raise error
-
-
-async def _disconnected(receive: Any) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Server:
@@ -150,6 +116,12 @@ class _Server:
         # seconds). One thread: transformers' fast tokenizers are not safe to call from
         # several at once ("Already borrowed"), and the GIL would serialize them anyway.
         self.tokenizing = concurrent.futures.ThreadPoolExecutor(1, "edl-tokenize")
+        self.context = ReplyContext(
+            self.driver, tokenizer, model_name, self.stop_token_ids, self._reply_closed
+        )
+
+    def _reply_closed(self) -> None:
+        self.open_replies -= 1
 
     async def drain(self, drain_s: float) -> None:
         """Shutdown's first half (a signal, :func:`make_server`): refuse new requests, give
@@ -194,7 +166,10 @@ class _Server:
     # --- generation ------------------------------------------------------------------
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, await _parsed(request, protocol.parse_completion))
+        reqs = await _parsed(request, protocol.parse_completions)
+        if len(reqs) == 1:
+            return await self._generate(request, reqs[0])
+        return await self._generate_many(request, reqs)
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, await _parsed(request, protocol.parse_chat))
@@ -225,6 +200,8 @@ class _Server:
 
     def _max_tokens(self, req: GenerationRequest, prompt_tokens: int) -> int:
         room = self.max_model_len - prompt_tokens
+        if req.max_tokens == 0 and room >= 0:  # echo: the prompt's log-probs only
+            return 0
         if room < 1:
             raise protocol.bad(
                 f"This model's maximum context length is {self.max_model_len} tokens, and "
@@ -245,6 +222,39 @@ class _Server:
         return req.max_tokens
 
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        reply = await self._start(req)
+        if req.stream:
+            return EventStream(
+                reply.sse(),
+                reply.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await reply.plain(request)
+
+    async def _generate_many(self, request: Request, reqs: list[GenerationRequest]) -> Response:
+        """Several prompts of one ``/v1/completions`` call: one engine request each, run
+        together, answered as one reply's choices (``index`` in prompt order)."""
+        replies: list[Reply] = []
+        try:
+            for req in reqs:
+                replies.append(await self._start(req))
+            bodies = await unless_disconnected(
+                request, asyncio.gather(*(r.body() for r in replies))
+            )
+        finally:
+            for reply in replies:
+                reply.close()
+        if bodies is None:
+            return Response(status_code=499)
+        choices = [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)]
+        counts = [
+            sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens")
+        ]
+        return JSONResponse({**bodies[0], "choices": choices, "usage": protocol.usage(*counts)})
+
+    async def _start(self, req: GenerationRequest) -> Reply:
+        """Checks ``req`` against the served model and adds it to the engine."""
         if req.model != self.model_name:  # 404, as OpenAI's model_not_found
             raise APIError(
                 404,
@@ -272,155 +282,20 @@ class _Server:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        reply = _Reply(self, req, stream, len(ids), self.metrics.timer(len(ids)))
-        self.open_replies += 1  # _Reply's plain / sse take it off when they end
-        if req.stream:
-            return _EventStream(
-                reply.sse(),
-                reply.close,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return await reply.plain(request)
+        reply = Reply(self.context, req, stream, ids, self.metrics.timer(len(ids)))
+        self.open_replies += 1  # the reply's close takes it off (context.on_close)
+        return reply
 
 
-async def _parsed(request: Request, parse: Callable[[Any], GenerationRequest]) -> GenerationRequest:
+_Parsed = TypeVar("_Parsed")
+
+
+async def _parsed(request: Request, parse: Callable[[Any], _Parsed]) -> _Parsed:
     """The body read (``limit_body`` stops it at ``max_body_bytes``: 413), then decoded and
     validated by ``parse`` in a worker thread: a body of megabytes takes a while to parse
     and to check for lone surrogates, and ``/health`` must not wait on it."""
     data = await request.body()
     return await asyncio.to_thread(lambda: parse(protocol.decode_body(data)))
-
-
-class _Reply:
-    """One request's reply: the engine's outputs as text pieces, sent plain or streamed;
-    it aborts the request unless the engine finished it."""
-
-    def __init__(
-        self,
-        server: _Server,
-        req: GenerationRequest,
-        stream: RequestStream,
-        prompt_tokens: int,
-        timer: RequestTimer,
-    ) -> None:
-        self.server, self.req, self.stream, self.timer = server, req, stream, timer
-        self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
-        self.id = protocol.new_id(req.kind)
-        self.text = IncrementalText(
-            server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
-        )
-        self.done = self.closed = False
-
-    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """``(text, finish_reason)``; the last has a finish reason."""
-        async for out in self.stream:
-            self.completion_tokens += len(out.new_token_ids)
-            self.timer.tokens(len(out.new_token_ids))
-            piece = self.text.push(out.new_token_ids)
-            if self.text.stopped:  # a stop string: the reply ends here
-                self.server.driver.abort(self.stream.request_id)
-                self.done = True
-                self.timer.finish("stop")
-                yield piece, "stop"
-                return
-            if out.finished:
-                if out.finish_reason not in _FINISH_REASONS:  # the engine broke the contract
-                    raise RuntimeError(
-                        f"the engine finished request {out.request_id} with "
-                        f"finish_reason {out.finish_reason!r}, not one of "
-                        f"{_FINISH_REASONS}"
-                    )
-                self.done = True
-                self.timer.finish(out.finish_reason)
-                yield piece + self.text.end(), out.finish_reason
-                return
-            if piece:
-                yield piece, None
-
-    def close(self) -> None:
-        """The reply's end (once; from ``finally`` blocks): the request leaves the engine
-        if it has not finished."""
-        if self.closed:
-            return
-        self.closed = True
-        self.server.open_replies -= 1
-        if not self.done:
-            self.server.driver.abort(self.stream.request_id)
-
-    async def plain(self, request: Request) -> Response:
-        """Collect the reply, aborting it if the client disconnects meanwhile."""
-
-        async def collect() -> tuple[str, str | None]:
-            texts, reason = [], None
-            async for piece, finish in self.pieces():
-                texts.append(piece)
-                reason = finish
-            return "".join(texts), reason
-
-        collecting = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(_disconnected(request.receive))
-        try:
-            await asyncio.wait({collecting, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not collecting.done():  # the client is gone: nobody reads the answer
-                return Response(status_code=499)
-            try:
-                text, finish = collecting.result()
-            except EngineStopped as e:
-                raise APIError(500, str(e), type="server_error") from e
-        finally:
-            for task in (collecting, watcher):
-                task.cancel()
-            await asyncio.gather(collecting, watcher, return_exceptions=True)
-            self.close()
-        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
-        return JSONResponse(
-            build(
-                self.id,
-                self.server.model_name,
-                text,
-                finish,
-                self.prompt_tokens,
-                self.completion_tokens,
-            )
-        )
-
-    def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
-        model, chat = self.server.model_name, self.req.kind == "chat"
-        if chat:
-            delta = None if piece is None else ({"content": piece} if piece else {})
-            body = protocol.chat_chunk(self.id, model, delta, finish, usage)
-        else:
-            body = protocol.completion_chunk(self.id, model, piece, finish, usage)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    async def sse(self) -> AsyncIterator[str]:
-        """Server-sent events: chat opens with the assistant role; a content chunk per
-        piece; the finish reason; usage when asked; ``[DONE]``."""
-        try:
-            if self.req.kind == "chat":
-                body = protocol.chat_chunk(
-                    self.id, self.server.model_name, {"role": "assistant", "content": ""}, None
-                )
-                yield f"data: {json.dumps(body)}\n\n"
-            try:
-                async for piece, finish in self.pieces():
-                    if finish is not None and self.req.kind == "chat":
-                        if piece:
-                            yield self._chunk(piece, None)
-                        yield self._chunk("", finish)
-                    else:
-                        yield self._chunk(piece, finish)
-            except EngineStopped as e:  # the status is sent: an error event, as vLLM's
-                error = APIError(500, str(e), type="server_error")
-                yield f"data: {json.dumps(error.body())}\n\n"
-                return
-            if self.req.include_usage:
-                usage = protocol.usage(self.prompt_tokens, self.completion_tokens)
-                yield self._chunk(None, None, usage)
-            yield "data: [DONE]\n\n"
-        finally:
-            self.close()
 
 
 def create_app(

@@ -29,8 +29,9 @@ from jaxtyping import Array, Float, Int, UInt
 
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
+from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 
-__all__ = ["SlotSampling", "model_step"]
+__all__ = ["SlotSampling", "StepLogprobs", "model_step"]
 
 
 class SlotSampling(eqx.Module):
@@ -88,7 +89,53 @@ def sample_rows(
     )
 
 
-@functools.partial(jax.jit, donate_argnums=(1, 2))
+# --- log-probs (issue 47): the step's optional outputs, from the raw logits ---------------
+
+
+class StepLogprobs(eqx.Module):
+    """A ``model_step(..., logprobs=True)`` call's log-probs, each from the model's raw float32
+    logits (``edl.ops.logprobs.token_logprobs``, ``K = MAX_TOP_LOGPROBS``: requests take their
+    first ``k``): ``sampled`` ``(batch,)`` and ``sampled_top_ids`` / ``sampled_top``
+    ``(batch, K)`` for each row's next token; ``prompt`` ``(batch, width)`` for each new
+    position's ``targets`` token (the prompt's next token) and ``prompt_top_ids`` /
+    ``prompt_top`` ``(batch, width, K)``; the prompt ones are None in decode calls (width 1)."""
+
+    sampled: Float[Array, " batch"]
+    sampled_top_ids: Int[Array, "batch k"]
+    sampled_top: Float[Array, "batch k"]
+    prompt: Float[Array, "batch width"] | None
+    prompt_top_ids: Int[Array, "batch width k"] | None
+    prompt_top: Float[Array, "batch width k"] | None
+
+
+def step_logprobs(
+    model: CausalLM,
+    hidden: Float[Array, "batch width hidden"],
+    logits: Float[Array, "batch vocab"],
+    next_tokens: Int[Array, " batch"],
+    targets: Int[Array, "batch width"],
+) -> StepLogprobs:
+    """The log-probs of ``next_tokens`` under ``logits`` and, in a prefill call (width > 1),
+    of ``targets`` at every position of ``hidden`` (whose logits only this variant computes)."""
+    k = MAX_TOP_LOGPROBS
+    sampled = token_logprobs(logits, next_tokens, k)
+    batch, width = targets.shape
+    if width == 1:
+        return StepLogprobs(*sampled, None, None, None)
+    every = model.lm_logits(hidden).astype(jnp.float32).reshape(batch * width, -1)
+    chosen, ids, top = token_logprobs(every, targets.reshape(-1), k)
+    return StepLogprobs(
+        *sampled,
+        chosen.reshape(batch, width),
+        ids.reshape(batch, width, k),
+        top.reshape(batch, width, k),
+    )
+
+
+# --- the step --------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("logprobs",))
 def model_step(
     model: CausalLM,
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
@@ -98,17 +145,25 @@ def model_step(
     tokens: Int[Array, "batch width"],
     num_new: Int[Array, " batch"],
     sampling: SlotSampling,
+    targets: Int[Array, "batch width"] | None = None,
+    *,
+    logprobs: bool = False,
 ) -> tuple[
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Int[Array, " batch"],
+    StepLogprobs | None,
 ]:
     """Row ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
     the model, their keys/values written to its pages (``page_table[b]`` must cover
     ``lengths[b] + num_new[b]`` tokens, unchecked here; attention reads all of it); returns
     the updated pools and each row's next token, sampled after its last new token
     (meaningless where ``num_new`` is 0). The pools are donated: pass the returned ones to
-    the next call."""
+    the next call.
+
+    ``logprobs`` (static: its own compiled variant, so calls without it cost nothing more)
+    also returns ``StepLogprobs`` (``targets``: each position's next prompt token, needed
+    then), else None."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
     cache = PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
@@ -119,4 +174,10 @@ def model_step(
     last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
     hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
     logits = model.lm_logits(hidden).astype(jnp.float32)
-    return out.cache.k_pages, out.cache.v_pages, sample_rows(logits, sampling)
+    next_tokens = sample_rows(logits, sampling)
+    extra = None
+    if logprobs:
+        if targets is None:
+            raise ValueError("model_step(logprobs=True) needs targets (batch, width)")
+        extra = step_logprobs(model, out.last_hidden_state, logits, next_tokens, targets)
+    return out.cache.k_pages, out.cache.v_pages, next_tokens, extra

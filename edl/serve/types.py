@@ -13,7 +13,9 @@ import numbers
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Engine", "QueueFull", "RequestOutput", "SamplingParams"]
+__all__ = ["Engine", "Logprob", "QueueFull", "RequestOutput", "SamplingParams"]
+
+MAX_LOGPROBS = 20  # edl.ops.logprobs.MAX_TOP_LOGPROBS (this module imports no jax)
 
 SEED_END = 2**32
 """Seeds are in ``[0, SEED_END)``: the engine keeps them as uint32."""
@@ -31,7 +33,13 @@ def is_int(value: object) -> bool:
 class SamplingParams:
     """How one request is decoded. ``temperature=0`` is greedy; ``top_k=None`` and
     ``top_p=1`` are off; ``seed=None`` draws a fresh one; ``stop_token_ids`` end the
-    request like the engine's EOS ids."""
+    request like the engine's EOS ids.
+
+    ``logprobs``: each generated token's log-prob and its ``logprobs`` most likely
+    alternatives (0: the token's only; None: off); ``prompt_logprobs``: the same for every
+    prompt token given its prefix (the first has none), computed while prefilling. Both at
+    most 20, from the model's distribution before temperature / top-k / top-p.
+    ``max_tokens=0`` (prefill only) is allowed when ``prompt_logprobs`` is set."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -39,11 +47,23 @@ class SamplingParams:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         problems = []
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        least = 0 if self.prompt_logprobs is not None else 1
+        if not is_int(self.max_tokens) or self.max_tokens < least:
+            problems.append(
+                f"max_tokens must be an integer >= {least}"
+                f"{' (0 only with prompt_logprobs)' if least else ''}, got {self.max_tokens!r}"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                problems.append(
+                    f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}"
+                )
         t = self.temperature
         if not isinstance(t, numbers.Real) or isinstance(t, bool) or not 0 <= t < math.inf:
             problems.append(f"temperature must be a finite number >= 0, got {t!r}")
@@ -62,13 +82,28 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Logprob:
+    """One token's log-prob under the model (float32 ``log_softmax`` of its raw logits) and
+    the ``k`` most likely tokens at its position as ``(id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """What ``Engine.step`` produced for one request."""
+    """What ``Engine.step`` produced for one request. ``logprobs``: one ``Logprob`` per
+    new token when the request asked (``SamplingParams.logprobs``), else None.
+    ``prompt_logprobs``: with the request's first output when it asked, one entry per prompt
+    token (None for the first, which has no prefix)."""
 
     request_id: int
     new_token_ids: tuple[int, ...]  # tokens produced by this step for this request
     finished: bool
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort"
+    logprobs: tuple[Logprob, ...] | None = None
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 class QueueFull(Exception):

@@ -1,0 +1,233 @@
+"""One request's reply (:class:`Reply`): the engine's outputs as text pieces, with their
+log-probs, sent as one JSON body or as server-sent events; and the response classes that
+abort the request when the client goes away (``edl.serve.server`` builds them)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from edl.serve import protocol
+from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
+from edl.serve.logprob_replies import ReplyLogprobs
+from edl.serve.metrics import RequestTimer
+from edl.serve.protocol import APIError, GenerationRequest
+from edl.text.detokenize import IncrementalText
+from edl.text.tokenizer import Tokenizer
+
+__all__ = ["EventStream", "Reply", "ReplyContext", "disconnected", "unless_disconnected"]
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplyContext:
+    """What a reply needs of its server: the driver (to abort its request), the tokenizer,
+    the served model's name, the EOS ids (left out of the text), and ``on_close``, called
+    once when the reply ends (the server counts open replies for its drain)."""
+
+    driver: AsyncEngine
+    tokenizer: Tokenizer
+    model_name: str
+    stop_token_ids: tuple[int, ...]
+    on_close: Callable[[], None]
+
+
+class EventStream(StreamingResponse):
+    """A streaming response that always watches for the client's disconnect and then
+    cancels the body iterator, whatever ASGI spec version the server reports; ``on_close``
+    runs at the end in any case (even if the body never started)."""
+
+    def __init__(self, content: Any, on_close: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def body() -> None:
+            await self.stream_response(send)
+            watcher.cancel()
+
+        streaming = asyncio.ensure_future(body())
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, watcher):
+                task.cancel()
+            await asyncio.gather(streaming, watcher, return_exceptions=True)
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self.on_close()
+        # A failure of the body (not the client going away: OSError on send) is raised.
+        error = None if streaming.cancelled() else streaming.exception()
+        if error is not None and not isinstance(error, OSError):
+            raise error
+
+
+async def disconnected(receive: Any) -> None:
+    """Returns when the client has disconnected (its ``http.disconnect`` message)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """``await work``, or None (``work`` cancelled) if the client disconnects first."""
+    working = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected(request.receive))
+    try:
+        await asyncio.wait({working, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not working.done():
+            return None
+        try:
+            return working.result()
+        except EngineStopped as e:
+            raise APIError(500, str(e), type="server_error") from e
+    finally:
+        for task in (working, watcher):
+            task.cancel()
+        await asyncio.gather(working, watcher, return_exceptions=True)
+
+
+class Reply:
+    """One request's reply: the engine's outputs as text pieces, sent plain or streamed;
+    it aborts the request unless the engine finished it."""
+
+    def __init__(
+        self,
+        context: ReplyContext,
+        req: GenerationRequest,
+        stream: RequestStream,
+        prompt: list[int],
+        timer: RequestTimer,
+    ) -> None:
+        self.context, self.req, self.stream, self.timer = context, req, stream, timer
+        self.prompt, self.prompt_tokens, self.completion_tokens = prompt, len(prompt), 0
+        wanted = req.logprobs is not None
+        self.logprobs = ReplyLogprobs(context.tokenizer, req.kind, prompt) if wanted else None
+        self.id = protocol.new_id(req.kind)
+        self.text = IncrementalText(
+            context.tokenizer, stop=req.stop, stop_token_ids=context.stop_token_ids
+        )
+        self.done = self.closed = False
+        self.sent_chars = 0  # text streamed so far (the legacy log-probs' text_offset)
+        self.echoed = not req.echo  # echo: the prompt leads the first piece
+
+    async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
+        """``(text, finish_reason)``; the last has a finish reason."""
+        async for out in self.stream:
+            self.completion_tokens += len(out.new_token_ids)
+            self.timer.tokens(len(out.new_token_ids))
+            if self.logprobs is not None:
+                self.logprobs.take(out)
+            piece = self._echo() + self.text.push(out.new_token_ids)
+            if self.text.stopped:  # a stop string: the reply ends here
+                self.context.driver.abort(self.stream.request_id)
+                self.done = True
+                self.timer.finish("stop")
+                yield piece, "stop"
+                return
+            if out.finished:
+                if out.finish_reason not in FINISH_REASONS:  # the engine broke the contract
+                    raise RuntimeError(
+                        f"the engine finished request {out.request_id} with "
+                        f"finish_reason {out.finish_reason!r}, not one of "
+                        f"{FINISH_REASONS}"
+                    )
+                self.done = True
+                self.timer.finish(out.finish_reason)
+                yield piece + self.text.end(), out.finish_reason
+                return
+            if piece:
+                yield piece, None
+
+    def _echo(self) -> str:
+        """With ``echo``, once (at the engine's first output, which brings the prompt's
+        log-probs): the prompt's text, its log-prob entries put first."""
+        if self.echoed:
+            return ""
+        self.echoed = True
+        if self.logprobs is not None:
+            self.logprobs.echo()
+        return self.context.tokenizer.decode(self.prompt)
+
+    def close(self) -> None:
+        """The reply's end (once; from ``finally`` blocks): the request leaves the engine
+        if it has not finished."""
+        if self.closed:
+            return
+        self.closed = True
+        self.context.on_close()
+        if not self.done:
+            self.context.driver.abort(self.stream.request_id)
+
+    async def body(self) -> dict[str, Any]:
+        """The whole reply's JSON body, once the engine has finished it."""
+        texts, finish = [], None
+        async for piece, reason in self.pieces():
+            texts.append(piece)
+            finish = reason
+        text = "".join(texts)
+        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
+        return build(
+            self.id,
+            self.context.model_name,
+            text,
+            finish,
+            self.prompt_tokens,
+            self.completion_tokens,
+            None if self.logprobs is None else self.logprobs.sent(0),
+        )
+
+    async def plain(self, request: Request) -> Response:
+        """Collect the reply, aborting it if the client disconnects meanwhile."""
+        try:
+            body = await unless_disconnected(request, self.body())
+        finally:
+            self.close()
+        # None: the client is gone, nobody reads the answer.
+        return Response(status_code=499) if body is None else JSONResponse(body)
+
+    def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
+        model, chat = self.context.model_name, self.req.kind == "chat"
+        sending = piece is not None and self.logprobs is not None
+        logprobs = self.logprobs.sent(self.sent_chars) if sending else None
+        self.sent_chars += len(piece or "")
+        if chat:
+            delta = None if piece is None else ({"content": piece} if piece else {})
+            body = protocol.chat_chunk(self.id, model, delta, finish, usage, logprobs)
+        else:
+            body = protocol.completion_chunk(self.id, model, piece, finish, usage, logprobs)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events: chat opens with the assistant role; a content chunk per
+        piece; the finish reason; usage when asked; ``[DONE]``."""
+        try:
+            if self.req.kind == "chat":
+                body = protocol.chat_chunk(
+                    self.id, self.context.model_name, {"role": "assistant", "content": ""}, None
+                )
+                yield f"data: {json.dumps(body)}\n\n"
+            try:
+                async for piece, finish in self.pieces():
+                    if finish is not None and self.req.kind == "chat":
+                        if piece:
+                            yield self._chunk(piece, None)
+                        yield self._chunk("", finish)
+                    else:
+                        yield self._chunk(piece, finish)
+            except EngineStopped as e:  # the status is sent: an error event, as vLLM's
+                error = APIError(500, str(e), type="server_error")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                return
+            if self.req.include_usage:
+                usage = protocol.usage(self.prompt_tokens, self.completion_tokens)
+                yield self._chunk(None, None, usage)
+            yield "data: [DONE]\n\n"
+        finally:
+            self.close()
