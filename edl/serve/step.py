@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int, UInt
 
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
+from edl.serve.grammar import mask_logits
 
 __all__ = ["SlotSampling", "model_step"]
 
@@ -98,6 +99,7 @@ def model_step(
     tokens: Int[Array, "batch width"],
     num_new: Int[Array, " batch"],
     sampling: SlotSampling,
+    allowed: Int[Array, "batch words"] | None = None,
 ) -> tuple[
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
@@ -108,7 +110,8 @@ def model_step(
     ``lengths[b] + num_new[b]`` tokens, unchecked here; attention reads all of it); returns
     the updated pools and each row's next token, sampled after its last new token
     (meaningless where ``num_new`` is 0). The pools are donated: pass the returned ones to
-    the next call."""
+    the next call. ``allowed``: the rows' grammar bitmasks (``edl.serve.grammar``; None,
+    the plain program, when no row has a grammar)."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
     cache = PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
@@ -119,4 +122,6 @@ def model_step(
     last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
     hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
     logits = model.lm_logits(hidden).astype(jnp.float32)
+    if allowed is not None:  # grammar-constrained rows (edl.serve.grammar): a separate program
+        logits = mask_logits(logits, allowed)
     return out.cache.k_pages, out.cache.v_pages, sample_rows(logits, sampling)

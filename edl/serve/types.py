@@ -25,7 +25,9 @@ def is_int(value: object) -> bool:
 class SamplingParams:
     """How one request is decoded. ``temperature=0`` is greedy; ``top_k=None`` and
     ``top_p=1`` are off; ``seed=None`` draws a fresh one; ``stop_token_ids`` end the
-    request like the engine's EOS ids."""
+    request like the engine's EOS ids; ``grammar`` (an llguidance grammar,
+    ``edl.serve.grammar``) constrains the tokens and ends the request where it is
+    complete."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -33,6 +35,7 @@ class SamplingParams:
     top_k: int | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
+    grammar: str | None = None  # structured output (edl.serve.grammar)
 
     def __post_init__(self):
         problems = []
@@ -51,6 +54,8 @@ class SamplingParams:
         stop = self.stop_token_ids
         if not isinstance(stop, tuple) or not all(is_int(i) and i >= 0 for i in stop):
             problems.append(f"stop_token_ids must be a tuple of ids >= 0, got {stop!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            problems.append(f"grammar must be None or a string, got {type(self.grammar)}")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
 
