@@ -9,9 +9,10 @@ completions (plain, and the chunks of a stream). No web framework here.
 Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
 off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
-(``include_usage``). Fields OpenAI defines but this server does not implement are accepted
-only at their no-op value (``logprobs: false``, ``presence_penalty: 0``, ...); any other
-field is an error naming it.
+(``include_usage``), ``response_format`` (text, ``json_object``, ``json_schema``) and, for
+chat, ``tools`` / ``tool_choice`` (:mod:`edl.serve.structured`). Fields OpenAI defines but
+this server does not implement are accepted only at their no-op value (``logprobs:
+false``, ``presence_penalty: 0``, ...); any other field is an error naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from edl.serve.structured import FieldError, Tools, parse_tools, response_format_grammar
 from edl.serve.types import SamplingParams
 from edl.text.chat import template_role
 from edl.text.tokenizer import checked_text
@@ -85,6 +87,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    grammar: str | None = None  # response_format's or a forced tool choice's
+    tools: Tools | None = None
 
     def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
         return SamplingParams(
@@ -94,6 +98,7 @@ class GenerationRequest:
             top_k=self.top_k,
             seed=self.seed,
             stop_token_ids=tuple(stop_token_ids),
+            grammar=self.grammar,
         )
 
 
@@ -109,6 +114,7 @@ _COMMON = {
     "stream",
     "stream_options",
     "user",
+    "response_format",
 }
 # Defined by OpenAI, not implemented: accepted at the value that means "off" only.
 _NO_OP = {
@@ -120,14 +126,11 @@ _NO_OP = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "parallel_tool_calls": (None, True, False),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _FIELDS = {
     "completion": _COMMON | {"prompt"},
-    "chat": _COMMON | {"messages", "max_completion_tokens"},
+    "chat": _COMMON
+    | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls"},
 }
 
 
@@ -197,6 +200,20 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         raise bad(f"'stream_options' takes only 'include_usage', got {options!r}", "stream_options")
     if options and not stream:
         raise bad("'stream_options' needs 'stream': true", "stream_options")
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+        tools = parse_tools(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        )
+    except FieldError as e:
+        raise bad(str(e), e.param) from e
+    if tools is not None and tools.forced:
+        if grammar is not None:
+            raise bad(
+                "'response_format' cannot be combined with a forced 'tool_choice'",
+                "response_format",
+            )
+        grammar = tools.grammar()
     return dict(
         kind=kind,
         model=body["model"],
@@ -208,6 +225,8 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         stop=_stop(body.get("stop")),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
+        grammar=grammar,
+        tools=tools,
     )
 
 
@@ -335,15 +354,20 @@ def completion_response(
 def chat_response(
     id: str,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
+    """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage;
+    ``tool_calls`` (``edl.serve.structured.parse_tool_calls``) go in the message."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": None,
         "finish_reason": finish_reason,
     }
@@ -372,7 +396,7 @@ def completion_chunk(
 def chat_chunk(
     id: str,
     model: str,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
 ) -> dict[str, Any]:

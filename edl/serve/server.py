@@ -28,8 +28,9 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
-penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
+wiring; tests/test_serve_structured.py). ``response_format`` / ``tools``:
+:mod:`edl.serve.structured`. Not implemented, rejected with a 400 naming the field:
+``n`` > 1, ``logprobs``, penalties, ``logit_bias``, ``echo``, ``best_of``, ``suffix``,
 several prompts in one /v1/completions call. Also not done: an API key, metrics
 (Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
 once), tokenization off the event loop (chat templates of long conversations take
@@ -53,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edl.serve import protocol
+from edl.serve import protocol, structured
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.types import Engine, QueueFull
@@ -63,7 +64,7 @@ from edl.text.tokenizer import Tokenizer
 __all__ = ["create_app", "make_server", "serve"]
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
-_FINISH_REASONS = ("stop", "length", "abort")
+_FINISH_REASONS = ("stop", "length", "abort")  # the engine's; the reply's adds "tool_calls"
 
 
 def _error(e: APIError) -> JSONResponse:
@@ -175,8 +176,12 @@ class _Server:
                     f"the model {self.model_name} has no chat template: use /v1/completions",
                     "messages",
                 )
+            tools = None if req.tools is None else req.tools.rendered
+            extra = {} if tools is None else {"tools": tools}  # the template's tool format
             try:
-                return list(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+                return list(
+                    tok.apply_chat_template(req.messages, add_generation_prompt=True, **extra)
+                )
             except Exception as e:  # the template's own errors (jinja raise_exception, ...)
                 raise protocol.bad(
                     f"the chat template rejected the messages: {e}", "messages"
@@ -272,16 +277,29 @@ class _Reply:
             server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
         )
         self.done = self.closed = False
+        # Tool calls (edl.serve.structured): their text is held back, then parsed.
+        tools = req.tools is not None and req.tools.choice != "none"
+        self.tool_text = structured.ToolText() if tools else None
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def _finish(self, piece: str, reason: str) -> tuple[str, str]:
+        """The last piece and finish reason, tool calls taken out of the text."""
+        if self.tool_text is None:
+            return piece, reason
+        piece = self.tool_text.push(piece)
+        rest, self.tool_calls = self.tool_text.end()
+        return piece + rest, "tool_calls" if self.tool_calls and reason == "stop" else reason
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """``(text, finish_reason)``; the last has a finish reason."""
+        """``(text, finish_reason)``; the last has a finish reason (``tool_calls`` are
+        then in ``self.tool_calls``)."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
             piece = self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
                 self.done = True
-                yield piece, "stop"
+                yield self._finish(piece, "stop")
                 return
             if out.finished:
                 if out.finish_reason not in _FINISH_REASONS:  # the engine broke the contract
@@ -291,8 +309,10 @@ class _Reply:
                         f"{_FINISH_REASONS}"
                     )
                 self.done = True
-                yield piece + self.text.end(), out.finish_reason
+                yield self._finish(piece + self.text.end(), out.finish_reason)
                 return
+            if self.tool_text is not None:
+                piece = self.tool_text.push(piece)
             if piece:
                 yield piece, None
 
@@ -331,17 +351,14 @@ class _Reply:
                 task.cancel()
             await asyncio.gather(collecting, watcher, return_exceptions=True)
             self.close()
-        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
-        return JSONResponse(
-            build(
-                self.id,
-                self.server.model_name,
-                text,
-                finish,
-                self.prompt_tokens,
-                self.completion_tokens,
-            )
-        )
+        args = (self.id, self.server.model_name)
+        counts = (self.prompt_tokens, self.completion_tokens)
+        if self.req.kind == "chat":
+            content = text if text or not self.tool_calls else None
+            body = protocol.chat_response(*args, content, finish, *counts, self.tool_calls)
+        else:
+            body = protocol.completion_response(*args, text, finish, *counts)
+        return JSONResponse(body)
 
     def _chunk(self, piece: str | None, finish: str | None, usage: Any = None) -> str:
         model, chat = self.server.model_name, self.req.kind == "chat"
@@ -366,6 +383,12 @@ class _Reply:
                     if finish is not None and self.req.kind == "chat":
                         if piece:
                             yield self._chunk(piece, None)
+                        if self.tool_calls:
+                            calls = structured.delta_tool_calls(self.tool_calls)
+                            body = protocol.chat_chunk(
+                                self.id, self.server.model_name, {"tool_calls": calls}, None
+                            )
+                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
                         yield self._chunk("", finish)
                     else:
                         yield self._chunk(piece, finish)
