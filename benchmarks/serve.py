@@ -17,8 +17,15 @@ through transformers' ``generate``. The ``edl.generate`` baseline is timed befor
 the served runs and the faster of the two counts. ``EDL_NATIVE_KERNELS=0`` in the
 environment runs the server without the native CPU paged attention (for an A/B).
 
+``--structured N``: structured output's cost instead: the served throughput alone, on one
+server, ``N`` rounds of plain requests then requests whose ``response_format`` is a JSON schema
+(``STRUCTURED``: an object whose one string, 1000 characters at least, is longer than any
+reply, so every request still makes exactly ``--max-tokens`` tokens, each masked by its
+grammar: ``edl.serve.grammar``), and the medians' ratio. The engine then has a Hugging Face
+tokenizer with the byte tokenizer's ids (``_byte_hf_tokenizer``), which llguidance needs.
+
     python -m benchmarks.serve [--quick] [--concurrency 1 4 16 64] [--prompt-len 100]
-                               [--max-tokens 128] [--out results.json]
+                               [--max-tokens 128] [--structured N] [--out results.json]
 
 Prints a table, then LAST one JSON line with every number (also written to ``--out``).
 """
@@ -60,6 +67,44 @@ def _model(hidden: int, layers: int, max_len: int) -> LlamaForCausalLM:
     return eqx.tree_at(lambda m: m.lm_head.weight, model, jnp.where(keep[:, None], head, 0.0))
 
 
+# --structured: a JSON object whose one string cannot end within a reply (exact lengths).
+STRUCTURED = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "bench",
+        "schema": {
+            "type": "object",
+            "properties": {"text": {"type": "string", "minLength": 1000}},
+            "required": ["text"],
+        },
+    },
+}
+
+
+def _byte_hf_tokenizer():
+    """``edl.text.HFTokenizer`` with ``ByteTokenizer``'s ids (bytes 0-255, then pad, bos,
+    eos): a byte-level BPE without merges, so llguidance can read its vocabulary."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from edl.text import HFTokenizer
+
+    # GPT-2's byte-to-character table, which the ByteLevel pre-tokenizer and decoder use.
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    chars = {b: chr(b if b in printable else next(extra)) for b in range(256)}
+    vocab = {c: b for b, c in chars.items()}
+    raw = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens(["<pad>", "<s>", "</s>"])  # 256, 257, 258
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    assert fast.convert_tokens_to_ids(["<pad>", "</s>"]) == [256, 258]
+    return HFTokenizer(fast, "bytes")
+
+
 def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 259, length).tolist() for _ in range(n)]
@@ -72,10 +117,11 @@ def _percentiles(values: list[float]) -> dict[str, float]:
 
 
 def _one_stream(
-    client, prompt: list[int], max_tokens: int, first=None
+    client, prompt: list[int], max_tokens: int, first=None, structured: bool = False
 ) -> tuple[float, list[float], int]:
     """``(ttft, inter-token gaps, completion tokens)`` of one streamed completion;
-    ``first()`` is called when its first token arrives."""
+    ``first()`` is called when its first token arrives; ``structured``: with
+    ``STRUCTURED`` as its response_format."""
     start = time.perf_counter()
     arrivals, tokens = [], 0
     stream = client.completions.create(
@@ -85,6 +131,7 @@ def _one_stream(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"response_format": STRUCTURED} if structured else None,
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].text:
@@ -125,6 +172,7 @@ def _server_process(args: argparse.Namespace) -> None:
     arrives on stdin stops and prints ``{"free_pages_after"}``."""
     max_len = args.prompt_len + args.max_tokens
     model = _model(args.hidden, args.layers, max_len)
+    tokenizer = _byte_hf_tokenizer() if args.structured else ByteTokenizer()
     engine = Engine(
         model,
         max_batch=max(args.concurrency),
@@ -132,6 +180,7 @@ def _server_process(args: argparse.Namespace) -> None:
         page_size=16,
         prefill_chunk=args.prefill_chunk,
         prefill_tokens=args.prefill_tokens,
+        tokenizer=tokenizer if args.structured else None,
     )
     start = time.perf_counter()
     engine.warmup()
@@ -140,7 +189,7 @@ def _server_process(args: argparse.Namespace) -> None:
         "programs": len(engine.step_programs()),  # each shape with and without log-probs
         "seconds": time.perf_counter() - start,
     }
-    app = create_app(engine, ByteTokenizer(), model_name="bench", max_model_len=max_len)
+    app = create_app(engine, tokenizer, model_name="bench", max_model_len=max_len)
     server = make_server(app, port=0, log_level="warning")
     thread = threading.Thread(target=server.run)
     thread.start()
@@ -157,12 +206,43 @@ def _server_process(args: argparse.Namespace) -> None:
     )
 
 
+def _throughput(client, args: argparse.Namespace, structured: bool) -> dict[str, dict]:
+    """Per concurrency ``c``: ``2 c`` streamed requests from ``c`` client threads."""
+    results = {}
+    for c in args.concurrency:
+        prompts = _prompts(2 * c, args.prompt_len, c)
+        one = lambda p: _one_stream(client, p, args.max_tokens, None, structured)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(c) as pool:
+            runs = list(pool.map(one, prompts))
+        wall = time.perf_counter() - start
+        tokens = sum(n for _, _, n in runs)
+        results[str(c)] = {
+            "requests": len(runs),
+            "output_tokens": tokens,
+            "seconds": wall,
+            "tokens_per_s": tokens / wall,
+            "ttft_s": _percentiles([t for t, _, _ in runs]),
+            "itl_s": _percentiles([g for _, gaps, _ in runs for g in gaps]),
+        }
+        print(
+            f"  {c:>3} clients{' (structured)' if structured else ''}: {tokens / wall:8.1f} "
+            f"tok/s, ttft p50 {results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
+            f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms",
+            flush=True,
+        )
+    return results
+
+
 def _served(args: argparse.Namespace) -> dict[str, dict]:
+    """The served measurements; ``--structured N``: ``N`` rounds of plain then structured
+    requests (``STRUCTURED``) on one server, as ``results["rounds"]``."""
     options = [
         f"--{k.replace('_', '-')}={v}"
         for k, v in vars(args).items()
         if k in ("prompt_len", "max_tokens", "prefill_chunk", "prefill_tokens", "hidden", "layers")
     ]
+    options += [f"--structured={args.structured}"]
     options += ["--concurrency", *map(str, args.concurrency)]
     command = [sys.executable, "-m", "benchmarks.serve", "--server", *options]
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -176,30 +256,19 @@ def _served(args: argparse.Namespace) -> dict[str, dict]:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    results = {"warmup": warmup}
+    results: dict = {"warmup": warmup}
     try:
-        _one_stream(client, _prompts(1, args.prompt_len, 99)[0], 4)  # the HTTP path, once
-        for c in args.concurrency:
-            prompts = _prompts(2 * c, args.prompt_len, c)
-            start = time.perf_counter()
-            with concurrent.futures.ThreadPoolExecutor(c) as pool:
-                runs = list(pool.map(lambda p: _one_stream(client, p, args.max_tokens), prompts))
-            wall = time.perf_counter() - start
-            tokens = sum(n for _, _, n in runs)
-            results[str(c)] = {
-                "requests": len(runs),
-                "output_tokens": tokens,
-                "seconds": wall,
-                "tokens_per_s": tokens / wall,
-                "ttft_s": _percentiles([t for t, _, _ in runs]),
-                "itl_s": _percentiles([g for _, gaps, _ in runs for g in gaps]),
-            }
-            print(
-                f"  {c:>3} clients: {tokens / wall:8.1f} tok/s, ttft p50 "
-                f"{results[str(c)]['ttft_s']['p50']:.3f} s, itl p50 "
-                f"{results[str(c)]['itl_s']['p50'] * 1e3:.1f} ms",
-                flush=True,
-            )
+        for structured in (False, True) if args.structured else (False,):  # the path, once
+            _one_stream(client, _prompts(1, args.prompt_len, 99)[0], 4, None, structured)
+        if args.structured:  # the side-by-side throughput only, alternating (this VM drifts)
+            rounds = [
+                (m, _throughput(client, args, m))
+                for _ in range(args.structured)
+                for m in (False, True)
+            ]
+            results["rounds"] = rounds
+            return results
+        results.update(_throughput(client, args, False))
         busy = min(15, max(args.concurrency) - 1)  # one batch place left for the probe
         ttft = _ttft_while_decoding(client, args, busy=busy)
         results["ttft_while_decoding_s"] = {"busy": busy, **ttft}
@@ -275,11 +344,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--layers", type=int, default=16, help="its decoder layers (quick: 6)")
     parser.add_argument("--sequential", type=int, default=4, help="requests per baseline")
+    parser.add_argument(
+        "--structured",
+        type=int,
+        default=0,
+        help="N: structured output's cost: N rounds of plain and JSON-schema requests",
+    )
     parser.add_argument("--out", help="also write the JSON results to this file")
     parser.add_argument(
         "--server", action="store_true", help="internal: the server process this script starts"
     )
     return parser
+
+
+def _structured_cost(args: argparse.Namespace) -> None:
+    """``--structured N``: N rounds of plain then structured requests on one server, and per
+    concurrency the medians' ratio of output tokens/s."""
+    served = _served(args)
+    results = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "runs": {}}
+    for c in map(str, args.concurrency):
+        plain = [r[c]["tokens_per_s"] for m, r in served["rounds"] if not m]
+        constrained = [r[c]["tokens_per_s"] for m, r in served["rounds"] if m]
+        ratio = float(np.median(constrained) / np.median(plain))
+        results["runs"][c] = {"plain": plain, "structured": constrained, "ratio": ratio}
+        print(
+            f"  {c:>3} clients: plain {np.median(plain):.1f} tok/s, structured "
+            f"{np.median(constrained):.1f} tok/s (medians of {len(plain)}): {ratio:.3f}x",
+            flush=True,
+        )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results))
 
 
 def main() -> None:
@@ -288,6 +384,8 @@ def main() -> None:
         return _server_process(args)
     if args.quick:
         args.hidden, args.layers, args.concurrency, args.max_tokens = 384, 6, [1, 4], 32
+    if args.structured:
+        return _structured_cost(args)
     model = _model(args.hidden, args.layers, args.prompt_len + args.max_tokens)
     params = edl.count_params(model)
     print(

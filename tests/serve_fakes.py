@@ -10,7 +10,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams
 from edl.text import ByteTokenizer
@@ -45,10 +45,16 @@ class ChatBytes(ByteTokenizer):
 class FakeEngine:
     """``edl.serve.types.Engine`` over ``reply_of``: one token per running request per step
     (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
-    seconds per step. Records aborts, the largest batch and every calling thread."""
+    seconds per step. Records aborts, the largest batch, every calling thread and the
+    params of every request added; ``reply`` replaces ``reply_of``."""
 
     def __init__(
-        self, *, max_running: int = 64, step_delay: float = 0.0, fail_at_step: int | None = None
+        self,
+        *,
+        max_running: int = 64,
+        step_delay: float = 0.0,
+        fail_at_step: int | None = None,
+        reply: Callable[[Sequence[int]], str] = reply_of,
     ) -> None:
         self.max_running, self.step_delay = max_running, step_delay
         self.fail_at_step, self.steps = fail_at_step, 0
@@ -59,6 +65,7 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.largest_batch = 0
         self.prompts: dict[int, list[int]] = {}
+        self.reply, self.params = reply, []
 
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
@@ -70,10 +77,11 @@ class FakeEngine:
         if len(self.running) >= self.max_running:
             raise QueueFull(f"{len(self.running)} requests running")
         request_id = next(self.ids)
-        tokens = [*ByteTokenizer().encode(reply_of(prompt_ids)), EOS]
+        tokens = [*ByteTokenizer().encode(self.reply(prompt_ids)), EOS]
         if params.max_tokens == 0:
             tokens = list(prompt_ids)
         self.prompts[request_id] = list(prompt_ids)
+        self.params.append(params)
         self.running[request_id] = (tokens, params, [])
         return request_id
 

@@ -259,7 +259,20 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
     rows hold no pages and no row writes (its new tokens and the chunk's padding) into a
     page another row holds. It returns no log-probs (no request here asks)."""
 
-    def step(model, k, v, table, lengths, tokens, num_new, sampling, targets=None, *, logprobs):
+    def step(
+        model,
+        k,
+        v,
+        table,
+        lengths,
+        tokens,
+        num_new,
+        sampling,
+        targets=None,
+        allowed=None,
+        *,
+        logprobs,
+    ):
         table, lengths, num_new = map(np.asarray, (table, lengths, num_new))
         assert (*tokens.shape, table.shape[1]) in shapes, (tokens.shape, table.shape)
         busy = num_new > 0

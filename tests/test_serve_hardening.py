@@ -311,6 +311,27 @@ def test_health_answers_while_a_30_mb_request_is_refused():
             assert s.recv(4096).startswith(b"HTTP/1.1 413 ")
 
 
+def _whole_response(s: socket.socket) -> bytes:
+    """One HTTP response read whole (its head and ``Content-Length`` bytes), however the
+    network splits it: one ``recv`` may return the head alone."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection closed inside the response head: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = s.recv(65536)
+        assert chunk, f"the connection closed inside the body: {body!r}"
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_body_that_never_arrives_whole_is_408():
     with serving(options=ServerOptions(body_timeout_s=0.3)) as (host, port, _):
         with socket.create_connection((host, port), timeout=5) as s:
@@ -318,7 +339,7 @@ def test_a_body_that_never_arrives_whole_is_408():
                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                 b'\r\nContent-Length: 100\r\n\r\n{"model": '
             )
-            reply = s.recv(65536)
+            reply = _whole_response(s)
         head, _, body = reply.partition(b"\r\n\r\n")
         assert head.startswith(b"HTTP/1.1 408 ")
         error = json.loads(body)["error"]

@@ -1,6 +1,7 @@
 """``edl serve``: a model behind the OpenAI-compatible HTTP server (:mod:`edl.serve.server`),
 batched by ``edl.serve.engine.Engine`` (continuous batching over a paged KV cache) with the
-model's EOS ids; ``--warmup`` compiles the engine's step shapes before it listens.
+model's EOS ids; ``--warmup`` compiles the engine's step shapes before it listens (with a
+Hugging Face tokenizer, each shape's grammar-masked program for structured output too).
 
 It says what it does on stderr from its first second, each line with the seconds since
 start: loading the model, building the engine (how many step shapes, where the compilation
@@ -70,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> None:
         eos = (int(tokenizer.eos_id),)
     say(f"loaded {count_params(model):,} parameters; building the engine ...")
     from edl.serve.engine import Engine
+    from edl.text import HFTokenizer
 
     engine = Engine(
         model,
@@ -77,12 +79,15 @@ def run_serve(args: argparse.Namespace) -> None:
         max_model_len=max_model_len,
         eos_token_ids=eos,
         echo=say,
+        # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
+        tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
     )
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
+    masked = " x2 (plain, grammar-masked)" if isinstance(tokenizer, HFTokenizer) else ""
     say(
-        f"engine ready: {shapes} step shapes (batch rows {engine.row_buckets}, prefill widths "
-        f"{engine.width_buckets}, pages {engine.page_buckets}); compilation cache: "
+        f"engine ready: {shapes} step shapes{masked} (batch rows {engine.row_buckets}, prefill "
+        f"widths {engine.width_buckets}, pages {engine.page_buckets}); compilation cache: "
         f"{cache or 'off'}"
     )
     if args.warmup:

@@ -70,6 +70,10 @@ whatever else is in the batch (up to float rounding: the same request's logits c
 calls of different shapes depending on its company). Output tokens include the EOS / stop
 token that ends a request (``finish_reason="stop"``); stop *strings* are the server's
 (``edl.serve.server`` detokenizes, trims and aborts the request, which frees its pages).
+A request's grammar (``SamplingParams.grammar``; an engine built with ``tokenizer=``)
+masks its logits before sampling, through the step's masked program, compiled apart and
+run only for steps where some row has a grammar; the request ends ("stop") where the
+grammar is complete (``edl.serve.grammar``). ``warmup`` then compiles both programs.
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
@@ -84,6 +88,7 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -93,6 +98,7 @@ from edl.generate.decode import _without_id_checks
 from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
+from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
 from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
 from edl.serve.step import SlotSampling, model_step
@@ -117,6 +123,7 @@ class _Request:
     published: int = 0  # prompt blocks offered to the prefix cache
     generated: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = dataclasses.field(default_factory=lambda: [None])
+    matcher: Any = None  # its grammar's state (edl.serve.grammar), if it has one
 
     @property
     def prefilling(self) -> bool:
@@ -152,6 +159,7 @@ class Engine:
         eos_token_ids: Sequence[int] = (),
         prefix_caching: bool = True,
         echo: Callable[[str], None] | None = None,
+        tokenizer: Any = None,
     ):
         """Args:
         model: a causal LM (``edl.generate.CausalLM``).
@@ -168,6 +176,8 @@ class Engine:
         echo: hears each step shape's first call (``"compiling decode 8x1, 4 pages
             (first use) ..."``, then how long it took), and ``warmup``'s progress; None:
             silent.
+        tokenizer: the model's ``edl.text.HFTokenizer``: requests may then carry a grammar
+            (``SamplingParams.grammar``, ``edl.serve.grammar``); None: they may not.
         """
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -218,7 +228,8 @@ class Engine:
         self._next_id = 0
         self._rng = np.random.default_rng()  # seeds of requests that give none
         self._echo = echo
-        self._compiled: set[tuple[int, int, int]] = set()  # shapes called at least once
+        self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs run
+        self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
 
     @property
     def num_free_pages(self) -> int:
@@ -271,6 +282,10 @@ class Engine:
         hashes = block_hashes(prompt, self.page_size) if sharing else []
         stop = self.eos_token_ids | frozenset(params.stop_token_ids)
         request = _Request(self._next_id, prompt, params, seed, stop, hashes)
+        if params.grammar is not None:
+            if self._grammars is None:
+                raise ValueError("add_request: a grammar needs an Engine built with a tokenizer")
+            request.matcher = self._grammars.matcher(params.grammar)
         self._next_id += 1
         self._waiting.append(request)
         self._live[request.id] = request
@@ -332,36 +347,56 @@ class Engine:
         rows with no tokens: the cache is unchanged), so serving never waits on XLA. Takes
         seconds per shape for a deep model (the layers are unrolled), less where jax's
         persistent compilation cache has them. ``echo`` hears each shape as it compiles:
-        ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``."""
-        shapes = [s for s in self.step_programs() if s not in self._compiled]
+        ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``.
+        Every program of ``step_programs()``: with and without log-probs, and, with a
+        tokenizer, grammar-masked too."""
+        programs = [key for key in self.step_programs() if key not in self._compiled]
         start = time.perf_counter()
-        for done, shape in enumerate(shapes, 1):
+        for done, (rows, width, pages, logprobs, masked) in enumerate(programs, 1):
             t0, hits = time.perf_counter(), cache_hits()
-            self._call([], *shape)
+            self._call([], rows, width, pages, logprobs, masked)
             if self._echo is not None:
                 now, cached = time.perf_counter(), cache_hits() > hits
-                line = warmup_progress(shape, done, len(shapes), now - t0, now - start, cached)
+                program = (rows, width, pages, logprobs, masked)
+                line = warmup_progress(program, done, len(programs), now - t0, now - start, cached)
                 self._echo(line)
 
-    def step_programs(self) -> list[tuple[int, int, int, bool]]:
-        """``step_shapes()``, each without and with log-probs (``model_step``'s two variants):
-        every program ``warmup`` compiles."""
-        return [(*shape, logprobs) for logprobs in (False, True) for shape in self.step_shapes()]
+    def step_programs(self) -> list[tuple[int, int, int, bool, bool]]:
+        """Every program ``warmup`` compiles: each of ``step_shapes()`` without and with
+        log-probs (``model_step``'s ``logprobs`` variant) and, for an engine with a
+        tokenizer, without and with grammar masks: ``(rows, width, pages, logprobs,
+        masked)``."""
+        masks = (False, True) if self._grammars is not None else (False,)
+        return [
+            (*shape, logprobs, masked)
+            for masked in masks
+            for logprobs in (False, True)
+            for shape in self.step_shapes()
+        ]
 
     def _call(
-        self, requests: list[_Request], rows: int, width: int, pages: int, logprobs: bool = False
+        self,
+        requests: list[_Request],
+        rows: int,
+        width: int,
+        pages: int,
+        logprobs: bool = False,
+        masked: bool = False,
     ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
         """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
         tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
         to ``pages``; returns each row's sampled token and, in the log-prob variant (when a
         request asks, or ``logprobs``), its log-prob arrays; records prompt log-probs and
-        advances each request's ``computed`` by its new tokens."""
+        advances each request's ``computed`` by its new tokens. Rows with a grammar that
+        sample this step have their tokens masked (the masked variant; ``masked`` forces it
+        for warmup)."""
         tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
         table = np.full((rows, pages), -1, np.int32)
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
         top_k, seed = np.zeros(rows, np.int32), np.zeros(rows, np.uint32)
         counter = np.zeros(rows, np.int32)
+        matchers: list[Any] = [None] * rows
         for i, r in enumerate(requests):
             p = r.params
             new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
@@ -370,12 +405,19 @@ class Engine:
             table[i, : min(len(r.pages), pages)] = r.pages[:pages]
             temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
             seed[i], counter[i] = r.seed, len(r.generated)
+            if r.computed + len(new) >= len(r.prompt):  # this row's token is kept
+                matchers[i] = r.matcher
         sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
         logprobs = logprobs or lp.needs_logprobs(requests)
-        shape = (rows, width, pages, logprobs)
-        first = shape not in self._compiled and self._echo is not None and bool(requests)
+        allowed = None
+        if masked or any(m is not None for m in matchers):
+            assert self._grammars is not None  # requests have matchers only with it
+            allowed = jnp.asarray(self._grammars.bitmask(matchers, rows))
+        shape = (rows, width, pages)
+        key = (*shape, logprobs, allowed is not None)
+        first = key not in self._compiled and self._echo is not None and bool(requests)
         if first:  # a request waits on this compile: say so (warmup reports its own)
-            self._echo(f"compiling {shape_name(shape)} (first use) ...")
+            self._echo(f"compiling {shape_name(key)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
         self._k_pages, self._v_pages, next_tokens, extra = model_step(
             self._model,
@@ -387,13 +429,14 @@ class Engine:
             jnp.asarray(num_new),
             sampling,
             jnp.asarray(lp.prompt_targets(requests, rows, width)) if logprobs else None,
+            allowed,
             logprobs=logprobs,
         )
         next_tokens, arrays = np.asarray(next_tokens), lp.host_arrays(extra)
         if first:
             how = "from the compilation cache" if cache_hits() > hits else "compiled"
-            self._echo(f"{shape_name(shape)} ready in {time.perf_counter() - t0:.1f} s ({how})")
-        self._compiled.add(shape)
+            self._echo(f"{shape_name(key)} ready in {time.perf_counter() - t0:.1f} s ({how})")
+        self._compiled.add(key)
         for i, r in enumerate(requests):
             if r.prefilling and r.params.prompt_logprobs is not None:
                 r.prompt_logprobs += lp.prompt_entries(arrays, i, r, int(num_new[i]))
@@ -466,6 +509,8 @@ class Engine:
         reason = None
         if token in request.stop_ids and new:
             reason = "stop"
+        elif request.matcher is not None and Grammars.advance(request.matcher, token):
+            reason = "stop"  # the grammar is complete and admits nothing more
         elif len(request.generated) >= p.max_tokens:
             reason = "length"
         if reason is not None:

@@ -14,9 +14,10 @@ prompts in one call (lm-evaluation-harness's batches; not streamed); chat ``logp
 Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
 off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
-(``include_usage``). Fields OpenAI defines but this server does not implement are accepted
-only at their no-op value (``presence_penalty: 0``, ...); any other
-field is an error naming it.
+(``include_usage``), ``response_format`` (text, ``json_object``, ``json_schema``) and, for
+chat, ``tools`` / ``tool_choice`` (:mod:`edl.serve.structured`). Fields OpenAI defines but
+this server does not implement are accepted only at their no-op value
+(``presence_penalty: 0``, ...); any other field is an error naming it.
 
 Limits the engine or Unicode set: ``top_k`` below 2**31 (the engine's int32), ``seed`` in
 [0, 2**32) (its uint32); text with a lone surrogate (a JSON ``\\ud800`` escape: no UTF-8)
@@ -34,6 +35,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from edl.serve.structured import FieldError, Tools, parse_tools, response_format_grammar
 from edl.serve.types import MAX_LOGPROBS, SEED_END, TOP_K_END, SamplingParams
 from edl.text.chat import template_role
 from edl.text.sources import json_nests_deeper_than
@@ -122,6 +124,8 @@ class GenerationRequest:
     include_usage: bool
     logprobs: int | None = None  # top log-probs per token (0: the token's own); None: off
     echo: bool = False  # completions: the prompt (and its log-probs) leads the reply
+    grammar: str | None = None  # response_format's or a forced tool choice's
+    tools: Tools | None = None
 
     def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
         return SamplingParams(
@@ -134,6 +138,7 @@ class GenerationRequest:
             logprobs=self.logprobs,
             # echo: the prompt's own log-probs (max_tokens 0 needs them in the engine).
             prompt_logprobs=(self.logprobs or 0) if self.echo else None,
+            grammar=self.grammar,
         )
 
 
@@ -149,6 +154,7 @@ _COMMON = {
     "stream",
     "stream_options",
     "user",
+    "response_format",
 }
 # Defined by OpenAI, not implemented: accepted at the value that means "off" only.
 _NO_OP = {
@@ -160,14 +166,19 @@ _NO_OP = {
     "logit_bias": (None, {}),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "parallel_tool_calls": (None, True, False),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 _FIELDS = {
     "completion": _COMMON | {"prompt", "logprobs", "echo"},
-    "chat": _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
+    "chat": _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+    },
 }
 
 
@@ -251,6 +262,20 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         raise bad(f"'stream_options' takes only 'include_usage', got {options!r}", "stream_options")
     if options and not stream:
         raise bad("'stream_options' needs 'stream': true", "stream_options")
+    try:
+        grammar = response_format_grammar(body.get("response_format"))
+        tools = parse_tools(
+            body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")
+        )
+    except FieldError as e:
+        raise bad(str(e), e.param) from e
+    if tools is not None and tools.forced:
+        if grammar is not None:
+            raise bad(
+                "'response_format' cannot be combined with a forced 'tool_choice'",
+                "response_format",
+            )
+        grammar = tools.grammar()
     return dict(
         kind=kind,
         model=body["model"],
@@ -263,6 +288,8 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
         **_logprob_fields(body, kind, bool(stream)),
+        grammar=grammar,
+        tools=tools,
     )
 
 
@@ -427,16 +454,21 @@ def completion_response(
 def chat_response(
     id: str,
     model: str,
-    text: str,
+    text: str | None,
     finish_reason: str | None,
     prompt_tokens: int,
     completion_tokens: int,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage."""
+    """A whole ``/v1/chat/completions`` reply (``object: chat.completion``) with its usage;
+    ``tool_calls`` (``edl.serve.structured.parse_tool_calls``) go in the message."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     choice = {
         "index": 0,
-        "message": {"role": "assistant", "content": text},
+        "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
@@ -466,7 +498,7 @@ def completion_chunk(
 def chat_chunk(
     id: str,
     model: str,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,

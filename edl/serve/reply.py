@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from edl.serve import protocol
+from edl.serve import protocol, structured
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.logprob_replies import ReplyLogprobs
 from edl.serve.metrics import RequestTimer
@@ -23,7 +23,7 @@ from edl.text.tokenizer import Tokenizer
 
 __all__ = ["EventStream", "Reply", "ReplyContext", "disconnected", "unless_disconnected"]
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort")  # the engine's; a reply adds "tool_calls"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +116,23 @@ class Reply:
         self.done = self.closed = False
         self.sent_chars = 0  # text streamed so far (the legacy log-probs' text_offset)
         self.echoed = not req.echo  # echo: the prompt leads the first piece
+        # Tool calls (edl.serve.structured): their text is held back, then parsed.
+        tools = req.tools is not None and req.tools.choice != "none"
+        self.tool_text = structured.ToolText() if tools else None
+        self.tool_calls: list[dict[str, Any]] = []
+
+    def _finish(self, piece: str, reason: str) -> tuple[str, str]:
+        """The last piece and finish reason, tool calls taken out of the text."""
+        self.timer.finish(reason)
+        if self.tool_text is None:
+            return piece, reason
+        piece = self.tool_text.push(piece)
+        rest, self.tool_calls = self.tool_text.end()
+        return piece + rest, "tool_calls" if self.tool_calls and reason == "stop" else reason
 
     async def pieces(self) -> AsyncIterator[tuple[str, str | None]]:
-        """``(text, finish_reason)``; the last has a finish reason."""
+        """``(text, finish_reason)``; the last has a finish reason (``tool_calls`` are
+        then in ``self.tool_calls``)."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
             self.timer.tokens(len(out.new_token_ids))
@@ -128,8 +142,7 @@ class Reply:
             if self.text.stopped:  # a stop string: the reply ends here
                 self.context.driver.abort(self.stream.request_id)
                 self.done = True
-                self.timer.finish("stop")
-                yield piece, "stop"
+                yield self._finish(piece, "stop")
                 return
             if out.finished:
                 if out.finish_reason not in FINISH_REASONS:  # the engine broke the contract
@@ -139,9 +152,10 @@ class Reply:
                         f"{FINISH_REASONS}"
                     )
                 self.done = True
-                self.timer.finish(out.finish_reason)
-                yield piece + self.text.end(), out.finish_reason
+                yield self._finish(piece + self.text.end(), out.finish_reason)
                 return
+            if self.tool_text is not None:
+                piece = self.tool_text.push(piece)
             if piece:
                 yield piece, None
 
@@ -172,16 +186,15 @@ class Reply:
             texts.append(piece)
             finish = reason
         text = "".join(texts)
-        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
-        return build(
-            self.id,
-            self.context.model_name,
-            text,
-            finish,
-            self.prompt_tokens,
-            self.completion_tokens,
-            None if self.logprobs is None else self.logprobs.sent(0),
-        )
+        args = (self.id, self.context.model_name)
+        counts = (self.prompt_tokens, self.completion_tokens)
+        logprobs = None if self.logprobs is None else self.logprobs.sent(0)
+        if self.req.kind == "chat":
+            content = text if text or not self.tool_calls else None
+            return protocol.chat_response(
+                *args, content, finish, *counts, logprobs, self.tool_calls
+            )
+        return protocol.completion_response(*args, text, finish, *counts, logprobs)
 
     async def plain(self, request: Request) -> Response:
         """Collect the reply, aborting it if the client disconnects meanwhile."""
@@ -218,6 +231,12 @@ class Reply:
                     if finish is not None and self.req.kind == "chat":
                         if piece:
                             yield self._chunk(piece, None)
+                        if self.tool_calls:
+                            calls = structured.delta_tool_calls(self.tool_calls)
+                            body = protocol.chat_chunk(
+                                self.id, self.context.model_name, {"tool_calls": calls}, None
+                            )
+                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
                         yield self._chunk("", finish)
                     else:
                         yield self._chunk(piece, finish)

@@ -43,13 +43,14 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Log-probs (:mod:`edl.serve.logprob_replies`): completions' ``logprobs`` / ``echo``
-(lm-evaluation-harness's loglikelihood requests; several prompts per call are answered as
-choices, not streamed; one prompt streams, echo too) and chat's ``logprobs`` /
-``top_logprobs``; token texts are each token decoded alone. Not implemented, rejected with a
-400 naming the field: ``n`` > 1, penalties, ``logit_bias``, tools, ``response_format``,
-``best_of``, ``suffix``. Also not done: per-request timeouts, a queue in the driver in front
-of ``QueueFull`` (429 at once), TLS (put a reverse proxy in front for it).
+wiring; tests/test_serve_structured.py). Log-probs (:mod:`edl.serve.logprob_replies`):
+completions' ``logprobs`` / ``echo`` (lm-evaluation-harness's loglikelihood requests; several
+prompts per call are answered as choices, not streamed; one prompt streams, echo too) and
+chat's ``logprobs`` / ``top_logprobs``; token texts are each token decoded alone.
+``response_format`` / ``tools``: :mod:`edl.serve.structured`. Not implemented, rejected with
+a 400 naming the field: ``n`` > 1, penalties, ``logit_bias``, ``best_of``, ``suffix``. Also
+not done: per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
+once), TLS (put a reverse proxy in front for it).
 """
 
 from __future__ import annotations
@@ -182,8 +183,12 @@ class _Server:
                     f"the model {self.model_name} has no chat template: use /v1/completions",
                     "messages",
                 )
+            tools = None if req.tools is None else req.tools.rendered
+            extra = {} if tools is None else {"tools": tools}  # the template's tool format
             try:
-                return list(tok.apply_chat_template(req.messages, add_generation_prompt=True))
+                return list(
+                    tok.apply_chat_template(req.messages, add_generation_prompt=True, **extra)
+                )
             except Exception as e:  # the template's own errors (jinja raise_exception, ...)
                 raise protocol.bad(
                     f"the chat template rejected the messages: {e}", "messages"

@@ -24,11 +24,12 @@ def bucket(buckets: tuple[int, ...], size: int) -> int:
 
 
 def shape_name(shape: tuple[int, ...]) -> str:
-    """A step shape ``(rows, width, pages)`` or program ``(rows, width, pages, logprobs)``
-    as the progress lines name it: ``decode 8x1, 4 pages`` or ``prefill 2x64, 16 pages,
-    log-probs``."""
+    """A step shape ``(rows, width, pages)`` or program ``(rows, width, pages, logprobs,
+    masked)`` as the progress lines name it: ``decode 8x1, 4 pages`` or ``prefill 2x64, 16
+    pages, log-probs, grammar``."""
     rows, width, pages = shape[:3]
-    tail = ", log-probs" if shape[3:] and shape[3] else ""
+    flags = ("log-probs", "grammar")
+    tail = "".join(f", {name}" for name, on in zip(flags, shape[3:], strict=False) if on)
     return f"{'decode' if width == 1 else 'prefill'} {rows}x{width}, {pages} pages{tail}"
 
 

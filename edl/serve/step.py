@@ -30,6 +30,7 @@ from jaxtyping import Array, Float, Int, UInt
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
 from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from edl.serve.grammar import mask_logits
 
 __all__ = ["SlotSampling", "StepLogprobs", "model_step"]
 
@@ -146,6 +147,7 @@ def model_step(
     num_new: Int[Array, " batch"],
     sampling: SlotSampling,
     targets: Int[Array, "batch width"] | None = None,
+    allowed: Int[Array, "batch words"] | None = None,
     *,
     logprobs: bool = False,
 ) -> tuple[
@@ -159,7 +161,9 @@ def model_step(
     ``lengths[b] + num_new[b]`` tokens, unchecked here; attention reads all of it); returns
     the updated pools and each row's next token, sampled after its last new token
     (meaningless where ``num_new`` is 0). The pools are donated: pass the returned ones to
-    the next call.
+    the next call. ``allowed``: the rows' grammar bitmasks (``edl.serve.grammar``; None,
+    the plain program, when no row has a grammar); log-probs are of the model's logits,
+    before the mask.
 
     ``logprobs`` (static: its own compiled variant, so calls without it cost nothing more)
     also returns ``StepLogprobs`` (``targets``: each position's next prompt token, needed
@@ -174,7 +178,8 @@ def model_step(
     last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
     hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
     logits = model.lm_logits(hidden).astype(jnp.float32)
-    next_tokens = sample_rows(logits, sampling)
+    masked = logits if allowed is None else mask_logits(logits, allowed)  # a separate program
+    next_tokens = sample_rows(masked, sampling)
     extra = None
     if logprobs:
         if targets is None:

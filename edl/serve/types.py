@@ -39,7 +39,9 @@ class SamplingParams:
     alternatives (0: the token's only; None: off); ``prompt_logprobs``: the same for every
     prompt token given its prefix (the first has none), computed while prefilling. Both at
     most 20, from the model's distribution before temperature / top-k / top-p.
-    ``max_tokens=0`` (prefill only) is allowed when ``prompt_logprobs`` is set."""
+    ``max_tokens=0`` (prefill only) is allowed when ``prompt_logprobs`` is set.
+    ``grammar`` (an llguidance grammar, ``edl.serve.grammar``) constrains the tokens and ends
+    the request where it is complete."""
 
     max_tokens: int = 16
     temperature: float = 1.0  # 0: greedy
@@ -49,6 +51,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # in addition to the model's EOS ids
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None  # structured output (edl.serve.grammar)
 
     def __post_init__(self):
         problems = []
@@ -77,6 +80,8 @@ class SamplingParams:
         stop = self.stop_token_ids
         if not isinstance(stop, tuple) or not all(is_int(i) and i >= 0 for i in stop):
             problems.append(f"stop_token_ids must be a tuple of ids >= 0, got {stop!r}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            problems.append(f"grammar must be None or a string, got {type(self.grammar)}")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
 
