@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from edl.generate import steps
 from edl.generate.beam import beam_search
 from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.speculative import SpeculativeConfig, check_speculative, generate_speculative
 from edl.generate.steps import CausalLM, ImagePrompt, ImageTextLM
 from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
@@ -286,6 +287,8 @@ def generate(
     page_size: int | None = None,
     unstack_layers: bool = False,
     bucket_prompts: bool = True,
+    speculative: SpeculativeConfig | None = None,
+    draft_model: CausalLM | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -323,14 +326,29 @@ def generate(
             0) before compiling, so a new prompt length usually reuses a compiled program
             (one per bucket, ``max_new_tokens`` and setting); the output keeps the prompt as
             given. The padding's cost is a wider prefill and cache.
+        speculative: decode speculatively (``edl.generate.speculative``): draft
+            ``num_speculative_tokens`` per row by prompt lookup (``method="ngram"``) or with
+            ``draft_model`` (``"draft"``) and verify them in one target forward. Greedy
+            output is the same as without it; sampling keeps the target's distribution.
+            Greedy or sampling only (no beams, ``page_size`` or ``pixel_values``).
+        draft_model: the drafting causal LM of ``method="draft"``: smaller, same vocabulary.
 
     Returns:
-        ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores).
+        ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores;
+        with ``speculative``, the per-row draft counts).
     """
     config = _resolve(model, config, max_new_tokens, overrides)
     model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     _check_image_tokens(ids, images)
+    check_speculative(
+        model,
+        draft_model,
+        speculative,
+        num_beams=config.num_beams,
+        page_size=page_size,
+        images=images,
+    )
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
@@ -338,18 +356,30 @@ def generate(
     width = ids.shape[1]
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
-    out = _generate_compiled(
-        model,
-        ids,
-        mask,
-        key,
-        images,
-        config=config,
-        processor=processor,
-        max_new=max_new,
-        page_size=page_size,
-        unstack_layers=unstack_layers,
-    )
+    common = dict(config=config, processor=processor, max_new=max_new)
+    if speculative is not None:
+        draft = None if draft_model is None else _without_id_checks(draft_model)
+        out = generate_speculative(
+            model,
+            draft,
+            ids,
+            mask,
+            key,
+            spec=speculative,
+            unstack_layers=unstack_layers,
+            **common,
+        )
+    else:
+        out = _generate_compiled(
+            model,
+            ids,
+            mask,
+            key,
+            images,
+            page_size=page_size,
+            unstack_layers=unstack_layers,
+            **common,
+        )
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
     return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])
 
