@@ -180,7 +180,9 @@ def _first_token(logits, seq, prompt_len, key, config, processor):
     """The token after the prompt, as plain decoding chooses it (its step-0 key)."""
     valid = jnp.arange(seq.shape[1], dtype=jnp.int32)[None] < prompt_len[:, None]
     scores = processor(logits, seq, valid)
-    return sample(scores, steps.fold_step(key, 0)) if config.do_sample else greedy(scores)
+    return (
+        sample(scores, steps.fold_step(key, jnp.int32(0))) if config.do_sample else greedy(scores)
+    )
 
 
 def _start(model, draft_model, ids, mask, key, *, spec, config, processor, max_new):
