@@ -17,8 +17,9 @@ own ``accepted + 1`` tokens (fewer at EOS or ``max_new_tokens``), finished rows 
 Greedy output equals ``generate`` without ``speculative`` token for token, except where
 two tokens' logits are within float rounding of each other (a ``k + 1``-token forward sums
 in another order than a one-token one; measured: one float32 ulp apart in an untrained
-model, ``benchmarks/speculative.py``). Sampling keeps the target's distribution (speculative sampling's rejection rule) but
-draws other random numbers than plain sampling, so its tokens differ for the same key.
+model, ``benchmarks/speculative.py``). Sampling keeps the target's distribution
+(speculative sampling's rejection rule) but draws other random numbers than plain
+sampling, so its tokens differ for the same key.
 Processors (repetition penalty, temperature, top-k / top-p / min-p, the user's) apply at
 every verified position with the history up to that position.
 """
