@@ -5,13 +5,15 @@ text = edl.generate.generate_text(model, tokenizer, "Once upon a time", max_new_
 
 The decode loop's own state and helpers (``edl.generate.decode``, ``edl.generate.beam``,
 ``edl.generate.steps``) and the paged cache's geometry (``edl.generate.paged``) are in their
-modules.
+modules. Speculative decoding: ``generate(..., speculative=SpeculativeConfig(...))``
+(``edl.generate.speculative``; drafters in ``proposers``, verification in ``verify``).
 """
 
 from edl.generate.cache import KVCache, init_cache
-from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.config import GenerateOutput, GenerationConfig, SpeculativeStats
 from edl.generate.decode import generate, generate_stream
 from edl.generate.paged import PagedKVCache, free_rows, init_paged_cache, paged_cache_config
+from edl.generate.speculative import SpeculativeConfig
 from edl.generate.steps import CausalLM
 from edl.generate.text import generate_text, prompt_ids, stream_text
 
@@ -21,6 +23,8 @@ __all__ = [
     "GenerationConfig",
     "KVCache",
     "PagedKVCache",
+    "SpeculativeConfig",
+    "SpeculativeStats",
     "free_rows",
     "generate",
     "generate_stream",

@@ -10,7 +10,7 @@ from typing import Any, Literal
 import equinox as eqx
 from jaxtyping import Array, Float, Int
 
-__all__ = ["GenerateOutput", "GenerationConfig"]
+__all__ = ["GenerateOutput", "GenerationConfig", "SpeculativeStats"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +107,24 @@ class GenerationConfig:
         return cls.from_hf({k: json.loads(v) for k, v in pairs}) if pairs else cls()
 
 
+class SpeculativeStats(eqx.Module):
+    """Per-row counts of a speculative ``generate``: ``drafted`` tokens proposed and verified,
+    ``accepted`` of them kept in the output, target forwards (``steps``) that verified them
+    (the first token, from the prefill, is in none). Acceptance rate = ``accepted /
+    drafted``; tokens per target forward = ``num_new / (steps + 1)``."""
+
+    drafted: Int[Array, " rows"]
+    accepted: Int[Array, " rows"]
+    steps: Int[Array, " rows"]
+
+
 class GenerateOutput(eqx.Module):
     """``sequences``: the prompt as given (left padding kept) followed by ``max_new_tokens``
     generated tokens, ``pad_id`` after a row's EOS (HF's layout, without HF's trimming of
     columns that every row left empty). ``num_new``: generated tokens per row, EOS included.
     ``scores``: beam search's final (length-penalised) beam scores, else ``None``. With
-    beams, rows are ``batch * num_return_sequences``, best beam first.
+    beams, rows are ``batch * num_return_sequences``, best beam first. ``speculative``:
+    a speculative ``generate``'s per-row draft counts, else ``None``.
 
     With ``generate(..., logprobs=k)``: ``logprobs`` ``(rows, max_new_tokens)``, each
     generated token's log-prob under the model (float32 log-softmax of its raw logits, before
@@ -125,3 +137,4 @@ class GenerateOutput(eqx.Module):
     logprobs: Float[Array, "rows new"] | None = None
     top_logprobs: Float[Array, "rows new k"] | None = None
     top_ids: Int[Array, "rows new k"] | None = None
+    speculative: SpeculativeStats | None = None

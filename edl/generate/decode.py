@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from edl.generate import steps
 from edl.generate.beam import beam_search
 from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.speculative import SpeculativeConfig, check_speculative, generate_speculative
 from edl.generate.steps import CausalLM, ImagePrompt, ImageTextLM
 from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
@@ -354,6 +355,8 @@ def generate(
     unstack_layers: bool = False,
     bucket_prompts: bool = True,
     logprobs: int | None = None,
+    speculative: SpeculativeConfig | None = None,
+    draft_model: CausalLM | None = None,
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -395,17 +398,32 @@ def generate(
             most likely ids and log-probs at each step (``GenerateOutput.logprobs``,
             ``top_ids``, ``top_logprobs``), from the model's float32 log-softmax before any
             processor (vLLM's and OpenAI's definition); 0: the chosen token's only. None
-            (default): none computed. Not with beam search.
+            (default): none computed. Not with beam search or ``speculative``.
+        speculative: decode speculatively (``edl.generate.speculative``): draft
+            ``num_speculative_tokens`` per row by prompt lookup (``method="ngram"``) or with
+            ``draft_model`` (``"draft"``) and verify them in one target forward. Greedy
+            output is the same as without it; sampling keeps the target's distribution.
+            Greedy or sampling only (no beams, ``page_size``, ``pixel_values`` or
+            ``logprobs``).
+        draft_model: the drafting causal LM of ``method="draft"``: smaller, same vocabulary.
 
     Returns:
         ``GenerateOutput`` (sequences = prompt + new tokens, per-row counts, beam scores,
-        log-probs when asked).
+        log-probs when asked; with ``speculative``, the per-row draft counts).
     """
     config = _resolve(model, config, max_new_tokens, overrides)
     _check_logprobs(logprobs, config.num_beams)
     model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     _check_image_tokens(ids, images)
+    check_speculative(
+        model,
+        draft_model,
+        speculative,
+        num_beams=config.num_beams,
+        page_size=page_size,
+        images=images,
+    )
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
     key = jax.random.key(0) if key is None else key
@@ -413,19 +431,35 @@ def generate(
     width = ids.shape[1]
     if bucket_prompts:
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
-    out = _generate_compiled(
-        model,
-        ids,
-        mask,
-        key,
-        images,
-        config=config,
-        processor=processor,
-        max_new=max_new,
-        page_size=page_size,
-        unstack_layers=unstack_layers,
-        logprobs=logprobs,
-    )
+    common = dict(config=config, processor=processor, max_new=max_new)
+    if speculative is not None:
+        if logprobs is not None:
+            raise ValueError(
+                f"generate: logprobs={logprobs} is not available with speculative decoding"
+            )
+        draft = None if draft_model is None else _without_id_checks(draft_model)
+        out = generate_speculative(
+            model,
+            draft,
+            ids,
+            mask,
+            key,
+            spec=speculative,
+            unstack_layers=unstack_layers,
+            **common,
+        )
+    else:
+        out = _generate_compiled(
+            model,
+            ids,
+            mask,
+            key,
+            images,
+            page_size=page_size,
+            unstack_layers=unstack_layers,
+            logprobs=logprobs,
+            **common,
+        )
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
     return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])
 
