@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -403,3 +405,124 @@ def test_lm_eval_callback_scores_the_live_params_every_n_steps(
     )
     assert expected == {k: v for k, v in lines[2].items() if k.startswith("lm_eval/")}
     assert set(expected) == {"lm_eval/edl_tiny_mc/acc", "lm_eval/edl_tiny_mc/acc_norm"}
+
+
+@pytest.mark.slow  # ~30 s: edl serve's app over the real engine, lm-eval's own HTTP client
+def test_local_completions_against_edl_serve_equals_the_hf_backend(model_dir, task_dir, both):
+    """lm-eval's ``local-completions`` model pointed at ``edl serve``'s app (the real
+    engine; echo + logprobs for the log-likelihoods, stop strings for generation): the same
+    acc / acc_norm as the ``hf`` backend, each choice's log-likelihood within 1e-4 and
+    is_greedy equal, and hf's greedy generations."""
+    uvicorn = pytest.importorskip("uvicorn")
+    from edl.serve import Engine
+    from edl.serve.server import create_app
+
+    tokenizer = load_tokenizer(model_dir)
+    engine = Engine(edl.from_pretrained(model_dir), max_batch=8, max_model_len=64, page_size=8)
+    app = create_app(
+        engine, tokenizer, model_name="tiny", max_model_len=64, stop_token_ids=[tokenizer.eos_id]
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    tasks = ["edl_tiny_mc", "edl_tiny_gen"]
+    args = {
+        "model": "tiny",
+        "base_url": f"http://127.0.0.1:{port}/v1/completions",
+        "tokenizer_backend": "huggingface",
+        "tokenizer": str(model_dir),
+        "max_length": 64,
+        "max_retries": 1,
+        # hf's backend encodes with the tokenizer's own BOS (this one adds <s>); the API
+        # models add none unless told.
+        "add_bos_token": True,
+    }
+    try:
+        served = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=args,
+            tasks=tasks,
+            task_manager=task_manager(task_dir, tasks),
+            batch_size=4,
+            log_samples=True,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    hf, got = both["hf"]["results"]["edl_tiny_mc"], served["results"]["edl_tiny_mc"]
+    assert (got["acc,none"], got["acc_norm,none"]) == (hf["acc,none"], hf["acc_norm,none"])
+    hf_resps, served_resps = (_responses(r, "edl_tiny_mc") for r in (both["hf"], served))
+    assert len(served_resps) == len(hf_resps) == 8
+    for hf_doc, doc in zip(hf_resps, served_resps, strict=True):
+        for [(hf_ll, hf_greedy)], [(ll, greedy)] in zip(hf_doc, doc, strict=True):
+            assert abs(ll - hf_ll) < 1e-4 and greedy == hf_greedy
+    assert _responses(served, "edl_tiny_gen") == _responses(both["hf"], "edl_tiny_gen")
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+@pytest.mark.slow  # ~30 s: two lm-eval runs (hf, and local-chat-completions over edl serve)
+def test_local_chat_completions_against_edl_serve_equals_the_hf_backend(
+    model_dir, task_dir, tmp_path
+):
+    """lm-eval's ``local-chat-completions`` against ``edl serve`` (the prompts rendered by
+    the server's chat template) generates what lm-eval's ``hf`` backend does greedily with
+    ``apply_chat_template`` on the same template."""
+    import shutil
+
+    uvicorn = pytest.importorskip("uvicorn")
+    from edl.serve import Engine
+    from edl.serve.server import create_app
+
+    chat_dir = tmp_path / "chat"
+    shutil.copytree(model_dir, chat_dir)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(chat_dir)
+    tokenizer = load_tokenizer(chat_dir)
+    engine = Engine(edl.from_pretrained(chat_dir), max_batch=8, max_model_len=64, page_size=8)
+    app = create_app(
+        engine, tokenizer, model_name="tiny", max_model_len=64, stop_token_ids=[tokenizer.eos_id]
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    tasks = ["edl_tiny_gen"]
+    manager = task_manager(task_dir, tasks)
+    common = dict(tasks=tasks, task_manager=manager, apply_chat_template=True, log_samples=True)
+    try:
+        served = lm_eval.simple_evaluate(
+            model="local-chat-completions",
+            model_args={
+                "model": "tiny",
+                "base_url": f"http://127.0.0.1:{port}/v1/chat/completions",
+                "max_retries": 1,
+            },
+            **common,
+        )
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    hf = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(chat_dir), "dtype": "float32", "device": "cpu"},
+        batch_size=4,
+        **common,
+    )
+    want = _responses(hf, "edl_tiny_gen")
+    assert len(want) == len(CORPUS) and any(text for [text] in want)  # something generated
+    assert _responses(served, "edl_tiny_gen") == want
