@@ -18,12 +18,7 @@ import pytest
 from hypothesis import given, settings
 from test_kernels_attention import _inputs, _numpy_decode, _rel_err
 
-from edl.ops.cached_attention import (
-    NATIVE_MAX_NEW_TOKENS,
-    cache_mask,
-    cached_attention,
-    paged_attention,
-)
+from edl.ops.cached_attention import cache_mask, cached_attention, paged_attention
 from edl.ops.cpu import LIVE_BRANCHES, live_lengths, one_token_attention
 
 _cached = jax.jit(cached_attention, static_argnames=("window", "softcap", "scale", "impl"))
@@ -93,8 +88,8 @@ def test_one_token_attention_matches_float64(dtype, tol):
 @pytest.mark.usefixtures("on_cpu")
 def test_decode_step_reads_the_cache_in_place_on_cpu():
     """On CPU "xla" with one new token takes the block-diagonal form (no (batch, kv_heads,
-    len, dim) copy of the cache), several new tokens the grouped einsum; "auto" is the native
-    kernel up to NATIVE_MAX_NEW_TOKENS new tokens (the cache read in place), then "xla"."""
+    len, dim) copy of the cache), several new tokens the grouped einsum; "auto" means "xla"
+    there, and "native" by name reads the cache in place."""
     q, k, v, _ = _inputs(0, 2, 1, 32, 8, 4, 16)
     lengths = jnp.asarray([5, 32], jnp.int32)
 
@@ -109,10 +104,9 @@ def test_decode_step_reads_the_cache_in_place_on_cpu():
     def ops(impl):  # the compiled CPU program's instructions (opcode and shape), names aside
         return sorted(re.findall(r"= (\S+) ([\w-]+)\(", hlo(q, impl)))
 
-    assert ops("auto") == ops("native")  # lowered for CPU, "auto" keeps only the native call
-    assert "edl_paged_attention" in hlo(q, "auto") and "edl_decode_attention" not in hlo(q, "auto")
-    wide = jnp.concatenate([q] * (NATIVE_MAX_NEW_TOKENS + 1), axis=1)
-    assert "edl_paged_attention" not in hlo(wide, "auto")  # a prompt chunk: XLA's GEMMs
+    assert ops("auto") == ops("xla")  # lowered for CPU, "auto" keeps only the XLA branch
+    assert "edl_decode_attention" not in hlo(q, "auto")
+    assert "edl_paged_attention" in hlo(q, "native")  # by name: the cache read in place
     pallas = functools.partial(cached_attention, impl="pallas")
     assert "edl_decode_attention" in str(jax.make_jaxpr(pallas)(q, k, v, lengths))
     q3 = jnp.concatenate([q, q, q], axis=1)

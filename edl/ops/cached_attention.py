@@ -16,9 +16,11 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
 - ``"reference"``: ``masked_attention`` under :func:`cache_mask`, the definition.
 - ``"xla"``: the same maths arranged for XLA. With one new token per row (a decode step) and
   lowering for CPU it reads the cache in place (``edl.ops.cpu.one_token_attention``).
-- ``"auto"``: the Pallas kernel on GPUs and TPUs; on CPU the native kernel for at most
-  ``NATIVE_MAX_NEW_TOKENS`` new tokens per row, else ``"xla"`` (Pallas only interprets its
-  kernel there, one (row, kv head) program at a time).
+- ``"auto"``: the Pallas kernel on GPUs and TPUs; on CPU ``"xla"`` for a contiguous cache
+  (Pallas only interprets its kernel there; the native kernel, by name, was no faster in
+  ``generate``'s decode steps: ``benchmarks/RESULTS.md``, "generate: the native kernel on a
+  contiguous cache") and the native kernel for a paged one (at most
+  ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -315,15 +317,15 @@ def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer):
     return _native_paged(options, q, k_cache, v_cache, table, lengths, layer)
 
 
-# Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the native
-# kernel for decode steps, the interpreted Pallas kernel only when asked for by name.
+# Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the native and
+# the interpreted Pallas kernel only when asked for by name (XLA's form is as fast there).
 DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
     "cpu": (
         Kernel(
             "native",
             _native_contiguous,
             _native_unsupported,
-            preferred=_few_tokens,
+            preferred=never,
             quiet=lambda: native.turned_off(),
         ),
         Kernel(
