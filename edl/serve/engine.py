@@ -86,7 +86,8 @@ from edl.generate.decode import _without_id_checks
 from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
 from edl.serve.pages import PagePool, block_hashes
-from edl.serve.step import SlotSampling, model_step
+from edl.serve.sampler import Sampler
+from edl.serve.step import model_step
 from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
 __all__ = ["Engine"]
@@ -107,6 +108,8 @@ class _Request:
     computed: int = 0  # tokens whose keys/values are in the cache
     published: int = 0  # prompt blocks offered to the prefix cache
     generated: list[int] = dataclasses.field(default_factory=list)
+    slot: int = -1  # its batch place while running (edl.serve.sampler: penalty state)
+    cumulative_logprob: float = 0.0  # its sampled tokens' log-probs, summed
 
     @property
     def prefilling(self) -> bool:
@@ -261,6 +264,7 @@ class Engine:
         self._rng = np.random.default_rng()  # seeds of requests that give none
         self._echo = echo
         self._compiled: set[tuple[int, int, int]] = set()  # shapes called at least once
+        self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
 
     @property
     def num_free_pages(self) -> int:
@@ -288,6 +292,9 @@ class Engine:
         bad = [i for i in params.stop_token_ids if i >= self.vocab_size]
         if bad:
             raise ValueError(f"add_request: stop_token_ids {bad} are not < {self.vocab_size}")
+        bad = [i for i, _ in params.logit_bias if i >= self.vocab_size]
+        if bad:
+            raise ValueError(f"add_request: logit_bias ids {bad} are not < {self.vocab_size}")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -328,6 +335,7 @@ class Engine:
 
     def _release(self, request: _Request) -> None:
         self._pool.release(request.pages)
+        self._sampler.release(request.slot)
         request.pages = []
         self._running.remove(request)
         request.running = False
@@ -347,6 +355,7 @@ class Engine:
             request.computed = len(shared) * self.page_size
             request.published = len(shared)
             request.running = True
+            request.slot = self._sampler.admit(request.prompt, request.params)
             self._running.append(request)
             self._waiting.popleft()
 
@@ -367,7 +376,10 @@ class Engine:
         rows with no tokens: the cache is unchanged), so serving never waits on XLA. Takes
         seconds per shape for a deep model (the layers are unrolled), less where jax's
         persistent compilation cache has them. ``echo`` hears each shape as it compiles:
-        ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``."""
+        ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``.
+        The samplers (``edl.serve.sampler``: plain and penalized per row bucket, and the
+        penalty reset) compile first, in well under a second."""
+        self._sampler.warmup(self.row_buckets)
         shapes = [s for s in self.step_shapes() if s not in self._compiled]
         start = time.perf_counter()
         for done, shape in enumerate(shapes, 1):
@@ -378,32 +390,27 @@ class Engine:
                 line = warmup_progress(shape, done, len(shapes), now - t0, now - start, cached)
                 self._echo(line)
 
-    def _call(self, requests: list[_Request], rows: int, width: int, pages: int) -> np.ndarray:
+    def _call(
+        self, requests: list[_Request], rows: int, width: int, pages: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
         tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
-        to ``pages``; returns each row's sampled token and advances each request's
-        ``computed`` by its new tokens."""
+        to ``pages``, then the sampler; returns each row's sampled token and its log-prob,
+        and advances each request's ``computed`` by its new tokens."""
         tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
         table = np.full((rows, pages), -1, np.int32)
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        top_k, seed = np.zeros(rows, np.int32), np.zeros(rows, np.uint32)
-        counter = np.zeros(rows, np.int32)
         for i, r in enumerate(requests):
-            p = r.params
             new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
             _check_pages(r, len(new), pages, self.page_size)
             tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
             table[i, : min(len(r.pages), pages)] = r.pages[:pages]
-            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
-            seed[i], counter[i] = r.seed, len(r.generated)
-        sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
         shape = (rows, width, pages)
         first = shape not in self._compiled and self._echo is not None and bool(requests)
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(shape)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, next_tokens = model_step(
+        self._k_pages, self._v_pages, logits = model_step(
             self._model,
             self._k_pages,
             self._v_pages,
@@ -411,16 +418,19 @@ class Engine:
             jnp.asarray(lengths),
             jnp.asarray(tokens),
             jnp.asarray(num_new),
-            sampling,
         )
-        next_tokens = np.asarray(next_tokens)
+        # A row emits its token when it decodes or its prompt ends in this call.
+        emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
+        settings = [(r.params, r.seed, len(r.generated)) for r in requests]
+        slots = [r.slot for r in requests]
+        next_tokens, logprobs = self._sampler.sample(logits, settings, slots, emit)
         if first:
             how = "from the compilation cache" if cache_hits() > hits else "compiled"
             self._echo(f"{shape_name(shape)} ready in {time.perf_counter() - t0:.1f} s ({how})")
         self._compiled.add(shape)
         for i, r in enumerate(requests):
             r.computed += int(num_new[i])
-        return next_tokens
+        return next_tokens, logprobs
 
     def _pages_after(self, requests: list[_Request], width: int) -> int:
         """The page bucket holding every request's tokens after a call of ``width``."""
@@ -454,15 +464,19 @@ class Engine:
         decoding = [r for r in self._running if not r.prefilling]
         if decoding:
             rows, pages = _bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
-            next_tokens = self._call(decoding, rows, 1, pages)
-            outputs += [self._emit(r, int(t)) for r, t in zip(decoding, next_tokens, strict=False)]
+            next_tokens, logprobs = self._call(decoding, rows, 1, pages)
+            outputs += [
+                self._emit(r, int(t), float(lp))
+                for r, t, lp in zip(decoding, next_tokens, logprobs, strict=False)
+            ]
         prefilling, rows, width = self._prefill_batch()
         if prefilling:
-            next_tokens = self._call(prefilling, rows, width, self._pages_after(prefilling, width))
-            for r, t in zip(prefilling, next_tokens, strict=False):  # padding rows last
+            pages = self._pages_after(prefilling, width)
+            next_tokens, logprobs = self._call(prefilling, rows, width, pages)
+            for r, t, lp in zip(prefilling, next_tokens, logprobs, strict=False):  # padding last
                 self._publish(r)
                 if not r.prefilling:  # its prompt is done: the first token is out
-                    outputs.append(self._emit(r, int(t)))
+                    outputs.append(self._emit(r, int(t), float(lp)))
         return outputs
 
     def _publish(self, request: _Request) -> None:
@@ -472,9 +486,10 @@ class Engine:
             self._pool.publish(request.pages[j], request.hashes[j])
         request.published = max(request.published, done)
 
-    def _emit(self, request: _Request, token: int) -> RequestOutput:
+    def _emit(self, request: _Request, token: int, logprob: float) -> RequestOutput:
         """Record a generated token; finish the request on a stop token or its length."""
         request.generated.append(token)
+        request.cumulative_logprob += logprob
         reason = None
         if token in request.stop_ids:
             reason = "stop"
@@ -483,4 +498,6 @@ class Engine:
         if reason is not None:
             self._release(request)
             del self._live[request.id]
-        return RequestOutput(request.id, (token,), reason is not None, reason)
+        return RequestOutput(
+            request.id, (token,), reason is not None, reason, request.cumulative_logprob
+        )
