@@ -49,7 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt + generated tokens (HF's rule)
     presence_penalty: float = 0.0  # generated tokens only (OpenAI's)
     frequency_penalty: float = 0.0  # generated tokens only (OpenAI's)
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()  # held as pairs
 
     @property
     def has_penalty(self) -> bool:
