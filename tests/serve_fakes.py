@@ -19,9 +19,16 @@ MODEL = "fake-model"
 EOS = ByteTokenizer.eos_id
 
 
-def reply_of(prompt_ids: Sequence[int]) -> str:
-    """The fake model's whole reply to a prompt (multi-byte characters on purpose)."""
-    return f"You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+def reply_of(prompt_ids: Sequence[int], seed: int | None = None) -> str:
+    """The fake model's whole reply to a prompt (multi-byte characters on purpose); a
+    seeded request's reply names its seed (the n / best_of tests tell choices apart)."""
+    said = "" if seed is None else f"[seed {seed}] "
+    return f"{said}You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+
+
+def fake_logprob(seed: int | None) -> float:
+    """Each token's log-prob in the fake engine: seeds 0 mod 3 are the likeliest."""
+    return -1.0 - (0 if seed is None else seed % 3)
 
 
 class ChatBytes(ByteTokenizer):
@@ -50,6 +57,7 @@ class FakeEngine:
         self.finished: list[int] = []
         self.threads: set[int] = set()
         self.largest_batch = 0
+        self.params: list[SamplingParams] = []  # every request's, in order
 
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
@@ -61,7 +69,8 @@ class FakeEngine:
         if len(self.running) >= self.max_running:
             raise QueueFull(f"{len(self.running)} requests running")
         request_id = next(self.ids)
-        tokens = [*ByteTokenizer().encode(reply_of(prompt_ids)), EOS]
+        self.params.append(params)
+        tokens = [*ByteTokenizer().encode(reply_of(prompt_ids, params.seed)), EOS]
         self.running[request_id] = (tokens, params, [])
         return request_id
 
@@ -91,7 +100,8 @@ class FakeEngine:
             if reason is not None:
                 del self.running[request_id]
                 self.finished.append(request_id)
-            outputs.append(RequestOutput(request_id, (token,), reason is not None, reason))
+            logprob = len(done) * fake_logprob(params.seed)
+            outputs.append(RequestOutput(request_id, (token,), reason is not None, reason, logprob))
         return outputs
 
     def has_unfinished(self) -> bool:

@@ -54,10 +54,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edl.serve import protocol
+from edl.serve.choices import Choices as _Choices
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
-from edl.serve.types import Engine, QueueFull
+from edl.serve.types import Engine, QueueFull, SamplingParams
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
@@ -225,9 +226,26 @@ class _Server:
                 503, "the server is shutting down", type="server_error", code="shutting_down"
             )
         ids = self._prompt_ids(req)
-        params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
+        max_tokens = self._max_tokens(req, len(ids))
+        self._check_sampling_ids(req)
+        if req.best_of > 1:
+            return await self._generate_choices(request, req, ids, max_tokens)
+        stream = await self._add(ids, req.sampling_params(max_tokens, self.stop_token_ids))
+        reply = _Reply(self, req, stream, len(ids))
+        self.open_replies += 1  # _Reply's plain / sse take it off when they end
+        if req.stream:
+            return _EventStream(
+                reply.sse(),
+                reply.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await reply.plain(request)
+
+    async def _add(self, ids: list[int], params: SamplingParams) -> RequestStream:
+        """One request into the engine; its refusals as HTTP errors."""
         try:
-            stream = await self.driver.add(ids, params)
+            return await self.driver.add(ids, params)
         except QueueFull as e:
             raise APIError(
                 429,
@@ -239,16 +257,46 @@ class _Server:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        reply = _Reply(self, req, stream, len(ids))
-        self.open_replies += 1  # _Reply's plain / sse take it off when they end
+
+    # --- issue 47: ids the sampling options name; n choices / best_of ------------------
+
+    def _check_sampling_ids(self, req: GenerationRequest) -> None:
+        vocab = self.tokenizer.vocab_size
+        for field, ids in (
+            ("logit_bias", [i for i, _ in req.logit_bias]),
+            ("stop_token_ids", list(req.stop_token_ids)),
+        ):
+            bad = [i for i in ids if i >= vocab]
+            if bad:
+                raise protocol.bad(
+                    f"'{field}' token id {bad[0]} is outside the vocabulary [0, {vocab})", field
+                )
+
+    async def _generate_choices(
+        self, request: Request, req: GenerationRequest, ids: list[int], max_tokens: int
+    ) -> Response:
+        """``best_of`` requests in the engine (choice ``i`` seeded ``seed + i``), answered
+        as ``n`` choices: all of them, or the ``n`` of highest cumulative log-prob."""
+        streams: list[RequestStream] = []
+        try:
+            for i in range(req.best_of):
+                params = req.sampling_params(max_tokens, self.stop_token_ids, i)
+                streams.append(await self._add(ids, params))
+        except APIError:
+            for stream in streams:  # all or none
+                self.driver.abort(stream.request_id)
+            raise
+        replies = [_Reply(self, req, stream, len(ids), i) for i, stream in enumerate(streams)]
+        self.open_replies += len(replies)  # each reply's close takes its own off
+        choices = _Choices(self, req, replies)
         if req.stream:
             return _EventStream(
-                reply.sse(),
-                reply.close,
+                choices.sse(),
+                choices.close,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        return await reply.plain(request)
+        return await choices.plain(request)
 
 
 async def _json(request: Request) -> Any:
@@ -263,13 +311,21 @@ class _Reply:
     it aborts the request unless the engine finished it."""
 
     def __init__(
-        self, server: _Server, req: GenerationRequest, stream: RequestStream, prompt_tokens: int
+        self,
+        server: _Server,
+        req: GenerationRequest,
+        stream: RequestStream,
+        prompt_tokens: int,
+        index: int = 0,
     ) -> None:
         self.server, self.req, self.stream = server, req, stream
+        self.index, self.cumulative_logprob = index, 0.0  # its choice; best_of's ranking
         self.prompt_tokens, self.completion_tokens = prompt_tokens, 0
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(
-            server.tokenizer, stop=req.stop, stop_token_ids=server.stop_token_ids
+            server.tokenizer,
+            stop=req.stop,
+            stop_token_ids=server.stop_token_ids + req.stop_token_ids,  # left out of the text
         )
         self.done = self.closed = False
 
@@ -277,6 +333,7 @@ class _Reply:
         """``(text, finish_reason)``; the last has a finish reason."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
+            self.cumulative_logprob = out.cumulative_logprob
             piece = self.text.push(out.new_token_ids)
             if self.text.stopped:  # a stop string: the reply ends here
                 self.server.driver.abort(self.stream.request_id)
@@ -347,9 +404,9 @@ class _Reply:
         model, chat = self.server.model_name, self.req.kind == "chat"
         if chat:
             delta = None if piece is None else ({"content": piece} if piece else {})
-            body = protocol.chat_chunk(self.id, model, delta, finish, usage)
+            body = protocol.chat_chunk(self.id, model, delta, finish, usage, self.index)
         else:
-            body = protocol.completion_chunk(self.id, model, piece, finish, usage)
+            body = protocol.completion_chunk(self.id, model, piece, finish, usage, self.index)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self) -> AsyncIterator[str]:
