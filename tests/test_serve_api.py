@@ -776,3 +776,60 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
         "each step shape compiles when a request first needs it (--warmup: all now)",
         "starting the HTTP server on http://127.0.0.1:8123",
     ]
+
+
+@pytest.mark.slow  # the real engine on a tiny Llama through the openai client (~30-60 s)
+def test_real_engine_n_choices_with_a_seed_are_reproducible():
+    """With a seed, ``n`` sampled choices are reproducible and choice ``i`` is the single
+    request seeded ``seed + i``; ``best_of`` returns the choice of highest cumulative
+    log-prob, which the engine reports (checked against a second engine in-process)."""
+    import jax
+
+    from edl.models import LlamaConfig, LlamaForCausalLM
+    from edl.serve import SamplingParams
+    from edl.serve.engine import Engine
+
+    tokenizer = ByteTokenizer()
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM.init(config, key=jax.random.key(0))
+    geometry = dict(max_batch=4, max_model_len=64, page_size=8, prefill_chunk=16)
+    app = create_app(Engine(model, **geometry), tokenizer, model_name="tiny", max_model_len=64)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started, 30)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    sampled = dict(model="tiny", prompt="Hello", max_tokens=10, temperature=1.0)
+    try:
+        api = client(url)
+        first = api.completions.create(n=3, seed=123, **sampled)
+        again = api.completions.create(n=3, seed=123, **sampled)
+        texts = [c.text for c in first.choices]
+        assert texts == [c.text for c in again.choices] and len(set(texts)) == 3
+        for i in range(3):
+            alone = api.completions.create(seed=123 + i, **sampled)
+            assert alone.choices[0].text == texts[i]
+        best = api.completions.create(n=1, seed=123, extra_body={"best_of": 3}, **sampled)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    engine = Engine(model, **geometry)
+    prompt = tokenizer.encode("Hello")
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=123 + i))
+        for i in range(3)
+    ]
+    logprob = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprob[out.request_id] = out.cumulative_logprob
+    scores = [logprob[i] for i in ids]
+    assert len(set(scores)) == 3 and all(s < 0 for s in scores)
+    assert best.choices[0].text == texts[scores.index(max(scores))]
