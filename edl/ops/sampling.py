@@ -9,6 +9,13 @@ all of them are shape-static and jittable, so a generation loop can call them in
 transformers' chain from ``generate``-style arguments with :func:`processors_for`, then pick a
 token with :func:`sample` or :func:`greedy`.
 
+Each factory is a call of a per-row function (``temperature_rows``, ``top_k_rows``,
+``top_p_rows``, ``min_p_rows``, ``repetition_rows``, plus ``presence_frequency_rows`` and
+``bias_rows``) with its one setting broadcast over the rows. The serving engine calls the
+same functions with a different setting per row: :class:`RowSampling` (its docstring says
+how each field matches OpenAI / vLLM) and :func:`sample_rows` (processors, then a seeded draw
+or the argmax per row, and the sampled token's log-prob under the raw logits).
+
 Deviations from transformers, all on measure-zero inputs unless stated:
 
 * ``repetition_penalty`` only penalises tokens where ``valid`` is True. HF's processor

@@ -23,7 +23,38 @@ from edl.serve import protocol
 from edl.serve.driver import EngineStopped
 from edl.serve.protocol import APIError, GenerationRequest
 
-__all__ = ["Choices"]
+__all__ = ["Choices", "add_choices", "check_token_ids"]
+
+
+def check_token_ids(req: GenerationRequest, vocab: int) -> None:
+    """The ids ``logit_bias`` and ``stop_token_ids`` name lie in the vocabulary (else a
+    400 naming the field)."""
+    for field, ids in (
+        ("logit_bias", [i for i, _ in req.logit_bias]),
+        ("stop_token_ids", list(req.stop_token_ids)),
+    ):
+        bad = [i for i in ids if i >= vocab]
+        if bad:
+            raise protocol.bad(
+                f"'{field}' token id {bad[0]} is outside the vocabulary [0, {vocab})", field
+            )
+
+
+async def add_choices(
+    server: Any, req: GenerationRequest, ids: list[int], max_tokens: int
+) -> list[Any]:
+    """The ``best_of`` engine requests of one request (choice ``i`` seeded ``seed + i``),
+    all or none: a refusal (``server._add``'s HTTP error) aborts those already added."""
+    streams: list[Any] = []
+    try:
+        for i in range(req.best_of):
+            params = req.sampling_params(max_tokens, server.stop_token_ids, i)
+            streams.append(await server._add(ids, params))
+    except APIError:
+        for stream in streams:
+            server.driver.abort(stream.request_id)
+        raise
+    return streams
 
 
 async def _disconnected(receive: Any) -> None:

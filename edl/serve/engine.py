@@ -56,18 +56,18 @@ needed (least recently released first), so a system prompt is computed once.
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
-Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
-temperature, top-k and top-p in HF's order, each token drawn with the key
-``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
-whatever else is in the batch (up to float rounding: the same request's logits come from
-calls of different shapes depending on its company). Output tokens include the EOS / stop
-token that ends a request (``finish_reason="stop"``); stop *strings* are the server's
-(``edl.serve.server`` detokenizes, trims and aborts the request, which frees its pages).
+Sampling is per request (``SamplingParams``; ``edl.serve.sampler``: a small program after
+each model call, ``edl.ops.sampling.RowSampling``), each token drawn with the key
+``fold_in(key(seed), tokens_generated_so_far)``: a seed gives the same tokens whatever
+else is in the batch (up to float rounding: a request's logits come from calls of shapes
+that depend on its company). Outputs carry the cumulative log-prob of the sampled tokens,
+and include the EOS / stop token that ends a request (``finish_reason="stop"``); stop
+*strings* are the server's (it detokenizes, trims and aborts the request).
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
-chats reuse only their prompt's blocks); logits processors beyond temperature / top-k /
-top-p, log-probs; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
+chats reuse only their prompt's blocks); log-probs beyond the sampled token's; sharding
+over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
 Pallas paged *decode* kernel with ``width`` queries per row, untested there.
 """
 

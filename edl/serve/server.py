@@ -28,9 +28,10 @@ streams with ``[DONE]``), then the lifespan stops the engine thread.
 
 Tests: tests/test_serve_api.py (the ``openai`` client against a fake engine,
 tests/serve_fakes.py; slow: the real engine behind ``edl serve``'s app, and the CLI's
-wiring). Not implemented, rejected with a 400 naming the field: ``n`` > 1, ``logprobs``,
-penalties, ``logit_bias``, tools, ``response_format``, ``echo``, ``best_of``, ``suffix``,
-several prompts in one /v1/completions call. Also not done: an API key, metrics
+wiring). ``n`` choices and ``best_of`` are several engine requests answered as one reply
+(:mod:`edl.serve.choices`). Not implemented, rejected with a 400 naming the field:
+``logprobs``, tools, ``response_format``, ``echo``, ``suffix``, several prompts in one
+/v1/completions call. Also not done: an API key, metrics
 (Prometheus), per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
 once), tokenization off the event loop (chat templates of long conversations take
 milliseconds there).
@@ -55,6 +56,7 @@ from starlette.routing import Route
 
 from edl.serve import protocol
 from edl.serve.choices import Choices as _Choices
+from edl.serve.choices import add_choices, check_token_ids
 from edl.serve.detokenize import IncrementalText
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.protocol import APIError, GenerationRequest
@@ -227,7 +229,7 @@ class _Server:
             )
         ids = self._prompt_ids(req)
         max_tokens = self._max_tokens(req, len(ids))
-        self._check_sampling_ids(req)
+        check_token_ids(req, self.tokenizer.vocab_size)
         if req.best_of > 1:
             return await self._generate_choices(request, req, ids, max_tokens)
         stream = await self._add(ids, req.sampling_params(max_tokens, self.stop_token_ids))
@@ -258,34 +260,14 @@ class _Server:
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
 
-    # --- issue 47: ids the sampling options name; n choices / best_of ------------------
-
-    def _check_sampling_ids(self, req: GenerationRequest) -> None:
-        vocab = self.tokenizer.vocab_size
-        for field, ids in (
-            ("logit_bias", [i for i, _ in req.logit_bias]),
-            ("stop_token_ids", list(req.stop_token_ids)),
-        ):
-            bad = [i for i in ids if i >= vocab]
-            if bad:
-                raise protocol.bad(
-                    f"'{field}' token id {bad[0]} is outside the vocabulary [0, {vocab})", field
-                )
+    # --- issue 47: n choices / best_of (edl.serve.choices) -----------------------------
 
     async def _generate_choices(
         self, request: Request, req: GenerationRequest, ids: list[int], max_tokens: int
     ) -> Response:
         """``best_of`` requests in the engine (choice ``i`` seeded ``seed + i``), answered
         as ``n`` choices: all of them, or the ``n`` of highest cumulative log-prob."""
-        streams: list[RequestStream] = []
-        try:
-            for i in range(req.best_of):
-                params = req.sampling_params(max_tokens, self.stop_token_ids, i)
-                streams.append(await self._add(ids, params))
-        except APIError:
-            for stream in streams:  # all or none
-                self.driver.abort(stream.request_id)
-            raise
+        streams = await add_choices(self, req, ids, max_tokens)
         replies = [_Reply(self, req, stream, len(ids), i) for i, stream in enumerate(streams)]
         self.open_replies += len(replies)  # each reply's close takes its own off
         choices = _Choices(self, req, replies)
