@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks._common import interleaved_rounds, table, write_json
 from benchmarks.serve import _model
-from edl.serve.step import SlotSampling, model_step
+from edl.serve.step import model_step
 
 # The module (edl.ops exports a function of the same name).
 cached_attention = importlib.import_module("edl.ops.cached_attention")
@@ -95,13 +95,6 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
     lengths = jnp.full((rows,), PAGES * PAGE_SIZE - 1, jnp.int32)
     tokens = jnp.asarray(rng.integers(3, 259, (rows, 1)), jnp.int32)
     num_new = jnp.ones((rows,), jnp.int32)
-    sampling = SlotSampling(
-        jnp.zeros(rows),
-        jnp.zeros(rows, jnp.int32),
-        jnp.ones(rows),
-        jnp.zeros(rows, jnp.uint32),
-        jnp.zeros(rows, jnp.int32),
-    )
     step = model_step.__wrapped__
     pools = {}
     compiled = {}
@@ -112,9 +105,7 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
             # A fresh function per variant: jax.jit of the same function hands back its first
             # trace whatever module setting changed since (RESULTS.md, serve, 2026-11-25).
             fn = jax.jit(lambda *a, _step=step: _step(*a), donate_argnums=(1, 2))
-            compiled[name] = fn.lower(
-                model, k, v, page_table, lengths, tokens, num_new, sampling
-            ).compile()
+            compiled[name] = fn.lower(model, k, v, page_table, lengths, tokens, num_new).compile()
         finally:
             cached_attention.NATIVE_MAX_NEW_TOKENS = saved
         pools[name] = (jnp.copy(k), jnp.copy(v))
@@ -122,11 +113,11 @@ def step_table(rows: int, rounds: int, hidden: int, layers: int) -> dict:
 
     def call(name):
         k_pool, v_pool = pools[name]
-        args = (page_table, lengths, tokens, num_new, sampling)
-        k_pool, v_pool, next_tokens = compiled[name](model, k_pool, v_pool, *args)
+        args = (page_table, lengths, tokens, num_new)
+        k_pool, v_pool, logits = compiled[name](model, k_pool, v_pool, *args)
         pools[name] = (k_pool, v_pool)  # the pools are donated: keep the returned ones
-        firsts.setdefault(name, next_tokens)
-        return next_tokens
+        firsts.setdefault(name, jnp.argmax(logits, axis=-1))  # the greedy tokens
+        return logits
 
     for name in compiled:
         calls[name] = functools.partial(call, name)

@@ -37,7 +37,7 @@ from benchmarks._common import byte_llama_config
 from edl.models import LlamaForCausalLM
 from edl.serve import shapes
 from edl.serve.engine import Engine
-from edl.serve.step import SlotSampling, model_step
+from edl.serve.step import model_step
 
 _PAGE = 16
 
@@ -59,13 +59,6 @@ def _arguments(engine: Engine, rows: int, width: int, pages: int) -> list:
         jnp.asarray(lengths),
         jnp.ones((rows, width), jnp.int32),
         jnp.full(rows, width, jnp.int32),
-        SlotSampling(
-            jnp.zeros(rows, jnp.float32),
-            jnp.zeros(rows, jnp.int32),
-            jnp.ones(rows, jnp.float32),
-            jnp.zeros(rows, jnp.uint32),
-            jnp.zeros(rows, jnp.int32),
-        ),
     ]
 
 

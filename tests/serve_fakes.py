@@ -19,9 +19,17 @@ MODEL = "fake-model"
 EOS = ByteTokenizer.eos_id
 
 
-def reply_of(prompt_ids: Sequence[int]) -> str:
-    """The fake model's whole reply to a prompt (multi-byte characters on purpose)."""
-    return f"You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+def reply_of(prompt_ids: Sequence[int], seed: int | None = None) -> str:
+    """The fake model's whole reply to a prompt (multi-byte characters on purpose); a
+    seeded request's reply names its seed (the n / best_of tests tell choices apart)."""
+    said = "" if seed is None else f"[seed {seed}] "
+    return f"{said}You sent {len(prompt_ids)} tokens. Ça va → très bien, merci! Bye."
+
+
+def seed_logprob(seed: int | None) -> float:
+    """Each token's sampled log-prob in the fake engine (what best_of ranks by): seeds 0 mod
+    3 are the likeliest."""
+    return -1.0 - (0 if seed is None else seed % 3)
 
 
 def fake_logprob(token: int, k: int) -> Logprob:
@@ -54,7 +62,7 @@ class FakeEngine:
         max_running: int = 64,
         step_delay: float = 0.0,
         fail_at_step: int | None = None,
-        reply: Callable[[Sequence[int]], str] = reply_of,
+        reply: Callable[..., str] = reply_of,
     ) -> None:
         self.max_running, self.step_delay = max_running, step_delay
         self.fail_at_step, self.steps = fail_at_step, 0
@@ -65,7 +73,8 @@ class FakeEngine:
         self.threads: set[int] = set()
         self.largest_batch = 0
         self.prompts: dict[int, list[int]] = {}
-        self.reply, self.params = reply, []
+        self.reply = reply
+        self.params: list[SamplingParams] = []  # every request's, in order
 
     def _called(self) -> None:
         self.threads.add(threading.get_ident())
@@ -77,7 +86,7 @@ class FakeEngine:
         if len(self.running) >= self.max_running:
             raise QueueFull(f"{len(self.running)} requests running")
         request_id = next(self.ids)
-        tokens = [*ByteTokenizer().encode(self.reply(prompt_ids)), EOS]
+        tokens = [*ByteTokenizer().encode(self.reply(prompt_ids, params.seed)), EOS]
         if params.max_tokens == 0:
             tokens = list(prompt_ids)
         self.prompts[request_id] = list(prompt_ids)
@@ -121,8 +130,11 @@ class FakeEngine:
             if params.prompt_logprobs is not None and len(done) == 1:
                 ids = self.prompts[request_id][1:]
                 prompt = (None, *(fake_logprob(t, params.prompt_logprobs) for t in ids))
+            cumulative = len(done) * seed_logprob(params.seed)
             outputs.append(
-                RequestOutput(request_id, (token,), reason is not None, reason, logprobs, prompt)
+                RequestOutput(
+                    request_id, (token,), reason is not None, reason, logprobs, prompt, cumulative
+                )
             )
         return outputs
 

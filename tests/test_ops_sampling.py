@@ -298,3 +298,107 @@ def test_sample_frequencies_match_softmax(processor):
 def test_bad_arguments_raise(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+# -- the per-row sampler (sample_rows / process_rows): every row its own settings ---------
+
+
+def _row_settings(rows, bias_slots=4, **fields):
+    """``RowSampling.off`` with ``fields`` (name -> per-row list) filled in, as jax arrays."""
+    s = sampling.RowSampling.off(rows, bias_slots)
+    for name, values in fields.items():
+        getattr(s, name)[...] = np.asarray(values, getattr(s, name).dtype)
+    return jax.tree.map(jnp.asarray, s)
+
+
+# Per row: temperature, top_k, top_p, min_p, repetition, presence, frequency, logit bias.
+ROWS = [
+    (1.0, 0, 1.0, 0.0, 1.0, 0.0, 0.0, {}),
+    (0.7, 20, 0.9, 0.0, 1.3, 0.0, 0.0, {3: 5.0}),
+    (1.3, 5, 0.5, 0.05, 0.8, 0.5, 0.25, {}),
+    (0.5, 0, 1.0, 0.1, 1.0, -0.4, 1.5, {7: -100.0, 8: 2.5}),
+    (2.0, 30, 0.95, 0.02, 1.5, 2.0, -2.0, {0: 1.0}),
+]
+
+
+def test_process_rows_equals_hf_processors_row_by_row():
+    """Mixed settings in one batch, each row equal to HF's chain on that row alone: logit
+    bias added first, HF's RepetitionPenalty over prompt + generated ids, vLLM's presence /
+    frequency formula over generated ids only (written out here), then HF's temperature,
+    top-k, top-p and min-p warpers."""
+    rows = len(ROWS)
+    logits = random_logits(11, batch=rows)
+    rng = np.random.default_rng(12)
+    prompt = rng.integers(0, VOCAB, (rows, 6))
+    generated = rng.integers(0, VOCAB, (rows, 8))
+    counts = np.stack([np.bincount(g, minlength=VOCAB) for g in generated]).astype(np.int32)
+    seen = np.zeros((rows, VOCAB), bool)
+    np.put_along_axis(seen, prompt, True, axis=1)
+    t, k, p, mp, rep, pres, freq, bias = map(list, zip(*ROWS, strict=True))
+    ids = np.full((rows, 4), -1, np.int32)
+    values = np.zeros((rows, 4), np.float32)
+    for i, b in enumerate(bias):
+        ids[i, : len(b)], values[i, : len(b)] = list(b), list(b.values())
+    s = _row_settings(
+        rows,
+        temperature=t,
+        top_k=k,
+        top_p_threshold=[1.0 - v for v in p],
+        min_p=mp,
+        repetition_penalty=rep,
+        presence_penalty=pres,
+        frequency_penalty=freq,
+        bias_ids=ids,
+        bias_values=values,
+    )
+    ours = np.asarray(
+        jax.jit(sampling.process_rows)(
+            jnp.asarray(logits), s, jnp.asarray(counts), jnp.asarray(seen)
+        )
+    )
+    for i in range(rows):
+        x = logits[i : i + 1].copy()
+        for token, value in bias[i].items():
+            x[0, token] += value
+        history = np.concatenate([prompt[i], generated[i]])[None]
+        x = hf_apply([hf.RepetitionPenaltyLogitsProcessor(rep[i])], x, history)
+        x = x - pres[i] * (counts[i] > 0) - freq[i] * counts[i]  # vLLM's formula
+        x = x.astype(np.float32)
+        chain = [hf.TemperatureLogitsWarper(t[i])]
+        chain += [hf.TopKLogitsWarper(k[i])] if k[i] else []
+        chain += [hf.TopPLogitsWarper(p[i])] if p[i] < 1 else []
+        chain += [hf.MinPLogitsWarper(mp[i])] if mp[i] > 0 else []
+        assert_same(ours[i : i + 1], hf_apply(chain, x))
+    assert np.isinf(ours[3, 7])  # a -100 bias leaves nothing of a token's chance
+
+
+def test_sample_rows_greedy_rows_take_the_processed_argmax_and_bias_moves_it():
+    logits = random_logits(13, batch=3, masked=False)
+    best = logits.argmax(-1)
+    second = np.argsort(logits, -1)[:, -2]
+    worst = logits.argmin(-1)
+    ids = np.full((3, 2), -1, np.int32)
+    values = np.zeros((3, 2), np.float32)
+    ids[1, 0], values[1, 0] = best[1], -100.0  # row 1: the best token banned
+    ids[2, 0], values[2, 0] = worst[2], 100.0  # row 2: the worst token forced
+    s = _row_settings(3, bias_slots=2, bias_ids=ids, bias_values=values, top_k=[1, 2, 3])
+    tokens, logprobs = jax.jit(sampling.sample_rows)(jnp.asarray(logits), s)
+    np.testing.assert_array_equal(np.asarray(tokens), [best[0], second[1], worst[2]])
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits)))  # the model's own log-probs
+    np.testing.assert_allclose(np.asarray(logprobs), raw[np.arange(3), np.asarray(tokens)])
+
+
+def test_sample_rows_draws_depend_on_seed_and_counter_not_on_the_row():
+    logits = np.broadcast_to(random_logits(14, scale=0.5, batch=1, masked=False), (4, VOCAB))
+    s = _row_settings(4, temperature=[1.0] * 4, seed=[5, 9, 5, 5], counter=[0, 0, 0, 1])
+    tokens = np.asarray(jax.jit(sampling.sample_rows)(jnp.asarray(logits), s)[0])
+    first = jnp.asarray(logits[:1])
+    jitted = jax.jit(sampling.sample_rows)  # one compile for every seed below
+
+    def draw(seed):
+        s = _row_settings(1, temperature=[1.0], seed=[seed], counter=[0])
+        return int(jitted(first, s)[0][0])
+
+    assert tokens[0] == tokens[2] == draw(5)  # the same draw alone as in company
+    draws = {draw(seed) for seed in range(20)}
+    assert len(draws) > 3  # different seeds draw different tokens

@@ -105,6 +105,82 @@ def test_completion_plain_and_stream(shared):
     assert engine.threads and len(engine.threads) == 1  # every engine call: one thread
 
 
+def test_n_choices_and_best_of(shared):
+    """``n`` choices (choice i seeded seed + i), plain and streamed, chat too; ``best_of``
+    returns the n of highest cumulative log-prob; usage counts every generated token."""
+    _, url = shared
+    api = client(url)
+    ids = ByteTokenizer().encode("Hello")
+
+    def want(seed):
+        return reply_of(ids, seed)
+
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=200, n=3, seed=10)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [want(10), want(11), want(12)]
+    tokens = sum(len(want(s).encode()) + 1 for s in (10, 11, 12))
+    assert out.usage.completion_tokens == tokens and out.usage.prompt_tokens == len(ids)
+    # best_of 3, n 2: seeds 12 (log-prob -1 per token), then 10 (-2); 11 (-3) is dropped.
+    best = api.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=200, n=2, extra_body={"best_of": 3}, seed=10
+    )
+    assert [c.text for c in best.choices] == [want(12), want(10)]
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens == tokens
+    chunks = list(
+        api.completions.create(
+            model=MODEL,
+            prompt="Hello",
+            max_tokens=200,
+            n=2,
+            seed=4,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = {0: "", 1: ""}
+    for chunk in chunks[:-1]:
+        texts[chunk.choices[0].index] += chunk.choices[0].text
+    assert texts == {0: want(4), 1: want(5)} and len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == len(want(4).encode()) + len(want(5).encode()) + 2
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = api.chat.completions.create(model=MODEL, messages=messages, n=2, seed=0)
+    prompt = chat_prompt(messages)
+    assert [c.message.content for c in chat.choices] == [reply_of(prompt, 0), reply_of(prompt, 1)]
+    deltas = {0: "", 1: ""}
+    roles = []
+    for chunk in api.chat.completions.create(
+        model=MODEL, messages=messages, n=2, seed=0, stream=True
+    ):
+        choice = chunk.choices[0]
+        deltas[choice.index] += choice.delta.content or ""
+        roles += [choice.index] if choice.delta.role == "assistant" else []
+    assert deltas == {0: reply_of(prompt, 0), 1: reply_of(prompt, 1)} and roles == [0, 1]
+
+
+def test_penalties_bias_min_p_and_stop_token_ids_reach_the_engine(shared):
+    engine, url = shared
+    api = client(url)
+    extra = {"repetition_penalty": 1.2, "min_p": 0.1, "stop_token_ids": [ord("!")]}
+    out = api.completions.create(
+        model=MODEL,
+        prompt="Hello",
+        max_tokens=200,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": 5, "120": -100},
+        extra_body=extra,
+    )
+    params = engine.params[-1]
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -0.25)
+    assert (params.repetition_penalty, params.min_p) == (1.2, 0.1)
+    assert params.logit_bias == ((7, 5.0), (120, -100.0))
+    assert params.stop_token_ids == (EOS, ord("!"))
+    # The fake stops at its first "!"; the stop token is left out of the text, as EOS is.
+    expected = reply_of(ByteTokenizer().encode("Hello"))
+    assert out.choices[0].text == expected[: expected.index("!")]
+    assert out.choices[0].finish_reason == "stop"
+
+
 def test_chat_plain_and_stream(shared):
     _, url = shared
     api = client(url)
@@ -194,11 +270,26 @@ BAD = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
     ({"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "hi", "echo": 1}, 400, "echo"),
     ({"model": MODEL, "prompt": ["a", "b"], "stream": True}, 400, "stream"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"x7": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"7": 101}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "logit_bias": [7]}, 400, "logit_bias"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [-1]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
+    ({"model": MODEL, "prompt": "hi", "seed": -5}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**80}, 400, "seed"),
     ({"model": MODEL, "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt"),
     ({"model": MODEL, "prompt": [1, 300]}, 400, "prompt"),
@@ -781,3 +872,60 @@ def test_logprobs_in_openai_shapes(shared):
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
     plain = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.slow  # the real engine on a tiny Llama through the openai client (~30-60 s)
+def test_real_engine_n_choices_with_a_seed_are_reproducible():
+    """With a seed, ``n`` sampled choices are reproducible and choice ``i`` is the single
+    request seeded ``seed + i``; ``best_of`` returns the choice of highest cumulative
+    log-prob, which the engine reports (checked against a second engine in-process)."""
+    import jax
+
+    from edl.models import LlamaConfig, LlamaForCausalLM
+    from edl.serve import SamplingParams
+    from edl.serve.engine import Engine
+
+    tokenizer = ByteTokenizer()
+    config = LlamaConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    model = LlamaForCausalLM.init(config, key=jax.random.key(0))
+    geometry = dict(max_batch=4, max_model_len=64, page_size=8, prefill_chunk=16)
+    app = create_app(Engine(model, **geometry), tokenizer, model_name="tiny", max_model_len=64)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    _wait(lambda: server.started, 30)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    sampled = dict(model="tiny", prompt="Hello", max_tokens=10, temperature=1.0)
+    try:
+        api = client(url)
+        first = api.completions.create(n=3, seed=123, **sampled)
+        again = api.completions.create(n=3, seed=123, **sampled)
+        texts = [c.text for c in first.choices]
+        assert texts == [c.text for c in again.choices] and len(set(texts)) == 3
+        for i in range(3):
+            alone = api.completions.create(seed=123 + i, **sampled)
+            assert alone.choices[0].text == texts[i]
+        best = api.completions.create(n=1, seed=123, extra_body={"best_of": 3}, **sampled)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    engine = Engine(model, **geometry)
+    prompt = tokenizer.encode("Hello")
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=1.0, seed=123 + i))
+        for i in range(3)
+    ]
+    logprob = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprob[out.request_id] = out.cumulative_logprob
+    scores = [logprob[i] for i in ids]
+    assert len(set(scores)) == 3 and all(s < 0 for s in scores)
+    assert best.choices[0].text == texts[scores.index(max(scores))]

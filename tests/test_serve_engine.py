@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from edl.generate import generate
 from edl.serve import Engine, QueueFull, SamplingParams
 from edl.serve import engine as engine_module
 from edl.serve.pages import PagePool, block_hashes
-from edl.serve.step import filter_logits, model_step
+from edl.serve.step import model_step, reset_penalty_slot, sample_step, sample_step_penalized
 
 # One geometry for every test that runs the model, so the module compiles model_step for
 # its four step shapes (rows 1 | 2 | 4 x width 1, or 1 x 8; 4 pages) and no more.
@@ -82,8 +81,10 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
     compiled_before = model_step._cache_size()
     engine = Engine(tiny_llama, **GEOMETRY)
     assert engine.step_shapes() == [(1, 1, 4), (2, 1, 4), (4, 1, 4), (1, 8, 4)]
-    engine.warmup()  # every shape, with and without log-probs: nothing compiles from here on
+    engine.warmup()  # every shape, with and without log-probs, and the samplers
     warm = model_step._cache_size()
+    samplers = [sample_step, sample_step_penalized, reset_penalty_slot]
+    warm_samplers = [f._cache_size() for f in samplers]
     assert warm - compiled_before <= 8
     assert engine.num_free_pages == engine.num_total_pages and not engine.has_unfinished()
 
@@ -124,41 +125,12 @@ def test_engine_greedy_matches_generate_mid_flight_prefix_sharing_no_recompiles(
     busy = {0: [(a, greedy), (b, dataclasses.replace(sampled, seed=3))], 2: [(c, sampled)]}
     (_, other_seed, batched), _ = _run(engine, busy)
     assert batched == alone and other_seed != alone
+    # A penalized request (the penalized sampler, its state reset) compiles nothing either.
+    penalized = dataclasses.replace(greedy, repetition_penalty=1.5, presence_penalty=0.5)
+    (got,), _ = _run(engine, {0: [(c, penalized)]})
+    assert len(got) == MAX_TOKENS and got != want[2]
     assert model_step._cache_size() == warm
-
-
-def _filter_reference(logits: np.ndarray, t: float, k: int, p: float) -> np.ndarray:
-    """HF's TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper in float64 numpy
-    (ties with a cut-off kept, as edl.ops.sampling does)."""
-    x = logits.astype(np.float64) / t
-    if k:
-        x = np.where(x < np.sort(x)[::-1][k - 1], -np.inf, x)
-    if p < 1.0:
-        ascending = np.sort(x)
-        probs = np.exp(ascending - ascending.max())
-        cumulative = np.cumsum(probs / probs.sum())
-        remove = (cumulative <= 1 - p) & (np.arange(x.size) < x.size - 1)
-        x = np.where(x < ascending[~remove].min(), -np.inf, x)
-    return x
-
-
-def test_filter_logits_matches_hf_temperature_top_k_top_p():
-    logits = np.random.default_rng(0).normal(size=(4, 64)).astype(np.float32) * 3
-    t, k, p = (0.7, 1.0, 1.3, 1.0), (0, 5, 12, 0), (0.8, 1.0, 0.5, 1.0)
-    got = np.asarray(
-        jax.jit(jax.vmap(filter_logits))(
-            jnp.asarray(logits),
-            jnp.array(t, jnp.float32),
-            jnp.array(k, jnp.int32),
-            jnp.array(p, jnp.float32),
-        )
-    )
-    for i in range(4):
-        want = _filter_reference(logits[i], t[i], k[i], p[i])
-        kept = ~np.isinf(want)
-        assert 0 < kept.sum() < 64 or (k[i] == 0 and p[i] == 1.0)
-        np.testing.assert_array_equal(~np.isinf(got[i]), kept)
-        np.testing.assert_allclose(got[i][kept], want[kept], rtol=1e-6)  # float32 division
+    assert [f._cache_size() for f in samplers] == warm_samplers
 
 
 def test_add_request_rejects_bad_input_and_a_full_queue(tiny_llama):
@@ -259,20 +231,7 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
     rows hold no pages and no row writes (its new tokens and the chunk's padding) into a
     page another row holds. It returns no log-probs (no request here asks)."""
 
-    def step(
-        model,
-        k,
-        v,
-        table,
-        lengths,
-        tokens,
-        num_new,
-        sampling,
-        targets=None,
-        allowed=None,
-        *,
-        logprobs,
-    ):
+    def step(model, k, v, table, lengths, tokens, num_new, targets=None, *, logprobs):
         table, lengths, num_new = map(np.asarray, (table, lengths, num_new))
         assert (*tokens.shape, table.shape[1]) in shapes, (tokens.shape, table.shape)
         busy = num_new > 0
@@ -285,7 +244,10 @@ def _stub_step(page_size: int, rng: np.random.Generator, shapes):
             written = set(table[row, first:end].tolist()) - {-1}
             others = set(np.delete(table, row, axis=0).ravel().tolist())
             assert not written & others, f"row {row} writes into a shared page"
-        return k, v, jnp.asarray(rng.integers(0, 64, table.shape[0]), jnp.int32), None
+        # Logits that leave one token possible per row: greedy and sampled rows take it.
+        chosen = rng.integers(0, 64, table.shape[0])
+        logits = np.where(np.arange(64) == chosen[:, None], 0.0, -np.inf).astype(np.float32)
+        return k, v, jnp.asarray(logits), None
 
     return step
 
@@ -469,3 +431,70 @@ def test_the_serving_step_holds_no_host_callback(tiny_llama, monkeypatch):
     request.pages, request.computed = [0], 8
     with pytest.raises(RuntimeError, match="request 7 needs 2 pages for 8 \\+ 1 tokens"):
         engine_module._check_pages(request, 1, 4, 8)
+
+
+def _penalized_reference(model, jobs, max_new) -> list[list[int]]:
+    """generate's greedy tokens for ``(prompt, params)`` jobs sharing one repetition
+    penalty (generate's own), in one left-padded batch; each row's logit bias, then its
+    presence / frequency penalties over its generated ids only (vLLM's formula), as a user
+    processor (generate applies it after its repetition penalty: the jobs below with a
+    bias have none, the engine adding the bias first)."""
+    (penalty,) = {params.repetition_penalty for _, params in jobs}
+    prompts = [prompt for prompt, _ in jobs]
+    width, vocab, rows = max(map(len, prompts)), model.config.vocab_size, len(jobs)
+    ids = np.array([[0] * (width - len(p)) + p for p in prompts])
+    mask = np.array([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    presence = np.array([[params.presence_penalty] for _, params in jobs], np.float32)
+    frequency = np.array([[params.frequency_penalty] for _, params in jobs], np.float32)
+    bias = np.zeros((rows, vocab), np.float32)
+    for i, (_, params) in enumerate(jobs):
+        for token, value in params.logit_bias:
+            bias[i, token] += value
+
+    def processor(logits, tokens, valid):
+        out = jnp.where(valid[:, width:], tokens[:, width:], vocab)
+        counts = jnp.zeros(logits.shape, jnp.float32)
+        counts = counts.at[jnp.arange(rows)[:, None], out].add(1.0, mode="drop")
+        logits = logits + bias - frequency * counts
+        return logits - presence * (counts > 0).astype(jnp.float32)
+
+    out = generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new,
+        do_sample=False,
+        repetition_penalty=penalty,
+        logits_processor=processor,
+    )
+    return np.asarray(out.sequences[:, width:]).tolist()
+
+
+@pytest.mark.slow  # three generate compiles for the references (~25-50 s on the 2-core VM)
+def test_engine_penalties_and_logit_bias_match_generate_greedy(tiny_llama):
+    """Greedy requests with penalties and a logit bias, in company of plain ones and
+    reusing batch places (each place's penalty state starts again from its new prompt,
+    prefix-cached pages too), give generate's tokens."""
+    a, b, c = _prompts(3, (12, 9, 17))
+    d = [*c[:16], 5]  # shares c's first two pages
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    settings = [
+        dataclasses.replace(greedy, repetition_penalty=1.8),
+        dataclasses.replace(greedy, presence_penalty=1.5, frequency_penalty=0.7),
+        dataclasses.replace(greedy, repetition_penalty=0.6, frequency_penalty=-0.5),
+        dataclasses.replace(greedy, logit_bias={7: 100.0, 3: -5.0}),
+        dataclasses.replace(greedy, logit_bias=((9, 3.0),), presence_penalty=2.0),
+    ]
+    engine = Engine(tiny_llama, **GEOMETRY)
+    jobs = [(a, settings[0]), (b, greedy), (c, settings[1]), (d, settings[2])]
+    jobs += [(b, settings[3]), (a, settings[4]), (d, greedy), (c, settings[0])]
+    got, _ = _run(engine, {2 * i: [job] for i, job in enumerate(jobs)})
+    for penalty in {params.repetition_penalty for _, params in jobs}:
+        index = [i for i, (_, p) in enumerate(jobs) if p.repetition_penalty == penalty]
+        want = _penalized_reference(tiny_llama, [jobs[i] for i in index], MAX_TOKENS)
+        assert [got[i] for i in index] == want, penalty
+    plain = _greedy_reference(tiny_llama, [a, b], MAX_TOKENS)
+    assert got[0] != plain[0] and got[1] == plain[1]  # the penalty changed a's tokens
+    assert got[4] == [7] * MAX_TOKENS  # the +100 bias forces token 7
+    with pytest.raises(ValueError, match=r"logit_bias ids \[999\] are not < 64"):
+        engine.add_request(a, SamplingParams(logit_bias={999: 1.0}))

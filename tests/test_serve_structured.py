@@ -207,7 +207,7 @@ def serving(engine, tokenizer, max_model_len: int = 1024):
 
 
 def test_tool_calls_plain_and_streamed_through_the_openai_client():
-    engine = FakeEngine(reply=lambda ids: REPLY)
+    engine = FakeEngine(reply=lambda ids, seed=None: REPLY)
     with serving(engine, ToolChat()) as url:
         api = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         messages = [{"role": "user", "content": "Weather in Köln?"}]
@@ -342,23 +342,32 @@ def test_engine_without_a_tokenizer_refuses_grammars(tiny):
 
 def test_plain_steps_run_the_unmasked_program(tiny, monkeypatch):
     """Rows with a grammar get their bitmask (all ones for the others, for rows whose
-    sampled token is dropped); a step with no such row calls the plain program
-    (``allowed=None``). The model step is a stand-in here: nothing compiles."""
+    sampled token is dropped); a call with no such row runs the plain sampler
+    (``allowed=None``). The model step is a stand-in here whose logits favour "{"."""
     import jax.numpy as jnp
 
     import edl.serve.engine as engine_module
+    import edl.serve.sampler as sampler_module
     from edl.serve.grammar import any_json_grammar
     from edl.serve.types import SamplingParams
 
     _, tok = tiny
     start, calls = tok.hf.convert_tokens_to_ids("{"), []
+    engine = _engine(tiny)
 
-    def step(model, k, v, table, lengths, tokens, num_new, sampling, targets, allowed, *, logprobs):
+    def step(model, k, v, table, lengths, tokens, num_new, targets=None, *, logprobs):
+        logits = np.full((tokens.shape[0], engine.vocab_size), -1.0, np.float32)
+        logits[:, start] = 0.0  # every row says "{"
+        return k, v, jnp.asarray(logits), None
+
+    real = sampler_module.sample_step
+
+    def spy(logits, sampling, allowed=None):
         calls.append(None if allowed is None else np.asarray(allowed))
-        return k, v, jnp.full(tokens.shape[:1], start, jnp.int32), None  # every row says "{"
+        return real(logits, sampling, allowed)
 
     monkeypatch.setattr(engine_module, "model_step", step)
-    engine = _engine(tiny)
+    monkeypatch.setattr(sampler_module, "sample_step", spy)
     engine.add_request(tok.encode("Hello"), SamplingParams(max_tokens=2))
     engine.step()  # prefill: its token is sampled
     assert calls == [None]

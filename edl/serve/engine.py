@@ -57,28 +57,27 @@ The engine is not thread-safe: call it from one thread (an async server runs ``s
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
 Log-probs (``SamplingParams.logprobs`` / ``prompt_logprobs``, ``edl.serve.logprobs``): a
-call computes them only when one of its requests asks, through ``model_step``'s log-prob
-variant of its shape (``step_programs()``: each shape twice; ``warmup`` compiles both); a
-prefill chunk then also returns every position's log-probs of the next prompt token.
-Prompt log-probs need every prompt position computed, so such requests share no cached
-prefix pages.
+call computes them only when one of its requests asks: the sampled tokens' from their raw
+logits (``step.sampled_logprobs``), and in a prefill chunk every position's log-probs of the
+next prompt token, through ``model_step``'s log-prob variant of its shape
+(``step_programs()``: each shape twice; ``warmup`` compiles both). Prompt log-probs need
+every prompt position computed, so such requests share no cached prefix pages.
 
-Sampling is per request (``SamplingParams``): greedy at ``temperature=0``, else
-temperature, top-k and top-p in HF's order, each token drawn with the key
-``fold_in(key(seed), tokens_generated_so_far)``: the same seed gives the same tokens
-whatever else is in the batch (up to float rounding: the same request's logits come from
-calls of different shapes depending on its company). Output tokens include the EOS / stop
-token that ends a request (``finish_reason="stop"``); stop *strings* are the server's
-(``edl.serve.server`` detokenizes, trims and aborts the request, which frees its pages).
-A request's grammar (``SamplingParams.grammar``; an engine built with ``tokenizer=``)
-masks its logits before sampling, through the step's masked program, compiled apart and
-run only for steps where some row has a grammar; the request ends ("stop") where the
-grammar is complete (``edl.serve.grammar``). ``warmup`` then compiles both programs.
+Sampling is per request (``SamplingParams``; ``edl.serve.sampler``: a small program after
+each model call, ``edl.ops.sampling.RowSampling``), each token drawn with the key
+``fold_in(key(seed), tokens_generated_so_far)``: a seed gives the same tokens whatever
+else is in the batch (up to float rounding: a request's logits come from calls of shapes
+that depend on its company). Outputs carry the cumulative log-prob of the sampled tokens,
+and include the EOS / stop token that ends a request (``finish_reason="stop"``); stop
+*strings* are the server's (it detokenizes, trims and aborts the request). A request's
+grammar (``SamplingParams.grammar``; an engine built with ``tokenizer=``) masks its logits
+before sampling, in the sampler's masked program, run only for calls where some row has a
+grammar; the request ends ("stop") where the grammar is complete (``edl.serve.grammar``).
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
-chats reuse only their prompt's blocks); logits processors beyond temperature / top-k /
-top-p; sharding over a mesh. On GPU ``impl="auto"`` sends a prefill call to the
+chats reuse only their prompt's blocks); sharding over a mesh. On GPU ``impl="auto"``
+sends a prefill call to the
 Pallas paged *decode* kernel with ``width`` queries per row, untested there.
 """
 
@@ -100,8 +99,9 @@ from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
 from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
+from edl.serve.sampler import Sampler
 from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
-from edl.serve.step import SlotSampling, model_step
+from edl.serve.step import model_step, sampled_logprobs
 from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams, is_int
 
 __all__ = ["Engine"]
@@ -124,6 +124,8 @@ class _Request:
     generated: list[int] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[Logprob | None] = dataclasses.field(default_factory=lambda: [None])
     matcher: Any = None  # its grammar's state (edl.serve.grammar), if it has one
+    slot: int = -1  # its batch place while running (edl.serve.sampler: penalty state)
+    cumulative_logprob: float = 0.0  # its sampled tokens' log-probs, summed
 
     @property
     def prefilling(self) -> bool:
@@ -228,8 +230,9 @@ class Engine:
         self._next_id = 0
         self._rng = np.random.default_rng()  # seeds of requests that give none
         self._echo = echo
-        self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs run
+        self._compiled: set[tuple[int, int, int, bool]] = set()  # programs called
         self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
+        self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
 
     @property
     def num_free_pages(self) -> int:
@@ -262,6 +265,9 @@ class Engine:
         bad = [i for i in params.stop_token_ids if i >= self.vocab_size]
         if bad:
             raise ValueError(f"add_request: stop_token_ids {bad} are not < {self.vocab_size}")
+        bad = [i for i, _ in params.logit_bias if i >= self.vocab_size]
+        if bad:
+            raise ValueError(f"add_request: logit_bias ids {bad} are not < {self.vocab_size}")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(
@@ -308,6 +314,7 @@ class Engine:
 
     def _release(self, request: _Request) -> None:
         self._pool.release(request.pages)
+        self._sampler.release(request.slot)
         request.pages = []
         self._running.remove(request)
         request.running = False
@@ -327,6 +334,7 @@ class Engine:
             request.computed = len(shared) * self.page_size
             request.published = len(shared)
             request.running = True
+            request.slot = self._sampler.admit(request.prompt, request.params)
             self._running.append(request)
             self._waiting.popleft()
 
@@ -348,78 +356,59 @@ class Engine:
         seconds per shape for a deep model (the layers are unrolled), less where jax's
         persistent compilation cache has them. ``echo`` hears each shape as it compiles:
         ``compiling decode 8x1, 4 pages (3/12): 2.1 s; 6.3 s so far, about 19 s left``.
-        Every program of ``step_programs()``: with and without log-probs, and, with a
-        tokenizer, grammar-masked too."""
+        Every program of ``step_programs()`` (with and without log-probs); the samplers
+        (``edl.serve.sampler``: plain and penalized per row bucket, grammar-masked too with a
+        tokenizer, and the penalty reset) compile first, in well under a second."""
+        words = None if self._grammars is None else self._grammars.words
+        self._sampler.warmup(self.row_buckets, words)
         programs = [key for key in self.step_programs() if key not in self._compiled]
         start = time.perf_counter()
-        for done, (rows, width, pages, logprobs, masked) in enumerate(programs, 1):
+        for done, program in enumerate(programs, 1):
             t0, hits = time.perf_counter(), cache_hits()
-            self._call([], rows, width, pages, logprobs, masked)
+            self._call([], *program)
             if self._echo is not None:
                 now, cached = time.perf_counter(), cache_hits() > hits
-                program = (rows, width, pages, logprobs, masked)
                 line = warmup_progress(program, done, len(programs), now - t0, now - start, cached)
                 self._echo(line)
 
-    def step_programs(self) -> list[tuple[int, int, int, bool, bool]]:
-        """Every program ``warmup`` compiles: each of ``step_shapes()`` without and with
-        log-probs (``model_step``'s ``logprobs`` variant) and, for an engine with a
-        tokenizer, without and with grammar masks: ``(rows, width, pages, logprobs,
-        masked)``."""
-        masks = (False, True) if self._grammars is not None else (False,)
-        return [
-            (*shape, logprobs, masked)
-            for masked in masks
-            for logprobs in (False, True)
-            for shape in self.step_shapes()
-        ]
+    def step_programs(self) -> list[tuple[int, int, int, bool]]:
+        """Every model program ``warmup`` compiles: each of ``step_shapes()`` without and
+        with log-probs (``model_step``'s ``logprobs`` variant): ``(rows, width, pages,
+        logprobs)``."""
+        return [(*shape, logprobs) for logprobs in (False, True) for shape in self.step_shapes()]
 
     def _call(
-        self,
-        requests: list[_Request],
-        rows: int,
-        width: int,
-        pages: int,
-        logprobs: bool = False,
-        masked: bool = False,
-    ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+        self, requests: list[_Request], rows: int, width: int, pages: int, logprobs: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]:
         """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
         tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
-        to ``pages``; returns each row's sampled token and, in the log-prob variant (when a
-        request asks, or ``logprobs``), its log-prob arrays; records prompt log-probs and
-        advances each request's ``computed`` by its new tokens. Rows with a grammar that
-        sample this step have their tokens masked (the masked variant; ``masked`` forces it
-        for warmup)."""
+        to ``pages``, then the sampler (rows with a grammar that sample this call masked);
+        returns each row's sampled token, its log-prob and, in the log-prob variant (when a
+        request asks, or ``logprobs``), the call's log-prob arrays; records prompt log-probs
+        and advances each request's ``computed`` by its new tokens."""
         tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
         table = np.full((rows, pages), -1, np.int32)
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        top_k, seed = np.zeros(rows, np.int32), np.zeros(rows, np.uint32)
-        counter = np.zeros(rows, np.int32)
         matchers: list[Any] = [None] * rows
         for i, r in enumerate(requests):
-            p = r.params
             new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
             _check_pages(r, len(new), pages, self.page_size)
             tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
             table[i, : min(len(r.pages), pages)] = r.pages[:pages]
-            temperature[i], top_p[i], top_k[i] = p.temperature, p.top_p, p.top_k or 0
-            seed[i], counter[i] = r.seed, len(r.generated)
             if r.computed + len(new) >= len(r.prompt):  # this row's token is kept
                 matchers[i] = r.matcher
-        sampling = SlotSampling(*map(jnp.asarray, (temperature, top_k, top_p, seed, counter)))
         logprobs = logprobs or lp.needs_logprobs(requests)
         allowed = None
-        if masked or any(m is not None for m in matchers):
+        if any(m is not None for m in matchers):
             assert self._grammars is not None  # requests have matchers only with it
             allowed = jnp.asarray(self._grammars.bitmask(matchers, rows))
         shape = (rows, width, pages)
-        key = (*shape, logprobs, allowed is not None)
+        key = (*shape, logprobs)
         first = key not in self._compiled and self._echo is not None and bool(requests)
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(key)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, next_tokens, extra = model_step(
+        self._k_pages, self._v_pages, logits, prompt = model_step(
             self._model,
             self._k_pages,
             self._v_pages,
@@ -427,12 +416,16 @@ class Engine:
             jnp.asarray(lengths),
             jnp.asarray(tokens),
             jnp.asarray(num_new),
-            sampling,
             jnp.asarray(lp.prompt_targets(requests, rows, width)) if logprobs else None,
-            allowed,
             logprobs=logprobs,
         )
-        next_tokens, arrays = np.asarray(next_tokens), lp.host_arrays(extra)
+        # A row emits its token when it decodes or its prompt ends in this call.
+        emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
+        settings = [(r.params, r.seed, len(r.generated)) for r in requests]
+        slots = [r.slot for r in requests]
+        next_tokens, token_logprobs = self._sampler.sample(logits, settings, slots, emit, allowed)
+        sampled = sampled_logprobs(logits, jnp.asarray(next_tokens)) if logprobs else None
+        arrays = lp.host_arrays(prompt, sampled)
         if first:
             how = "from the compilation cache" if cache_hits() > hits else "compiled"
             self._echo(f"{shape_name(key)} ready in {time.perf_counter() - t0:.1f} s ({how})")
@@ -441,7 +434,7 @@ class Engine:
             if r.prefilling and r.params.prompt_logprobs is not None:
                 r.prompt_logprobs += lp.prompt_entries(arrays, i, r, int(num_new[i]))
             r.computed += int(num_new[i])
-        return next_tokens, arrays
+        return next_tokens, token_logprobs, arrays
 
     def _pages_after(self, requests: list[_Request], width: int) -> int:
         """The page bucket holding every request's tokens after a call of ``width``."""
@@ -475,19 +468,19 @@ class Engine:
         decoding = [r for r in self._running if not r.prefilling]
         if decoding:
             rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
-            next_tokens, arrays = self._call(decoding, rows, 1, pages)
+            next_tokens, token_logprobs, arrays = self._call(decoding, rows, 1, pages)
             outputs += [
-                self._emit(r, int(t), arrays, i)
+                self._emit(r, int(t), float(token_logprobs[i]), arrays, i)
                 for i, (r, t) in enumerate(zip(decoding, next_tokens, strict=False))
             ]
         prefilling, rows, width = self._prefill_batch()
         if prefilling:
             pages = self._pages_after(prefilling, width)
-            next_tokens, arrays = self._call(prefilling, rows, width, pages)
+            next_tokens, token_logprobs, arrays = self._call(prefilling, rows, width, pages)
             for i, (r, t) in enumerate(zip(prefilling, next_tokens, strict=False)):  # padding last
                 self._publish(r)
                 if not r.prefilling:  # its prompt is done: the first token is out
-                    outputs.append(self._emit(r, int(t), arrays, i))
+                    outputs.append(self._emit(r, int(t), float(token_logprobs[i]), arrays, i))
         return outputs
 
     def _publish(self, request: _Request) -> None:
@@ -498,7 +491,12 @@ class Engine:
         request.published = max(request.published, done)
 
     def _emit(
-        self, request: _Request, token: int, arrays: dict[str, np.ndarray] | None, row: int
+        self,
+        request: _Request,
+        token: int,
+        logprob: float,
+        arrays: dict[str, np.ndarray] | None,
+        row: int,
     ) -> RequestOutput:
         """Record a generated token (none at ``max_tokens=0``) with its log-probs where
         asked; finish the request on a stop token or its length. A request's first output
@@ -506,6 +504,8 @@ class Engine:
         p = request.params
         new = (token,) if p.max_tokens > 0 else ()
         request.generated += new
+        if new:
+            request.cumulative_logprob += logprob
         reason = None
         if token in request.stop_ids and new:
             reason = "stop"
@@ -521,4 +521,12 @@ class Engine:
             logprobs = (lp.sampled_entry(arrays, row, token, p.logprobs),)
         if p.prompt_logprobs is not None and len(request.generated) <= 1:
             prompt, request.prompt_logprobs = tuple(request.prompt_logprobs), []
-        return RequestOutput(request.id, new, reason is not None, reason, logprobs, prompt)
+        return RequestOutput(
+            request.id,
+            new,
+            reason is not None,
+            reason,
+            logprobs,
+            prompt,
+            request.cumulative_logprob,
+        )

@@ -10,8 +10,9 @@ it, and passes it in ``SamplingParams.grammar``. The engine builds one matcher p
 1. the host fills the ``(rows, ceil(vocab / 32))`` int32 bitmask of every row that samples a
    token this step (:meth:`Grammars.bitmask`; rows without a grammar are all ones);
 2. the device step sets every disallowed logit to ``-inf`` before sampling
-   (:func:`mask_logits`, in ``edl.serve.step.model_step``, a separate compiled variant used
-   only when some row of the step has a grammar: plain batches run the unmasked program);
+   (:func:`mask_logits`, in the engine's sampler ``edl.serve.step.sample_step``, a separate
+   compiled variant used only when some row of the call has a grammar: plain batches run
+   the unmasked program);
 3. the sampled token advances the matcher (``Grammars.advance``); when the grammar is
    complete and admits nothing more, the request finishes (``finish_reason="stop"``). The
    EOS ids are allowed only where the grammar is complete.

@@ -1,5 +1,5 @@
 """The engine's host side of log-probs: which calls need them, the prompt tokens each prefill
-position predicts, and ``StepLogprobs`` arrays turned into ``Logprob`` entries.
+position predicts, and the step's log-prob arrays turned into ``Logprob`` entries.
 
 A step call computes log-probs (``model_step(..., logprobs=True)``, its own compiled variant
 of each shape) only when one of its requests asks: ``SamplingParams.logprobs`` for generated
@@ -9,7 +9,7 @@ tokens, ``prompt_logprobs`` while the request prefills. The device always return
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -48,11 +48,19 @@ def prompt_targets(requests: Sequence[_Request], rows: int, width: int) -> np.nd
     return targets
 
 
-def host_arrays(step: object | None) -> dict[str, np.ndarray] | None:
-    """A call's ``StepLogprobs`` (or None) as numpy arrays by field name, the None ones left out."""
-    if step is None:
+def host_arrays(
+    prompt: object | None, sampled: Mapping[str, object] | None
+) -> dict[str, np.ndarray] | None:
+    """A call's log-prob arrays as numpy by name: ``sampled`` (``step.sampled_logprobs``:
+    ``sampled``, ``sampled_top_ids``, ``sampled_top``) and, in a prefill call, ``prompt``'s
+    (``step.PromptLogprobs``: ``prompt``, ``prompt_top_ids``, ``prompt_top``); None in a call
+    without log-probs."""
+    if sampled is None:
         return None
-    return {k: np.asarray(v) for k, v in vars(step).items() if v is not None}
+    arrays = {k: np.asarray(v) for k, v in sampled.items()}
+    if prompt is not None:
+        arrays |= {k: np.asarray(v) for k, v in vars(prompt).items()}
+    return arrays
 
 
 def _entry(token: int, logprob: object, ids: np.ndarray, top: np.ndarray, k: int) -> Logprob:
@@ -62,7 +70,7 @@ def _entry(token: int, logprob: object, ids: np.ndarray, top: np.ndarray, k: int
 
 def sampled_entry(step: dict[str, np.ndarray], row: int, token: int, k: int) -> Logprob:
     """Row ``row``'s sampled ``token`` and its top ``k``, from a call's log-prob arrays
-    (``StepLogprobs`` fields as numpy)."""
+    (``host_arrays``)."""
     return _entry(
         token, step["sampled"][row], step["sampled_top_ids"][row], step["sampled_top"][row], k
     )

@@ -11,13 +11,18 @@ prompt and its log-probs lead the reply, streamed or not; ``max_tokens`` 0 allow
 prompts in one call (lm-evaluation-harness's batches; not streamed); chat ``logprobs: true`` with
 ``top_logprobs`` (0-20). All from the model's distribution before sampling processors.
 
-Supported: one choice (``n`` = 1), ``max_tokens`` (chat: also ``max_completion_tokens``),
-``temperature`` in [0, 2], ``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null:
-off), ``seed``, ``stop`` (a string or up to 4), ``stream`` with ``stream_options``
-(``include_usage``), ``response_format`` (text, ``json_object``, ``json_schema``) and, for
-chat, ``tools`` / ``tool_choice`` (:mod:`edl.serve.structured`). Fields OpenAI defines but
-this server does not implement are accepted only at their no-op value
-(``presence_penalty: 0``, ...); any other field is an error naming it.
+Supported: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature`` in [0, 2],
+``top_p`` in (0, 1], ``top_k`` (vLLM's extension; -1 or null: off), ``seed`` in [0, 2**32),
+``stop`` (a string or up to 4), ``stream`` with ``stream_options`` (``include_usage``);
+``presence_penalty`` / ``frequency_penalty`` in [-2, 2], ``logit_bias`` (up to
+``MAX_LOGIT_BIAS`` ids, bias in [-100, 100]), and vLLM's ``repetition_penalty`` (> 0),
+``min_p`` in [0, 1] and ``stop_token_ids`` (semantics: ``edl.ops.sampling.RowSampling``);
+``n`` choices and ``best_of`` (``n <= best_of <= MAX_CHOICES``; the ``n`` of highest
+cumulative log-prob are returned; not streamed when ``best_of > n``), choice ``i`` seeded
+``(seed + i) mod 2**32``; ``response_format`` (text, ``json_object``, ``json_schema``) and,
+for chat, ``tools`` / ``tool_choice`` (:mod:`edl.serve.structured`). Fields OpenAI defines
+but this server does not implement are accepted only at their no-op value; any other field
+is an error naming it.
 
 Limits the engine or Unicode set: ``top_k`` below 2**31 (the engine's int32), ``seed`` in
 [0, 2**32) (its uint32); text with a lone surrogate (a JSON ``\\ud800`` escape: no UTF-8)
@@ -36,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from edl.serve.structured import FieldError, Tools, parse_tools, response_format_grammar
-from edl.serve.types import MAX_LOGPROBS, SEED_END, TOP_K_END, SamplingParams
+from edl.serve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_END, TOP_K_END, SamplingParams
 from edl.text.chat import template_role
 from edl.text.sources import json_nests_deeper_than
 from edl.text.tokenizer import checked_text
@@ -126,19 +131,39 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt (and its log-probs) leads the reply
     grammar: str | None = None  # response_format's or a forced tool choice's
     tools: Tools | None = None
+    # -- issue 47: penalties, bias, choices (_sampling_fields) --
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    n: int = 1
+    best_of: int = 1  # choices generated; the n of highest cumulative log-prob are returned
 
-    def sampling_params(self, max_tokens: int, stop_token_ids: Sequence[int]) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int, stop_token_ids: Sequence[int], choice: int = 0
+    ) -> SamplingParams:
+        """Choice ``choice``'s settings: with a ``seed``, choice ``i`` uses ``(seed + i) mod
+        2**32``, so the ``n`` choices differ and each is reproducible; ``stop_token_ids``
+        (the server's EOS ids) join the request's own."""
+        seed = None if self.seed is None else (self.seed + choice) % 2**32
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
-            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
+            stop_token_ids=tuple(stop_token_ids) + self.stop_token_ids,
             logprobs=self.logprobs,
             # echo: the prompt's own log-probs (max_tokens 0 needs them in the engine).
             prompt_logprobs=(self.logprobs or 0) if self.echo else None,
             grammar=self.grammar,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
         )
 
 
@@ -155,16 +180,20 @@ _COMMON = {
     "stream_options",
     "user",
     "response_format",
+    # issue 47 (_sampling_fields)
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop_token_ids",
+    "best_of",
 }
 # Defined by OpenAI, not implemented: accepted at the value that means "off" only.
 _NO_OP = {
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "echo": (None, False),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "best_of": (None, 1),
     "suffix": (None, ""),
 }
 _FIELDS = {
@@ -239,8 +268,6 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
             raise bad(f"unknown field '{name}' (supported: {sorted(_FIELDS[kind])})", name)
     if not isinstance(body.get("model"), str):
         raise bad(f"'model' must be a string, got {body.get('model')!r}", "model")
-    if body.get("n") not in (None, 1):
-        raise bad(f"'n' must be 1 (one choice per request), got {body.get('n')!r}", "n")
     max_tokens = _integer(body, "max_tokens")
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _integer(body, "max_completion_tokens")
@@ -283,13 +310,86 @@ def _common(body: Any, kind: str) -> dict[str, Any]:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=None if top_k in (None, -1) else top_k,
-        seed=_integer_in(body, "seed", 0, SEED_END, "[0, 2**32)"),
         stop=_stop(body.get("stop")),
         stream=bool(stream),
         include_usage=bool(options.get("include_usage", False)),
         **_logprob_fields(body, kind, bool(stream)),
+        **_sampling_fields(body, bool(stream)),
         grammar=grammar,
         tools=tools,
+    )
+
+
+# --- issue 47: seed, penalties, min_p, logit_bias, stop_token_ids, n, best_of ----------
+
+MAX_CHOICES = 16  # n and best_of, at most: one request is at most this many in the engine
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``{"token id": bias}`` (ids as decimal strings, bias in [-100, 100]) as
+    pairs; ids against the vocabulary are the server's check."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        message = f"'logit_bias' must be an object of token id -> bias, got {value!r}"
+        raise bad(message[:300], "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(
+            f"'logit_bias' takes at most {MAX_LOGIT_BIAS} ids, got {len(value)}", "logit_bias"
+        )
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 12):
+            raise bad(
+                f"'logit_bias' keys must be token ids (digits), got {key!r}"[:300], "logit_bias"
+            )
+        ok = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not ok or not math.isfinite(bias) or not -100 <= bias <= 100:
+            raise bad(
+                f"'logit_bias' values must be in [-100, 100], got {bias!r} for {key}"[:300],
+                "logit_bias",
+            )
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+def _choices(body: Mapping[str, Any], stream: bool) -> tuple[int, int]:
+    n, best_of = _integer(body, "n"), _integer(body, "best_of")
+    n = 1 if n is None else n
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+    best_of = n if best_of is None else best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise bad(f"'best_of' must be in [n = {n}, {MAX_CHOICES}], got {best_of}", "best_of")
+    if stream and best_of > n:
+        raise bad("'best_of' > 'n' cannot be streamed (as OpenAI)", "best_of")
+    return n, best_of
+
+
+def _sampling_fields(body: Mapping[str, Any], stream: bool) -> dict[str, Any]:
+    """The validated ``seed``, ``min_p``, penalties, ``logit_bias``, ``stop_token_ids``,
+    ``n`` and ``best_of``: a 400 naming the field for any value out of range."""
+    seed = _integer_in(body, "seed", 0, SEED_END, "[0, 2**32)")
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in stop_ids
+    ):
+        raise bad(
+            f"'stop_token_ids' must be a list of token ids, got {stop_ids!r}"[:300],
+            "stop_token_ids",
+        )
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e6, low_open=True)
+    n, best_of = _choices(body, stream)
+    return dict(
+        seed=seed,
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        repetition_penalty=repetition,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        logit_bias=_logit_bias(body.get("logit_bias")),
+        stop_token_ids=tuple(stop_ids),
+        n=n,
+        best_of=best_of,
     )
 
 
@@ -484,12 +584,14 @@ def completion_chunk(
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A stream chunk; ``text=None`` is the usage-only last chunk (no choices)."""
+    """A stream chunk of choice ``index``; ``text=None`` is the usage-only last chunk (no
+    choices)."""
     choices = (
         []
         if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "text_completion", model, choices, **extra)
@@ -502,12 +604,16 @@ def chat_chunk(
     finish_reason: str | None,
     usage: dict[str, int] | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A stream chunk; ``delta=None`` is the usage-only last chunk (no choices)."""
+    """A stream chunk of choice ``index``; ``delta=None`` is the usage-only last chunk (no
+    choices)."""
     choices = (
         []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        else [
+            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        ]
     )
     extra = {} if usage is None else {"usage": usage}
     return _envelope(id, "chat.completion.chunk", model, choices, **extra)

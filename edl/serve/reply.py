@@ -104,14 +104,18 @@ class Reply:
         stream: RequestStream,
         prompt: list[int],
         timer: RequestTimer,
+        index: int = 0,
     ) -> None:
         self.context, self.req, self.stream, self.timer = context, req, stream, timer
+        self.index, self.cumulative_logprob = index, 0.0  # its choice; best_of's ranking
         self.prompt, self.prompt_tokens, self.completion_tokens = prompt, len(prompt), 0
         wanted = req.logprobs is not None
         self.logprobs = ReplyLogprobs(context.tokenizer, req.kind, prompt) if wanted else None
         self.id = protocol.new_id(req.kind)
         self.text = IncrementalText(
-            context.tokenizer, stop=req.stop, stop_token_ids=context.stop_token_ids
+            context.tokenizer,
+            stop=req.stop,
+            stop_token_ids=context.stop_token_ids + req.stop_token_ids,  # left out of the text
         )
         self.done = self.closed = False
         self.sent_chars = 0  # text streamed so far (the legacy log-probs' text_offset)
@@ -135,6 +139,7 @@ class Reply:
         then in ``self.tool_calls``)."""
         async for out in self.stream:
             self.completion_tokens += len(out.new_token_ids)
+            self.cumulative_logprob = out.cumulative_logprob
             self.timer.tokens(len(out.new_token_ids))
             if self.logprobs is not None:
                 self.logprobs.take(out)
@@ -212,9 +217,11 @@ class Reply:
         self.sent_chars += len(piece or "")
         if chat:
             delta = None if piece is None else ({"content": piece} if piece else {})
-            body = protocol.chat_chunk(self.id, model, delta, finish, usage, logprobs)
+            body = protocol.chat_chunk(self.id, model, delta, finish, usage, logprobs, self.index)
         else:
-            body = protocol.completion_chunk(self.id, model, piece, finish, usage, logprobs)
+            body = protocol.completion_chunk(
+                self.id, model, piece, finish, usage, logprobs, self.index
+            )
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     async def sse(self) -> AsyncIterator[str]:

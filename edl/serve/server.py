@@ -47,10 +47,11 @@ wiring; tests/test_serve_structured.py). Log-probs (:mod:`edl.serve.logprob_repl
 completions' ``logprobs`` / ``echo`` (lm-evaluation-harness's loglikelihood requests; several
 prompts per call are answered as choices, not streamed; one prompt streams, echo too) and
 chat's ``logprobs`` / ``top_logprobs``; token texts are each token decoded alone.
-``response_format`` / ``tools``: :mod:`edl.serve.structured`. Not implemented, rejected with
-a 400 naming the field: ``n`` > 1, penalties, ``logit_bias``, ``best_of``, ``suffix``. Also
-not done: per-request timeouts, a queue in the driver in front of ``QueueFull`` (429 at
-once), TLS (put a reverse proxy in front for it).
+``response_format`` / ``tools``: :mod:`edl.serve.structured`. ``n`` choices and ``best_of``
+are several engine requests answered as one reply (:mod:`edl.serve.choices`). Not
+implemented, rejected with a 400 naming the field: ``suffix``. Also not done: per-request
+timeouts, a queue in the driver in front of ``QueueFull`` (429 at once), TLS (put a reverse
+proxy in front for it).
 """
 
 from __future__ import annotations
@@ -72,13 +73,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edl.serve import protocol
-from edl.serve.driver import AsyncEngine, EngineStopped
+from edl.serve.choices import Choices, add_choices, check_token_ids
+from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.guard import limit_body, make_server, require_api_key, serve
 from edl.serve.metrics import CONTENT_TYPE, ServerMetrics
 from edl.serve.options import ServerOptions
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.reply import EventStream, Reply, ReplyContext, unless_disconnected
-from edl.serve.types import Engine, QueueFull
+from edl.serve.types import Engine, QueueFull, SamplingParams
 from edl.text.tokenizer import Tokenizer
 
 __all__ = ["create_app", "make_server", "serve"]
@@ -227,6 +229,8 @@ class _Server:
         return req.max_tokens
 
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        if req.best_of > 1:
+            return await self._generate_choices(request, req)
         reply = await self._start(req)
         if req.stream:
             return EventStream(
@@ -258,8 +262,9 @@ class _Server:
         ]
         return JSONResponse({**bodies[0], "choices": choices, "usage": protocol.usage(*counts)})
 
-    async def _start(self, req: GenerationRequest) -> Reply:
-        """Checks ``req`` against the served model and adds it to the engine."""
+    async def _prepare(self, req: GenerationRequest) -> tuple[list[int], int]:
+        """Checks ``req`` against the served model; its prompt ids (tokenized off the event
+        loop) and ``max_tokens``."""
         if req.model != self.model_name:  # 404, as OpenAI's model_not_found
             raise APIError(
                 404,
@@ -273,9 +278,27 @@ class _Server:
             )
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self.tokenizing, self._prompt_ids, req)
-        params = req.sampling_params(self._max_tokens(req, len(ids)), self.stop_token_ids)
+        max_tokens = self._max_tokens(req, len(ids))
+        check_token_ids(req, self.tokenizer.vocab_size)
+        return ids, max_tokens
+
+    async def _start(self, req: GenerationRequest) -> Reply:
+        """``req`` checked, added to the engine, and its reply."""
+        ids, max_tokens = await self._prepare(req)
+        stream = await self._add(ids, req.sampling_params(max_tokens, self.stop_token_ids))
+        return self._reply(req, stream, ids)
+
+    def _reply(
+        self, req: GenerationRequest, stream: RequestStream, ids: list[int], index: int = 0
+    ) -> Reply:
+        reply = Reply(self.context, req, stream, ids, self.metrics.timer(len(ids)), index)
+        self.open_replies += 1  # the reply's close takes it off (context.on_close)
+        return reply
+
+    async def _add(self, ids: list[int], params: SamplingParams) -> RequestStream:
+        """One request into the engine; its refusals as HTTP errors."""
         try:
-            stream = await self.driver.add(ids, params)
+            return await self.driver.add(ids, params)
         except QueueFull as e:
             raise APIError(
                 429,
@@ -287,9 +310,24 @@ class _Server:
             raise protocol.bad(f"the engine rejected the request: {e}") from e
         except EngineStopped as e:
             raise APIError(503, str(e), type="server_error", code="engine_unavailable") from e
-        reply = Reply(self.context, req, stream, ids, self.metrics.timer(len(ids)))
-        self.open_replies += 1  # the reply's close takes it off (context.on_close)
-        return reply
+
+    # --- issue 47: n choices / best_of (edl.serve.choices) -----------------------------
+
+    async def _generate_choices(self, request: Request, req: GenerationRequest) -> Response:
+        """``best_of`` requests in the engine (choice ``i`` seeded ``seed + i``), answered
+        as ``n`` choices: all of them, or the ``n`` of highest cumulative log-prob."""
+        ids, max_tokens = await self._prepare(req)
+        streams = await add_choices(self, req, ids, max_tokens)
+        replies = [self._reply(req, stream, ids, i) for i, stream in enumerate(streams)]
+        choices = Choices(self.model_name, req, replies)
+        if req.stream:
+            return EventStream(
+                choices.sse(),
+                choices.close,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        return await choices.plain(request)
 
 
 _Parsed = TypeVar("_Parsed")

@@ -2,8 +2,15 @@
 
 ``model_step`` runs every row's new tokens (``width`` columns, right-padded: a prefilling
 request's prompt chunk, a decoding request's last token, nothing for a padding row) through
-the model and the paged cache, and samples each row's next token with that row's own
-settings (``SlotSampling``). The engine calls it with a fixed set of shapes: ``(rows,
+the model and the paged cache and returns each row's next-token logits; ``sample_step``
+then samples each row's token with that row's own settings (``edl.ops.sampling.RowSampling``,
+the one per-row sampler ``edl.generate``'s processors use too), or, when some row of the
+call has a repetition / presence / frequency penalty, ``sample_step_penalized``, which also
+reads and updates the per-batch-place penalty state (``reset_penalty_slot`` starts a
+request's). The sampler is its own small program (its shapes: rows x vocab), so penalties
+add one program per row bucket and one reset, not a second copy of every model step.
+
+The engine calls ``model_step`` with a fixed set of shapes: ``(rows,
 width)`` tokens over a ``(rows, pages)`` page table trimmed to the pages the step touches
 (``Engine.step_shapes``), so a running engine never recompiles; attention reads the whole
 trimmed table (``PagedKVCache.whole_table``).
@@ -25,112 +32,122 @@ import functools
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, UInt
+from jaxtyping import Array, Bool, Float, Int
 
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
 from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from edl.ops.sampling import RowSampling, sample_rows
 from edl.serve.grammar import mask_logits
 
-__all__ = ["SlotSampling", "StepLogprobs", "model_step"]
+__all__ = [
+    "PromptLogprobs",
+    "model_step",
+    "reset_penalty_slot",
+    "sample_step",
+    "sample_step_penalized",
+    "sampled_logprobs",
+]
 
 
-class SlotSampling(eqx.Module):
-    """Per-slot sampling settings as arrays (``(batch,)`` each): ``temperature`` (0:
-    greedy), ``top_k`` (0: off), ``top_p`` (1: off), the request's ``seed`` and
-    ``counter``, the number of tokens it has generated so far (the key of its next token is
-    ``fold_in(key(seed), counter)``, so it does not depend on the batch it runs in)."""
-
-    temperature: Float[Array, " batch"]
-    top_k: Int[Array, " batch"]
-    top_p: Float[Array, " batch"]
-    seed: UInt[Array, " batch"]
-    counter: Int[Array, " batch"]
+def _masked(
+    logits: Float[Array, "batch vocab"], allowed: Int[Array, "batch words"] | None
+) -> Float[Array, "batch vocab"]:
+    """The logits under the rows' grammar bitmasks (``edl.serve.grammar``), if any."""
+    return logits if allowed is None else mask_logits(logits, allowed)
 
 
-def filter_logits(
-    logits: Float[Array, " vocab"],
-    temperature: Float[Array, ""],
-    top_k: Int[Array, ""],
-    top_p: Float[Array, ""],
-) -> Float[Array, " vocab"]:
-    """One row's logits after temperature, top-k (0: off) and top-p (1: off), in HF's
-    order and with ``edl.ops.sampling``'s tie rules (ties with a cut-off are kept);
-    filtered logits are ``-inf``. ``temperature == 0`` leaves the logits unscaled."""
-    vocab = logits.shape[0]
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
-    kth = jnp.sort(scaled)[::-1][jnp.clip(top_k - 1, 0, vocab - 1)]
-    scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
-    ascending = jnp.sort(scaled)
-    cumulative = jnp.cumsum(jax.nn.softmax(ascending))
-    remove = (cumulative <= 1.0 - top_p) & (jnp.arange(vocab) < vocab - 1)
-    cutoff = jnp.min(jnp.where(remove, jnp.inf, ascending))
-    return jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+@jax.jit
+def sample_step(
+    logits: Float[Array, "batch vocab"],
+    sampling: RowSampling,
+    allowed: Int[Array, "batch words"] | None = None,
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"]]:
+    """Each row's next token and its log-prob (``edl.ops.sampling.sample_rows``), for a
+    call where no row has a penalty: the sampler holds no penalty code or state.
+    ``allowed``: grammar bitmasks (None: the unmasked program)."""
+    return sample_rows(_masked(logits, allowed), sampling)
 
 
-def _sample_row(logits, temperature, top_k, top_p, seed, counter):
-    """One row's token: a draw from its filtered logits, or the argmax at temperature 0."""
-    key = jax.random.fold_in(jax.random.key(seed), counter)
-    scaled = filter_logits(logits, temperature, top_k, top_p)
-    drawn = jax.random.categorical(key, scaled).astype(jnp.int32)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits).astype(jnp.int32))
+@functools.partial(jax.jit, donate_argnums=(2,))
+def sample_step_penalized(
+    logits: Float[Array, "batch vocab"],
+    sampling: RowSampling,
+    counts: Int[Array, "slots vocab"],
+    seen: Bool[Array, "slots vocab"],
+    slots: Int[Array, " batch"],
+    emit: Bool[Array, " batch"],
+    allowed: Int[Array, "batch words"] | None = None,
+) -> tuple[Int[Array, " batch"], Float[Array, " batch"], Int[Array, "slots vocab"]]:
+    """``sample_step`` with the penalties: row ``b`` reads the penalty state of batch place
+    ``slots[b]`` (``counts``: its generated ids, ``seen``: its prompt's; a place out of
+    range, as padding rows give, reads zeros), and the rows that ``emit`` their token add it
+    to their counts. ``counts`` is donated: pass the returned one to the next call."""
+    row_counts = counts.at[slots].get(mode="fill", fill_value=0)
+    row_seen = seen.at[slots].get(mode="fill", fill_value=False)
+    tokens, logprobs = sample_rows(_masked(logits, allowed), sampling, row_counts, row_seen)
+    counts = counts.at[slots, tokens].add(emit.astype(counts.dtype), mode="drop")
+    return tokens, logprobs, counts
 
 
-def sample_rows(
-    logits: Float[Array, "batch vocab"], sampling: SlotSampling
-) -> Int[Array, " batch"]:
-    """Each row's next token under its own settings (``SlotSampling``)."""
-    return jax.vmap(_sample_row)(
-        logits,
-        sampling.temperature,
-        sampling.top_k,
-        sampling.top_p,
-        sampling.seed,
-        sampling.counter,
-    )
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def reset_penalty_slot(
+    counts: Int[Array, "slots vocab"],
+    seen: Bool[Array, "slots vocab"],
+    slot: Int[Array, ""],
+    prompt: Int[Array, " max_len"],
+) -> tuple[Int[Array, "slots vocab"], Bool[Array, "slots vocab"]]:
+    """A new request's penalty state at batch place ``slot``: no generated ids, and its
+    prompt's ids (``prompt``, padded with -1 to a fixed length) seen. Both donated."""
+    vocab = counts.shape[-1]
+    ids = jnp.where((prompt >= 0) & (prompt < vocab), prompt, vocab)
+    row = jnp.zeros((vocab + 1,), jnp.bool_).at[ids].set(True)[:vocab]
+    # A place out of range changes nothing (mode="drop"): warmup compiles with one.
+    return counts.at[slot].set(0, mode="drop"), seen.at[slot].set(row, mode="drop")
 
 
 # --- log-probs (issue 47): the step's optional outputs, from the raw logits ---------------
 
 
-class StepLogprobs(eqx.Module):
-    """A ``model_step(..., logprobs=True)`` call's log-probs, each from the model's raw float32
-    logits (``edl.ops.logprobs.token_logprobs``, ``K = MAX_TOP_LOGPROBS``: requests take their
-    first ``k``): ``sampled`` ``(batch,)`` and ``sampled_top_ids`` / ``sampled_top``
-    ``(batch, K)`` for each row's next token; ``prompt`` ``(batch, width)`` for each new
-    position's ``targets`` token (the prompt's next token) and ``prompt_top_ids`` /
-    ``prompt_top`` ``(batch, width, K)``; the prompt ones are None in decode calls (width 1)."""
+class PromptLogprobs(eqx.Module):
+    """A prefill call's prompt log-probs (``model_step(..., logprobs=True)``), from the
+    model's raw float32 logits (``edl.ops.logprobs.token_logprobs``, ``K =
+    MAX_TOP_LOGPROBS``: requests take their first ``k``): ``prompt`` ``(batch, width)`` for
+    each new position's ``targets`` token (the prompt's next token) and ``prompt_top_ids`` /
+    ``prompt_top`` ``(batch, width, K)``."""
 
-    sampled: Float[Array, " batch"]
-    sampled_top_ids: Int[Array, "batch k"]
-    sampled_top: Float[Array, "batch k"]
-    prompt: Float[Array, "batch width"] | None
-    prompt_top_ids: Int[Array, "batch width k"] | None
-    prompt_top: Float[Array, "batch width k"] | None
+    prompt: Float[Array, "batch width"]
+    prompt_top_ids: Int[Array, "batch width k"]
+    prompt_top: Float[Array, "batch width k"]
 
 
-def step_logprobs(
+def prompt_logprobs(
     model: CausalLM,
     hidden: Float[Array, "batch width hidden"],
-    logits: Float[Array, "batch vocab"],
-    next_tokens: Int[Array, " batch"],
     targets: Int[Array, "batch width"],
-) -> StepLogprobs:
-    """The log-probs of ``next_tokens`` under ``logits`` and, in a prefill call (width > 1),
-    of ``targets`` at every position of ``hidden`` (whose logits only this variant computes)."""
-    k = MAX_TOP_LOGPROBS
-    sampled = token_logprobs(logits, next_tokens, k)
+) -> PromptLogprobs | None:
+    """The log-probs of ``targets`` at every position of ``hidden`` in a prefill call
+    (width > 1; whose logits only this variant computes); None in a decode call."""
     batch, width = targets.shape
     if width == 1:
-        return StepLogprobs(*sampled, None, None, None)
+        return None
+    k = MAX_TOP_LOGPROBS
     every = model.lm_logits(hidden).astype(jnp.float32).reshape(batch * width, -1)
     chosen, ids, top = token_logprobs(every, targets.reshape(-1), k)
-    return StepLogprobs(
-        *sampled,
-        chosen.reshape(batch, width),
-        ids.reshape(batch, width, k),
-        top.reshape(batch, width, k),
+    return PromptLogprobs(
+        chosen.reshape(batch, width), ids.reshape(batch, width, k), top.reshape(batch, width, k)
     )
+
+
+@jax.jit
+def sampled_logprobs(
+    logits: Float[Array, "batch vocab"], tokens: Int[Array, " batch"]
+) -> dict[str, Array]:
+    """Each row's sampled token's log-prob and the top ``MAX_TOP_LOGPROBS`` of the raw
+    logits (before any sampling processor or grammar mask): ``sampled`` ``(batch,)``,
+    ``sampled_top_ids`` / ``sampled_top`` ``(batch, K)``."""
+    sampled, ids, top = token_logprobs(logits, tokens, MAX_TOP_LOGPROBS)
+    return {"sampled": sampled, "sampled_top_ids": ids, "sampled_top": top}
 
 
 # --- the step --------------------------------------------------------------------------
@@ -145,29 +162,25 @@ def model_step(
     lengths: Int[Array, " batch"],
     tokens: Int[Array, "batch width"],
     num_new: Int[Array, " batch"],
-    sampling: SlotSampling,
     targets: Int[Array, "batch width"] | None = None,
-    allowed: Int[Array, "batch words"] | None = None,
     *,
     logprobs: bool = False,
 ) -> tuple[
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    Int[Array, " batch"],
-    StepLogprobs | None,
+    Float[Array, "batch vocab"],
+    PromptLogprobs | None,
 ]:
     """Row ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
     the model, their keys/values written to its pages (``page_table[b]`` must cover
     ``lengths[b] + num_new[b]`` tokens, unchecked here; attention reads all of it); returns
-    the updated pools and each row's next token, sampled after its last new token
-    (meaningless where ``num_new`` is 0). The pools are donated: pass the returned ones to
-    the next call. ``allowed``: the rows' grammar bitmasks (``edl.serve.grammar``; None,
-    the plain program, when no row has a grammar); log-probs are of the model's logits,
-    before the mask.
+    the updated pools and each row's float32 logits after its last new token (meaningless
+    where ``num_new`` is 0), for ``sample_step`` / ``sample_step_penalized``. The pools are
+    donated: pass the returned ones to the next call.
 
     ``logprobs`` (static: its own compiled variant, so calls without it cost nothing more)
-    also returns ``StepLogprobs`` (``targets``: each position's next prompt token, needed
-    then), else None."""
+    also returns, in a prefill call, ``PromptLogprobs`` of ``targets`` (each position's next
+    prompt token), else None."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
     cache = PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
@@ -178,11 +191,9 @@ def model_step(
     last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
     hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
     logits = model.lm_logits(hidden).astype(jnp.float32)
-    masked = logits if allowed is None else mask_logits(logits, allowed)  # a separate program
-    next_tokens = sample_rows(masked, sampling)
     extra = None
     if logprobs:
         if targets is None:
             raise ValueError("model_step(logprobs=True) needs targets (batch, width)")
-        extra = step_logprobs(model, out.last_hidden_state, logits, next_tokens, targets)
-    return out.cache.k_pages, out.cache.v_pages, next_tokens, extra
+        extra = prompt_logprobs(model, out.last_hidden_state, targets)
+    return out.cache.k_pages, out.cache.v_pages, logits, extra

@@ -10,12 +10,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ["Engine", "Logprob", "QueueFull", "RequestOutput", "SamplingParams"]
+__all__ = ["MAX_LOGIT_BIAS", "Engine", "Logprob", "QueueFull", "RequestOutput", "SamplingParams"]
 
 MAX_LOGPROBS = 20  # edl.ops.logprobs.MAX_TOP_LOGPROBS (this module imports no jax)
+# logit_bias entries per request, at most: the sampler's fixed (rows, MAX_LOGIT_BIAS) pairs.
+MAX_LOGIT_BIAS = 64
 
 SEED_END = 2**32
 """Seeds are in ``[0, SEED_END)``: the engine keeps them as uint32."""
@@ -29,16 +31,24 @@ def is_int(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _real_in(value: object, low: float, high: float) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and low <= value <= high
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How one request is decoded. ``temperature=0`` is greedy; ``top_k=None`` and
-    ``top_p=1`` are off; ``seed=None`` draws a fresh one; ``stop_token_ids`` end the
-    request like the engine's EOS ids.
+    """How one request is decoded (``edl.ops.sampling.RowSampling`` says how each setting
+    matches OpenAI / vLLM). ``temperature=0`` is greedy; ``top_k=None``, ``top_p=1``,
+    ``min_p=0``, ``repetition_penalty=1``, ``presence_penalty=0``, ``frequency_penalty=0``
+    and no ``logit_bias`` are off; ``seed=None`` draws a fresh one; ``stop_token_ids`` end
+    the request like the engine's EOS ids. ``logit_bias`` takes a mapping or pairs of
+    ``token id -> bias`` (at most ``MAX_LOGIT_BIAS``, bias in [-100, 100]) and holds them as
+    sorted pairs; the engine checks the ids against its vocabulary.
 
     ``logprobs``: each generated token's log-prob and its ``logprobs`` most likely
     alternatives (0: the token's only; None: off); ``prompt_logprobs``: the same for every
     prompt token given its prefix (the first has none), computed while prefilling. Both at
-    most 20, from the model's distribution before temperature / top-k / top-p.
+    most 20, from the model's distribution before any processor.
     ``max_tokens=0`` (prefill only) is allowed when ``prompt_logprobs`` is set.
     ``grammar`` (an llguidance grammar, ``edl.serve.grammar``) constrains the tokens and ends
     the request where it is complete."""
@@ -53,8 +63,57 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     grammar: str | None = None  # structured output (edl.serve.grammar)
 
-    def __post_init__(self):
+    # -- issue 47: the other processors (edl.ops.sampling.process_rows) --
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # prompt + generated tokens (HF's rule)
+    presence_penalty: float = 0.0  # generated tokens only (OpenAI's)
+    frequency_penalty: float = 0.0  # generated tokens only (OpenAI's)
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()  # held as pairs
+
+    @property
+    def has_penalty(self) -> bool:
+        """Whether decoding needs the penalty state (the engine's penalized sampler)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+    def _penalty_problems(self) -> list[str]:
         problems = []
+        if not _real_in(self.min_p, 0.0, 1.0):
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        r = self.repetition_penalty
+        if not _real_in(r, 0.0, math.inf) or r == 0 or r == math.inf:
+            problems.append(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _real_in(getattr(self, name), -2.0, 2.0):
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            bias = tuple(bias.items())
+        ok = isinstance(bias, tuple | list) and all(
+            isinstance(pair, tuple | list)
+            and len(pair) == 2
+            and is_int(pair[0])
+            and pair[0] >= 0
+            and _real_in(pair[1], -100.0, 100.0)
+            for pair in bias
+        )
+        if not ok:
+            problems.append(
+                "logit_bias must map token ids >= 0 to numbers in [-100, 100], "
+                f"got {self.logit_bias!r}"[:300]
+            )
+        elif len({i for i, _ in bias}) > MAX_LOGIT_BIAS or len(bias) > MAX_LOGIT_BIAS:
+            problems.append(f"logit_bias takes at most {MAX_LOGIT_BIAS} ids, got {len(bias)}")
+        else:
+            pairs = tuple(sorted((int(i), float(v)) for i, v in dict(bias).items()))
+            object.__setattr__(self, "logit_bias", pairs)
+        return problems
+
+    def __post_init__(self):
+        problems = self._penalty_problems()
         least = 0 if self.prompt_logprobs is not None else 1
         if not is_int(self.max_tokens) or self.max_tokens < least:
             problems.append(
@@ -109,6 +168,9 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort"
     logprobs: tuple[Logprob, ...] | None = None
     prompt_logprobs: tuple[Logprob | None, ...] | None = None
+    # The sum of the request's sampled tokens' log-probs so far (raw model distribution):
+    # how the server's best_of ranks choices. Engines that do not compute it leave 0.
+    cumulative_logprob: float = 0.0
 
 
 class QueueFull(Exception):
