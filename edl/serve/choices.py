@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from edl.serve import protocol
+from edl.serve import protocol, responses
 from edl.serve.driver import EngineStopped
 from edl.serve.protocol import APIError, GenerationRequest
 from edl.serve.reply import Reply, disconnected
@@ -73,7 +73,7 @@ class Choices:
 
     def _usage(self) -> dict[str, int]:
         completion = sum(reply.completion_tokens for reply in self.replies)
-        return protocol.usage(self.replies[0].prompt_tokens, completion)
+        return responses.usage(self.replies[0].prompt_tokens, completion)
 
     async def plain(self, request: Request) -> Response:
         """Collect every choice, aborting all if the client disconnects meanwhile."""
@@ -104,7 +104,9 @@ class Choices:
         if self.req.best_of > self.req.n:  # the n most likely, highest first (stable on ties)
             order = sorted(order, key=lambda i: -self.replies[i].cumulative_logprob)
         chosen = list(order)[: self.req.n]
-        build = protocol.chat_response if self.req.kind == "chat" else protocol.completion_response
+        build = (
+            responses.chat_response if self.req.kind == "chat" else responses.completion_response
+        )
         first = self.replies[0]
         bodies = [
             build(first.id, self.model_name, *results[i], first.prompt_tokens, 0) for i in chosen
@@ -132,7 +134,7 @@ class Choices:
             if chat:
                 for reply in self.replies:  # each choice opens with the assistant role
                     delta = {"role": "assistant", "content": ""}
-                    body = protocol.chat_chunk(
+                    body = responses.chat_chunk(
                         reply.id, self.model_name, delta, None, index=reply.index
                     )
                     yield f"data: {json.dumps(body)}\n\n"

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from edl.serve import protocol, structured
+from edl.serve import responses, structured
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.logprob_replies import ReplyLogprobs
 from edl.serve.metrics import RequestTimer
@@ -111,7 +111,7 @@ class Reply:
         self.prompt, self.prompt_tokens, self.completion_tokens = prompt, len(prompt), 0
         wanted = req.logprobs is not None
         self.logprobs = ReplyLogprobs(context.tokenizer, req.kind, prompt) if wanted else None
-        self.id = protocol.new_id(req.kind)
+        self.id = responses.new_id(req.kind)
         self.text = IncrementalText(
             context.tokenizer,
             stop=req.stop,
@@ -196,10 +196,10 @@ class Reply:
         logprobs = None if self.logprobs is None else self.logprobs.sent(0)
         if self.req.kind == "chat":
             content = text if text or not self.tool_calls else None
-            return protocol.chat_response(
+            return responses.chat_response(
                 *args, content, finish, *counts, logprobs, self.tool_calls
             )
-        return protocol.completion_response(*args, text, finish, *counts, logprobs)
+        return responses.completion_response(*args, text, finish, *counts, logprobs)
 
     async def plain(self, request: Request) -> Response:
         """Collect the reply, aborting it if the client disconnects meanwhile."""
@@ -217,9 +217,9 @@ class Reply:
         self.sent_chars += len(piece or "")
         if chat:
             delta = None if piece is None else ({"content": piece} if piece else {})
-            body = protocol.chat_chunk(self.id, model, delta, finish, usage, logprobs, self.index)
+            body = responses.chat_chunk(self.id, model, delta, finish, usage, logprobs, self.index)
         else:
-            body = protocol.completion_chunk(
+            body = responses.completion_chunk(
                 self.id, model, piece, finish, usage, logprobs, self.index
             )
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -229,7 +229,7 @@ class Reply:
         piece; the finish reason; usage when asked; ``[DONE]``."""
         try:
             if self.req.kind == "chat":
-                body = protocol.chat_chunk(
+                body = responses.chat_chunk(
                     self.id, self.context.model_name, {"role": "assistant", "content": ""}, None
                 )
                 yield f"data: {json.dumps(body)}\n\n"
@@ -240,7 +240,7 @@ class Reply:
                             yield self._chunk(piece, None)
                         if self.tool_calls:
                             calls = structured.delta_tool_calls(self.tool_calls)
-                            body = protocol.chat_chunk(
+                            body = responses.chat_chunk(
                                 self.id, self.context.model_name, {"tool_calls": calls}, None
                             )
                             yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
@@ -252,7 +252,7 @@ class Reply:
                 yield f"data: {json.dumps(error.body())}\n\n"
                 return
             if self.req.include_usage:
-                usage = protocol.usage(self.prompt_tokens, self.completion_tokens)
+                usage = responses.usage(self.prompt_tokens, self.completion_tokens)
                 yield self._chunk(None, None, usage)
             yield "data: [DONE]\n\n"
         finally:

@@ -72,7 +72,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from edl.serve import protocol
+from edl.serve import protocol, responses
 from edl.serve.choices import Choices, add_choices, check_token_ids
 from edl.serve.driver import AsyncEngine, EngineStopped, RequestStream
 from edl.serve.guard import limit_body, make_server, require_api_key, serve
@@ -260,7 +260,7 @@ class _Server:
         counts = [
             sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens")
         ]
-        return JSONResponse({**bodies[0], "choices": choices, "usage": protocol.usage(*counts)})
+        return JSONResponse({**bodies[0], "choices": choices, "usage": responses.usage(*counts)})
 
     async def _prepare(self, req: GenerationRequest) -> tuple[list[int], int]:
         """Checks ``req`` against the served model; its prompt ids (tokenized off the event
