@@ -407,12 +407,9 @@ def test_lm_eval_callback_scores_the_live_params_every_n_steps(
     assert set(expected) == {"lm_eval/edl_tiny_mc/acc", "lm_eval/edl_tiny_mc/acc_norm"}
 
 
-@pytest.mark.slow  # ~30 s: edl serve's app over the real engine, lm-eval's own HTTP client
-def test_local_completions_against_edl_serve_equals_the_hf_backend(model_dir, task_dir, both):
-    """lm-eval's ``local-completions`` model pointed at ``edl serve``'s app (the real
-    engine; echo + logprobs for the log-likelihoods, stop strings for generation): the same
-    acc / acc_norm as the ``hf`` backend, each choice's log-likelihood within 1e-4 and
-    is_greedy equal, and hf's greedy generations."""
+def _served(model_dir: Path):
+    """``edl serve``'s app over the real engine for ``model_dir`` on a free loopback port:
+    a generator that yields the port and stops the server when closed."""
     uvicorn = pytest.importorskip("uvicorn")
     from edl.serve import Engine
     from edl.serve.server import create_app
@@ -429,7 +426,21 @@ def test_local_completions_against_edl_serve_equals_the_hf_backend(model_dir, ta
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.mark.slow  # ~30 s: edl serve's app over the real engine, lm-eval's own HTTP client
+def test_local_completions_against_edl_serve_equals_the_hf_backend(model_dir, task_dir, both):
+    """lm-eval's ``local-completions`` model pointed at ``edl serve``'s app (the real
+    engine; echo + logprobs for the log-likelihoods, stop strings for generation): the same
+    acc / acc_norm as the ``hf`` backend, each choice's log-likelihood within 1e-4 and
+    is_greedy equal, and hf's greedy generations."""
+    server = _served(model_dir)
+    port = next(server)
     tasks = ["edl_tiny_mc", "edl_tiny_gen"]
     args = {
         "model": "tiny",
@@ -452,8 +463,7 @@ def test_local_completions_against_edl_serve_equals_the_hf_backend(model_dir, ta
             log_samples=True,
         )
     finally:
-        server.should_exit = True
-        thread.join(10)
+        server.close()
     hf, got = both["hf"]["results"]["edl_tiny_mc"], served["results"]["edl_tiny_mc"]
     assert (got["acc,none"], got["acc_norm,none"]) == (hf["acc,none"], hf["acc_norm,none"])
     hf_resps, served_resps = (_responses(r, "edl_tiny_mc") for r in (both["hf"], served))
@@ -479,28 +489,13 @@ def test_local_chat_completions_against_edl_serve_equals_the_hf_backend(
     ``apply_chat_template`` on the same template."""
     import shutil
 
-    uvicorn = pytest.importorskip("uvicorn")
-    from edl.serve import Engine
-    from edl.serve.server import create_app
-
     chat_dir = tmp_path / "chat"
     shutil.copytree(model_dir, chat_dir)
     hf_tok = transformers.AutoTokenizer.from_pretrained(chat_dir)
     hf_tok.chat_template = CHAT_TEMPLATE
     hf_tok.save_pretrained(chat_dir)
-    tokenizer = load_tokenizer(chat_dir)
-    engine = Engine(edl.from_pretrained(chat_dir), max_batch=8, max_model_len=64, page_size=8)
-    app = create_app(
-        engine, tokenizer, model_name="tiny", max_model_len=64, stop_token_ids=[tokenizer.eos_id]
-    )
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server = _served(chat_dir)
+    port = next(server)
     tasks = ["edl_tiny_gen"]
     manager = task_manager(task_dir, tasks)
     common = dict(tasks=tasks, task_manager=manager, apply_chat_template=True, log_samples=True)
@@ -515,8 +510,7 @@ def test_local_chat_completions_against_edl_serve_equals_the_hf_backend(
             **common,
         )
     finally:
-        server.should_exit = True
-        thread.join(10)
+        server.close()
     hf = lm_eval.simple_evaluate(
         model="hf",
         model_args={"pretrained": str(chat_dir), "dtype": "float32", "device": "cpu"},
