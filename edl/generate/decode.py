@@ -106,7 +106,7 @@ class Logprobs(eqx.Module):
         )
 
 
-def _check_logprobs(logprobs: int | None, num_beams: int) -> None:
+def _check_logprobs(logprobs: int | None, num_beams: int, speculative: bool) -> None:
     if logprobs is None:
         return
     if isinstance(logprobs, bool) or not isinstance(logprobs, int):
@@ -115,6 +115,10 @@ def _check_logprobs(logprobs: int | None, num_beams: int) -> None:
         raise ValueError(f"generate: logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}")
     if num_beams > 1:
         raise ValueError("generate: logprobs are not reported by beam search; use num_beams=1")
+    if speculative:
+        raise ValueError(
+            f"generate: logprobs={logprobs} is not available with speculative decoding"
+        )
 
 
 @functools.lru_cache(maxsize=128)
@@ -412,7 +416,7 @@ def generate(
         log-probs when asked; with ``speculative``, the per-row draft counts).
     """
     config = _resolve(model, config, max_new_tokens, overrides)
-    _check_logprobs(logprobs, config.num_beams)
+    _check_logprobs(logprobs, config.num_beams, speculative is not None)
     model, images = _text_and_images(model, pixel_values, config.num_beams)
     ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
     _check_image_tokens(ids, images)
@@ -433,20 +437,9 @@ def generate(
         ids, mask = _pad_prompts(ids, mask, config.pad_id)
     common = dict(config=config, processor=processor, max_new=max_new)
     if speculative is not None:
-        if logprobs is not None:
-            raise ValueError(
-                f"generate: logprobs={logprobs} is not available with speculative decoding"
-            )
         draft = None if draft_model is None else _without_id_checks(draft_model)
         out = generate_speculative(
-            model,
-            draft,
-            ids,
-            mask,
-            key,
-            spec=speculative,
-            unstack_layers=unstack_layers,
-            **common,
+            model, draft, ids, mask, key, spec=speculative, unstack_layers=unstack_layers, **common
         )
     else:
         out = _generate_compiled(

@@ -89,6 +89,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -142,6 +143,23 @@ def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> Non
             f"{new} tokens, its table row holds {min(len(request.pages), pages)} "
             f"({len(request.pages)} allocated, {pages} in the step's table)"
         )
+
+
+def _page_pools(
+    model: CausalLM, num_pages: int, page_size: int, max_model_len: int
+) -> tuple[jax.Array, jax.Array]:
+    """The key and value page pools ``(layers, num_pages, page_size, kv_heads, head_dim)``
+    in the embedding's dtype: two buffers (``init_paged_cache`` shares one zero array), as
+    each step donates both."""
+    cache = init_paged_cache(
+        model.config,
+        num_pages,
+        page_size,
+        batch=1,
+        cache_len=max_model_len,
+        dtype=model.model.embed_tokens.weight.dtype,
+    )
+    return cache.k_pages, jnp.zeros_like(cache.v_pages)
 
 
 class Engine:
@@ -212,16 +230,7 @@ class Engine:
         self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
-        cache = init_paged_cache(
-            model.config,
-            num_pages,
-            page_size,
-            batch=1,
-            cache_len=max_model_len,
-            dtype=model.model.embed_tokens.weight.dtype,
-        )
-        # Two buffers (init_paged_cache shares one zero array), as each step donates both.
-        self._k_pages, self._v_pages = cache.k_pages, jnp.zeros_like(cache.v_pages)
+        self._k_pages, self._v_pages = _page_pools(model, num_pages, page_size, max_model_len)
         self._pool = PagePool(num_pages)
         self._running: list[_Request] = []  # admitted, oldest first (at most max_batch)
         self._waiting: collections.deque[_Request] = collections.deque()

@@ -85,6 +85,24 @@ def chat_response(
     )
 
 
+def _chunk(
+    id: str,
+    object: str,
+    model: str,
+    field: str,
+    payload: Any,
+    finish_reason: str | None,
+    usage: dict[str, int] | None,
+    logprobs: dict[str, Any] | None,
+    index: int,
+) -> dict[str, Any]:
+    """A stream chunk of choice ``index`` holding ``payload`` as ``field``; ``payload=None``
+    is the usage-only last chunk (no choices)."""
+    choice = {"index": index, field: payload, "logprobs": logprobs, "finish_reason": finish_reason}
+    extra = {} if usage is None else {"usage": usage}
+    return _envelope(id, object, model, [] if payload is None else [choice], **extra)
+
+
 def completion_chunk(
     id: str,
     model: str,
@@ -94,15 +112,10 @@ def completion_chunk(
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    """A stream chunk of choice ``index``; ``text=None`` is the usage-only last chunk (no
-    choices)."""
-    choices = (
-        []
-        if text is None
-        else [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]
-    )
-    extra = {} if usage is None else {"usage": usage}
-    return _envelope(id, "text_completion", model, choices, **extra)
+    """A ``/v1/completions`` stream chunk of choice ``index``; ``text=None`` is the
+    usage-only last chunk (no choices)."""
+    args = (text, finish_reason, usage, logprobs, index)
+    return _chunk(id, "text_completion", model, "text", *args)
 
 
 def chat_chunk(
@@ -114,14 +127,7 @@ def chat_chunk(
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
-    """A stream chunk of choice ``index``; ``delta=None`` is the usage-only last chunk (no
-    choices)."""
-    choices = (
-        []
-        if delta is None
-        else [
-            {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        ]
-    )
-    extra = {} if usage is None else {"usage": usage}
-    return _envelope(id, "chat.completion.chunk", model, choices, **extra)
+    """A ``/v1/chat/completions`` stream chunk of choice ``index``; ``delta=None`` is the
+    usage-only last chunk (no choices)."""
+    args = (delta, finish_reason, usage, logprobs, index)
+    return _chunk(id, "chat.completion.chunk", model, "delta", *args)
