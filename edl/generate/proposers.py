@@ -107,10 +107,8 @@ def _catch_up(inputs: ProposeInputs, state: DraftState) -> tuple[Float[Array, "b
     lagging = (lag == 1)[:, None]
     pad = jnp.full_like(pending, inputs.pad_id)
     tokens = jnp.where(lagging, jnp.stack([before, pending], 1), jnp.stack([pending, pad], 1))
-    mask = jnp.concatenate([jnp.ones_like(lagging), lagging], axis=1)
-    out = model.model(tokens, attention_mask=mask, cache=state.cache)
-    last = jnp.take_along_axis(out.last_hidden_state, lag[:, None, None], axis=1)[:, 0]
-    return model.lm_logits(last).astype(jnp.float32), out.cache
+    logits, _, cache = steps.forward(model, tokens, state.cache, num_new=1 + lag)
+    return logits, cache
 
 
 def _draft_propose(inputs: ProposeInputs, state: DraftState) -> Proposal:

@@ -126,8 +126,8 @@ def _verify(model, state: SpecState, drafts, valid, q, key, *, config, processor
     length = state.prompt_len + state.count
     row_ids = jnp.arange(rows)[:, None]
     pending = jnp.take_along_axis(state.seq, (length - 1)[:, None], axis=1)
-    out = model.model(jnp.concatenate([pending, drafts], axis=1), cache=state.cache)
-    logits = model.lm_logits(out.last_hidden_state).astype(jnp.float32)
+    tokens = jnp.concatenate([pending, drafts], axis=1)
+    logits, _, cache = steps.forward(model, tokens, state.cache, every=True)
     offsets = jnp.arange(k, dtype=jnp.int32)[None]
     seq = state.seq.at[row_ids, length[:, None] + offsets].set(drafts, mode="drop")
     scores = position_scores(processor, logits, seq, length)
@@ -136,7 +136,7 @@ def _verify(model, state: SpecState, drafts, valid, q, key, *, config, processor
         accepted, token = rejection_verify(probs, q, drafts, valid, key)
     else:
         accepted, token = greedy_verify(scores, drafts, valid)
-    return accepted, token, out.cache
+    return accepted, token, cache
 
 
 def _spec_step(model, state: SpecState, *, inputs, spec, config, max_new) -> SpecState:

@@ -26,6 +26,7 @@ __all__ = [
     "ImagePrompt",
     "ImageTextLM",
     "decoder",
+    "forward",
     "prefill",
     "start",
 ]
@@ -140,28 +141,63 @@ def start(
     ids, mask, lengths = compact_prompts(input_ids, attention_mask)
     cache = new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
     embeds = None if images is None else images.embed(model, ids)
-    logits, cache = prefill(model, ids, mask, lengths, cache, inputs_embeds=embeds)
+    logits, cache = prefill(model, ids, lengths, cache, inputs_embeds=embeds)
     return logits, cache, ids, mask
+
+
+def forward(
+    model: CausalLM,
+    tokens: Int[Array, "batch width"],
+    cache: KVCacheLike,
+    *,
+    num_new: Int[Array, " batch"] | None = None,
+    inputs_embeds: Float[Array, "batch width dim"] | None = None,
+    every: bool = False,
+) -> tuple[Float[Array, "batch *width vocab"], Float[Array, "batch width dim"], KVCacheLike]:
+    """The one model step every decoding path is built from (``prefill``, ``decode_step``,
+    speculative verification and draft steps here; the serving engine's
+    ``edl.serve.step.model_step``): row ``b``'s first ``num_new[b]`` tokens (all ``width``
+    where None) through ``cache``, a contiguous ``KVCache`` or a ``PagedKVCache``, at
+    positions ``cache.lengths[b] + i``.
+
+    Returns ``(logits, hidden, cache)``: float32 logits after each row's last new token
+    ``(batch, vocab)`` (meaningless where ``num_new`` is 0), or with ``every`` at every
+    position ``(batch, width, vocab)``; the final hidden states ``(batch, width, dim)``;
+    the updated cache. ``inputs_embeds``: the tokens' embeddings, used instead of
+    ``tokens``' (images merged in)."""
+    width = tokens.shape[1]
+    mask = None
+    if num_new is not None:
+        mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
+    if inputs_embeds is None:
+        out = model.model(tokens, attention_mask=mask, cache=cache)
+    else:
+        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache)
+    hidden = out.last_hidden_state
+    if every:
+        last = hidden
+    elif num_new is None:
+        last = hidden[:, -1]
+    else:
+        index = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
+        last = jnp.take_along_axis(hidden, index, axis=1)[:, 0]
+    return model.lm_logits(last).astype(jnp.float32), hidden, out.cache
 
 
 def prefill(
     model: CausalLM,
     ids: Int[Array, "batch seq"],
-    mask: Bool[Array, "batch seq"],
     lengths: Int[Array, " batch"],
     cache: KVCacheLike,
     *,
     inputs_embeds: Float[Array, "batch seq dim"] | None = None,
 ) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
-    """Run right-padded prompts through a fresh ``cache``: the logits after each row's last
-    prompt token and the filled cache. ``inputs_embeds``: the prompt's embeddings, used
-    instead of ``ids``' (images merged in)."""
-    if inputs_embeds is None:
-        out = model.model(ids, attention_mask=mask, cache=cache)
-    else:
-        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache)
-    last = jnp.take_along_axis(out.last_hidden_state, (lengths - 1)[:, None, None], axis=1)
-    return model.lm_logits(last[:, 0]).astype(jnp.float32), out.cache
+    """Run right-padded prompts (each row's first ``lengths`` tokens) through a
+    fresh ``cache``: the logits after each row's last prompt token and the filled cache.
+    ``inputs_embeds``: the prompt's embeddings, used instead of ``ids``' (images merged
+    in)."""
+    logits, _, cache = forward(model, ids, cache, num_new=lengths, inputs_embeds=inputs_embeds)
+    return logits, cache
 
 
 def decoder(model: CausalLM, unstack_layers: bool) -> CausalLM:
@@ -175,8 +211,8 @@ def decode_step(
     model: CausalLM, tokens: Int[Array, " batch"], cache: KVCacheLike
 ) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
     """One new token per row through the cache: next-token logits and the updated cache."""
-    out = model.model(tokens[:, None], cache=cache)
-    return model.lm_logits(out.last_hidden_state[:, 0]).astype(jnp.float32), out.cache
+    logits, _, cache = forward(model, tokens[:, None], cache)
+    return logits, cache
 
 
 def history(

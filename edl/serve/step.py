@@ -2,7 +2,8 @@
 
 ``model_step`` runs every row's new tokens (``width`` columns, right-padded: a prefilling
 request's prompt chunk, a decoding request's last token, nothing for a padding row) through
-the model and the paged cache and returns each row's next-token logits; ``sample_step``
+the model and the paged cache, with the model step ``generate`` decodes with too
+(``edl.generate.steps.forward``), and returns each row's next-token logits; ``sample_step``
 then samples each row's token with that row's own settings (``edl.ops.sampling.RowSampling``,
 the one per-row sampler ``edl.generate``'s processors use too), or, when some row of the
 call has a repetition / presence / frequency penalty, ``sample_step_penalized``, which also
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl.generate import steps
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
 from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
@@ -185,15 +187,10 @@ def model_step(
     cache = PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
     )
-    width = tokens.shape[1]
-    mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
-    out = model.model(tokens, attention_mask=mask, cache=cache)
-    last = jnp.clip(num_new - 1, 0, width - 1)[:, None, None]
-    hidden = jnp.take_along_axis(out.last_hidden_state, last, axis=1)[:, 0]
-    logits = model.lm_logits(hidden).astype(jnp.float32)
+    logits, hidden, cache = steps.forward(model, tokens, cache, num_new=num_new)
     extra = None
     if logprobs:
         if targets is None:
             raise ValueError("model_step(logprobs=True) needs targets (batch, width)")
-        extra = prompt_logprobs(model, out.last_hidden_state, targets)
-    return out.cache.k_pages, out.cache.v_pages, logits, extra
+        extra = prompt_logprobs(model, hidden, targets)
+    return cache.k_pages, cache.v_pages, logits, extra
