@@ -157,6 +157,27 @@ def test_n_choices_and_best_of(shared):
     assert deltas == {0: reply_of(prompt, 0), 1: reply_of(prompt, 1)} and roles == [0, 1]
 
 
+def test_n_choices_each_carry_their_logprobs(shared):
+    """With ``n`` > 1 every choice has its own tokens' log-probs (completions and chat),
+    not only the first one."""
+    _, url = shared
+    api = client(url)
+    out = api.completions.create(model=MODEL, prompt="Hello", max_tokens=5, n=2, seed=3, logprobs=2)
+    for choice in out.choices:
+        tokens = choice.logprobs.tokens
+        assert "".join(tokens) == choice.text and len(tokens) == 5
+        # The 2 alternatives and the sampled token, keyed by text (byte tokens may collide).
+        assert all(1 <= len(top) <= 3 for top in choice.logprobs.top_logprobs)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = api.chat.completions.create(
+        model=MODEL, messages=messages, n=2, seed=0, logprobs=True, top_logprobs=1, max_tokens=4
+    )
+    for choice in chat.choices:
+        content = choice.logprobs.content
+        assert "".join(e.token for e in content) == choice.message.content
+        assert all(len(e.top_logprobs) == 1 for e in content)
+
+
 def test_penalties_bias_min_p_and_stop_token_ids_reach_the_engine(shared):
     engine, url = shared
     api = client(url)

@@ -206,6 +206,39 @@ def serving(engine, tokenizer, max_model_len: int = 1024):
         thread.join(10)
 
 
+def test_tool_calls_in_every_choice_of_n():
+    """``n`` > 1: each choice parses its own tool calls, plain and streamed (each delta
+    under its choice's index)."""
+    engine = FakeEngine(reply=lambda ids, seed=None: REPLY)
+    with serving(engine, ToolChat()) as url:
+        api = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "Weather in Köln?"}]
+        out = api.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER, TIME], n=2, seed=1
+        )
+        assert [c.index for c in out.choices] == [0, 1]
+        for choice in out.choices:
+            assert choice.finish_reason == "tool_calls"
+            assert [c.function.name for c in choice.message.tool_calls] == [
+                "get_weather",
+                "get_time",
+            ]
+        chunks = list(
+            api.chat.completions.create(
+                model=MODEL, messages=messages, tools=[WEATHER, TIME], n=2, seed=1, stream=True
+            )
+        )
+        calls = {0: [], 1: []}
+        finish = {}
+        for chunk in chunks:
+            choice = chunk.choices[0]
+            calls[choice.index] += [d.function.name for d in choice.delta.tool_calls or []]
+            if choice.finish_reason is not None:
+                finish[choice.index] = choice.finish_reason
+        assert calls == {i: ["get_weather", "get_time"] for i in (0, 1)}
+        assert finish == {0: "tool_calls", 1: "tool_calls"}
+
+
 def test_tool_calls_plain_and_streamed_through_the_openai_client():
     engine = FakeEngine(reply=lambda ids, seed=None: REPLY)
     with serving(engine, ToolChat()) as url:

@@ -104,13 +104,7 @@ class Choices:
         if self.req.best_of > self.req.n:  # the n most likely, highest first (stable on ties)
             order = sorted(order, key=lambda i: -self.replies[i].cumulative_logprob)
         chosen = list(order)[: self.req.n]
-        build = (
-            responses.chat_response if self.req.kind == "chat" else responses.completion_response
-        )
-        first = self.replies[0]
-        bodies = [
-            build(first.id, self.model_name, *results[i], first.prompt_tokens, 0) for i in chosen
-        ]
+        bodies = [self.replies[i].response(*results[i]) for i in chosen]
         body = bodies[0]
         body["choices"] = [{**b["choices"][0], "index": j} for j, b in enumerate(bodies)]
         body["usage"] = self._usage()
@@ -145,12 +139,8 @@ class Choices:
                     done += 1
                     continue
                 reply, piece, finish = item
-                if finish is not None and chat:
-                    if piece:
-                        yield reply._chunk(piece, None)
-                    yield reply._chunk("", finish)
-                else:
-                    yield reply._chunk(piece, finish)
+                for event in reply.events(piece, finish):
+                    yield event
             failed = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
             if failed:
                 if not isinstance(failed[0], EngineStopped):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from starlette.requests import Request
@@ -184,13 +184,9 @@ class Reply:
         if not self.done:
             self.context.driver.abort(self.stream.request_id)
 
-    async def body(self) -> dict[str, Any]:
-        """The whole reply's JSON body, once the engine has finished it."""
-        texts, finish = [], None
-        async for piece, reason in self.pieces():
-            texts.append(piece)
-            finish = reason
-        text = "".join(texts)
+    def response(self, text: str, finish: str | None) -> dict[str, Any]:
+        """The non-streamed body of this reply (a choice of ``index`` 0) once collected:
+        ``text``, ``finish``, its log-probs and tool calls, usage of this reply alone."""
         args = (self.id, self.context.model_name)
         counts = (self.prompt_tokens, self.completion_tokens)
         logprobs = None if self.logprobs is None else self.logprobs.sent(0)
@@ -200,6 +196,30 @@ class Reply:
                 *args, content, finish, *counts, logprobs, self.tool_calls
             )
         return responses.completion_response(*args, text, finish, *counts, logprobs)
+
+    async def body(self) -> dict[str, Any]:
+        """The whole reply's JSON body, once the engine has finished it."""
+        texts, finish = [], None
+        async for piece, reason in self.pieces():
+            texts.append(piece)
+            finish = reason
+        return self.response("".join(texts), finish)
+
+    def events(self, piece: str, finish: str | None) -> Iterator[str]:
+        """The server-sent events of one piece of ``pieces()``: in chat the last piece's
+        text, its tool calls and its finish reason are separate chunks, as OpenAI's."""
+        if finish is None or self.req.kind != "chat":
+            yield self._chunk(piece, finish)
+            return
+        if piece:
+            yield self._chunk(piece, None)
+        if self.tool_calls:
+            delta = {"tool_calls": structured.delta_tool_calls(self.tool_calls)}
+            body = responses.chat_chunk(
+                self.id, self.context.model_name, delta, None, index=self.index
+            )
+            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        yield self._chunk("", finish)
 
     async def plain(self, request: Request) -> Response:
         """Collect the reply, aborting it if the client disconnects meanwhile."""
@@ -235,18 +255,8 @@ class Reply:
                 yield f"data: {json.dumps(body)}\n\n"
             try:
                 async for piece, finish in self.pieces():
-                    if finish is not None and self.req.kind == "chat":
-                        if piece:
-                            yield self._chunk(piece, None)
-                        if self.tool_calls:
-                            calls = structured.delta_tool_calls(self.tool_calls)
-                            body = responses.chat_chunk(
-                                self.id, self.context.model_name, {"tool_calls": calls}, None
-                            )
-                            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-                        yield self._chunk("", finish)
-                    else:
-                        yield self._chunk(piece, finish)
+                    for event in self.events(piece, finish):
+                        yield event
             except EngineStopped as e:  # the status is sent: an error event, as vLLM's
                 error = APIError(500, str(e), type="server_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
