@@ -15,7 +15,13 @@ The impls (``edl.ops.cached_attention``): "auto" is what a user gets (on CPU the
 as "xla"), "xla" reads the cache in place at a decode step, "reference" is the plain grouped
 einsum (the A/B for that form), "pallas" the decode kernel (interpreted on CPU).
 
+With ``--ceiling`` a "gemms" column times a compiled loop of ``new`` steps that run only a
+decode step's matrix products at that batch (the model's shapes, one array per layer, in
+edl's ``(W @ x.T).T`` form): tokens/s no decode loop built on XLA's float32 GEMMs can beat
+on the machine, whatever its attention, sampling or cache.
+
     python -m benchmarks.generate [--quick] [--impls auto xla reference pallas] [--unstacked auto]
+        [--ceiling]
 """
 
 from __future__ import annotations
@@ -48,6 +54,38 @@ def _config(quick: bool) -> LlamaConfig:
 def _edl_call(model, ids, new, impl, unstack_layers):
     model = configure(model, attention_impl=impl)
     return lambda: generate(model, ids, max_new_tokens=new, unstack_layers=unstack_layers).sequences
+
+
+def _gemm_call(config: LlamaConfig, batch: int, new: int):
+    """``new`` steps of a decode step's GEMMs alone at ``batch`` rows (module docstring)."""
+    d, inter = config.hidden_size, config.intermediate_size
+    head_dim = d // config.num_attention_heads
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    shapes = [(qkv, d), (d, config.num_attention_heads * head_dim), (2 * inter, d), (d, inter)]
+    keys = iter(jax.random.split(jax.random.key(1), 4 * config.num_hidden_layers + 1))
+    layers = [
+        [0.05 * jax.random.normal(next(keys), shape) for shape in shapes]
+        for _ in range(config.num_hidden_layers)
+    ]
+    head = 0.05 * jax.random.normal(next(keys), (config.vocab_size, d))
+
+    def linear(w, x):
+        return (w @ x.T).T
+
+    @jax.jit
+    def run(layers, head, x):
+        def step(_, x):
+            h = x
+            for wqkv, wo, wgu, wdown in layers:
+                h = h + linear(wo, linear(wqkv, h)[:, : wo.shape[1]])
+                gate_up = linear(wgu, h)
+                h = h + linear(wdown, gate_up[:, :inter] * gate_up[:, inter:])
+            return x + 1e-3 * linear(head, h)[:, :d]
+
+        return jax.lax.fori_loop(0, new, step, x)
+
+    x = jax.numpy.ones((batch, d))
+    return lambda: run(layers, head, x)
 
 
 def _torch_call(torch_model, ids, new):
@@ -83,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--unstacked", nargs="*", default=["auto"], help="impls also timed with unstack_layers=True"
     )
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timed rounds")
+    parser.add_argument(
+        "--ceiling", action="store_true", help="also time a decode step's GEMMs alone (gemms)"
+    )
     return parser
 
 
@@ -90,6 +131,7 @@ def main() -> None:
     args = build_parser().parse_args()
     variants = {impl: (impl, False) for impl in args.impls}
     variants |= {f"{impl}/unstacked": (impl, True) for impl in args.unstacked}
+    timed = [*variants, *(["gemms"] if args.ceiling else [])]
     prompt, new = (8, 16) if args.quick else (32, 128)
 
     import torch
@@ -102,6 +144,8 @@ def main() -> None:
     for batch in (1, 8):
         ids = np.asarray(jax.random.randint(jax.random.key(batch), (batch, prompt), 1, 1024))
         calls = {name: _edl_call(model, ids, new, *v) for name, v in variants.items()}
+        if args.ceiling:
+            calls["gemms"] = _gemm_call(config, batch, new)
         first = {}
         for name, call in calls.items():  # compile + run once
             start = time.perf_counter()
@@ -126,7 +170,7 @@ def main() -> None:
             "torch_tokens_per_s": batch * new / best["torch"],
             "torch_median_s": statistics.median(samples["torch"]),
         }
-        for name in variants:
+        for name in timed:
             row[f"edl_{name}_tokens_per_s"] = batch * new / best[name]
             row[f"edl_{name}_speedup"] = best["torch"] / best[name]
             row[f"edl_{name}_median_speedup"] = statistics.median(
@@ -136,7 +180,7 @@ def main() -> None:
         rows.append(row)
         print(f"batch {batch} done", flush=True)
     header = ["batch", "torch tok/s"]
-    for name in variants:
+    for name in timed:
         header += [
             f"edl {name} tok/s",
             f"x torch ({name})",
@@ -146,7 +190,7 @@ def main() -> None:
     body = []
     for r in rows:
         cells = [r["batch"], r["torch_tokens_per_s"]]
-        for name in variants:
+        for name in timed:
             cells += [
                 r[f"edl_{name}_tokens_per_s"],
                 r[f"edl_{name}_speedup"],
