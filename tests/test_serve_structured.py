@@ -499,3 +499,132 @@ def _wait_free(engine) -> None:
     while engine.num_free_pages != engine.num_total_pages:  # no page leaks
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+# A Qwen2.5 / Hermes-shaped chat template (tools in the system turn, calls in <tool_call>
+# blocks with arguments as JSON, results in <tool_response> blocks), written for this test.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n{%- for t in tools %}\n{{ t | tojson }}"
+    "{%- endfor %}<|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    '{%- for call in m.tool_calls or [] %}\n<tool_call>\n{"name": "{{ call.function.name }}'
+    '", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>{%- endfor %}'
+    "<|im_end|>\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tmp_path_factory):
+    """A small byte-level BPE tokenizer with ``TOOL_TEMPLATE``, saved as transformers does,
+    and loaded by edl; returns (edl's tokenizer, transformers')."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from edl.text import load_tokenizer
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "</s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(['<tool_call>{"name": "get_weather"}</tool_call> Köln'] * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = TOOL_TEMPLATE
+    directory = tmp_path_factory.mktemp("tool_tokenizer")
+    fast.save_pretrained(directory)
+    return load_tokenizer(directory), fast
+
+
+def test_a_tool_loop_reaches_the_template_as_transformers_renders_it(tool_tokenizer):
+    """OpenAI's tool loop (an assistant's ``tool_calls``, content null, arguments a JSON
+    string; a ``tool`` result with its ``tool_call_id``) through the openai client gives
+    the engine exactly the prompt transformers renders from the same conversation (the
+    arguments as a dict, as HF's templates take them)."""
+    tokenizer, fast = tool_tokenizer
+    engine = FakeEngine()
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Köln", "unit": "C"}'},
+    }
+    messages = [
+        {"role": "user", "content": "Weather in Köln?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    with serving(engine, tokenizer) as url:
+        api = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert out.choices[0].finish_reason == "stop"
+    hf_call = {
+        **call,
+        "function": {"name": "get_weather", "arguments": {"city": "Köln", "unit": "C"}},
+    }
+    hf_messages = [
+        messages[0],
+        {"role": "assistant", "content": "", "tool_calls": [hf_call]},
+        messages[2],
+    ]
+    want = fast.apply_chat_template(
+        hf_messages, tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
+    sent = engine.prompts[max(engine.prompts)]
+    assert sent == list(want)
+    text = fast.decode(sent)
+    assert '{"name": "get_weather", "arguments": {"city": "Köln", "unit": "C"}}' in text
+    assert "<tool_response>\n18 C\n</tool_response>" in text
+
+
+@pytest.mark.parametrize(
+    ("message", "param"),
+    [
+        ({"role": "tool", "content": "18 C"}, "messages[1].tool_call_id"),
+        ({"role": "tool", "content": "18 C", "tool_call_id": 3}, "messages[1].tool_call_id"),
+        ({"role": "user", "content": "x", "tool_call_id": "a"}, "messages[1]"),
+        ({"role": "assistant", "tool_calls": []}, "messages[1].tool_calls"),
+        (
+            {"role": "assistant", "tool_calls": [{"type": "function", "function": {}}]},
+            "messages[1].tool_calls[0].function",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": "{not json"}}],
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100_000}}],
+            },
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]},
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [{"function": {"name": "\ud800", "arguments": "{}"}}],
+            },
+            "messages[1].tool_calls",
+        ),
+        ({"role": "function", "content": "x"}, "messages[1].role"),
+    ],
+)
+def test_bad_tool_loop_messages_are_400s_naming_the_field(message, param):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}, message]}
+    with pytest.raises(protocol.APIError) as caught:
+        protocol.parse_chat(body)
+    assert caught.value.status == 400 and caught.value.param == param, caught.value

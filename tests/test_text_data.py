@@ -183,7 +183,7 @@ def test_deep_and_long_lines_are_refused_before_parsing(tmp_path, monkeypatch):
 def test_chat_roles_are_the_servers(tmp_path):
     from edl.text.chat import ROLES
 
-    assert list(ROLES) == ["system", "developer", "user", "assistant"]
+    assert list(ROLES) == ["system", "developer", "user", "assistant", "tool"]
     hacker = [{"role": "user", "content": "hi"}, {"role": "hacker", "content": "x"}]
     records = [{"messages": CONVERSATIONS["single"]}, {"messages": hacker}]
     path = write_jsonl(tmp_path / "r.jsonl", records)

@@ -38,9 +38,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from edl.serve.messages import chat_turns
 from edl.serve.structured import FieldError, Tools, parse_tools, response_format_grammar
 from edl.serve.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, SEED_END, TOP_K_END, SamplingParams
-from edl.text.chat import template_role
 from edl.text.sources import json_nests_deeper_than
 from edl.text.tokenizer import checked_text
 
@@ -458,50 +458,14 @@ def _text(text: str, param: str) -> str:
         raise bad(str(e), param) from e
 
 
-def _content(message: Mapping[str, Any], where: str) -> str:
-    content = message.get("content")
-    if isinstance(content, str):
-        return _text(content, f"{where}.content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for j, part in enumerate(content):
-            if not (
-                isinstance(part, dict)
-                and part.get("type") == "text"
-                and isinstance(part.get("text"), str)
-            ):
-                raise bad(
-                    f"{where}.content[{j}]: only text parts "
-                    f"({{'type': 'text', 'text': ...}}) are supported, got {part!r}",
-                    f"{where}.content",
-                )
-            texts.append(part["text"])
-        return _text("".join(texts), f"{where}.content")
-    raise bad(
-        f"{where}.content must be a string or a list of text parts, got {content!r}",
-        f"{where}.content",
-    )
-
-
 def parse_chat(body: Any) -> GenerationRequest:
     """A ``/v1/chat/completions`` body: ``messages`` of the roles that training records
     take too (:data:`edl.text.chat.ROLES`: system, developer (sent to the template as
-    system), user, assistant), text content."""
+    system), user, assistant, tool), text content; an assistant's ``tool_calls`` and a tool
+    result's ``tool_call_id`` (OpenAI's tool loop) go to the template too."""
     fields = _common(body, "chat")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad(f"'messages' must be a non-empty list, got {messages!r}"[:300], "messages")
-    turns = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad(f"{where} must be an object, got {message!r}", where)
-        try:
-            role = template_role(message.get("role"), f"{where}.role")
-        except ValueError as e:
-            raise bad(str(e), f"{where}.role") from e
-        extra = set(message) - {"role", "content", "name"}
-        if extra:
-            raise bad(f"{where}: unsupported fields {sorted(extra)}", where)
-        turns.append({"role": role, "content": _content(message, where)})
+    try:
+        turns = chat_turns(body.get("messages"))
+    except FieldError as e:
+        raise bad(str(e), e.param) from e
     return GenerationRequest(prompt=None, messages=turns, **fields)

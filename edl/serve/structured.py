@@ -31,10 +31,12 @@ import uuid
 from typing import Any
 
 from edl.serve.grammar import JSON_OPTIONS, any_json_grammar, json_schema_grammar, lark_grammar
+from edl.text.sources import json_nests_deeper_than
 
-__all__ = ["FieldError", "ToolText", "Tools", "parse_tool_calls"]
+__all__ = ["FieldError", "ToolText", "Tools", "parse_tool_calls", "template_tool_calls"]
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+MAX_ARGUMENTS_DEPTH = 64  # as a request body's (edl.serve.protocol.MAX_BODY_DEPTH)
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _CALL = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.DOTALL)
 
@@ -197,6 +199,14 @@ def parse_tools(tools: Any, tool_choice: Any, parallel: Any = None) -> Tools | N
     return Tools(checked, "function", name, parallel)
 
 
+def _loads(text: str) -> Any:
+    """``json.loads`` of a tool call's text, refused (``ValueError``) past
+    ``MAX_ARGUMENTS_DEPTH`` levels before parsing: Python's ``json`` recurses per level."""
+    if json_nests_deeper_than(text.encode("utf-8", "surrogatepass"), MAX_ARGUMENTS_DEPTH):
+        raise ValueError(f"nested deeper than {MAX_ARGUMENTS_DEPTH} levels")
+    return json.loads(text)
+
+
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     """``(content, tool_calls)`` of a reply: the OpenAI ``tool_calls`` (``id``, ``type``,
     ``function: {name, arguments}``, arguments a JSON string) of its well-formed
@@ -205,8 +215,8 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls = []
     for match in _CALL.finditer(text):
         try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
+            call = _loads(match.group(1))
+        except ValueError:  # not JSON, too deep, or an int past Python's digit limit
             return text, []
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return text, []
@@ -251,6 +261,38 @@ class ToolText:
         if not calls:
             return self.text[self.sent :], []
         return (content or "")[self.sent :], calls
+
+
+def template_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI ``tool_calls`` (``[{"id", "type": "function",
+    "function": {"name", "arguments"}}]``, arguments a JSON object as a string, as replies
+    carry them) in the form chat templates read (HF's and vLLM's): ``arguments`` a dict.
+    ``FieldError`` naming ``where`` for anything else."""
+    if not isinstance(value, list) or not value:
+        raise FieldError(f"{where} must be a non-empty list, got {value!r:.200}", where)
+    calls = []
+    for i, call in enumerate(value):
+        at = f"{where}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(call, dict) or call.get("type", "function") != "function":
+            raise FieldError(f"{at} must be a function call object, got {call!r:.200}", at)
+        if set(call) - {"id", "type", "function"} or not isinstance(call.get("id", ""), str):
+            raise FieldError(f"{at} takes 'id' (a string), 'type' and 'function'", at)
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise FieldError(f"{at}.function must have a 'name' string", f"{at}.function")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = _loads(arguments)
+            except ValueError as e:
+                message = f"{at}.function.arguments is not a JSON object: {e}"
+                raise FieldError(message, f"{at}.function.arguments") from e
+        if not isinstance(arguments, dict):
+            message = f"{at}.function.arguments must be a JSON object, got {arguments!r:.200}"
+            raise FieldError(message, f"{at}.function.arguments")
+        entry = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+        calls.append({"id": call["id"], **entry} if "id" in call else entry)
+    return calls
 
 
 def delta_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -15,12 +15,19 @@ from typing import Any
 __all__ = ["ROLES"]
 
 ROLES: Mapping[str, str] = MappingProxyType(
-    {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+    {
+        "system": "system",
+        "developer": "system",
+        "user": "user",
+        "assistant": "assistant",
+        "tool": "tool",
+    }
 )
 """Each accepted role and the role the chat template is given for it: the standard system /
-user / assistant, and OpenAI's ``developer`` (its newer name for the system prompt), given
-as ``system`` since chat templates know that one. Other roles (``tool``, ``function``,
-made-up ones) are refused: nothing edl renders or serves produces or consumes them."""
+user / assistant, OpenAI's ``developer`` (its newer name for the system prompt), given
+as ``system`` since chat templates know that one, and ``tool`` (a tool's result, which
+templates with a tool format render; the server also takes its ``tool_call_id``). Other
+roles (the deprecated ``function``, made-up ones) are refused."""
 
 
 def template_role(role: Any, where: str) -> str:
