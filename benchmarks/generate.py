@@ -15,13 +15,18 @@ The impls (``edl.ops.cached_attention``): "auto" is what a user gets (on CPU the
 as "xla"), "xla" reads the cache in place at a decode step, "reference" is the plain grouped
 einsum (the A/B for that form), "pallas" the decode kernel (interpreted on CPU).
 
+With ``--engine`` an "engine" column times the same greedy requests through the serving
+engine (``edl.serve.Engine``, all admitted at once, stepped until done; no HTTP): the
+continuous-batching path against ``generate``'s compiled whole loop, both on
+``edl.generate.steps.forward``.
+
 With ``--ceiling`` a "gemms" column times a compiled loop of ``new`` steps that run only a
 decode step's matrix products at that batch (the model's shapes, one array per layer, in
 edl's ``(W @ x.T).T`` form): tokens/s no decode loop built on XLA's float32 GEMMs can beat
 on the machine, whatever its attention, sampling or cache.
 
     python -m benchmarks.generate [--quick] [--impls auto xla reference pallas] [--unstacked auto]
-        [--ceiling]
+        [--ceiling] [--engine]
 """
 
 from __future__ import annotations
@@ -88,6 +93,27 @@ def _gemm_call(config: LlamaConfig, batch: int, new: int):
     return lambda: run(layers, head, x)
 
 
+def _engine_call(model, ids, new: int):
+    """The rows of ``ids`` as greedy engine requests of ``new`` tokens, run to the end."""
+    from edl.serve.engine import Engine
+    from edl.serve.types import SamplingParams
+
+    rows, prompt = ids.shape
+    engine = Engine(model, max_batch=rows, max_model_len=prompt + new, prefix_caching=False)
+    params = SamplingParams(max_tokens=new, temperature=0.0)
+
+    def run():
+        for row in np.asarray(ids).tolist():
+            engine.add_request(row, params)
+        tokens = 0
+        while engine.has_unfinished():
+            tokens += sum(len(out.new_token_ids) for out in engine.step())
+        assert tokens == rows * new, tokens
+        return tokens
+
+    return run
+
+
 def _torch_call(torch_model, ids, new):
     import torch
 
@@ -124,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ceiling", action="store_true", help="also time a decode step's GEMMs alone (gemms)"
     )
+    parser.add_argument(
+        "--engine", action="store_true", help="also time the serving engine (engine)"
+    )
     return parser
 
 
@@ -131,7 +160,7 @@ def main() -> None:
     args = build_parser().parse_args()
     variants = {impl: (impl, False) for impl in args.impls}
     variants |= {f"{impl}/unstacked": (impl, True) for impl in args.unstacked}
-    timed = [*variants, *(["gemms"] if args.ceiling else [])]
+    timed = [*variants, *(["gemms"] if args.ceiling else []), *(["engine"] if args.engine else [])]
     prompt, new = (8, 16) if args.quick else (32, 128)
 
     import torch
@@ -146,6 +175,8 @@ def main() -> None:
         calls = {name: _edl_call(model, ids, new, *v) for name, v in variants.items()}
         if args.ceiling:
             calls["gemms"] = _gemm_call(config, batch, new)
+        if args.engine:
+            calls["engine"] = _engine_call(model, ids, new)
         first = {}
         for name, call in calls.items():  # compile + run once
             start = time.perf_counter()
