@@ -81,6 +81,7 @@ def run_serve(args: argparse.Namespace) -> None:
         echo=say,
         # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
         tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
+        speculative=args.speculative,
     )
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
