@@ -155,6 +155,22 @@ def test_rows_that_cannot_speculate_decode_one_token_in_the_same_call(target, co
     assert max(chunks[0]) > 1 and set(chunks[1]) == set(chunks[2]) == {1}
 
 
+def test_warmup_compiles_the_verification_shapes(target, copying_prompts):
+    """``warmup`` compiles the verification programs (named ``verify RxW``) and sampler
+    too, so serving a speculating request compiles nothing more (one row, one page bucket:
+    decode and prefill with and without log-probs, and one verification program)."""
+    lines: list[str] = []
+    geometry = dict(max_batch=1, max_model_len=64, page_size=64, prefill_chunk=16)
+    engine = Engine(target, speculative=SPEC, echo=lines.append, **geometry)
+    assert engine.step_programs()[-1] == (1, 4, 1, False, True)
+    engine.warmup()
+    assert len(lines) == len(engine.step_programs()) == 5
+    assert lines[-1].startswith(("compiled verify 1x4, 1 pages (5/5)", "loaded verify 1x4"))
+    lines.clear()
+    _run(engine, [(copying_prompts[2], _greedy(12))])
+    assert engine.speculation_counts[1] > 0 and lines == []
+
+
 def _exact_marginals(model, prompt, vocab):
     """The target's exact distributions of the 1st and 2nd generated tokens."""
 

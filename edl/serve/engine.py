@@ -15,12 +15,20 @@ prefilling requests that fit the step's prefill budget (``prefill_tokens``: padd
 width). A long prompt is so prefilled over several steps while the other requests keep
 decoding, and decoding rows never run at a prefill's width.
 
+Speculative decoding (``speculative=SpeculativeConfig(method="ngram")``,
+``edl.serve.speculation``): each step drafts up to ``k`` tokens per decoding request by
+prompt lookup; when some row drafted, the decode call has width ``k + 1`` and
+``model_step``'s every-position logits verify the drafts, each row emitting its accepted
+drafts and one token more (``RequestOutput.new_token_ids`` then holds several), its
+``computed`` set back past the rejected positions. Greedy output equals plain decoding's.
+
 Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
 requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
 narrowest holding its longest chunk; its page table is cut to a power of four pages from 4
 (or ``pages_per_seq``), the fewest holding its longest row after the step, and attention
-reads exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode: width 1;
-prefill: ``rows * width <= prefill_tokens``): a busy engine never compiles after
+reads exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode:
+width 1; verification: ``k + 1``; prefill: ``rows * width <= prefill_tokens``;
+``edl.serve.shapes``): a busy engine never compiles after
 ``warmup()``, one request decodes at one row's cost instead of ``max_batch`` rows', and short
 sequences do not read a ``max_model_len`` cache.
 
@@ -76,9 +84,9 @@ grammar; the request ends ("stop") where the grammar is complete (``edl.serve.gr
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
-chats reuse only their prompt's blocks); sharding over a mesh. On GPU ``impl="auto"``
-sends a prefill call to the
-Pallas paged *decode* kernel with ``width`` queries per row, untested there.
+chats reuse only their prompt's blocks); sharding over a mesh; a draft model for
+speculation. On GPU ``impl="auto"`` sends a prefill (or verification) call to the Pallas
+paged *decode* kernel with ``width`` queries per row, untested there.
 """
 
 from __future__ import annotations
@@ -98,9 +106,17 @@ from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
 from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
-from edl.serve.requests import Request, check_pages, check_request, page_pools
+from edl.serve.requests import Request, call_inputs, check_request, page_pools
 from edl.serve.sampler import Sampler
-from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
+from edl.serve.shapes import (
+    bucket,
+    buckets,
+    check_sizes,
+    prefill_batch,
+    shape_name,
+    step_shapes,
+    warmup_progress,
+)
 from edl.serve.speculation import Speculation
 from edl.serve.step import model_step, sampled_logprobs
 from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
@@ -190,7 +206,7 @@ class Engine:
         self._next_id = 0
         self._rng = np.random.default_rng()  # seeds of requests that give none
         self._echo = echo
-        self._compiled: set[tuple[int, int, int, bool]] = set()  # programs called
+        self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs called
         self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
         self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
         self._spec = None if speculative is None else Speculation(speculative, model, draft_model)
@@ -221,13 +237,8 @@ class Engine:
         ids outside the vocabulary, or with ``max_tokens`` exceeds ``max_model_len`` or the
         page pool; QueueFull when ``max_queue`` requests wait already."""
         prompt = tuple(prompt_ids)
-        check_request(prompt, params, self.vocab_size, self.max_model_len)
-        total = len(prompt) + params.max_tokens
-        if self._pages_for(total) > self.num_total_pages:
-            raise ValueError(
-                f"add_request: {total} tokens need {self._pages_for(total)} pages, "
-                f"the pool has {self.num_total_pages}"
-            )
+        pages = (self.page_size, self.num_total_pages)
+        check_request(prompt, params, self.vocab_size, self.max_model_len, *pages)
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
         seed = int(self._rng.integers(2**32)) if params.seed is None else params.seed
@@ -293,19 +304,11 @@ class Engine:
         return [shape for kind in self._shapes() for shape in kind]
 
     def _shapes(self) -> tuple[list[tuple[int, int, int]], ...]:
-        """The decode, verification and prefill shapes, apart (a verification shape may
-        equal a prefill one; their programs differ)."""
-        decode = [(rows, 1) for rows in self.row_buckets]
+        """The decode, verification and prefill shapes (``shapes.step_shapes``)."""
         k = 0 if self._spec is None else self._spec.k
-        verify = [(rows, k + 1) for rows in self.row_buckets] if k else []
-        prefill = [
-            (rows, width)
-            for width in self.width_buckets
-            for rows in self.row_buckets
-            if rows * width <= self.prefill_tokens
-        ]
-        kinds = (decode, verify, prefill)
-        return tuple([(r, w, p) for r, w in kind for p in self.page_buckets] for kind in kinds)
+        return step_shapes(
+            self.row_buckets, self.width_buckets, self.page_buckets, self.prefill_tokens, k
+        )
 
     def warmup(self) -> None:
         """Compile ``model_step`` for every shape of ``step_shapes()`` now (each call runs
@@ -340,24 +343,6 @@ class Engine:
         plain = [(*s, lp_, False) for lp_ in (False, True) for s in decode + prefill]
         return plain + [(*s, False, True) for s in verify]
 
-    def _inputs(
-        self, requests: list[Request], rows: int, width: int, pages: int, drafts: Any
-    ) -> tuple[np.ndarray, ...]:
-        """A call's host arrays ``(tokens, num_new, lengths, table)``: each request's prompt
-        chunk (up to ``width`` tokens) or its last generated token (and its ``drafts``),
-        padded to ``rows`` rows, its page table cut to ``pages``."""
-        tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
-        lengths = np.zeros(rows, np.int32)
-        table = np.full((rows, pages), -1, np.int32)
-        for i, r in enumerate(requests):
-            new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
-            if drafts:
-                new = [*new, *drafts[i]]
-            check_pages(r, len(new), pages, self.page_size)
-            tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
-            table[i, : min(len(r.pages), pages)] = r.pages[:pages]
-        return tokens, num_new, lengths, table
-
     def _call(
         self,
         requests: list[Request],
@@ -367,15 +352,16 @@ class Engine:
         logprobs: bool = False,
         drafts: list[np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None, list[Any] | None]:
-        """One ``model_step`` over ``requests`` (``_inputs``), then the sampler (rows with a
-        grammar that sample this call masked) on each row's last new token's logits (the
-        pending token's, in a verification call: ``drafts`` given, ``model_step``'s
-        ``every`` variant, then ``Speculation.verify``); returns each row's sampled token,
-        its log-prob, in the log-prob variant (when a request asks, or ``logprobs``) the
-        call's log-prob arrays, and the verdicts (``Speculation.verify``; None without
-        drafts); records prompt log-probs and advances each request's ``computed`` by its
-        new tokens (a verified row's: the pending token and its accepted drafts)."""
-        tokens, num_new, lengths, table = self._inputs(requests, rows, width, pages, drafts)
+        """One ``model_step`` over ``requests`` (``_inputs``), then the sampler (grammar rows
+        masked) on each row's last new token's logits (with ``drafts``, the pending
+        token's: ``model_step``'s ``every`` variant, then ``Speculation.verify``). Returns
+        each row's sampled token, its log-prob, the call's log-prob arrays (when a request
+        asks, or ``logprobs``) and the verdicts (None without drafts); records prompt
+        log-probs; advances ``computed`` past each row's new tokens (a verified row's:
+        its pending token and accepted drafts)."""
+        tokens, num_new, lengths, table = call_inputs(
+            requests, rows, width, pages, self.page_size, drafts
+        )
         # A row emits its token when it decodes or its prompt ends in this call.
         emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
         matchers = [r.matcher if e else None for r, e in zip(requests, emit, strict=True)]
@@ -432,19 +418,13 @@ class Engine:
 
     def _prefill_batch(self) -> tuple[list[Request], int, int]:
         """The oldest prefilling requests whose padded chunks fit ``prefill_tokens``, and the
-        call's ``(rows, width)`` (the first always fits: ``prefill_tokens >= prefill_chunk``)."""
-        chosen, rows, width = [], 0, 0
-        for r in self._running:
-            if not r.prefilling:
-                continue
-            chunk = min(len(r.prompt) - r.computed, self.prefill_chunk)
-            w = bucket(self.width_buckets, max(width, chunk))
-            n = bucket(self.row_buckets, len(chosen) + 1)
-            if n * w > self.prefill_tokens:
-                break
-            chosen.append(r)
-            rows, width = n, w
-        return chosen, rows, width
+        call's ``(rows, width)`` (``shapes.prefill_batch``)."""
+        chunks = [
+            (r, min(len(r.prompt) - r.computed, self.prefill_chunk))
+            for r in self._running
+            if r.prefilling
+        ]
+        return prefill_batch(chunks, self.row_buckets, self.width_buckets, self.prefill_tokens)
 
     def step(self) -> list[RequestOutput]:
         """One iteration: admit, one token (or, speculating, a verified run of tokens) for

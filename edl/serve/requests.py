@@ -11,12 +11,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from edl.generate.paged import init_paged_cache
 from edl.generate.steps import CausalLM
 from edl.serve.types import Logprob, SamplingParams, is_int
 
-__all__ = ["Request", "check_pages", "check_request", "page_pools"]
+__all__ = ["Request", "call_inputs", "check_pages", "check_request", "page_pools"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,6 +85,32 @@ def check_pages(request: Request, new: int, pages: int, page_size: int) -> None:
         )
 
 
+def call_inputs(
+    requests: Sequence[Request],
+    rows: int,
+    width: int,
+    pages: int,
+    page_size: int,
+    drafts: Sequence[np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A model call's host arrays ``(tokens (rows, width), num_new (rows,), lengths (rows,),
+    table (rows, pages))``: each request's prompt chunk (up to ``width`` tokens) or its last
+    generated token (then its ``drafts``, speculating), at ``lengths`` = its ``computed``,
+    padded to ``rows`` rows (no tokens, no pages), its page table cut to ``pages`` and
+    checked to hold its new tokens (``check_pages``)."""
+    tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+    lengths = np.zeros(rows, np.int32)
+    table = np.full((rows, pages), -1, np.int32)
+    for i, r in enumerate(requests):
+        new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
+        if drafts:
+            new = [*new, *drafts[i]]
+        check_pages(r, len(new), pages, page_size)
+        tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
+        table[i, : min(len(r.pages), pages)] = r.pages[:pages]
+    return tokens, num_new, lengths, table
+
+
 def page_pools(
     model: CausalLM, num_pages: int, page_size: int, max_model_len: int
 ) -> tuple[jax.Array, jax.Array]:
@@ -102,11 +129,17 @@ def page_pools(
 
 
 def check_request(
-    prompt: tuple[int, ...], params: SamplingParams, vocab_size: int, max_model_len: int
+    prompt: tuple[int, ...],
+    params: SamplingParams,
+    vocab_size: int,
+    max_model_len: int,
+    page_size: int,
+    num_pages: int,
 ) -> None:
     """``Engine.add_request``'s checks of one request: ValueError for a prompt that is
     empty, holds ids outside the vocabulary, or with ``max_tokens`` exceeds
-    ``max_model_len``; stop ids and logit-bias ids outside the vocabulary."""
+    ``max_model_len`` or the page pool (``num_pages`` of ``page_size`` tokens); stop ids
+    and logit-bias ids outside the vocabulary."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"add_request: params must be SamplingParams, got {type(params)}")
     if not prompt:
@@ -125,4 +158,9 @@ def check_request(
         raise ValueError(
             f"add_request: prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) = "
             f"{total} exceeds max_model_len {max_model_len}"
+        )
+    if -(-total // page_size) > num_pages:
+        raise ValueError(
+            f"add_request: {total} tokens need {-(-total // page_size)} pages, "
+            f"the pool has {num_pages}"
         )
