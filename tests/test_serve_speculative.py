@@ -19,8 +19,9 @@ from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.serve import Engine, SamplingParams
 from edl.serve.driver import Stats
 from edl.serve.metrics import ServerMetrics
+from edl.serve.requests import Request
 from edl.serve.sampler import row_settings
-from edl.serve.speculation import propose_ngram_host, verify_step
+from edl.serve.speculation import Speculation, propose_ngram_host, verify_step
 
 VOCAB = 64
 GEOMETRY = dict(max_batch=4, max_model_len=64, page_size=8, prefill_chunk=16)
@@ -169,6 +170,27 @@ def test_warmup_compiles_the_verification_shapes(target, copying_prompts):
     lines.clear()
     _run(engine, [(copying_prompts[2], _greedy(12))])
     assert engine.speculation_counts[1] > 0 and lines == []
+
+
+def test_a_request_whose_drafts_are_rejected_backs_off(target):
+    """All drafts rejected: the request drafts nothing for 1, then 2, then 4, ... steps;
+    an accepted draft ends the pause at once."""
+    spec = Speculation(SPEC, target)
+    request = Request(0, (5, 6, 7, 5, 6), _greedy(40), 0, frozenset(), [])
+    request.generated = [7]  # 5 6 7 5 6 7: drafts 5 6 7
+
+    def step(accept: bool) -> bool:
+        drafts = spec.drafts([request])
+        if drafts is not None:
+            choice = drafts[0][0] if accept else 0  # the target's argmax at every position
+            logits = jax.nn.one_hot(jnp.full((1, SPEC.num_speculative_tokens + 1), choice), VOCAB)
+            assert (spec.verify(logits, [request], drafts)[0][2] > 0) == accept
+        return drafts is not None
+
+    drafted = [step(accept=False) for _ in range(12)]
+    assert drafted == [True, False, True, False, False, True, *[False] * 4, True, False]
+    assert [step(accept=True) for _ in range(8)] == [False] * 7 + [True]
+    assert step(accept=True) and step(accept=True)
 
 
 def _exact_marginals(model, prompt, vocab):

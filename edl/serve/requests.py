@@ -41,6 +41,14 @@ class Request:
     matcher: Any = None  # its grammar's state (edl.serve.grammar), if it has one
     slot: int = -1  # its batch place while running (edl.serve.sampler: penalty state)
     cumulative_logprob: float = 0.0  # its sampled tokens' log-probs, summed
+    # Speculative decoding's back-off (edl.serve.speculation): verifications in a row that
+    # accepted no draft, and the steps left before it drafts again.
+    draft_misses: int = 0
+    draft_pause: int = 0
+    # Its prompt and generated tokens as one array (the first history_len filled), kept
+    # by speculative decoding's prompt lookup.
+    history: np.ndarray | None = None
+    history_len: int = 0
 
     @property
     def prefilling(self) -> bool:

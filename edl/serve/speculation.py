@@ -26,6 +26,13 @@ with a grammar (its matcher would need to check each draft), or asking for ``log
 and a request one token from its ``max_tokens``. A sampled row that found no draft in a
 step also takes the ``Sampler``'s token, so its draws depend on its own history alone.
 
+Back-off: a request whose drafts were all rejected drafts nothing for its next 1, 2, 4,
+... steps (``MAX_PAUSE`` at most; again at once after an accepted draft). A decode call
+that verifies costs about ``k + 1`` tokens per row on CPU (2.8x a one-token call at 8 rows,
+``benchmarks/RESULTS.md``), paid by every row of the call once one row drafts, so text that
+does not repeat must not keep the whole batch at that width. The pause depends on the
+request's own verdicts only: a seed still gives the same tokens whatever else runs.
+
 Pages: a row drafts at most ``max_tokens - generated - 1`` tokens, so a verification
 writes inside the pages the request reserved (prompt + ``max_tokens``).
 
@@ -51,7 +58,11 @@ from edl.serve.requests import Request
 from edl.serve.sampler import row_settings
 from edl.serve.types import SamplingParams
 
-__all__ = ["Speculation", "can_speculate", "propose_ngram_host", "verify_step"]
+__all__ = ["MAX_PAUSE", "Speculation", "can_speculate", "propose_ngram_host", "verify_step"]
+
+MAX_PAUSE = 16
+"""Steps a request drafts nothing, at most, after its drafts were all rejected (module
+docstring: back-off)."""
 
 
 def propose_ngram_host(
@@ -60,18 +71,23 @@ def propose_ngram_host(
     """Prompt lookup for one sequence, on the host: ``edl.generate.ngram.propose_ngram``'s
     rule (the longest ``n`` in ``[min_n, max_n]`` whose last ``n`` tokens occur earlier,
     its earliest occurrence; the tokens after it, up to ``num_tokens``, that exist). Returns
-    the drafts ``(m,)``, ``m <= num_tokens`` (empty: no match)."""
+    the drafts ``(m,)``, ``m <= num_tokens`` (empty: no match). One pass over the sequence
+    (where the last token occurs before), then only those places: a step's lookup costs
+    microseconds, not a model call's fraction."""
     if not 1 <= min_n <= max_n:
         raise ValueError(f"propose_ngram_host: need 1 <= min_n <= max_n, got {min_n}, {max_n}")
     seq = np.asarray(tokens)
     length = len(seq)
+    if length < 2:
+        return seq[:0]
+    # Where an earlier n-gram could end: the last token occurs there, and a token follows.
+    ends = np.flatnonzero(seq[: length - 1] == seq[length - 1])
     for n in range(max_n, min_n - 1, -1):  # longest first
-        if length <= n:  # an occurrence must end before the last token
-            continue
-        windows = np.lib.stride_tricks.sliding_window_view(seq[: length - 1], n)
-        hits = np.flatnonzero((windows == seq[length - n :]).all(axis=1))
-        if hits.size:
-            start = int(hits[0]) + n
+        found = ends[ends >= n - 1]
+        for j in range(1, n):
+            found = found[seq[found - j] == seq[length - 1 - j]]
+        if found.size:  # the earliest occurrence
+            start = int(found[0]) + 1
             return seq[start : start + num_tokens]
     return seq[:0]
 
@@ -121,6 +137,21 @@ def verify_step(
     return accepted, emitted, jnp.take_along_axis(logprobs, emitted[..., None], axis=2)[..., 0]
 
 
+def _history(request: Request) -> np.ndarray:
+    """The request's prompt and generated tokens as one array, kept on the request and
+    extended by the tokens generated since the last call (not rebuilt every step)."""
+    size = len(request.prompt) + request.params.max_tokens
+    if request.history is None:
+        request.history = np.zeros(size, np.int32)
+        request.history[: len(request.prompt)] = request.prompt
+        request.history_len = len(request.prompt)
+    total = len(request.prompt) + len(request.generated)
+    done = request.history_len - len(request.prompt)
+    request.history[request.history_len : total] = request.generated[done:]
+    request.history_len = total
+    return request.history[:total]
+
+
 class Speculation:
     """The engine's speculative decoding: its settings, each step's drafts and verdicts,
     and the counts ``/metrics`` reports (``drafted`` tokens, ``accepted`` ones)."""
@@ -143,16 +174,17 @@ class Speculation:
         self.drafted = self.accepted = 0
 
     def drafts(self, requests: Sequence[Request]) -> list[np.ndarray] | None:
-        """Each decoding request's drafts (empty where it does not speculate or found
-        none), at most its room (``max_tokens - generated - 1``); None when no row drafted
-        (the step's decode call is then the plain one)."""
+        """Each decoding request's drafts (empty where it does not speculate, pauses or
+        found none), at most its room (``max_tokens - generated - 1``); None when no row
+        drafted (the step's decode call is then the plain one)."""
         c, out = self.config, []
         for r in requests:
             room = min(self.k, r.params.max_tokens - len(r.generated) - 1)
-            if room <= 0 or not can_speculate(r.params):
+            r.draft_pause -= 1
+            if room <= 0 or r.draft_pause >= 0 or not can_speculate(r.params):
                 out.append(np.zeros(0, np.int32))
                 continue
-            history = np.asarray((*r.prompt, *r.generated), np.int32)
+            history = _history(r)
             out.append(propose_ngram_host(history, room, c.prompt_lookup_min, c.prompt_lookup_max))
         return out if any(len(d) for d in out) else None
 
@@ -178,6 +210,9 @@ class Speculation:
                 continue
             a = int(accepted[i])
             self.drafted, self.accepted = self.drafted + len(d), self.accepted + a
+            r = requests[i]
+            r.draft_misses = 0 if a else r.draft_misses + 1
+            r.draft_pause = min(2 ** (r.draft_misses - 1), MAX_PAUSE) if not a else 0
             out.append((emitted[i, : a + 1].tolist(), logprobs[i, : a + 1].tolist(), a))
         return out
 
