@@ -112,6 +112,7 @@ def _runs(tokens, sizes):
     ]
 
 
+@pytest.mark.gpu  # what a GPU run must check (benchmarks/device/run.sh)
 def test_speculative_greedy_equals_plain_greedy_with_stops_and_lengths(target, copying_prompts):
     """Five requests of different lengths (four admitted at once, the fifth when one ends):
     token for token and reason for reason equal to the engine without speculation, with
@@ -156,6 +157,7 @@ def test_rows_that_cannot_speculate_decode_one_token_in_the_same_call(target, co
     assert max(chunks[0]) > 1 and set(chunks[1]) == set(chunks[2]) == {1}
 
 
+@pytest.mark.slow  # ~6 s on an idle 2-core machine (five programs compiled)
 def test_warmup_compiles_the_verification_shapes(target, copying_prompts):
     """``warmup`` compiles the verification programs (named ``verify RxW``) and sampler
     too, so serving a speculating request compiles nothing more (one row, one page bucket:
@@ -205,6 +207,8 @@ def _exact_marginals(model, prompt, vocab):
     return p1, (p1[:, None] * p2_given).sum(0)
 
 
+@pytest.mark.gpu  # what a GPU run must check (benchmarks/device/run.sh)
+@pytest.mark.slow  # ~9 s on an idle 2-core machine (1024 requests in one batch)
 def test_speculative_sampling_keeps_the_target_distribution():
     """1024 seeded requests of one prompt in one batch, vocab 8, temperature 1: the prompt
     holds every token, so each request drafts after its first token and its 2nd token comes

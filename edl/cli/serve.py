@@ -91,6 +91,13 @@ def run_serve(args: argparse.Namespace) -> None:
         f"widths {engine.width_buckets}, pages {engine.page_buckets}); compilation cache: "
         f"{cache or 'off'}"
     )
+    if args.speculative is not None:
+        spec = args.speculative
+        say(
+            f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft "
+            f"tokens per request and step, verified in calls of width "
+            f"{spec.num_speculative_tokens + 1} (counted in the step shapes)"
+        )
     if args.warmup:
         programs = len(engine.step_programs())  # each shape with and without log-probs
         say(
