@@ -1,6 +1,6 @@
 """The layering holds: no module under edl/ imports a module of a higher layer.
 
-    base utilities (edl, edl._hub, edl._lazy, edl._registry, edl._settings,
+    base utilities (edl, edl._hub, edl._lazy, edl._registry, edl._settings, edl._speculative,
     edl.compile_cache, edl.module, edl.platforms, edl.tree): any layer may use them
     kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
                                                                / images
@@ -40,6 +40,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "edl._registry",
             "edl._hub",
             "edl._settings",
+            "edl._speculative",
             "edl.compile_cache",
             "edl.module",
             "edl.platforms",

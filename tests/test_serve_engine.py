@@ -22,6 +22,7 @@ from edl.generate import generate
 from edl.serve import Engine, QueueFull, SamplingParams
 from edl.serve import engine as engine_module
 from edl.serve.pages import PagePool, block_hashes
+from edl.serve.requests import Request, check_pages
 from edl.serve.step import model_step, reset_penalty_slot, sample_step, sample_step_penalized
 
 # One geometry for every test that runs the model, so the module compiles model_step for
@@ -427,10 +428,10 @@ def test_the_serving_step_holds_no_host_callback(tiny_llama, monkeypatch):
     monkeypatch.setattr(engine_module, "model_step", spy)
     _run(engine, {0: [(_prompts(1, (3,))[0], SamplingParams(max_tokens=2))]})
     assert len(texts) == 2 and not any("callback" in text for text in texts)
-    request = engine_module._Request(7, (1, 2, 3), SamplingParams(max_tokens=2), 0, frozenset(), [])
+    request = Request(7, (1, 2, 3), SamplingParams(max_tokens=2), 0, frozenset(), [])
     request.pages, request.computed = [0], 8
     with pytest.raises(RuntimeError, match="request 7 needs 2 pages for 8 \\+ 1 tokens"):
-        engine_module._check_pages(request, 1, 4, 8)
+        check_pages(request, 1, 4, 8)
 
 
 def _penalized_reference(model, jobs, max_new) -> list[list[int]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from edl._settings import Leaf, from_options, leaves
+from edl._speculative import SpeculativeConfig
 from edl.cli.config import (
     FIELDS,
     CommandError,
@@ -250,6 +251,8 @@ def _add_serve(commands: Any) -> None:
         "for a deep model; otherwise each compiles on first use)",
     )
     _add_option_flags(serve, leaves(ServerOptions), lambda leaf: leaf.field.default)
+    # Speculative decoding: off unless --speculative-method is given.
+    _add_option_flags(serve, leaves(SpeculativeConfig), _speculation_default)
 
 
 def _add_eval(commands: Any) -> None:
@@ -332,6 +335,24 @@ def _check_serve(args: argparse.Namespace) -> None:
     if args.max_model_len is not None and args.max_model_len < 2:
         raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
     args.options = _server_options(args)
+    args.speculative = _speculation(args)
+
+
+def _speculation_default(leaf: Leaf) -> object:
+    return "off" if leaf.name == "speculative_method" else leaf.field.default
+
+
+def _speculation(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """``SpeculativeConfig`` from ``edl serve``'s flags, or None without
+    ``--speculative-method`` (its other flags alone are refused)."""
+    names = leaves(SpeculativeConfig)
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if "speculative_method" not in values:
+        if values:
+            given = ", ".join(flag(k) for k in values)
+            raise ConfigError(f"argument {given}: needs --speculative-method (ngram)")
+        return None
+    return from_options(SpeculativeConfig, values, where="argument ")
 
 
 def _server_options(args: argparse.Namespace) -> ServerOptions:

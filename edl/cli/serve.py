@@ -81,6 +81,7 @@ def run_serve(args: argparse.Namespace) -> None:
         echo=say,
         # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
         tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
+        speculative=args.speculative,
     )
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
@@ -90,6 +91,13 @@ def run_serve(args: argparse.Namespace) -> None:
         f"widths {engine.width_buckets}, pages {engine.page_buckets}); compilation cache: "
         f"{cache or 'off'}"
     )
+    if args.speculative is not None:
+        spec = args.speculative
+        say(
+            f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft "
+            f"tokens per request and step, verified in calls of width "
+            f"{spec.num_speculative_tokens + 1} (counted in the step shapes)"
+        )
     if args.warmup:
         programs = len(engine.step_programs())  # each shape with and without log-probs
         say(

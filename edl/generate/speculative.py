@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from edl._settings import ConfigError, Registered, check_options, option
+from edl._speculative import SpeculativeConfig
 from edl.generate import steps
 from edl.generate.config import GenerateOutput, GenerationConfig, SpeculativeStats
 from edl.generate.proposers import PROPOSERS, ProposeInputs
@@ -44,32 +44,6 @@ from edl.nn.attention import KVCacheLike
 from edl.ops.sampling import LogitsProcessor, greedy, sample
 
 __all__ = ["SpeculativeConfig"]
-
-
-@dataclasses.dataclass(frozen=True)
-class SpeculativeConfig:
-    """How ``generate(..., speculative=...)`` drafts. Hashable: a static argument of the
-    compiled loop. The draft model itself (``method="draft"``) is ``generate``'s
-    ``draft_model`` argument, an array pytree."""
-
-    method: str = option(
-        "ngram",
-        "how tokens are drafted: ngram (prompt lookup) or draft (a smaller model)",
-        registry=Registered("edl.generate.proposers:PROPOSERS"),
-    )
-    num_speculative_tokens: int = option(
-        4, "tokens drafted per row and verified in one target forward", low=1, high=64
-    )
-    prompt_lookup_max: int = option(3, "ngram: the longest n-gram matched", low=1)
-    prompt_lookup_min: int = option(1, "ngram: the shortest n-gram matched", low=1)
-
-    def __post_init__(self) -> None:
-        check_options(self)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(
-                f"SpeculativeConfig: prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                f"prompt_lookup_max ({self.prompt_lookup_max})"
-            )
 
 
 class SpecState(eqx.Module):

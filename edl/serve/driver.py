@@ -62,6 +62,9 @@ class Stats:
     num_total_pages: int | None = None
     steps: int = 0
     waiting: int | None = None  # added and not yet admitted
+    # Speculative decoding's draft tokens proposed and accepted so far; None: not speculating.
+    spec_drafted: int | None = None
+    spec_accepted: int | None = None
 
 
 class AsyncEngine:
@@ -216,10 +219,13 @@ class AsyncEngine:
                 if output.finished:
                     del self._queues[output.request_id]
             waiting = engine.num_waiting
+            # Optional: an engine that does not speculate (the test fakes) has no counts.
+            spec = getattr(engine, "speculation_counts", None) or (None, None)
             self.stats = Stats(
                 len(self._queues) - waiting,
                 engine.num_free_pages,
                 engine.num_total_pages,
                 self.stats.steps + 1,
                 waiting,
+                *spec,
             )

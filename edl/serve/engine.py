@@ -15,12 +15,20 @@ prefilling requests that fit the step's prefill budget (``prefill_tokens``: padd
 width). A long prompt is so prefilled over several steps while the other requests keep
 decoding, and decoding rows never run at a prefill's width.
 
+Speculative decoding (``speculative=SpeculativeConfig(method="ngram")``,
+``edl.serve.speculation``): each step drafts up to ``k`` tokens per decoding request by
+prompt lookup; when some row drafted, the decode call has width ``k + 1`` and
+``model_step``'s every-position logits verify the drafts, each row emitting its accepted
+drafts and one token more (``RequestOutput.new_token_ids`` then holds several), its
+``computed`` set back past the rejected positions. Greedy output equals plain decoding's.
+
 Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
 requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
 narrowest holding its longest chunk; its page table is cut to a power of four pages from 4
 (or ``pages_per_seq``), the fewest holding its longest row after the step, and attention
-reads exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode: width 1;
-prefill: ``rows * width <= prefill_tokens``): a busy engine never compiles after
+reads exactly those pages. ``step_shapes()`` lists the ``(rows, width, pages)`` (decode:
+width 1; verification: ``k + 1``; prefill: ``rows * width <= prefill_tokens``;
+``edl.serve.shapes``): a busy engine never compiles after
 ``warmup()``, one request decodes at one row's cost instead of ``max_batch`` rows', and short
 sequences do not read a ``max_model_len`` cache.
 
@@ -76,90 +84,44 @@ grammar; the request ends ("stop") where the grammar is complete (``edl.serve.gr
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
-chats reuse only their prompt's blocks); sharding over a mesh. On GPU ``impl="auto"``
-sends a prefill call to the
-Pallas paged *decode* kernel with ``width`` queries per row, untested there.
+chats reuse only their prompt's blocks); sharding over a mesh; a draft model for
+speculation. On GPU ``impl="auto"`` sends a prefill (or verification) call to the Pallas
+paged *decode* kernel with ``width`` queries per row, untested there.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from edl.compile_cache import cache_hits
 from edl.generate.decode import _without_id_checks
-from edl.generate.paged import init_paged_cache
+from edl.generate.speculative import SpeculativeConfig
 from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
 from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
+from edl.serve.requests import Request, call_inputs, check_request, page_pools
 from edl.serve.sampler import Sampler
-from edl.serve.shapes import bucket, buckets, check_sizes, shape_name, warmup_progress
+from edl.serve.shapes import (
+    bucket,
+    buckets,
+    check_sizes,
+    prefill_batch,
+    shape_name,
+    step_shapes,
+    warmup_progress,
+)
+from edl.serve.speculation import Speculation
 from edl.serve.step import model_step, sampled_logprobs
-from edl.serve.types import Logprob, QueueFull, RequestOutput, SamplingParams, is_int
+from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
 __all__ = ["Engine"]
-
-
-@dataclasses.dataclass(eq=False)
-class _Request:
-    """Host bookkeeping of one request: its pages and progress."""
-
-    id: int
-    prompt: tuple[int, ...]
-    params: SamplingParams
-    seed: int
-    stop_ids: frozenset[int]
-    hashes: list[bytes]
-    running: bool = False
-    pages: list[int] = dataclasses.field(default_factory=list)
-    computed: int = 0  # tokens whose keys/values are in the cache
-    published: int = 0  # prompt blocks offered to the prefix cache
-    generated: list[int] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[Logprob | None] = dataclasses.field(default_factory=lambda: [None])
-    matcher: Any = None  # its grammar's state (edl.serve.grammar), if it has one
-    slot: int = -1  # its batch place while running (edl.serve.sampler: penalty state)
-    cumulative_logprob: float = 0.0  # its sampled tokens' log-probs, summed
-
-    @property
-    def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
-
-
-def _check_pages(request: _Request, new: int, pages: int, page_size: int) -> None:
-    """The step's table row (``pages`` of the request's pages) holds its ``new`` tokens: the
-    host's check, which the compiled step does not repeat (``edl.serve.step``)."""
-    needed = -(-(request.computed + new) // page_size)
-    if needed > min(len(request.pages), pages):
-        raise RuntimeError(
-            f"Engine: request {request.id} needs {needed} pages for {request.computed} + "
-            f"{new} tokens, its table row holds {min(len(request.pages), pages)} "
-            f"({len(request.pages)} allocated, {pages} in the step's table)"
-        )
-
-
-def _page_pools(
-    model: CausalLM, num_pages: int, page_size: int, max_model_len: int
-) -> tuple[jax.Array, jax.Array]:
-    """The key and value page pools ``(layers, num_pages, page_size, kv_heads, head_dim)``
-    in the embedding's dtype: two buffers (``init_paged_cache`` shares one zero array), as
-    each step donates both."""
-    cache = init_paged_cache(
-        model.config,
-        num_pages,
-        page_size,
-        batch=1,
-        cache_len=max_model_len,
-        dtype=model.model.embed_tokens.weight.dtype,
-    )
-    return cache.k_pages, jnp.zeros_like(cache.v_pages)
 
 
 class Engine:
@@ -180,6 +142,8 @@ class Engine:
         prefix_caching: bool = True,
         echo: Callable[[str], None] | None = None,
         tokenizer: Any = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_model: Any = None,
     ):
         """Args:
         model: a causal LM (``edl.generate.CausalLM``).
@@ -198,6 +162,9 @@ class Engine:
             silent.
         tokenizer: the model's ``edl.text.HFTokenizer``: requests may then carry a grammar
             (``SamplingParams.grammar``, ``edl.serve.grammar``); None: they may not.
+        speculative: draft and verify tokens (``edl.serve.speculation``; the ``ngram``
+            method); None: plain decoding. ``draft_model``: for ``method="draft"``, which
+            the engine refuses for now.
         """
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -230,18 +197,19 @@ class Engine:
         self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         self._model = _without_id_checks(model).unstacked()
-        self._k_pages, self._v_pages = _page_pools(model, num_pages, page_size, max_model_len)
+        self._k_pages, self._v_pages = page_pools(model, num_pages, page_size, max_model_len)
         self._pool = PagePool(num_pages)
-        self._running: list[_Request] = []  # admitted, oldest first (at most max_batch)
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._live: dict[int, _Request] = {}  # waiting or running, by id
+        self._running: list[Request] = []  # admitted, oldest first (at most max_batch)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._live: dict[int, Request] = {}  # waiting or running, by id
         self._pending: list[RequestOutput] = []  # abort notices for the next step
         self._next_id = 0
         self._rng = np.random.default_rng()  # seeds of requests that give none
         self._echo = echo
-        self._compiled: set[tuple[int, int, int, bool]] = set()  # programs called
+        self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs called
         self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
         self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
+        self._spec = None if speculative is None else Speculation(speculative, model, draft_model)
 
     @property
     def num_free_pages(self) -> int:
@@ -250,6 +218,11 @@ class Engine:
     @property
     def num_total_pages(self) -> int:
         return self._pool.num_pages
+
+    @property
+    def speculation_counts(self) -> tuple[int, int] | None:
+        """Draft tokens proposed and accepted so far (``/metrics``); None: no speculation."""
+        return None if self._spec is None else (self._spec.drafted, self._spec.accepted)
 
     @property
     def num_waiting(self) -> int:
@@ -263,32 +236,9 @@ class Engine:
         """Queue a request; returns its id. ValueError for a prompt that is empty, holds
         ids outside the vocabulary, or with ``max_tokens`` exceeds ``max_model_len`` or the
         page pool; QueueFull when ``max_queue`` requests wait already."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"add_request: params must be SamplingParams, got {type(params)}")
         prompt = tuple(prompt_ids)
-        if not prompt:
-            raise ValueError("add_request: the prompt is empty")
-        bad = [i for i in prompt if not is_int(i) or not 0 <= i < self.vocab_size]
-        if bad:
-            raise ValueError(f"add_request: prompt ids {bad[:8]} are not in [0, {self.vocab_size})")
-        bad = [i for i in params.stop_token_ids if i >= self.vocab_size]
-        if bad:
-            raise ValueError(f"add_request: stop_token_ids {bad} are not < {self.vocab_size}")
-        bad = [i for i, _ in params.logit_bias if i >= self.vocab_size]
-        if bad:
-            raise ValueError(f"add_request: logit_bias ids {bad} are not < {self.vocab_size}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"add_request: prompt ({len(prompt)}) + max_tokens "
-                f"({params.max_tokens}) = {total} exceeds max_model_len "
-                f"{self.max_model_len}"
-            )
-        if self._pages_for(total) > self.num_total_pages:
-            raise ValueError(
-                f"add_request: {total} tokens need {self._pages_for(total)} pages, "
-                f"the pool has {self.num_total_pages}"
-            )
+        pages = (self.page_size, self.num_total_pages)
+        check_request(prompt, params, self.vocab_size, self.max_model_len, *pages)
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue)")
         seed = int(self._rng.integers(2**32)) if params.seed is None else params.seed
@@ -296,7 +246,7 @@ class Engine:
         sharing = self.prefix_caching and params.prompt_logprobs is None
         hashes = block_hashes(prompt, self.page_size) if sharing else []
         stop = self.eos_token_ids | frozenset(params.stop_token_ids)
-        request = _Request(self._next_id, prompt, params, seed, stop, hashes)
+        request = Request(self._next_id, prompt, params, seed, stop, hashes)
         if params.grammar is not None:
             if self._grammars is None:
                 raise ValueError("add_request: a grammar needs an Engine built with a tokenizer")
@@ -321,7 +271,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self._live or self._pending)
 
-    def _release(self, request: _Request) -> None:
+    def _release(self, request: Request) -> None:
         self._pool.release(request.pages)
         self._sampler.release(request.slot)
         request.pages = []
@@ -349,15 +299,16 @@ class Engine:
 
     def step_shapes(self) -> list[tuple[int, int, int]]:
         """Every ``(rows, width, pages)`` a step may call the model with (the module
-        docstring): decode (``width == 1``), then prefill."""
-        widths = [(rows, 1) for rows in self.row_buckets]
-        widths += [
-            (rows, width)
-            for width in self.width_buckets
-            for rows in self.row_buckets
-            if rows * width <= self.prefill_tokens
-        ]
-        return [(rows, width, pages) for rows, width in widths for pages in self.page_buckets]
+        docstring): decode (``width == 1``), speculative verification (``width == k + 1``,
+        with ``speculative``), then prefill."""
+        return [shape for kind in self._shapes() for shape in kind]
+
+    def _shapes(self) -> tuple[list[tuple[int, int, int]], ...]:
+        """The decode, verification and prefill shapes (``shapes.step_shapes``)."""
+        k = 0 if self._spec is None else self._spec.k
+        return step_shapes(
+            self.row_buckets, self.width_buckets, self.page_buckets, self.prefill_tokens, k
+        )
 
     def warmup(self) -> None:
         """Compile ``model_step`` for every shape of ``step_shapes()`` now (each call runs
@@ -370,49 +321,58 @@ class Engine:
         tokenizer, and the penalty reset) compile first, in well under a second."""
         words = None if self._grammars is None else self._grammars.words
         self._sampler.warmup(self.row_buckets, words)
+        if self._spec is not None:
+            self._spec.warmup(self.row_buckets, self.vocab_size)
         programs = [key for key in self.step_programs() if key not in self._compiled]
         start = time.perf_counter()
         for done, program in enumerate(programs, 1):
             t0, hits = time.perf_counter(), cache_hits()
-            self._call([], *program)
+            rows, width, pages, logprobs, verify = program
+            self._call([], rows, width, pages, logprobs, [] if verify else None)
             if self._echo is not None:
                 now, cached = time.perf_counter(), cache_hits() > hits
                 line = warmup_progress(program, done, len(programs), now - t0, now - start, cached)
                 self._echo(line)
 
-    def step_programs(self) -> list[tuple[int, int, int, bool]]:
-        """Every model program ``warmup`` compiles: each of ``step_shapes()`` without and
-        with log-probs (``model_step``'s ``logprobs`` variant): ``(rows, width, pages,
-        logprobs)``."""
-        return [(*shape, logprobs) for logprobs in (False, True) for shape in self.step_shapes()]
+    def step_programs(self) -> list[tuple[int, int, int, bool, bool]]:
+        """Every model program ``warmup`` compiles: ``(rows, width, pages, logprobs,
+        verify)``: each decode and prefill shape of ``step_shapes()`` without and with
+        log-probs (``model_step``'s ``logprobs`` variant), each verification shape once
+        (``model_step``'s ``every`` variant)."""
+        decode, verify, prefill = self._shapes()
+        plain = [(*s, lp_, False) for lp_ in (False, True) for s in decode + prefill]
+        return plain + [(*s, False, True) for s in verify]
 
     def _call(
-        self, requests: list[_Request], rows: int, width: int, pages: int, logprobs: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None]:
-        """One ``model_step`` over ``requests`` (each a prompt chunk of up to ``width``
-        tokens, or its last generated token) padded to ``rows`` rows, their page tables cut
-        to ``pages``, then the sampler (rows with a grammar that sample this call masked);
-        returns each row's sampled token, its log-prob and, in the log-prob variant (when a
-        request asks, or ``logprobs``), the call's log-prob arrays; records prompt log-probs
-        and advances each request's ``computed`` by its new tokens."""
-        tokens, num_new = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
-        lengths = np.zeros(rows, np.int32)
-        table = np.full((rows, pages), -1, np.int32)
-        matchers: list[Any] = [None] * rows
-        for i, r in enumerate(requests):
-            new = r.prompt[r.computed : r.computed + width] if r.prefilling else r.generated[-1:]
-            _check_pages(r, len(new), pages, self.page_size)
-            tokens[i, : len(new)], num_new[i], lengths[i] = new, len(new), r.computed
-            table[i, : min(len(r.pages), pages)] = r.pages[:pages]
-            if r.computed + len(new) >= len(r.prompt):  # this row's token is kept
-                matchers[i] = r.matcher
+        self,
+        requests: list[Request],
+        rows: int,
+        width: int,
+        pages: int,
+        logprobs: bool = False,
+        drafts: list[np.ndarray] | None = None,
+    ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray] | None, list[Any] | None]:
+        """One ``model_step`` over ``requests`` (``_inputs``), then the sampler (grammar rows
+        masked) on each row's last new token's logits (with ``drafts``, the pending
+        token's: ``model_step``'s ``every`` variant, then ``Speculation.verify``). Returns
+        each row's sampled token, its log-prob, the call's log-prob arrays (when a request
+        asks, or ``logprobs``) and the verdicts (None without drafts); records prompt
+        log-probs; advances ``computed`` past each row's new tokens (a verified row's:
+        its pending token and accepted drafts)."""
+        tokens, num_new, lengths, table = call_inputs(
+            requests, rows, width, pages, self.page_size, drafts
+        )
+        # A row emits its token when it decodes or its prompt ends in this call.
+        emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
+        matchers = [r.matcher if e else None for r, e in zip(requests, emit, strict=True)]
+        matchers += [None] * (rows - len(requests))
         logprobs = logprobs or lp.needs_logprobs(requests)
         allowed = None
         if any(m is not None for m in matchers):
             assert self._grammars is not None  # requests have matchers only with it
             allowed = jnp.asarray(self._grammars.bitmask(matchers, rows))
-        shape = (rows, width, pages)
-        key = (*shape, logprobs)
+        verify = drafts is not None
+        key = (rows, width, pages, logprobs and not verify, verify)
         first = key not in self._compiled and self._echo is not None and bool(requests)
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(key)} (first use) ...")
@@ -425,16 +385,20 @@ class Engine:
             jnp.asarray(lengths),
             jnp.asarray(tokens),
             jnp.asarray(num_new),
-            jnp.asarray(lp.prompt_targets(requests, rows, width)) if logprobs else None,
-            logprobs=logprobs,
+            jnp.asarray(lp.prompt_targets(requests, rows, width)) if key[3] else None,
+            logprobs=key[3],
+            **({"every": True} if verify else {}),
         )
-        # A row emits its token when it decodes or its prompt ends in this call.
-        emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
+        every, logits = (logits, logits[:, 0]) if verify else (None, logits)
         settings = [(r.params, r.seed, len(r.generated)) for r in requests]
         slots = [r.slot for r in requests]
         next_tokens, token_logprobs = self._sampler.sample(logits, settings, slots, emit, allowed)
         sampled = sampled_logprobs(logits, jnp.asarray(next_tokens)) if logprobs else None
         arrays = lp.host_arrays(prompt, sampled)
+        verdicts = None
+        if verify and requests:
+            assert self._spec is not None and drafts is not None  # verify: drafts given
+            verdicts = self._spec.verify(every, requests, drafts)
         if first:
             how = "from the compilation cache" if cache_hits() > hits else "compiled"
             self._echo(f"{shape_name(key)} ready in {time.perf_counter() - t0:.1f} s ({how})")
@@ -442,57 +406,58 @@ class Engine:
         for i, r in enumerate(requests):
             if r.prefilling and r.params.prompt_logprobs is not None:
                 r.prompt_logprobs += lp.prompt_entries(arrays, i, r, int(num_new[i]))
-            r.computed += int(num_new[i])
-        return next_tokens, token_logprobs, arrays
+            verdict = None if verdicts is None else verdicts[i]
+            r.computed += int(num_new[i]) if verdict is None else 1 + verdict[2]
+        return next_tokens, token_logprobs, arrays, verdicts
 
-    def _pages_after(self, requests: list[_Request], width: int) -> int:
-        """The page bucket holding every request's tokens after a call of ``width``."""
-        longest = max(
-            min(r.computed + width, len(r.prompt)) if r.prefilling else r.computed + 1
-            for r in requests
-        )
+    def _pages_after(self, requests: list[Request], new: list[int]) -> int:
+        """The page bucket holding every request's tokens after a call adding ``new[i]`` to
+        request ``i``."""
+        longest = max(r.computed + n for r, n in zip(requests, new, strict=True))
         return bucket(self.page_buckets, self._pages_for(longest))
 
-    def _prefill_batch(self) -> tuple[list[_Request], int, int]:
+    def _prefill_batch(self) -> tuple[list[Request], int, int]:
         """The oldest prefilling requests whose padded chunks fit ``prefill_tokens``, and the
-        call's ``(rows, width)`` (the first always fits: ``prefill_tokens >= prefill_chunk``)."""
-        chosen, rows, width = [], 0, 0
-        for r in self._running:
-            if not r.prefilling:
-                continue
-            chunk = min(len(r.prompt) - r.computed, self.prefill_chunk)
-            w = bucket(self.width_buckets, max(width, chunk))
-            n = bucket(self.row_buckets, len(chosen) + 1)
-            if n * w > self.prefill_tokens:
-                break
-            chosen.append(r)
-            rows, width = n, w
-        return chosen, rows, width
+        call's ``(rows, width)`` (``shapes.prefill_batch``)."""
+        chunks = [
+            (r, min(len(r.prompt) - r.computed, self.prefill_chunk))
+            for r in self._running
+            if r.prefilling
+        ]
+        return prefill_batch(chunks, self.row_buckets, self.width_buckets, self.prefill_tokens)
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: admit, one token for every decoding request, one prompt chunk for
-        the oldest prefilling ones (module docstring); report and free what finished."""
+        """One iteration: admit, one token (or, speculating, a verified run of tokens) for
+        every decoding request, one prompt chunk for the oldest prefilling ones (module
+        docstring); report and free what finished."""
         outputs, self._pending = self._pending, []
         self._admit()
         decoding = [r for r in self._running if not r.prefilling]
         if decoding:
-            rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, 1)
-            next_tokens, token_logprobs, arrays = self._call(decoding, rows, 1, pages)
-            outputs += [
-                self._emit(r, int(t), float(token_logprobs[i]), arrays, i)
-                for i, (r, t) in enumerate(zip(decoding, next_tokens, strict=False))
-            ]
+            drafts = None if self._spec is None else self._spec.drafts(decoding)
+            width = 1 if drafts is None else self._spec.k + 1  # type: ignore[union-attr]
+            new = [1 + (0 if drafts is None else len(d)) for d in drafts or decoding]
+            rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, new)
+            next_tokens, token_logprobs, arrays, verdicts = self._call(
+                decoding, rows, width, pages, drafts=drafts
+            )
+            for i, r in enumerate(decoding):
+                verdict = None if verdicts is None else verdicts[i]
+                if verdict is None:  # one token, the sampler's
+                    verdict = ([next_tokens[i]], [token_logprobs[i]], 0)
+                outputs.append(self._emit(r, verdict[0], verdict[1], arrays, i))
         prefilling, rows, width = self._prefill_batch()
         if prefilling:
-            pages = self._pages_after(prefilling, width)
-            next_tokens, token_logprobs, arrays = self._call(prefilling, rows, width, pages)
-            for i, (r, t) in enumerate(zip(prefilling, next_tokens, strict=False)):  # padding last
+            new = [min(width, len(r.prompt) - r.computed) for r in prefilling]
+            pages = self._pages_after(prefilling, new)
+            next_tokens, token_logprobs, arrays, _ = self._call(prefilling, rows, width, pages)
+            for i, r in enumerate(prefilling):
                 self._publish(r)
                 if not r.prefilling:  # its prompt is done: the first token is out
-                    outputs.append(self._emit(r, int(t), float(token_logprobs[i]), arrays, i))
+                    outputs.append(self._emit(r, [next_tokens[i]], [token_logprobs[i]], arrays, i))
         return outputs
 
-    def _publish(self, request: _Request) -> None:
+    def _publish(self, request: Request) -> None:
         """Offer the request's computed whole prompt blocks to the prefix cache."""
         done = min(request.computed, len(request.prompt)) // self.page_size
         for j in range(request.published, min(done, len(request.hashes))):
@@ -501,41 +466,32 @@ class Engine:
 
     def _emit(
         self,
-        request: _Request,
-        token: int,
-        logprob: float,
+        request: Request,
+        tokens: list[Any],
+        logprobs: list[Any],
         arrays: dict[str, np.ndarray] | None,
         row: int,
     ) -> RequestOutput:
-        """Record a generated token (none at ``max_tokens=0``) with its log-probs where
-        asked; finish the request on a stop token or its length. A request's first output
-        carries its prompt log-probs where asked."""
+        """Record generated tokens (none at ``max_tokens=0``; several from a verification),
+        up to the first that finishes the request (a stop token, its grammar complete, its
+        length), with their log-probs where asked (one token, then). A request's first
+        output carries its prompt log-probs where asked."""
         p = request.params
-        new = (token,) if p.max_tokens > 0 else ()
-        request.generated += new
-        if new:
-            request.cumulative_logprob += logprob
-        reason = None
-        if token in request.stop_ids and new:
-            reason = "stop"
-        elif request.matcher is not None and Grammars.advance(request.matcher, token):
-            reason = "stop"  # the grammar is complete and admits nothing more
-        elif len(request.generated) >= p.max_tokens:
-            reason = "length"
+        new, reason = request.record(tokens, logprobs, Grammars.advance)
         if reason is not None:
             self._release(request)
             del self._live[request.id]
-        logprobs = prompt = None
+        entries = prompt = None
         if p.logprobs is not None and new and arrays is not None:
-            logprobs = (lp.sampled_entry(arrays, row, token, p.logprobs),)
+            entries = (lp.sampled_entry(arrays, row, new[0], p.logprobs),)
         if p.prompt_logprobs is not None and len(request.generated) <= 1:
             prompt, request.prompt_logprobs = tuple(request.prompt_logprobs), []
         return RequestOutput(
             request.id,
-            new,
+            tuple(new),
             reason is not None,
             reason,
-            logprobs,
+            entries,
             prompt,
             request.cumulative_logprob,
         )

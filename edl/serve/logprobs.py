@@ -20,7 +20,7 @@ __all__ = ["host_arrays", "needs_logprobs", "prompt_entries", "prompt_targets", 
 
 
 @runtime_checkable
-class _Request(Protocol):  # the fields of edl.serve.engine._Request read here
+class _Request(Protocol):  # the fields of edl.serve.requests.Request read here
     prompt: tuple[int, ...]
     params: SamplingParams
     computed: int

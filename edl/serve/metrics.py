@@ -8,7 +8,9 @@ the prefix changed:
   ``edl:kv_cache_pages_used``, ``edl:kv_cache_pages_total``, ``edl:kv_cache_usage_perc``
   (0-1), and ``edl:generation_tokens_per_second`` over the last ``window_s`` seconds;
 - counters: ``edl:prompt_tokens_total``, ``edl:generation_tokens_total``,
-  ``edl:request_success_total{finished_reason}``;
+  ``edl:request_success_total{finished_reason}``; with speculative decoding
+  (``edl.serve.speculation``) ``edl:spec_decode_num_draft_tokens_total`` and
+  ``edl:spec_decode_num_accepted_tokens_total`` (the engine's counts, as of its last step);
 - histograms: ``edl:time_to_first_token_seconds``, ``edl:e2e_request_latency_seconds``,
   ``edl:time_per_output_token_seconds`` (per request, after its first token).
 
@@ -21,9 +23,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from edl.serve.driver import Stats
@@ -55,6 +58,30 @@ class _Throughput:
             while self.events and self.events[0][0] < now - self.window_s:
                 self.events.popleft()
             return sum(n for _, n in self.events) / self.window_s
+
+
+class _SpeculationCounters:
+    """vLLM's speculative decoding counters, read from the engine's counts at scrape time
+    (a collector: the engine thread counts, the snapshot carries the totals); none while
+    the engine does not speculate."""
+
+    def __init__(self, stats: Callable[[], Stats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily]:  # prometheus_client's protocol
+        s = self.stats()
+        if s.spec_drafted is None or s.spec_accepted is None:
+            return
+        yield CounterMetricFamily(
+            "edl:spec_decode_num_draft_tokens",
+            "Draft tokens proposed by speculative decoding.",
+            value=s.spec_drafted,
+        )
+        yield CounterMetricFamily(
+            "edl:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted by the target model's verification.",
+            value=s.spec_accepted,
+        )
 
 
 class ServerMetrics:
@@ -99,6 +126,7 @@ class ServerMetrics:
             ["finished_reason"],
             registry=r,
         )
+        r.register(_SpeculationCounters(stats))
         self.ttft = Histogram(
             "edl:time_to_first_token_seconds",
             "Seconds from a request's arrival to its first generated token.",

@@ -155,7 +155,7 @@ def sampled_logprobs(
 # --- the step --------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("logprobs",))
+@functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("logprobs", "every"))
 def model_step(
     model: CausalLM,
     k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
@@ -167,10 +167,11 @@ def model_step(
     targets: Int[Array, "batch width"] | None = None,
     *,
     logprobs: bool = False,
+    every: bool = False,
 ) -> tuple[
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
     Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    Float[Array, "batch vocab"],
+    Float[Array, "batch *width vocab"],
     PromptLogprobs | None,
 ]:
     """Row ``b``'s first ``num_new[b]`` tokens (at positions ``lengths[b] + i``) through
@@ -182,12 +183,14 @@ def model_step(
 
     ``logprobs`` (static: its own compiled variant, so calls without it cost nothing more)
     also returns, in a prefill call, ``PromptLogprobs`` of ``targets`` (each position's next
-    prompt token), else None."""
+    prompt token), else None. ``every`` (static too): the logits at every position
+    ``(batch, width, vocab)`` instead, for speculative verification
+    (``edl.serve.speculation``)."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
     cache = PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
     )
-    logits, hidden, cache = steps.forward(model, tokens, cache, num_new=num_new)
+    logits, hidden, cache = steps.forward(model, tokens, cache, num_new=num_new, every=every)
     extra = None
     if logprobs:
         if targets is None:

@@ -163,7 +163,8 @@ class RequestOutput:
     token (None for the first, which has no prefix)."""
 
     request_id: int
-    new_token_ids: tuple[int, ...]  # tokens produced by this step for this request
+    # tokens produced by this step for this request (several with speculative decoding)
+    new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None  # "stop" (EOS / stop token), "length", "abort"
     logprobs: tuple[Logprob, ...] | None = None
