@@ -284,10 +284,44 @@ def test_engine_speculation_errors_name_the_problem(target):
             draft_model=small,
             **GEOMETRY,
         )
-    with pytest.raises(ValueError, match="'draft' is not implemented in the serving engine"):
-        Engine(
-            target, speculative=SpeculativeConfig(method="draft"), draft_model=target, **GEOMETRY
-        )
+
+
+DRAFT = SpeculativeConfig(method="draft", num_speculative_tokens=3)
+
+
+def _draft_jobs(copying_prompts):
+    # Four at once, then a fifth sharing the first's prompt pages (published by then).
+    prompts = [*copying_prompts[:4], [*copying_prompts[0], 5, 6]]
+    return [(p, _greedy(11)) for p in prompts]
+
+
+def test_draft_model_greedy_equals_plain_greedy(target, copying_prompts):
+    """A draft model in the engine, the target itself: every draft is accepted (so the
+    draft cache lags by two after each verification and catches up with a two-token call);
+    greedy output equals the engine's plain greedy output token for token, prompts sharing
+    cached prefix pages (the draft reads its own pools through the shared pages), and every
+    page comes back."""
+    jobs = _draft_jobs(copying_prompts)
+    want, want_reasons, _ = _run(Engine(target, **GEOMETRY), jobs)
+    same = Engine(target, speculative=DRAFT, draft_model=target, **GEOMETRY)
+    got, reasons, chunks = _run(same, jobs)
+    assert got == want and reasons == want_reasons
+    drafted, accepted = same.speculation_counts
+    assert accepted == drafted > 0  # the target drafting for itself: all accepted
+    assert max(max(c) for c in chunks) == DRAFT.num_speculative_tokens + 1
+
+
+@pytest.mark.slow  # ~15 s on an idle 2-core machine (a second model's programs)
+def test_another_draft_model_keeps_greedy_output(target, copying_prompts):
+    """A draft model of another depth and weights: few drafts accepted, the output still the
+    plain engine's token for token."""
+    jobs = _draft_jobs(copying_prompts)
+    want, want_reasons, _ = _run(Engine(target, **GEOMETRY), jobs)
+    other = Engine(target, speculative=DRAFT, draft_model=_model(seed=3, layers=1), **GEOMETRY)
+    got, reasons, _ = _run(other, jobs)
+    assert got == want and reasons == want_reasons
+    drafted, accepted = other.speculation_counts
+    assert drafted > 0 and accepted < drafted
 
 
 def _samples(text: str) -> dict[str, float]:
@@ -322,3 +356,7 @@ def test_serve_flags_build_the_speculative_config(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--model", "m", "--speculative-method", "eagle"])
     assert "got 'eagle'" in capsys.readouterr().err
+    assert parsed("--speculative-method", "draft", "--draft-model", "small").method == "draft"
+    for argv in (["--speculative-method", "draft"], ["--draft-model", "small"]):
+        with pytest.raises(ConfigError, match="--draft-model: needed by --speculative-method"):
+            parsed(*argv)

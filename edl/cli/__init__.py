@@ -253,6 +253,13 @@ def _add_serve(commands: Any) -> None:
     _add_option_flags(serve, leaves(ServerOptions), lambda leaf: leaf.field.default)
     # Speculative decoding: off unless --speculative-method is given.
     _add_option_flags(serve, leaves(SpeculativeConfig), _speculation_default)
+    serve.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="DIR_OR_REPO",
+        help="the draft model of --speculative-method draft: a smaller model with the same "
+        "tokenizer (a run directory, checkpoint, saved model or hub repo id)",
+    )
 
 
 def _add_eval(commands: Any) -> None:
@@ -336,6 +343,11 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
     args.options = _server_options(args)
     args.speculative = _speculation(args)
+    method = None if args.speculative is None else args.speculative.method
+    if (method == "draft") != (args.draft_model is not None):
+        raise ConfigError(
+            "argument --draft-model: needed by --speculative-method draft, and only by it"
+        )
 
 
 def _speculation_default(leaf: Leaf) -> object:
@@ -350,7 +362,7 @@ def _speculation(args: argparse.Namespace) -> SpeculativeConfig | None:
     if "speculative_method" not in values:
         if values:
             given = ", ".join(flag(k) for k in values)
-            raise ConfigError(f"argument {given}: needs --speculative-method (ngram)")
+            raise ConfigError(f"argument {given}: needs --speculative-method (ngram or draft)")
         return None
     return from_options(SpeculativeConfig, values, where="argument ")
 

@@ -69,6 +69,10 @@ def run_serve(args: argparse.Namespace) -> None:
     eos = GenerationConfig.of_model(model).eos_ids
     if not eos and getattr(tokenizer, "eos_id", None) is not None:
         eos = (int(tokenizer.eos_id),)
+    draft_model = None
+    if args.draft_model is not None:
+        say(f"loading the draft model {args.draft_model} ...")
+        draft_model, _ = load_model_and_tokenizer(args.draft_model, dtype=args.dtype)
     say(f"loaded {count_params(model):,} parameters; building the engine ...")
     from edl.serve.engine import Engine
     from edl.text import HFTokenizer
@@ -82,6 +86,7 @@ def run_serve(args: argparse.Namespace) -> None:
         # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
         tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
         speculative=args.speculative,
+        draft_model=draft_model,
     )
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
@@ -94,7 +99,9 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.speculative is not None:
         spec = args.speculative
         say(
-            f"speculative decoding: {spec.method}, up to {spec.num_speculative_tokens} draft "
+            f"speculative decoding: {spec.method}"
+            + ("" if draft_model is None else f" ({count_params(draft_model):,} parameters)")
+            + f", up to {spec.num_speculative_tokens} draft "
             f"tokens per request and step, verified in calls of width "
             f"{spec.num_speculative_tokens + 1} (counted in the step shapes)"
         )

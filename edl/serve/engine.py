@@ -15,9 +15,10 @@ prefilling requests that fit the step's prefill budget (``prefill_tokens``: padd
 width). A long prompt is so prefilled over several steps while the other requests keep
 decoding, and decoding rows never run at a prefill's width.
 
-Speculative decoding (``speculative=SpeculativeConfig(method="ngram")``,
-``edl.serve.speculation``): each step drafts up to ``k`` tokens per decoding request by
-prompt lookup; when some row drafted, the decode call has width ``k + 1`` and
+Speculative decoding (``speculative=SpeculativeConfig(...)``, ``edl.serve.speculation``):
+each step drafts up to ``k`` tokens per decoding request, by prompt lookup (``"ngram"``) or
+with a draft model (``"draft"``, ``draft_model=``: ``edl.serve.draft``, its own page pools
+under the same page table); when some row drafted, the decode call has width ``k + 1`` and
 ``model_step``'s every-position logits verify the drafts, each row emitting its accepted
 drafts and one token more (``RequestOutput.new_token_ids`` then holds several), its
 ``computed`` set back past the rejected positions. Greedy output equals plain decoding's.
@@ -84,9 +85,9 @@ grammar; the request ends ("stop") where the grammar is complete (``edl.serve.gr
 
 Not done: lazy page allocation with preemption (reserving for ``max_tokens`` up front
 over-reserves when requests stop early); caching blocks of generated tokens (multi-turn
-chats reuse only their prompt's blocks); sharding over a mesh; a draft model for
-speculation. On GPU ``impl="auto"`` sends a prefill (or verification) call to the Pallas
-paged *decode* kernel with ``width`` queries per row, untested there.
+chats reuse only their prompt's blocks); sharding over a mesh. On GPU ``impl="auto"`` sends
+a prefill (or verification) call to the Pallas paged *decode* kernel with ``width`` queries
+per row, untested there.
 """
 
 from __future__ import annotations
@@ -162,9 +163,9 @@ class Engine:
             silent.
         tokenizer: the model's ``edl.text.HFTokenizer``: requests may then carry a grammar
             (``SamplingParams.grammar``, ``edl.serve.grammar``); None: they may not.
-        speculative: draft and verify tokens (``edl.serve.speculation``; the ``ngram``
-            method); None: plain decoding. ``draft_model``: for ``method="draft"``, which
-            the engine refuses for now.
+        speculative: draft and verify tokens (``edl.serve.speculation``); None: plain
+            decoding. ``draft_model``: the draft of ``method="draft"`` (a smaller causal LM
+            with the target's vocabulary).
         """
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -209,7 +210,11 @@ class Engine:
         self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs called
         self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
         self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
-        self._spec = None if speculative is None else Speculation(speculative, model, draft_model)
+        pools = dict(num_pages=num_pages, page_size=page_size, max_model_len=max_model_len)
+        shapes = dict(row_buckets=self.row_buckets, page_buckets=self.page_buckets)
+        self._spec = None
+        if speculative is not None:
+            self._spec = Speculation(speculative, model, draft_model, {**pools, **shapes})
 
     @property
     def num_free_pages(self) -> int:
@@ -290,7 +295,7 @@ class Engine:
                 self._pool.release(shared)
                 return  # wait for running requests to free pages (first come, first served)
             request.pages = shared + self._pool.allocate(fresh)
-            request.computed = len(shared) * self.page_size
+            request.computed = request.draft_computed = len(shared) * self.page_size
             request.published = len(shared)
             request.running = True
             request.slot = self._sampler.admit(request.prompt, request.params)
@@ -322,7 +327,7 @@ class Engine:
         words = None if self._grammars is None else self._grammars.words
         self._sampler.warmup(self.row_buckets, words)
         if self._spec is not None:
-            self._spec.warmup(self.row_buckets, self.vocab_size)
+            self._spec.warmup(self.row_buckets, self.vocab_size, self.step_shapes())
         programs = [key for key in self.step_programs() if key not in self._compiled]
         start = time.perf_counter()
         for done, program in enumerate(programs, 1):
@@ -362,6 +367,9 @@ class Engine:
         tokens, num_new, lengths, table = call_inputs(
             requests, rows, width, pages, self.page_size, drafts
         )
+        runner = None if self._spec is None else self._spec.runner
+        if runner is not None and requests and requests[0].prefilling:  # a prefill call
+            runner.prefill(requests, table, lengths, tokens, num_new)
         # A row emits its token when it decodes or its prompt ends in this call.
         emit = [r.computed + int(num_new[i]) >= len(r.prompt) for i, r in enumerate(requests)]
         matchers = [r.matcher if e else None for r, e in zip(requests, emit, strict=True)]

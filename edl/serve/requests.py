@@ -44,6 +44,7 @@ class Request:
     # Speculative decoding's back-off (edl.serve.speculation): verifications in a row that
     # accepted no draft, and the steps left before it drafts again.
     draft_misses: int = 0
+    draft_computed: int = 0  # tokens in a draft model's cache (edl.serve.draft)
     draft_pause: int = 0
     # Its prompt and generated tokens as one array (the first history_len filled), kept
     # by speculative decoding's prompt lookup.

@@ -36,13 +36,16 @@ request's own verdicts only: a seed still gives the same tokens whatever else ru
 Pages: a row drafts at most ``max_tokens - generated - 1`` tokens, so a verification
 writes inside the pages the request reserved (prompt + ``max_tokens``).
 
-Not done here: the draft-model method (``SpeculativeConfig(method="draft")``, which
-``generate`` has) is refused by the engine.
+A draft model (``SpeculativeConfig(method="draft")``, ``Engine(..., draft_model=)``):
+``edl.serve.draft.DraftRunner`` runs it beside the target on its own page pools (the same
+page table), through every prefill chunk, and proposes each speculating request's drafts
+with its most likely tokens; it drafts for every request that may speculate (no back-off:
+its cache has to keep up with the request's tokens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -54,6 +57,7 @@ from edl.generate.proposers import PROPOSERS
 from edl.generate.speculative import SpeculativeConfig, check_draft_model
 from edl.generate.verify import emitted_tokens, greedy_verify, rejection_verify
 from edl.ops.sampling import RowSampling, process_rows
+from edl.serve.draft import DraftRunner
 from edl.serve.requests import Request
 from edl.serve.sampler import row_settings
 from edl.serve.types import SamplingParams
@@ -156,7 +160,16 @@ class Speculation:
     """The engine's speculative decoding: its settings, each step's drafts and verdicts,
     and the counts ``/metrics`` reports (``drafted`` tokens, ``accepted`` ones)."""
 
-    def __init__(self, config: SpeculativeConfig, model: Any, draft_model: Any = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        model: Any,
+        draft_model: Any = None,
+        geometry: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``geometry``: the engine's page pool and call shapes, which a draft model's
+        ``DraftRunner`` shares (``num_pages``, ``page_size``, ``max_model_len``,
+        ``row_buckets``, ``page_buckets``)."""
         if not isinstance(config, SpeculativeConfig):
             raise TypeError(f"Engine: speculative must be a SpeculativeConfig, got {config!r}")
         needs = PROPOSERS[config.method].needs_model
@@ -164,29 +177,41 @@ class Speculation:
             raise ValueError(f"Engine: speculative method {config.method!r} needs draft_model=")
         if not needs and draft_model is not None:
             raise ValueError(f"Engine: speculative method {config.method!r} takes no draft_model")
+        self.runner = None
         if needs:
             check_draft_model(model, draft_model)
-            raise ValueError(
-                f"Engine: speculative method {config.method!r} is not implemented in the "
-                "serving engine (generate(..., speculative=...) has it); use 'ngram'"
-            )
+            if geometry is None:
+                raise ValueError("Speculation: a draft model needs the engine's geometry")
+            self.runner = DraftRunner(draft_model, **geometry)
         self.config, self.k = config, config.num_speculative_tokens
         self.drafted = self.accepted = 0
 
     def drafts(self, requests: Sequence[Request]) -> list[np.ndarray] | None:
         """Each decoding request's drafts (empty where it does not speculate, pauses or
         found none), at most its room (``max_tokens - generated - 1``); None when no row
-        drafted (the step's decode call is then the plain one)."""
-        c, out = self.config, []
-        for r in requests:
-            room = min(self.k, r.params.max_tokens - len(r.generated) - 1)
-            r.draft_pause -= 1
-            if room <= 0 or r.draft_pause >= 0 or not can_speculate(r.params):
-                out.append(np.zeros(0, np.int32))
-                continue
-            history = _history(r)
-            out.append(propose_ngram_host(history, room, c.prompt_lookup_min, c.prompt_lookup_max))
+        drafted (the step's decode call is then the plain one). A draft model drafts for
+        every request that may speculate, without pauses (its cache must keep up)."""
+        rooms = [min(self.k, r.params.max_tokens - len(r.generated) - 1) for r in requests]
+        if self.runner is None:
+            out = [self._lookup(r, room) for r, room in zip(requests, rooms, strict=True)]
+        else:
+            out = [np.zeros(0, np.int32) for _ in requests]
+            chosen = [i for i, r in enumerate(requests) if rooms[i] > 0 and can_speculate(r.params)]
+            if chosen:
+                drafted = self.runner.propose(
+                    [requests[i] for i in chosen], [rooms[i] for i in chosen]
+                )
+                for i, d in zip(chosen, drafted, strict=True):
+                    out[i] = d
         return out if any(len(d) for d in out) else None
+
+    def _lookup(self, request: Request, room: int) -> np.ndarray:
+        """Prompt lookup's drafts for one request (none while it pauses: the back-off)."""
+        request.draft_pause -= 1
+        if room <= 0 or request.draft_pause >= 0 or not can_speculate(request.params):
+            return np.zeros(0, np.int32)
+        c = self.config
+        return propose_ngram_host(_history(request), room, c.prompt_lookup_min, c.prompt_lookup_max)
 
     def verify(
         self,
@@ -211,13 +236,27 @@ class Speculation:
             a = int(accepted[i])
             self.drafted, self.accepted = self.drafted + len(d), self.accepted + a
             r = requests[i]
-            r.draft_misses = 0 if a else r.draft_misses + 1
-            r.draft_pause = min(2 ** (r.draft_misses - 1), MAX_PAUSE) if not a else 0
+            if self.runner is not None:  # the draft cache keeps the pending token, a drafts
+                r.draft_computed = r.computed + 1 + min(a, len(d) - 1)
+            else:
+                r.draft_misses = 0 if a else r.draft_misses + 1
+                r.draft_pause = min(2 ** (r.draft_misses - 1), MAX_PAUSE) if not a else 0
             out.append((emitted[i, : a + 1].tolist(), logprobs[i, : a + 1].tolist(), a))
         return out
 
-    def warmup(self, row_buckets: Sequence[int], vocab: int) -> None:
-        """Compile ``verify_step`` for every row bucket (nothing drafted: no state changes)."""
+    def warmup(
+        self,
+        row_buckets: Sequence[int],
+        vocab: int,
+        step_shapes: Sequence[tuple[int, int, int]] = (),
+    ) -> None:
+        """Compile ``verify_step`` for every row bucket (nothing drafted: no state changes)
+        and, with a draft model, its calls: the engine's ``step_shapes`` but verification,
+        and the two-token catch-up of each decode shape."""
+        if self.runner is not None:
+            shapes = [s for s in step_shapes if s[1] != self.k + 1]
+            shapes += [(rows, 2, pages) for rows, width, pages in step_shapes if width == 1]
+            self.runner.warmup(shapes)
         for rows in row_buckets:
             logits = jnp.zeros((rows, self.k + 1, vocab), jnp.float32)
             tokens = np.zeros((rows, self.k), np.int32)
