@@ -11,6 +11,9 @@ mechanics:
 - ``varied``: the weights scaled by 4 (a continuation that never repeats: every draft
   rejected, what speculating costs for nothing; most steps then have no draft at all and
   run the plain width-1 decode call).
+- ``damped tail`` (``--draft``): a draft model, ``benchmarks/speculative.py``'s setting:
+  the varied model with its layers 2-4's output projections scaled by ``--tail-scale``,
+  drafted for by its own first layer (a quarter of the cost).
 
 Tokens/s = all requests' new tokens / the seconds from adding them to the last one
 finishing (prefill included), medians of ``--rounds`` interleaved rounds after an untimed
@@ -18,6 +21,7 @@ run that compiles every shape used. Acceptance = accepted / drafted tokens
 (``Engine.speculation_counts``); ``same``: requests whose tokens equal plain decoding's.
 
     python -m benchmarks.serve_speculative [--quick] [--k 2 4 8] [--batch 1 8] [--rounds 5]
+        [--draft] [--tail-scale 0.2]
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import jax
 import numpy as np
 
 from benchmarks._common import table, write_json
-from benchmarks.speculative import _scaled, _target
+from benchmarks.speculative import _damped_tail, _scaled, _target, first_layers
 from edl.generate import SpeculativeConfig
 from edl.serve import Engine, SamplingParams
 
@@ -47,7 +51,7 @@ def _serve(engine: Engine, prompts: list[list[int]], new: int) -> tuple[list[lis
     return [tokens[i] for i in ids], time.perf_counter() - start
 
 
-def _rows(name, model, prompts, new, ks, rounds):
+def _rows(name, model, prompts, new, ks, rounds, draft=None):
     """One table row per k: acceptance, plain and speculative tokens/s, the speed-up."""
     # No prefix caching: every round prefills its prompts whole, in the shapes compiled.
     geometry = dict(
@@ -55,8 +59,9 @@ def _rows(name, model, prompts, new, ks, rounds):
     )
     engines = {"plain": Engine(model, **geometry)}
     for k in ks:
-        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k)
-        engines[k] = Engine(model, speculative=spec, **geometry)
+        method = "ngram" if draft is None else "draft"
+        spec = SpeculativeConfig(method=method, num_speculative_tokens=k)
+        engines[k] = Engine(model, speculative=spec, draft_model=draft, **geometry)
     first = {key: _serve(engine, prompts, new)[0] for key, engine in engines.items()}  # compiles
     counts = {k: engines[k].speculation_counts for k in ks}
     seconds: dict[object, list[float]] = {key: [] for key in engines}
@@ -92,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 8], help="draft lengths")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="requests at once")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timed rounds")
+    parser.add_argument("--draft", action="store_true", help="also the draft-model setting")
+    parser.add_argument(
+        "--tail-scale", type=float, default=0.2, help="draft setting: layers 2-4's output scale"
+    )
     return parser
 
 
@@ -107,6 +116,10 @@ def main() -> None:
         prompts = ids.tolist()
         rows += _rows("repeats", repeats, prompts, new, args.k, rounds)
         rows += _rows("varied", varied, prompts, new, args.k, rounds)
+        if args.draft:
+            damped = _damped_tail(varied, args.tail_scale)
+            draft = first_layers(damped, 1)
+            rows += _rows("damped tail", damped, prompts, new, args.k, rounds, draft)
     keys = list(rows[0])
     print(table(keys, [[r[key] for key in keys] for r in rows]))
     path = write_json("serve_speculative", rows, rounds=rounds, new_tokens=new)
