@@ -449,14 +449,7 @@ class DecoderConfig:
             if labels in out and len(out[labels]) != self.num_labels:
                 del out[labels]
         rope = self.rope
-        rope_params: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
-        if rope.rope_type != "default":
-            rope_params["factor"] = rope.factor
-        if rope.original_max_position_embeddings is not None:
-            rope_params["original_max_position_embeddings"] = rope.original_max_position_embeddings
-        if rope.rope_type == "llama3":
-            rope_params["low_freq_factor"] = rope.low_freq_factor
-            rope_params["high_freq_factor"] = rope.high_freq_factor
+        rope_params = rope.hf_parameters()
         if rope.dim != self.head_dim:
             rope_params["partial_rotary_factor"] = rope.dim / self.head_dim
         out.update(
