@@ -172,6 +172,9 @@ class DecoderConfig:
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
     ROPE_THETA: ClassVar[float] = 10000.0  # the family's default RoPE base
+    # The family's HF layout fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
+    # (Phi-3): edl's layers then hold those fused matrices under HF's names.
+    FUSED_PROJECTIONS: ClassVar[bool] = False
     # What ``edl.models.configure`` lets a built model change besides the run options: the training
     # loss's settings (the forward pass never reads them), an init-only value and the HF keys
     # edl does not interpret. Every other field is architecture (``pad_token_id`` too: the
