@@ -448,7 +448,7 @@ class DecoderModel(eqx.Module):
             if attention_mask is None
             else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
         )
-        cos, sin = rope_tables(position_ids, c.rope)
+        cos, sin = rope_tables(position_ids, c.rope, valid=attention_mask)
 
         def apply(layer: DecoderLayer, carry, window: int | None, index):
             h, cache = carry

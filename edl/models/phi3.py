@@ -10,11 +10,12 @@ on every layer, tied or untied embeddings::
 
     model = edl.from_pretrained("microsoft/Phi-4-mini-instruct")
 
-Generation across ``original_max_position_embeddings``: transformers' ``generate`` drops its
-cache and recomputes the whole sequence with the long factors when it first crosses that
-length; edl's cached decoding switches the tables of the new tokens only (the cached keys
-keep their short-factor rotation), so greedy tokens may differ from transformers' after that
-point (a prompt already past it, or a sequence that stays within it, decodes identically).
+Generation across ``original_max_position_embeddings`` follows transformers' Phi-3
+``generate``: the step that first grows a sequence past it re-runs the prompt and the tokens
+generated so far as one prefill (long factors everywhere from then on) rather than decoding
+one token (``edl.generate`` and ``generate_stream``; beam search, speculative decoding and
+the serving engine keep decoding token by token, their cached keys rotated by the short
+factors).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class Phi3Config(DecoderConfig):
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("phi3",)
     FUSED_PROJECTIONS: ClassVar[bool] = True
+    # transformers' Phi-3 generate re-runs the whole sequence when it first grows past
+    # LongRoPE's original context (edl.generate.steps.refill_length).
+    REFILL_PAST_ORIGINAL_CONTEXT: ClassVar[bool] = True
 
     model_type: str = "phi3"
     vocab_size: int = 32064

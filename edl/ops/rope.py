@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from edl._registry import Registry
 
@@ -445,11 +445,20 @@ def inv_frequencies(config: RopeConfig, seq_len: SeqLen = None) -> Float[Array, 
 
 
 def rope_tables(
-    positions: Int[Array, "batch seq"], config: RopeConfig
+    positions: Int[Array, "batch seq"],
+    config: RopeConfig,
+    valid: Bool[Array, "batch seq"] | Int[Array, "batch seq"] | None = None,
 ) -> tuple[Float[Array, "batch seq dim"], Float[Array, "batch seq dim"]]:
     """``(cos, sin)`` tables for integer ``positions``, float32, in HF's layout (each
-    frequency repeated over both halves), times the type's attention scaling."""
-    seq_len = jnp.max(positions) + 1 if config.uses_length else None
+    frequency repeated over both halves), times the type's attention scaling.
+
+    The length the ``dynamic`` / ``longrope`` frequencies depend on is the largest position
+    + 1, over the ``valid`` (non-zero) slots only when given: a cached call's padding slots
+    (a prompt bucket's width) do not count, as in transformers' ``generate``."""
+    seq_len = None
+    if config.uses_length:
+        live = positions if valid is None else jnp.where(valid.astype(jnp.bool_), positions, 0)
+        seq_len = jnp.max(live) + 1
     inv_freq = inv_frequencies(config, seq_len)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)
