@@ -287,3 +287,18 @@ def test_config_reads_transformers_rope_rules():
         again = Phi3Config.from_hf(transformers.AutoConfig.for_model(**hf_dict).to_dict())
         assert again.replace(hf_extra=()) == config.replace(hf_extra=()), name
     assert registry.resolve({"model_type": "phi3"})[0].name == "phi3"
+
+
+def test_edl_info_names_the_family_and_its_features(tmp_path, capsys):
+    from edl.cli import main
+
+    config = Phi3Config.from_hf(_hf_config("phi4_mini_shape").to_dict())
+    edl.save_pretrained(Phi3ForCausalLM.init(config, key=jax.random.key(0)), tmp_path)
+    main(["info", str(tmp_path)])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == (
+        "Phi3ForCausalLM (model_type phi3): multi-query attention (4 query heads, 1 key/value "
+        "head); fused qkv_proj and gate_up_proj matrices; RoPE longrope (theta 10000, factor 4, "
+        "original context 16, attention factor 1.225, partial rotary: 4 of 8 dims); sliding "
+        "window 5 on every layer; tied embeddings"
+    )
