@@ -89,6 +89,12 @@ EXTENDED = {
         "attention_factor": 0.8,
         "partial_rotary_factor": 0.5,
     },
+    # transformers 5 grows dynamic's base past max_position_embeddings, ignoring this key.
+    "dynamic_original": {
+        "rope_type": "dynamic",
+        "factor": 2.0,
+        "original_max_position_embeddings": 16,
+    },
     "longrope": {  # no factor: HF's max_position / original = 3
         "rope_type": "longrope",
         "original_max_position_embeddings": 16,
@@ -109,9 +115,10 @@ EXTENDED = {
 
 @pytest.mark.parametrize("name", list(EXTENDED))
 def test_extended_rope_matches_transformers(name):
-    """yarn and longrope: inverse frequencies and attention factor from transformers' own
-    functions, and the cos / sin tables of its rotary module on both sides of the original
-    context (longrope switches from short to long factors past it)."""
+    """yarn, longrope and dynamic with a stated original context: inverse frequencies and
+    attention factor from transformers' own functions, and the cos / sin tables of its
+    rotary module on both sides of the original context (longrope switches from short to
+    long factors past it)."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {"rope_theta": 500.0, **EXTENDED[name]}
@@ -120,7 +127,7 @@ def test_extended_rope_matches_transformers(name):
     cfg = ops.RopeConfig.from_hf(hf_cfg.to_dict(), HEAD_DIM)
     assert cfg.rope_type == params["rope_type"]
     init = ROPE_INIT_FUNCTIONS[params["rope_type"]]
-    for seq_len in (None, 12, 17, 40):
+    for seq_len in (None, 12, 17, 40, 60):
         hf_inv, hf_scale = init(hf_cfg, None, seq_len=seq_len)
         np.testing.assert_allclose(
             ops.rope.inv_frequencies(cfg, seq_len), hf_inv.numpy(), rtol=1e-6
