@@ -302,3 +302,40 @@ def test_edl_info_names_the_family_and_its_features(tmp_path, capsys):
         "original context 16, attention factor 1.225, partial rotary: 4 of 8 dims); sliding "
         "window 5 on every layer; tied embeddings"
     )
+
+
+@pytest.mark.slow  # the engine's step shapes and three generate calls compile (~18 s)
+def test_serving_engine_matches_generate():
+    """The engine's continuous batching (chunked prefill, paged decode) gives generate's
+    greedy tokens on Phi-4-mini's shape, every sequence inside the original context (the
+    engine's rows share one step, and so its choice of LongRoPE factors)."""
+    from edl.serve import Engine, SamplingParams
+
+    hf_model = _hf_model("phi4_mini_shape", seed=3, std=0.25)
+    model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, VOCAB, n).tolist() for n in (5, 9, 3)]
+    engine = Engine(model, max_batch=4, max_model_len=16, page_size=4, prefill_chunk=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    for prompt, i in zip(prompts, ids, strict=True):
+        want = generate(model, np.array([prompt]), max_new_tokens=6, pad_token_id=0)
+        assert tokens[i] == np.asarray(want.sequences)[0, len(prompt) :].tolist()
+
+
+@pytest.mark.slow  # a second transformers model through files (~5 s)
+def test_sequence_classification_parity(tmp_path):
+    config = _hf_config("longrope_long")
+    config.num_labels = 3
+    hf_model = random_hf_model(config, "sequence_classification")
+    hf_model.save_pretrained(tmp_path)
+    model = edl.from_pretrained(tmp_path)
+    assert type(model).__name__ == "Phi3ForSequenceClassification"
+    ids, mask = padded_batch()
+    ref = _hf_forward(hf_model, ids, mask).logits.numpy()
+    out = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits)
+    np.testing.assert_allclose(out, ref, atol=1e-4)
