@@ -134,11 +134,11 @@ def test_parity_loss_and_byte_equal_round_trip(name, tmp_path):
 
 @pytest.mark.parametrize(
     ("name", "width", "page_size"),
-    [  # the default set crosses the original context on the paged cache (~6 s each)
+    [  # the default set crosses the original context on the paged cache (~6 s)
         pytest.param("longrope_long", 9, None, marks=pytest.mark.slow),
         pytest.param("longrope_long", 5, None, marks=pytest.mark.slow),
         ("longrope_long", 5, 4),
-        ("phi4_mini_shape", 7, None),
+        pytest.param("phi4_mini_shape", 7, None, marks=pytest.mark.slow),
     ],
 )
 def test_greedy_generation_matches_transformers(name, width, page_size):
