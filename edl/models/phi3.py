@@ -15,7 +15,9 @@ Generation across ``original_max_position_embeddings`` follows transformers' Phi
 generated so far as one prefill (long factors everywhere from then on) rather than decoding
 one token (``edl.generate`` and ``generate_stream``; beam search, speculative decoding and
 the serving engine keep decoding token by token, their cached keys rotated by the short
-factors).
+factors). As in transformers, one call picks short or long factors for all its rows by its
+longest: the serving engine's rows share a step, so a request past the original context
+switches the factors of the requests decoded beside it.
 """
 
 from __future__ import annotations
