@@ -98,9 +98,9 @@ def test_unsupported_model_type_and_options(saved, tmp_path):
     (directory / "config.json").write_text(json.dumps({**config, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type 'gpt2'"):
         edl.from_pretrained(directory)
-    bad_rope = {**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+    bad_rope = {**config, "rope_scaling": {"rope_type": "proportional", "factor": 4.0}}
     bad_rope.pop("rope_parameters")
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+    with pytest.raises(ValueError, match="unsupported rope type 'proportional'"):
         LlamaConfig.from_hf(bad_rope)
     with pytest.raises(ValueError, match="hidden_act"):
         LlamaConfig.from_hf({**config, "hidden_act": "mish"})

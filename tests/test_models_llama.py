@@ -135,6 +135,74 @@ def test_causal_lm_parity_round_trip(model_type, tmp_path):
     np.testing.assert_allclose(_hf_logits(reloaded, ids, mask), ref, atol=0, rtol=0)
 
 
+def _factors(n, low, high, seed):
+    return np.random.default_rng(seed).uniform(low, high, n).tolist()
+
+
+# Llama with each length-extending scaling over an 11-token batch: yarn's attention factor
+# (plain, and DeepSeek's mscale ratio), longrope past its original context of 8 (long factors)
+# and within one of 16 (short factors), and dynamic NTK past max_position_embeddings.
+ROPE_SCALINGS = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 4,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 8,
+    },
+    "longrope_long": {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 8,
+        "short_factor": _factors(4, 1.0, 1.2, 0),
+        "long_factor": _factors(4, 1.0, 6.0, 1),
+    },
+    "longrope_short": {
+        "rope_type": "longrope",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "short_factor": _factors(4, 1.0, 1.2, 2),
+        "long_factor": _factors(4, 1.0, 6.0, 3),
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0},
+}
+
+
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_rope_scalings_match_transformers(scaling):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        pad_token_id=0,
+        rope_parameters={"rope_theta": 100.0, **ROPE_SCALINGS[scaling]},
+    )
+    hf_model = random_hf_model(config, "causal_lm")
+    model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
+    assert model.config.rope.rope_type == ROPE_SCALINGS[scaling]["rope_type"]
+    ids, mask = padded_batch()
+    ref = _hf_logits(hf_model, ids, mask)
+    assert_close_on_real_tokens(_logits(model, ids, mask), ref, mask)
+    # Written back, transformers builds the same model.
+    again = transformers.LlamaConfig.from_dict(model.config.to_hf(["LlamaForCausalLM"]))
+    assert again.rope_parameters == hf_model.config.rope_parameters | {
+        k: v for k, v in again.rope_parameters.items() if k not in hf_model.config.rope_parameters
+    }
+    hf_again = transformers.AutoModelForCausalLM.from_config(again, attn_implementation="eager")
+    hf_again.eval()
+    hf_again.load_state_dict(hf_model.state_dict())
+    np.testing.assert_array_equal(_hf_logits(hf_again, ids, mask), ref)
+
+
+def _logits(model, ids, mask):
+    return np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits)
+
+
 def test_sequence_classification_parity(tmp_path):
     hf_model = _hf_model("qwen2", "sequence_classification", num_labels=3)
     hf_model.save_pretrained(tmp_path)

@@ -1,5 +1,7 @@
 """RoPE tables and rms_norm against transformers (torch, float32) and float64 numpy."""
 
+import dataclasses
+
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
@@ -58,9 +60,145 @@ def test_rope_tables_match_transformers(rope_type, max_pos):
         np.testing.assert_allclose(sin, hf_sin.numpy(), atol=2e-5)
 
 
+_RNG = np.random.default_rng(7)
+_SHORT, _LONG = _RNG.uniform(1.0, 1.5, HEAD_DIM // 2), _RNG.uniform(1.0, 8.0, HEAD_DIM // 2)
+_PARTIAL_SHORT = _RNG.uniform(1.0, 1.5, HEAD_DIM // 4)
+_PARTIAL_LONG = _RNG.uniform(1.0, 8.0, HEAD_DIM // 4)
+# Each yarn / longrope knob HF reads, over the original context of 16 (max_position 48).
+EXTENDED = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_knobs": {
+        "rope_type": "yarn",
+        "factor": 2.5,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "truncate": False,
+    },
+    "yarn_mscale": {  # DeepSeek-V3's spelling: a ratio of two mscale terms
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+    },
+    "yarn_attention_factor": {
+        "rope_type": "yarn",
+        "factor": 3.0,
+        "original_max_position_embeddings": 16,
+        "attention_factor": 0.8,
+        "partial_rotary_factor": 0.5,
+    },
+    # transformers 5 grows dynamic's base past max_position_embeddings, ignoring this key.
+    "dynamic_original": {
+        "rope_type": "dynamic",
+        "factor": 2.0,
+        "original_max_position_embeddings": 16,
+    },
+    "longrope": {  # no factor: HF's max_position / original = 3
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 16,
+        "short_factor": _SHORT.tolist(),
+        "long_factor": _LONG.tolist(),
+    },
+    "longrope_factors": {
+        "rope_type": "longrope",
+        "factor": 6.0,
+        "attention_factor": 1.3,
+        "original_max_position_embeddings": 16,
+        "short_factor": _PARTIAL_SHORT.tolist(),
+        "long_factor": _PARTIAL_LONG.tolist(),
+        "partial_rotary_factor": 0.5,
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(EXTENDED))
+def test_extended_rope_matches_transformers(name):
+    """yarn, longrope and dynamic with a stated original context: inverse frequencies and
+    attention factor from transformers' own functions, and the cos / sin tables of its
+    rotary module on both sides of the original context (longrope switches from short to
+    long factors past it)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_theta": 500.0, **EXTENDED[name]}
+    hf_cfg = _hf_config(None)
+    hf_cfg.rope_parameters = dict(params)
+    cfg = ops.RopeConfig.from_hf(hf_cfg.to_dict(), HEAD_DIM)
+    assert cfg.rope_type == params["rope_type"]
+    init = ROPE_INIT_FUNCTIONS[params["rope_type"]]
+    for seq_len in (None, 12, 17, 40, 60):
+        hf_inv, hf_scale = init(hf_cfg, None, seq_len=seq_len)
+        np.testing.assert_allclose(
+            ops.rope.inv_frequencies(cfg, seq_len), hf_inv.numpy(), rtol=1e-6
+        )
+        assert cfg.attention_scaling == pytest.approx(hf_scale, rel=1e-12)
+    rotary = modeling_llama.LlamaRotaryEmbedding(hf_cfg)
+    for top in (10, 16, 17, 40):
+        positions = np.stack([np.arange(top - 7, top), np.arange(7) * (top // 7)])
+        hf_cos, hf_sin = rotary(torch.zeros(2, 7, HEAD_DIM), torch.tensor(positions))
+        cos, sin = ops.rope_tables(jnp.asarray(positions), cfg)
+        np.testing.assert_allclose(cos, hf_cos.numpy(), atol=2e-6)
+        np.testing.assert_allclose(sin, hf_sin.numpy(), atol=2e-6)
+    # Written back, transformers reads the same parameters.
+    again = ops.RopeConfig.from_hf(
+        {
+            "max_position_embeddings": 48,
+            "rope_parameters": {
+                **cfg.hf_parameters(),
+                **(
+                    {"partial_rotary_factor": params["partial_rotary_factor"]}
+                    if "partial_rotary_factor" in params
+                    else {}
+                ),
+            },
+        },
+        HEAD_DIM,
+    )
+    assert again == cfg
+
+
+def test_rope_types_are_a_registry():
+    """A new scaling is one entry: configs read, run and write it with nothing else changed."""
+    toy = ops.rope.RopeType(
+        "toy_halved",
+        lambda c, s: ops.rope.inv_frequencies(dataclasses.replace(c, rope_type="default")) / 2,
+        read=lambda p, c: {"factor": 2.0},
+        write=lambda c: {"factor": c.factor},
+    )
+    with ops.rope.ROPE_TYPES.registered(toy):
+        cfg = ops.RopeConfig.from_hf({"rope_parameters": {"rope_type": "toy_halved"}}, 8)
+        assert cfg.hf_parameters() == {
+            "rope_type": "toy_halved",
+            "rope_theta": 10000.0,
+            "factor": 2.0,
+        }
+        cos, _ = ops.rope_tables(jnp.asarray([[4]]), cfg)
+        ref, _ = ops.rope_tables(jnp.asarray([[2]]), ops.RopeConfig(dim=8))
+        np.testing.assert_allclose(cos, ref, rtol=1e-6)
+    with pytest.raises(ValueError, match="unsupported rope type 'toy_halved'"):
+        ops.RopeConfig(dim=8, rope_type="toy_halved")
+
+
 def test_rope_config_errors():
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
-        ops.RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, 16)
+    with pytest.raises(ValueError, match="unsupported rope type 'proportional'"):
+        ops.RopeConfig.from_hf({"rope_scaling": {"rope_type": "proportional"}}, 16)
+    with pytest.raises(ValueError, match="short_factor must be a list of numbers"):
+        ops.RopeConfig.from_hf(
+            {"rope_parameters": {"rope_type": "longrope", "short_factor": [1, "x"]}}, 16
+        )
+    with pytest.raises(ValueError, match=r"long_factor needs dim // 2 = 8 entries, got 3"):
+        ops.RopeConfig(
+            dim=16,
+            rope_type="longrope",
+            original_max_position_embeddings=4,
+            short_factor=(1.0,) * 8,
+            long_factor=(1.0,) * 3,
+        )
+    with pytest.raises(ValueError, match="truncate must be true or false"):
+        ops.RopeConfig.from_hf(
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "truncate": 1}}, 16
+        )
     with pytest.raises(ValueError, match="llama3' needs original_max_position_embeddings"):
         ops.RopeConfig(dim=16, rope_type="llama3")
     with pytest.raises(ValueError, match="positive even"):

@@ -17,7 +17,7 @@ from edl.io.formats.files import read_json
 from edl.io.formats.hf import CONFIG_NAME
 from edl.io.formats.safetensors import CheckpointError
 
-__all__ = ["resolve_model", "run_info", "run_report"]
+__all__ = ["model_line", "resolve_model", "run_info", "run_report"]
 
 
 def _checkpoints_dir(path: Path) -> Path:
@@ -116,7 +116,23 @@ def run_info(path: Path) -> None:
         model = load_model(model_dir)  # an adapter-only checkpoint: its base is found first
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
+    line = model_line(model)
+    if line:
+        print(line)
     print(edl.summary(model))
+
+
+def model_line(model: Any) -> str | None:
+    """``"<HF architecture> (model_type <t>): <feature>; <feature>; ..."`` for a decoder
+    (``edl.models.features``); ``None`` for other models (vision towers, LLaVA)."""
+    from edl.models.config import DecoderConfig
+    from edl.models.features import features
+    from edl.models.registry import architecture
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, DecoderConfig):
+        return None
+    return f"{architecture(model)} (model_type {config.model_type}): " + "; ".join(features(config))
 
 
 def _sharded_summary(checkpoint: Path) -> str:

@@ -157,7 +157,7 @@ def _sample_step(
     if lp is not None:  # from the raw logits, before the processors
         lp = lp.record(step, state.logits, token, state.done)
     done = state.done | steps.is_eos(token, config.eos_ids)
-    logits, cache = steps.decode_step(model, token, state.cache)
+    logits, cache = steps.decode_or_refill(model, token, state.cache, prompt, mask, generated, step)
     return DecodeState(step + 1, logits, cache, generated, done, lp), token
 
 

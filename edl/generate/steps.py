@@ -7,6 +7,7 @@ last token of each row only.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol, runtime_checkable
 
 import equinox as eqx
@@ -213,6 +214,45 @@ def decode_step(
     """One new token per row through the cache: next-token logits and the updated cache."""
     logits, _, cache = forward(model, tokens[:, None], cache)
     return logits, cache
+
+
+def refill_length(model: CausalLM) -> int | None:
+    """The cache length at which a decode step re-runs the whole sequence instead, or
+    ``None``. transformers' Phi-3 ``generate`` drops its cache when a sequence first grows
+    past LongRoPE's ``original_max_position_embeddings``, so that every position, cached
+    ones included, is rotated by the long factors from then on; configs that ask for this
+    set ``REFILL_PAST_ORIGINAL_CONTEXT`` (``edl.models.Phi3Config``)."""
+    config = model.config
+    rope = getattr(config, "rope", None)
+    if not getattr(config, "REFILL_PAST_ORIGINAL_CONTEXT", False) or rope is None:
+        return None
+    return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+
+
+def decode_or_refill(
+    model: CausalLM,
+    tokens: Int[Array, " batch"],
+    cache: KVCacheLike,
+    prompt: Int[Array, "batch prompt"],
+    prompt_mask: Bool[Array, "batch prompt"],
+    generated: Int[Array, "batch new"],
+    step: Int[Array, ""],
+) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
+    """``decode_step`` of ``tokens`` (``generated[:, step]``), except at ``refill_length``:
+    then the prompt and every generated token so far run through the emptied cache as one
+    prefill (only models with a refill length compile that branch)."""
+    limit = refill_length(model)
+    if limit is None:
+        return decode_step(model, tokens, cache)
+
+    def refill(cache: KVCacheLike) -> tuple[Float[Array, "batch vocab"], KVCacheLike]:
+        ids, valid = history(prompt, prompt_mask, generated, step + 1)
+        ids, _, lengths = compact_prompts(ids, valid)
+        emptied = dataclasses.replace(cache, lengths=jnp.zeros_like(cache.lengths))
+        return prefill(model, ids, lengths, emptied)
+
+    crossing = jnp.max(cache.lengths) == limit
+    return jax.lax.cond(crossing, refill, lambda c: decode_step(model, tokens, c), cache)
 
 
 def history(

@@ -11,7 +11,7 @@ causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA'
 classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
-``edl.models.gemma``, ``edl.models.mixtral``, ``edl.models.qwen3_moe``,
+``edl.models.gemma``, ``edl.models.mixtral``, ``edl.models.qwen3_moe``, ``edl.models.phi3``,
 ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
@@ -25,6 +25,7 @@ from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
+from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from edl.models.siglip import SiglipModel
 
@@ -43,6 +44,8 @@ __all__ = [
     "LlavaForConditionalGeneration",
     "MixtralConfig",
     "MixtralForCausalLM",
+    "Phi3Config",
+    "Phi3ForCausalLM",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
     "RunOptions",

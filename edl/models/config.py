@@ -172,6 +172,9 @@ class DecoderConfig:
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
     ROPE_THETA: ClassVar[float] = 10000.0  # the family's default RoPE base
+    # The family's HF layout fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
+    # (Phi-3): edl's layers then hold those fused matrices under HF's names.
+    FUSED_PROJECTIONS: ClassVar[bool] = False
     # What ``edl.models.configure`` lets a built model change besides the run options: the training
     # loss's settings (the forward pass never reads them), an init-only value and the HF keys
     # edl does not interpret. Every other field is architecture (``pad_token_id`` too: the
@@ -449,14 +452,7 @@ class DecoderConfig:
             if labels in out and len(out[labels]) != self.num_labels:
                 del out[labels]
         rope = self.rope
-        rope_params: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.theta}
-        if rope.rope_type != "default":
-            rope_params["factor"] = rope.factor
-        if rope.original_max_position_embeddings is not None:
-            rope_params["original_max_position_embeddings"] = rope.original_max_position_embeddings
-        if rope.rope_type == "llama3":
-            rope_params["low_freq_factor"] = rope.low_freq_factor
-            rope_params["high_freq_factor"] = rope.high_freq_factor
+        rope_params = rope.hf_parameters()
         if rope.dim != self.head_dim:
             rope_params["partial_rotary_factor"] = rope.dim / self.head_dim
         out.update(

@@ -143,6 +143,7 @@ class DecoderLayer(eqx.Module):
             qkv_bias=c.qkv_bias,
             o_bias=c.o_bias,
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            fused_qkv=c.FUSED_PROJECTIONS,
             std=std,
             dtype=dtype,
             key=k_attn,
@@ -165,6 +166,7 @@ class DecoderLayer(eqx.Module):
                 c.intermediate_size,
                 act=c.hidden_act,
                 use_bias=c.mlp_bias,
+                fused=c.FUSED_PROJECTIONS,
                 std=std,
                 dtype=dtype,
                 key=k_mlp,
@@ -446,7 +448,7 @@ class DecoderModel(eqx.Module):
             if attention_mask is None
             else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
         )
-        cos, sin = rope_tables(position_ids, c.rope)
+        cos, sin = rope_tables(position_ids, c.rope, valid=attention_mask)
 
         def apply(layer: DecoderLayer, carry, window: int | None, index):
             h, cache = carry

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from edl.models import clip, gemma, llama, llava, mixtral, qwen3_moe, siglip
+from edl.models import clip, gemma, llama, llava, mixtral, phi3, qwen3_moe, siglip
 from edl.models.encoder_config import (
     CLIPConfig,
     CLIPTextConfig,
@@ -65,6 +65,7 @@ LLAMA = _family(
 GEMMA = _family("gemma", gemma, gemma.GemmaConfig, "Gemma", {"gemma": "Gemma"})
 GEMMA2 = _family("gemma2", gemma, gemma.Gemma2Config, "Gemma2", {"gemma2": "Gemma2"})
 MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtral": "Mixtral"})
+PHI3 = _family("phi3", phi3, phi3.Phi3Config, "Phi3", {"phi3": "Phi3"})
 QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
 )

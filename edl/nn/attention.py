@@ -48,18 +48,21 @@ class Attention(eqx.Module):
     """Causal GQA self-attention: ``q/k/v_proj`` -> (optional q/k RMSNorm) -> RoPE ->
     ``edl.ops.attention`` -> ``o_proj``.
 
-    ``q_norm``/``k_norm`` (Qwen3) normalise each head over ``head_dim`` before RoPE.
+    ``q_norm``/``k_norm`` (Qwen3) normalise each head over ``head_dim`` before RoPE. With
+    ``fused_qkv`` (Phi-3) one ``qkv_proj`` of ``(heads + 2 * kv_heads) * head_dim`` outputs,
+    q then k then v, replaces the three (``q/k/v_proj`` are ``None``).
     """
 
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
+    q_proj: Linear | None
+    k_proj: Linear | None
+    v_proj: Linear | None
     o_proj: Linear
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    qkv_proj: Linear | None = None
 
     @classmethod
     def init(
@@ -72,27 +75,29 @@ class Attention(eqx.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        fused_qkv: bool = False,
         std: float = 0.02,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ) -> Attention:
-        """``qk_norm_eps`` not None adds Qwen3's per-head q/k RMSNorm with that epsilon."""
+        """``qk_norm_eps`` not None adds Qwen3's per-head q/k RMSNorm with that epsilon;
+        ``fused_qkv`` keeps q, k and v as one ``qkv_proj`` (Phi-3's layout)."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
         kq, kk, kv, ko = jax.random.split(key, 4)
         lin = {"std": std, "dtype": dtype}
         norm = None if qk_norm_eps is None else RMSNorm.init(head_dim, eps=qk_norm_eps, dtype=dtype)
-        return cls(
-            Linear.init(dim, num_heads * head_dim, use_bias=qkv_bias, key=kq, **lin),
-            Linear.init(dim, num_kv_heads * head_dim, use_bias=qkv_bias, key=kk, **lin),
-            Linear.init(dim, num_kv_heads * head_dim, use_bias=qkv_bias, key=kv, **lin),
-            Linear.init(num_heads * head_dim, dim, use_bias=o_bias, key=ko, **lin),
-            norm,
-            norm,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+        widths = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
+        o_proj = Linear.init(num_heads * head_dim, dim, use_bias=o_bias, key=ko, **lin)
+        sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        if fused_qkv:
+            qkv = Linear.init(dim, sum(widths), use_bias=qkv_bias, key=kq, **lin)
+            return cls(None, None, None, o_proj, norm, norm, **sizes, qkv_proj=qkv)
+        q, k, v = (
+            Linear.init(dim, w, use_bias=qkv_bias, key=kw, **lin)
+            for w, kw in zip(widths, (kq, kk, kv), strict=True)
         )
+        return cls(q, k, v, o_proj, norm, norm, **sizes)
 
     def __call__(
         self,
@@ -150,7 +155,11 @@ class Attention(eqx.Module):
     def _project(self, x, cos, sin):
         """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated."""
         b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qkv_proj is not None:
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)

@@ -17,12 +17,16 @@ __all__ = [
 
 
 class GatedMLP(eqx.Module):
-    """``down_proj(act(gate_proj(x)) * up_proj(x))``; with ``act="silu"`` this is SwiGLU."""
+    """``down_proj(act(gate_proj(x)) * up_proj(x))``; with ``act="silu"`` this is SwiGLU.
 
-    gate_proj: Linear
-    up_proj: Linear
+    With ``fused`` (Phi-3) one ``gate_up_proj`` of ``2 * intermediate`` outputs, gate then
+    up, replaces the two (``gate_proj`` / ``up_proj`` are ``None``)."""
+
+    gate_proj: Linear | None
+    up_proj: Linear | None
     down_proj: Linear
     act: str = eqx.field(static=True, default="silu")
+    gate_up_proj: Linear | None = None
 
     @classmethod
     def init(
@@ -32,6 +36,7 @@ class GatedMLP(eqx.Module):
         *,
         act: str = "silu",
         use_bias: bool = False,
+        fused: bool = False,
         std: float = 0.02,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
@@ -39,6 +44,10 @@ class GatedMLP(eqx.Module):
         activation(act)  # fail at construction, not at the first call
         kg, ku, kd = jax.random.split(key, 3)
         kw = {"use_bias": use_bias, "std": std, "dtype": dtype}
+        if fused:
+            down = Linear.init(intermediate, dim, key=kd, **kw)
+            gate_up = Linear.init(dim, 2 * intermediate, key=kg, **kw)
+            return cls(None, None, down, act=act, gate_up_proj=gate_up)
         return cls(
             Linear.init(dim, intermediate, key=kg, **kw),
             Linear.init(dim, intermediate, key=ku, **kw),
@@ -47,5 +56,8 @@ class GatedMLP(eqx.Module):
         )
 
     def __call__(self, x: Float[Array, "*batch dim"]) -> Float[Array, "*batch dim"]:
-        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = jnp.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(activation(self.act)(gate) * up)
