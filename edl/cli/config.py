@@ -32,7 +32,7 @@ from edl._settings import (
     to_options,
 )
 from edl._settings import option as _option
-from edl.train.options import OPTIMIZERS, SCHEDULES
+from edl.train.options import SCHEDULES, MuonConfig
 from edl.train.run_config import (
     CheckpointConfig,
     EvalConfig,
@@ -139,7 +139,9 @@ class TrainConfig:
     num_layers: int = _option(4, "decoder layers", low=1.0)
     num_heads: int = _option(4, "attention heads (must divide --hidden-size)", low=1.0)
     num_kv_heads: int = _option(2, "key/value heads (must divide --num-heads)", low=1.0)
-    optimizer: str = _option("adamw", "optimizer", choices=OPTIMIZERS)
+    optimizer: str = _option(
+        "adamw", "optimizer", registry=Registered("edl.train.optimizers:OPTIMIZERS")
+    )
     schedule: str = _option("cosine", "learning rate after warmup", choices=SCHEDULES)
     learning_rate: float = _option(
         0.0,
@@ -148,7 +150,8 @@ class TrainConfig:
         low=0.0,
     )
     warmup_steps: int = _option(30, "linear warmup steps", low=0.0)
-    weight_decay: float = _option(0.01, "AdamW / Lion weight decay", low=0.0)
+    weight_decay: float = _option(0.01, "AdamW / Lion / Muon weight decay", low=0.0)
+    muon: MuonConfig = MuonConfig()
     clip_norm: float = _option(
         1.0, "clip the global gradient norm to this (0: no clipping)", low=0.0
     )
@@ -297,6 +300,8 @@ class TrainConfig:
             unused |= set(_EMBEDDED_JOB_OPTIONS)
         if not self.lora_rank:
             unused |= {"lora_alpha", "quantize", "save_base"}
+        if self.optimizer != "muon":
+            unused |= set(leaves(MuonConfig))
         return {name: value for name, value in options.items() if name not in unused}
 
     @classmethod

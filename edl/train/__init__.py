@@ -6,7 +6,8 @@ from here without importing jax. The names here are what a training script impor
 rest is in the defining module: the loop's events (``edl.train.core``), the data pipeline's
 pieces (``edl.train.data``), the preference losses and GRPO's objective
 (``edl.train.preference``, ``edl.train.grpo_objective``), the step program
-(``edl.train.jitted``), the option tables (``edl.train.options``).
+(``edl.train.jitted``), the option tables (``edl.train.options``), the optimizer registry
+(``edl.train.optimizers``).
 """
 
 from edl._lazy import lazy_attributes
@@ -29,7 +30,8 @@ _MODULES = {
         "ThroughputConfig",
         "TimeLimitConfig",
     ),
-    "edl.train.step": ("OptimizerConfig", "make_eval_step", "make_optimizer", "make_train_step"),
+    "edl.train.optimizers": ("OptimizerConfig", "make_optimizer"),
+    "edl.train.step": ("make_eval_step", "make_train_step"),
     "edl.train.text": ("ByteTokenizer", "load_corpus", "split_corpus"),
 }
 _EXPORTS = {name: f"{module}:{name}" for module, names in _MODULES.items() for name in names}
