@@ -16,6 +16,7 @@ _MODULES = {
     "edl.train.core": ("Callback", "StepInfo", "Stop", "callback", "run_loop"),
     "edl.train.data": ("TokenBatches", "batches_from_iterable"),
     "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
+    "edl.train.kto": ("kto_loss", "make_kto_step"),
     "edl.train.loop": ("train",),
     "edl.train.preference": ("dpo_loss",),
     "edl.train.preference_data": ("PreferenceBatches",),
