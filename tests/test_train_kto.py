@@ -47,7 +47,6 @@ def _trl_kto(policy, ref, kl_policy, kl_ref, label, *, beta, dw, uw):
         entropy=torch.zeros_like(log_probs),
         mean_logits=torch.zeros_like(log_probs),
     )
-    model = types.SimpleNamespace(training=True)
     model_call = lambda **kw: outputs
     trainer = types.SimpleNamespace(
         model=types.SimpleNamespace(training=True),
@@ -169,8 +168,8 @@ def _kto_batches(n, seed=0, batch=4, seq=10, vocab=64):
 @pytest.mark.slow  # 13 compiled KTO steps of tiny_llama + LoRA (~18 s)
 def test_kto_step_trains_a_lora_against_its_base(tiny_llama):
     """The LoRA-off base as reference: the first step's rewards and KL are 0 (policy ==
-    reference, up to rounding), the KL metric is kl_estimate of the two models' KL log-probs, and training
-    separates desirable from undesirable rewards."""
+    reference, up to rounding), the KL metric is kl_estimate of the two models' KL
+    log-probs, and training separates desirable from undesirable rewards."""
     lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(3))
     tx = optax.adam(1e-2)
     state = edl.create_state(lora, tx, trainable=lora_trainable)
