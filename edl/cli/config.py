@@ -86,8 +86,9 @@ class TrainConfig:
         "sft",
         "what to train: sft (next-token loss on --data), dpo (preference pairs: "
         "prompt / chosen / rejected), reward (a reward model on preference pairs), grpo "
-        "(online RL on prompt records with --reward)",
-        choices=("sft", "dpo", "reward", "grpo"),
+        "(online RL on prompt records with --reward), kto (unpaired preferences: prompt / "
+        "completion / label)",
+        choices=("sft", "dpo", "reward", "grpo", "kto"),
     )
     loss_type: str = _option(
         "sigmoid",
@@ -95,11 +96,19 @@ class TrainConfig:
         registry=Registered("edl.train.preference:PREFERENCE_LOSSES"),
     )
     beta: float = _option(
-        0.0, "DPO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)", low=0.0
+        0.0,
+        "DPO's / KTO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)",
+        low=0.0,
+    )
+    desirable_weight: float = _option(
+        1.0, "--method kto: weight of the desirable examples' losses", low=0.0
+    )
+    undesirable_weight: float = _option(
+        1.0, "--method kto: weight of the undesirable examples' losses", low=0.0
     )
     reference: str = _option(
         "auto",
-        "DPO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
+        "DPO / KTO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
         "frozen copy of --model), auto (lora with --lora-rank, else model)",
         choices=("auto", "lora", "model"),
     )
@@ -223,6 +232,8 @@ class TrainConfig:
                 + (
                     "prompt records"
                     if method == "grpo"
+                    else "unpaired preference records (prompt / completion / label)"
+                    if method == "kto"
                     else "preference records (prompt / chosen / rejected)"
                 )
             )
@@ -332,6 +343,7 @@ _EMBEDDED_JOB_OPTIONS = (
 _METHOD_OPTIONS = {
     "sft": (),
     "dpo": ("loss_type", "beta", "reference"),
+    "kto": ("beta", "reference", "desirable_weight", "undesirable_weight"),
     "reward": (),
     "grpo": (
         "beta",
