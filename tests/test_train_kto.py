@@ -13,7 +13,13 @@ from test_train_preference import _accelerator
 
 import edl
 from edl.lora import apply_lora, lora_trainable
-from edl.train.kto import kl_estimate, kto_logps, kto_loss, make_kto_step
+from edl.train.kto import (
+    kl_estimate,
+    kto_logps,
+    kto_loss,
+    kto_reference_logps,
+    make_kto_step,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -188,3 +194,27 @@ def test_kto_step_trains_a_lora_against_its_base(tiny_llama):
     _, metrics = make_kto_step(tx, beta=0.5, reference="lora", donate=False)(state, batch)
     want = max(0.0, float(kl_estimate(policy["kl_logps"], base["kl_logps"])))
     np.testing.assert_allclose(float(metrics["kl"]), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow  # two compiled KTO steps of tiny_llama (~8 s)
+def test_kto_references_model_and_batch_give_the_same_step(tiny_llama):
+    """A frozen reference model passed to the step, and its log-probs precomputed into the
+    batch (TRL's precompute_ref_log_probs), give the same metrics and update."""
+    lora = apply_lora(tiny_llama, rank=4, alpha=8, key=jax.random.key(4))
+    tx = optax.sgd(0.1)
+    batch = next(_kto_batches(1, seed=2))
+    frozen = jax.tree.map(lambda x: x * 1.01 if x.dtype == jnp.float32 else x, tiny_llama)
+    runs = []
+    for reference, b, ref_model in (
+        ("model", batch, frozen),
+        ("batch", kto_reference_logps(frozen, batch), None),
+    ):
+        state = edl.create_state(lora, tx, trainable=lora_trainable)
+        step = make_kto_step(tx, reference=reference, reference_model=ref_model, donate=False)
+        runs.append(step(state, b))
+    (s1, m1), (s2, m2) = runs
+    assert float(m1["kl"]) > 0 or float(m1["rewards/margins"]) != 0  # a distinct reference
+    for key in ("loss", "kl", "rewards/chosen", "rewards/rejected"):
+        np.testing.assert_allclose(float(m1[key]), float(m2[key]), rtol=1e-5, atol=1e-6)
+    for a, b2 in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b2), rtol=1e-5, atol=1e-6)

@@ -274,4 +274,4 @@ def make_kto_step(
     loss_fn = _kto_loss_fn(beta, (desirable_weight, undesirable_weight), reference, chunk_size)
     if reference != "model":
         return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
-    return _with_reference(loss_fn, optimizer, reference_model, step_options)
+    return _with_reference(loss_fn, optimizer, reference_model, step_options, who)
