@@ -10,7 +10,8 @@ line) reads the registry instead of a copy of its names.
     QUANT_FORMATS.lookup(name, "QuantConfig.format")         # the entry, or a ValueError
 
 Imports nothing itself; the registries live in the modules that implement their variants
-(``edl.ops.quant``, ``edl.train.preference``, ``edl.train.grpo_objective``).
+(``edl.ops.quant``, ``edl.train.preference``, ``edl.train.grpo_objective``,
+``edl.train.optimizers``).
 """
 
 from __future__ import annotations

@@ -84,7 +84,8 @@ def check_hub(repo_id: str, kind: Literal["model", "dataset"], *, flag: str) -> 
 
 def check_data(spec: str, format: str, *, flag: str) -> None:
     """``spec`` (``--data`` / ``--eval-data``): local files exist and the first record of
-    the first file is a ``format`` record (``"prompt"``: a GRPO prompt); a hub dataset name
+    the first file is a ``format`` record (``"prompt"``: a GRPO prompt; ``"unpaired"``: a KTO
+    record); a hub dataset name
     is read when the data loads. ``CommandError`` naming the flag and the file (and line).
     Only the first file is read (and hashed): a large data set costs nothing here."""
     from edl.text import data_files  # imports the text stack: only when there is data
@@ -107,13 +108,18 @@ def check_data(spec: str, format: str, *, flag: str) -> None:
 
 def _data_format(config: TrainConfig) -> str:
     """The format ``--data``'s records must have for ``config.method``."""
-    return {"sft": config.format, "grpo": "prompt"}.get(config.method, "preference")
+    formats = {"sft": config.format, "grpo": "prompt", "kto": "unpaired"}
+    return formats.get(config.method, "preference")
 
 
 def _check_record(record: dict[str, object], format: str, where: str) -> None:
     from edl.text.sources import validate, validate_prompt
 
-    if format != "prompt":
+    if format == "unpaired":
+        from edl.train.kto_data import check_unpaired
+
+        check_unpaired(record, where)
+    elif format != "prompt":
         validate(record, format, where)
     elif "prompt" not in record:
         raise ValueError(f"{where}: --method grpo reads records with a 'prompt' field")

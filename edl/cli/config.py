@@ -32,7 +32,7 @@ from edl._settings import (
     to_options,
 )
 from edl._settings import option as _option
-from edl.train.options import OPTIMIZERS, SCHEDULES
+from edl.train.options import SCHEDULES, MuonConfig
 from edl.train.run_config import (
     CheckpointConfig,
     EvalConfig,
@@ -86,8 +86,9 @@ class TrainConfig:
         "sft",
         "what to train: sft (next-token loss on --data), dpo (preference pairs: "
         "prompt / chosen / rejected), reward (a reward model on preference pairs), grpo "
-        "(online RL on prompt records with --reward)",
-        choices=("sft", "dpo", "reward", "grpo"),
+        "(online RL on prompt records with --reward), kto (unpaired preferences: prompt / "
+        "completion / label)",
+        choices=("sft", "dpo", "reward", "grpo", "kto"),
     )
     loss_type: str = _option(
         "sigmoid",
@@ -95,11 +96,19 @@ class TrainConfig:
         registry=Registered("edl.train.preference:PREFERENCE_LOSSES"),
     )
     beta: float = _option(
-        0.0, "DPO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)", low=0.0
+        0.0,
+        "DPO's / KTO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)",
+        low=0.0,
+    )
+    desirable_weight: float = _option(
+        1.0, "--method kto: weight of the desirable examples' losses", low=0.0
+    )
+    undesirable_weight: float = _option(
+        1.0, "--method kto: weight of the undesirable examples' losses", low=0.0
     )
     reference: str = _option(
         "auto",
-        "DPO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
+        "DPO / KTO / GRPO reference model: lora (the LoRA-off base, no copy), model (a "
         "frozen copy of --model), auto (lora with --lora-rank, else model)",
         choices=("auto", "lora", "model"),
     )
@@ -139,7 +148,9 @@ class TrainConfig:
     num_layers: int = _option(4, "decoder layers", low=1.0)
     num_heads: int = _option(4, "attention heads (must divide --hidden-size)", low=1.0)
     num_kv_heads: int = _option(2, "key/value heads (must divide --num-heads)", low=1.0)
-    optimizer: str = _option("adamw", "optimizer", choices=OPTIMIZERS)
+    optimizer: str = _option(
+        "adamw", "optimizer", registry=Registered("edl.train.optimizers:OPTIMIZERS")
+    )
     schedule: str = _option("cosine", "learning rate after warmup", choices=SCHEDULES)
     learning_rate: float = _option(
         0.0,
@@ -148,7 +159,8 @@ class TrainConfig:
         low=0.0,
     )
     warmup_steps: int = _option(30, "linear warmup steps", low=0.0)
-    weight_decay: float = _option(0.01, "AdamW / Lion weight decay", low=0.0)
+    weight_decay: float = _option(0.01, "AdamW / Lion / Muon weight decay", low=0.0)
+    muon: MuonConfig = MuonConfig()
     clip_norm: float = _option(
         1.0, "clip the global gradient norm to this (0: no clipping)", low=0.0
     )
@@ -220,6 +232,8 @@ class TrainConfig:
                 + (
                     "prompt records"
                     if method == "grpo"
+                    else "unpaired preference records (prompt / completion / label)"
+                    if method == "kto"
                     else "preference records (prompt / chosen / rejected)"
                 )
             )
@@ -297,6 +311,8 @@ class TrainConfig:
             unused |= set(_EMBEDDED_JOB_OPTIONS)
         if not self.lora_rank:
             unused |= {"lora_alpha", "quantize", "save_base"}
+        if self.optimizer != "muon":
+            unused |= set(leaves(MuonConfig))
         return {name: value for name, value in options.items() if name not in unused}
 
     @classmethod
@@ -327,6 +343,7 @@ _EMBEDDED_JOB_OPTIONS = (
 _METHOD_OPTIONS = {
     "sft": (),
     "dpo": ("loss_type", "beta", "reference"),
+    "kto": ("beta", "reference", "desirable_weight", "undesirable_weight"),
     "reward": (),
     "grpo": (
         "beta",

@@ -1,5 +1,6 @@
-"""``edl train --method dpo|reward|grpo``: post-training a Hugging Face causal LM (full, LoRA
-or QLoRA, as ``--method sft``) with a preference loss, as a reward model, or by GRPO.
+"""``edl train --method dpo|reward|grpo|kto``: post-training a Hugging Face causal LM (full,
+LoRA or QLoRA, as ``--method sft``) with a preference loss, as a reward model, by GRPO or by
+KTO.
 
 - ``dpo``: ``--data`` holds preference records (``prompt`` / ``chosen`` / ``rejected``,
   strings or chat messages), tokenized as TRL does (``edl.text.load_tokenized``) and batched
@@ -13,6 +14,11 @@ or QLoRA, as ``--method sft``) with a preference loss, as a reward model, or by 
   passed to the reward functions), ``--reward module:function`` scores completions sampled
   from the model being trained (``edl.train.make_grpo_step``); ``--steps`` counts GRPO
   iterations of ``--num-iterations`` updates each.
+- ``kto``: ``--data`` holds unpaired preference records (``prompt`` / ``completion``, strings
+  or chat messages, and a boolean ``label``: desirable or not), tokenized as TRL does
+  (``edl.train.kto_data.encode_unpaired``) and batched with KTO's mismatched KL pairs by
+  ``edl.train.kto_data.KTOBatches``; ``edl.train.kto.make_kto_step`` against the
+  ``--reference``, ``--desirable-weight`` / ``--undesirable-weight``.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from edl.train import (
     make_reward_step,
 )
 from edl.train.grpo_rewards import RewardFn
+from edl.train.kto import make_kto_step
+from edl.train.kto_data import KTOBatches, encode_unpaired
 from edl.train.preference import PREFERENCE_LOSSES
 
 __all__ = ["run_post_training"]
@@ -64,6 +72,7 @@ _REPORTED = {
     "dpo": ("rewards/margins", "rewards/accuracies"),
     "reward": ("accuracy", "rewards/margins"),
     "grpo": ("reward_mean", "completion_length", "kl"),
+    "kto": ("rewards/margins", "kl"),
 }
 
 
@@ -103,6 +112,26 @@ def _preference_batches(config: TrainConfig, tokenizer: HFTokenizer) -> Preferen
         pad_id=tokenizer.pad_id,
         seed=config.seed,
     )
+
+
+def _kto_batches(config: TrainConfig, tokenizer: HFTokenizer) -> KTOBatches:
+    """``--data``'s unpaired records, tokenized in memory; errors name the file and line."""
+    try:
+        examples = [
+            encode_unpaired(tokenizer, record, where=where)
+            for where, record in source_of(config.data).records()
+        ]
+        if not examples:
+            raise CommandError(f"{config.data}: no records")
+        return KTOBatches(
+            examples,
+            batch_size=config.batch_size,
+            max_length=config.seq_len,
+            pad_id=tokenizer.pad_id,
+            seed=config.seed,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"{config.data}: {e}") from None
 
 
 def _prompt_batches(config: TrainConfig) -> PromptBatches:
@@ -170,9 +199,21 @@ def _step(
         return make_reward_step(tx, **options)
     reference = config.reference_kind
     uses_reference = (
-        config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference
-    ) or (config.method == "grpo" and config.beta > 0)
+        (config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference)
+        or (config.method == "grpo" and config.beta > 0)
+        or config.method == "kto"
+    )
     frozen = _reference_model(config) if reference == "model" and uses_reference else None
+    if config.method == "kto":
+        return make_kto_step(
+            tx,
+            beta=config.beta or 0.1,
+            desirable_weight=config.desirable_weight,
+            undesirable_weight=config.undesirable_weight,
+            reference=reference,
+            reference_model=frozen,
+            **options,
+        )
     if config.method == "dpo":
         return make_dpo_step(
             tx,
@@ -229,6 +270,8 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     if config.method == "grpo":
         data: Any = _prompt_batches(config)
         reward_fns = reward_functions(config.reward)  # a wrong name fails before any work
+    elif config.method == "kto":
+        data = HostCheckedBatches(_kto_batches(config, tokenizer), model.config.vocab_size)
     else:
         data = HostCheckedBatches(_preference_batches(config, tokenizer), model.config.vocab_size)
     updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)

@@ -127,6 +127,7 @@ def optimizer(
             warmup_steps=min(config.warmup_steps, updates),
             total_steps=updates,
             weight_decay=config.weight_decay,
+            muon=config.muon,
         )
     )
 

@@ -6,7 +6,8 @@ from here without importing jax. The names here are what a training script impor
 rest is in the defining module: the loop's events (``edl.train.core``), the data pipeline's
 pieces (``edl.train.data``), the preference losses and GRPO's objective
 (``edl.train.preference``, ``edl.train.grpo_objective``), the step program
-(``edl.train.jitted``), the option tables (``edl.train.options``).
+(``edl.train.jitted``), the option tables (``edl.train.options``), the optimizer registry
+(``edl.train.optimizers``).
 """
 
 from edl._lazy import lazy_attributes
@@ -15,6 +16,7 @@ _MODULES = {
     "edl.train.core": ("Callback", "StepInfo", "Stop", "callback", "run_loop"),
     "edl.train.data": ("TokenBatches", "batches_from_iterable"),
     "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
+    "edl.train.kto": ("kto_loss", "make_kto_step"),
     "edl.train.loop": ("train",),
     "edl.train.preference": ("dpo_loss",),
     "edl.train.preference_data": ("PreferenceBatches",),
@@ -29,7 +31,8 @@ _MODULES = {
         "ThroughputConfig",
         "TimeLimitConfig",
     ),
-    "edl.train.step": ("OptimizerConfig", "make_eval_step", "make_optimizer", "make_train_step"),
+    "edl.train.optimizers": ("OptimizerConfig", "make_optimizer"),
+    "edl.train.step": ("make_eval_step", "make_train_step"),
     "edl.train.text": ("ByteTokenizer", "load_corpus", "split_corpus"),
 }
 _EXPORTS = {name: f"{module}:{name}" for module, names in _MODULES.items() for name in names}

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl._registry import Registry
+from edl.train.loss_inputs import loss_dtype, widened
 
 __all__ = [
     "GRPO_LOSSES",
@@ -195,11 +196,18 @@ def grpo_loss(
     ``"bnpo"``: the masked mean over all tokens; ``"dr_grpo"``: the masked sum over ``rows *
     max_new_tokens``.
 
+    Log-probs may be float32 or float64; the loss computes in float64 when any is, else
+    float32 (advantages and mask cast alike).
+
     Metrics: ``loss``, ``kl`` (masked mean of k3; 0 without a reference), ``clip_ratio``
     (TRL's ``clip_ratio/region_mean``: tokens whose ratio is clipped on the side where the
     clip binds, masked mean) and ``count`` (completion tokens).
     """
     reduction = GRPO_LOSSES.lookup(loss_type, "grpo_loss: loss_type")
+    dtype = loss_dtype("grpo_loss", logps=logps, old_logps=old_logps, ref_logps=ref_logps)
+    logps, old_logps, advantages, mask, ref_logps = widened(
+        dtype, logps, old_logps, advantages, mask, ref_logps
+    )
     high = epsilon if epsilon_high is None else epsilon_high
     ratio = jnp.exp(logps - old_logps)
     adv = advantages[:, None]
@@ -207,7 +215,7 @@ def grpo_loss(
     per_token = -jnp.minimum(ratio * adv, clipped * adv)
     tokens = jnp.sum(mask)
     masked_mean = lambda x: jnp.sum(x * mask) / jnp.maximum(tokens, 1.0)
-    kl = jnp.zeros((), jnp.float32)
+    kl = jnp.zeros((), dtype)
     if beta != 0.0:
         if ref_logps is None:
             raise ValueError("grpo_loss: beta != 0 needs ref_logps (the reference model's)")
@@ -219,7 +227,7 @@ def grpo_loss(
     metrics = {
         "loss": loss,
         "kl": kl,
-        "clip_ratio": masked_mean(region.astype(jnp.float32)),
+        "clip_ratio": masked_mean(region.astype(dtype)),
         "count": tokens,
     }
     return loss, metrics

@@ -15,13 +15,15 @@ loss is one more entry.
     # batches: dicts of chosen_/rejected_ input_ids, labels (-100 on prompt and padding,
     # unshifted) and attention_mask, int32 (batch, seq); see edl.train.preference_step.
 
-The losses are pure functions of float32 ``(batch,)`` log-probabilities, each returning
+The losses are pure functions of ``(batch,)`` log-probabilities, each returning
 ``(loss, metrics)`` with TRL's metric names as batch means (``rewards/chosen``,
 ``rewards/rejected``, ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``,
 ``logps/rejected``) plus ``loss``. They follow TRL 1.16 (``trl/trainer/dpo_trainer.py``
 ``DPOTrainer._compute_loss``; ``trl/experimental/cpo/cpo_trainer.py`` ``CPOTrainer.cpo_loss``
 for SimPO; ``trl/experimental/orpo/orpo_trainer.py`` ``ORPOTrainer.odds_ratio_loss``), and
-the tests check them against those methods.
+the tests check them against those methods. They take float32 or float64 log-probs and
+compute in the wider of their inputs' dtype and float32 (``edl.train.loss_inputs``), so a
+float64 reference check runs in float64 throughout.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from edl._registry import Registry
 from edl.generate.steps import CausalLM
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_token_logps, mask_without_context
+from edl.train.loss_inputs import loss_dtype, widened
 
 __all__ = [
     "PREFERENCE_LOSSES",
@@ -125,20 +129,26 @@ def _reward_metrics(
     return {
         "rewards/chosen": jnp.mean(chosen_rewards),
         "rewards/rejected": jnp.mean(rejected_rewards),
-        "rewards/accuracies": jnp.mean((chosen_rewards > rejected_rewards).astype(jnp.float32)),
+        "rewards/accuracies": jnp.mean(
+            (chosen_rewards > rejected_rewards).astype(chosen_rewards.dtype)
+        ),
         "rewards/margins": jnp.mean(chosen_rewards - rejected_rewards),
         "logps/chosen": jnp.mean(sg(chosen_logps)),
         "logps/rejected": jnp.mean(sg(rejected_logps)),
     }
 
 
-def _check_logps(name: str, **logps: Array | None) -> None:
-    shapes = {k: v.shape for k, v in logps.items() if v is not None}
+def _check_shapes(name: str, **arrays: Array | None) -> None:
+    shapes = {k: v.shape for k, v in arrays.items() if v is not None}
     if len(set(shapes.values())) > 1 or any(len(s) != 1 for s in shapes.values()):
         raise ValueError(f"{name}: log-probs must all be (batch,) of one size, got {shapes}")
-    dtypes = {k: v.dtype for k, v in logps.items() if v is not None and v.dtype != jnp.float32}
-    if dtypes:
-        raise ValueError(f"{name}: log-probs must be float32, got {dtypes}")
+
+
+def _check_logps(name: str, **logps: Array | None) -> np.dtype:
+    """Checks ``(batch,)`` float log-probs of one size; returns the dtype the loss computes
+    in (``edl.train.loss_inputs.loss_dtype``: float64 for float64 inputs, else float32)."""
+    _check_shapes(name, **logps)
+    return loss_dtype(name, **logps)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +229,7 @@ def _ipo(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
     given: TRL's normalisation)."""
     delta = pairs.chosen - pairs.rejected  # no lengths: per-token log-probs given
     if pairs.chosen_lengths is not None and pairs.rejected_lengths is not None:
-        per_token = lambda x, n: x / jnp.maximum(n.astype(jnp.float32), 1.0)
+        per_token = lambda x, n: x / jnp.maximum(n.astype(x.dtype), 1.0)
         delta = per_token(pairs.chosen, pairs.chosen_lengths) - per_token(
             pairs.rejected, pairs.rejected_lengths
         )
@@ -252,7 +262,7 @@ def _orpo(pairs: Pairs, o: LossOptions) -> tuple[Float[Array, ""], Metrics]:
         _log1mexp(pairs.chosen) - _log1mexp(pairs.rejected)
     )
     ratio = jax.nn.log_sigmoid(log_odds)
-    chosen_nll = pairs.chosen_nll.astype(jnp.float32)
+    chosen_nll = pairs.chosen_nll.astype(pairs.chosen.dtype)
     loss = chosen_nll - o.beta * jnp.mean(ratio)
     sg = jax.lax.stop_gradient
     return loss, {
@@ -325,7 +335,8 @@ def dpo_loss(
     chosen_lengths: Float[Array, " batch"] | Int[Array, " batch"] | None = None,
     rejected_lengths: Float[Array, " batch"] | Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, ""], Metrics]:
-    """DPO on summed completion log-probs ``(batch,)`` float32 of the policy and the reference.
+    """DPO on summed completion log-probs ``(batch,)`` of the policy and the reference
+    (float32 or float64; computed in float64 when any is, else float32).
 
     ``loss_type``: a loss of ``PREFERENCE_LOSSES`` that needs a reference. With ``h =
     (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)``, built in:
@@ -345,12 +356,15 @@ def dpo_loss(
     IPO).
     """
     name = "dpo_loss"
-    _check_logps(
+    dtype = _check_logps(
         name,
         policy_chosen_logps=policy_chosen_logps,
         policy_rejected_logps=policy_rejected_logps,
         ref_chosen_logps=ref_chosen_logps,
         ref_rejected_logps=ref_rejected_logps,
+    )
+    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps = widened(
+        dtype, policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps
     )
     entry = _reference_loss(name, loss_type)
     if beta <= 0:
@@ -364,11 +378,9 @@ def dpo_loss(
         )
     lengths = {}
     if chosen_lengths is not None and rejected_lengths is not None:
-        lengths = {
-            "chosen_lengths": chosen_lengths.astype(jnp.float32),
-            "rejected_lengths": rejected_lengths.astype(jnp.float32),
-        }
-        _check_logps(name, policy_chosen_logps=policy_chosen_logps, **lengths)
+        chosen_lengths, rejected_lengths = widened(dtype, chosen_lengths, rejected_lengths)
+        lengths = {"chosen_lengths": chosen_lengths, "rejected_lengths": rejected_lengths}
+        _check_shapes(name, policy_chosen_logps=policy_chosen_logps, **lengths)
     pairs = Pairs(
         policy_chosen_logps - ref_chosen_logps,
         policy_rejected_logps - ref_rejected_logps,
@@ -387,7 +399,7 @@ def simpo_loss(
     gamma: float = 0.5,
     label_smoothing: float = 0.0,
 ) -> tuple[Float[Array, ""], Metrics]:
-    """SimPO (reference-free) on length-averaged log-probs ``(batch,)`` float32
+    """SimPO (reference-free) on length-averaged log-probs ``(batch,)`` float32 / float64
     (``sequence_logps(..., average=True)``).
 
     ``loss = -(1 - ε) log σ(β h - γ) - ε log σ(-(β h - γ))`` with ``h = chosen - rejected``:
@@ -397,8 +409,11 @@ def simpo_loss(
     ``β * logps``.
     """
     name = "simpo_loss"
-    _check_logps(
+    dtype = _check_logps(
         name, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps
+    )
+    policy_chosen_logps, policy_rejected_logps = widened(
+        dtype, policy_chosen_logps, policy_rejected_logps
     )
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")
@@ -422,7 +437,8 @@ def orpo_loss(
 ) -> tuple[Float[Array, ""], Metrics]:
     """ORPO (reference-free): ``chosen_nll - β mean(log σ(log_odds))`` with
     ``log_odds = (c - r) - (log(1 - e^c) - log(1 - e^r))`` on length-averaged log-probs
-    ``c``, ``r`` ``(batch,)`` float32 (``sequence_logps(..., average=True)``, all < 0).
+    ``c``, ``r`` ``(batch,)`` float32 / float64 (``sequence_logps(..., average=True)``, all
+    < 0).
 
     ``chosen_nll``: the SFT term, the chosen sequences' mean token NLL (TRL's ORPO takes it
     over the whole chosen sequence, prompt included; ``make_dpo_step`` does the same).
@@ -430,8 +446,11 @@ def orpo_loss(
     of ``log σ(log_odds)``), ``log_odds_chosen`` (the mean log odds) and ``nll_loss``.
     """
     name = "orpo_loss"
-    _check_logps(
+    dtype = _check_logps(
         name, policy_chosen_logps=policy_chosen_logps, policy_rejected_logps=policy_rejected_logps
+    )
+    policy_chosen_logps, policy_rejected_logps, chosen_nll = widened(
+        dtype, policy_chosen_logps, policy_rejected_logps, chosen_nll
     )
     if beta <= 0:
         raise ValueError(f"{name}: beta must be > 0, got {beta}")

@@ -292,6 +292,7 @@ def _with_reference(
     optimizer: optax.GradientTransformation,
     reference_model: CausalLM | None,
     step_options: dict[str, Any],
+    who: str = "make_dpo_step",
 ) -> Step:
     """The train step with the reference model's arrays as a constant argument of the
     compiled program (a closure would bake them into it), placed on the step's mesh by its
@@ -309,7 +310,7 @@ def _with_reference(
 
     if not jit:
         if mesh is not None:
-            raise ValueError("make_dpo_step: mesh= needs jit=True")
+            raise ValueError(f"{who}: mesh= needs jit=True")
         return lambda state, batch: step(state, batch, arrays)
     return StepProgram(step, mesh=mesh, rules=rules, donate=donate, constants=arrays)
 

@@ -5,15 +5,13 @@ head's ``compute_loss`` already has that shape). ``make_train_step`` adds gradie
 accumulation (``lax.scan`` over micro-batches, weighted by token counts so the accumulated
 gradient equals the full-batch one), global-norm clipping, the optimizer update, optional
 skipping of non-finite steps, and the standard metrics. Optimizers and schedules are optax's,
-built from a small :class:`OptimizerConfig`.
+built from a small ``OptimizerConfig`` (``edl.train.optimizers``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,112 +25,15 @@ from edl import state as edl_state
 from edl.sharding import Rules
 from edl.state import TrainState
 from edl.train.jitted import StepProgram
-from edl.train.options import OPTIMIZERS, SCHEDULES
+from edl.train.optimizers import OptimizerConfig, make_optimizer, make_schedule
 
-__all__ = [
-    "OptimizerConfig",
-    "global_norm",
-    "make_eval_step",
-    "make_optimizer",
-    "make_schedule",
-    "make_train_step",
-]
+__all__ = ["global_norm", "make_eval_step", "make_train_step"]
+
+# The optimizers moved to edl.train.optimizers; importable from here as before.
+_MOVED = (OptimizerConfig, make_optimizer, make_schedule)
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, Mapping[str, jax.Array]]]
 Batch = Mapping[str, jax.Array]
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """An optax optimizer and learning-rate schedule, by name.
-
-    ``schedule``: ``"cosine"`` (warmup then cosine decay to ``min_lr_ratio * learning_rate``
-    at ``total_steps``), ``"linear"`` (warmup then linear decay to the same floor) or
-    ``"constant"`` (warmup then flat). ``weight_decay`` applies to AdamW and Lion.
-    """
-
-    name: Literal["adamw", "adafactor", "lion", "sgd"] = "adamw"
-    learning_rate: float = 3e-4
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    momentum: float = 0.9
-
-    def __post_init__(self):
-        for field, allowed in (("name", OPTIMIZERS), ("schedule", SCHEDULES)):
-            if getattr(self, field) not in allowed:
-                raise ValueError(
-                    f"OptimizerConfig.{field}: unknown {getattr(self, field)!r}; choose one of "
-                    f"{', '.join(allowed)}"
-                )
-        if self.total_steps < 1 or not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(
-                f"OptimizerConfig: need 0 <= warmup_steps ({self.warmup_steps}) <= total_steps "
-                f"({self.total_steps}) and total_steps >= 1"
-            )
-        ranges = {
-            "learning_rate": (0.0, None),
-            "weight_decay": (0.0, None),
-            "eps": (0.0, None),
-            "min_lr_ratio": (0.0, 1.0),
-            "b1": (0.0, 1.0),
-            "b2": (0.0, 1.0),
-            "momentum": (0.0, 1.0),
-        }
-        for field, (low, high) in ranges.items():
-            value = getattr(self, field)
-            if not low <= value <= (math.inf if high is None else high):
-                bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-                raise ValueError(f"OptimizerConfig.{field} must be {bound}, got {value}")
-
-
-def make_schedule(config: OptimizerConfig) -> optax.Schedule:
-    """The learning rate as a function of the optimizer step (counted from 0).
-
-    Warmup rises linearly over ``warmup_steps`` steps to the peak, from ``peak /
-    warmup_steps`` at step 0: every step moves the weights (a warmup from 0, as transformers'
-    ``get_*_schedule_with_warmup``, spends its first step at learning rate 0). Then the main
-    schedule runs from the peak over the remaining ``total_steps - warmup_steps``."""
-    peak, floor = config.learning_rate, config.learning_rate * config.min_lr_ratio
-    decay_steps = max(1, config.total_steps - config.warmup_steps)
-    if config.schedule == "cosine":
-        main = optax.cosine_decay_schedule(peak, decay_steps, alpha=config.min_lr_ratio)
-    elif config.schedule == "linear":
-        main = optax.linear_schedule(peak, floor, decay_steps)
-    elif config.schedule == "constant":
-        main = optax.constant_schedule(peak)
-    else:
-        raise ValueError(f"OptimizerConfig.schedule: unknown {config.schedule!r}")
-    if config.warmup_steps == 0:
-        return main
-    first = peak / config.warmup_steps  # step k of the warmup: peak * (k + 1) / warmup_steps
-    if config.warmup_steps == 1:
-        return optax.join_schedules([optax.constant_schedule(first), main], [1])
-    warmup = optax.linear_schedule(first, peak, config.warmup_steps - 1)
-    return optax.join_schedules([warmup, main], [config.warmup_steps])
-
-
-def make_optimizer(config: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """``(tx, schedule)`` for ``config``; clipping is done by ``make_train_step``."""
-    lr = make_schedule(config)
-    if config.name == "adamw":
-        tx = optax.adamw(
-            lr, b1=config.b1, b2=config.b2, eps=config.eps, weight_decay=config.weight_decay
-        )
-    elif config.name == "adafactor":
-        tx = optax.adafactor(lr)
-    elif config.name == "lion":
-        tx = optax.lion(lr, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay)
-    elif config.name == "sgd":
-        tx = optax.sgd(lr, momentum=config.momentum)
-    else:
-        raise ValueError(f"OptimizerConfig.name: unknown optimizer {config.name!r}")
-    return tx, lr
 
 
 def all_finite(tree: PyTree) -> jax.Array:
