@@ -31,7 +31,7 @@ _MODULES = {
         "ThroughputConfig",
         "TimeLimitConfig",
     ),
-    "edl.train.optimizers": ("OptimizerConfig", "make_optimizer"),
+    "edl.train.optimizers": ("OPTIMIZERS", "OptimizerConfig", "make_optimizer"),
     "edl.train.step": ("make_eval_step", "make_train_step"),
     "edl.train.text": ("ByteTokenizer", "load_corpus", "split_corpus"),
 }
