@@ -47,7 +47,9 @@ class Family:
     """``config_cls.from_hf(dict)`` reads configs; ``tasks`` maps task -> model class (the
     first is the default); ``hf_names`` maps each covered ``model_type`` to its HF class
     prefix ("Llama"). ``key_table``: the family's table, or a function of the config giving
-    it (a model whose parts come from other families: LLaVA's language model)."""
+    it (a model whose parts come from other families: LLaVA's language model).
+    ``architectures``: task -> HF class name where it is not the prefix + the task's suffix
+    (Gemma 3's text model: ``Gemma3ForCausalLM`` but ``Gemma3TextModel``)."""
 
     name: str
     config_cls: type
@@ -56,6 +58,11 @@ class Family:
     hf_names: Mapping[str, str]
     task_tables: Mapping[str, KeyTable] = dataclasses.field(default_factory=dict)
     module_table: Callable[[Any], KeyTable] | None = None
+    architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def architecture_for(self, model_type: str, task: str) -> str:
+        """The HF class name of ``task``'s model of ``model_type`` (``"Qwen2ForCausalLM"``)."""
+        return self.architectures.get(task) or self.hf_names[model_type] + TASKS[task]
 
     def module_table_for(self, config: Any, model_cls: type | None = None) -> KeyTable:
         """The table of HF's in-memory module names (PEFT adapters name modules): the file
@@ -145,7 +152,7 @@ def family_of(model: eqx.Module) -> tuple[Family, str]:
 def architecture(model: eqx.Module) -> str:
     """The HF architecture name (``"Qwen2ForCausalLM"``) of a model instance."""
     family, task = family_of(model)
-    return family.hf_names[model.config.model_type] + TASKS[task]
+    return family.architecture_for(model.config.model_type, task)
 
 
 def registered() -> tuple[Family, ...]:
