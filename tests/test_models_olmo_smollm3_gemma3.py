@@ -25,6 +25,7 @@ from edl.io.formats import hf
 from edl.io.formats.peft import load_adapter, save_adapter
 from edl.lora import apply_lora
 from edl.models import configure
+from edl.models.features import features
 from edl.models.gemma3 import Gemma3TextConfig
 from edl.models.olmo import Olmo2Config, Olmo3Config
 from edl.models.smollm3 import SmolLM3Config
@@ -281,3 +282,57 @@ def test_scanned_train_step_equals_unrolled(model_type):
     for a, b in zip(jax.tree.leaves(m1), jax.tree.leaves(m2), strict=True):
         if eqx.is_array(a):
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_features_name_each_layout():
+    """What ``edl info`` prints: each family's distinctive features and its schedule."""
+    assert features(Gemma3TextConfig()) == [
+        "GQA 8/4 heads of 256",
+        "q/k norms per head",
+        "attention scale 0.0625",
+        "RoPE theta 1e+06",
+        "sliding window 4096 on 22/26 layers",
+        "sliding layers RoPE theta 10000",
+        "sandwich norms",
+        "norm scale 1 + w",
+        "scaled embeddings",
+        "gelu_pytorch_tanh MLP",
+        "tied head",
+        "26 layers scanned as 4 x 6 + 2 x 1 (repeats x period)",
+    ]
+    smol = features(SmolLM3Config())
+    assert "NoPE on 9/36 layers" in smol and smol[-1].startswith("36 layers scanned as 9 x 4")
+    olmo = features(Olmo3Config())
+    assert {"q/k norms over all heads", "post-norms", "sliding window 4096 on 24/32 layers"} <= set(
+        olmo
+    )
+    assert features(None) == []
+
+
+def test_edl_info_prints_the_features(tmp_path, capsys):
+    from edl.cli import main
+
+    hf_model = _hf_model("olmo2")
+    hf_model.save_pretrained(tmp_path)
+    main(["info", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "Olmo2ForCausalLM: GQA 4/2 heads of 8; attention biases; q/k norms over all heads" in out
+    assert "post-norms" in out and "model.layers.post_feedforward_layernorm.weight" in out
+
+
+def test_unsupported_variants_and_layouts_say_what_is_missing():
+    for model_type, missing in (("gemma3", "SigLIP tower"), ("gemma3n", "per-layer embeddings")):
+        with pytest.raises(ValueError, match=f"unsupported model_type '{model_type}': .*{missing}"):
+            edl.models.registry.resolve({"model_type": model_type})
+    # HF's sliding mask would use sliding_window where its attention does not.
+    smol = {**VARIANTS["smollm3"]().to_dict(), "layer_types": ["sliding_attention"] * 8}
+    with pytest.raises(ValueError, match="use_sliding_window is off"):
+        SmolLM3Config.from_hf(smol)
+    with pytest.raises(ValueError, match=r"\['post_norms'\] must keep edl's defaults"):
+        edl.models.LlamaConfig(num_hidden_layers=1, post_norms=True).to_hf()
+    with pytest.raises(ValueError, match=r"\['nope_layers'\] must keep edl's defaults"):
+        Olmo2Config(num_hidden_layers=2, nope_layers=(1,)).to_hf()
+    with pytest.raises(ValueError, match="HF's Gemma 3 applies none"):
+        Gemma3TextConfig(num_hidden_layers=2, attn_softcap=5.0).to_hf()
+    with pytest.raises(ValueError, match="nope_layers must be a tuple of layer indices"):
+        SmolLM3Config(num_hidden_layers=2, nope_layers=(2,))

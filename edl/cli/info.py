@@ -94,10 +94,11 @@ def run_report(path: Path) -> list[str]:
 
 
 def run_info(path: Path) -> None:
-    """Print what a run did (:func:`run_report`), its checkpoints (the newest's state.json)
-    and the model's summary."""
+    """Print what a run did (:func:`run_report`), its checkpoints (the newest's state.json),
+    the model's architecture features (``edl.models.features``) and its summary."""
     import edl
     from edl.io.export import load_model
+    from edl.models.features import features
 
     if not path.exists():
         raise CommandError(f"{path} does not exist")
@@ -116,6 +117,9 @@ def run_info(path: Path) -> None:
         model = load_model(model_dir)  # an adapter-only checkpoint: its base is found first
     except (OSError, ValueError) as e:
         raise CommandError(str(e)) from None
+    described = features(getattr(model, "config", None))
+    if described:
+        print(f"{type(model).__name__}: {'; '.join(described)}")
     print(edl.summary(model))
 
 

@@ -85,6 +85,23 @@ class Family:
 
 _BY_MODEL_TYPE: dict[str, Family] = {}
 
+# Model types close to a supported family that edl refuses, and what they lack (the error
+# names it rather than only listing what edl builds).
+UNSUPPORTED = {
+    "gemma3": "Gemma 3's multimodal model (its SigLIP tower and projector) is not supported; "
+    "the text model alone loads as model_type 'gemma3_text'",
+    "gemma3n": "Gemma 3n's per-layer embeddings, AltUp, LAuReL and activation sparsity are "
+    "not implemented",
+}
+
+
+def _unsupported(model_type: Any) -> ValueError:
+    reason = UNSUPPORTED.get(model_type) if isinstance(model_type, str) else None
+    why = f": {reason}" if reason else ""
+    return ValueError(
+        f"unsupported model_type {model_type!r}{why}; edl builds {sorted(_BY_MODEL_TYPE)}"
+    )
+
 
 def register(family: Family) -> Family:
     """File ``family`` under each of its model types (a later registration wins)."""
@@ -116,10 +133,7 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
         )
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
-        raise ValueError(
-            f"config.json: unsupported model_type {model_type!r}; edl builds "
-            f"{sorted(_BY_MODEL_TYPE)}"
-        )
+        raise ValueError(f"config.json: {_unsupported(model_type)}")
     family = _BY_MODEL_TYPE[model_type]
     if task is None:
         archs = hf_config.get("architectures") or []
@@ -134,9 +148,7 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
 def family_for(model_type: str) -> Family:
     """The family registered for a HF ``model_type`` (``ValueError`` naming the known ones)."""
     if model_type not in _BY_MODEL_TYPE:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; edl builds {sorted(_BY_MODEL_TYPE)}"
-        )
+        raise _unsupported(model_type)
     return _BY_MODEL_TYPE[model_type]
 
 
