@@ -54,6 +54,7 @@ def _tuples(name, value):
         "layer_windows": [(1,) * n, (None,) * n],
         "layer_mlps": [("dense",) * n, ("moe",) * n],
         "vision_feature_layer": [(-1,)],
+        "nope_layers": [(0,), ()],
     }.get(name, [])
 
 
@@ -64,6 +65,8 @@ def _candidates(name, value):
         return [value * 2, value + 1, 1, 4]
     if isinstance(value, float):
         return [value * 2 + 1.0]
+    if value is None and name == "sliding_rope":
+        return [RopeConfig(dim=2, theta=50.0)]
     if value is None:
         return [1.5, 1, True, "regression"]
     if isinstance(value, str):

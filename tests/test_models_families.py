@@ -29,7 +29,9 @@ from edl.models import configure, flops_per_token, registry
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TYPES = ["gemma", "gemma2", "mixtral", "qwen3_moe"]
+TYPES = ["gemma", "gemma2", "mixtral", "qwen3_moe", "olmo2", "olmo3", "smollm3", "gemma3_text"]
+# The families of tests/test_models_olmo_smollm3_gemma3.py (their other checks are there).
+NEW_TYPES = ("olmo2", "olmo3", "smollm3", "gemma3_text")
 
 
 def _hf_config(model_type, **overrides):
@@ -77,6 +79,54 @@ def _hf_config(model_type, **overrides):
             norm_topk_prob=False,
             output_router_logits=True,
             router_aux_loss_coef=0.1,
+        ),
+        # Norms after attention / MLP, q/k norms over all heads, attention biases.
+        "olmo2": lambda: transformers.Olmo2Config(
+            **common,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+        ),
+        # Three sliding layers then a global one, plus a tail; the sliding layers with their
+        # own RoPE base; a tied head.
+        "olmo3": lambda: transformers.Olmo3Config(
+            **common,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=4,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+        # NoPE every second layer, sliding windows on those, a tied head.
+        "smollm3": lambda: transformers.SmolLM3Config(
+            **common,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=4,
+        ),
+        # One period of five sliding layers and a global one, plus a tail; linear scaling on
+        # the global layers, a small local base; per-head (1 + w) q/k norms.
+        "gemma3_text": lambda: transformers.Gemma3TextConfig(
+            **common,
+            num_hidden_layers=7,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            query_pre_attn_scalar=20,
+            eos_token_id=None,  # HF's default (1) would end generations early
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 50.0},
+            },
         ),
     }[model_type]()
     for k, v in overrides.items():

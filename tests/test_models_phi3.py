@@ -297,10 +297,10 @@ def test_edl_info_names_the_family_and_its_features(tmp_path, capsys):
     main(["info", str(tmp_path)])
     first = capsys.readouterr().out.splitlines()[0]
     assert first == (
-        "Phi3ForCausalLM (model_type phi3): multi-query attention (4 query heads, 1 key/value "
-        "head); fused qkv_proj and gate_up_proj matrices; RoPE longrope (theta 10000, factor 4, "
-        "original context 16, attention factor 1.225, partial rotary: 4 of 8 dims); sliding "
-        "window 5 on every layer; tied embeddings"
+        "Phi3ForCausalLM (model_type phi3): MQA 4/1 heads of 8; fused qkv_proj and gate_up_proj "
+        "matrices; RoPE longrope x4 theta 10000 (original context 16, attention factor 1.225, "
+        "partial rotary: 4 of 8 dims); sliding window 5 on 2/2 layers; pre-norms; silu MLP; "
+        "tied head; 2 layers scanned as 2 x 1 (repeats x period)"
     )
 
 

@@ -1,10 +1,13 @@
 """The README's tour runs as written, CI runs the README's test command, and the names the
-README and the docs pages give exist (the docs' code blocks and site: tests/test_docs.py)."""
+README and the docs pages give exist (the docs' code blocks and site: tests/test_docs.py); the
+README's model table lists every model_type edl builds."""
 
 import importlib
 import re
 import types
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -154,3 +157,19 @@ def test_every_test_a_promise_names_exists():
         for m in re.findall(r"^def (test_\w+)", path.read_text(), flags=re.M)
     }
     assert not named - defined, sorted(named - defined)
+
+
+def test_the_model_table_lists_every_model_type():
+    """The README's model table names each HF ``model_type`` edl builds, and every type it
+    names as unsupported raises an error naming what is missing."""
+    from edl.models import families, registry
+
+    section = README.split("## Models", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (`[^|]*) \|", section, flags=re.M)
+    listed = {t for row in rows[1:] for t in re.findall(r"`(\w+)`", row)}  # [0]: header
+    built = {t for f in registry.registered() for t in f.hf_names}
+    assert listed == built
+    for model_type, reason in families.UNSUPPORTED.items():
+        assert f"`{model_type}`" in section.split("Not supported", 1)[1]
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            registry.family_for(model_type)

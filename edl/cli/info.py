@@ -94,8 +94,8 @@ def run_report(path: Path) -> list[str]:
 
 
 def run_info(path: Path) -> None:
-    """Print what a run did (:func:`run_report`), its checkpoints (the newest's state.json)
-    and the model's summary."""
+    """Print what a run did (:func:`run_report`), its checkpoints (the newest's state.json),
+    the model's architecture features (``edl.models.features``) and its summary."""
     import edl
     from edl.io.export import load_model
 
@@ -123,16 +123,19 @@ def run_info(path: Path) -> None:
 
 
 def model_line(model: Any) -> str | None:
-    """``"<HF architecture> (model_type <t>): <feature>; <feature>; ..."`` for a decoder
-    (``edl.models.features``); ``None`` for other models (vision towers, LLaVA)."""
+    """``"<HF architecture> (model_type <t>): <feature>; <feature>; ..."`` for a decoder, or
+    a model nesting one (LLaVA: its language model's features; ``edl.models.features``);
+    ``None`` for other models (vision towers)."""
     from edl.models.config import DecoderConfig
     from edl.models.features import features
     from edl.models.registry import architecture
 
     config = getattr(model, "config", None)
-    if not isinstance(config, DecoderConfig):
+    described = features(config)
+    if not described:
         return None
-    return f"{architecture(model)} (model_type {config.model_type}): " + "; ".join(features(config))
+    name = architecture(model) if isinstance(config, DecoderConfig) else type(model).__name__
+    return f"{name} (model_type {config.model_type}): " + "; ".join(described)
 
 
 def _sharded_summary(checkpoint: Path) -> str:

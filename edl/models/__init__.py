@@ -11,7 +11,8 @@ causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA'
 classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
-``edl.models.gemma``, ``edl.models.mixtral``, ``edl.models.qwen3_moe``, ``edl.models.phi3``,
+``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.mixtral``, ``edl.models.olmo``,
+``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
 ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
@@ -21,13 +22,16 @@ from edl.models.clip import CLIPModel
 from edl.models.config import DecoderConfig, RunOptions, flops_per_token
 from edl.models.encoder_config import CLIPConfig, SiglipConfig
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
+from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
 from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
+from edl.models.olmo import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from edl.models.siglip import SiglipModel
+from edl.models.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 
 __all__ = [
     "CLIPConfig",
@@ -35,6 +39,8 @@ __all__ = [
     "DecoderConfig",
     "Gemma2Config",
     "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3TextConfig",
     "GemmaConfig",
     "GemmaForCausalLM",
     "LlamaConfig",
@@ -44,6 +50,10 @@ __all__ = [
     "LlavaForConditionalGeneration",
     "MixtralConfig",
     "MixtralForCausalLM",
+    "Olmo2Config",
+    "Olmo2ForCausalLM",
+    "Olmo3Config",
+    "Olmo3ForCausalLM",
     "Phi3Config",
     "Phi3ForCausalLM",
     "Qwen3MoeConfig",
@@ -51,6 +61,8 @@ __all__ = [
     "RunOptions",
     "SiglipConfig",
     "SiglipModel",
+    "SmolLM3Config",
+    "SmolLM3ForCausalLM",
     "configure",
     "flops_per_token",
     "registry",

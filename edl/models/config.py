@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
+from edl.models.rope_config import rope_to_hf
 from edl.models.validation import check_fields, check_hf_values
 from edl.nn.stack import check_remat
 from edl.ops.activations import activation
@@ -164,10 +165,11 @@ class DecoderConfig:
     (``num_attention_heads``), ``head_dim`` (``hidden_size // num_attention_heads``),
     ``rope`` (default RoPE over ``head_dim`` with the family's theta), ``layer_windows``
     (each layer's sliding window, ``None`` for full attention; default ``sliding_window`` on
-    every layer), ``layer_mlps`` (which layers are ``"moe"``, with ``num_experts`` experts
-    and ``num_experts_per_tok`` per token, and which ``"dense"``; default every layer MoE
-    when ``num_experts > 0``) and ``attn_scale`` (``None``: ``head_dim ** -0.5``, applied by
-    the attention op). ``run`` holds the run options.
+    every layer), ``sliding_rope`` (the sliding layers' RoPE; default ``rope``),
+    ``nope_layers`` (the layers without RoPE; default none), ``layer_mlps`` (which layers
+    are ``"moe"``, with ``num_experts`` experts and ``num_experts_per_tok`` per token, and
+    which ``"dense"``; default every layer MoE when ``num_experts > 0``) and ``attn_scale``
+    (``None``: ``head_dim ** -0.5``, applied by the attention op). ``run`` holds the run options.
     """
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ()
@@ -209,8 +211,15 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm of each q / k head before RoPE
+    # OLMo 2: one q (k) norm over all heads' features (``heads * head_dim``), not per head.
+    qk_norm_over_heads: bool = False
     sliding_window: int | None = None
     layer_windows: tuple[int | None, ...] | None = Derived()
+    # RoPE of the sliding-window layers where it differs from ``rope`` (Gemma 3's
+    # ``rope_local_base_freq``, OLMo 3's ``rope_parameters["sliding_attention"]``).
+    sliding_rope: RopeConfig | None = Derived()
+    nope_layers: tuple[int, ...] | None = Derived()  # SmolLM3: layers without RoPE (NoPE)
+    post_norms: bool = False  # OLMo 2: norms after attention / MLP only, none before
     # The Gemma line.
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's 1 + w
     embed_scale: bool = False  # token embeddings times sqrt(hidden_size)
@@ -264,12 +273,26 @@ class DecoderConfig:
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}"
             )
-        if self.rope.dim > self.head_dim:
-            raise ValueError(f"rope.dim {self.rope.dim} exceeds head_dim {self.head_dim}")
+        for name in ("rope", "sliding_rope"):
+            rope = getattr(self, name)
+            if not isinstance(rope, RopeConfig | None):
+                raise ValueError(f"{name} must be a RopeConfig or None, got {rope!r}")
+            if rope is not None and rope.dim > self.head_dim:
+                raise ValueError(f"{name}.dim {rope.dim} exceeds head_dim {self.head_dim}")
         self._check_per_layer("layer_windows", self.layer_windows)
         if any(w is not None and w <= 0 for w in self.layer_windows):
             raise ValueError(f"sliding windows must be positive, got {self.layer_windows}")
         self._check_per_layer("layer_mlps", self.layer_mlps)
+        if not isinstance(self.nope_layers, tuple) or any(
+            isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_hidden_layers
+            for i in self.nope_layers
+        ):
+            raise ValueError(
+                f"nope_layers must be a tuple of layer indices in [0, {self.num_hidden_layers}), "
+                f"got {self.nope_layers!r}"
+            )
+        if self.post_norms and self.sandwich_norms:
+            raise ValueError("post_norms (OLMo 2) and sandwich_norms (Gemma 2) exclude each other")
         if set(self.layer_mlps) - set(MLP_KINDS):
             raise ValueError(f"layer_mlps entries must be {MLP_KINDS}, got {self.layer_mlps}")
         if "moe" in self.layer_mlps and not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -315,6 +338,12 @@ class DecoderConfig:
     def _default_layer_mlps(self) -> tuple[str, ...]:
         return ("moe" if self.num_experts > 0 else "dense",) * self.num_hidden_layers
 
+    def _default_sliding_rope(self) -> RopeConfig | None:
+        return None  # the sliding layers rotate with ``rope``
+
+    def _default_nope_layers(self) -> tuple[int, ...]:
+        return ()
+
     def _default_attn_scale(self) -> float | None:
         return None  # the attention op's default, head_dim ** -0.5
 
@@ -322,6 +351,18 @@ class DecoderConfig:
     def expert_intermediate_size(self) -> int:
         """Each expert's MLP width."""
         return self.moe_intermediate_size or self.intermediate_size
+
+    @property
+    def layer_settings(self) -> tuple[tuple[int | None, RopeConfig | None], ...]:
+        """Each layer's static ``(window, rope)``: its sliding window (``None``: global) and
+        the RoPE it applies (``sliding_rope`` on sliding layers where set, ``None`` on the
+        ``nope_layers``). Layers of equal settings share a scan (``edl.nn.schedule``)."""
+        nope = set(self.nope_layers)
+        out = []
+        for i, window in enumerate(self.layer_windows):
+            rope = self.sliding_rope if window is not None and self.sliding_rope else self.rope
+            out.append((window, None if i in nope else rope))
+        return tuple(out)
 
     @property
     def layer_groups(self) -> tuple[str, ...]:
@@ -447,14 +488,15 @@ class DecoderConfig:
         return out
 
     def _common_to_hf(self, architectures: list[str] | None) -> dict[str, Any]:
+        # Layout features only the families listing them in WRITES can express.
+        used = [f for f in self.LAYOUT_FEATURES if f not in self.WRITES and getattr(self, f)]
+        self._require(not used, f"{used} must keep edl's defaults")
         out: dict[str, Any] = {k: json.loads(v) for k, v in self.hf_extra}
         for labels in ("id2label", "label2id"):  # stale once num_labels was changed
             if labels in out and len(out[labels]) != self.num_labels:
                 del out[labels]
         rope = self.rope
-        rope_params = rope.hf_parameters()
-        if rope.dim != self.head_dim:
-            rope_params["partial_rotary_factor"] = rope.dim / self.head_dim
+        rope_params = rope_to_hf(rope, self.head_dim)
         out.update(
             model_type=self.model_type,
             vocab_size=self.vocab_size,
@@ -480,6 +522,14 @@ class DecoderConfig:
         if architectures is not None:
             out["architectures"] = list(architectures)
         return out
+
+    LAYOUT_FEATURES: ClassVar[tuple[str, ...]] = (
+        "qk_norm_over_heads",
+        "sliding_rope",
+        "nope_layers",
+        "post_norms",
+    )
+    WRITES: ClassVar[frozenset[str]] = frozenset()  # the LAYOUT_FEATURES a to_hf writes
 
     GEMMA_FEATURES: ClassVar[tuple[str, ...]] = (
         "norm_offset",

@@ -118,11 +118,14 @@ class DecoderLayer(eqx.Module):
     """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``. With sandwich norms
     (Gemma 2), each branch's output is normalised too before the residual add:
     ``post_attention_layernorm`` then follows attention and ``pre_feedforward_layernorm`` /
-    ``post_feedforward_layernorm`` wrap the MLP (HF's names for either layout)."""
+    ``post_feedforward_layernorm`` wrap the MLP (HF's names for either layout). With post
+    norms (OLMo 2) only the outputs are: ``h += norm(attn(h)); h += norm(mlp(h))``, through
+    ``post_attention_layernorm`` and ``post_feedforward_layernorm`` (no
+    ``input_layernorm``)."""
 
     self_attn: Attention
     mlp: GatedMLP | SparseMoE
-    input_layernorm: RMSNorm
+    input_layernorm: RMSNorm | None
     post_attention_layernorm: RMSNorm
     pre_feedforward_layernorm: RMSNorm | None
     post_feedforward_layernorm: RMSNorm | None
@@ -143,6 +146,8 @@ class DecoderLayer(eqx.Module):
             qkv_bias=c.qkv_bias,
             o_bias=c.o_bias,
             qk_norm_eps=c.rms_norm_eps if c.qk_norm else None,
+            qk_norm_offset=c.norm_offset,
+            qk_norm_over_heads=c.qk_norm_over_heads,
             fused_qkv=c.FUSED_PROJECTIONS,
             std=std,
             dtype=dtype,
@@ -171,14 +176,16 @@ class DecoderLayer(eqx.Module):
                 dtype=dtype,
                 key=k_mlp,
             )
-        sandwich = _norm(c, dtype) if c.sandwich_norms else None
-        return cls(attn, block, _norm(c, dtype), _norm(c, dtype), sandwich, sandwich)
+        pre = None if c.post_norms else _norm(c, dtype)
+        pre_mlp = _norm(c, dtype) if c.sandwich_norms else None
+        post_mlp = _norm(c, dtype) if c.sandwich_norms or c.post_norms else None
+        return cls(attn, block, pre, _norm(c, dtype), pre_mlp, post_mlp)
 
     def __call__(
         self,
         h: Hidden,
-        cos: Float[Array, "batch seq rope_dim"],
-        sin: Float[Array, "batch seq rope_dim"],
+        cos: Float[Array, "batch seq rope_dim"] | None,
+        sin: Float[Array, "batch seq rope_dim"] | None,
         segment_ids: tuple[Ids, Ids] | None,
         *,
         config: DecoderConfig,
@@ -186,9 +193,9 @@ class DecoderLayer(eqx.Module):
         token_mask: Float[Array, "batch seq"] | None = None,
     ) -> tuple[Hidden, RouterStats | None]:
         """The block and its router statistics (``None`` for a dense MLP); ``token_mask``
-        keeps padding out of those statistics."""
+        keeps padding out of those statistics. ``cos`` / ``sin`` ``None``: no RoPE."""
         attn = self.self_attn(
-            self.input_layernorm(h),
+            self._pre_attn(h),
             cos,
             sin,
             segment_ids,
@@ -202,8 +209,8 @@ class DecoderLayer(eqx.Module):
     def decode(
         self,
         h: Hidden,
-        cos: Float[Array, "batch seq rope_dim"],
-        sin: Float[Array, "batch seq rope_dim"],
+        cos: Float[Array, "batch seq rope_dim"] | None,
+        sin: Float[Array, "batch seq rope_dim"] | None,
         cache: KVCacheLike,
         layer: Int[Array, ""] | int,
         *,
@@ -212,7 +219,7 @@ class DecoderLayer(eqx.Module):
     ) -> tuple[Hidden, KVCacheLike]:
         """The block on new tokens through a KV cache (see ``Attention.decode``)."""
         attn, cache = self.self_attn.decode(
-            self.input_layernorm(h),
+            self._pre_attn(h),
             cos,
             sin,
             cache,
@@ -224,14 +231,22 @@ class DecoderLayer(eqx.Module):
         )
         return self._residual_mlp(self._residual_attn(h, attn), config, None)[0], cache
 
+    def _pre_attn(self, h: jax.Array) -> jax.Array:
+        return h if self.input_layernorm is None else self.input_layernorm(h)
+
     def _residual_attn(self, h: jax.Array, attn: jax.Array) -> jax.Array:
-        if self.pre_feedforward_layernorm is not None:
+        # Sandwich and post norms normalise attention's output; pre-norm the MLP's input.
+        if self.pre_feedforward_layernorm is not None or self.input_layernorm is None:
             attn = self.post_attention_layernorm(attn)
         return h + attn.astype(h.dtype)
 
     def _residual_mlp(self, h, config, token_mask):
-        sandwich = self.pre_feedforward_layernorm is not None
-        x = self.pre_feedforward_layernorm(h) if sandwich else self.post_attention_layernorm(h)
+        if self.pre_feedforward_layernorm is not None:  # sandwich
+            x = self.pre_feedforward_layernorm(h)
+        elif self.input_layernorm is None:  # post norms: the MLP sees the residual
+            x = h
+        else:
+            x = self.post_attention_layernorm(h)
         stats = None
         if isinstance(self.mlp, SparseMoE):
             y, stats = self.mlp(
@@ -242,7 +257,7 @@ class DecoderLayer(eqx.Module):
             )
         else:
             y = self.mlp(x)
-        if sandwich:
+        if self.post_feedforward_layernorm is not None:
             y = self.post_feedforward_layernorm(y)
         return h + y.astype(h.dtype), stats
 
@@ -259,6 +274,14 @@ def _positions_from_segments(segment_ids: Ids) -> Ids:
         axis=1,
     )
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
+
+
+def _rope_tables(positions: Ids, config: DecoderConfig, valid: Mask | None = None) -> dict:
+    """``(cos, sin)`` for each RoPE the layers use (``config.layer_settings``), computed once
+    for all layers; ``None`` (NoPE layers) maps to ``(None, None)``. ``valid``: the new
+    tokens of a cached call (``rope_tables``: the length of length-dependent RoPEs)."""
+    ropes = dict.fromkeys(rope for _, rope in config.layer_settings)
+    return {r: (None, None) if r is None else rope_tables(positions, r, valid) for r in ropes}
 
 
 def _check_2d(name: str, x: jax.Array | None, batch: int, seq: int) -> None:
@@ -404,14 +427,15 @@ class DecoderModel(eqx.Module):
                 else jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32)[None], (batch, seq))
             )
         position_ids = _broadcast_positions(position_ids, batch, seq)
-        cos, sin = rope_tables(position_ids, c.rope)
+        tables = _rope_tables(position_ids, c)
         segments = padding_segments(attention_mask, segment_ids)
         token_mask = None if attention_mask is None else attention_mask.astype(jnp.float32)
 
-        def apply(layer: DecoderLayer, carry, window: int | None, _):
+        def apply(layer: DecoderLayer, carry, setting, _):
             h, stats = carry
+            window, rope = setting
             h, layer_stats = layer(
-                h, cos, sin, segments, config=c, window=window, token_mask=token_mask
+                h, *tables[rope], segments, config=c, window=window, token_mask=token_mask
             )
             if layer_stats is not None:
                 stats = stats + layer_stats
@@ -423,7 +447,7 @@ class DecoderModel(eqx.Module):
             layers,
             (h, stats0),
             apply,
-            settings=c.layer_windows,
+            settings=c.layer_settings,
             groups=groups,
             scan=c.run.scan_layers,
             remat=c.run.remat,
@@ -448,18 +472,19 @@ class DecoderModel(eqx.Module):
             if attention_mask is None
             else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
         )
-        cos, sin = rope_tables(position_ids, c.rope, valid=attention_mask)
+        tables = _rope_tables(position_ids, c, valid=attention_mask)
 
-        def apply(layer: DecoderLayer, carry, window: int | None, index):
+        def apply(layer: DecoderLayer, carry, setting, index):
             h, cache = carry
-            return layer.decode(h, cos, sin, cache, index, config=c, window=window)
+            window, rope = setting
+            return layer.decode(h, *tables[rope], cache, index, config=c, window=window)
 
         layers, groups = self._stacks()
         (h, cache), _ = run_stack(
             layers,
             (h, cache.reserve(num_new)),
             apply,
-            settings=c.layer_windows,
+            settings=c.layer_settings,
             groups=groups,
             scan=c.run.scan_layers,
         )

@@ -47,7 +47,9 @@ class Family:
     """``config_cls.from_hf(dict)`` reads configs; ``tasks`` maps task -> model class (the
     first is the default); ``hf_names`` maps each covered ``model_type`` to its HF class
     prefix ("Llama"). ``key_table``: the family's table, or a function of the config giving
-    it (a model whose parts come from other families: LLaVA's language model)."""
+    it (a model whose parts come from other families: LLaVA's language model).
+    ``architectures``: task -> HF class name where it is not the prefix + the task's suffix
+    (Gemma 3's text model: ``Gemma3ForCausalLM`` but ``Gemma3TextModel``)."""
 
     name: str
     config_cls: type
@@ -56,6 +58,11 @@ class Family:
     hf_names: Mapping[str, str]
     task_tables: Mapping[str, KeyTable] = dataclasses.field(default_factory=dict)
     module_table: Callable[[Any], KeyTable] | None = None
+    architectures: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def architecture_for(self, model_type: str, task: str) -> str:
+        """The HF class name of ``task``'s model of ``model_type`` (``"Qwen2ForCausalLM"``)."""
+        return self.architectures.get(task) or self.hf_names[model_type] + TASKS[task]
 
     def module_table_for(self, config: Any, model_cls: type | None = None) -> KeyTable:
         """The table of HF's in-memory module names (PEFT adapters name modules): the file
@@ -77,6 +84,23 @@ class Family:
 
 
 _BY_MODEL_TYPE: dict[str, Family] = {}
+
+# Model types close to a supported family that edl refuses, and what they lack (the error
+# names it rather than only listing what edl builds).
+UNSUPPORTED = {
+    "gemma3": "Gemma 3's multimodal model (its SigLIP tower and projector) is not supported; "
+    "the text model alone loads as model_type 'gemma3_text'",
+    "gemma3n": "Gemma 3n's per-layer embeddings, AltUp, LAuReL and activation sparsity are "
+    "not implemented",
+}
+
+
+def _unsupported(model_type: Any) -> ValueError:
+    reason = UNSUPPORTED.get(model_type) if isinstance(model_type, str) else None
+    why = f": {reason}" if reason else ""
+    return ValueError(
+        f"unsupported model_type {model_type!r}{why}; edl builds {sorted(_BY_MODEL_TYPE)}"
+    )
 
 
 def register(family: Family) -> Family:
@@ -109,10 +133,7 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
         )
     model_type = hf_config.get("model_type")
     if not isinstance(model_type, str) or model_type not in _BY_MODEL_TYPE:
-        raise ValueError(
-            f"config.json: unsupported model_type {model_type!r}; edl builds "
-            f"{sorted(_BY_MODEL_TYPE)}"
-        )
+        raise ValueError(f"config.json: {_unsupported(model_type)}")
     family = _BY_MODEL_TYPE[model_type]
     if task is None:
         archs = hf_config.get("architectures") or []
@@ -127,9 +148,7 @@ def resolve(hf_config: Mapping[str, Any], task: str | None = None) -> tuple[Fami
 def family_for(model_type: str) -> Family:
     """The family registered for a HF ``model_type`` (``ValueError`` naming the known ones)."""
     if model_type not in _BY_MODEL_TYPE:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; edl builds {sorted(_BY_MODEL_TYPE)}"
-        )
+        raise _unsupported(model_type)
     return _BY_MODEL_TYPE[model_type]
 
 
@@ -145,7 +164,7 @@ def family_of(model: eqx.Module) -> tuple[Family, str]:
 def architecture(model: eqx.Module) -> str:
     """The HF architecture name (``"Qwen2ForCausalLM"``) of a model instance."""
     family, task = family_of(model)
-    return family.hf_names[model.config.model_type] + TASKS[task]
+    return family.architecture_for(model.config.model_type, task)
 
 
 def registered() -> tuple[Family, ...]:

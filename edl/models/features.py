@@ -1,17 +1,28 @@
-"""What a decoder config's architecture uses, in words: ``features(config)`` lists each
-feature it has (``edl info`` prints them under the model's family).
+"""What a decoder config's architecture uses, in words (``edl info`` prints them after the
+model's family).
+
+``features(config)`` lists the features a ``DecoderConfig`` turns on: attention (GQA / MQA,
+fused projections, biases, q/k norms per head or over all heads, soft-capping, the query
+scale), positions (RoPE type, base and scaling, the sliding layers' own RoPE, NoPE layers),
+sliding-window layers, norm placement (pre, sandwich, post), the MLP (dense or MoE),
+Gemma's scaled embeddings, the head, and the layer schedule (how many scans over how many
+periods). Configs that nest a decoder (LLaVA's ``text_config``) describe it; others give
+``[]``.
 
 Each feature is an entry of ``FEATURES``: a name and a function of the config giving its
-description, or ``None`` when the config lacks it. A family's new feature is one entry.
+description, or ``None`` where the config lacks it. A family's new feature is one entry.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from edl._registry import Registry
 from edl.models.config import DecoderConfig
+from edl.nn.schedule import plan_schedule
+from edl.ops.rope import RopeConfig
 
 __all__ = ["FEATURES", "Feature", "features"]
 
@@ -24,59 +35,67 @@ class Feature:
     describe: Callable[[DecoderConfig], str | None]
 
 
-def _attention(c: DecoderConfig) -> str | None:
-    kv, heads = c.num_key_value_heads, c.num_attention_heads
-    if kv == heads:
+def _if(
+    flag: Callable[[DecoderConfig], object], words: str
+) -> Callable[[DecoderConfig], str | None]:
+    return lambda c: words if flag(c) else None
+
+
+def _attention(c: DecoderConfig) -> str:
+    heads, kv = c.num_attention_heads, c.num_key_value_heads
+    kind = "MHA" if kv == heads else "MQA" if kv == 1 else "GQA"
+    return f"{kind} {heads}/{kv} heads of {c.head_dim}"
+
+
+def _qk_norm(c: DecoderConfig) -> str | None:
+    if not c.qk_norm:
         return None
-    kind = "multi-query" if kv == 1 else "grouped-query"
-    return f"{kind} attention ({heads} query heads, {kv} key/value head{'s' if kv > 1 else ''})"
+    return "q/k norms over all heads" if c.qk_norm_over_heads else "q/k norms per head"
 
 
-def _rope(c: DecoderConfig) -> str:
-    r = c.rope
-    words = f"RoPE {r.rope_type} (theta {r.theta:g}"
-    if r.rope_type != "default":
-        words += f", factor {r.factor:g}"
-    if r.original_max_position_embeddings is not None and r.rope_type != "dynamic":
-        words += f", original context {r.original_max_position_embeddings}"
-    if r.attention_scaling != 1.0:
-        words += f", attention factor {r.attention_scaling:.4g}"
-    if r.dim != c.head_dim:
-        words += f", partial rotary: {r.dim} of {c.head_dim} dims"
-    return words + ")"
+def _rope_words(rope: RopeConfig, head_dim: int) -> str:
+    kind = "" if rope.rope_type == "default" else f" {rope.rope_type} x{rope.factor:g}"
+    details = []
+    if rope.original_max_position_embeddings is not None and rope.rope_type != "dynamic":
+        details.append(f"original context {rope.original_max_position_embeddings}")
+    if rope.attention_scaling != 1.0:
+        details.append(f"attention factor {rope.attention_scaling:.4g}")
+    if rope.dim != head_dim:
+        details.append(f"partial rotary: {rope.dim} of {head_dim} dims")
+    extra = f" ({', '.join(details)})" if details else ""
+    return f"RoPE{kind} theta {rope.theta:g}{extra}"
 
 
 def _windows(c: DecoderConfig) -> str | None:
-    sliding = [w for w in c.layer_windows if w is not None]
-    if not sliding:
+    windows = [w for w in c.layer_windows if w is not None]
+    if not windows:
         return None
-    sizes = "/".join(str(w) for w in sorted(set(sliding)))
-    where = (
-        "every layer"
-        if len(sliding) == len(c.layer_windows)
-        else (f"{len(sliding)} of {len(c.layer_windows)} layers")
-    )
-    return f"sliding window {sizes} on {where}"
+    sizes = ", ".join(str(w) for w in sorted(set(windows)))
+    return f"sliding window {sizes} on {len(windows)}/{c.num_hidden_layers} layers"
+
+
+def _sliding_rope(c: DecoderConfig) -> str | None:
+    windows = any(w is not None for w in c.layer_windows)
+    if not windows or c.sliding_rope is None or c.sliding_rope == c.rope:
+        return None
+    return f"sliding layers {_rope_words(c.sliding_rope, c.head_dim)}"
+
+
+def _norms(c: DecoderConfig) -> str:
+    return "post-norms" if c.post_norms else "sandwich norms" if c.sandwich_norms else "pre-norms"
 
 
 def _moe(c: DecoderConfig) -> str | None:
     moe = c.layer_mlps.count("moe")
     if not moe:
         return None
-    dense = len(c.layer_mlps) - moe
-    extra = f", {dense} dense layers" if dense else ""
-    return f"mixture of experts ({c.num_experts} experts, top {c.num_experts_per_tok}{extra})"
+    return f"MoE {c.num_experts_per_tok} of {c.num_experts} experts on {moe} layers"
 
 
-def _biases(c: DecoderConfig) -> str | None:
-    names = [n for n, on in (("q/k/v", c.qkv_bias), ("o", c.o_bias), ("MLP", c.mlp_bias)) if on]
-    return f"{', '.join(names)} biases" if names else None
-
-
-def _if(
-    flag: Callable[[DecoderConfig], object], words: str
-) -> Callable[[DecoderConfig], str | None]:
-    return lambda c: words if flag(c) else None
+def _schedule(c: DecoderConfig) -> str:
+    segments = plan_schedule(c.layer_groups, c.layer_settings)
+    parts = [f"{s.repeats} x {len(s.block)}" for s in segments]
+    return f"{c.num_hidden_layers} layers scanned as {' + '.join(parts)} (repeats x period)"
 
 
 FEATURES: Registry[Feature] = Registry(
@@ -87,28 +106,49 @@ FEATURES: Registry[Feature] = Registry(
             "fused_projections",
             _if(lambda c: c.FUSED_PROJECTIONS, "fused qkv_proj and gate_up_proj matrices"),
         ),
-        Feature("rope", _rope),
-        Feature("sliding_window", _windows),
-        Feature("qk_norm", _if(lambda c: c.qk_norm, "q/k RMSNorm per head")),
-        Feature("biases", _biases),
-        Feature("norm_offset", _if(lambda c: c.norm_offset, "RMSNorm scaled by 1 + weight")),
-        Feature("embed_scale", _if(lambda c: c.embed_scale, "embeddings times sqrt(hidden)")),
-        Feature("sandwich_norms", _if(lambda c: c.sandwich_norms, "norms after attention and MLP")),
+        Feature("attention_biases", _if(lambda c: c.qkv_bias or c.o_bias, "attention biases")),
+        Feature("qk_norm", _qk_norm),
         Feature(
-            "softcap",
+            "attention_softcap",
+            lambda c: None if c.attn_softcap is None else f"attention soft-cap {c.attn_softcap:g}",
+        ),
+        Feature(
+            "attention_scale",
+            lambda c: None if c.attn_scale is None else f"attention scale {c.attn_scale:.4g}",
+        ),
+        Feature("rope", lambda c: _rope_words(c.rope, c.head_dim)),
+        Feature("sliding_window", _windows),
+        Feature("sliding_rope", _sliding_rope),
+        Feature(
+            "nope",
             lambda c: (
-                f"soft-capped logits (attention {c.attn_softcap}, final {c.final_softcap})"
-                if c.attn_softcap or c.final_softcap
+                f"NoPE on {len(c.nope_layers)}/{c.num_hidden_layers} layers"
+                if c.nope_layers
                 else None
             ),
         ),
+        Feature("norms", _norms),
+        Feature(
+            "norm_offset", lambda c: f"norm scale {c.norm_offset:g} + w" if c.norm_offset else None
+        ),
+        Feature("embed_scale", _if(lambda c: c.embed_scale, "scaled embeddings")),
         Feature("moe", _moe),
-        Feature("tied_embeddings", _if(lambda c: c.tie_word_embeddings, "tied embeddings")),
+        Feature("mlp", lambda c: f"{c.hidden_act} MLP" + (" with biases" if c.mlp_bias else "")),
+        Feature(
+            "final_softcap",
+            lambda c: None if c.final_softcap is None else f"final soft-cap {c.final_softcap:g}",
+        ),
+        Feature("head", lambda c: "tied head" if c.tie_word_embeddings else "untied head"),
+        Feature("schedule", _schedule),
     ],
 )
 
 
-def features(config: DecoderConfig) -> list[str]:
-    """Each ``FEATURES`` entry's description of ``config``, in order, where it applies."""
+def features(config: Any) -> list[str]:
+    """Each ``FEATURES`` entry's description of ``config`` (a ``DecoderConfig``, or a config
+    nesting one as ``text_config``), in order, where it applies; ``[]`` for other configs."""
+    if not isinstance(config, DecoderConfig):
+        text = getattr(config, "text_config", None)
+        return features(text) if isinstance(text, DecoderConfig) else []
     described = (feature.describe(config) for feature in FEATURES.values())
     return [words for words in described if words]

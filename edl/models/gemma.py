@@ -48,6 +48,7 @@ class GemmaConfig(DecoderConfig):
     """Gemma architecture (defaults: transformers' ``GemmaConfig``, Gemma 7B)."""
 
     MODEL_TYPES: ClassVar[tuple[str, ...]] = ("gemma",)
+    QK_NORM: ClassVar[bool] = False  # whether the HF type has q/k norms (Gemma 3)
 
     model_type: str = "gemma"
     vocab_size: int = 256000
@@ -87,12 +88,12 @@ class GemmaConfig(DecoderConfig):
         self._require(
             self.norm_offset == 1.0
             and self.embed_scale
-            and not self.qk_norm
+            and self.qk_norm == self.QK_NORM
             and self.qkv_bias == self.o_bias
             and not self.mlp_bias
             and self.num_experts == 0,
-            "Gemma's norm offset 1, scaled embeddings, one attention bias, no q/k norms, "
-            "MLP bias or experts",
+            f"Gemma's norm offset 1, scaled embeddings, one attention bias, q/k norms "
+            f"{'on' if self.QK_NORM else 'off'}, no MLP bias or experts",
         )
         out = self._common_to_hf(architectures)
         out.update(attention_bias=self.qkv_bias, hidden_activation=self.hidden_act)
@@ -138,13 +139,16 @@ class Gemma2Config(GemmaConfig):
         )
 
     @classmethod
+    def _hf_default_layer_types(cls, c: Mapping[str, Any], n: int) -> list[str]:
+        """HF's ``layer_types`` when the file lists none: sliding on even layers."""
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+
+    @classmethod
     def _family_from_hf(cls, c: Mapping[str, Any], fields: dict) -> dict:
         d = cls._default
         window = c.get("sliding_window", d("sliding_window"))
         n = fields["num_hidden_layers"]
-        layer_types = c.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)
-        ]
+        layer_types = c.get("layer_types") or cls._hf_default_layer_types(c, n)
         as_float = lambda x: None if x is None else float(x)
         return dict(
             sliding_window=window,

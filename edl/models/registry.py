@@ -7,7 +7,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from edl.models import clip, gemma, llama, llava, mixtral, phi3, qwen3_moe, siglip
+from edl.models import (
+    clip,
+    gemma,
+    gemma3,
+    llama,
+    llava,
+    mixtral,
+    olmo,
+    phi3,
+    qwen3_moe,
+    siglip,
+    smollm3,
+)
 from edl.models.encoder_config import (
     CLIPConfig,
     CLIPTextConfig,
@@ -68,6 +80,19 @@ MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtra
 PHI3 = _family("phi3", phi3, phi3.Phi3Config, "Phi3", {"phi3": "Phi3"})
 QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
+)
+OLMO2 = _family("olmo2", olmo, olmo.Olmo2Config, "Olmo2", {"olmo2": "Olmo2"})
+OLMO3 = _family("olmo3", olmo, olmo.Olmo3Config, "Olmo3", {"olmo3": "Olmo3"})
+SMOLLM3 = _family("smollm3", smollm3, smollm3.SmolLM3Config, "SmolLM3", {"smollm3": "SmolLM3"})
+GEMMA3_TEXT = register(
+    Family(
+        name="gemma3_text",
+        config_cls=gemma3.Gemma3TextConfig,
+        key_table=gemma3.HF_KEYS,
+        tasks={t: getattr(gemma3, gemma3.ARCHITECTURES[t]) for t in _DECODER_TASKS},
+        hf_names={"gemma3_text": "Gemma3Text"},
+        architectures=gemma3.ARCHITECTURES,
+    )
 )
 
 # Vision and vision-language models.

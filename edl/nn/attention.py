@@ -48,9 +48,12 @@ class Attention(eqx.Module):
     """Causal GQA self-attention: ``q/k/v_proj`` -> (optional q/k RMSNorm) -> RoPE ->
     ``edl.ops.attention`` -> ``o_proj``.
 
-    ``q_norm``/``k_norm`` (Qwen3) normalise each head over ``head_dim`` before RoPE. With
-    ``fused_qkv`` (Phi-3) one ``qkv_proj`` of ``(heads + 2 * kv_heads) * head_dim`` outputs,
-    q then k then v, replaces the three (``q/k/v_proj`` are ``None``).
+    ``q_norm``/``k_norm`` (Qwen3, Gemma 3) normalise each head over ``head_dim`` before
+    RoPE; with ``qk_norm_over_heads`` (OLMo 2) one norm covers all heads' features at once
+    (``heads * head_dim`` for q, ``kv_heads * head_dim`` for k). RoPE tables of ``None``
+    leave q and k unrotated (SmolLM3's NoPE layers). With ``fused_qkv`` (Phi-3) one
+    ``qkv_proj`` of ``(heads + 2 * kv_heads) * head_dim`` outputs, q then k then v, replaces
+    the three (``q/k/v_proj`` are ``None``).
     """
 
     q_proj: Linear | None
@@ -63,6 +66,7 @@ class Attention(eqx.Module):
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     qkv_proj: Linear | None = None
+    qk_norm_over_heads: bool = eqx.field(static=True, default=False)
 
     @classmethod
     def init(
@@ -75,35 +79,51 @@ class Attention(eqx.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        qk_norm_offset: float = 0.0,
+        qk_norm_over_heads: bool = False,
         fused_qkv: bool = False,
         std: float = 0.02,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ) -> Attention:
-        """``qk_norm_eps`` not None adds Qwen3's per-head q/k RMSNorm with that epsilon;
-        ``fused_qkv`` keeps q, k and v as one ``qkv_proj`` (Phi-3's layout)."""
+        """``qk_norm_eps`` not None adds q/k RMSNorms with that epsilon and ``qk_norm_offset``
+        (Gemma 3's ``1 + w``): per head (Qwen3), or ``qk_norm_over_heads`` over all heads
+        (OLMo 2); ``fused_qkv`` keeps q, k and v as one ``qkv_proj`` (Phi-3's layout)."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
         kq, kk, kv, ko = jax.random.split(key, 4)
         lin = {"std": std, "dtype": dtype}
-        norm = None if qk_norm_eps is None else RMSNorm.init(head_dim, eps=qk_norm_eps, dtype=dtype)
+        q_norm = k_norm = None
+        if qk_norm_eps is not None:
+            q_dim, k_dim = (
+                (num_heads * head_dim, num_kv_heads * head_dim)
+                if qk_norm_over_heads
+                else (head_dim, head_dim)
+            )
+            norm = lambda d: RMSNorm.init(d, eps=qk_norm_eps, offset=qk_norm_offset, dtype=dtype)
+            q_norm, k_norm = norm(q_dim), norm(k_dim)
         widths = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
         o_proj = Linear.init(num_heads * head_dim, dim, use_bias=o_bias, key=ko, **lin)
-        sizes = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        sizes = {
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "qk_norm_over_heads": qk_norm_over_heads,
+        }
         if fused_qkv:
             qkv = Linear.init(dim, sum(widths), use_bias=qkv_bias, key=kq, **lin)
-            return cls(None, None, None, o_proj, norm, norm, **sizes, qkv_proj=qkv)
+            return cls(None, None, None, o_proj, q_norm, k_norm, **sizes, qkv_proj=qkv)
         q, k, v = (
             Linear.init(dim, w, use_bias=qkv_bias, key=kw, **lin)
             for w, kw in zip(widths, (kq, kk, kv), strict=True)
         )
-        return cls(q, k, v, o_proj, norm, norm, **sizes)
+        return cls(q, k, v, o_proj, q_norm, k_norm, **sizes)
 
     def __call__(
         self,
         x: Float[Array, "batch seq dim"],
-        cos: Float[Array, "batch seq rope_dim"],
-        sin: Float[Array, "batch seq rope_dim"],
+        cos: Float[Array, "batch seq rope_dim"] | None,
+        sin: Float[Array, "batch seq rope_dim"] | None,
         segment_ids: SegmentIds | None = None,
         *,
         window: int | None = None,
@@ -133,8 +153,8 @@ class Attention(eqx.Module):
     def decode(
         self,
         x: Float[Array, "batch seq dim"],
-        cos: Float[Array, "batch seq rope_dim"],
-        sin: Float[Array, "batch seq rope_dim"],
+        cos: Float[Array, "batch seq rope_dim"] | None,
+        sin: Float[Array, "batch seq rope_dim"] | None,
         cache: KVCacheLike,
         layer: Int[Array, ""] | int,
         *,
@@ -153,16 +173,22 @@ class Attention(eqx.Module):
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache
 
     def _project(self, x, cos, sin):
-        """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated."""
+        """q ``(b, s, heads, d)`` and k/v ``(b, s, kv_heads, d)``, normed and rotated
+        (``cos`` / ``sin`` ``None``: not rotated)."""
         b, s, _ = x.shape
         if self.qkv_proj is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
             q, k, v = jnp.split(self.qkv_proj(x), [q_width, q_width + kv_width], axis=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        norms = self.q_norm is not None and self.k_norm is not None
+        if norms and self.qk_norm_over_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k = k.reshape(b, s, self.num_kv_heads, self.head_dim)
         v = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if norms and not self.qk_norm_over_heads:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cos is None or sin is None:
+            return q, k, v
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

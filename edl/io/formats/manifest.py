@@ -167,7 +167,7 @@ class Manifest:
         _check_layers(layers, f"{where} 'layers'")
         family, edl_config, model_cls = registry.resolve(config)
         task = next(t for t, c in family.tasks.items() if c is model_cls)
-        architecture = family.hf_names[edl_config.model_type] + registry.TASKS[task]
+        architecture = family.architecture_for(edl_config.model_type, task)
         return cls(
             family=family.name,
             task=task,
