@@ -32,14 +32,11 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from edl import lora as edl_lora
 from edl.generate.steps import CausalLM
-from edl.nn.lora import LoraLinear
 from edl.train.loss_inputs import loss_dtype, widened
 from edl.train.preference import token_logps
-from edl.train.preference_step import REFERENCES, _with_reference
+from edl.train.preference_step import REFERENCES, _with_reference, reference_model_for
 from edl.train.step import make_train_step
-from edl.tree import find
 
 __all__ = [
     "KTO_KEYS",
@@ -205,14 +202,7 @@ def _kto_loss_fn(
         if reference == "batch":
             ref = {"logps": batch["ref_logps"], "kl_logps": batch["ref_kl_logps"]}
         else:
-            if reference == "lora":
-                if not find(model, lambda x: isinstance(x, LoraLinear)):
-                    raise ValueError(
-                        f"{who}: the model has no LoRA adapters to switch off for the "
-                        "reference; wrap it with edl.lora.apply_lora, or pass "
-                        "reference='model' with reference_model= (or reference='batch')"
-                    )
-                reference_model = edl_lora.unwrap_lora(model)
+            reference_model = reference_model_for(who, model, reference, reference_model)
             ref = kto_logps(reference_model, batch, chunk_size=chunk_size)
         ref = jax.lax.stop_gradient(ref)
         kl = kl_estimate(policy["kl_logps"], ref["kl_logps"])

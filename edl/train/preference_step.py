@@ -44,6 +44,7 @@ __all__ = [
     "make_reward_step",
     "preference_logps",
     "reference_logps",
+    "reference_model_for",
     "reward_loss",
 ]
 
@@ -191,6 +192,23 @@ def _dpo_loss_fn(
     return loss_fn
 
 
+def reference_model_for(
+    who: str, model: CausalLM, reference: str, reference_model: CausalLM | None
+) -> CausalLM | None:
+    """The model a step's reference log-probs come from: ``model`` with its LoRA adapters
+    switched off (``reference="lora"``; an error naming ``who`` when it has none), else
+    ``reference_model``."""
+    if reference != "lora":
+        return reference_model
+    if not find(model, lambda x: isinstance(x, LoraLinear)):
+        raise ValueError(
+            f"{who}: the model has no LoRA adapters to switch off for the "
+            "reference; wrap it with edl.lora.apply_lora, or pass "
+            "reference='model' with reference_model= (or reference='batch')"
+        )
+    return edl_lora.unwrap_lora(model)
+
+
 def _reference(
     who: str,
     model: CausalLM,
@@ -204,14 +222,7 @@ def _reference(
     if reference == "batch":
         ref = {k: batch[f"ref_{k}"].astype(jnp.float32) for k in ("chosen_logps", "rejected_logps")}
     else:
-        if reference == "lora":
-            if not find(model, lambda x: isinstance(x, LoraLinear)):
-                raise ValueError(
-                    f"{who}: the model has no LoRA adapters to switch off for the "
-                    "reference; wrap it with edl.lora.apply_lora, or pass "
-                    "reference='model' with reference_model= (or reference='batch')"
-                )
-            reference_model = edl_lora.unwrap_lora(model)
+        reference_model = reference_model_for(who, model, reference, reference_model)
         ref = preference_logps(reference_model, batch, chunk_size=chunk_size)
     return jax.lax.stop_gradient(ref)
 
