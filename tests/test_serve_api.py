@@ -790,12 +790,21 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
         row_buckets, width_buckets, page_buckets = (1, 2, 3), (16, 64), (4, 6)
 
         def __init__(
-            self, model, *, max_batch, max_model_len, eos_token_ids, echo, tokenizer, speculative
+            self,
+            model,
+            *,
+            max_batch,
+            max_model_len,
+            eos_token_ids,
+            echo,
+            tokenizer,
+            speculative,
+            draft_model,
         ):
             super().__init__(max_running=max_batch)
             built.append((type(model).__name__, max_batch, max_model_len, eos_token_ids))
             assert tokenizer is None  # a byte tokenizer: no grammars (edl.serve.grammar)
-            assert speculative is None  # no --speculative-method
+            assert speculative is None and draft_model is None  # no --speculative-method
             echo("a line from the engine")
 
         def step_shapes(self):
