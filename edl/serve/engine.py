@@ -125,6 +125,24 @@ from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 __all__ = ["Engine"]
 
 
+def _checked(
+    model: CausalLM, eos_token_ids: Sequence[int], num_pages: int | None, default_pages: int
+) -> tuple[tuple[int, ...], int]:
+    """The engine's model, EOS ids and page count checked: ``(eos ids, num_pages)``, the
+    pool ``default_pages`` (``max_batch`` full-length requests) where none is given."""
+    if not isinstance(model, CausalLM):
+        raise TypeError(
+            f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
+        )
+    vocab, eos = model.config.vocab_size, tuple(eos_token_ids)
+    if not all(is_int(i) and 0 <= i < vocab for i in eos):
+        raise ValueError(f"Engine: eos_token_ids must lie in [0, {vocab}): {eos}")
+    num_pages = default_pages if num_pages is None else num_pages
+    if not is_int(num_pages) or num_pages < 1:
+        raise ValueError(f"Engine: num_pages must be an integer >= 1, got {num_pages!r}")
+    return eos, num_pages
+
+
 class Engine:
     """Continuous batching over a paged KV cache (module docstring)."""
 
@@ -167,10 +185,6 @@ class Engine:
             decoding. ``draft_model``: the draft of ``method="draft"`` (a smaller causal LM
             with the target's vocabulary).
         """
-        if not isinstance(model, CausalLM):
-            raise TypeError(
-                f"Engine needs a causal LM (edl.generate.CausalLM), got {type(model).__name__}"
-            )
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
         check_sizes(
             max_batch=max_batch,
@@ -181,13 +195,8 @@ class Engine:
             prefill_tokens=prefill_tokens,
         )
         self.vocab_size = model.config.vocab_size
-        eos = tuple(eos_token_ids)
-        if not all(is_int(i) and 0 <= i < self.vocab_size for i in eos):
-            raise ValueError(f"Engine: eos_token_ids must lie in [0, {self.vocab_size}): {eos}")
         self.pages_per_seq = -(-max_model_len // page_size)
-        num_pages = max_batch * self.pages_per_seq if num_pages is None else num_pages
-        if not is_int(num_pages) or num_pages < 1:
-            raise ValueError(f"Engine: num_pages must be an integer >= 1, got {num_pages!r}")
+        eos, num_pages = _checked(model, eos_token_ids, num_pages, max_batch * self.pages_per_seq)
         self.max_batch, self.max_model_len, self.page_size = max_batch, max_model_len, page_size
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.prefill_tokens = prefill_tokens
@@ -210,11 +219,11 @@ class Engine:
         self._compiled: set[tuple[int, int, int, bool, bool]] = set()  # programs called
         self._grammars = None if tokenizer is None else Grammars(tokenizer, self.vocab_size, eos)
         self._sampler = Sampler(max_batch, self.vocab_size, max_model_len)
-        pools = dict(num_pages=num_pages, page_size=page_size, max_model_len=max_model_len)
-        shapes = dict(row_buckets=self.row_buckets, page_buckets=self.page_buckets)
-        self._spec = None
-        if speculative is not None:
-            self._spec = Speculation(speculative, model, draft_model, {**pools, **shapes})
+        geometry = dict(num_pages=num_pages, page_size=page_size, max_model_len=max_model_len)
+        geometry.update(row_buckets=self.row_buckets, page_buckets=self.page_buckets)
+        self._spec = (
+            None if speculative is None else Speculation(speculative, model, draft_model, geometry)
+        )
 
     @property
     def num_free_pages(self) -> int:

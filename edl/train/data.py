@@ -212,6 +212,19 @@ class EpochCursor(Cursor):
             self._order = (epoch, rng.permutation(len(self.documents)))
         return int(self._order[1][index])
 
+    def first_kept(self, build: Callable[[int], Any], none_kept: str) -> Any:
+        """``build(doc_id)`` of the document at the cursor, advancing past documents it
+        gives None for (dropped); None when ``repeat=False`` and epoch 0 is done.
+        ``ValueError(none_kept)`` when a whole epoch keeps nothing."""
+        for _ in range(len(self.documents) + 1):
+            if not self.repeat and self.epoch >= 1:
+                return None
+            item = build(self._doc_id(self.epoch, self.index))
+            if item is not None:
+                return item
+            self.advance()
+        raise ValueError(none_kept)
+
     def advance(self) -> None:
         """Move the cursor to the start of the next document (rolling over to a new epoch)."""
         self.index, self.offset = self.index + 1, 0

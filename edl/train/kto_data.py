@@ -130,16 +130,10 @@ class KTOBatches(EpochCursor):
 
     def current(self) -> tuple[np.ndarray, np.ndarray, bool] | None:  # type: ignore[override]
         """The example at the cursor (skipping dropped ones); None when done."""
-        for _ in range(len(self.documents) + 1):
-            if not self.repeat and self.epoch >= 1:
-                return None
-            example = self._example(self._doc_id(self.epoch, self.index))
-            if example is not None:
-                return example
-            self.advance()
-        raise ValueError(
+        return self.first_kept(
+            self._example,
             f"KTOBatches: none of the {len(self.documents)} examples keeps a completion "
-            f"token within max_length {self.max_length}"
+            f"token within max_length {self.max_length}",
         )
 
     def next_batch(self) -> Batch | None:

@@ -161,16 +161,10 @@ class PreferenceBatches(EpochCursor):
 
     def current(self) -> list[tuple[np.ndarray, np.ndarray]] | None:  # type: ignore[override]
         """The rows of the pair at the cursor (skipping dropped pairs); None when done."""
-        for _ in range(len(self.documents) + 1):
-            if not self.repeat and self.epoch >= 1:
-                return None
-            rows = self._rows(self._doc_id(self.epoch, self.index))
-            if rows is not None:
-                return rows
-            self.advance()
-        raise ValueError(
+        return self.first_kept(
+            self._rows,
             f"PreferenceBatches: none of the {len(self.documents)} pairs keeps a response "
-            f"token within max_length {self.max_length}"
+            f"token within max_length {self.max_length}",
         )
 
     def next_batch(self) -> Batch | None:
