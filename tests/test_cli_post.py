@@ -26,7 +26,10 @@ transformers = pytest.importorskip("transformers")
             {"method": "dpo", "model": "m", "data": "d", "reference": "lora"},
             "--reference lora needs --lora-rank",
         ),
-        ({"method": "reward", "model": "m", "data": "d", "eval_data": "e"}, "--eval-data is"),
+        (
+            {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "eval_data": "e"},
+            "--eval-data is for --method sft, dpo, reward and kto, not grpo",
+        ),
         (
             {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "temperature": 0.0},
             "--temperature must be > 0",
@@ -41,9 +44,9 @@ def test_post_training_options_are_checked_before_any_work(options, message):
     assert TrainConfig(model="m", data="d", method="dpo").reference_kind == "model"
 
 
-def _preferences(path) -> None:
+def _preferences(path, records=12) -> None:
     with path.open("w") as f:
-        for i in range(12):
+        for i in range(records):
             ((user, good),) = CONVERSATIONS[i % len(CONVERSATIONS)]
             bad = CONVERSATIONS[(i + 1) % len(CONVERSATIONS)][0][1]
             record = {
@@ -90,12 +93,20 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
         "8",
     ]
 
-    # DPO against the LoRA-off base: the margin and accuracy rise from 0 / 0.
-    main([*common, "--method", "dpo", "--steps", "12", "--output-dir", str(tmp_path / "dpo")])
+    # DPO against the LoRA-off base: the margin and accuracy rise from 0 / 0, on the
+    # training pairs and on held-out ones (10 of them: the last batch of 4 is cut to its 2
+    # real pairs, so every mean is over the 10).
+    _preferences(tmp_path / "held_out.jsonl", records=10)
+    held_out = ["--eval-data", str(tmp_path / "held_out.jsonl"), "--eval-every", "6"]
+    dpo_dir = tmp_path / "dpo"
+    main([*common, *held_out, "--method", "dpo", "--steps", "12", "--output-dir", str(dpo_dir)])
     dpo = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert dpo["end_step"] == 12 and dpo["final_loss"] < dpo["first_loss"]
     assert abs(dpo["first_rewards/margins"]) < 1e-5 and dpo["final_rewards/margins"] > 0.1
     assert dpo["final_rewards/accuracies"] == 1.0
+    assert dpo["final_eval_rewards/margins"] > dpo["first_eval_rewards/margins"] > 0
+    evals = [m for m in map(json.loads, (dpo_dir / "metrics.jsonl").open()) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [6, 12] and {m["eval_count"] for m in evals} == {10}
     checkpoint = latest_checkpoint(tmp_path / "dpo/checkpoints")
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint).eval()
     ids = np.arange(3, 19)[None]

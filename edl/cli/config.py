@@ -237,8 +237,8 @@ class TrainConfig:
                     else "preference records (prompt / chosen / rejected)"
                 )
             )
-        if self.eval_data:
-            raise ConfigError(f"--eval-data is for --method sft, not {method}")
+        if self.eval_data and method == "grpo":
+            raise ConfigError("--eval-data is for --method sft, dpo, reward and kto, not grpo")
         if method == "grpo" and not self.reward:
             raise ConfigError("--method grpo needs --reward module:function")
         if method != "grpo" and self.reward:

@@ -33,6 +33,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 import optax
 
 import edl
@@ -64,6 +65,7 @@ from edl.train import (
 from edl.train.grpo_rewards import RewardFn
 from edl.train.kto import make_kto_step
 from edl.train.kto_data import KTOBatches, encode_unpaired
+from edl.train.post_eval import make_dpo_eval_step, make_kto_eval_step, make_reward_eval_step
 from edl.train.preference import PREFERENCE_LOSSES
 
 __all__ = ["run_post_training"]
@@ -98,40 +100,70 @@ def reward_functions(spec: str) -> list[Any]:
     return out
 
 
-def _preference_batches(config: TrainConfig, tokenizer: HFTokenizer) -> PreferenceBatches:
+def _preference_batches(
+    config: TrainConfig, tokenizer: HFTokenizer, spec: str, *, held_out: bool = False
+) -> PreferenceBatches:
+    """``spec``'s preference records (``--data`` or ``--eval-data``), tokenized; held-out
+    data is read once, in order."""
     try:
-        pairs = load_tokenized(source_of(config.data), tokenizer, format="preference")
+        pairs = load_tokenized(source_of(spec), tokenizer, format="preference")
     except (OSError, ValueError, ImportError) as e:
-        raise CommandError(f"{config.data}: {e}") from None
+        raise CommandError(f"{spec}: {e}") from None
     if len(pairs) == 0:
-        raise CommandError(f"{config.data}: no records")
+        raise CommandError(f"{spec}: no records")
     return PreferenceBatches(
         pairs,
         batch_size=config.batch_size,
         max_length=config.seq_len,
         pad_id=tokenizer.pad_id,
         seed=config.seed,
+        shuffle=not held_out,
+        repeat=not held_out,
     )
 
 
-def _kto_batches(config: TrainConfig, tokenizer: HFTokenizer) -> KTOBatches:
-    """``--data``'s unpaired records, tokenized in memory; errors name the file and line."""
+def _kto_batches(
+    config: TrainConfig, tokenizer: HFTokenizer, spec: str, *, held_out: bool = False
+) -> KTOBatches:
+    """``spec``'s unpaired records, tokenized in memory; errors name the file and line."""
     try:
         examples = [
             encode_unpaired(tokenizer, record, where=where)
-            for where, record in source_of(config.data).records()
+            for where, record in source_of(spec).records()
         ]
         if not examples:
-            raise CommandError(f"{config.data}: no records")
+            raise CommandError(f"{spec}: no records")
         return KTOBatches(
             examples,
             batch_size=config.batch_size,
             max_length=config.seq_len,
             pad_id=tokenizer.pad_id,
             seed=config.seed,
+            shuffle=not held_out,
+            repeat=not held_out,
         )
     except (OSError, ValueError, ImportError) as e:
-        raise CommandError(f"{config.data}: {e}") from None
+        raise CommandError(f"{spec}: {e}") from None
+
+
+def _held_out(config: TrainConfig, tokenizer: HFTokenizer, vocab_size: int) -> list[Any]:
+    """``--eval-data``'s batches for ``dpo`` / ``reward`` / ``kto``, one pass in file order,
+    ids checked on the host; the last batch cut to its real rows (the cursor pads it with
+    all-padding ones, which would count in the metrics' means)."""
+    if config.method == "kto":
+        cursor: Any = _kto_batches(config, tokenizer, config.eval_data, held_out=True)
+        key = "attention_mask"
+    else:
+        cursor = _preference_batches(config, tokenizer, config.eval_data, held_out=True)
+        key = "chosen_attention_mask"
+    out = []
+    for batch in HostCheckedBatches(cursor, vocab_size):
+        rows = int(np.count_nonzero(np.asarray(batch[key]).sum(axis=1)))
+        if rows:
+            out.append({k: v[:rows] for k, v in batch.items()})
+    if not out:
+        raise CommandError(f"--eval-data {config.eval_data}: no records left after cutting")
+    return out
 
 
 def _prompt_batches(config: TrainConfig) -> PromptBatches:
@@ -187,16 +219,19 @@ def _reference_model(config: TrainConfig) -> eqx.Module:
     return configure(frozen, check_inputs=False)
 
 
-def _step(
+def _steps(
     config: TrainConfig,
     tx: optax.GradientTransformation,
     schedule: optax.Schedule,
     tokenizer: HFTokenizer,
     reward_fns: list[RewardFn],
-) -> Any:
+) -> tuple[Any, Any]:
+    """The method's train step and, with ``--eval-data``, its eval step (else None), which
+    share one frozen ``--reference model``."""
     options = {**step_options(config), "schedule": schedule}
+    evaluates = bool(config.eval_data)
     if config.method == "reward":
-        return make_reward_step(tx, **options)
+        return make_reward_step(tx, **options), make_reward_eval_step() if evaluates else None
     reference = config.reference_kind
     uses_reference = (
         (config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference)
@@ -204,25 +239,22 @@ def _step(
         or config.method == "kto"
     )
     frozen = _reference_model(config) if reference == "model" and uses_reference else None
-    if config.method == "kto":
-        return make_kto_step(
-            tx,
-            beta=config.beta or 0.1,
-            desirable_weight=config.desirable_weight,
-            undesirable_weight=config.undesirable_weight,
-            reference=reference,
-            reference_model=frozen,
-            **options,
+    if config.method in ("kto", "dpo"):
+        loss = (
+            {
+                "beta": config.beta or 0.1,
+                "desirable_weight": config.desirable_weight,
+                "undesirable_weight": config.undesirable_weight,
+            }
+            if config.method == "kto"
+            else {"loss_type": config.loss_type, "beta": config.beta or None}
         )
-    if config.method == "dpo":
-        return make_dpo_step(
-            tx,
-            loss_type=config.loss_type,
-            beta=config.beta or None,
-            reference=reference,
-            reference_model=frozen,
-            **options,
-        )
+        loss |= {"reference": reference, "reference_model": frozen}
+        train_step, eval_step = {
+            "kto": (make_kto_step, make_kto_eval_step),
+            "dpo": (make_dpo_step, make_dpo_eval_step),
+        }[config.method]
+        return train_step(tx, **loss, **options), eval_step(**loss) if evaluates else None
     grpo = GRPOConfig(
         num_generations=config.num_generations,
         max_new_tokens=config.max_new_tokens,
@@ -230,7 +262,7 @@ def _step(
         beta=config.beta,
         num_iterations=config.num_iterations,
     )
-    return make_grpo_step(
+    step = make_grpo_step(
         tx,
         tokenizer,
         reward_fns,
@@ -240,17 +272,20 @@ def _step(
         clip_norm=options["clip_norm"],
         compute_dtype=options["compute_dtype"],
     )
+    return step, None
 
 
 def _reported(config: TrainConfig) -> dict[str, Any]:
-    """The method's metrics at the first and last step, from the run's ``metrics.jsonl``."""
+    """The method's metrics at the first and last step (and their held-out ``eval_*`` at
+    the first and last evaluation), from the run's ``metrics.jsonl``."""
     lines = (Path(config.run.output_dir) / "metrics.jsonl").read_text().splitlines()
-    history = [m for m in map(json.loads, lines) if "loss" in m]
+    history = list(map(json.loads, lines))
     out = {}
     for name in _REPORTED[config.method]:
-        values = [m[name] for m in history if name in m]
-        if values:
-            out[f"first_{name}"], out[f"final_{name}"] = values[0], values[-1]
+        for key, rows in ((name, "loss"), (f"eval_{name}", f"eval_{name}")):
+            values = [m[key] for m in history if rows in m and key in m]
+            if values:
+                out[f"first_{key}"], out[f"final_{key}"] = values[0], values[-1]
     return out
 
 
@@ -271,12 +306,17 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         data: Any = _prompt_batches(config)
         reward_fns = reward_functions(config.reward)  # a wrong name fails before any work
     elif config.method == "kto":
-        data = HostCheckedBatches(_kto_batches(config, tokenizer), model.config.vocab_size)
+        data = HostCheckedBatches(
+            _kto_batches(config, tokenizer, config.data), model.config.vocab_size
+        )
     else:
-        data = HostCheckedBatches(_preference_batches(config, tokenizer), model.config.vocab_size)
+        data = HostCheckedBatches(
+            _preference_batches(config, tokenizer, config.data), model.config.vocab_size
+        )
+    held_out = _held_out(config, tokenizer, model.config.vocab_size) if config.eval_data else None
     updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
-    step = _step(config, tx, schedule, tokenizer, reward_fns)
+    step, eval_step = _steps(config, tx, schedule, tokenizer, reward_fns)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
@@ -288,12 +328,13 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         config,
         model,
         data,
-        None,
+        held_out,
         trainable=trainable,
         tokenizer=tokenizer,
         step=step,
         tx=tx,
         base=base,
+        eval_step=eval_step,
     )
     out = {
         k: summary.get(k)

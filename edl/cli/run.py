@@ -39,6 +39,7 @@ from edl.train import (
     run_dir,
     train,
 )
+from edl.train.callbacks.evaluation import EvalStep
 from edl.train.core import StepFn
 from edl.train.jitted import StepProgram
 from edl.train.loop import Batch
@@ -211,11 +212,13 @@ def train_model(
     step: StepFn | None = None,
     tx: optax.GradientTransformation | None = None,
     base: BaseReference | None = None,
+    eval_step: EvalStep | None = None,
 ) -> tuple[TrainState, dict[str, Any]]:
     """Train ``model`` on ``data`` as ``config`` says (optimizer, schedule, clipping,
     accumulation, precision, checkpoints, evaluation on ``eval_batches`` when given);
     ``trainable`` is ``edl.create_state``'s, ``tokenizer`` is saved in every checkpoint.
-    ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training).
+    ``step`` (with its optimizer ``tx``) replaces the causal-LM train step (post-training),
+    and ``eval_step`` the causal-LM one on ``eval_batches``.
     With ``--mesh`` (or several processes) the state, batches and evaluation live on the
     mesh (``edl.cli.distributed``). ``base``: a LoRA run's base reference, for adapter-only
     checkpoints (``edl.train.train``). Returns ``edl.train.train``'s ``(state, summary)``."""
@@ -223,6 +226,7 @@ def train_model(
     if step is None:
         tx, schedule = optimizer(config)
         step = make_train_step(loss_fn, tx, schedule=schedule, mesh=mesh, **step_options(config))
+        eval_step = make_eval_step(loss_fn, mesh=mesh)
         # Ids checked on the host instead of in the steps: see HostCheckedBatches.
         vocab = model.config.vocab_size
         model, data = configure(model, check_inputs=False), HostCheckedBatches(data, vocab)
@@ -241,7 +245,7 @@ def train_model(
         data,
         run,
         callbacks,
-        eval_step=make_eval_step(loss_fn, mesh=mesh) if eval_batches else None,
+        eval_step=eval_step if eval_batches else None,
         eval_data=eval_batches,
         tokenizer=tokenizer,
         record=recorded(dataclasses.replace(config, run=run), mesh),

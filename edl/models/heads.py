@@ -37,12 +37,17 @@ from edl.ops.losses import (
     mask_without_context,
     sequence_classification_loss,
 )
-from edl.ops.moe import load_balancing_loss, router_z_loss
+from edl.ops.moe import RouterStats, load_balancing_loss, router_z_loss
 from edl.ops.sharding import Rules
 
 T = TypeVar("T")
 
-__all__ = ["DecoderForCausalLM", "DecoderForSequenceClassification", "configure"]
+__all__ = [
+    "DecoderForCausalLM",
+    "DecoderForSequenceClassification",
+    "configure",
+    "router_losses",
+]
 
 
 def _softcap(logits: jax.Array, cap: float | None) -> jax.Array:
@@ -180,13 +185,27 @@ class DecoderForCausalLM(eqx.Module):
             softcap=c.final_softcap,
         )
         if out.router_stats is not None:
-            aux, z = load_balancing_loss(out.router_stats), router_z_loss(out.router_stats)
-            if c.output_router_logits:
-                loss = loss + c.router_aux_loss_coef * aux
-            if c.router_z_loss_coef:
-                loss = loss + c.router_z_loss_coef * z
-            metrics = {**metrics, "loss": loss, "aux_loss": aux, "z_loss": z}
+            added, router_metrics = router_losses(c, out.router_stats)
+            loss = loss + added
+            metrics = {**metrics, "loss": loss, **router_metrics}
         return loss, metrics
+
+
+def router_losses(
+    config: DecoderConfig, stats: RouterStats
+) -> tuple[Float[Array, ""], dict[str, Float[Array, ""]]]:
+    """What a MoE model's routing adds to a training loss, and its metrics: as in
+    transformers, ``router_aux_loss_coef`` times the load-balancing loss when
+    ``output_router_logits`` is set, plus ``router_z_loss_coef`` times the z-loss whenever
+    that is non-zero. Metrics ``aux_loss`` and ``z_loss`` (unscaled). ``compute_loss`` and
+    the post-training steps (``edl.train.preference_step``, ``edl.train.kto``) add it."""
+    aux, z = load_balancing_loss(stats), router_z_loss(stats)
+    added = jnp.zeros((), aux.dtype)
+    if config.output_router_logits:
+        added = added + config.router_aux_loss_coef * aux
+    if config.router_z_loss_coef:
+        added = added + config.router_z_loss_coef * z
+    return added, {"aux_loss": aux, "z_loss": z}
 
 
 class DecoderForSequenceClassification(eqx.Module):

@@ -18,6 +18,7 @@ _MODULES = {
     "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
     "edl.train.kto": ("kto_loss", "make_kto_step"),
     "edl.train.loop": ("train",),
+    "edl.train.post_eval": ("make_dpo_eval_step", "make_kto_eval_step", "make_reward_eval_step"),
     "edl.train.preference": ("dpo_loss",),
     "edl.train.preference_data": ("PreferenceBatches",),
     "edl.train.preference_step": ("make_dpo_step", "make_reward_step"),

@@ -33,9 +33,16 @@ import optax
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.generate.steps import CausalLM
+from edl.ops.moe import RouterStats
 from edl.train.loss_inputs import loss_dtype, widened
-from edl.train.preference import token_logps
-from edl.train.preference_step import REFERENCES, _with_reference, reference_model_for
+from edl.train.preference import forward_logps
+from edl.train.preference_step import (
+    REFERENCES,
+    _with_reference,
+    add_router_losses,
+    reference_model_for,
+    with_router_losses,
+)
 from edl.train.step import make_train_step
 
 __all__ = [
@@ -156,11 +163,14 @@ def _completion_sums(
     labels: Int[Array, "rows seq"],
     mask: Int[Array, "rows seq"],
     chunk_size: int | None,
-) -> Float[Array, " rows"]:
-    """Summed completion log-probs per row (as ``preference_logps``)."""
-    logps, counted = token_logps(model, ids, labels, attention_mask=mask, chunk_size=chunk_size)
+) -> tuple[Float[Array, " rows"], RouterStats | None]:
+    """Summed completion log-probs per row (as ``preference_logps``) and the pass's MoE
+    routing statistics."""
+    logps, counted, stats = forward_logps(
+        model, ids, labels, attention_mask=mask, chunk_size=chunk_size
+    )
     completion = counted & jnp.pad(labels[:, 1:] != -100, ((0, 0), (0, 1)))
-    return jnp.sum(jnp.where(completion, logps, 0.0), axis=1)
+    return jnp.sum(jnp.where(completion, logps, 0.0), axis=1), stats
 
 
 def kto_logps(
@@ -168,7 +178,9 @@ def kto_logps(
 ) -> dict[str, Float[Array, " batch"]]:
     """``logps`` (the examples' summed completion log-probs) and ``kl_logps`` (the
     mismatched pairs', without gradient), both ``(batch,)`` float32, from one forward pass
-    over the two sets of rows (right-padded to a common length)."""
+    over the two sets of rows (right-padded to a common length). For a MoE model also that
+    pass's ``router_loss`` / ``aux_loss`` / ``z_loss``: its routing statistics cover the
+    mismatched rows too (TRL's aux loss is the examples' pass alone)."""
     _check_batch("kto_logps", batch, KTO_KEYS)
     seq = max(batch["input_ids"].shape[1], batch["kl_input_ids"].shape[1])
     parts = []
@@ -176,9 +188,10 @@ def kto_logps(
         rows = [batch[name], batch["kl_" + name]]
         rows = [jnp.pad(x, ((0, 0), (0, seq - x.shape[1])), constant_values=pad) for x in rows]
         parts.append(jnp.concatenate(rows))
-    sums = _completion_sums(model, *parts, chunk_size)
+    sums, stats = _completion_sums(model, *parts, chunk_size)
     n = batch["input_ids"].shape[0]
-    return {"logps": sums[:n], "kl_logps": jax.lax.stop_gradient(sums[n:])}
+    out = {"logps": sums[:n], "kl_logps": jax.lax.stop_gradient(sums[n:])}
+    return out | with_router_losses(model, stats)
 
 
 def kto_reference_logps(
@@ -215,6 +228,7 @@ def _kto_loss_fn(
             desirable_weight=weights[0],
             undesirable_weight=weights[1],
         )
+        loss, metrics = add_router_losses(loss, metrics, policy)
         n = jnp.asarray(batch["input_ids"].shape[0], jnp.int32)  # weights micro-batches
         tokens = jnp.sum(jnp.asarray(batch["attention_mask"], jnp.int32)) + jnp.sum(
             jnp.asarray(batch["kl_attention_mask"], jnp.int32)
@@ -247,7 +261,28 @@ def make_kto_step(
     KL estimate is each micro-batch's (TRL's is each device batch's). Metrics:
     :func:`kto_loss`'s, ``count`` (examples), ``tokens`` and the train step's.
     """
-    who = "make_kto_step"
+    loss_fn = _kto_loss(
+        "make_kto_step",
+        (beta, desirable_weight, undesirable_weight),
+        reference,
+        reference_model,
+        chunk_size,
+    )
+    if reference != "model":
+        return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
+    return _with_reference(loss_fn, optimizer, reference_model, step_options, "make_kto_step")
+
+
+def _kto_loss(
+    who: str,
+    hyper: tuple[float, float, float],
+    reference: str,
+    reference_model: CausalLM | None,
+    chunk_size: int | None,
+) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:
+    """KTO's ``loss_fn(model, batch, reference_model)``, the arguments checked (errors name
+    ``who``); ``hyper``: ``(beta, desirable_weight, undesirable_weight)``."""
+    beta, desirable_weight, undesirable_weight = hyper
     if reference not in REFERENCES:
         raise ValueError(f"{who}: reference must be one of {REFERENCES}, got {reference!r}")
     if (reference == "model") != (reference_model is not None):
@@ -261,7 +296,4 @@ def make_kto_step(
             f"{who}: need beta > 0 and weights >= 0, got beta={beta}, desirable_weight="
             f"{desirable_weight}, undesirable_weight={undesirable_weight}"
         )
-    loss_fn = _kto_loss_fn(beta, (desirable_weight, undesirable_weight), reference, chunk_size)
-    if reference != "model":
-        return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
-    return _with_reference(loss_fn, optimizer, reference_model, step_options, who)
+    return _kto_loss_fn(beta, (desirable_weight, undesirable_weight), reference, chunk_size)

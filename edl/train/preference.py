@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,14 +41,17 @@ from edl._registry import Registry
 from edl.generate.steps import CausalLM
 from edl.ops.checks import check_ids
 from edl.ops.losses import causal_lm_token_logps, mask_without_context
+from edl.ops.moe import RouterStats
 from edl.train.loss_inputs import loss_dtype, widened
 
 __all__ = [
     "PREFERENCE_LOSSES",
+    "ForwardLogps",
     "LossOptions",
     "Pairs",
     "PreferenceLoss",
     "dpo_loss",
+    "forward_logps",
     "orpo_loss",
     "sequence_logps",
     "simpo_loss",
@@ -55,6 +59,42 @@ __all__ = [
 
 Logps = Float[Array, " batch"]
 Metrics = dict[str, Float[Array, ""]]
+
+
+class ForwardLogps(NamedTuple):
+    """One forward pass's per-token log-probs (:func:`token_logps`) and, for a MoE model,
+    its routing statistics (``None`` for a dense one): what a post-training loss needs to
+    add the router losses (``edl.models.heads.router_losses``) as ``compute_loss`` does."""
+
+    logps: Float[Array, "batch seq"]
+    counted: Bool[Array, "batch seq"]
+    router_stats: RouterStats | None
+
+
+def forward_logps(
+    model: CausalLM,
+    input_ids: Int[Array, "batch seq"],
+    labels: Int[Array, "batch seq"],
+    *,
+    attention_mask: Int[Array, "batch seq"] | Bool[Array, "batch seq"] | None = None,
+    segment_ids: Int[Array, "batch seq"] | None = None,
+    chunk_size: int | None = None,
+) -> ForwardLogps:
+    """:func:`token_logps` with the forward pass's MoE routing statistics."""
+    c = model.config
+    if c.run.check_inputs:
+        labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
+    labels = mask_without_context(labels, attention_mask=attention_mask, segment_ids=segment_ids)
+    out = model.model(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
+    logps, counted = causal_lm_token_logps(
+        out.last_hidden_state,
+        model.head_weight,
+        labels,
+        attention_mask=attention_mask,
+        chunk_size=chunk_size,
+        softcap=c.final_softcap,
+    )
+    return ForwardLogps(logps, counted, out.router_stats)
 
 
 def token_logps(
@@ -69,19 +109,15 @@ def token_logps(
     """``(logps, counted)`` ``(batch, seq)``: ``logps[:, t] = log p(labels[:, t + 1] |
     prefix)`` in float32 (0.0 where not counted) and whether it is counted; see
     :func:`sequence_logps`, which sums these."""
-    c = model.config
-    if c.run.check_inputs:
-        labels = check_ids(labels, c.vocab_size, name="labels", ignore=-100)
-    labels = mask_without_context(labels, attention_mask=attention_mask, segment_ids=segment_ids)
-    out = model.model(input_ids, attention_mask=attention_mask, segment_ids=segment_ids)
-    return causal_lm_token_logps(
-        out.last_hidden_state,
-        model.head_weight,
+    out = forward_logps(
+        model,
+        input_ids,
         labels,
         attention_mask=attention_mask,
+        segment_ids=segment_ids,
         chunk_size=chunk_size,
-        softcap=c.final_softcap,
     )
+    return out.logps, out.counted
 
 
 def sequence_logps(

@@ -25,27 +25,31 @@ from jaxtyping import Array, Float, Int
 
 from edl import lora as edl_lora
 from edl.generate.steps import CausalLM
+from edl.models.heads import router_losses
 from edl.nn.lora import LoraLinear
+from edl.ops.moe import RouterStats
 from edl.train.jitted import StepProgram
 from edl.train.preference import (
     PREFERENCE_LOSSES,
     LossOptions,
     Pairs,
     PreferenceLoss,
+    forward_logps,
     preference_loss,
-    token_logps,
 )
 from edl.train.step import make_train_step
 from edl.tree import find
 
 __all__ = [
     "REFERENCES",
+    "add_router_losses",
     "make_dpo_step",
     "make_reward_step",
     "preference_logps",
     "reference_logps",
     "reference_model_for",
     "reward_loss",
+    "with_router_losses",
 ]
 
 REFERENCES = ("lora", "model", "batch")
@@ -106,14 +110,17 @@ def preference_logps(
 
     ``sft_nll``: also ``chosen_nll``, the chosen sequences' mean token NLL over every
     attended token, prompt included (TRL's ORPO SFT term), from the same pass: each position
-    predicts its label where there is one, else the next input id.
+    predicts its label where there is one, else the next input id. For a MoE model also the
+    pass's scalar ``router_loss``, ``aux_loss`` and ``z_loss`` (:func:`with_router_losses`).
     """
     _check_batch("preference_logps", batch, PAIR_KEYS)
     ids, labels, mask = _concatenated(
         batch, ("input_ids", "labels", "attention_mask"), (0, -100, 0)
     )
     targets = jnp.where(labels != -100, labels, ids) if sft_nll else labels
-    logps, counted = token_logps(model, ids, targets, attention_mask=mask, chunk_size=chunk_size)
+    logps, counted, stats = forward_logps(
+        model, ids, targets, attention_mask=mask, chunk_size=chunk_size
+    )
     completion = counted & jnp.pad(labels[:, 1:] != -100, ((0, 0), (0, 1)))
     sums = jnp.sum(jnp.where(completion, logps, 0.0), axis=1)
     lengths = jnp.sum(completion.astype(jnp.int32), axis=1).astype(jnp.float32)
@@ -129,7 +136,16 @@ def preference_logps(
         out["chosen_nll"] = -jnp.sum(logps[:n]) / jnp.maximum(
             jnp.sum(full.astype(jnp.int32)), 1
         ).astype(jnp.float32)
-    return out
+    return out | with_router_losses(model, stats)
+
+
+def with_router_losses(model: CausalLM, stats: RouterStats | None) -> dict[str, Array]:
+    """A MoE forward pass's ``router_loss`` (what ``edl.models.heads.router_losses`` adds to
+    a loss) with ``aux_loss`` / ``z_loss`` (scalars); nothing for a dense model."""
+    if stats is None:
+        return {}
+    added, metrics = router_losses(model.config, stats)
+    return {"router_loss": added, **metrics}
 
 
 def _pair_tokens(batch: Batch) -> Int[Array, ""]:
@@ -187,9 +203,23 @@ def _dpo_loss_fn(
                 chosen_nll=policy.get("chosen_nll"),
             )
         value, metrics = preference_loss(loss, pairs, options, chosen, rejected)
+        value, metrics = add_router_losses(value, metrics, policy)
         return value, {**metrics, "count": n, "tokens": _pair_tokens(batch)}
 
     return loss_fn
+
+
+def add_router_losses(
+    loss: Float[Array, ""], metrics: dict[str, Array], policy: Mapping[str, Array]
+) -> tuple[Float[Array, ""], dict[str, Array]]:
+    """``loss`` plus the policy pass's ``router_loss`` (MoE models; TRL adds
+    ``router_aux_loss_coef * aux_loss`` when ``output_router_logits`` is set), with
+    ``aux_loss`` / ``z_loss`` among the metrics; unchanged for a dense model."""
+    if "router_loss" not in policy:
+        return loss, metrics
+    loss = loss + policy["router_loss"].astype(loss.dtype)
+    extra = {k: jax.lax.stop_gradient(policy[k]) for k in ("aux_loss", "z_loss")}
+    return loss, {**metrics, "loss": loss, **extra}
 
 
 def reference_model_for(
@@ -268,10 +298,34 @@ def make_dpo_step(
     Metrics: the loss's (TRL's names: ``rewards/chosen``, ``rewards/rejected``,
     ``rewards/accuracies``, ``rewards/margins``, ``logps/chosen``, ``logps/rejected``; ORPO's
     ``log_odds_ratio``, ``log_odds_chosen``, ``nll_loss``), ``count`` (pairs) and the train
-    step's. MoE router losses are not added. Batch errors (missing keys, shapes) and a
+    step's; a MoE model's router losses are added as ``compute_loss`` adds them
+    (:func:`add_router_losses`, TRL's ``aux_loss`` term). Batch errors (missing keys, shapes) and a
     ``reference="lora"`` model without adapters raise when the step is first traced.
     """
-    who = "make_dpo_step"
+    loss_fn = _dpo_loss(
+        "make_dpo_step",
+        loss_type,
+        (beta, label_smoothing, gamma),
+        reference,
+        reference_model,
+        chunk_size,
+    )
+    if reference_model is None:
+        return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
+    return _with_reference(loss_fn, optimizer, reference_model, step_options)
+
+
+def _dpo_loss(
+    who: str,
+    loss_type: str,
+    hyper: tuple[float | None, float, float],
+    reference: str,
+    reference_model: CausalLM | None,
+    chunk_size: int | None,
+) -> Callable[[Any, Batch, Any], tuple[Array, dict[str, Array]]]:
+    """The DPO-family ``loss_fn(model, batch, reference_model)``, the arguments checked
+    (errors name ``who``); ``hyper``: ``(beta, label_smoothing, gamma)``, ``beta`` None
+    the loss's default."""
     loss = PREFERENCE_LOSSES.lookup(loss_type, f"{who}: loss_type")
     if reference not in REFERENCES:
         raise ValueError(f"{who}: reference must be one of {REFERENCES}, got {reference!r}")
@@ -284,6 +338,7 @@ def make_dpo_step(
             f"reference={reference!r}, reference_model "
             f"{'given' if reference_model is not None else 'None'}"
         )
+    beta, label_smoothing, gamma = hyper
     if beta is None:
         beta = loss.default_beta
     if beta <= 0 or not 0.0 <= label_smoothing < 0.5:
@@ -292,10 +347,7 @@ def make_dpo_step(
             f"label_smoothing={label_smoothing}"
         )
     options = LossOptions(beta, label_smoothing, gamma)
-    loss_fn = _dpo_loss_fn(loss, options, reference, chunk_size)
-    if not uses_model:
-        return make_train_step(lambda m, b: loss_fn(m, b, None), optimizer, **step_options)
-    return _with_reference(loss_fn, optimizer, reference_model, step_options)
+    return _dpo_loss_fn(loss, options, reference, chunk_size)
 
 
 def _with_reference(
@@ -370,6 +422,12 @@ def make_reward_step(
     ``rejected_input_ids`` and ``rejected_attention_mask`` (labels are not read); chosen and
     rejected run in one forward pass. Metrics: :func:`reward_loss`'s and ``count`` (pairs).
     """
+    return make_train_step(_reward_loss_fn(center_rewards_coefficient), optimizer, **step_options)
+
+
+def _reward_loss_fn(
+    center_rewards_coefficient: float | None,
+) -> Callable[[Any, Batch], tuple[Array, dict[str, Array]]]:
     keys = (
         "chosen_input_ids",
         "chosen_attention_mask",
@@ -397,4 +455,4 @@ def make_reward_step(
         count = jnp.asarray(n, jnp.int32)
         return loss, {**metrics, "count": count, "tokens": _pair_tokens(batch)}
 
-    return make_train_step(loss_fn, optimizer, **step_options)
+    return loss_fn
