@@ -52,6 +52,7 @@ __all__ = [
     "gather",
     "gather_state",
     "make_mesh",
+    "mesh_slices",
     "partition_specs",
     "shard",
     "shard_batch",
@@ -65,31 +66,85 @@ def make_mesh(
     axis_dims: Sequence[int] = (1, -1, 1, 1),
     axis_names: Sequence[str] = AXES,
     *,
+    dcn: Sequence[int] | None = None,
     devices: Sequence[jax.Device] | None = None,
 ) -> Mesh:
     """A mesh over ``devices`` (default: all, every process's) with one ``-1`` dimension
-    taking the remaining devices. Axes are ``Auto`` (GSPMD propagation, as jit expects)."""
+    taking the remaining devices. Axes are ``Auto`` (GSPMD propagation, as jit expects).
+
+    ``dcn``: a hybrid mesh over several slices (``edl._mesh_spec``): ``axis_dims`` then size
+    each axis within a slice and ``dcn`` across slices, and the mesh's size on an axis is
+    their product. A slice is a TPU slice (devices' ``slice_index``) or, on GPUs and CPUs,
+    a process (:func:`mesh_slices`). ``jax.experimental.mesh_utils.
+    create_hybrid_device_mesh`` lays each slice out as one contiguous block, so that only
+    the axes ``dcn`` spans cross the slow links (``(N, 1, 1, 1)``: data parallelism across
+    slices, one gradient all-reduce per step over them)."""
     devices = list(jax.devices() if devices is None else devices)
+    if len(axis_dims) != len(axis_names) or (dcn is not None and len(dcn) != len(axis_names)):
+        raise ValueError(
+            f"make_mesh: axis_dims {tuple(axis_dims)} and dcn {dcn} need one size per axis "
+            f"of {tuple(axis_names)}"
+        )
+    if dcn is None:
+        dims = _resolved_dims(axis_dims, len(devices), "devices")
+        return jax.make_mesh(
+            tuple(dims), tuple(axis_names), axis_types=(AxisType.Auto,) * len(dims), devices=devices
+        )
+    grid = _hybrid_devices(axis_dims, tuple(dcn), devices)
+    return Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * grid.ndim)
+
+
+def _resolved_dims(axis_dims: Sequence[int], count: int, what: str) -> list[int]:
+    """``axis_dims`` with its ``-1`` taking what is left of ``count`` ``what``."""
     dims = list(axis_dims)
-    if len(dims) != len(axis_names):
-        raise ValueError(f"make_mesh: {len(dims)} axis_dims for axis_names {tuple(axis_names)}")
     if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
         raise ValueError(f"make_mesh: axis_dims {tuple(dims)} need positive sizes and one -1")
     known = int(np.prod([d for d in dims if d != -1]))
-    if len(devices) % known:
+    if count % known:
         raise ValueError(
             f"make_mesh: axis_dims {tuple(axis_dims)} (product {known}) do not divide the "
-            f"{len(devices)} devices"
+            f"{count} {what}"
         )
-    dims = [len(devices) // known if d == -1 else d for d in dims]
-    if int(np.prod(dims)) != len(devices):
+    dims = [count // known if d == -1 else d for d in dims]
+    if int(np.prod(dims)) != count:
         raise ValueError(
-            f"make_mesh: axis_dims {tuple(axis_dims)} cover {int(np.prod(dims))} devices, "
-            f"there are {len(devices)}; use -1 for one axis"
+            f"make_mesh: axis_dims {tuple(axis_dims)} cover {int(np.prod(dims))} {what}, "
+            f"there are {count}; use -1 for one axis"
         )
-    return jax.make_mesh(
-        tuple(dims), tuple(axis_names), axis_types=(AxisType.Auto,) * len(dims), devices=devices
+    return dims
+
+
+def _hybrid_devices(
+    axis_dims: Sequence[int], dcn: tuple[int, ...], devices: Sequence[Any]
+) -> np.ndarray:
+    """The hybrid mesh's device grid, the slices of :func:`mesh_slices` as the granules of
+    ``create_hybrid_device_mesh``."""
+    from jax.experimental import mesh_utils
+
+    if any(d < 1 for d in dcn):
+        raise ValueError(f"make_mesh: dcn {dcn} needs sizes >= 1 (no -1 across slices)")
+    granules, what = mesh_slices(devices)
+    if granules != int(np.prod(dcn)):
+        raise ValueError(
+            f"make_mesh: dcn {dcn} spans {int(np.prod(dcn))} slices, but the {len(devices)} "
+            f"devices are in {granules} {what}"
+        )
+    ici = _resolved_dims(axis_dims, len(devices) // granules, "devices of a slice")
+    return mesh_utils.create_hybrid_device_mesh(
+        ici, dcn, devices, process_is_granule=devices[0].platform != "tpu"
     )
+
+
+def mesh_slices(devices: Sequence[Any]) -> tuple[int, str]:
+    """How many slices ``devices`` are in for a hybrid mesh, and what a slice is: on TPUs a
+    TPU slice (``slice_index``); elsewhere (GPU hosts, CPU processes, whose devices may
+    carry a ``slice_index`` of 0 for all) a process. ``(count, "slice(s)" |
+    "process(es)")``."""
+    if devices[0].platform == "tpu":
+        count, what = len({d.slice_index for d in devices}), "slice"
+    else:
+        count, what = len({d.process_index for d in devices}), "process"
+    return count, what if count == 1 else f"{what}{'es' if what == 'process' else 's'}"
 
 
 def _shardings(tree: PyTree, rules: Rules, mesh: Mesh) -> PyTree:

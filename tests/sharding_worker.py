@@ -38,7 +38,9 @@ import numpy as np
 import optax
 
 BATCH, SEQ, VOCAB = 8, 16, 64
-MESHES = ("2,2,2,1", "1,8,1,1")
+# The last: a hybrid mesh, FSDP within each process, data parallel across the two (the
+# processes stand in for slices: edl.sharding.make_mesh(dcn=...)).
+MESHES = ("2,2,2,1", "1,8,1,1", "1,2,2,1/2")
 LEARNING_RATE = 1e-2  # AdamW
 
 
@@ -75,13 +77,18 @@ def setup():
     return edl.create_state(model, tx), make_train_step(loss_fn, tx, donate=False)
 
 
-def train_on_mesh(dims: tuple[int, ...], ids: np.ndarray, steps: int):
-    """``(losses, state)`` after ``steps`` train steps on a mesh of ``dims``; ``ids`` are this
-    process's rows."""
+def train_on_mesh(spec: str, ids: np.ndarray, steps: int):
+    """``(losses, state)`` after ``steps`` train steps on the mesh of ``spec`` (as ``edl train
+    --mesh``); ``ids`` are this process's rows."""
+    from edl._mesh_spec import MeshSpec
     from edl.models.llama import PARTITION_RULES
     from edl.sharding import gather, make_mesh, shard_batch, shard_state
 
-    mesh = make_mesh(dims)
+    parsed = MeshSpec.parse(spec)
+    mesh = make_mesh(parsed.ici, dcn=parsed.dcn)
+    if parsed.dcn is not None:  # each process one contiguous block: its own dp index
+        owners = [{d.process_index for d in block.flat} for block in mesh.devices]
+        assert owners == [{i} for i in range(jax.process_count())], owners
     state, step = setup()
     state = shard_state(state, PARTITION_RULES, mesh)
     batch = shard_batch({"ids": ids}, mesh)
@@ -120,7 +127,7 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--port", type=int, required=True, help="coordinator port on 127.0.0.1")
     parser.add_argument("--output", default=None, help="JSON losses (process 0 writes)")
-    parser.add_argument("--mesh", nargs="+", default=list(MESHES), help="e.g. 2,2,2,1")
+    parser.add_argument("--mesh", nargs="+", default=list(MESHES), help="e.g. 2,2,2,1 or 1,2,2,1/2")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=BATCH, help="global batch rows")
     parser.add_argument("--checkpoint", default=None, help="save the last mesh's state here")
@@ -151,9 +158,7 @@ def main() -> None:
     losses = {}
     for spec in args.mesh:
         start = time.perf_counter()
-        losses[spec], state = train_on_mesh(
-            tuple(int(d) for d in spec.split(",")), local, args.steps
-        )
+        losses[spec], state = train_on_mesh(spec, local, args.steps)
         print(
             f"process {args.process_id}: mesh {spec} losses {losses[spec]} "
             f"({time.perf_counter() - start:.1f} s)",

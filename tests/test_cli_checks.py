@@ -56,6 +56,13 @@ def test_mesh_larger_than_the_devices_exits_2_naming_both_counts(workdir, capsys
     assert f"needs a multiple of {present + 1} devices, {present} present" in err
 
 
+def test_mesh_across_more_slices_than_present_exits_2_naming_both(workdir, capsys):
+    err = _fails(["--mesh", "1,-1,1,1/2"], capsys, code=2)
+    assert "--mesh 1,-1,1,1/2 spans 2 slices, the devices are in 1 process" in err
+    err = _fails(["--mesh", "1,-1,1,1/x"], capsys, code=2)
+    assert "--mesh: mesh '1,-1,1,1/x': expected DP,FSDP,TP,SP" in err
+
+
 def test_mesh_with_post_training_exits_2(workdir, capsys):
     argv = ["--method", "dpo", "--model", "model", "--data", "pairs.jsonl", "--mesh", "1,1,1,1"]
     assert "--mesh is for --method sft, not dpo" in _fails(argv, capsys, code=2)

@@ -117,7 +117,8 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path, capsys):
-    two = dict(processes=2, devices=4, extra=["--mesh", "1,-1,1,1"])
+    # A hybrid mesh: FSDP over each process's 4 devices, data parallel across the two.
+    two = dict(processes=2, devices=4, extra=["--mesh", "1,-1,1,1/2"])
     expected = _run(tmp_path / "whole", steps=STEPS, **two)
     assert sorted(expected) == list(range(1, STEPS + 1))
 

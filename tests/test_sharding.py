@@ -3,6 +3,7 @@ every mesh layout equal to one device, really split arrays, checkpoints across m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -14,13 +15,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import edl
+from edl._mesh_spec import MeshSpec
 from edl.io.checkpoint import load_state, save_state
 from edl.models import LlamaConfig, LlamaForCausalLM
 from edl.models.llama import PARTITION_RULES
 from edl.sharding import (
+    _hybrid_devices,
     constrain,
     gather,
     make_mesh,
+    mesh_slices,
     partition_specs,
     shard,
     shard_batch,
@@ -97,8 +101,76 @@ def test_make_mesh_fills_minus_one_and_names_bad_shapes():
         make_mesh((-1, -1, 1, 1))
     with pytest.raises(ValueError, match="cover 4 devices"):
         make_mesh((2, 2, 1, 1))
-    with pytest.raises(ValueError, match="axis_dims for axis_names"):
+    with pytest.raises(ValueError, match="need one size per axis"):
         make_mesh((8, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _FakeDevice:
+    """What ``create_hybrid_device_mesh`` reads of a device (a GPU has no ``slice_index``)."""
+
+    id: int
+    process_index: int
+    slice_index: int = 0  # as jax's GPU and CPU devices: 0 for every process's
+    platform: str = "gpu"
+    device_kind: str = "fake"
+
+
+def test_hybrid_meshes_keep_each_process_one_block_and_count_tpu_slices():
+    """16 GPU-like devices of 4 processes (each with ``slice_index`` 0, as jax gives them):
+    the axis ``dcn`` spans steps across processes, the others stay within one, and ``-1``
+    counts a process's devices. On TPUs the slices are the devices' ``slice_index``es
+    (their layout within a slice needs real TPU coordinates, so only the count is checked)."""
+    processes = [_FakeDevice(i, i // 4) for i in range(16)]
+    grid = _hybrid_devices((1, -1, 2, 1), (4, 1, 1, 1), processes)
+    assert grid.shape == (4, 2, 2, 1)
+    assert [{d.process_index for d in block.flat} for block in grid] == [{0}, {1}, {2}, {3}]
+    grid = _hybrid_devices((1, 2, 2, 1), (1, 4, 1, 1), processes)
+    assert grid.shape == (1, 8, 2, 1)
+    assert [{d.process_index for d in grid[0, 2 * i : 2 * i + 2].flat} for i in range(4)] == [
+        {0},
+        {1},
+        {2},
+        {3},
+    ]
+    tpus = [_FakeDevice(i, 0, slice_index=i // 8, platform="tpu") for i in range(16)]
+    assert mesh_slices(tpus) == (2, "slices") and mesh_slices(processes) == (4, "processes")
+    with pytest.raises(ValueError, match=r"spans 4 slices, but the 16 devices are in 2 slices"):
+        _hybrid_devices((1, -1, 1, 1), (4, 1, 1, 1), tpus)
+
+
+def test_make_mesh_across_processes_on_one_process():
+    """One process is one slice: ``dcn`` of ones is the plain mesh; more is refused."""
+    assert make_mesh((2, -1, 1, 1), dcn=(1, 1, 1, 1)).devices.shape == (2, 4, 1, 1)
+    with pytest.raises(ValueError, match=r"spans 2 slices, but the 8 devices are in 1 process"):
+        make_mesh((1, -1, 1, 1), dcn=(2, 1, 1, 1))
+
+
+@pytest.mark.parametrize(
+    ("spec", "ici", "dcn"),
+    [
+        ("1,-1,1,1", (1, -1, 1, 1), None),
+        ("1,-1,1,1/2", (1, -1, 1, 1), (2, 1, 1, 1)),
+        ("1,4,2,1/1,2,1,1", (1, 4, 2, 1), (1, 2, 1, 1)),
+    ],
+)
+def test_mesh_specs_parse(spec, ici, dcn):
+    assert MeshSpec.parse(spec) == MeshSpec(ici, dcn)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("1,-1,-1,1", "one of them may be -1"),
+        ("1,2,1", "four sizes"),
+        ("1,-1,1,1/-1", "one number or four sizes >= 1"),
+        ("1,-1,1,1/2,1", "one number or four sizes >= 1"),
+        ("a,b", "expected DP,FSDP,TP,SP"),
+    ],
+)
+def test_bad_mesh_specs_are_refused_naming_them(spec, message):
+    with pytest.raises(ValueError, match=message):
+        MeshSpec.parse(spec)
 
 
 def test_partition_specs_follow_rules_and_fall_back_to_replication(caplog):

@@ -22,13 +22,14 @@ import jax
 from edl._hub import hub_offline, hub_unreachable, is_repo_id, no_such_path, unreachable_error
 from edl.cli.config import CommandError, ConfigError, TrainConfig
 from edl.cli.run import check_output_dir
+from edl.sharding import mesh_slices
 
 __all__ = ["check_before_work", "check_data", "check_hub", "check_mesh", "check_model_path"]
 
 
 def check_before_work(config: TrainConfig) -> None:
     """Every check of the module docstring, cheapest first; the first failure raises."""
-    check_mesh(config, jax.device_count())
+    check_mesh(config, jax.device_count(), mesh_slices(jax.devices()))
     check_output_dir(config)
     if config.model:
         check_model_path(config.model)
@@ -42,15 +43,23 @@ def check_before_work(config: TrainConfig) -> None:
         reward_functions(config.reward)  # imported now: a wrong name fails before the model
 
 
-def check_mesh(config: TrainConfig, devices: int) -> None:
-    """``--mesh``'s sizes against the ``devices`` present (``ConfigError`` naming both), and
-    a mesh only for ``--method sft``."""
-    dims = config.mesh_dims
-    if dims is None:
+def check_mesh(config: TrainConfig, devices: int, present: tuple[int, str] = (1, "")) -> None:
+    """``--mesh``'s sizes against the ``devices`` present and its slices (after ``/``)
+    against those ``present`` (``edl.sharding.mesh_slices``), ``ConfigError`` naming both;
+    and a mesh only for ``--method sft``."""
+    spec = config.mesh_spec
+    if spec is None:
         return
     if config.method != "sft":
         raise ConfigError(f"--mesh is for --method sft, not {config.method}")
-    asked = math.prod(d for d in dims if d != -1)
+    slices = math.prod(spec.dcn or (1,))
+    if spec.dcn is not None and slices != present[0]:
+        raise ConfigError(
+            f"--mesh {config.mesh} spans {slices} slices, the devices are in {present[0]} "
+            f"{present[1]}"
+        )
+    dims = spec.ici
+    asked = math.prod(d for d in dims if d != -1) * slices
     if -1 in dims and devices % asked:
         raise ConfigError(
             f"--mesh {config.mesh} needs a multiple of {asked} devices, {devices} present"

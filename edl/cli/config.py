@@ -21,6 +21,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
+from edl._mesh_spec import MeshSpec
 from edl._settings import (
     ConfigError,
     Leaf,
@@ -172,9 +173,10 @@ class TrainConfig:
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
     mesh: str = _option(
         "",
-        "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest); "
-        "empty: one device, or data parallel over all with several "
-        "processes",
+        "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest), optionally "
+        "/N or /DP,FSDP,TP,SP slices (processes on GPU / CPU) across which each axis is "
+        "repeated (/N: data parallel across N); empty: one device, or data parallel over "
+        "all with several processes",
     )
     coordinator: str = _option(
         "", "HOST:PORT of process 0, for a run of several processes (jax.distributed)"
@@ -211,7 +213,7 @@ class TrainConfig:
         if self.eval_data and not self.data:
             raise ConfigError("--eval-data needs --data")
         self._check_method()
-        _ = self.mesh_dims  # parsed: checked early
+        _ = self.mesh_spec  # parsed: checked early
         self._check_processes()
         if self.batch_size % self.grad_accum_steps:
             raise ConfigError(
@@ -275,21 +277,15 @@ class TrainConfig:
             raise ConfigError("--coordinator is for runs of several processes (--num-processes N)")
 
     @property
-    def mesh_dims(self) -> tuple[int, ...] | None:
-        """``mesh`` as ``(dp, fsdp, tp, sp)`` sizes (``None``: no mesh asked for)."""
+    def mesh_spec(self) -> MeshSpec | None:
+        """``mesh`` parsed (``edl._mesh_spec``: sizes within a slice, and across slices
+        after a ``/``); ``None``: no mesh asked for."""
         if not self.mesh:
             return None
-        parts = self.mesh.split(",")
         try:
-            dims = tuple(int(p) for p in parts)
-        except ValueError:
-            dims = ()
-        if len(dims) != 4 or any(d == 0 or d < -1 for d in dims) or dims.count(-1) > 1:
-            raise ConfigError(
-                f"--mesh must be DP,FSDP,TP,SP: four sizes >= 1, one of them "
-                f"may be -1, got {self.mesh!r}"
-            )
-        return dims
+            return MeshSpec.parse(self.mesh)
+        except ValueError as e:
+            raise ConfigError(f"--mesh: {e}") from None
 
     @property
     def peak_learning_rate(self) -> float:

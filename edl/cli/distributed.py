@@ -2,7 +2,8 @@
 
 ``start`` joins the processes of a multi-process run (``--coordinator HOST:PORT
 --num-processes N --process-id I``; on CPU with gloo collectives) before anything touches
-a device. ``mesh_of`` builds the ``(dp, fsdp, tp, sp)`` mesh of ``--mesh``. A run on a mesh
+a device. ``mesh_of`` builds the ``(dp, fsdp, tp, sp)`` mesh of ``--mesh`` (a hybrid
+mesh across slices or processes with its ``/DCN`` part, ``edl._mesh_spec``). A run on a mesh
 feeds the step with :class:`GlobalBatches`: each process reads only its own rows of every
 global batch (``TokenBatches(process_index=..., process_count=...)``) and they are joined
 into global arrays (``edl.sharding.shard_batch``)."""
@@ -44,10 +45,10 @@ def is_lead() -> bool:
 def mesh_of(config: TrainConfig) -> jax.sharding.Mesh | None:
     """The mesh of ``--mesh`` (several processes without one: data parallel over every
     device); ``None`` for a single-process run without ``--mesh``."""
-    dims = config.mesh_dims
-    if dims is None and jax.process_count() > 1:
-        dims = (-1, 1, 1, 1)
-    return None if dims is None else make_mesh(dims)
+    spec = config.mesh_spec
+    if spec is None:
+        return make_mesh((-1, 1, 1, 1)) if jax.process_count() > 1 else None
+    return make_mesh(spec.ici, dcn=spec.dcn)
 
 
 def process_split() -> dict[str, int]:
