@@ -8,18 +8,22 @@ embedded corpus (``edl.train.load_corpus``) for ``--teacher-steps`` steps. Stude
 the corpus (a 48-byte prompt, the next 16 bytes as the completion); the held-out records
 come from the corpus' held-out documents (``split_corpus``).
 
-Each mode starts from the same student and runs ``--steps`` ``edl.train.make_distill_step``
+For each seed (the student's initialisation, the data order and the on-policy draws), every
+mode starts from the same student and runs ``--steps`` ``edl.train.make_distill_step``
 steps (Adam ``--lr``), then reports the held-out KL (``beta=0``, temperature 1: forward KL,
 whatever the mode trained on) before and after:
 
-- ``off-policy``: ``beta 0`` (forward KL), the records' own completions;
-- ``on-policy``: ``beta 0.5`` (TRL's JSD), ``lmbda 0.5``: half the steps (a seeded draw)
-  on 16-byte completions the student samples itself (GKD);
+- ``off-policy``: ``beta 0`` (forward KL) on the records' own completions;
+- ``off-policy-jsd``: ``beta 0.5`` (TRL's JSD, GKD's default) on them;
+- ``on-policy``: ``beta 0``, ``lmbda 0.5``: half the steps (a seeded draw) on 16-byte
+  completions the student samples itself (GKD);
+- ``on-policy-jsd``: ``beta 0.5``, ``lmbda 0.5``;
 - ``sft``: the baseline, plain next-token loss on the same completions (no teacher).
 
-    python -m benchmarks.distill [--steps 150] [--teacher-steps 300] [--modes ...]
+    python -m benchmarks.distill [--steps 300] [--teacher-steps 300] [--seeds 0 1 2]
 
-Prints progress, a markdown table and LAST one JSON line with the settings and numbers.
+Prints progress, a markdown table (per mode: the median held-out KL after, over the seeds,
+and their min / max) and LAST one JSON line with the settings and every number.
 """
 
 from __future__ import annotations
@@ -106,13 +110,22 @@ def _copy(model):
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if eqx.is_array(x) else x, model)
 
 
-def run_mode(mode: str, args, student, teacher, records, held_out) -> dict:
+MODES = {  # (beta, lmbda); None: SFT
+    "off-policy": (0.0, 0.0),
+    "off-policy-jsd": (0.5, 0.0),
+    "on-policy": (0.0, 0.5),
+    "on-policy-jsd": (0.5, 0.5),
+    "sft": None,
+}
+
+
+def run_mode(mode: str, args, seed: int, student, teacher, records, held_out) -> dict:
     tx = optax.adam(args.lr)
     tok = ByteTokenizer()
-    if mode == "sft":
+    if MODES[mode] is None:
         step = _sft_step(tx)
     else:
-        beta, lmbda = (0.0, 0.0) if mode == "off-policy" else (0.5, 0.5)
+        beta, lmbda = MODES[mode]
         step = make_distill_step(
             tx,
             teacher,
@@ -121,11 +134,11 @@ def run_mode(mode: str, args, student, teacher, records, held_out) -> dict:
             max_new_tokens=COMPLETION,
             eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id,
-            key=jax.random.key(7),
+            key=jax.random.key(100 + seed),
             student=student,
         )
     state = edl.create_state(_copy(student), tx)
-    data = _batches(records, args.batch, 3)
+    data = _batches(records, args.batch, seed)
     t0 = time.perf_counter()
     on_policy = 0
     for i in range(args.steps):
@@ -133,19 +146,21 @@ def run_mode(mode: str, args, student, teacher, records, held_out) -> dict:
         state, metrics = step(state, batch)
         on_policy += int(float(metrics.get("on_policy", 0.0)))
         if (i + 1) % 50 == 0:
-            print(f"  {mode} step {i + 1}: loss {float(metrics['loss']):.4f}", flush=True)
+            print(f"  seed {seed} {mode} step {i + 1}: loss {float(metrics['loss']):.4f}")
     seconds = time.perf_counter() - t0
     kl = _held_out_kl(edl.state.model(state), teacher, held_out)
-    return {"mode": mode, "held_out_kl": kl, "seconds": seconds, "on_policy_steps": on_policy}
+    out = {"mode": mode, "seed": seed, "held_out_kl": kl, "seconds": seconds}
+    return {**out, "on_policy_steps": on_policy}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--teacher-steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--modes", nargs="+", default=["off-policy", "on-policy", "sft"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     train_docs, eval_docs = split_corpus(load_corpus(max_bytes=2_000_000), 0.05)
@@ -155,23 +170,25 @@ def main() -> None:
     records = _records(train_docs, 4096, rng)
     held = _batches(_records(eval_docs, 64, np.random.default_rng(99)), 16, 0)
     held_out = [next(held) for _ in range(4)]
-    student = _llama(48, 1, 2)
-    before = _held_out_kl(student, teacher, held_out)
-    print(f"held-out KL(teacher || student) before: {before:.4f}", flush=True)
-    results = [run_mode(m, args, student, teacher, records, held_out) for m in args.modes]
-    print("\n| mode | held-out KL before | after | steps | seconds |")
+    results, before = [], {}
+    for seed in args.seeds:
+        student = _llama(48, 1, 2 + seed)
+        before[seed] = _held_out_kl(student, teacher, held_out)
+        print(f"seed {seed}: held-out KL(teacher || student) before {before[seed]:.4f}")
+        for mode in args.modes:
+            results.append(run_mode(mode, args, seed, student, teacher, records, held_out))
+    print(f"\nheld-out KL before: median {np.median(list(before.values())):.4f}")
+    print("\n| mode | held-out KL after (median) | min | max | seconds (median) |")
     print("|---|---|---|---|---|")
-    for r in results:
+    for mode in args.modes:
+        kl = [r["held_out_kl"] for r in results if r["mode"] == mode]
+        sec = [r["seconds"] for r in results if r["mode"] == mode]
         print(
-            f"| {r['mode']} | {before:.4f} | {r['held_out_kl']:.4f} | {args.steps} "
-            f"| {r['seconds']:.1f} |"
+            f"| {mode} | {np.median(kl):.4f} | {min(kl):.4f} | {max(kl):.4f} "
+            f"| {np.median(sec):.1f} |"
         )
-    settings = {k: v for k, v in vars(args).items()}
-    print(
-        json.dumps(
-            {"settings": settings, "teacher_s": teacher_s, "before": before, "results": results}
-        )
-    )
+    summary = {"settings": vars(args), "teacher_s": teacher_s, "before": before}
+    print(json.dumps({**summary, "results": results}))
 
 
 if __name__ == "__main__":
