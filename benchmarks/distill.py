@@ -153,15 +153,20 @@ def run_mode(mode: str, args, seed: int, student, teacher, records, held_out) ->
     return {**out, "on_policy_steps": on_policy}
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--steps", type=int, default=300, help="distillation (or SFT) steps per mode and seed")
+    add("--teacher-steps", type=int, default=300, help="SFT steps (batch 16) of the teacher")
+    add("--batch", type=int, default=8, help="records per step")
+    add("--lr", type=float, default=3e-3, help="the student's Adam learning rate")
+    add("--modes", nargs="+", default=list(MODES), choices=list(MODES), help="modes to run")
+    add("--seeds", nargs="+", type=int, default=[0, 1, 2], help="one student per seed")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--teacher-steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     rng = np.random.default_rng(0)
     train_docs, eval_docs = split_corpus(load_corpus(max_bytes=2_000_000), 0.05)
     t0 = time.perf_counter()
