@@ -4,10 +4,10 @@ is read, each answered in one line.
 ``check_before_work`` runs right after jax starts (``edl.cli.distributed.start``) and before
 any model or data is loaded, for every ``--method``: the ``--mesh`` against the devices
 present (``ConfigError``: exit 2), ``--mesh`` with a post-training method, the output
-directory, ``--model`` and ``--data`` / ``--eval-data`` paths (a path-shaped value that does
-not exist never reaches the hub, ``edl._hub``; a repo id needs the hub reachable, asked
-once, unless ``HF_HUB_OFFLINE``), the first record of local data files in the
-declared format, and ``--reward``'s functions importable (``CommandError``: exit 1).
+directory, ``--model`` / ``--teacher`` and ``--data`` / ``--eval-data`` paths (a
+path-shaped value that does not exist never reaches the hub, ``edl._hub``; a repo id needs
+the hub reachable, asked once, unless ``HF_HUB_OFFLINE``), the first record of local data
+files in the declared format, and ``--reward``'s functions importable (``CommandError``: exit 1).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def check_before_work(config: TrainConfig) -> None:
     check_output_dir(config)
     if config.model:
         check_model_path(config.model)
+    if config.teacher:
+        check_model_path(config.teacher, flag="--teacher")
     if config.data:
         check_data(config.data, _data_format(config), flag="--data")
     if config.eval_data:
@@ -71,13 +73,14 @@ def check_mesh(config: TrainConfig, devices: int, present: tuple[int, str] = (1,
         )
 
 
-def check_model_path(model: str) -> None:
-    """``--model``: an existing path, or a hub repo id (looked up when the model loads) with
-    the hub reachable (:func:`check_hub`); ``CommandError`` for a missing path-shaped value."""
+def check_model_path(model: str, *, flag: str = "--model") -> None:
+    """``--model`` (or ``flag``: ``--teacher``): an existing path, or a hub repo id (looked up
+    when the model loads) with the hub reachable (:func:`check_hub`); ``CommandError`` for a
+    missing path-shaped value."""
     if is_repo_id(model):
-        check_hub(model, "model", flag="--model")
+        check_hub(model, "model", flag=flag)
     elif not Path(model).expanduser().exists():
-        raise CommandError(f"--model {no_such_path(model)}")
+        raise CommandError(f"{flag} {no_such_path(model)}")
 
 
 def check_hub(repo_id: str, kind: Literal["model", "dataset"], *, flag: str) -> None:
@@ -94,7 +97,7 @@ def check_hub(repo_id: str, kind: Literal["model", "dataset"], *, flag: str) -> 
 def check_data(spec: str, format: str, *, flag: str) -> None:
     """``spec`` (``--data`` / ``--eval-data``): local files exist and the first record of
     the first file is a ``format`` record (``"prompt"``: a GRPO prompt; ``"unpaired"``: a KTO
-    record); a hub dataset name
+    record; ``"distill"``: a distillation record); a hub dataset name
     is read when the data loads. ``CommandError`` naming the flag and the file (and line).
     Only the first file is read (and hashed): a large data set costs nothing here."""
     from edl.text import data_files  # imports the text stack: only when there is data
@@ -117,7 +120,7 @@ def check_data(spec: str, format: str, *, flag: str) -> None:
 
 def _data_format(config: TrainConfig) -> str:
     """The format ``--data``'s records must have for ``config.method``."""
-    formats = {"sft": config.format, "grpo": "prompt", "kto": "unpaired"}
+    formats = {"sft": config.format, "grpo": "prompt", "kto": "unpaired", "distill": "distill"}
     return formats.get(config.method, "preference")
 
 
@@ -128,6 +131,10 @@ def _check_record(record: dict[str, object], format: str, where: str) -> None:
         from edl.train.kto_data import check_unpaired
 
         check_unpaired(record, where)
+    elif format == "distill":
+        from edl.train.distill_data import check_distill_record
+
+        check_distill_record(record, where)
     elif format != "prompt":
         validate(record, format, where)
     elif "prompt" not in record:

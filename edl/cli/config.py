@@ -88,8 +88,8 @@ class TrainConfig:
         "what to train: sft (next-token loss on --data), dpo (preference pairs: "
         "prompt / chosen / rejected), reward (a reward model on preference pairs), grpo "
         "(online RL on prompt records with --reward), kto (unpaired preferences: prompt / "
-        "completion / label)",
-        choices=("sft", "dpo", "reward", "grpo", "kto"),
+        "completion / label), distill (from --teacher on prompt / completion or messages records)",
+        choices=("sft", "dpo", "reward", "grpo", "kto", "distill"),
     )
     loss_type: str = _option(
         "sigmoid",
@@ -98,7 +98,8 @@ class TrainConfig:
     )
     beta: float = _option(
         0.0,
-        "DPO's / KTO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term)",
+        "DPO's / KTO's beta (0: 0.1, SimPO 2.0); GRPO's KL coefficient (0: no KL term); "
+        "distill's generalised JSD beta in [0, 1] (0: forward KL, 1: reverse KL)",
         low=0.0,
     )
     desirable_weight: float = _option(
@@ -113,14 +114,36 @@ class TrainConfig:
         "frozen copy of --model), auto (lora with --lora-rank, else model)",
         choices=("auto", "lora", "model"),
     )
+    teacher: str = _option(
+        "",
+        "--method distill: the teacher, a model directory, hub repo id or run directory "
+        "with --model's vocabulary",
+    )
+    lmbda: float = _option(
+        0.0,
+        "--method distill: probability that a step trains on the student's own samples "
+        "(GKD's lmbda; 0: off-policy)",
+        low=0.0,
+        high=1.0,
+    )
+    seq_kd: bool = _option(
+        False, "--method distill: train the other steps on the teacher's samples"
+    )
     reward: str = _option(
         "",
         "--method grpo: reward function(s), module:function[,...] "
         "(imported from the working directory or PYTHONPATH)",
     )
     num_generations: int = _option(8, "--method grpo: completions per prompt", low=2.0)
-    max_new_tokens: int = _option(64, "--method grpo: tokens per completion", low=1.0)
-    temperature: float = _option(1.0, "--method grpo: sampling temperature", low=0.0)
+    max_new_tokens: int = _option(
+        64, "--method grpo / distill: tokens per sampled completion", low=1.0
+    )
+    temperature: float = _option(
+        1.0,
+        "--method grpo / distill: sampling temperature (distill: it also divides both "
+        "models' logits in the loss)",
+        low=0.0,
+    )
     num_iterations: int = _option(
         1, "--method grpo: optimizer updates per batch of completions", low=1.0
     )
@@ -234,13 +257,22 @@ class TrainConfig:
                 + (
                     "prompt records"
                     if method == "grpo"
+                    else "prompt / completion or messages records"
+                    if method == "distill"
                     else "unpaired preference records (prompt / completion / label)"
                     if method == "kto"
                     else "preference records (prompt / chosen / rejected)"
                 )
             )
-        if self.eval_data and method == "grpo":
-            raise ConfigError("--eval-data is for --method sft, dpo, reward and kto, not grpo")
+        if self.eval_data and method in ("grpo", "distill"):
+            raise ConfigError(f"--eval-data is for --method sft, dpo, reward and kto, not {method}")
+        if (method == "distill") != bool(self.teacher):
+            raise ConfigError("--teacher is for --method distill, which needs it")
+        if method == "distill" and (self.beta > 1 or self.temperature <= 0):
+            raise ConfigError(
+                f"--method distill needs 0 <= --beta <= 1 and --temperature > 0, got "
+                f"{self.beta} and {self.temperature}"
+            )
         if method == "grpo" and not self.reward:
             raise ConfigError("--method grpo needs --reward module:function")
         if method != "grpo" and self.reward:
@@ -341,6 +373,7 @@ _METHOD_OPTIONS = {
     "dpo": ("loss_type", "beta", "reference"),
     "kto": ("beta", "reference", "desirable_weight", "undesirable_weight"),
     "reward": (),
+    "distill": ("beta", "teacher", "lmbda", "seq_kd", "temperature", "max_new_tokens"),
     "grpo": (
         "beta",
         "reference",

@@ -1,6 +1,6 @@
-"""``edl train --method dpo|reward|grpo|kto``: post-training a Hugging Face causal LM (full,
-LoRA or QLoRA, as ``--method sft``) with a preference loss, as a reward model, by GRPO or by
-KTO.
+"""``edl train --method dpo|reward|grpo|kto|distill``: post-training a Hugging Face causal LM
+(full, LoRA or QLoRA, as ``--method sft``) with a preference loss, as a reward model, by GRPO,
+by KTO or by distillation from a teacher.
 
 - ``dpo``: ``--data`` holds preference records (``prompt`` / ``chosen`` / ``rejected``,
   strings or chat messages), tokenized as TRL does (``edl.text.load_tokenized``) and batched
@@ -19,6 +19,13 @@ KTO.
   (``edl.train.kto_data.encode_unpaired``) and batched with KTO's mismatched KL pairs by
   ``edl.train.kto_data.KTOBatches``; ``edl.train.kto.make_kto_step`` against the
   ``--reference``, ``--desirable-weight`` / ``--undesirable-weight``.
+- ``distill``: ``--data`` holds TRL's GKD records (``messages``, or ``prompt`` /
+  ``completion``), tokenized as TRL does (``edl.train.distill_data.encode_distill``) and
+  batched by ``edl.train.distill_data.DistillBatches``; ``--teacher`` (any width and depth,
+  ``--model``'s vocabulary) is loaded frozen in ``--param-dtype`` and
+  ``edl.train.distill.make_distill_step`` trains the student on the generalised JSD
+  (``--beta``, ``--temperature``), on its own samples with probability ``--lmbda`` and on
+  the teacher's with ``--seq-kd`` (``--max-new-tokens`` each).
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ from edl.train import (
     make_grpo_step,
     make_reward_step,
 )
+from edl.train.distill import make_distill_step
+from edl.train.distill_data import DistillBatches, encode_distill
 from edl.train.grpo_rewards import RewardFn
 from edl.train.kto import make_kto_step
 from edl.train.kto_data import KTOBatches, encode_unpaired
@@ -75,6 +84,7 @@ _REPORTED = {
     "reward": ("accuracy", "rewards/margins"),
     "grpo": ("reward_mean", "completion_length", "kl"),
     "kto": ("rewards/margins", "kl"),
+    "distill": ("on_policy",),
 }
 
 
@@ -164,6 +174,58 @@ def _held_out(config: TrainConfig, tokenizer: HFTokenizer, vocab_size: int) -> l
     if not out:
         raise CommandError(f"--eval-data {config.eval_data}: no records left after cutting")
     return out
+
+
+def _distill_batches(config: TrainConfig, tokenizer: HFTokenizer) -> DistillBatches:
+    """``--data``'s distillation records, tokenized in memory; errors name the file and
+    line."""
+    try:
+        examples = [
+            encode_distill(tokenizer, record, where=where)
+            for where, record in source_of(config.data).records()
+        ]
+        if not examples:
+            raise CommandError(f"{config.data}: no records")
+        return DistillBatches(
+            examples,
+            batch_size=config.batch_size,
+            max_length=config.seq_len,
+            pad_id=tokenizer.pad_id,
+            seed=config.seed,
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise CommandError(f"{config.data}: {e}") from None
+
+
+def _distill_step(
+    config: TrainConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    tokenizer: HFTokenizer,
+    student: eqx.Module,
+) -> Any:
+    """``make_distill_step`` against ``--teacher``, loaded frozen in the trained weights'
+    dtype without the in-program id check (batches are checked on the host)."""
+    teacher = load_model(model_directory(config.teacher), dtype=config.param_dtype)
+    teacher = configure(teacher, check_inputs=False)
+    try:
+        return make_distill_step(
+            tx,
+            teacher,
+            beta=config.beta,
+            temperature=config.temperature,
+            lmbda=config.lmbda,
+            seq_kd=config.seq_kd,
+            max_new_tokens=config.max_new_tokens,
+            eos_token_id=tokenizer.eos_id,
+            pad_token_id=tokenizer.pad_id,
+            key=jax.random.key(config.seed),
+            student=student,
+            **step_options(config),
+            schedule=schedule,
+        )
+    except ValueError as e:
+        raise CommandError(f"--teacher {config.teacher}: {e}") from None
 
 
 def _prompt_batches(config: TrainConfig) -> PromptBatches:
@@ -309,6 +371,8 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         data = HostCheckedBatches(
             _kto_batches(config, tokenizer, config.data), model.config.vocab_size
         )
+    elif config.method == "distill":
+        data = HostCheckedBatches(_distill_batches(config, tokenizer), model.config.vocab_size)
     else:
         data = HostCheckedBatches(
             _preference_batches(config, tokenizer, config.data), model.config.vocab_size
@@ -316,7 +380,10 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     held_out = _held_out(config, tokenizer, model.config.vocab_size) if config.eval_data else None
     updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
-    step, eval_step = _steps(config, tx, schedule, tokenizer, reward_fns)
+    if config.method == "distill":
+        step, eval_step = _distill_step(config, tx, schedule, tokenizer, model), None
+    else:
+        step, eval_step = _steps(config, tx, schedule, tokenizer, reward_fns)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "

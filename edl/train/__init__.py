@@ -15,6 +15,9 @@ from edl._lazy import lazy_attributes
 _MODULES = {
     "edl.train.core": ("Callback", "StepInfo", "Stop", "callback", "run_loop"),
     "edl.train.data": ("TokenBatches", "batches_from_iterable"),
+    "edl.train.distill": ("make_distill_step",),
+    "edl.train.distill_data": ("DistillBatches",),
+    "edl.train.distill_loss": ("distill_loss",),
     "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
     "edl.train.kto": ("kto_loss", "make_kto_step"),
     "edl.train.loop": ("train",),
