@@ -43,11 +43,11 @@ def grouped_sigmoid_route(
             "experts (each group needs >= 2 experts: it is scored by its best two)"
         )
     scores = jax.nn.sigmoid(logits.astype(jnp.float32))
-    choice = scores + bias.astype(jnp.float32)
+    choice = scores + bias.astype(jnp.float32)[None]
     grouped = choice.reshape(tokens, n_group, per_group)
     group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)
     _, best_groups = jax.lax.top_k(group_scores, topk_group)
-    allowed = jnp.any(best_groups[..., None] == jnp.arange(n_group), axis=-2)
+    allowed = jnp.any(best_groups[..., None] == jnp.arange(n_group)[None, None], axis=-2)
     allowed = jnp.repeat(allowed, per_group, axis=-1)
     _, chosen = jax.lax.top_k(jnp.where(allowed, choice, -jnp.inf), top_k)
     weights = jnp.take_along_axis(scores, chosen, axis=-1)

@@ -53,10 +53,11 @@ def interleaved_rope(
 ) -> Float[Array, "batch seq heads dim"]:
     """HF's ``apply_rotary_pos_emb_interleave``: pairs ``(x0, x1), (x2, x3), ...`` each
     rotated by one frequency, written out de-interleaved (``[even', odd']``), as transformers
-    does. Float32 inside, cast back to ``x.dtype``."""
+    does. At least float32 inside, cast back to ``x.dtype``."""
     half = x.shape[-1] // 2
-    c, s = cos[:, :, None, :half], sin[:, :, None, :half]
-    xf = x.astype(jnp.float32)
+    dtype = x.dtype if jnp.finfo(x.dtype).bits > 32 else jnp.float32  # float64 stays
+    c, s = (t[:, :, None, :half].astype(dtype) for t in (cos, sin))
+    xf = x.astype(dtype)
     x1, x2 = xf[..., 0::2], xf[..., 1::2]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
