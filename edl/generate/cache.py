@@ -204,10 +204,11 @@ class LatentKVCache(Cache):
 
 def init_cache(
     config: DecoderConfig, batch: int, cache_len: int, dtype: DTypeLike = jnp.float32
-) -> KVCache:
+) -> KVCache | LatentKVCache:
     """An empty (``fresh``) cache for ``batch`` rows of up to ``cache_len`` tokens (rounded up
     to a multiple of 16) for a model with this config (HF field names: ``num_hidden_layers``,
-    ``num_key_value_heads``, ``head_dim``)."""
+    ``num_key_value_heads``, ``head_dim``; a config's ``cache_geometry`` where it has one). A
+    config with a ``latent_cache_dim`` (DeepSeek-V3's MLA) gets a ``LatentKVCache``."""
     if batch < 1 or cache_len < 1:
         raise ValueError(f"init_cache: batch and cache_len must be >= 1, got {batch}, {cache_len}")
     layers, kv_heads, head_dim = cache_dims(config)
