@@ -241,14 +241,15 @@ def test_the_latent_cache_holds_no_per_head_keys_or_values():
 
 @pytest.mark.slow  # ~15 s
 def test_lora_adapters_round_trip_with_peft(tmp_path):
-    """edl's adapter on MLA's projections and the experts' neighbours loads in peft with
-    edl's logits; peft's loads in edl with peft's."""
+    """edl's adapter on MLA's projections loads in peft with edl's logits; peft's loads in
+    edl with peft's."""
     peft = pytest.importorskip("peft")
     model = _load(_hf_model("q_lora", seed=4))
     ids = np.random.default_rng(1).integers(1, VOCAB, (2, 9))
-    pattern = (
-        r"(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|gate_proj|up_proj|down_proj)$"
-    )
+    # MLA's projections. (Not gate / up / down_proj: with transformers 5, peft maps those
+    # short names onto the routed experts' fused gate_up_proj as well, which edl's adapter
+    # does not hold; a limit of PEFT's MoE names, not of MLA.)
+    pattern = r"(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)$"
     lora = apply_lora(model, rank=4, alpha=8, pattern=pattern, key=jax.random.key(0))
     lora = edl.tree.named_map(
         lambda p, x: (
@@ -383,3 +384,35 @@ def test_features_name_mla_and_the_routing():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert features(DeepseekV3Config.from_hf(_config().to_dict()))
+
+
+@pytest.mark.slow  # ~20-40 s
+def test_serving_engine_greedy_matches_transformers():
+    """The serving engine (paged pools of latent pages, chunked prefill, a request joining
+    mid-flight) gives transformers' greedy tokens."""
+    from edl.serve import Engine, SamplingParams
+
+    hf_model = _hf_model("q_lora", seed=3, std=0.25)
+    model = _load(hf_model)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (11, 5, 7)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([p]), do_sample=False, max_new_tokens=6, pad_token_id=0
+            )
+        want.append(out[0, len(p) :].tolist())
+    engine = Engine(model, max_batch=4, max_model_len=32, page_size=4, prefill_chunk=4)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = [engine.add_request(p, greedy) for p in prompts[:2]]
+    got, step = {i: [] for i in ids}, 0
+    while engine.has_unfinished() or step < 3:
+        if step == 2:  # the third joins while the others decode
+            ids.append(engine.add_request(prompts[2], greedy))
+            got[ids[-1]] = []
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        step += 1
+        assert step < 200
+    assert [got[i] for i in ids] == want
