@@ -28,6 +28,7 @@ import edl
 from benchmarks._common import interleaved_rounds, table, write_json
 from edl.generate import generate, init_cache
 from edl.models import DeepseekV3Config, DeepseekV3ForCausalLM, configure
+from edl.train import make_train_step
 
 TINY = dict(
     vocab_size=1024,
@@ -56,7 +57,7 @@ def _torch_side(model, ids):
 
     torch_model = edl.to_torch(model).train()
     opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
-    t_ids = torch.tensor(np.asarray(ids))
+    t_ids = torch.tensor(np.asarray(ids, np.int64))
 
     def forward():
         with torch.no_grad():
@@ -74,8 +75,9 @@ def _torch_side(model, ids):
 
 def _edl_side(model, ids):
     tx = optax.adamw(1e-4)
-    state = [edl.create_state(model, tx)]
-    step = edl.train.make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx)
+    # The step donates its state: give it copies, so the forward and decode keep theirs.
+    state = [edl.create_state(jax.tree.map(jnp.copy, model), tx)]
+    step = make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx)
     forward = jax.jit(lambda m, i: m(i).logits)
 
     def train():

@@ -416,3 +416,16 @@ def test_serving_engine_greedy_matches_transformers():
         step += 1
         assert step < 200
     assert [got[i] for i in ids] == want
+
+
+def test_defaults_and_config_round_trip_equal_transformers():
+    """``DeepseekV3Config()`` is transformers' default model (its one MTP layer named in the
+    warning), and a config written by edl reads back through transformers unchanged."""
+    with pytest.warns(UserWarning, match="num_nextn_predict_layers=1"):
+        theirs = DeepseekV3Config.from_hf(transformers.DeepseekV3Config().to_dict())
+    assert DeepseekV3Config() == theirs.replace(hf_extra=())
+    for variant in ("q_proj_tied", "yarn"):
+        config = DeepseekV3Config.from_hf(_config(**VARIANTS[variant]).to_dict())
+        hf_dict = config.to_hf(architectures=["DeepseekV3ForCausalLM"])
+        again = transformers.AutoConfig.for_model(**hf_dict).to_dict()
+        assert DeepseekV3Config.from_hf(again).replace(hf_extra=()) == config.replace(hf_extra=())

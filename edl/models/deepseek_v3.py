@@ -136,7 +136,7 @@ class DeepseekV3Config(DecoderConfig):
     first_k_dense_replace: int = 3
     rope_interleave: bool = True
     attention_bias: bool = False
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = 1  # HF's default: not loaded (module docstring)
     mla_cache: str = "latent"  # edl's: what a cache holds (module docstring)
 
     def __post_init__(self) -> None:

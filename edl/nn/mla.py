@@ -8,10 +8,11 @@ The maths and the two forms (materialised, absorbed) are in ``edl.ops.mla``.
 
 The forward pass (training, a whole prompt) materialises per-head K / V. Through a cache,
 ``decode`` keeps the compressed form: a *latent* cache (``edl.generate.init_cache`` of an
-MLA config: one KV head of ``kv_lora_rank + qk_rope_head_dim`` features, the paged cache
+MLA config: one KV head of ``kv_lora_rank + qk_rope_head_dim`` features; the paged cache
 likewise) stores ``[latent, k_rope]`` per token, and the new queries attend to it absorbed
-(MQA over the latents). A cache of per-head keys / values (``heads`` KV heads of the q/k
-head dim: the materialised form, for comparison) is read as ordinary attention.
+(MQA over the latents); a fresh cache's prompt (prefill) still attends materialised. A
+cache of per-head keys / values (``heads`` KV heads of the q/k head dim: the materialised
+form, for comparison) is read as ordinary attention.
 """
 
 from __future__ import annotations
@@ -154,13 +155,19 @@ class MultiHeadLatentAttention(eqx.Module):
 
     def _decode_latent(self, q, latent, cache, layer, options):
         """Absorbed attention over a latent cache: keys and values are the cached
-        ``[latent, k_rope]`` (values: its first ``kv_lora_rank`` features)."""
+        ``[latent, k_rope]`` (values: its first ``kv_lora_rank`` features). A fresh cache's
+        prompt (prefill) attends materialised, as the forward pass does."""
         w_k, w_v = split_kv_b(
             self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim, self.v_head_dim
         )
+        cache = cache.update(layer, latent, latent)
+        if getattr(cache, "fresh", False):
+            # A whole prompt: its new tokens attend only to each other, materialised (heads
+            # of qk_nope + qk_rope, which the flash kernels take) rather than over latents.
+            k, v = self._expand(latent)
+            return self._out(mla_attention(q, k, v, **options)), cache
         q_nope, q_rope = jnp.split(q, [self.qk_nope_head_dim], axis=-1)
         q_lat = jnp.concatenate([absorb_query(q_nope, w_k), q_rope], axis=-1)
-        cache = cache.update(layer, latent, latent)
         attended = cache.attend(layer, q_lat, latent, latent, **options)
         out = expand_output(attended[..., : self.kv_lora_rank], w_v)
         return self._out(out), cache
