@@ -199,6 +199,9 @@ def test_kimi_and_moonlight_config_keys_are_read():
     out = config.to_hf()
     assert out["scoring_func"] == "sigmoid" and out["seq_aux"] is True
     assert DeepseekV3Config.from_hf(out) == config
+    # Kimi K2 names the same architecture model_type kimi_k2, and it is written back so.
+    _, kimi, cls = edl.models.registry.resolve({**moonlight, "model_type": "kimi_k2"})
+    assert cls.__name__ == "DeepseekV3ForCausalLM" and kimi.to_hf()["model_type"] == "kimi_k2"
 
 
 @pytest.mark.parametrize(
@@ -429,3 +432,13 @@ def test_defaults_and_config_round_trip_equal_transformers():
         hf_dict = config.to_hf(architectures=["DeepseekV3ForCausalLM"])
         again = transformers.AutoConfig.for_model(**hf_dict).to_dict()
         assert DeepseekV3Config.from_hf(again).replace(hf_extra=()) == config.replace(hf_extra=())
+
+
+def test_edl_info_prints_mla_and_the_routing(tmp_path, capsys):
+    from edl.cli import main
+
+    _hf_model("q_lora").save_pretrained(tmp_path)
+    main(["info", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "DeepseekV3ForCausalLM (model_type deepseek_v3): MLA 4 heads: q rank 24" in out
+    assert "sigmoid routing in 1 of 2 groups, scale 2.5, 1 shared expert" in out

@@ -1,4 +1,5 @@
-"""DeepSeek-V3 (HF ``model_type`` deepseek_v3; also Kimi K2 and Moonlight checkpoints).
+"""DeepSeek-V3 (HF ``model_type`` deepseek_v3; also Moonlight's checkpoints, and Kimi K2's
+under their own ``model_type`` kimi_k2, the same architecture).
 
 Each layer has multi-head latent attention (``edl.nn.mla``: low-rank q and kv, a decoupled
 RoPE key shared by the heads, interleaved RoPE pairs, YaRN with ``mscale_all_dim`` on the
@@ -111,7 +112,8 @@ class DeepseekV3Config(DecoderConfig):
     dense for the first ``first_k_dense_replace`` layers; ``attn_scale``
     ``(qk_nope + qk_rope) ** -0.5``, times YaRN's ``mscale_all_dim`` factor squared."""
 
-    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("deepseek_v3",)
+    # Kimi K2 writes its own model_type for the same architecture (its model card).
+    MODEL_TYPES: ClassVar[tuple[str, ...]] = ("deepseek_v3", "kimi_k2")
     SETTINGS: ClassVar[frozenset[str]] = DecoderConfig.SETTINGS | {"mla_cache"}
 
     model_type: str = "deepseek_v3"

@@ -101,7 +101,7 @@ DEEPSEEK_V3 = register(
         config_cls=deepseek_v3.DeepseekV3Config,
         key_table=deepseek_v3.key_table,  # skips the multi-token-prediction layers
         tasks={t: getattr(deepseek_v3, "DeepseekV3" + TASKS[t]) for t in _DECODER_TASKS},
-        hf_names={"deepseek_v3": "DeepseekV3"},
+        hf_names={"deepseek_v3": "DeepseekV3", "kimi_k2": "DeepseekV3"},
     )
 )
 
