@@ -279,6 +279,7 @@ def test_lora_adapters_round_trip_with_peft(tmp_path):
     np.testing.assert_allclose(_logits(loaded, ids), _torch_logits(theirs, ids), rtol=0, atol=TOL)
 
 
+@pytest.mark.slow  # ~5-45 s (two generate compiles)
 def test_lora_wrapped_kv_b_proj_decodes_absorbed():
     """The absorbed decode reads kv_b_proj's merged weight: a LoRA model generates the
     tokens its own forward pass picks greedily."""

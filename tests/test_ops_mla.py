@@ -74,7 +74,8 @@ def _plain_mla(layer, x, cos, sin):
     return out.reshape(b, s, h * dv) @ layer.o_proj.weight.T
 
 
-@pytest.mark.parametrize("q_lora_rank", [12, None])
+# q_proj alone (q_lora_rank None) is slow: ~6 s; the model parity tests cover it too.
+@pytest.mark.parametrize("q_lora_rank", [12, pytest.param(None, marks=pytest.mark.slow)])
 def test_float64_materialised_mla_and_its_gradients_equal_the_plain_definition(q_lora_rank):
     with jax.enable_x64(True):
         layer = _mla(jnp.float64, q_lora_rank=q_lora_rank)
@@ -91,7 +92,9 @@ def test_float64_materialised_mla_and_its_gradients_equal_the_plain_definition(q
             np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("cache_kind", ["latent", "materialised"])
+@pytest.mark.parametrize(
+    "cache_kind", ["latent", pytest.param("materialised", marks=pytest.mark.slow)]
+)
 def test_float64_absorbed_decode_equals_the_materialised_form(cache_kind):
     """A prompt of 4 tokens, then 3 tokens one at a time through the cache: each step's
     outputs equal the materialised forward over the whole sequence at those positions.
