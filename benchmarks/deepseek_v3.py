@@ -101,11 +101,17 @@ def _decode_rates(model, rounds: int, new: int) -> dict[str, float]:
     return {name: 8 * new / statistics.median(s) for name, s in seconds.items()}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.deepseek_v3", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per variant")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per row")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
 
     config = DeepseekV3Config(**TINY)
     model = DeepseekV3ForCausalLM.init(config, key=jax.random.key(0))
