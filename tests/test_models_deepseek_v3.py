@@ -204,6 +204,7 @@ def test_kimi_and_moonlight_config_keys_are_read():
     assert cls.__name__ == "DeepseekV3ForCausalLM" and kimi.to_hf()["model_type"] == "kimi_k2"
 
 
+@pytest.mark.gpu  # the latent cache through the GPU's decode kernels
 @pytest.mark.parametrize(
     "how",
     ["latent", *(pytest.param(h, marks=pytest.mark.slow) for h in ("paged", "materialised"))],

@@ -231,3 +231,21 @@ def test_mla_attention_on_gpu_equals_the_float64_reference():
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         a, b = np.asarray(a, np.float64), np.asarray(b)
         assert np.max(np.abs(a - b)) / max(1.0, np.abs(b).max()) < 2e-2
+
+
+@pytest.mark.gpu
+def test_absorbed_decode_at_deepseek_v3_sizes_on_gpu():
+    """One decode step over a latent cache of DeepSeek-V3's width (512 + 64: one shared
+    head of 576) through ``cached_attention``'s "auto" choice on a GPU (the Triton decode
+    kernel, or XLA with a warning naming why) equals the reference."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from edl.ops.cached_attention import cached_attention
+
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 1, 16, 576)), jnp.float32)
+    latent = jnp.asarray(rng.standard_normal((1, 2, 64, 1, 576)), jnp.float32)
+    lengths = jnp.asarray([37, 64], jnp.int32)
+    run = lambda impl: cached_attention(q, latent, latent, lengths, layer=0, impl=impl)
+    got, want = jax.jit(lambda: run("auto"))(), run("reference")
+    np.testing.assert_allclose(got[..., :512], want[..., :512], rtol=2e-2, atol=2e-2)
