@@ -39,6 +39,7 @@ from edl.ops.cached_attention import cached_attention
 __all__ = [
     "Cache",
     "KVCache",
+    "LatentKVCache",
     "init_cache",
 ]
 
@@ -46,7 +47,11 @@ CACHE_MULTIPLE = 16  # cache lengths are rounded up to this (the GPU decode kern
 
 
 def cache_dims(config: DecoderConfig) -> tuple[int, int, int]:
-    """``(layers, kv_heads, head_dim)`` of a model config (HF field names)."""
+    """``(layers, kv_heads, head_dim)`` of a model config (HF field names), or the
+    config's own ``cache_geometry`` (DeepSeek-V3's MLA: one latent head)."""
+    geometry = getattr(config, "cache_geometry", None)
+    if geometry is not None:
+        return geometry
     try:
         return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     except AttributeError as e:
@@ -157,15 +162,58 @@ class KVCache(Cache):
         )
 
 
+class LatentKVCache(Cache):
+    """Contiguous cache of MLA's compressed latents, ``(layers, batch, cache_len, 1,
+    kv_lora_rank + qk_rope_head_dim)``: one array that is both the keys and the values of
+    the absorbed attention (``edl.ops.mla``; the values are its first ``kv_lora_rank``
+    features, cut from the output by the model), so nothing is stored twice."""
+
+    latent: Float[Array, "layers batch cache_len 1 latent_dim"]
+    lengths: Int[Array, " batch"]
+    fresh: bool = eqx.field(static=True, default=False)
+
+    def reserve(self, num_new: Int[Array, " batch"]) -> LatentKVCache:
+        del num_new
+        return self
+
+    def update(
+        self,
+        layer: Int[Array, ""] | int,
+        k: Float[Array, "batch new 1 latent_dim"],
+        v: Float[Array, "batch new 1 latent_dim"] | None = None,
+    ) -> LatentKVCache:
+        """Write ``layer``'s new latents ``k`` (``v``, the same latents, is not stored)."""
+        del v
+        as_kv = KVCache(self.latent, self.latent, self.lengths, fresh=self.fresh)
+        return dataclasses.replace(self, latent=as_kv.update(layer, k, k).k)
+
+    def _read(self, layer, q, lengths, options):
+        latent = self.latent
+        return cached_attention(
+            q.astype(latent.dtype), latent, latent, lengths, layer=layer, **options
+        )
+
+    def select_rows(self, rows: Int[Array, " new_batch"]) -> LatentKVCache:
+        """The cache of rows ``rows`` (beams)."""
+        return dataclasses.replace(
+            self,
+            latent=jnp.take(self.latent, rows, axis=1),
+            lengths=jnp.take(self.lengths, rows, axis=0),
+        )
+
+
 def init_cache(
     config: DecoderConfig, batch: int, cache_len: int, dtype: DTypeLike = jnp.float32
-) -> KVCache:
+) -> KVCache | LatentKVCache:
     """An empty (``fresh``) cache for ``batch`` rows of up to ``cache_len`` tokens (rounded up
     to a multiple of 16) for a model with this config (HF field names: ``num_hidden_layers``,
-    ``num_key_value_heads``, ``head_dim``)."""
+    ``num_key_value_heads``, ``head_dim``; a config's ``cache_geometry`` where it has one). A
+    config with a ``latent_cache_dim`` (DeepSeek-V3's MLA) gets a ``LatentKVCache``."""
     if batch < 1 or cache_len < 1:
         raise ValueError(f"init_cache: batch and cache_len must be >= 1, got {batch}, {cache_len}")
     layers, kv_heads, head_dim = cache_dims(config)
     cache_len = -(-cache_len // CACHE_MULTIPLE) * CACHE_MULTIPLE
     zeros = jnp.zeros((layers, batch, cache_len, kv_heads, head_dim), dtype)
+    if getattr(config, "latent_cache_dim", None) is not None:  # MLA: keys are the values
+        return LatentKVCache(zeros, jnp.zeros((batch,), jnp.int32), fresh=True)
     return KVCache(zeros, zeros, jnp.zeros((batch,), jnp.int32), fresh=True)

@@ -11,15 +11,16 @@ causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA'
 classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
-``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.mixtral``, ``edl.models.olmo``,
-``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
-``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
+``edl.models.deepseek_v3``, ``edl.models.gemma``, ``edl.models.gemma3``,
+``edl.models.mixtral``, ``edl.models.olmo``, ``edl.models.phi3``, ``edl.models.qwen3_moe``,
+``edl.models.smollm3``, ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
 
 from edl.models import registry
 from edl.models.clip import CLIPModel
 from edl.models.config import DecoderConfig, RunOptions, flops_per_token
+from edl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from edl.models.encoder_config import CLIPConfig, SiglipConfig
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
@@ -37,6 +38,8 @@ __all__ = [
     "CLIPConfig",
     "CLIPModel",
     "DecoderConfig",
+    "DeepseekV3Config",
+    "DeepseekV3ForCausalLM",
     "Gemma2Config",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

@@ -316,6 +316,8 @@ class DecoderModel(eqx.Module):
 
     # ``edl.sharding``'s rules=None: every family shares these (a class attribute, static).
     partition_rules: ClassVar[Rules] = PARTITION_RULES
+    # The block a family builds its layers of (DeepSeek-V3: MLA and a grouped MoE).
+    layer_cls: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     embed_tokens: Embedding
     layers: LayerStack
@@ -337,7 +339,7 @@ class DecoderModel(eqx.Module):
             mine = [i for i, g in enumerate(config.layer_groups) if g == group]
             mlp = config.layer_mlps[mine[0]]
             stacks[group] = stack(
-                lambda k, mlp=mlp: DecoderLayer.init(config, mlp=mlp, dtype=dtype, key=k),
+                lambda k, mlp=mlp: cls.layer_cls.init(config, mlp=mlp, dtype=dtype, key=k),
                 keys[jnp.asarray(mine)],
             )
         embed = Embedding.init(

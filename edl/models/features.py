@@ -41,10 +41,36 @@ def _if(
     return lambda c: words if flag(c) else None
 
 
-def _attention(c: DecoderConfig) -> str:
+def _attention(c: DecoderConfig) -> str | None:
+    if getattr(c, "kv_lora_rank", None):  # multi-head latent attention: ``_mla``
+        return None
     heads, kv = c.num_attention_heads, c.num_key_value_heads
     kind = "MHA" if kv == heads else "MQA" if kv == 1 else "GQA"
     return f"{kind} {heads}/{kv} heads of {c.head_dim}"
+
+
+def _mla(c: DecoderConfig) -> str | None:
+    """DeepSeek-V3's multi-head latent attention (``edl.models.deepseek_v3``)."""
+    rank = getattr(c, "kv_lora_rank", None)
+    if not rank:
+        return None
+    q = f"q rank {c.q_lora_rank}" if c.q_lora_rank else "full-rank q"
+    return (
+        f"MLA {c.num_attention_heads} heads: {q}, kv latent {rank} + RoPE key "
+        f"{c.qk_rope_head_dim}, v {c.v_head_dim}"
+    )
+
+
+def _grouped_routing(c: DecoderConfig) -> str | None:
+    """DeepSeek-V3's router and shared experts (``edl.nn.grouped_moe``)."""
+    if not getattr(c, "n_group", None) or "moe" not in c.layer_mlps:
+        return None
+    shared = c.n_shared_experts
+    plural = "s" if shared != 1 else ""
+    return (
+        f"sigmoid routing in {c.topk_group} of {c.n_group} groups, scale "
+        f"{c.routed_scaling_factor:g}, {shared} shared expert{plural}"
+    )
 
 
 def _qk_norm(c: DecoderConfig) -> str | None:
@@ -102,6 +128,7 @@ FEATURES: Registry[Feature] = Registry(
     "decoder feature",
     [
         Feature("attention", _attention),
+        Feature("mla", _mla),
         Feature(
             "fused_projections",
             _if(lambda c: c.FUSED_PROJECTIONS, "fused qkv_proj and gate_up_proj matrices"),
@@ -133,6 +160,7 @@ FEATURES: Registry[Feature] = Registry(
         ),
         Feature("embed_scale", _if(lambda c: c.embed_scale, "scaled embeddings")),
         Feature("moe", _moe),
+        Feature("grouped_routing", _grouped_routing),
         Feature("mlp", lambda c: f"{c.hidden_act} MLP" + (" with biases" if c.mlp_bias else "")),
         Feature(
             "final_softcap",

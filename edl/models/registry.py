@@ -9,6 +9,7 @@ from typing import Any
 
 from edl.models import (
     clip,
+    deepseek_v3,
     gemma,
     gemma3,
     llama,
@@ -92,6 +93,15 @@ GEMMA3_TEXT = register(
         tasks={t: getattr(gemma3, gemma3.ARCHITECTURES[t]) for t in _DECODER_TASKS},
         hf_names={"gemma3_text": "Gemma3Text"},
         architectures=gemma3.ARCHITECTURES,
+    )
+)
+DEEPSEEK_V3 = register(
+    Family(
+        name="deepseek_v3",
+        config_cls=deepseek_v3.DeepseekV3Config,
+        key_table=deepseek_v3.key_table,  # skips the multi-token-prediction layers
+        tasks={t: getattr(deepseek_v3, "DeepseekV3" + TASKS[t]) for t in _DECODER_TASKS},
+        hf_names={"deepseek_v3": "DeepseekV3", "kimi_k2": "DeepseekV3"},
     )
 )
 

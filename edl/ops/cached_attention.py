@@ -79,7 +79,8 @@ def _at_layer(stack: jax.Array, layer: Int[Array, ""] | int | None, length: int)
     """``stack[layer, :, :length]`` (``stack[:, :length]`` without a layer), one slice."""
     if layer is None:
         return stack[:, :length]
-    start = (layer, *(0,) * (stack.ndim - 1))
+    layer = jnp.asarray(layer)
+    start = (layer, *(jnp.zeros((), layer.dtype),) * (stack.ndim - 1))  # one index dtype (x64)
     return jax.lax.dynamic_slice(stack, start, (1, stack.shape[1], length, *stack.shape[3:]))[0]
 
 

@@ -137,10 +137,12 @@ def _resolve_config(
 _LAYER_KEY = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
-def _check_layer_count(config: Any, keys: Iterable[str], where: str) -> None:
+def _check_layer_count(config: Any, keys: Iterable[str], where: str, table: Any = None) -> None:
     """Fail fast, before anything is built, when the checkpoint holds layers ``0..m-1``
     (tensors ``model.layers.{i}.*``) for a config of ``num_hidden_layers != m``. Gaps and
-    stray indices are left to the load plan, which lists every missing and unexpected key."""
+    stray indices are left to the load plan, which lists every missing and unexpected key.
+    Keys the key ``table`` ignores (DeepSeek-V3's multi-token-prediction layers) do not count."""
+    keys = keys if table is None else (k for k in keys if not table.ignored(k))
     layers = {int(m.group(1)) for k in keys if (m := _LAYER_KEY.match(k))}
     if not layers:
         return
@@ -266,9 +268,9 @@ def from_pretrained(
     if config_overrides:
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
-        _check_layer_count(config, reader.keys(), str(file))
-        source = TensorSource.from_reader(reader)
         table = family.key_table_for(config, model_cls)
+        _check_layer_count(config, reader.keys(), str(file), table)
+        source = TensorSource.from_reader(reader)
         model = _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
     generation = load_generation_config(directory)
     if generation and hasattr(model, "generation_config"):
@@ -312,8 +314,9 @@ def from_state_dict(
         family, config, model_cls = registry.resolve(config, task)
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
-    _check_layer_count(config, mapping.keys(), "from_state_dict: config")
-    source, table = TensorSource.from_mapping(mapping), family.key_table_for(config, model_cls)
+    table = family.key_table_for(config, model_cls)
+    _check_layer_count(config, mapping.keys(), "from_state_dict: config", table)
+    source = TensorSource.from_mapping(mapping)
     return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
 
 
