@@ -387,17 +387,24 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
         mask_truncated_completions=True,
     )
     tx = optax.adam(1e-2)
-    prompts = ["ab", "xyz", "q", "hello", "zz", "k"]
+    prompts = ["ab", "xy", "qq", "hl", "zz", "kk"]  # one width: one compile of the sampler
+    step = make_grpo_step(
+        tx, ByteTokenizer(), _spread, config, key=jax.random.key(1), prompt_source=iter([])
+    )  # one step object for the three runs: one compile of the updates
 
     def run(steps, out):
         data = PromptBatches(prompts, batch_size=2, seed=1)
-        step = make_grpo_step(
-            tx, ByteTokenizer(), _spread, config, key=jax.random.key(1), prompt_source=data
-        )
+        step.prompt_source = data  # the run's own iterator, whose position checkpoints save
         history = []
+
+        def call(state, batch):
+            state, metrics = step(state, batch)
+            history.append(metrics)
+            return state, metrics
+
         state, summary = train(
             edl.create_state(_byte_llama(), tx),
-            lambda s, b: (lambda r: (history.append(r[1]), r)[1])(step(s, b)),
+            call,
             data,
             RunConfig(
                 steps=steps,

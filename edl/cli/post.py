@@ -193,13 +193,14 @@ def _step(
     schedule: optax.Schedule,
     tokenizer: HFTokenizer,
     reward_fns: list[RewardFn],
+    prompts: PromptBatches | None = None,
 ) -> Any:
     options = {**step_options(config), "schedule": schedule}
     if config.method == "reward":
         return make_reward_step(tx, **options)
     reference = config.reference_kind
     uses_reference = (
-        (config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference)
+        (config.method == "dpo" and PREFERENCE_LOSSES[config.method_loss_type].needs_reference)
         or (config.method == "grpo" and config.beta > 0)
         or config.method == "kto"
     )
@@ -217,7 +218,7 @@ def _step(
     if config.method == "dpo":
         return make_dpo_step(
             tx,
-            loss_type=config.loss_type,
+            loss_type=config.method_loss_type,
             beta=config.beta or None,
             reference=reference,
             reference_model=frozen,
@@ -229,6 +230,12 @@ def _step(
         temperature=config.temperature,
         beta=config.beta,
         num_iterations=config.num_iterations,
+        loss_type=config.method_loss_type,
+        importance_sampling_level=config.importance_sampling_level,
+        mask_truncated_completions=config.mask_truncated_completions,
+        top_entropy_quantile=config.top_entropy_quantile,
+        gradient_accumulation_steps=config.grad_accum_steps,
+        dynamic_sampling=config.dynamic_sampling,
     )
     return make_grpo_step(
         tx,
@@ -239,6 +246,7 @@ def _step(
         reference="lora_base" if frozen is None else frozen,
         clip_norm=options["clip_norm"],
         compute_dtype=options["compute_dtype"],
+        prompt_source=prompts,
     )
 
 
@@ -276,7 +284,8 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
         data = HostCheckedBatches(_preference_batches(config, tokenizer), model.config.vocab_size)
     updates = config.run.steps * (config.num_iterations if config.method == "grpo" else 1)
     tx, schedule = optimizer(config, updates=updates)
-    step = _step(config, tx, schedule, tokenizer, reward_fns)
+    prompts = data if config.method == "grpo" else None  # dynamic sampling's further prompts
+    step = _step(config, tx, schedule, tokenizer, reward_fns, prompts)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "
