@@ -137,11 +137,10 @@ def _edl_loss(logp, old, ref, adv, ent, mask, *, options):
     return float(value), np.asarray(grad), {k: float(v) for k, v in metrics.items()}
 
 
-_CASES = [
+_CASES = [  # the float64 test below runs every loss at sequence level with the KL term
     {"loss_type": t, "importance_sampling_level": level, "beta": beta}
     for t in GRPO_LOSSES
-    for level in ("token", "sequence")
-    for beta in (0.0, 0.04)
+    for level, beta in (("token", 0.04), ("sequence", 0.0))
 ] + [
     {"loss_type": "cispo", "epsilon_high": 1.1},  # TRL's eps_max: some ratios above it
     {"loss_type": "sapo", "sapo_temperature_pos": 0.7, "sapo_temperature_neg": 1.6},
@@ -376,7 +375,9 @@ def _spread(prompts, completions, ids):
     return [float(len(i) > 0 and i[0] < 128) for i in ids]
 
 
-@pytest.mark.slow  # two short dynamic-sampling GRPO runs through train() and a resume (~40 s)
+# Three short dynamic-sampling GRPO runs through train(), one a resume: ~150 s on the shared
+# 2-core VM under load (sampling up to 3 rollouts a step, checkpoints every step).
+@pytest.mark.slow
 def test_dynamic_sampling_resumes_exactly(tmp_path):
     config = GRPOConfig(
         num_generations=4,

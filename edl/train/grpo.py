@@ -19,8 +19,9 @@ Each call ``step(state, prompts)`` (``prompts``: a list of strings) does one GRP
    logits (temperature, top-k/p), so the sampler's own numbers are not the policy's; the
    forward pass gives exactly the log-probs the loss differentiates (logits / temperature,
    TRL's convention, with top-k / top-p off by default so sampling draws from that policy);
-4. ``num_iterations`` optimiser updates (``make_train_step`` with the clipped-ratio
-   ``grpo_loss``) on the same rollouts; ``state.step`` then advances by one, so
+4. ``num_iterations`` optimiser updates (``make_train_step`` with ``grpo_loss`` of
+   ``config.loss_type``, ``edl.train.grpo_losses``; ``gradient_accumulation_steps``
+   micro-batches each) on the same rollouts; ``state.step`` then advances by one, so
    ``train``'s ``steps``, checkpoints and resume count GRPO iterations. The optax schedule
    counts updates: size ``OptimizerConfig.total_steps`` as ``steps * num_iterations``.
 
@@ -53,7 +54,7 @@ from edl.state import TrainState
 from edl.text.sources import validate_prompt
 from edl.text.tokenizer import Tokenizer
 from edl.train.data import EpochCursor
-from edl.train.grpo_dynamic import fill_groups
+from edl.train.grpo_dynamic import dynamic_batch
 from edl.train.grpo_losses import IMPORTANCE_SAMPLING_LEVELS
 from edl.train.grpo_objective import (
     GRPO_LOSSES,
@@ -130,49 +131,32 @@ class GRPOConfig:
     max_dynamic_sampling_rounds: int = 4
 
     def __post_init__(self) -> None:
-        checks = {
-            "num_generations": self.num_generations >= 2,
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "num_iterations": self.num_iterations >= 1,
-            "temperature": self.temperature > 0,
-            "beta": self.beta >= 0,
-            "epsilon": 0 <= self.epsilon < 1,
-            "epsilon_high": self.epsilon_high is None or self.epsilon_high >= 0,
-            "top_p": 0 < self.top_p <= 1,
-            "loss_type": self.loss_type in GRPO_LOSSES,
-            "scale_rewards": self.scale_rewards in SCALE_REWARDS,
-            "importance_sampling_level": self.importance_sampling_level
-            in IMPORTANCE_SAMPLING_LEVELS,
-            "delta": self.delta is None or self.delta > 0,
-            "sapo_temperature_pos": self.sapo_temperature_pos > 0,
-            "sapo_temperature_neg": self.sapo_temperature_neg > 0,
-            "top_entropy_quantile": 0 < self.top_entropy_quantile <= 1,
-            "gradient_accumulation_steps": self.gradient_accumulation_steps >= 1,
-            "max_dynamic_sampling_rounds": self.max_dynamic_sampling_rounds >= 0,
+        checks = {  # name: (holds, what it must be)
+            "num_generations": (self.num_generations >= 2, ">= 2"),
+            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
+            "num_iterations": (self.num_iterations >= 1, ">= 1"),
+            "temperature": (self.temperature > 0, "> 0"),
+            "beta": (self.beta >= 0, ">= 0"),
+            "epsilon": (0 <= self.epsilon < 1, "in [0, 1)"),
+            "epsilon_high": (self.epsilon_high is None or self.epsilon_high >= 0, ">= 0 or None"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "loss_type": (self.loss_type in GRPO_LOSSES, f"one of {', '.join(GRPO_LOSSES)}"),
+            "scale_rewards": (self.scale_rewards in SCALE_REWARDS, f"one of {SCALE_REWARDS}"),
+            "importance_sampling_level": (
+                self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+                f"one of {IMPORTANCE_SAMPLING_LEVELS}",
+            ),
+            "delta": (self.delta is None or self.delta > 0, "> 0 or None"),
+            "sapo_temperature_pos": (self.sapo_temperature_pos > 0, "> 0"),
+            "sapo_temperature_neg": (self.sapo_temperature_neg > 0, "> 0"),
+            "top_entropy_quantile": (0 < self.top_entropy_quantile <= 1, "in (0, 1]"),
+            "gradient_accumulation_steps": (self.gradient_accumulation_steps >= 1, ">= 1"),
+            "max_dynamic_sampling_rounds": (self.max_dynamic_sampling_rounds >= 0, ">= 0"),
         }
-        allowed = {
-            "num_generations": ">= 2",
-            "max_new_tokens": ">= 1",
-            "num_iterations": ">= 1",
-            "temperature": "> 0",
-            "beta": ">= 0",
-            "epsilon": "in [0, 1)",
-            "epsilon_high": ">= 0 or None",
-            "top_p": "in (0, 1]",
-            "loss_type": f"one of {', '.join(GRPO_LOSSES)}",
-            "scale_rewards": f"one of {SCALE_REWARDS}",
-            "importance_sampling_level": f"one of {IMPORTANCE_SAMPLING_LEVELS}",
-            "delta": "> 0 or None",
-            "sapo_temperature_pos": "> 0",
-            "sapo_temperature_neg": "> 0",
-            "top_entropy_quantile": "in (0, 1]",
-            "gradient_accumulation_steps": ">= 1",
-            "max_dynamic_sampling_rounds": ">= 0",
-        }
-        for name, ok in checks.items():
+        for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(
-                    f"GRPOConfig.{name} must be {allowed[name]}, got {getattr(self, name)!r}"
+                    f"GRPOConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
                 )
 
 
@@ -269,8 +253,10 @@ class GRPOStep:
     docstring). Built by :func:`make_grpo_step`; a host function (rollouts, Python rewards,
     then the jitted updates), which ``edl.train.train`` runs like any step.
 
-    Metrics (host floats): the updates' mean ``loss``, ``kl``, ``clip_ratio``, ``grad_norm``
-    and their max ``nonfinite``; ``reward_mean`` / ``reward_std`` (the weighted sum),
+    Metrics (host floats): the updates' mean ``loss``, ``kl``, ``clip_ratio``, ``entropy``
+    (with ``top_entropy_quantile < 1``, else 0), ``grad_norm`` and their max ``nonfinite``;
+    with ``dynamic_sampling``, ``dynamic_sampling/rounds`` / ``kept_groups`` /
+    ``filled_groups``; ``reward_mean`` / ``reward_std`` (the weighted sum),
     ``reward/<fn name>`` (each function's mean), ``completion_length`` (mean tokens, EOS
     included), ``count`` (completion tokens), ``sample_s`` (generation), ``reward_s``
     (decoding and reward functions) and ``train_s`` (scoring and updates): host wall
@@ -368,28 +354,6 @@ class GRPOStep:
         }
         return batch, metrics
 
-    def _dynamic(self, model, batch, metrics, key) -> tuple[dict[str, Array], dict[str, Any]]:
-        """DAPO's dynamic sampling (``edl.train.grpo_dynamic.fill_groups``); the advantages
-        recomputed on the batch it keeps. The metrics stay the first rollout's (what the
-        policy scored on the step's own prompts), with the rounds' seconds added."""
-        c = self.config
-        filled, extra = fill_groups(
-            batch,
-            lambda prompts, k: self.rollout(model, prompts, k),
-            self.prompt_source,
-            num_generations=c.num_generations,
-            max_rounds=c.max_dynamic_sampling_rounds,
-            key=key,
-            pad_id=self.pad_id,
-        )
-        filled["advantages"] = group_advantages(
-            filled["rewards"], c.num_generations, scale_rewards=c.scale_rewards
-        )
-        out = dict(metrics)
-        for k, v in extra.items():
-            out[k] = out.get(k, 0.0) + v
-        return filled, out
-
     def _encode(self, prompt: str | Sequence[Mapping[str, Any]]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer.encode(prompt))
@@ -401,7 +365,7 @@ class GRPOStep:
         key = jax.random.fold_in(self.key, start)
         batch, metrics = self.rollout(model, prompts, key)
         if c.dynamic_sampling:
-            batch, metrics = self._dynamic(model, batch, metrics, key)
+            batch, metrics = dynamic_batch(self, model, batch, metrics, key)
         del batch["rewards"]
         t0 = time.perf_counter()
         old, ref = _score(

@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-__all__ = ["fill_groups", "varied_groups"]
+from edl.train.grpo_objective import group_advantages
+
+__all__ = ["dynamic_batch", "fill_groups", "varied_groups"]
 
 Rollout = Callable[[Sequence[Any], PRNGKeyArray], tuple[dict[str, Array], dict[str, float]]]
 
@@ -107,3 +109,29 @@ def fill_groups(
         **extra,
     }
     return _concat(parts), metrics
+
+
+def dynamic_batch(
+    step: Any, model: Any, batch: dict[str, Array], metrics: dict[str, Any], key: PRNGKeyArray
+) -> tuple[dict[str, Array], dict[str, Any]]:
+    """A ``GRPOStep``'s first rollout ``batch`` after dynamic sampling (:func:`fill_groups`
+    with ``step.rollout`` on ``model`` and ``step.prompt_source``), its advantages
+    recomputed on the groups kept. The metrics stay the first rollout's (what the policy
+    scored on the step's own prompts), with the rounds' seconds added."""
+    c = step.config
+    filled, extra = fill_groups(
+        batch,
+        lambda prompts, k: step.rollout(model, prompts, k),
+        step.prompt_source,
+        num_generations=c.num_generations,
+        max_rounds=c.max_dynamic_sampling_rounds,
+        key=key,
+        pad_id=step.pad_id,
+    )
+    filled["advantages"] = group_advantages(
+        filled["rewards"], c.num_generations, scale_rewards=c.scale_rewards
+    )
+    out = dict(metrics)
+    for k, v in extra.items():
+        out[k] = out.get(k, 0.0) + v
+    return filled, out
