@@ -146,6 +146,8 @@ def _history_numbers(history: list[dict]) -> dict:
         "train_s": sum(r["train_s"] for r in history),
         "reward_s": sum(r["reward_s"] for r in history),
         "first_step_s": history[0]["sample_s"] + history[0]["train_s"],
+        "extra_rounds": sum(r.get("dynamic_sampling/rounds", 0.0) for r in history),
+        "filled_groups": sum(r.get("dynamic_sampling/filled_groups", 0.0) for r in history),
     }
 
 
@@ -164,8 +166,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         temperature=args.temperature,
         num_iterations=args.iterations,
         beta=args.beta,
-        loss_type="grpo",
+        loss_type=args.loss_type,
+        epsilon_high=args.epsilon_high,
         reward_weights=(1.0, args.length_weight),
+        dynamic_sampling=args.dynamic_sampling,
+        max_dynamic_sampling_rounds=args.max_sampling_rounds,
     )
     tx = optax.adam(args.lr)
     # With beta > 0, the reference for the KL term: the SFT model, frozen (a copy: the
@@ -176,8 +181,15 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     reference_bytes = 0 if isinstance(reference, str) else edl.nbytes(reference)
     state = edl.create_state(model, tx)
     del model
+    prompts = _prompt_batches(rng, args.prompts)
     step = make_grpo_step(
-        tx, tok, [match, length], grpo, key=jax.random.key(seed + 1), reference=reference
+        tx,
+        tok,
+        [match, length],
+        grpo,
+        key=jax.random.key(seed + 1),
+        reference=reference,
+        prompt_source=prompts,  # dynamic sampling's further prompts: the run's own stream
     )
     live = []
     rollout = step.rollout
@@ -204,7 +216,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     state, _ = train(
         state,
         step,
-        _prompt_batches(rng, args.prompts),
+        prompts,
         RunConfig(steps=args.steps, log=LogConfig(progress=False)),
         callbacks=[callback(log)],
     )
@@ -268,6 +280,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="KL coefficient to the SFT model (0: none, TRL's default)",
     )
+    add(
+        "--loss-type",
+        default="grpo",
+        help="GRPOConfig.loss_type (edl.train.grpo_losses.GRPO_LOSSES; TRL's default: dapo)",
+    )
+    add("--epsilon-high", type=float, default=None, help="upper clip (None: 0.2; DAPO: 0.28)")
+    add(
+        "--dynamic-sampling",
+        action="store_true",
+        help="DAPO's dynamic sampling: groups of equal rewards replaced by further prompts'",
+    )
+    add("--max-sampling-rounds", type=int, default=4, help="its extra rollouts per step")
     add("--length-weight", type=float, default=0.5, help="weight of the length reward")
     add("--temperature", type=float, default=1.0, help="sampling temperature")
     add("--lr", type=float, default=1e-3, help="Adam learning rate of the GRPO updates")

@@ -47,20 +47,26 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Registered:
-    """Choices that are the names of a registry, ``"module:NAME"`` (plus ``extra`` ones):
-    read when a value is checked, since the registry's module imports jax."""
+    """Choices that are the names of a registry, ``"module:NAME"`` (or of several,
+    ``"module:NAME,module:NAME"``; plus ``extra`` ones): read when a value is checked,
+    since the registry's module imports jax."""
 
     registry: str
     extra: tuple[str, ...] = ()
 
     def names(self) -> tuple[str, ...]:
-        """``extra`` and the registry's names, as registered now."""
-        module, _, name = self.registry.partition(":")
-        return (*self.extra, *getattr(importlib.import_module(module), name))
+        """``extra`` and the registries' names, as registered now."""
+        names = list(self.extra)
+        for where in self.registry.split(","):
+            module, _, name = where.partition(":")
+            names += [n for n in getattr(importlib.import_module(module), name) if n not in names]
+        return tuple(names)
 
     def __str__(self) -> str:
-        where = "a name in " + self.registry.replace(":", ".")
-        return f"{' / '.join(self.extra)} or {where}" if self.extra else where
+        places = [r.replace(":", ".") for r in self.registry.split(",")]
+        where = "a name in " + " or ".join(places)
+        extra = " / ".join(e if e else repr(e) for e in self.extra)  # '' (a default) visible
+        return f"{extra} or {where}" if self.extra else where
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,7 +184,8 @@ def check_value(leaf: Leaf, value: object) -> None:
     if numeric and spec.high is not None and value > spec.high:
         raise ConfigError(f"{name} must be <= {spec.high:g}, got {value!r}")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        shown = ", ".join(c if c else repr(c) for c in choices)  # '' (a default) visible
+        raise ConfigError(f"{name} must be one of {shown}; got {value!r}")
 
 
 def _fits(value: object, hint: Any) -> bool:

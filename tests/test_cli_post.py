@@ -35,6 +35,19 @@ transformers = pytest.importorskip("transformers")
             "--temperature must be > 0",
         ),
         ({"method": "ppo"}, "method must be one of sft, dpo, reward, grpo"),
+        (
+            {"method": "dpo", "model": "m", "data": "d", "loss_type": "dapo"},
+            "--loss-type for --method dpo must be one of sigmoid, ipo",
+        ),
+        (
+            {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "loss_type": "ipo"},
+            "--loss-type for --method grpo must be one of grpo, bnpo, dr_grpo, dapo, cispo",
+        ),
+        (
+            {"method": "grpo", "model": "m", "data": "d", "reward": "r:f"}
+            | {"top_entropy_quantile": 1.5},
+            "top_entropy_quantile must be <= 1",
+        ),
     ],
 )
 def test_post_training_options_are_checked_before_any_work(options, message):
@@ -42,6 +55,16 @@ def test_post_training_options_are_checked_before_any_work(options, message):
         TrainConfig(**options)
     assert TrainConfig(model="m", data="d", method="dpo", lora_rank=4).reference_kind == "lora"
     assert TrainConfig(model="m", data="d", method="dpo").reference_kind == "model"
+
+
+def test_an_empty_loss_type_is_the_methods_default():
+    """run.md records the loss a run used: DPO's sigmoid, GRPO's dapo (TRL 1.16's)."""
+    grpo = TrainConfig(model="m", data="d", method="grpo", reward="r:f")
+    assert grpo.loss_type == "" and grpo.method_loss_type == "dapo"
+    assert grpo.in_effect()["loss_type"] == "dapo"
+    assert TrainConfig(model="m", data="d", method="dpo").in_effect()["loss_type"] == "sigmoid"
+    options = {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "loss_type": "sapo"}
+    assert TrainConfig.from_options(options).in_effect()["loss_type"] == "sapo"
 
 
 def _preferences(path, records=12) -> None:
@@ -164,6 +187,16 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
             "8",
             "--beta",
             "0.05",
+            "--loss-type",
+            "cispo",
+            "--importance-sampling-level",
+            "sequence",
+            "--mask-truncated-completions",
+            "--top-entropy-quantile",
+            "0.5",
+            "--dynamic-sampling",
+            "--grad-accum-steps",
+            "2",
             "--output-dir",
             str(tmp_path / "grpo"),
         ]
@@ -174,6 +207,7 @@ def test_dpo_reward_and_grpo_from_the_command_line(tmp_path, capsys, monkeypatch
         json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text().splitlines()
     ]
     assert any("reward/says_paris" in m for m in metrics)
+    assert all("dynamic_sampling/rounds" in m for m in metrics if "reward_mean" in m)
 
 
 def test_grpo_prompts_are_checked_like_chat_records(tmp_path):

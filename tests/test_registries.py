@@ -257,11 +257,17 @@ def test_a_dpo_loss_type_is_one_entry(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--loss-type", "robust", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert "loss_type must be one of sigmoid, ipo, hinge, simpo, orpo; got 'robust'" in err
+    # --loss-type names DPO's losses and GRPO's (each method checks its own); '' is the
+    # method's default.
+    assert "loss_type must be one of '', sigmoid, ipo, hinge, simpo, orpo, grpo," in err
+    assert "got 'robust'" in err
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     main_help = " ".join(capsys.readouterr().out.split())
-    assert "a name in edl.train.preference.PREFERENCE_LOSSES (default: sigmoid)" in main_help
+    assert (
+        "'' or a name in edl.train.preference.PREFERENCE_LOSSES or "
+        "edl.train.grpo_losses.GRPO_LOSSES (default: )" in main_help
+    )
     assert "none or a name in edl.ops.quant.QUANT_FORMATS (default: none)" in main_help
 
 

@@ -49,6 +49,14 @@ class CommandError(Exception):
     """A command cannot run (a missing path, say); ``edl`` prints the message, exits 1."""
 
 
+_METHOD_LOSSES = {
+    "dpo": "edl.train.preference:PREFERENCE_LOSSES",
+    "grpo": "edl.train.grpo_losses:GRPO_LOSSES",
+}
+"""The registry of each method's ``--loss-type``."""
+_DEFAULT_LOSS = {"dpo": "sigmoid", "grpo": "dapo"}
+"""``--loss-type``'s value when empty: ``make_dpo_step``'s and ``GRPOConfig``'s default."""
+
 EMBEDDED_RUN = RunConfig(
     steps=1200,
     output_dir="runs/edl-train",
@@ -92,9 +100,10 @@ class TrainConfig:
         choices=("sft", "dpo", "reward", "grpo", "kto", "distill"),
     )
     loss_type: str = _option(
-        "sigmoid",
-        "--method dpo's loss (sigmoid: DPO; a wrong name is answered with the list)",
-        registry=Registered("edl.train.preference:PREFERENCE_LOSSES"),
+        "",
+        "--method dpo's / grpo's loss (empty: the method's default, dpo: sigmoid, grpo: "
+        "dapo as TRL; a wrong name is answered with the list)",
+        registry=Registered(",".join(_METHOD_LOSSES.values()), extra=("",)),
     )
     beta: float = _option(
         0.0,
@@ -146,6 +155,25 @@ class TrainConfig:
     )
     num_iterations: int = _option(
         1, "--method grpo: optimizer updates per batch of completions", low=1.0
+    )
+    importance_sampling_level: str = _option(
+        "token",
+        "--method grpo: importance ratio per token, or per sequence (GSPO: the mean log-ratio)",
+        choices=("token", "sequence"),
+    )
+    mask_truncated_completions: bool = _option(
+        False, "--method grpo: completions that end without EOS get no loss weight"
+    )
+    top_entropy_quantile: float = _option(
+        1.0,
+        "--method grpo: only completion tokens in this top fraction by entropy contribute (1: all)",
+        low=0.0,
+        high=1.0,
+    )
+    dynamic_sampling: bool = _option(
+        False,
+        "--method grpo: DAPO's dynamic sampling: replace prompts whose completions all scored "
+        "the same by further prompts (at most 4 extra rollouts a step)",
     )
     eval_data: str = _option("", "held-out data, read as --data (empty: none with --data)")
     packing: bool = _option(True, "pack several examples per row (segment ids keep them apart)")
@@ -244,6 +272,13 @@ class TrainConfig:
                 f"({self.batch_size})"
             )
         check_options(self, registered=True)  # last: a registry's module imports jax
+        if self.loss_type and self.method in _METHOD_LOSSES:
+            names = Registered(_METHOD_LOSSES[self.method]).names()
+            if self.loss_type not in names:
+                raise ConfigError(
+                    f"--loss-type for --method {self.method} must be one of "
+                    f"{', '.join(names)}, got {self.loss_type!r}"
+                )
 
     def _check_method(self) -> None:
         method = self.method
@@ -334,6 +369,8 @@ class TrainConfig:
         ``TrainConfig.from_options`` of it makes the same run."""
         options = self.to_options()
         options["learning_rate"] = self.peak_learning_rate
+        if self.method in _DEFAULT_LOSS:
+            options["loss_type"] = self.method_loss_type
         unused = set(_METHOD_OPTIONS.get("*", ())) - set(_METHOD_OPTIONS[self.method])
         if self.model:
             unused |= set(_EMBEDDED_JOB_OPTIONS)
@@ -342,6 +379,11 @@ class TrainConfig:
         if self.optimizer != "muon":
             unused |= set(leaves(MuonConfig))
         return {name: value for name, value in options.items() if name not in unused}
+
+    @property
+    def method_loss_type(self) -> str:
+        """``--loss-type``, or the method's default loss when it is empty."""
+        return self.loss_type or _DEFAULT_LOSS.get(self.method, "")
 
     @classmethod
     def from_options(cls, values: Mapping[str, object], *, where: str = "") -> TrainConfig:
@@ -375,6 +417,7 @@ _METHOD_OPTIONS = {
     "reward": (),
     "distill": ("beta", "teacher", "lmbda", "seq_kd", "temperature", "max_new_tokens"),
     "grpo": (
+        "loss_type",
         "beta",
         "reference",
         "reward",
@@ -382,6 +425,10 @@ _METHOD_OPTIONS = {
         "max_new_tokens",
         "temperature",
         "num_iterations",
+        "importance_sampling_level",
+        "mask_truncated_completions",
+        "top_entropy_quantile",
+        "dynamic_sampling",
     ),
 }
 """The options each ``--method`` reads besides the common ones."""

@@ -287,16 +287,18 @@ def _steps(
     schedule: optax.Schedule,
     tokenizer: HFTokenizer,
     reward_fns: list[RewardFn],
+    prompts: PromptBatches | None = None,
 ) -> tuple[Any, Any]:
     """The method's train step and, with ``--eval-data``, its eval step (else None), which
-    share one frozen ``--reference model``."""
+    share one frozen ``--reference model``; ``prompts``: GRPO's data, from which dynamic
+    sampling draws further prompts."""
     options = {**step_options(config), "schedule": schedule}
     evaluates = bool(config.eval_data)
     if config.method == "reward":
         return make_reward_step(tx, **options), make_reward_eval_step() if evaluates else None
     reference = config.reference_kind
     uses_reference = (
-        (config.method == "dpo" and PREFERENCE_LOSSES[config.loss_type].needs_reference)
+        (config.method == "dpo" and PREFERENCE_LOSSES[config.method_loss_type].needs_reference)
         or (config.method == "grpo" and config.beta > 0)
         or config.method == "kto"
     )
@@ -309,7 +311,7 @@ def _steps(
                 "undesirable_weight": config.undesirable_weight,
             }
             if config.method == "kto"
-            else {"loss_type": config.loss_type, "beta": config.beta or None}
+            else {"loss_type": config.method_loss_type, "beta": config.beta or None}
         )
         loss |= {"reference": reference, "reference_model": frozen}
         train_step, eval_step = {
@@ -323,6 +325,12 @@ def _steps(
         temperature=config.temperature,
         beta=config.beta,
         num_iterations=config.num_iterations,
+        loss_type=config.method_loss_type,
+        importance_sampling_level=config.importance_sampling_level,
+        mask_truncated_completions=config.mask_truncated_completions,
+        top_entropy_quantile=config.top_entropy_quantile,
+        gradient_accumulation_steps=config.grad_accum_steps,
+        dynamic_sampling=config.dynamic_sampling,
     )
     step = make_grpo_step(
         tx,
@@ -333,6 +341,7 @@ def _steps(
         reference="lora_base" if frozen is None else frozen,
         clip_norm=options["clip_norm"],
         compute_dtype=options["compute_dtype"],
+        prompt_source=prompts,
     )
     return step, None
 
@@ -383,7 +392,8 @@ def run_post_training(config: TrainConfig) -> dict[str, Any]:
     if config.method == "distill":
         step, eval_step = _distill_step(config, tx, schedule, tokenizer, model), None
     else:
-        step, eval_step = _steps(config, tx, schedule, tokenizer, reward_fns)
+        prompts = data if config.method == "grpo" else None  # dynamic sampling's prompts
+        step, eval_step = _steps(config, tx, schedule, tokenizer, reward_fns, prompts)
     trained = edl.count_params(edl.split(model, trainable)[0] if trainable else model)
     print(
         f"edl train --method {config.method}: {config.model}: {edl.count_params(model):,} "

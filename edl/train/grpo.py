@@ -19,8 +19,9 @@ Each call ``step(state, prompts)`` (``prompts``: a list of strings) does one GRP
    logits (temperature, top-k/p), so the sampler's own numbers are not the policy's; the
    forward pass gives exactly the log-probs the loss differentiates (logits / temperature,
    TRL's convention, with top-k / top-p off by default so sampling draws from that policy);
-4. ``num_iterations`` optimiser updates (``make_train_step`` with the clipped-ratio
-   ``grpo_loss``) on the same rollouts; ``state.step`` then advances by one, so
+4. ``num_iterations`` optimiser updates (``make_train_step`` with ``grpo_loss`` of
+   ``config.loss_type``, ``edl.train.grpo_losses``; ``gradient_accumulation_steps``
+   micro-batches each) on the same rollouts; ``state.step`` then advances by one, so
    ``train``'s ``steps``, checkpoints and resume count GRPO iterations. The optax schedule
    counts updates: size ``OptimizerConfig.total_steps`` as ``steps * num_iterations``.
 
@@ -53,6 +54,8 @@ from edl.state import TrainState
 from edl.text.sources import validate_prompt
 from edl.text.tokenizer import Tokenizer
 from edl.train.data import EpochCursor
+from edl.train.grpo_dynamic import dynamic_batch
+from edl.train.grpo_losses import IMPORTANCE_SAMPLING_LEVELS
 from edl.train.grpo_objective import (
     GRPO_LOSSES,
     SCALE_REWARDS,
@@ -60,6 +63,7 @@ from edl.train.grpo_objective import (
     completion_mask,
     group_advantages,
     grpo_loss,
+    truncated_rows,
 )
 from edl.train.grpo_rewards import RewardFn, score_completions
 from edl.train.step import make_train_step
@@ -80,10 +84,23 @@ class GRPOConfig:
     default). ``beta``: KL coefficient (TRL default 0: no reference). ``epsilon`` /
     ``epsilon_high`` (None: ``epsilon``): the clip range. ``num_iterations``: optimiser
     updates per batch of rollouts (mu). ``loss_type``: a name in
-    ``edl.train.grpo_objective.GRPO_LOSSES``: ``"grpo"``, ``"bnpo"`` or ``"dr_grpo"`` (TRL's
-    default is ``"dapo"``, not implemented here), or a registered one. ``scale_rewards``:
-    ``"group"``, ``"batch"`` or ``"none"``. ``reward_weights``: one per reward function
-    (None: all 1). ``eos_token_id`` (None: the tokenizer's ``eos_id``) ends completions.
+    ``edl.train.grpo_losses.GRPO_LOSSES``: ``"dapo"`` (TRL's default), ``"grpo"``,
+    ``"bnpo"``, ``"dr_grpo"``, ``"cispo"``, ``"sapo"``, ``"luspo"``, ``"vespo"``, or a
+    registered one. ``importance_sampling_level``: ``"token"`` or ``"sequence"`` (GSPO).
+    ``delta`` (None: off): INTELLECT-2's cap on the unclipped ratio.
+    ``sapo_temperature_pos`` / ``_neg``, ``vespo_k_pos`` / ``vespo_lambda_pos`` /
+    ``vespo_k_neg`` / ``vespo_lambda_neg``: those losses' shapes (TRL's defaults).
+    ``mask_truncated_completions``: completions that end without EOS get no loss weight.
+    ``top_entropy_quantile`` (1: off): only the completion tokens whose entropy is in this
+    top fraction of the (micro-)batch's contribute. ``scale_rewards``: ``"group"``,
+    ``"batch"`` or ``"none"``. ``reward_weights``: one per reward function (None: all 1).
+    ``eos_token_id`` (None: the tokenizer's ``eos_id``) ends completions.
+    ``gradient_accumulation_steps``: each update runs the rollouts' rows in this many
+    micro-batches (it must divide prompts * ``num_generations``), each loss type combining
+    them as TRL does (``edl.train.grpo_losses.GRPOLoss.accumulate``).
+    ``dynamic_sampling``: DAPO's: groups whose rewards do not vary are replaced by groups of
+    further prompts (``make_grpo_step(prompt_source=...)``), at most
+    ``max_dynamic_sampling_rounds`` extra rollouts per step (``edl.train.grpo_dynamic``).
     """
 
     num_generations: int = 8
@@ -95,40 +112,51 @@ class GRPOConfig:
     epsilon: float = 0.2
     epsilon_high: float | None = None
     num_iterations: int = 1
-    loss_type: str = "grpo"
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
     scale_rewards: Literal["group", "batch", "none"] = "group"
     reward_weights: tuple[float, ...] | None = None
     eos_token_id: int | None = None
+    gradient_accumulation_steps: int = 1
+    dynamic_sampling: bool = False
+    max_dynamic_sampling_rounds: int = 4
 
     def __post_init__(self) -> None:
-        checks = {
-            "num_generations": self.num_generations >= 2,
-            "max_new_tokens": self.max_new_tokens >= 1,
-            "num_iterations": self.num_iterations >= 1,
-            "temperature": self.temperature > 0,
-            "beta": self.beta >= 0,
-            "epsilon": 0 <= self.epsilon < 1,
-            "epsilon_high": self.epsilon_high is None or self.epsilon_high >= 0,
-            "top_p": 0 < self.top_p <= 1,
-            "loss_type": self.loss_type in GRPO_LOSSES,
-            "scale_rewards": self.scale_rewards in SCALE_REWARDS,
+        checks = {  # name: (holds, what it must be)
+            "num_generations": (self.num_generations >= 2, ">= 2"),
+            "max_new_tokens": (self.max_new_tokens >= 1, ">= 1"),
+            "num_iterations": (self.num_iterations >= 1, ">= 1"),
+            "temperature": (self.temperature > 0, "> 0"),
+            "beta": (self.beta >= 0, ">= 0"),
+            "epsilon": (0 <= self.epsilon < 1, "in [0, 1)"),
+            "epsilon_high": (self.epsilon_high is None or self.epsilon_high >= 0, ">= 0 or None"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "loss_type": (self.loss_type in GRPO_LOSSES, f"one of {', '.join(GRPO_LOSSES)}"),
+            "scale_rewards": (self.scale_rewards in SCALE_REWARDS, f"one of {SCALE_REWARDS}"),
+            "importance_sampling_level": (
+                self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+                f"one of {IMPORTANCE_SAMPLING_LEVELS}",
+            ),
+            "delta": (self.delta is None or self.delta > 0, "> 0 or None"),
+            "sapo_temperature_pos": (self.sapo_temperature_pos > 0, "> 0"),
+            "sapo_temperature_neg": (self.sapo_temperature_neg > 0, "> 0"),
+            "top_entropy_quantile": (0 < self.top_entropy_quantile <= 1, "in (0, 1]"),
+            "gradient_accumulation_steps": (self.gradient_accumulation_steps >= 1, ">= 1"),
+            "max_dynamic_sampling_rounds": (self.max_dynamic_sampling_rounds >= 0, ">= 0"),
         }
-        allowed = {
-            "num_generations": ">= 2",
-            "max_new_tokens": ">= 1",
-            "num_iterations": ">= 1",
-            "temperature": "> 0",
-            "beta": ">= 0",
-            "epsilon": "in [0, 1)",
-            "epsilon_high": ">= 0 or None",
-            "top_p": "in (0, 1]",
-            "loss_type": f"one of {', '.join(GRPO_LOSSES)}",
-            "scale_rewards": f"one of {SCALE_REWARDS}",
-        }
-        for name, ok in checks.items():
+        for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(
-                    f"GRPOConfig.{name} must be {allowed[name]}, got {getattr(self, name)!r}"
+                    f"GRPOConfig.{name} must be {allowed}, got {getattr(self, name)!r}"
                 )
 
 
@@ -180,9 +208,17 @@ def _score(
 def _loss_fn(config: GRPOConfig) -> Callable[[Any, Mapping[str, Array]], Any]:
     def loss_fn(model: CausalLM, batch: Mapping[str, Array]) -> tuple[Array, dict[str, Array]]:
         num_new = batch["completion_mask"].shape[1]
+        entropies = None
         logps = completion_logprobs(
-            model, batch["input_ids"], batch["attention_mask"], num_new, config.temperature
+            model,
+            batch["input_ids"],
+            batch["attention_mask"],
+            num_new,
+            config.temperature,
+            with_entropy=config.top_entropy_quantile < 1.0,
         )
+        if config.top_entropy_quantile < 1.0:
+            logps, entropies = logps
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         return grpo_loss(
             logps,
@@ -195,6 +231,18 @@ def _loss_fn(config: GRPOConfig) -> Callable[[Any, Mapping[str, Array]], Any]:
             epsilon_high=config.epsilon_high,
             loss_type=config.loss_type,
             max_new_tokens=config.max_new_tokens,
+            importance_sampling_level=config.importance_sampling_level,
+            delta=config.delta,
+            sapo_temperature_pos=config.sapo_temperature_pos,
+            sapo_temperature_neg=config.sapo_temperature_neg,
+            vespo=(
+                config.vespo_k_pos,
+                config.vespo_lambda_pos,
+                config.vespo_k_neg,
+                config.vespo_lambda_neg,
+            ),
+            entropies=entropies,
+            top_entropy_quantile=config.top_entropy_quantile,
         )
 
     return loss_fn
@@ -205,16 +253,21 @@ class GRPOStep:
     docstring). Built by :func:`make_grpo_step`; a host function (rollouts, Python rewards,
     then the jitted updates), which ``edl.train.train`` runs like any step.
 
-    Metrics (host floats): the updates' mean ``loss``, ``kl``, ``clip_ratio``, ``grad_norm``
-    and their max ``nonfinite``; ``reward_mean`` / ``reward_std`` (the weighted sum),
+    Metrics (host floats): the updates' mean ``loss``, ``kl``, ``clip_ratio``, ``entropy``
+    (with ``top_entropy_quantile < 1``, else 0), ``grad_norm`` and their max ``nonfinite``;
+    with ``dynamic_sampling``, ``dynamic_sampling/rounds`` / ``kept_groups`` /
+    ``filled_groups``; ``reward_mean`` / ``reward_std`` (the weighted sum),
     ``reward/<fn name>`` (each function's mean), ``completion_length`` (mean tokens, EOS
     included), ``count`` (completion tokens), ``sample_s`` (generation), ``reward_s``
     (decoding and reward functions) and ``train_s`` (scoring and updates): host wall
     seconds, each ended by ``block_until_ready``.
     """
 
-    def __init__(self, update, tokenizer, reward_fns, weights, config, key, reference):
+    def __init__(
+        self, update, tokenizer, reward_fns, weights, config, key, reference, prompt_source=None
+    ):
         self.update, self.tokenizer, self.config = update, tokenizer, config
+        self.prompt_source = prompt_source  # further prompts for dynamic sampling
         self.reward_fns, self.weights, self.key, self.reference = (
             reward_fns,
             weights,
@@ -280,11 +333,16 @@ class GRPOStep:
         )
         advantages = group_advantages(jnp.asarray(rewards), g, scale_rewards=c.scale_rewards)
         self.last_rollout = {"prompts": row_prompts, "completions": texts, "rewards": rewards}
+        loss_mask = completion_mask(new, (self.eos_id,))
+        if c.mask_truncated_completions:  # TRL: the last kept token is neither EOS nor pad
+            cut = truncated_rows(new, loss_mask, (self.eos_id, self.pad_id))
+            loss_mask = loss_mask * (~cut)[:, None].astype(loss_mask.dtype)
         batch = {
             "input_ids": jnp.concatenate([jnp.asarray(ids), new], axis=1),
             "attention_mask": jnp.concatenate([jnp.asarray(mask), jnp.ones(new.shape, bool)], 1),
-            "completion_mask": completion_mask(new, (self.eos_id,)),
+            "completion_mask": loss_mask,
             "advantages": advantages,
+            "rewards": jnp.asarray(rewards),
         }
         metrics = {
             "reward_mean": float(rewards.mean()),
@@ -304,7 +362,11 @@ class GRPOStep:
     def __call__(self, state: TrainState, prompts: Sequence[Prompt]) -> tuple[TrainState, dict]:
         c, start = self.config, int(state.step)
         model = edl_state.model(state)  # the state's own arrays: nothing is copied
-        batch, metrics = self.rollout(model, prompts, jax.random.fold_in(self.key, start))
+        key = jax.random.fold_in(self.key, start)
+        batch, metrics = self.rollout(model, prompts, key)
+        if c.dynamic_sampling:
+            batch, metrics = dynamic_batch(self, model, batch, metrics, key)
+        del batch["rewards"]
         t0 = time.perf_counter()
         old, ref = _score(
             model,
@@ -323,7 +385,7 @@ class GRPOStep:
             history.append(step_metrics)
         history = jax.block_until_ready(jax.device_get(history))
         metrics["train_s"] = time.perf_counter() - t0
-        for k in ("loss", "kl", "clip_ratio", "grad_norm"):
+        for k in ("loss", "kl", "clip_ratio", "grad_norm", "entropy"):
             metrics[k] = float(np.mean([h[k] for h in history]))
         metrics["nonfinite"] = int(max(h["nonfinite"] for h in history))
         metrics["count"] = float(history[0]["count"])
@@ -346,6 +408,7 @@ def make_grpo_step(
     clip_norm: float | None = None,
     compute_dtype: Any = None,
     donate: bool = True,
+    prompt_source: Any = None,
 ) -> GRPOStep:
     """Build the GRPO step ``step(state, prompts) -> (state, metrics)`` (see
     :class:`GRPOStep`) for ``edl.train.train`` or a plain loop.
@@ -360,6 +423,9 @@ def make_grpo_step(
         reference: with ``config.beta > 0``: ``"lora_base"`` (the LoRA-off base of the
             state's model) or a frozen model pytree. Ignored when ``beta == 0``.
         clip_norm, compute_dtype, donate: as ``make_train_step``.
+        prompt_source: with ``config.dynamic_sampling``: where further prompts come from,
+            an iterator of prompt lists: pass the same ``PromptBatches`` that
+            ``edl.train.train`` reads, so checkpoints save (and resume restores) the draws.
     """
     fns = [reward_fns] if callable(reward_fns) else list(reward_fns)
     if not fns or not all(callable(f) for f in fns):
@@ -374,10 +440,20 @@ def make_grpo_step(
         raise ValueError(
             f"make_grpo_step: reference must be 'lora_base' or a model, got {reference!r}"
         )
+    if config.dynamic_sampling and prompt_source is None:
+        raise ValueError(
+            "make_grpo_step: GRPOConfig.dynamic_sampling needs prompt_source (the run's "
+            "PromptBatches), where further prompts come from"
+        )
     update = make_train_step(
-        _loss_fn(config), tx, clip_norm=clip_norm, compute_dtype=compute_dtype, donate=donate
+        _loss_fn(config),
+        tx,
+        grad_accum_steps=config.gradient_accumulation_steps,
+        clip_norm=clip_norm,
+        compute_dtype=compute_dtype,
+        donate=donate,
     )
-    return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference)
+    return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference, prompt_source)
 
 
 class PromptBatches(EpochCursor):

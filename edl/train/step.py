@@ -76,8 +76,17 @@ loss averages over (target tokens, or pairs), and ``tokens``, the tokens the mod
 where that differs (preference pairs; what tokens/s counts)."""
 
 
+ACCUMULATION_WEIGHT = "accumulation_weight"
+"""A loss's metric naming its micro-batch's share under accumulation where that is not its
+``count`` (GRPO's losses that TRL averages over micro-batches: each weighs the same); read
+for the weights, never reported."""
+
+
 def _weight(metrics: Mapping[str, jax.Array]) -> jax.Array:
-    """A micro-batch's share: its token (or example) count when the loss reports one."""
+    """A micro-batch's share: ``ACCUMULATION_WEIGHT`` when the loss reports one, else its
+    token (or example) count when it reports one."""
+    if ACCUMULATION_WEIGHT in metrics:
+        return jnp.asarray(metrics[ACCUMULATION_WEIGHT], jnp.float32)
     if "count" in metrics:
         return jnp.asarray(metrics["count"], jnp.float32)
     return jnp.ones((), jnp.float32)
@@ -90,6 +99,8 @@ def _combine(metrics: Mapping[str, jax.Array], weights: jax.Array) -> dict[str, 
     safe_total = jnp.where(total > 0, total, 1.0)
     out = {}
     for key, value in metrics.items():
+        if key == ACCUMULATION_WEIGHT:
+            continue
         value = jnp.asarray(value)
         if key in SUMMED_METRICS:
             out[key] = jnp.sum(value, axis=0)
@@ -105,7 +116,7 @@ def _gradients(
     (``lax.scan``), combined by their ``count`` weights into the full batch's (exact)."""
     if accum_steps == 1:
         (loss, metrics), grads = grad_fn(state, batch)
-        return loss, grads, dict(metrics)
+        return loss, grads, {k: v for k, v in metrics.items() if k != ACCUMULATION_WEIGHT}
 
     def micro(carry, micro_batch):
         (loss, metrics), grads = grad_fn(state, micro_batch)
