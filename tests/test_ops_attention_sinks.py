@@ -134,10 +134,11 @@ def test_kernels_without_sinks_say_so():
     q, k, v, sinks = _inputs(
         {"batch": 1, "q_len": 2, "kv_len": 2, "heads": 2, "kv_heads": 1, "head_dim": 4, "seed": 1}
     )
+    opts = attention_module._Options(causal=True, window=None, softcap=None, scale=None)
     for why in (attention_module._tpu_unsupported, attention_module._cudnn_unsupported):
-        reason = why(None, q.astype(jnp.bfloat16), k, v, None, None, sinks)
+        reason = why(opts, q.astype(jnp.bfloat16), k, v, None, None, sinks)
         assert reason is not None
     assert "no attention sinks" in attention_module._tpu_unsupported(
-        None, q, k, v, None, None, sinks
+        opts, q, k, v, None, None, sinks
     )
-    assert attention_module._tpu_unsupported(None, q, k, v, None, None, None) is None
+    assert attention_module._tpu_unsupported(opts, q, k, v, None, None, None) is None

@@ -11,7 +11,7 @@ causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA'
 classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
-``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.mixtral``, ``edl.models.olmo``,
+``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.gpt_oss``, ``edl.models.mixtral``, ``edl.models.olmo``,
 ``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
 ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
@@ -27,6 +27,7 @@ from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
+from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from edl.models.olmo import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -50,6 +51,8 @@ __all__ = [
     "LlavaForConditionalGeneration",
     "MixtralConfig",
     "MixtralForCausalLM",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "Olmo2Config",
     "Olmo2ForCausalLM",
     "Olmo3Config",

@@ -22,6 +22,11 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
   contiguous cache") and the native kernel for a paged one (at most
   ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
+Attention sinks (``sinks``, GPT-OSS) change only each row's final normalisation; the decode
+kernels have none, so with ``sinks`` every ``impl`` but ``"reference"`` computes as
+``"xla"`` (``masked_attention`` with the sinks), and naming ``"pallas"`` / ``"native"``
+raises ``ValueError``.
+
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
 that layer: the longest row's length rounded up to one of a few static lengths
@@ -117,6 +122,7 @@ def cached_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """The newest ``new_tokens`` of each row attend to its cache (see the module docstring).
@@ -124,12 +130,13 @@ def cached_attention(
     Args:
         lengths: valid cache entries per row, the new tokens included.
         layer: with caches stacked over layers, the layer to read (module docstring).
-        window, softcap, scale: as ``edl.ops.attention``.
+        window, softcap, scale, sinks: as ``edl.ops.attention``.
         impl: ``"pallas"``, ``"native"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module
             docstring).
     """
     _check_layer("cached_attention", k_cache, layer)
     _check_impl("cached_attention", impl, IMPLS)
+    impl = _sink_impl("cached_attention", impl, sinks)
     cache_len = k_cache.shape[-3]
     options = _Options(window=window, softcap=softcap, scale=scale)
 
@@ -137,7 +144,7 @@ def cached_attention(
         def read(length: int) -> jax.Array:
             k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
             mask = cache_mask(q.shape[1], length, lengths, window=window)
-            return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+            return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
         return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
 
@@ -160,6 +167,7 @@ def paged_attention(
     scale: float | None = None,
     impl: str = "auto",
     live_prefix: bool = True,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
     ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
@@ -173,6 +181,7 @@ def paged_attention(
     """
     _check_layer("paged_attention", k_pages, layer)
     _check_impl("paged_attention", impl, PAGED_IMPLS)
+    impl = _sink_impl("paged_attention", impl, sinks)
     options = _Options(window=window, softcap=softcap, scale=scale)
     plain = functools.partial(
         _paged_xla,
@@ -181,6 +190,7 @@ def paged_attention(
         softcap=softcap,
         scale=scale,
         live_prefix=live_prefix,
+        sinks=sinks,
     )
     arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer))
     if impl in ("xla", "reference"):
@@ -201,6 +211,7 @@ def _paged_xla(
     softcap,
     scale,
     live_prefix,
+    sinks=None,
 ):
     """``paged_attention``'s gathered form (``"xla"`` / ``"reference"``)."""
     page_size = k_pages.shape[-3]
@@ -209,7 +220,7 @@ def _paged_xla(
         table = page_table[:, :num_pages]
         k, v = (gather_pages(x, table, layer=layer) for x in (k_pages, v_pages))
         mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
-        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
     if not live_prefix:
         return read(page_table.shape[1])
@@ -217,10 +228,12 @@ def _paged_xla(
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 
 
-def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None):
+def _plain(
+    impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None, sinks=None
+):
     """The non-Pallas impls over a contiguous cache and its mask."""
-    if impl == "reference" or q.shape[1] != 1:
-        return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
+    if impl == "reference" or q.shape[1] != 1 or sinks is not None:
+        return masked_attention(q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # platform_dependent keeps only the branch of the platform being lowered for.
     return platform_dependent(
@@ -231,6 +244,15 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
         cpu=functools.partial(cpu.one_token_attention, softcap=softcap, scale=scale),
         default=functools.partial(masked_attention, softcap=softcap, scale=scale),
     )
+
+
+def _sink_impl(name: str, impl: str, sinks: jax.Array | None) -> str:
+    """The impl that computes with ``sinks`` (module docstring): ``impl`` without them."""
+    if sinks is None:
+        return impl
+    if impl in ("pallas", "native"):
+        raise ValueError(f"{name}: impl={impl!r} has no attention sinks; use 'xla' or 'auto'")
+    return "reference" if impl == "reference" else "xla"
 
 
 def _check_impl(name: str, impl: str, impls: tuple[str, ...]) -> None:
