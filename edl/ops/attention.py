@@ -251,9 +251,13 @@ def _native(options: _Options, q, k, v, q_ids, kv_ids, sinks):
 
 
 def _pallas_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
-    return _no_sinks("the Pallas kernel", sinks) or dtype_reason(
-        "the Pallas kernel", KERNEL_DTYPES, q, k, v
-    )
+    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
+
+
+def _no_sinks_given(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> bool:
+    """``preferred`` of the interpreted kernel: "auto" takes it for sinks no further than the
+    native kernel (on CPU, XLA's form is the faster one there)."""
+    return sinks is None
 
 
 def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
@@ -274,6 +278,7 @@ def _pallas(interpret: bool):
             v,
             q_segment_ids=q_ids,
             kv_segment_ids=kv_ids,
+            sinks=sinks,
             interpret=interpret,
             **dataclasses.asdict(options),
         )
@@ -328,7 +333,9 @@ _TRITON = Kernel("pallas", _pallas(interpret=False), _triton_unsupported)
 KERNELS: dict[str, tuple[Kernel, ...]] = {
     "cpu": (
         Kernel("native", _native, _native_unsupported, quiet=_turned_off),
-        Kernel("pallas", _pallas(interpret=True), _pallas_unsupported),
+        Kernel(
+            "pallas", _pallas(interpret=True), _pallas_unsupported, preferred=_no_sinks_given
+        ),
     ),
     "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=never)),  # by name
     "rocm": (_TRITON,),
@@ -361,8 +368,10 @@ def attention(
         scale: logit scale, default ``1/sqrt(head_dim)``.
         sinks: attention sinks (GPT-OSS), one learned logit per query head that joins every
             row's softmax denominator and has no value (``masked_softmax``'s ``sink``).
-            Differentiable. The native CPU, TPU and cuDNN kernels have none: ``"auto"``
-            computes with ``"xla"`` there, warning why.
+            Differentiable. The Pallas kernel takes them (``edl.kernels.flash_attention``);
+            the native CPU, TPU and cuDNN kernels have none: ``"auto"`` computes with
+            ``"xla"`` there, warning why (on CPU ``"auto"`` does not fall to the interpreted
+            Pallas kernel for them either).
         impl: which implementation computes it:
 
             - ``"auto"``: per platform the program is lowered for, the first kernel of

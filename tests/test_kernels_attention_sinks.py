@@ -1,0 +1,150 @@
+"""The Pallas flash kernel with attention sinks (GPT-OSS) against float64 autodiff of the
+plain reference: output and the gradients of q, k, v and the sinks (interpreted on CPU,
+through Triton on a GPU), and its lowering to Triton from this CPU machine.
+
+Tolerances as in tests/test_kernels_attention.py: errors relative to max(1, max |expected|),
+2e-5 for float32 (float32 accumulation over at most ~40 keys), 3e-2 for bfloat16.
+"""
+
+import functools
+
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from edl.kernels import BlockSizes, flash_attention
+from edl.ops.attention import reference_attention
+
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
+pytestmark = pytest.mark.gpu
+
+
+def _rel_err(actual, expected) -> float:
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(
+        np.max(np.abs(actual - expected), initial=0.0) / max(1.0, np.abs(expected).max(initial=0.0))
+    )
+
+
+def _inputs(seed, batch, q_len, kv_len, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(seed)
+    q_shape, kv_shape = (batch, q_len, heads, head_dim), (batch, kv_len, kv_heads, head_dim)
+    q, k, v, d_out = (rng.standard_normal(s) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    return q, k, v, 2.0 * rng.standard_normal(heads), d_out
+
+
+def _float64_autodiff(q, k, v, sinks, d_out, segment_ids, **kw):
+    """Output and (dq, dk, dv, d sinks) by jax autodiff of ``reference_attention`` in
+    float64, on the CPU (a GPU's cuBLAS may have no float64 GEMM)."""
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
+        args = [jnp.asarray(np.asarray(a, np.float64)) for a in (q, k, v, sinks, d_out)]
+        segs = None if segment_ids is None else tuple(jnp.asarray(s) for s in segment_ids)
+
+        @jax.jit
+        def run(q, k, v, sinks, d_out, segs):
+            fn = functools.partial(reference_attention, segment_ids=segs, **kw)
+            out, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, sinks=s), q, k, v, sinks)
+            return out, vjp(d_out)
+
+        out, grads = run(*args, segs)
+        return np.asarray(out), [np.asarray(g) for g in grads]
+
+
+def _kernel(q, k, v, sinks, d_out, segment_ids, dtype, blocks, **kw):
+    @jax.jit
+    def run(q, k, v, sinks, d_out, segment_ids):
+        q_ids, kv_ids = (None, None) if segment_ids is None else segment_ids
+        fn = functools.partial(
+            flash_attention, q_segment_ids=q_ids, kv_segment_ids=kv_ids, block_sizes=blocks, **kw
+        )
+        out, vjp = jax.vjp(lambda q, k, v, s: fn(q, k, v, sinks=s), q, k, v, sinks)
+        return out, vjp(d_out)
+
+    arrays = [jnp.asarray(a, jnp.float32).astype(dtype) for a in (q, k, v)]
+    segs = None if segment_ids is None else tuple(jnp.asarray(s) for s in segment_ids)
+    return run(*arrays, jnp.asarray(sinks, jnp.float32), jnp.asarray(d_out, dtype), segs)
+
+
+@st.composite
+def cases(draw):
+    kv_heads = draw(st.sampled_from([1, 2]))
+    return {
+        "batch": draw(st.integers(1, 2)),
+        "q_len": draw(st.integers(1, 30)),
+        "kv_len": draw(st.integers(1, 30)),
+        "heads": kv_heads * draw(st.sampled_from([1, 2])),
+        "kv_heads": kv_heads,
+        "head_dim": draw(st.sampled_from([4, 8])),
+        "causal": draw(st.booleans()),
+        "window": draw(st.none() | st.integers(1, 12)),
+        "segments": draw(st.booleans()),
+        "blocks": BlockSizes(*(draw(st.sampled_from([4, 8, 16])) for _ in range(4))),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
+@settings(max_examples=8, deadline=None)  # every example compiles three kernels
+@given(cases())
+def test_flash_attention_with_sinks_matches_float64_autodiff(c):
+    shape = {k: c[k] for k in ("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim")}
+    q, k, v, sinks, d_out = _inputs(c["seed"], **shape)
+    segments = None
+    if c["segments"]:  # sorted ids in {0, 1, 2}: some queries see no key
+        rng = np.random.default_rng(c["seed"] + 1)
+        segments = tuple(
+            np.sort(rng.integers(0, 3, (c["batch"], n), np.int32), axis=1)
+            for n in (c["q_len"], c["kv_len"])
+        )
+    kw = {"causal": c["causal"], "window": c["window"]}
+    out, grads = _kernel(q, k, v, sinks, d_out, segments, jnp.float32, c["blocks"], **kw)
+    ref_out, ref_grads = _float64_autodiff(q, k, v, sinks, d_out, segments, **kw)
+    for name, actual, expected in zip(
+        ("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads), strict=True
+    ):
+        err = _rel_err(actual, expected)
+        assert err < 2e-5, f"{name}: relative error {err:.2e} ({c})"
+
+
+def test_flash_attention_with_sinks_bfloat16():
+    q, k, v, sinks, d_out = _inputs(3, 2, 40, 40, 4, 2, 16)
+    out, grads = _kernel(
+        q, k, v, sinks, d_out, None, jnp.bfloat16, BlockSizes(16, 16, 16, 16), causal=True
+    )
+    rounded = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (q, k, v, d_out)]
+    ref_out, ref_grads = _float64_autodiff(
+        *rounded[:3], sinks, rounded[3], None, causal=True
+    )
+    for name, actual, expected in zip(
+        ("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads), strict=True
+    ):
+        assert _rel_err(actual, expected) < 3e-2, name
+
+
+def test_attention_op_takes_sinks_through_the_pallas_kernel():
+    """``edl.ops.attention(impl="pallas")`` passes the sinks to the kernel."""
+    from edl import ops
+
+    q, k, v, sinks, _ = _inputs(5, 1, 9, 9, 4, 2, 8)
+    q, k, v = (jnp.asarray(a, jnp.float32) for a in (q, k, v))
+    sinks = jnp.asarray(sinks, jnp.float32)
+    out = jax.jit(lambda *a: ops.attention(*a[:3], causal=True, sinks=a[3], impl="pallas"))(
+        q, k, v, sinks
+    )
+    ref = ops.attention(q, k, v, causal=True, sinks=sinks, impl="reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+
+
+def test_flash_attention_with_sinks_lowers_to_triton():
+    def loss(q, k, v, sinks):
+        out = flash_attention(q, k, v, causal=True, window=128, sinks=sinks, interpret=False)
+        return jnp.sum(out.astype(jnp.float32))
+
+    q = jax.ShapeDtypeStruct((2, 300, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((8,), jnp.float32)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    text = jax.jit(grad).trace(q, kv, kv, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 3  # forward, dq, dk/dv
