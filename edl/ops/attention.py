@@ -267,7 +267,7 @@ def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str
 
 
 def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
-    return _no_sinks("the TPU kernel", sinks) or dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
+    return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
 def _pallas(interpret: bool):
@@ -288,7 +288,13 @@ def _pallas(interpret: bool):
 
 def _pallas_tpu(options: _Options, q, k, v, q_ids, kv_ids, sinks):
     return tpu.flash_attention(
-        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **dataclasses.asdict(options)
+        q,
+        k,
+        v,
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        sinks=sinks,
+        **dataclasses.asdict(options),
     )
 
 
@@ -368,8 +374,8 @@ def attention(
         scale: logit scale, default ``1/sqrt(head_dim)``.
         sinks: attention sinks (GPT-OSS), one learned logit per query head that joins every
             row's softmax denominator and has no value (``masked_softmax``'s ``sink``).
-            Differentiable. The Pallas kernel takes them (``edl.kernels.flash_attention``);
-            the native CPU, TPU and cuDNN kernels have none: ``"auto"`` computes with
+            Differentiable. The Pallas kernels take them (GPU and TPU, around the unchanged
+            kernels); the native CPU and cuDNN kernels have none: ``"auto"`` computes with
             ``"xla"`` there, warning why (on CPU ``"auto"`` does not fall to the interpreted
             Pallas kernel for them either).
         impl: which implementation computes it:
