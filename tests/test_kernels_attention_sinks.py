@@ -114,9 +114,7 @@ def test_flash_attention_with_sinks_bfloat16():
         q, k, v, sinks, d_out, None, jnp.bfloat16, BlockSizes(16, 16, 16, 16), causal=True
     )
     rounded = [np.asarray(jnp.asarray(a, jnp.bfloat16), np.float64) for a in (q, k, v, d_out)]
-    ref_out, ref_grads = _float64_autodiff(
-        *rounded[:3], sinks, rounded[3], None, causal=True
-    )
+    ref_out, ref_grads = _float64_autodiff(*rounded[:3], sinks, rounded[3], None, causal=True)
     for name, actual, expected in zip(
         ("out", "dq", "dk", "dv", "dsinks"), (out, *grads), (ref_out, *ref_grads), strict=True
     ):

@@ -327,9 +327,9 @@ def test_train_step_scanned_equals_unrolled():
 
 def test_config_defaults_round_trip_and_mxfp4_refusal():
     # Defaults are transformers' GptOssConfig defaults (YaRN x32 included).
-    assert GptOssConfig() == GptOssConfig.from_hf(
-        transformers.GptOssConfig().to_dict()
-    ).replace(hf_extra=())
+    assert GptOssConfig() == GptOssConfig.from_hf(transformers.GptOssConfig().to_dict()).replace(
+        hf_extra=()
+    )
     for name in CONFIGS:
         config = GptOssConfig.from_hf(_hf_config(name).to_dict())
         hf_dict = config.to_hf(architectures=["GptOssForCausalLM"])

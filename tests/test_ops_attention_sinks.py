@@ -101,7 +101,9 @@ def test_xla_sink_backward_matches_float64_autodiff_of_the_reference(c):
 
             return jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
 
-        for name, mine, ref in zip("q k v sinks".split(), grads("xla"), grads("reference")):
+        for name, mine, ref in zip(
+            ("q", "k", "v", "sinks"), grads("xla"), grads("reference"), strict=True
+        ):
             np.testing.assert_allclose(mine, ref, rtol=1e-9, atol=1e-9, err_msg=name)
 
 

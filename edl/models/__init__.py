@@ -11,8 +11,8 @@ causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA'
 classifier, the vision models, ``configure`` and ``flops_per_token``. A family's other
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
-``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.gpt_oss``, ``edl.models.mixtral``, ``edl.models.olmo``,
-``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
+``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.gpt_oss``, ``edl.models.mixtral``,
+``edl.models.olmo``, ``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
 ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
@@ -23,11 +23,11 @@ from edl.models.config import DecoderConfig, RunOptions, flops_per_token
 from edl.models.encoder_config import CLIPConfig, SiglipConfig
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
+from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
-from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from edl.models.olmo import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -44,6 +44,8 @@ __all__ = [
     "Gemma3TextConfig",
     "GemmaConfig",
     "GemmaForCausalLM",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaForSequenceClassification",
@@ -51,8 +53,6 @@ __all__ = [
     "LlavaForConditionalGeneration",
     "MixtralConfig",
     "MixtralForCausalLM",
-    "GptOssConfig",
-    "GptOssForCausalLM",
     "Olmo2Config",
     "Olmo2ForCausalLM",
     "Olmo3Config",

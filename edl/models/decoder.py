@@ -31,9 +31,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from edl.models.config import DecoderConfig
 from edl.module import require_float_dtype
 from edl.nn.attention import Attention, KVCacheLike
+from edl.nn.gpt_oss_moe import GptOssMoE
 from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
-from edl.nn.gpt_oss_moe import GptOssMoE
 from edl.nn.moe import SparseMoE
 from edl.nn.stack import run_stack, stack, unstack
 from edl.ops.attention import padding_segments

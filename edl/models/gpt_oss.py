@@ -188,9 +188,7 @@ class GptOssConfig(DecoderConfig):
         return out
 
 
-def _gpt_oss_moe(
-    c: GptOssConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray
-) -> GptOssMoE:
+def _gpt_oss_moe(c: GptOssConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray) -> GptOssMoE:
     return GptOssMoE.init(
         c.hidden_size,
         c.expert_intermediate_size,
@@ -236,5 +234,3 @@ class GptOssForSequenceClassification(DecoderForSequenceClassification):
 
     trunk: ClassVar[type[DecoderModel]] = GptOssModel
     partition_rules: ClassVar[Rules] = GPT_OSS_PARTITION_RULES
-
-

@@ -92,7 +92,8 @@ def gpt_oss_expert_mlp(
     e = experts
     num_experts, dim = e.gate_up_proj.shape[0], x.shape[-1]
     gu, gu_b, down, down_b = (
-        w.astype(x.dtype) for w in (e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias)
+        w.astype(x.dtype)
+        for w in (e.gate_up_proj, e.gate_up_proj_bias, e.down_proj, e.down_proj_bias)
     )
     act = lambda h: clamped_swiglu(h, alpha=e.alpha, limit=e.limit)
     acc = jnp.float64 if weights.dtype == jnp.float64 else jnp.float32
@@ -145,7 +146,13 @@ class GptOssMoE(eqx.Module):
             lambda r: r.bias, router, std * jax.random.normal(k_b, (num_experts,), dtype)
         )
         experts = GptOssExperts.init(
-            num_experts, dim, intermediate, alpha=alpha, limit=limit, std=std, dtype=dtype,
+            num_experts,
+            dim,
+            intermediate,
+            alpha=alpha,
+            limit=limit,
+            std=std,
+            dtype=dtype,
             key=k_experts,
         )
         return cls(router, experts, top_k=top_k)

@@ -158,7 +158,8 @@ def masked_attention(
     sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Plain-jnp attention under an explicit ``mask`` (True = visible): float32 logits and
-    softmax (float64 for float64 inputs), rows with no visible key give 0. The definition every kernel is tested against.
+    softmax (float64 for float64 inputs), rows with no visible key give 0. The definition
+    every kernel is tested against.
     ``sinks``: one learned logit per query head in each row's softmax denominator
     (``masked_softmax``'s ``sink``; GPT-OSS)."""
     d, kv_heads = q.shape[-1], k.shape[2]
@@ -173,9 +174,7 @@ def masked_attention(
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
     probs = masked_softmax(logits, mask[:, None, None], axis=-1, sink=sink)  # mask (b|1,1,1,q,kv)
-    out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=acc
-    )
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=acc)
     return rearrange(out, "b q kv g d -> b q (kv g) d").astype(q.dtype)
 
 
@@ -339,9 +338,7 @@ _TRITON = Kernel("pallas", _pallas(interpret=False), _triton_unsupported)
 KERNELS: dict[str, tuple[Kernel, ...]] = {
     "cpu": (
         Kernel("native", _native, _native_unsupported, quiet=_turned_off),
-        Kernel(
-            "pallas", _pallas(interpret=True), _pallas_unsupported, preferred=_no_sinks_given
-        ),
+        Kernel("pallas", _pallas(interpret=True), _pallas_unsupported, preferred=_no_sinks_given),
     ),
     "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=never)),  # by name
     "rocm": (_TRITON,),

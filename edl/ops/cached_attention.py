@@ -228,9 +228,7 @@ def _paged_xla(
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 
 
-def _plain(
-    impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None, sinks=None
-):
+def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None, sinks=None):
     """The non-Pallas impls over a contiguous cache and its mask."""
     if impl == "reference" or q.shape[1] != 1 or sinks is not None:
         return masked_attention(q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
