@@ -198,3 +198,57 @@ def test_tpu_flash_attention_with_sinks_lowers_for_tpu():
     grad = jax.grad(loss, argnums=(0, 1, 2, 3))
     text = jax.jit(grad).trace(q, kv, kv, sinks).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
+
+
+@pytest.mark.parametrize("new_tokens", [1, 3])
+def test_decode_kernels_with_sinks_match_the_reference(new_tokens):
+    """The Pallas decode kernels (contiguous and paged; interpreted on CPU) with sinks as one
+    more split of their merge, against ``masked_attention`` with the sinks; GQA of 3 query
+    heads per kv head, rows of different lengths, a sliding window."""
+    from edl import ops
+
+    rng = np.random.default_rng(21)
+    batch, cache_len, kv_heads, group, dim, page = 3, 32, 2, 3, 8, 16
+    q = jnp.asarray(rng.standard_normal((batch, new_tokens, kv_heads * group, dim)), jnp.float32)
+    k, v = (
+        jnp.asarray(rng.standard_normal((batch, cache_len, kv_heads, dim)), jnp.float32)
+        for _ in range(2)
+    )
+    sinks = jnp.asarray(2.0 * rng.standard_normal(kv_heads * group), jnp.float32)
+    lengths = jnp.asarray([5, 32, 17], jnp.int32)
+    kw = {"window": 9, "sinks": sinks}
+    ref = ops.cached_attention(q, k, v, lengths, impl="reference", **kw)
+    out = jax.jit(lambda *a: ops.cached_attention(*a, impl="pallas", **kw))(q, k, v, lengths)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # The same cache as pages: row b's page p at pool index b * 2 + p.
+    pages = [x.reshape(batch * cache_len // page, page, kv_heads, dim) for x in (k, v)]
+    table = jnp.arange(batch * 2, dtype=jnp.int32).reshape(batch, 2)
+    paged = jax.jit(lambda *a: ops.paged_attention(*a, impl="pallas", **kw))(
+        q, *pages, table, lengths
+    )
+    np.testing.assert_allclose(np.asarray(paged), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    # Sinks change the output (not a test that cannot fail).
+    plain = ops.cached_attention(q, k, v, lengths, impl="reference", window=9)
+    assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3
+
+
+def test_decode_kernels_with_sinks_lower_to_triton():
+    from edl.kernels.decode_attention import decode_attention
+    from edl.kernels.paged_attention import paged_decode_attention
+
+    def run(q, k, v, lengths, sinks):
+        return decode_attention(q, k, v, lengths, window=128, sinks=sinks, interpret=False)
+
+    def run_paged(q, k, v, table, lengths, sinks):
+        return paged_decode_attention(q, k, v, table, lengths, sinks=sinks, interpret=False)
+
+    q = jax.ShapeDtypeStruct((2, 1, 32, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    sinks = jax.ShapeDtypeStruct((32,), jnp.float32)
+    lower = lambda fn, *a: jax.jit(fn).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    assert lower(run, q, cache, cache, lengths, sinks).count("__gpu$xla.gpu.triton") == 1
+    pool = jax.ShapeDtypeStruct((64, 16, 8, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    text = lower(run_paged, q, pool, pool, table, lengths, sinks)
+    assert text.count("__gpu$xla.gpu.triton") == 1

@@ -22,10 +22,10 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
   contiguous cache") and the native kernel for a paged one (at most
   ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
-Attention sinks (``sinks``, GPT-OSS) change only each row's final normalisation; the decode
-kernels have none, so with ``sinks`` every ``impl`` but ``"reference"`` computes as
-``"xla"`` (``masked_attention`` with the sinks), and naming ``"pallas"`` / ``"native"``
-raises ``ValueError``.
+Attention sinks (``sinks``, GPT-OSS) change only each row's final normalisation: the Pallas
+decode kernels for GPU (and interpreted on CPU) take them as one more split in their merge;
+the native CPU and TPU kernels have none (``"auto"`` uses ``"xla"`` there, warning why when
+it preferred them). ``"xla"`` / ``"reference"``: ``masked_attention`` with the sinks.
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -136,11 +136,10 @@ def cached_attention(
     """
     _check_layer("cached_attention", k_cache, layer)
     _check_impl("cached_attention", impl, IMPLS)
-    impl = _sink_impl("cached_attention", impl, sinks)
     cache_len = k_cache.shape[-3]
     options = _Options(window=window, softcap=softcap, scale=scale)
 
-    def plain(q, k_cache, v_cache, lengths, layer):
+    def plain(q, k_cache, v_cache, lengths, layer, sinks):
         def read(length: int) -> jax.Array:
             k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
             mask = cache_mask(q.shape[1], length, lengths, window=window)
@@ -148,7 +147,7 @@ def cached_attention(
 
         return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
 
-    arrays = (q, k_cache, v_cache, lengths, _layer_index(layer))
+    arrays = (q, k_cache, v_cache, lengths, _layer_index(layer), sinks)
     if impl in ("xla", "reference"):
         return plain(*arrays)
     return by_platform("cached_attention", impl, DECODE_KERNELS, options, arrays, fallback=plain)
@@ -181,7 +180,6 @@ def paged_attention(
     """
     _check_layer("paged_attention", k_pages, layer)
     _check_impl("paged_attention", impl, PAGED_IMPLS)
-    impl = _sink_impl("paged_attention", impl, sinks)
     options = _Options(window=window, softcap=softcap, scale=scale)
     plain = functools.partial(
         _paged_xla,
@@ -190,9 +188,8 @@ def paged_attention(
         softcap=softcap,
         scale=scale,
         live_prefix=live_prefix,
-        sinks=sinks,
     )
-    arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer))
+    arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer), sinks)
     if impl in ("xla", "reference"):
         return plain(*arrays)
     return by_platform("paged_attention", impl, PAGED_KERNELS, options, arrays, fallback=plain)
@@ -205,13 +202,13 @@ def _paged_xla(
     page_table,
     lengths,
     layer,
+    sinks,
     *,
     impl,
     window,
     softcap,
     scale,
     live_prefix,
-    sinks=None,
 ):
     """``paged_attention``'s gathered form (``"xla"`` / ``"reference"``)."""
     page_size = k_pages.shape[-3]
@@ -244,15 +241,6 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
     )
 
 
-def _sink_impl(name: str, impl: str, sinks: jax.Array | None) -> str:
-    """The impl that computes with ``sinks`` (module docstring): ``impl`` without them."""
-    if sinks is None:
-        return impl
-    if impl in ("pallas", "native"):
-        raise ValueError(f"{name}: impl={impl!r} has no attention sinks; use 'xla' or 'auto'")
-    return "reference" if impl == "reference" else "xla"
-
-
 def _check_impl(name: str, impl: str, impls: tuple[str, ...]) -> None:
     if impl not in impls:
         raise ValueError(f"{name}: impl must be one of {'/'.join(impls)}, got {impl!r}")
@@ -275,7 +263,9 @@ def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
     return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
 
 
-def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
+def _tpu_dtypes(options: _Options, q, k, v, *rest) -> str | None:
+    if rest[-1] is not None:
+        return "the TPU decode kernels have no attention sinks"
     return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
@@ -283,9 +273,12 @@ def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
 
 
 def _decode(kernel, **kernel_options):
-    def call(options: _Options, q, k_cache, v_cache, lengths, layer):
+    def call(options: _Options, q, k_cache, v_cache, lengths, layer, sinks):
         k, v = (_at_layer(x, layer, k_cache.shape[-3]) for x in (k_cache, v_cache))
-        return kernel(q, k, v, lengths, **dataclasses.asdict(options), **kernel_options)
+        options = dataclasses.asdict(options)
+        if sinks is not None:  # only then: the TPU kernels take no such argument
+            options["sinks"] = sinks
+        return kernel(q, k, v, lengths, **options, **kernel_options)
 
     return call
 
@@ -303,7 +296,7 @@ _TRITON_DECODE = Kernel(
 )
 
 
-def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
     if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
@@ -320,7 +313,9 @@ def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, l
     )
 
 
-def _native_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
+def _native_unsupported(options: _Options, q, k_pages, v_pages, *rest) -> str | None:
+    if rest[-1] is not None:
+        return "the native CPU kernel has no attention sinks"
     return native.unavailable() or dtype_reason(
         "the native CPU kernel", native.DTYPES, q, k_pages, v_pages
     )
@@ -330,11 +325,11 @@ def _few_tokens(options: _Options, q, *_) -> bool:
     return q.shape[1] <= NATIVE_MAX_NEW_TOKENS
 
 
-def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer):
+def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer, sinks):
     """A contiguous cache is a pool of one page per row (``page_size = cache_len``): the
     native paged kernel reads it in place, the rows' live positions only."""
     table = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
-    return _native_paged(options, q, k_cache, v_cache, table, lengths, layer)
+    return _native_paged(options, q, k_cache, v_cache, table, lengths, layer, sinks)
 
 
 # Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the native and
@@ -362,7 +357,8 @@ DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
 
 
 def _paged(kernel, **kernel_options):
-    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
+        extra = {} if sinks is None else {"sinks": sinks}  # the TPU kernels take none
         return kernel(
             q,
             k_pages,
@@ -371,6 +367,7 @@ def _paged(kernel, **kernel_options):
             lengths,
             layer=layer,
             **dataclasses.asdict(options),
+            **extra,
             **kernel_options,
         )
 
