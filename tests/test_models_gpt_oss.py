@@ -378,3 +378,29 @@ def test_sequence_classification_parity(tmp_path):
     ref = _hf_forward(hf_model, ids, mask).logits.numpy()
     out = np.asarray(model(jnp.asarray(ids), attention_mask=jnp.asarray(mask)).logits)
     np.testing.assert_allclose(out, ref, atol=1e-4)
+
+
+@pytest.mark.slow  # a model through files, the CLI's generate compiles (~30 s shared machine)
+def test_cli_generate_and_export(tmp_path, capsys):
+    """``edl generate`` (the byte tokenizer: vocab 259) on a GPT-OSS directory prints
+    transformers' greedy continuation, and ``edl export --dtype bfloat16`` writes a directory
+    transformers loads as a GPT-OSS model."""
+    from edl.cli import main
+    from edl.text import ByteTokenizer
+
+    config = _hf_config("yarn_sliding")
+    config.vocab_size = ByteTokenizer.vocab_size
+    hf_model = random_hf_model(config, "causal_lm", seed=3, std=0.25)
+    hf_model.save_pretrained(tmp_path / "hf")
+    main(["generate", "--model", str(tmp_path / "hf"), "--prompt", "gpt", "--max-new-tokens", "4"])
+    printed = capsys.readouterr().out
+    prompt = ByteTokenizer().encode("gpt")
+    with torch.no_grad():
+        ref = hf_model.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=4, eos_token_id=None
+        )
+    assert ByteTokenizer().decode(ref[0, len(prompt) :].tolist()) in printed
+    main(["export", str(tmp_path / "hf"), str(tmp_path / "out"), "--dtype", "bfloat16"])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(exported).__name__ == "GptOssForCausalLM"
+    assert exported.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
