@@ -397,7 +397,7 @@ def _launch(call, plan: _FlashPlan, kv_heads: int, *args):
     return jax.tree.map(merge, outs)
 
 
-def _forward(q, k, v, q_seg, kv_seg, sinks, plan: _FlashPlan):
+def _forward(q, k, v, q_seg, kv_seg, plan: _FlashPlan, sinks=None):
     out, lse = _launch(_forward_call, plan, k.shape[2], q, k, v, q_seg, kv_seg)
     if sinks is None:
         return out, lse
@@ -428,11 +428,11 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _FlashPlan):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _flash(q, k, v, q_seg, kv_seg, sinks, plan):
-    return _forward(q, k, v, q_seg, kv_seg, sinks, plan)[0]
+    return _forward(q, k, v, q_seg, kv_seg, plan, sinks)[0]
 
 
 def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, plan):
-    out, lse = _forward(q, k, v, q_seg, kv_seg, sinks, plan)
+    out, lse = _forward(q, k, v, q_seg, kv_seg, plan, sinks)
     return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
