@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from edl.kernels import BlockSizes, flash_attention
 from edl.ops.attention import reference_attention
 
-# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there).
-pytestmark = pytest.mark.gpu
+# What a GPU run must check (benchmarks/device/run.sh runs the gpu-marked tests there): the
+# Triton kernels' tests; the TPU kernel's (interpret mode, TPU lowering) are not marked, as
+# tests/test_kernels_tpu_flash.py's.
 
 
 def _rel_err(actual, expected) -> float:
@@ -86,6 +87,7 @@ def cases(draw):
     }
 
 
+@pytest.mark.gpu
 @settings(max_examples=6, deadline=None)  # every example compiles three kernels
 @given(cases())
 def test_flash_attention_with_sinks_matches_float64_autodiff(c):
@@ -108,6 +110,7 @@ def test_flash_attention_with_sinks_matches_float64_autodiff(c):
         assert err < 2e-5, f"{name}: relative error {err:.2e} ({c})"
 
 
+@pytest.mark.gpu
 def test_flash_attention_with_sinks_bfloat16():
     q, k, v, sinks, d_out = _inputs(3, 2, 40, 40, 4, 2, 16)
     out, grads = _kernel(
@@ -121,6 +124,7 @@ def test_flash_attention_with_sinks_bfloat16():
         assert _rel_err(actual, expected) < 3e-2, name
 
 
+@pytest.mark.gpu
 def test_attention_op_takes_sinks_through_the_pallas_kernel():
     """``edl.ops.attention(impl="pallas")`` passes the sinks to the kernel."""
     from edl import ops
@@ -135,6 +139,7 @@ def test_attention_op_takes_sinks_through_the_pallas_kernel():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.gpu
 def test_flash_attention_with_sinks_lowers_to_triton():
     def loss(q, k, v, sinks):
         out = flash_attention(q, k, v, causal=True, window=128, sinks=sinks, interpret=False)
@@ -200,6 +205,7 @@ def test_tpu_flash_attention_with_sinks_lowers_for_tpu():
     assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("new_tokens", [1, 3])
 def test_decode_kernels_with_sinks_match_the_reference(new_tokens):
     """The Pallas decode kernels (contiguous and paged; interpreted on CPU) with sinks as one
@@ -232,6 +238,7 @@ def test_decode_kernels_with_sinks_match_the_reference(new_tokens):
     assert np.abs(np.asarray(plain) - np.asarray(ref)).max() > 1e-3
 
 
+@pytest.mark.gpu
 def test_decode_kernels_with_sinks_lower_to_triton():
     from edl.kernels.decode_attention import decode_attention
     from edl.kernels.paged_attention import paged_decode_attention

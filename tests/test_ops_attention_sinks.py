@@ -72,6 +72,7 @@ def _attention(q, k, v, sinks, *, causal, window, impl):
     return ops.attention(q, k, v, causal=causal, window=window, sinks=sinks, impl=impl)
 
 
+@pytest.mark.gpu  # "auto": the Triton kernel with sinks on a GPU
 @pytest.mark.parametrize("impl", ["reference", "xla", "auto"])
 @settings(max_examples=8, deadline=None)  # each example compiles new shapes
 @given(cases())
