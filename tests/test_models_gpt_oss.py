@@ -104,8 +104,7 @@ def _logits(model, ids, mask=None):
     return np.asarray(model(jnp.asarray(ids), attention_mask=mask).logits)
 
 
-# The default set checks the YaRN / sliding config; the others (~30 s each on the shared
-# 2-core machine) are in the slow set.
+# The default set checks the YaRN / sliding config; the others (~5-10 s each) are slow.
 @pytest.mark.parametrize(
     "name", [n if n == "yarn_sliding" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS]
 )
@@ -174,7 +173,7 @@ def test_clamped_swiglu_matches_transformers_experts():
 
 @pytest.mark.parametrize(
     ("name", "page_size"),
-    [  # the default set: the paged cache while the window slides (~20 s shared machine)
+    [  # the default set: the paged cache while the window slides (~7 s)
         pytest.param("yarn_sliding", None, marks=pytest.mark.slow),
         ("yarn_sliding", 4),
         pytest.param("tied_full_clamped", None, marks=pytest.mark.slow),
@@ -205,7 +204,7 @@ def test_greedy_generation_matches_transformers(name, page_size):
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, : ref.shape[1]], ref.numpy())
 
 
-@pytest.mark.slow  # the engine's steps and three generate calls compile (~60 s shared)
+@pytest.mark.slow  # the engine's steps and three generate calls compile (~11 s)
 def test_serving_engine_matches_generate():
     """The engine's continuous batching (chunked prefill, paged decode with sinks)."""
     from edl.serve import Engine, SamplingParams
@@ -235,7 +234,7 @@ def _random_b(model):
     return edl.tree.named_map(one, model)
 
 
-@pytest.mark.slow  # two transformers models through files and peft (~70 s shared machine)
+@pytest.mark.slow  # two transformers models through files and peft (~7 s)
 def test_lora_peft_files_both_ways(tmp_path):
     """LoRA on the attention projections: edl's adapter loads in peft with the same logits,
     and peft's loads in edl with the same logits."""
@@ -268,7 +267,7 @@ def test_lora_peft_files_both_ways(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "max_rel"),  # ~25 s each on the shared 2-core machine
+    ("fmt", "max_rel"),  # ~2.5 s each
     [
         pytest.param("int8", 0.02, marks=pytest.mark.slow),
         pytest.param("nf4", 0.2, marks=pytest.mark.slow),
@@ -307,7 +306,7 @@ def test_sharded_forward_equals_one_device():
     np.testing.assert_allclose(np.asarray(out), _logits(model, ids), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.slow  # two train-step compilations (~70 s shared machine)
+@pytest.mark.slow  # two train-step compilations (~13 s)
 def test_train_step_scanned_equals_unrolled():
     """The scan over periods of (sliding, full) layers equals the unrolled stack, sinks,
     router and expert biases included."""
@@ -366,7 +365,7 @@ def test_edl_info_names_the_family_and_its_features(tmp_path, capsys):
     )
 
 
-@pytest.mark.slow  # a second transformers model through files (~12 s shared machine)
+@pytest.mark.slow  # a second transformers model through files (~3 s)
 def test_sequence_classification_parity(tmp_path):
     config = _hf_config("yarn_sliding")
     config.num_labels = 3
@@ -380,7 +379,7 @@ def test_sequence_classification_parity(tmp_path):
     np.testing.assert_allclose(out, ref, atol=1e-4)
 
 
-@pytest.mark.slow  # a model through files, the CLI's generate compiles (~30 s shared machine)
+@pytest.mark.slow  # a model through files, the CLI's generate compiles (~5 s)
 def test_cli_generate_and_export(tmp_path, capsys):
     """``edl generate`` (the byte tokenizer: vocab 259) on a GPT-OSS directory prints
     transformers' greedy continuation, and ``edl export --dtype bfloat16`` writes a directory
