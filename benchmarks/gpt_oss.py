@@ -7,7 +7,8 @@ and experts, clamped SwiGLU). edl and torch get the same weights (``edl.to_torch
 the train step is AdamW on the causal-LM loss, timed as in ``benchmarks.model`` (its
 ``_measure_edl`` / ``_measure_torch``: medians of several runs). On CPU edl's attention runs
 as XLA (the native kernel has no sinks) and its experts as ``jax.lax.ragged_dot`` (a masked
-dense product on CPU: every expert's FLOPs); HF loops over the experts hit.
+dense product on CPU: every expert's FLOPs); transformers runs its experts through its
+``grouped_mm`` experts implementation.
 
     python -m benchmarks.gpt_oss [--quick] [--layers 4]
 """
