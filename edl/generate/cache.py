@@ -88,11 +88,13 @@ class Cache(eqx.Module):
         window: int | None = None,
         softcap: float | None = None,
         scale: float | None = None,
+        sinks: Float[Array, " heads"] | None = None,
         impl: str = "auto",
     ) -> Float[Array, "batch new heads head_dim"]:
         """The new queries attend to the cache (after ``update`` of this layer); a fresh
-        cache's new tokens attend only to each other (the flash kernel: a whole prefill)."""
-        options = dict(window=window, softcap=softcap, scale=scale, impl=impl)
+        cache's new tokens attend only to each other (the flash kernel: a whole prefill).
+        ``sinks``: GPT-OSS's attention sinks (``edl.ops.attention``)."""
+        options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks, impl=impl)
         if self.fresh:
             return attention(q, k, v, causal=True, **options)
         return self._read(layer, q, self.lengths + q.shape[1], options).astype(q.dtype)

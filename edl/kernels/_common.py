@@ -188,16 +188,37 @@ def query_rows(q: jax.Array, kv_heads: int, interpret: bool) -> jax.Array:
     return pad_axis(pad_axis(q_rows, 2, padded_rows), 3, padded_head_dim(head_dim, interpret))
 
 
-def merge_query_rows(out: jax.Array, lse: jax.Array, q: jax.Array) -> jax.Array:
+def _sink_split(out, lse, sinks, new_tokens: int):
+    """``out`` / ``lse`` with the sinks as one more split (see :func:`merge_query_rows`):
+    row ``r`` of kv head ``h`` is query head ``h * group + r % group``; padded rows get
+    ``-inf``."""
+    batch, kv_heads, _, rows, dim = out.shape
+    per_head = sinks.astype(jnp.float32).reshape(kv_heads, -1) * LOG2E  # (kv_heads, group)
+    per_row = jnp.tile(per_head, (1, new_tokens))
+    per_row = jnp.pad(per_row, ((0, 0), (0, rows - per_row.shape[1])), constant_values=-jnp.inf)
+    sink_lse = jnp.broadcast_to(per_row[None, :, None], (batch, kv_heads, 1, rows))
+    zeros = jnp.zeros((batch, kv_heads, 1, rows, dim), out.dtype)
+    return (
+        jnp.concatenate([out, zeros], axis=2),
+        jnp.concatenate([lse.astype(jnp.float32), sink_lse], axis=2),
+    )
+
+
+def merge_query_rows(
+    out: jax.Array, lse: jax.Array, q: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
     """Inverse of :func:`query_rows` after merging flash-decoding splits: per-split
     normalised outputs ``(batch, kv_heads, splits, rows, dim)`` and their base-2
     log-sum-exp ``(batch, kv_heads, splits, rows)`` -> ``q``'s shape and dtype.
 
     Splits are weighted by their log-sum-exp (an empty split has ``-inf``, weight 0); rows no
-    split saw give zeros.
+    split saw give zeros. Attention ``sinks`` ``(heads,)`` (GPT-OSS) join as one more split
+    of zero output whose log-sum-exp is the row's head's sink: only the normalisation changes.
     """
     batch, new_tokens, heads, head_dim = q.shape
     kv_heads = out.shape[1]
+    if sinks is not None:
+        out, lse = _sink_split(out, lse, sinks, new_tokens)
     top = jnp.max(lse, axis=-2, keepdims=True)
     weight = jnp.exp2(lse - jnp.where(top == -jnp.inf, 0.0, top))
     total = jnp.sum(weight, axis=-2)

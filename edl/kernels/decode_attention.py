@@ -150,6 +150,7 @@ def decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     block_k: int | None = None,
     num_splits: int | None = None,
     num_warps: int | None = 4,
@@ -166,6 +167,8 @@ def decode_attention(
     Args:
         window: left sliding window (Mistral), as in ``flash_attention``.
         softcap, scale: as in ``flash_attention``.
+        sinks: attention sinks ``(heads,)`` (GPT-OSS): one more split in the merge of the
+            splits (``merge_query_rows``); not differentiated.
         block_k: cached keys per block (default 512 on CPU, 64 on GPU; always a divisor of
             ``cache_len``).
         num_splits: cache splits processed in parallel (default: enough programs to fill a
@@ -183,7 +186,7 @@ def decode_attention(
         num_splits=num_splits,
         params=compiler_params(num_warps, num_stages),
     )
-    return by_interpret(kernel, interpret, q, k_cache, v_cache, lengths, kv_start)
+    return by_interpret(kernel, interpret, q, k_cache, v_cache, lengths, kv_start, sinks)
 
 
 def _decode(
@@ -192,6 +195,7 @@ def _decode(
     v_cache,
     lengths,
     kv_start,
+    sinks,
     *,
     window,
     softcap,
@@ -233,7 +237,7 @@ def _decode(
         out, lse = _call_per_head(call, scalars, q_rows, k_cache, v_cache, num_splits)
     else:
         out, lse = call(scalars, q_rows, k_cache, v_cache)
-    return merge_query_rows(out, lse, q)
+    return merge_query_rows(out, lse, q, sinks)
 
 
 def _check_inputs(q, k_cache, v_cache, lengths, kv_start) -> None:

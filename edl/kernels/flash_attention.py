@@ -11,6 +11,15 @@ Only the K/V (resp. Q) blocks that the causal diagonal and the sliding window le
 are visited. Queries are the last ``q_len`` of ``kv_len`` positions (HF's alignment when
 ``q_len < kv_len``). Sequences are zero-padded to whole blocks and padded keys masked; rows
 that see no key produce zeros (and zero gradients), never NaN.
+
+Attention sinks (GPT-OSS: one logit per query head in every row's denominator, no value)
+change only each row's normalisation, so the kernels run unchanged and the sinks enter
+around them (:func:`_with_sinks`): the forward's output is rescaled by ``2^(lse -
+lse')`` with ``lse' = log2(2^lse + 2^(sink * log2 e))``, and the backward kernels get
+``lse'`` and the rescaled output (their ``P = 2^(s - lse')`` and ``D = rowsum(dO * O)`` are
+then those of the softmax with the sink). The sink's gradient is ``-sum_q P_sink,q * D_q``
+per head, ``P_sink = 2^(sink * log2 e - lse')``: the sink is a key of value zero, so its
+``dP`` is 0 and its ``dS = P_sink * (0 - D)``.
 """
 
 from __future__ import annotations
@@ -388,8 +397,24 @@ def _launch(call, plan: _FlashPlan, kv_heads: int, *args):
     return jax.tree.map(merge, outs)
 
 
-def _forward(q, k, v, q_seg, kv_seg, plan: _FlashPlan):
-    return _launch(_forward_call, plan, k.shape[2], q, k, v, q_seg, kv_seg)
+def _forward(q, k, v, q_seg, kv_seg, plan: _FlashPlan, sinks=None):
+    out, lse = _launch(_forward_call, plan, k.shape[2], q, k, v, q_seg, kv_seg)
+    if sinks is None:
+        return out, lse
+    return _with_sinks(out, lse, sinks)
+
+
+def _sink_lse(sinks: Float[Array, " heads"]) -> Float[Array, "1 heads 1"]:
+    """The sinks in the kernels' base-2 log units, shaped like their ``(b, h, q)`` rows."""
+    return (sinks.astype(jnp.float32) * LOG2E)[None, :, None]
+
+
+def _with_sinks(out, lse, sinks):
+    """``(out, lse)`` of the softmax without sinks -> with them (module docstring). Rows that
+    saw no key keep their zero output."""
+    total = jnp.logaddexp2(lse, _sink_lse(sinks))
+    rescale = jnp.exp2(lse - total).transpose(0, 2, 1)[..., None]  # (b, q, h, 1)
+    return (out.astype(jnp.float32) * rescale).astype(out.dtype), total
 
 
 def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _FlashPlan):
@@ -401,20 +426,25 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan: _FlashPlan):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, plan):
-    return _forward(q, k, v, q_seg, kv_seg, plan)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, plan):
+    return _forward(q, k, v, q_seg, kv_seg, plan, sinks)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, plan):
-    out, lse = _forward(q, k, v, q_seg, kv_seg, plan)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, plan):
+    out, lse = _forward(q, k, v, q_seg, kv_seg, plan, sinks)
+    return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
 def _flash_bwd(plan, residuals, d_out):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_seg, kv_seg, sinks, out, lse = residuals
     dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, d_out, plan)
-    return dq, dk, dv, None, None
+    d_sinks = None
+    if sinks is not None:  # module docstring; padded query rows have dO = 0, hence D = 0
+        delta = jnp.einsum("bqhd,bqhd->bhq", d_out.astype(jnp.float32), out.astype(jnp.float32))
+        p_sink = jnp.exp2(_sink_lse(sinks) - lse)
+        d_sinks = -jnp.sum(p_sink * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, None, None, d_sinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -431,6 +461,7 @@ def flash_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
@@ -444,6 +475,8 @@ def flash_attention(
             implies causal.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (after ``scale``).
         scale: logit scale, default ``1/sqrt(head_dim)``.
+        sinks: attention sinks, one logit per query head in each row's denominator
+            (differentiable; module docstring).
         block_sizes: tiles and Triton settings; default :func:`default_block_sizes`.
         interpret: run the kernels with ``interpret=True``; default: by the platform the
             program is lowered for, compiled through Triton on GPUs, interpreted elsewhere.
@@ -463,6 +496,8 @@ def flash_attention(
         raise ValueError("flash_attention: pass both q_segment_ids and kv_segment_ids or neither")
     if window is not None and window <= 0:
         raise ValueError(f"flash_attention: window must be positive, got {window}")
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"flash_attention: sinks must be ({heads},), got {sinks.shape}")
     q_ids = kv_ids = None
     if q_segment_ids is not None:
         q_ids, kv_ids = q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
@@ -474,11 +509,11 @@ def flash_attention(
         scale=head_dim**-0.5 if scale is None else float(scale),
         block_sizes=block_sizes,
     )
-    return by_interpret(kernel, interpret, q, k, v, q_ids, kv_ids)
+    return by_interpret(kernel, interpret, q, k, v, q_ids, kv_ids, sinks)
 
 
 def _padded_call(
-    q, k, v, q_ids, kv_ids, *, causal, window, softcap, scale, block_sizes, interpret: bool
+    q, k, v, q_ids, kv_ids, sinks, *, causal, window, softcap, scale, block_sizes, interpret: bool
 ):
     """The kernels on inputs padded to whole blocks (for ``interpret`` or Triton), sliced back."""
     q_len, head_dim = q.shape[1], q.shape[3]
@@ -515,5 +550,5 @@ def _padded_call(
     q_seg = kv_seg = None
     if q_ids is not None:
         q_seg, kv_seg = pad_axis(q_ids, 1, padded_q), pad_axis(kv_ids, 1, padded_kv)
-    out = _flash(q_p, k_p, v_p, q_seg, kv_seg, plan)
+    out = _flash(q_p, k_p, v_p, q_seg, kv_seg, sinks, plan)
     return out[:, :q_len, :, :head_dim]

@@ -186,6 +186,7 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     num_splits: int | None = None,
     num_warps: int | None = 4,
     num_stages: int | None = 2,
@@ -202,7 +203,7 @@ def paged_decode_attention(
         layer: with pools stacked over layers ``(layers, num_pages, ...)``, the layer to read;
             its pool is read where it lies (never copied out of the stack). None: one layer's
             pools.
-        window, softcap, scale, num_splits, num_warps, num_stages, interpret: as in
+        window, softcap, scale, sinks, num_splits, num_warps, num_stages, interpret: as in
             ``decode_attention``.
     """
     if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
@@ -217,7 +218,7 @@ def paged_decode_attention(
         params=compiler_params(num_warps, num_stages),
     )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return by_interpret(kernel, interpret, q, k_pages, v_pages, page_table, lengths, layer)
+    return by_interpret(kernel, interpret, q, k_pages, v_pages, page_table, lengths, layer, sinks)
 
 
 def _paged(
@@ -227,6 +228,7 @@ def _paged(
     page_table,
     lengths,
     layer,
+    sinks,
     *,
     window,
     softcap,
@@ -273,7 +275,7 @@ def _paged(
         params=params,
         interpret=interpret,
     )
-    return merge_query_rows(out, lse, q)
+    return merge_query_rows(out, lse, q, sinks)
 
 
 def gather_pages(

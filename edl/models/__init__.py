@@ -12,8 +12,9 @@ classifier, the vision models, ``configure`` and ``flops_per_token``. A family's
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
 ``edl.models.deepseek_v3``, ``edl.models.gemma``, ``edl.models.gemma3``,
-``edl.models.mixtral``, ``edl.models.olmo``, ``edl.models.phi3``, ``edl.models.qwen3_moe``,
-``edl.models.smollm3``, ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
+``edl.models.gpt_oss``, ``edl.models.mixtral``, ``edl.models.olmo``, ``edl.models.phi3``,
+``edl.models.qwen3_moe``, ``edl.models.smollm3``, ``edl.models.clip``, ``edl.models.siglip``,
+``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
 
@@ -24,6 +25,7 @@ from edl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from edl.models.encoder_config import CLIPConfig, SiglipConfig
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
+from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 from edl.models.llava import LlavaConfig, LlavaForConditionalGeneration
@@ -46,6 +48,8 @@ __all__ = [
     "Gemma3TextConfig",
     "GemmaConfig",
     "GemmaForCausalLM",
+    "GptOssConfig",
+    "GptOssForCausalLM",
     "LlamaConfig",
     "LlamaForCausalLM",
     "LlamaForSequenceClassification",

@@ -177,6 +177,7 @@ class DecoderConfig:
     # The family's HF layout fuses q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj``
     # (Phi-3): edl's layers then hold those fused matrices under HF's names.
     FUSED_PROJECTIONS: ClassVar[bool] = False
+    MOE_BLOCK: ClassVar[str] = "sparse"  # the MoE MLP's kind: edl.models.decoder.MOE_BLOCKS
     # What ``edl.models.configure`` lets a built model change besides the run options: the training
     # loss's settings (the forward pass never reads them), an init-only value and the HF keys
     # edl does not interpret. Every other field is architecture (``pad_token_id`` too: the
@@ -227,6 +228,7 @@ class DecoderConfig:
     attn_softcap: float | None = None  # softcap * tanh(logits / softcap) on attention logits
     final_softcap: float | None = None  # ... and on the LM head's logits
     attn_scale: float | None = Derived()  # attention logit scale
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head in the softmax
     # Mixture of experts.
     num_experts: int = 0
     num_experts_per_tok: int = 2
@@ -528,6 +530,7 @@ class DecoderConfig:
         "sliding_rope",
         "nope_layers",
         "post_norms",
+        "attention_sinks",
     )
     WRITES: ClassVar[frozenset[str]] = frozenset()  # the LAYOUT_FEATURES a to_hf writes
 

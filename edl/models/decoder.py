@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import ClassVar
 
 import equinox as eqx
@@ -30,6 +31,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from edl.models.config import DecoderConfig
 from edl.module import require_float_dtype
 from edl.nn.attention import Attention, KVCacheLike
+from edl.nn.gpt_oss_moe import GptOssMoE
 from edl.nn.layers import Embedding, RMSNorm
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import SparseMoE
@@ -108,6 +110,25 @@ class SequenceClassifierOutput(eqx.Module):
     hidden_states: Float[Array, "layers_plus_one batch seq dim"] | None = None
 
 
+def _sparse_moe(c: DecoderConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyArray) -> SparseMoE:
+    return SparseMoE.init(
+        c.hidden_size,
+        c.expert_intermediate_size,
+        c.num_experts,
+        c.num_experts_per_tok,
+        normalize=c.norm_topk_prob,
+        act=c.hidden_act,
+        std=std,
+        dtype=dtype,
+        key=key,
+    )
+
+
+# The MoE MLP of each ``DecoderConfig.MOE_BLOCK`` kind, built from the config; a family with
+# its own MoE block (GPT-OSS: edl.models.gpt_oss) registers its builder here.
+MOE_BLOCKS: dict[str, Callable[..., SparseMoE | GptOssMoE]] = {"sparse": _sparse_moe}
+
+
 def _norm(config: DecoderConfig, dtype: DTypeLike) -> RMSNorm:
     return RMSNorm.init(
         config.hidden_size, eps=config.rms_norm_eps, offset=config.norm_offset, dtype=dtype
@@ -124,7 +145,7 @@ class DecoderLayer(eqx.Module):
     ``input_layernorm``)."""
 
     self_attn: Attention
-    mlp: GatedMLP | SparseMoE
+    mlp: GatedMLP | SparseMoE | GptOssMoE
     input_layernorm: RMSNorm | None
     post_attention_layernorm: RMSNorm
     pre_feedforward_layernorm: RMSNorm | None
@@ -149,22 +170,13 @@ class DecoderLayer(eqx.Module):
             qk_norm_offset=c.norm_offset,
             qk_norm_over_heads=c.qk_norm_over_heads,
             fused_qkv=c.FUSED_PROJECTIONS,
+            sinks=c.attention_sinks,
             std=std,
             dtype=dtype,
             key=k_attn,
         )
         if mlp == "moe":
-            block = SparseMoE.init(
-                c.hidden_size,
-                c.expert_intermediate_size,
-                c.num_experts,
-                c.num_experts_per_tok,
-                normalize=c.norm_topk_prob,
-                act=c.hidden_act,
-                std=std,
-                dtype=dtype,
-                key=k_mlp,
-            )
+            block = MOE_BLOCKS[c.MOE_BLOCK](c, std=std, dtype=dtype, key=k_mlp)
         else:
             block = GatedMLP.init(
                 c.hidden_size,
@@ -248,7 +260,7 @@ class DecoderLayer(eqx.Module):
         else:
             x = self.post_attention_layernorm(h)
         stats = None
-        if isinstance(self.mlp, SparseMoE):
+        if isinstance(self.mlp, SparseMoE | GptOssMoE):
             y, stats = self.mlp(
                 x,
                 token_mask,

@@ -118,6 +118,13 @@ def _moe(c: DecoderConfig) -> str | None:
     return f"MoE {c.num_experts_per_tok} of {c.num_experts} experts on {moe} layers"
 
 
+def _clamped_swiglu(c: DecoderConfig) -> str | None:
+    limit = getattr(c, "swiglu_limit", None)  # GPT-OSS's experts (edl.models.gpt_oss)
+    if limit is None or "moe" not in c.layer_mlps:
+        return None
+    return f"clamped SwiGLU experts with biases (alpha {c.swiglu_alpha:g}, limit {limit:g})"
+
+
 def _schedule(c: DecoderConfig) -> str:
     segments = plan_schedule(c.layer_groups, c.layer_settings)
     parts = [f"{s.repeats} x {len(s.block)}" for s in segments]
@@ -134,6 +141,7 @@ FEATURES: Registry[Feature] = Registry(
             _if(lambda c: c.FUSED_PROJECTIONS, "fused qkv_proj and gate_up_proj matrices"),
         ),
         Feature("attention_biases", _if(lambda c: c.qkv_bias or c.o_bias, "attention biases")),
+        Feature("attention_sinks", _if(lambda c: c.attention_sinks, "attention sinks")),
         Feature("qk_norm", _qk_norm),
         Feature(
             "attention_softcap",
@@ -161,6 +169,7 @@ FEATURES: Registry[Feature] = Registry(
         Feature("embed_scale", _if(lambda c: c.embed_scale, "scaled embeddings")),
         Feature("moe", _moe),
         Feature("grouped_routing", _grouped_routing),
+        Feature("clamped_swiglu", _clamped_swiglu),
         Feature("mlp", lambda c: f"{c.hidden_act} MLP" + (" with biases" if c.mlp_bias else "")),
         Feature(
             "final_softcap",

@@ -12,6 +12,7 @@ from edl.models import (
     deepseek_v3,
     gemma,
     gemma3,
+    gpt_oss,
     llama,
     llava,
     mixtral,
@@ -82,6 +83,7 @@ PHI3 = _family("phi3", phi3, phi3.Phi3Config, "Phi3", {"phi3": "Phi3"})
 QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
 )
+GPT_OSS = _family("gpt_oss", gpt_oss, gpt_oss.GptOssConfig, "GptOss", {"gpt_oss": "GptOss"})
 OLMO2 = _family("olmo2", olmo, olmo.Olmo2Config, "Olmo2", {"olmo2": "Olmo2"})
 OLMO3 = _family("olmo3", olmo, olmo.Olmo3Config, "Olmo3", {"olmo3": "Olmo3"})
 SMOLLM3 = _family("smollm3", smollm3, smollm3.SmolLM3Config, "SmolLM3", {"smollm3": "SmolLM3"})

@@ -40,6 +40,7 @@ class KVCacheLike(Protocol):
         window: int | None = None,
         softcap: float | None = None,
         scale: float | None = None,
+        sinks: jax.Array | None = None,
         impl: str = "auto",
     ) -> jax.Array: ...
 
@@ -53,7 +54,8 @@ class Attention(eqx.Module):
     (``heads * head_dim`` for q, ``kv_heads * head_dim`` for k). RoPE tables of ``None``
     leave q and k unrotated (SmolLM3's NoPE layers). With ``fused_qkv`` (Phi-3) one
     ``qkv_proj`` of ``(heads + 2 * kv_heads) * head_dim`` outputs, q then k then v, replaces
-    the three (``q/k/v_proj`` are ``None``).
+    the three (``q/k/v_proj`` are ``None``). ``sinks`` (GPT-OSS) holds one learned logit
+    per query head that joins every row's softmax denominator (``edl.ops.attention``).
     """
 
     q_proj: Linear | None
@@ -67,6 +69,7 @@ class Attention(eqx.Module):
     head_dim: int = eqx.field(static=True)
     qkv_proj: Linear | None = None
     qk_norm_over_heads: bool = eqx.field(static=True, default=False)
+    sinks: Float[Array, " heads"] | None = None
 
     @classmethod
     def init(
@@ -82,16 +85,18 @@ class Attention(eqx.Module):
         qk_norm_offset: float = 0.0,
         qk_norm_over_heads: bool = False,
         fused_qkv: bool = False,
+        sinks: bool = False,
         std: float = 0.02,
         dtype: DTypeLike = jnp.float32,
         key: PRNGKeyArray,
     ) -> Attention:
         """``qk_norm_eps`` not None adds q/k RMSNorms with that epsilon and ``qk_norm_offset``
         (Gemma 3's ``1 + w``): per head (Qwen3), or ``qk_norm_over_heads`` over all heads
-        (OLMo 2); ``fused_qkv`` keeps q, k and v as one ``qkv_proj`` (Phi-3's layout)."""
+        (OLMo 2); ``fused_qkv`` keeps q, k and v as one ``qkv_proj`` (Phi-3's layout);
+        ``sinks`` adds per-head attention sinks, normal(0, ``std``) as HF initialises them."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of kv heads {num_kv_heads}")
-        kq, kk, kv, ko = jax.random.split(key, 4)
+        kq, kk, kv, ko, ks = jax.random.split(key, 5)
         lin = {"std": std, "dtype": dtype}
         q_norm = k_norm = None
         if qk_norm_eps is not None:
@@ -109,6 +114,7 @@ class Attention(eqx.Module):
             "num_kv_heads": num_kv_heads,
             "head_dim": head_dim,
             "qk_norm_over_heads": qk_norm_over_heads,
+            "sinks": std * jax.random.normal(ks, (num_heads,), dtype) if sinks else None,
         }
         if fused_qkv:
             qkv = Linear.init(dim, sum(widths), use_bias=qkv_bias, key=kq, **lin)
@@ -146,6 +152,7 @@ class Attention(eqx.Module):
             window=window,
             softcap=softcap,
             scale=scale,
+            sinks=self.sinks,
             impl=impl,
         )
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
@@ -169,7 +176,10 @@ class Attention(eqx.Module):
         b, s, _ = x.shape
         q, k, v = self._project(x, cos, sin)
         cache = cache.update(layer, k, v)
-        out = cache.attend(layer, q, k, v, window=window, softcap=softcap, scale=scale, impl=impl)
+        options = dict(window=window, softcap=softcap, scale=scale, impl=impl)
+        if self.sinks is not None:  # only then: other caches need not know the argument
+            options["sinks"] = self.sinks
+        out = cache.attend(layer, q, k, v, **options)
         return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim)), cache
 
     def _project(self, x, cos, sin):

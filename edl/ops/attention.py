@@ -98,25 +98,53 @@ def reference_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Plain-jnp attention with float32 logits and softmax; rows with no visible key give 0."""
     mask = attention_mask(
         q.shape[1], k.shape[1], causal=causal, window=window, segment_ids=segment_ids
     )
-    return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
+    return masked_attention(q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
 
 def masked_softmax(
-    logits: Float[Array, "*shape"], mask: Bool[Array, "*mask_shape"], *, axis: int
+    logits: Float[Array, "*shape"],
+    mask: Bool[Array, "*mask_shape"],
+    *,
+    axis: int,
+    sink: Float[Array, "*sink_shape"] | None = None,
 ) -> Float[Array, "*shape"]:
     """Softmax of ``logits`` along ``axis`` over the entries where ``mask`` (broadcast to
-    ``logits``) is True; masked entries, and rows with no visible entry, give 0."""
+    ``logits``) is True; masked entries, and rows with no visible entry, give 0.
+
+    ``sink`` (broadcast to ``logits`` with ``axis`` of size 1): one more logit per row that
+    joins the denominator but has no output entry (GPT-OSS's attention sinks), so a row's
+    weights sum to less than 1."""
     logits = jnp.where(mask, logits, -jnp.inf)
     row_max = jnp.max(logits, axis=axis, keepdims=True)
+    if sink is not None:
+        row_max = jnp.maximum(row_max, sink.astype(logits.dtype))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)  # fully masked rows
     weights = jnp.where(mask, jnp.exp(logits - row_max), 0.0)
     denom = jnp.sum(weights, axis=axis, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink.astype(logits.dtype) - row_max)
     return weights / jnp.where(denom == 0, 1.0, denom)
+
+
+def grouped_sinks(
+    sinks: Float[Array, " heads"] | None, kv_heads: int
+) -> Float[Array, "kv_heads group"] | None:
+    """Per-head sink logits ``(heads,)`` as ``(kv_heads, group)`` (GQA's grouping of heads),
+    in float32 at least; ``ValueError`` unless there is one per query head."""
+    if sinks is None:
+        return None
+    if sinks.ndim != 1 or sinks.shape[0] % kv_heads:
+        raise ValueError(
+            f"attention: sinks must be (heads,) for {kv_heads} kv heads, got {sinks.shape}"
+        )
+    dtype = jnp.float64 if sinks.dtype == jnp.float64 else jnp.float32
+    return sinks.astype(dtype).reshape(kv_heads, -1)
 
 
 def masked_attention(
@@ -127,45 +155,60 @@ def masked_attention(
     *,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Plain-jnp attention under an explicit ``mask`` (True = visible): float32 logits and
-    softmax, rows with no visible key give 0. The definition every kernel is tested against."""
+    softmax (float64 for float64 inputs), rows with no visible key give 0. The definition
+    every kernel is tested against.
+    ``sinks``: one learned logit per query head in each row's softmax denominator
+    (``masked_softmax``'s ``sink``; GPT-OSS)."""
     d, kv_heads = q.shape[-1], k.shape[2]
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
+    sink = grouped_sinks(sinks, kv_heads)
+    sink = None if sink is None else sink[None, :, :, None, None]  # (1, kv, g, 1, 1)
     scale = d**-0.5 if scale is None else scale
     qg = rearrange(q, "b q (kv g) d -> b q kv g d", kv=kv_heads)  # GQA: groups of heads
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+    acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32  # float64: gradient checks
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=acc) * scale
     if softcap is not None:
         logits = softcap * jnp.tanh(logits / softcap)
-    probs = masked_softmax(logits, mask[:, None, None], axis=-1)  # mask (batch|1, 1, 1, q, kv)
-    out = jnp.einsum(
-        "bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
+    probs = masked_softmax(logits, mask[:, None, None], axis=-1, sink=sink)  # mask (b|1,1,1,q,kv)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=acc)
     return rearrange(out, "b q kv g d -> b q (kv g) d").astype(q.dtype)
 
 
-def _per_shard(kernel, q, k, v, q_ids, kv_ids):
-    """Run ``kernel(q, k, v, q_ids, kv_ids)`` once per shard under the current mesh
+def _per_shard(kernel, q, k, v, q_ids, kv_ids, sinks=None):
+    """Run ``kernel(q, k, v, q_ids, kv_ids, sinks)`` once per shard under the current mesh
     (``jax.set_mesh``): batch split over dp/fsdp and heads over tp (when tp divides the kv
     heads), sequences whole. XLA cannot partition a kernel's custom call itself; without a
     mesh, one call."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return kernel(q, k, v, q_ids, kv_ids)
+        return kernel(q, k, v, q_ids, kv_ids, sinks)
     heads = "tp" if k.shape[2] % dict(mesh.shape).get("tp", 1) == 0 else None
     head_spec = fit_spec(P(BATCH, None, heads, None), q.shape, mesh.shape, unknown_axes="drop")
     kv_spec = fit_spec(P(*head_spec), k.shape, mesh.shape, unknown_axes="drop")
     ids = [] if q_ids is None else [q_ids, kv_ids]
     id_spec = P(head_spec[0], None)
+    extra = [] if sinks is None else [sinks]  # split over heads as q is
 
-    def per_shard(q, k, v, *ids):
-        return kernel(q, k, v, *(ids or (None, None)))
+    def per_shard(q, k, v, *rest):
+        ids, sink = (rest[:2], rest[2:]) if q_ids is not None else ((None, None), rest)
+        return kernel(q, k, v, *ids, sink[0] if sink else None)
 
     return jax.shard_map(
         carry_platforms(per_shard),
-        in_specs=(head_spec, kv_spec, kv_spec, *[id_spec] * len(ids)),
+        in_specs=(
+            head_spec,
+            kv_spec,
+            kv_spec,
+            *[id_spec] * len(ids),
+            *[P(head_spec[2])] * len(extra),
+        ),
         out_specs=head_spec,
         check_vma=False,
-    )(q, k, v, *ids)
+    )(q, k, v, *ids, *extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,38 +230,54 @@ def dtype_reason(name: str, dtypes: tuple, *arrays: jax.Array) -> str | None:
     return f"{name} takes {want} inputs, got {'/'.join(d.name for d in got)}"
 
 
-def _native_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
-    return native.unavailable() or dtype_reason("the native CPU kernel", native.DTYPES, q, k, v)
+def _no_sinks(name: str, sinks) -> str | None:
+    """Why a kernel without attention sinks cannot take ``sinks``, or None."""
+    return None if sinks is None else f"{name} has no attention sinks"
 
 
-def _native(options: _Options, q, k, v, q_ids, kv_ids):
+def _native_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
+    return (
+        native.unavailable()
+        or _no_sinks("the native CPU kernel", sinks)
+        or dtype_reason("the native CPU kernel", native.DTYPES, q, k, v)
+    )
+
+
+def _native(options: _Options, q, k, v, q_ids, kv_ids, sinks):
     return native.flash_attention_cpu(
         q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **dataclasses.asdict(options)
     )
 
 
-def _pallas_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+def _pallas_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
     return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
 
 
-def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+def _no_sinks_given(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> bool:
+    """``preferred`` of the interpreted kernel: "auto" takes it for sinks no further than the
+    native kernel (on CPU, XLA's form is the faster one there)."""
+    return sinks is None
+
+
+def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
     if q.shape[-1] > 256:
         return f"head_dim {q.shape[-1]} > 256 does not fit the GPU kernel's shared memory"
-    return _pallas_unsupported(options, q, k, v, q_ids, kv_ids)
+    return _pallas_unsupported(options, q, k, v, q_ids, kv_ids, sinks)
 
 
-def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
     return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
 def _pallas(interpret: bool):
-    def call(options: _Options, q, k, v, q_ids, kv_ids):
+    def call(options: _Options, q, k, v, q_ids, kv_ids, sinks):
         return flash_attention(
             q,
             k,
             v,
             q_segment_ids=q_ids,
             kv_segment_ids=kv_ids,
+            sinks=sinks,
             interpret=interpret,
             **dataclasses.asdict(options),
         )
@@ -226,24 +285,32 @@ def _pallas(interpret: bool):
     return call
 
 
-def _pallas_tpu(options: _Options, q, k, v, q_ids, kv_ids):
+def _pallas_tpu(options: _Options, q, k, v, q_ids, kv_ids, sinks):
     return tpu.flash_attention(
-        q, k, v, q_segment_ids=q_ids, kv_segment_ids=kv_ids, **dataclasses.asdict(options)
+        q,
+        k,
+        v,
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        sinks=sinks,
+        **dataclasses.asdict(options),
     )
 
 
-def _cudnn_unsupported(options: _Options, q, k, v, q_ids, kv_ids) -> str | None:
+def _cudnn_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
     if "cuda" not in jax.extend.backend.backends():
         # jax looks for cuDNN while tracing, so only a process with CUDA can trace it.
         return "cuDNN attention is traced only where jax has a CUDA backend"
     if options.softcap is not None:
         return "cuDNN attention has no softcap"
+    if sinks is not None:
+        return "cuDNN attention has no attention sinks"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"cuDNN attention takes bfloat16/float16 inputs, got {q.dtype}"
     return None
 
 
-def _cudnn(options: _Options, q, k, v, q_ids, kv_ids):
+def _cudnn(options: _Options, q, k, v, q_ids, kv_ids, sinks):
     """``jax.nn.dot_product_attention(implementation="cudnn")``: a GPU baseline."""
     q_len, kv_len = q.shape[1], k.shape[1]
     if q_ids is None and options.window is None and q_len == kv_len:
@@ -271,7 +338,7 @@ _TRITON = Kernel("pallas", _pallas(interpret=False), _triton_unsupported)
 KERNELS: dict[str, tuple[Kernel, ...]] = {
     "cpu": (
         Kernel("native", _native, _native_unsupported, quiet=_turned_off),
-        Kernel("pallas", _pallas(interpret=True), _pallas_unsupported),
+        Kernel("pallas", _pallas(interpret=True), _pallas_unsupported, preferred=_no_sinks_given),
     ),
     "cuda": (_TRITON, Kernel("cudnn", _cudnn, _cudnn_unsupported, preferred=never)),  # by name
     "rocm": (_TRITON,),
@@ -289,6 +356,7 @@ def attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "batch q_len heads head_dim"]:
     """Multi-head attention; the single entry point every model calls.
@@ -301,6 +369,12 @@ def attention(
         window: left sliding window (Mistral); implies causal.
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
+        sinks: attention sinks (GPT-OSS), one learned logit per query head that joins every
+            row's softmax denominator and has no value (``masked_softmax``'s ``sink``).
+            Differentiable. The Pallas kernels take them (GPU and TPU, around the unchanged
+            kernels); the native CPU and cuDNN kernels have none: ``"auto"`` computes with
+            ``"xla"`` there, warning why (on CPU ``"auto"`` does not fall to the interpreted
+            Pallas kernel for them either).
         impl: which implementation computes it:
 
             - ``"auto"``: per platform the program is lowered for, the first kernel of
@@ -332,6 +406,8 @@ def attention(
         raise ValueError(f"attention: window must be positive, got {window}")
     if impl not in IMPLS:
         raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
     if impl == "reference":
@@ -344,20 +420,21 @@ def attention(
             window=window,
             softcap=softcap,
             scale=scale,
+            sinks=sinks,
         )
     options = _Options(causal=causal, window=window, softcap=softcap, scale=scale)
 
-    def plain(q, k, v, q_ids, kv_ids):
+    def plain(q, k, v, q_ids, kv_ids, sinks):
         segments = None if q_ids is None else (q_ids, kv_ids)
         mask = attention_mask(q_len, kv_len, causal=causal, window=window, segment_ids=segments)
         logit_scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return xla_attention(q, k, v, mask, scale=logit_scale, softcap=softcap)
+        return xla_attention(q, k, v, mask, scale=logit_scale, softcap=softcap, sinks=sinks)
 
     if impl == "xla":
-        return plain(q, k, v, q_ids, kv_ids)
+        return plain(q, k, v, q_ids, kv_ids, sinks)
 
-    def kernel(q, k, v, q_ids, kv_ids):
-        arrays = (q, k, v, q_ids, kv_ids)
+    def kernel(q, k, v, q_ids, kv_ids, sinks):
+        arrays = (q, k, v, q_ids, kv_ids, sinks)
         return by_platform("attention", impl, KERNELS, options, arrays, fallback=plain)
 
-    return _per_shard(kernel, q, k, v, q_ids, kv_ids)
+    return _per_shard(kernel, q, k, v, q_ids, kv_ids, sinks)

@@ -22,6 +22,11 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
   contiguous cache") and the native kernel for a paged one (at most
   ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
+Attention sinks (``sinks``, GPT-OSS) change only each row's final normalisation: the Pallas
+decode kernels for GPU (and interpreted on CPU) take them as one more split in their merge;
+the native CPU and TPU kernels have none (``"auto"`` uses ``"xla"`` there, warning why when
+it preferred them). ``"xla"`` / ``"reference"``: ``masked_attention`` with the sinks.
+
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
 that layer: the longest row's length rounded up to one of a few static lengths
@@ -118,6 +123,7 @@ def cached_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     impl: str = "auto",
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """The newest ``new_tokens`` of each row attend to its cache (see the module docstring).
@@ -125,7 +131,7 @@ def cached_attention(
     Args:
         lengths: valid cache entries per row, the new tokens included.
         layer: with caches stacked over layers, the layer to read (module docstring).
-        window, softcap, scale: as ``edl.ops.attention``.
+        window, softcap, scale, sinks: as ``edl.ops.attention``.
         impl: ``"pallas"``, ``"native"``, ``"reference"``, ``"xla"`` or ``"auto"`` (module
             docstring).
     """
@@ -134,15 +140,15 @@ def cached_attention(
     cache_len = k_cache.shape[-3]
     options = _Options(window=window, softcap=softcap, scale=scale)
 
-    def plain(q, k_cache, v_cache, lengths, layer):
+    def plain(q, k_cache, v_cache, lengths, layer, sinks):
         def read(length: int) -> jax.Array:
             k, v = (_at_layer(x, layer, length) for x in (k_cache, v_cache))
             mask = cache_mask(q.shape[1], length, lengths, window=window)
-            return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+            return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
         return _read_live(impl, read, jnp.max(lengths), live_lengths(cache_len))
 
-    arrays = (q, k_cache, v_cache, lengths, _layer_index(layer))
+    arrays = (q, k_cache, v_cache, lengths, _layer_index(layer), sinks)
     if impl in ("xla", "reference"):
         return plain(*arrays)
     return by_platform("cached_attention", impl, DECODE_KERNELS, options, arrays, fallback=plain)
@@ -161,6 +167,7 @@ def paged_attention(
     scale: float | None = None,
     impl: str = "auto",
     live_prefix: bool = True,
+    sinks: Float[Array, " heads"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``cached_attention`` over a paged cache: row ``b``'s position ``p`` lives at
     ``k_pages[page_table[b, p // page_size], p % page_size]`` (``k_pages[layer, ...]`` with
@@ -183,7 +190,7 @@ def paged_attention(
         scale=scale,
         live_prefix=live_prefix,
     )
-    arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer))
+    arrays = (q, k_pages, v_pages, page_table, lengths, _layer_index(layer), sinks)
     if impl in ("xla", "reference"):
         return plain(*arrays)
     return by_platform("paged_attention", impl, PAGED_KERNELS, options, arrays, fallback=plain)
@@ -196,6 +203,7 @@ def _paged_xla(
     page_table,
     lengths,
     layer,
+    sinks,
     *,
     impl,
     window,
@@ -210,7 +218,7 @@ def _paged_xla(
         table = page_table[:, :num_pages]
         k, v = (gather_pages(x, table, layer=layer) for x in (k_pages, v_pages))
         mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
-        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale)
+        return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
     if not live_prefix:
         return read(page_table.shape[1])
@@ -218,10 +226,10 @@ def _paged_xla(
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
 
 
-def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None):
+def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None, sinks=None):
     """The non-Pallas impls over a contiguous cache and its mask."""
-    if impl == "reference" or q.shape[1] != 1:
-        return masked_attention(q, k, v, mask, softcap=softcap, scale=scale)
+    if impl == "reference" or q.shape[1] != 1 or sinks is not None:
+        return masked_attention(q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # platform_dependent keeps only the branch of the platform being lowered for.
     return platform_dependent(
@@ -256,7 +264,9 @@ def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
     return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
 
 
-def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
+def _tpu_dtypes(options: _Options, q, k, v, *rest) -> str | None:
+    if rest[-1] is not None:
+        return "the TPU decode kernels have no attention sinks"
     return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
@@ -264,9 +274,12 @@ def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
 
 
 def _decode(kernel, **kernel_options):
-    def call(options: _Options, q, k_cache, v_cache, lengths, layer):
+    def call(options: _Options, q, k_cache, v_cache, lengths, layer, sinks):
         k, v = (_at_layer(x, layer, k_cache.shape[-3]) for x in (k_cache, v_cache))
-        return kernel(q, k, v, lengths, **dataclasses.asdict(options), **kernel_options)
+        options = dataclasses.asdict(options)
+        if sinks is not None:  # only then: the TPU kernels take no such argument
+            options["sinks"] = sinks
+        return kernel(q, k, v, lengths, **options, **kernel_options)
 
     return call
 
@@ -284,7 +297,7 @@ _TRITON_DECODE = Kernel(
 )
 
 
-def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
     if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
@@ -301,7 +314,9 @@ def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, l
     )
 
 
-def _native_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
+def _native_unsupported(options: _Options, q, k_pages, v_pages, *rest) -> str | None:
+    if rest[-1] is not None:
+        return "the native CPU kernel has no attention sinks"
     return native.unavailable() or dtype_reason(
         "the native CPU kernel", native.DTYPES, q, k_pages, v_pages
     )
@@ -311,11 +326,11 @@ def _few_tokens(options: _Options, q, *_) -> bool:
     return q.shape[1] <= NATIVE_MAX_NEW_TOKENS
 
 
-def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer):
+def _native_contiguous(options: _Options, q, k_cache, v_cache, lengths, layer, sinks):
     """A contiguous cache is a pool of one page per row (``page_size = cache_len``): the
     native paged kernel reads it in place, the rows' live positions only."""
     table = jnp.arange(q.shape[0], dtype=jnp.int32)[:, None]
-    return _native_paged(options, q, k_cache, v_cache, table, lengths, layer)
+    return _native_paged(options, q, k_cache, v_cache, table, lengths, layer, sinks)
 
 
 # Per platform the kernels of ``cached_attention`` (edl.ops.dispatch): on CPU the native and
@@ -343,7 +358,8 @@ DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
 
 
 def _paged(kernel, **kernel_options):
-    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer):
+    def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
+        extra = {} if sinks is None else {"sinks": sinks}  # the TPU kernels take none
         return kernel(
             q,
             k_pages,
@@ -352,6 +368,7 @@ def _paged(kernel, **kernel_options):
             lengths,
             layer=layer,
             **dataclasses.asdict(options),
+            **extra,
             **kernel_options,
         )
 

@@ -82,25 +82,47 @@ def _lane_rows(x: jax.Array) -> jax.Array:
     return jnp.broadcast_to(x[..., None], (*x.shape, kernels.LANES))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_ids, kv_ids, plan):
-    return kernels.forward(q, k, v, q_ids, kv_ids, plan)[0]
-
-
-def _flash_fwd(q, k, v, q_ids, kv_ids, plan):
+def _forward(q, k, v, q_ids, kv_ids, sinks, plan):
+    """``(out, lse)`` (one lane of the log-sum-exp); with attention sinks, both rescaled
+    around the unchanged kernel as in ``edl.kernels.flash_attention`` (natural log here;
+    rows that saw no key keep lse +inf and zero output)."""
     out, lse = kernels.forward(q, k, v, q_ids, kv_ids, plan)
+    lse = lse[..., 0]
+    if sinks is None:
+        return out, lse
+    seen = jnp.isfinite(lse)
+    total = jnp.where(seen, jnp.logaddexp(lse, _sink(sinks)), jnp.inf)
+    rescale = jnp.where(seen, jnp.exp(jnp.where(seen, lse - total, 0.0)), 0.0)
+    return (out.astype(jnp.float32) * rescale[..., None]).astype(out.dtype), total
+
+
+def _sink(sinks):
+    """``(heads,)`` sink logits shaped like the ``(batch, heads, q)`` rows, in float32."""
+    return sinks.astype(jnp.float32)[None, :, None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_ids, kv_ids, sinks, plan):
+    return _forward(q, k, v, q_ids, kv_ids, sinks, plan)[0]
+
+
+def _flash_fwd(q, k, v, q_ids, kv_ids, sinks, plan):
+    out, lse = _forward(q, k, v, q_ids, kv_ids, sinks, plan)
     # Keep one lane of the log-sum-exp as the residual, not 128 copies of it.
-    return out, (q, k, v, q_ids, kv_ids, out, lse[..., 0])
+    return out, (q, k, v, q_ids, kv_ids, sinks, out, lse)
 
 
 def _flash_bwd(plan, residuals, d_out):
-    q, k, v, q_ids, kv_ids, out, lse = residuals
+    q, k, v, q_ids, kv_ids, sinks, out, lse = residuals
     # delta_i = rowsum(dO_i * O_i): one cheap elementwise pass in XLA.
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     args = (q, k, v, d_out, _lane_rows(lse), _lane_rows(delta), q_ids, kv_ids, plan)
     dq = kernels.backward_dq(*args)
     dk, dv = kernels.backward_dkdv(*args)
-    return dq, dk, dv, None, None
+    d_sinks = None
+    if sinks is not None:  # -sum_q P_sink * D (edl.kernels.flash_attention); empty rows: D = 0
+        d_sinks = -jnp.sum(jnp.exp(_sink(sinks) - lse) * delta, axis=(0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, None, None, d_sinks
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -179,6 +201,7 @@ def flash_attention(
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> Float[Array, "batch q_len heads head_dim"]:
@@ -194,6 +217,8 @@ def flash_attention(
             implies causal.
         softcap: logits become ``softcap * tanh(logits / softcap)`` (after ``scale``).
         scale: logit scale, default ``head_dim ** -0.5``.
+        sinks: attention sinks ``(heads,)`` (GPT-OSS): one logit per query head in each row's
+            denominator, applied around the kernels (``_forward``); differentiable.
         block_sizes: tiles (multiples of 128); default :class:`BlockSizes`.
         interpret: False compiles for TPU; True or a ``pltpu.InterpretParams`` runs Pallas'
             interpreter (the latter simulating TPU memory spaces and DMAs).
@@ -202,6 +227,8 @@ def flash_attention(
         ``(batch, q_len, heads, head_dim)`` in q's dtype; rows that see no key are zero.
     """
     _check(q, k, v, q_segment_ids, kv_segment_ids, window)
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"flash_attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
     plan = _plan(
         q,
         k,
@@ -225,6 +252,7 @@ def flash_attention(
         _head_major(v, plan.padded_kv),
         q_ids,
         kv_ids,
+        sinks,
         plan,
     )
     return jnp.swapaxes(out[:, :, : plan.q_len], 1, 2)
