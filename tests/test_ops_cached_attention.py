@@ -9,6 +9,7 @@ bound is a couple of units of bf16's 2^-8 resolution: 1e-2.
 
 import contextlib
 import functools
+import importlib
 import re
 
 import hypothesis.strategies as st
@@ -239,3 +240,21 @@ def test_cache_rank_must_match_layer():
         cached_attention(q, jnp.stack([k] * 3), jnp.stack([v] * 3), lengths)
     with pytest.raises(ValueError, match=r"stacked over layers, 5-d, got shape \(2, 16, 2, 8\)"):
         cached_attention(q, k, v, lengths, layer=0)
+
+
+def test_the_gpu_kernels_decline_heads_wider_than_shared_memory_holds():
+    """A 576-wide head (DeepSeek-V3's MLA latent) asked an H200 for 594 KB of shared memory
+    (232 KB there): "auto" must pick XLA for it, naming why, on GPUs too."""
+    full = importlib.import_module("edl.ops.attention")  # edl.ops.attention: the function
+    cached = importlib.import_module("edl.ops.cached_attention")
+
+    q = jnp.zeros((1, 1, 2, 576), jnp.bfloat16)
+    cache = jnp.zeros((1, 64, 1, 576), jnp.bfloat16)
+    decode = cached._Options(window=None, softcap=None, scale=None)
+    why = "head_dim 576 > 256 does not fit the GPU kernel's shared memory"
+    assert cached._triton_decode_unsupported(decode, q, cache, cache) == why
+    assert cached._triton_paged_unsupported(decode, q, cache, cache) == why
+    prefill = full._Options(causal=True, window=None, softcap=None, scale=None)
+    assert full._triton_unsupported(prefill, q, cache, cache, None, None, None) == why
+    narrow = cache[..., :256]
+    assert cached._triton_decode_unsupported(decode, q[..., :256], narrow, narrow) is None

@@ -43,6 +43,22 @@ def by_interpret(kernel: Callable[..., jax.Array], interpret: bool | None, *args
     return platform_dependent(*args, cuda=compiled, rocm=compiled, default=interpreted)
 
 
+# The widest head the Triton kernels take: a block of wider K / V rows (with the query rows
+# and the pipeline's second buffer) overflows an SM's shared memory, 232 KB on an H100 /
+# H200 (seen: a 576-wide MLA latent at 64 keys a block asked for 594 KB).
+TRITON_MAX_HEAD_DIM = 256
+
+
+def triton_head_dim_reason(head_dim: int) -> str | None:
+    """Why the Triton kernels cannot take heads of ``head_dim`` (None when they can)."""
+    if head_dim > TRITON_MAX_HEAD_DIM:
+        return (
+            f"head_dim {head_dim} > {TRITON_MAX_HEAD_DIM} does not fit the GPU kernel's "
+            "shared memory"
+        )
+    return None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

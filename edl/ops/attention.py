@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import flash_attention, native, tpu
-from edl.kernels._common import KERNEL_DTYPES
+from edl.kernels._common import KERNEL_DTYPES, triton_head_dim_reason
 from edl.ops.attention_xla import xla_attention
 from edl.ops.dispatch import Kernel, by_platform, never
 from edl.ops.sharding import BATCH, fit_spec
@@ -260,9 +260,8 @@ def _no_sinks_given(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> bool:
 
 
 def _triton_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:
-    if q.shape[-1] > 256:
-        return f"head_dim {q.shape[-1]} > 256 does not fit the GPU kernel's shared memory"
-    return _pallas_unsupported(options, q, k, v, q_ids, kv_ids, sinks)
+    reason = triton_head_dim_reason(q.shape[-1])
+    return reason or _pallas_unsupported(options, q, k, v, q_ids, kv_ids, sinks)
 
 
 def _tpu_unsupported(options: _Options, q, k, v, q_ids, kv_ids, sinks) -> str | None:

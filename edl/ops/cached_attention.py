@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from edl.kernels import decode_attention, native, paged_decode_attention, tpu
-from edl.kernels._common import KERNEL_DTYPES
+from edl.kernels._common import KERNEL_DTYPES, triton_head_dim_reason
 from edl.kernels.paged_attention import gather_pages
 from edl.ops import cpu
 from edl.ops.attention import dtype_reason, masked_attention
@@ -285,6 +285,8 @@ def _decode(kernel, **kernel_options):
 
 
 def _triton_decode_unsupported(options: _Options, q, k_cache, v_cache, *_) -> str | None:
+    if reason := triton_head_dim_reason(q.shape[-1]):
+        return reason
     if k_cache.shape[-3] % 16:
         return (
             f"the GPU kernel needs a cache length that is a multiple of 16, got {k_cache.shape[-3]}"
@@ -377,6 +379,8 @@ def _paged(kernel, **kernel_options):
 
 def _triton_paged_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str | None:
     page_size = k_pages.shape[-3]
+    if reason := triton_head_dim_reason(q.shape[-1]):
+        return reason
     if page_size < 16 or page_size & (page_size - 1):
         return f"the GPU kernel needs a page size that is a power of two >= 16, got {page_size}"
     return _pallas_dtypes(options, q, k_pages, v_pages)
