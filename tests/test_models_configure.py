@@ -44,6 +44,7 @@ STRINGS = {
     "projector_hidden_act": ("silu", "gelu"),
     "vision_feature_select_strategy": ("full", "default"),
     "model_type": ("mistral", "llama"),
+    "mla_cache": ("materialised", "latent"),
 }
 
 

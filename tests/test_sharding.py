@@ -65,8 +65,8 @@ def _loss(model, batch):
     return model.compute_loss(batch["ids"])
 
 
-def _run(tx, mesh=None, steps=3, **kw):
-    state = edl.create_state(_model(), tx)
+def _run(tx, mesh=None, steps=3, model=None, **kw):
+    state = edl.create_state(_model() if model is None else model, tx)
     step = make_train_step(_loss, tx, donate=False, mesh=mesh, rules=PARTITION_RULES, **kw)
     losses = []
     for _ in range(steps):
@@ -219,6 +219,21 @@ def test_train_steps_on_every_mesh_equal_one_device(dims):
     mu = adam_state.opt_state[0].mu.model.layers.self_attn.q_proj.weight
     assert mu.sharding.spec == q.sharding.spec
     assert mu.addressable_shards[0].data.shape == q.addressable_shards[0].data.shape
+
+
+@pytest.mark.parametrize("dims", [(2, 1, 1, 4), (1, 1, 2, 4)])
+def test_ring_attention_train_steps_equal_one_device(dims):
+    """``attention_impl="ring"``: the sequence of 16 split over sp=4 (heads over tp=2, or
+    rows over dp=2); losses and SGD parameters as one device's, to rounding (1e-5)."""
+    from edl.models import configure
+
+    ref_losses, ref = _reference("sgd")
+    model = configure(_model(), attention_impl="ring")
+    losses, state = _run(_OPTIMIZERS["sgd"](), make_mesh(dims), model=model)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert _max_relative(state.params, ref.params) <= 1e-5
+    with pytest.raises(ValueError, match="needs a mesh with axis 'sp'"):
+        model(_batch()["ids"])
 
 
 @pytest.mark.slow  # accumulation on a mesh (test_train_loop checks it on one device)

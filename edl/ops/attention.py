@@ -22,12 +22,13 @@ from edl.kernels import flash_attention, native, tpu
 from edl.kernels._common import KERNEL_DTYPES, triton_head_dim_reason
 from edl.ops.attention_xla import xla_attention
 from edl.ops.dispatch import Kernel, by_platform, never
+from edl.ops.ring_attention import ring_attention
 from edl.ops.sharding import BATCH, fit_spec
 from edl.platforms import carry_platforms
 
 __all__ = ["IMPLS", "KERNELS", "attention", "attention_mask", "reference_attention"]
 
-IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn")
+IMPLS = ("auto", "pallas", "native", "xla", "reference", "cudnn", "ring")
 SegmentIds = Int[Array, "batch len"] | tuple[Int[Array, "batch q_len"], Int[Array, "batch kv_len"]]
 
 
@@ -389,6 +390,9 @@ def attention(
               softcap).
             - ``"xla"``: the reference's maths with a memory-saving hand-written backward.
             - ``"reference"``: the plain-jnp definition tests compare against.
+            - ``"ring"``: context parallelism, ``edl.ops.ring_attention`` over the ``sp``
+              axis of the mesh set by ``jax.set_mesh`` (self-attention, no sinks; tokens in
+              sequence order). The cached decode ops take their ``"auto"`` choice for it.
 
             A kernel named that cannot run on the platform a program is lowered for raises
             ``ValueError`` when lowered (at once, when it runs nowhere).
@@ -409,6 +413,10 @@ def attention(
         raise ValueError(f"attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
+    if impl == "ring":
+        if sinks is not None:
+            raise ValueError("attention: impl='ring' takes no sinks")
+        return _ring(q, k, v, q_ids, causal=causal, window=window, softcap=softcap, scale=scale)
     if impl == "reference":
         return reference_attention(
             q,
@@ -437,3 +445,15 @@ def attention(
         return by_platform("attention", impl, KERNELS, options, arrays, fallback=plain)
 
     return _per_shard(kernel, q, k, v, q_ids, kv_ids, sinks)
+
+
+def _ring(q, k, v, q_ids, *, causal, window, softcap, scale):
+    """``impl="ring"``: self-attention only (one sequence sharded over ``sp``)."""
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"attention: impl='ring' is self-attention, got q_len {q.shape[1]} and kv_len "
+            f"{k.shape[1]}"
+        )
+    return ring_attention(
+        q, k, v, causal=causal, window=window, segment_ids=q_ids, softcap=softcap, scale=scale
+    )

@@ -136,7 +136,7 @@ def cached_attention(
             docstring).
     """
     _check_layer("cached_attention", k_cache, layer)
-    _check_impl("cached_attention", impl, IMPLS)
+    impl = _checked_impl("cached_attention", impl, IMPLS)
     cache_len = k_cache.shape[-3]
     options = _Options(window=window, softcap=softcap, scale=scale)
 
@@ -180,7 +180,7 @@ def paged_attention(
     ``layer`` without copying that layer's pool out).
     """
     _check_layer("paged_attention", k_pages, layer)
-    _check_impl("paged_attention", impl, PAGED_IMPLS)
+    impl = _checked_impl("paged_attention", impl, PAGED_IMPLS)
     options = _Options(window=window, softcap=softcap, scale=scale)
     plain = functools.partial(
         _paged_xla,
@@ -242,9 +242,14 @@ def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | No
     )
 
 
-def _check_impl(name: str, impl: str, impls: tuple[str, ...]) -> None:
+def _checked_impl(name: str, impl: str, impls: tuple[str, ...]) -> str:
+    """``impl`` checked; a model's ``attention_impl="ring"`` (context parallelism for a
+    sharded sequence) is ``"auto"`` here: a decode step's few new tokens shard nothing."""
+    if impl == "ring":
+        return "auto"
     if impl not in impls:
         raise ValueError(f"{name}: impl must be one of {'/'.join(impls)}, got {impl!r}")
+    return impl
 
 
 def _layer_index(layer: Int[Array, ""] | int | None) -> Int[Array, ""] | None:
