@@ -12,7 +12,7 @@ classifier, the vision models, ``configure`` and ``flops_per_token``. A family's
 classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``, the
 vision towers and their configs) are in its module: ``edl.models.llama``,
 ``edl.models.gemma``, ``edl.models.gemma3``, ``edl.models.mixtral``, ``edl.models.olmo``,
-``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.smollm3``,
+``edl.models.phi3``, ``edl.models.qwen3_moe``, ``edl.models.qwen3_next``, ``edl.models.smollm3``,
 ``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
@@ -30,6 +30,7 @@ from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
 from edl.models.olmo import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from edl.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from edl.models.siglip import SiglipModel
 from edl.models.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 
@@ -58,6 +59,8 @@ __all__ = [
     "Phi3ForCausalLM",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextConfig",
+    "Qwen3NextForCausalLM",
     "RunOptions",
     "SiglipConfig",
     "SiglipModel",

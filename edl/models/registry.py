@@ -17,6 +17,7 @@ from edl.models import (
     olmo,
     phi3,
     qwen3_moe,
+    qwen3_next,
     siglip,
     smollm3,
 )
@@ -80,6 +81,9 @@ MIXTRAL = _family("mixtral", mixtral, mixtral.MixtralConfig, "Mixtral", {"mixtra
 PHI3 = _family("phi3", phi3, phi3.Phi3Config, "Phi3", {"phi3": "Phi3"})
 QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
+)
+QWEN3_NEXT = _family(
+    "qwen3_next", qwen3_next, qwen3_next.Qwen3NextConfig, "Qwen3Next", {"qwen3_next": "Qwen3Next"}
 )
 OLMO2 = _family("olmo2", olmo, olmo.Olmo2Config, "Olmo2", {"olmo2": "Olmo2"})
 OLMO3 = _family("olmo3", olmo, olmo.Olmo3Config, "Olmo3", {"olmo3": "Olmo3"})
