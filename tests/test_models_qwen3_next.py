@@ -303,3 +303,16 @@ def test_config_round_trips_through_transformers():
     assert registry.resolve({"model_type": "qwen3_next"})[0].name == "qwen3_next"
     with pytest.raises(ValueError, match="layer_types entries"):
         Qwen3NextConfig(num_hidden_layers=2, layer_types=("linear_attention", "mamba"))
+
+
+def test_edl_info_names_the_hybrid_layers(tmp_path, capsys):
+    from edl.cli import main
+
+    config = Qwen3NextConfig.from_hf(_hf_config("moe_mixed").to_dict())
+    edl.save_pretrained(Qwen3NextForCausalLM.init(config, key=jax.random.key(0)), tmp_path)
+    main(["info", str(tmp_path)])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("Qwen3NextForCausalLM (model_type qwen3_next): GQA 4/2 heads of 16;")
+    assert "Gated DeltaNet on 3/4 layers (2 key / 4 value heads of 8 / 8, conv 4)" in first
+    assert "RoPE theta 10000 (partial rotary: 4 of 16 dims)" in first
+    assert "MoE 2 of 4 experts on 3 layers; sigmoid-gated shared expert of width 24" in first
