@@ -7,12 +7,13 @@ twice), 8 heads / 2 kv heads of 64 (partial rotary 0.25), DeltaNet 4 key / 8 val
 256, float32. Both sides get the same weights (``edl.to_torch``) and batch. The train step
 is AdamW on the causal-LM loss (edl: chunked loss; torch: HF's loss on full logits). torch
 runs transformers' reference PyTorch delta rule and conv (flash-linear-attention and
-causal-conv1d are not installed on CPU). Medians of interleaved rounds.
+causal-conv1d are not installed on CPU). Each side runs in its own process (``--side``):
+with torch and jax in one process the train step stalled on this VM. Medians of rounds.
 
 The delta rule alone: batch 1, 8 heads of 64 / 64, at seq 256, 1024 and 4096, forward, the
 XLA chunked form (chunks of 64) vs the recurrent ``lax.scan`` over tokens.
 
-    python -m benchmarks.qwen3_next [--rounds 7]
+    python -m benchmarks.qwen3_next --side {delta,edl,torch} [--rounds 7]
 """
 
 from __future__ import annotations
@@ -54,51 +55,61 @@ def _median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
 
 
-def model_rows(rounds: int) -> list[dict]:
-    import torch
+def _batch() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 256))
 
-    torch.manual_seed(0)
-    model = Qwen3NextForCausalLM.init(Qwen3NextConfig(**CONFIG), key=jax.random.key(0))
-    torch_model = edl.to_torch(model).eval()
-    ids = np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 256))
-    jids = jnp.asarray(ids)
-    tids = torch.tensor(ids)
 
+def _model() -> Qwen3NextForCausalLM:
+    return Qwen3NextForCausalLM.init(Qwen3NextConfig(**CONFIG), key=jax.random.key(0))
+
+
+def edl_rows(rounds: int) -> dict[str, float]:
+    """edl's forward and train step (median ms), this process holding no torch."""
+    model, jids = _model(), jnp.asarray(_batch())
     forward = jax.jit(lambda m, i: m(i).logits)
     tx = optax.adamw(1e-4)
     step = edl.train.make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx, donate=False)
-    state = edl.create_state(model, tx)
-    batch = {"ids": jids}
+    state, batch = edl.create_state(model, tx), {"ids": jids}
+    samples = interleaved_rounds(
+        {
+            "forward": lambda: forward(model, jids),
+            "train step": lambda: step(state, batch)[1]["loss"],
+        },
+        rounds + 1,
+        warm_each=True,
+    )
+    return {k: _median_ms(v[1:]) for k, v in samples.items()}
+
+
+def torch_rows(rounds: int) -> dict[str, float]:
+    """transformers + torch on the same weights (``edl.to_torch``) and batch."""
+    import time
+
+    import torch
+
+    torch_model = edl.to_torch(_model()).eval()
+    tids = torch.tensor(_batch())
     opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
 
-    def torch_forward():
+    def forward():
         with torch.no_grad():
             return torch_model(tids).logits
 
-    def torch_step():
+    def train_step():
         opt.zero_grad()
-        loss = torch_model(tids, labels=tids).loss
-        loss.backward()
+        torch_model(tids, labels=tids).loss.backward()
         opt.step()
-        return loss
 
-    for fn in (lambda: forward(model, jids), lambda: step(state, batch)[1]["loss"]):
-        jax.block_until_ready(fn())  # compile
-    samples = interleaved_rounds(
-        {
-            "edl forward": lambda: forward(model, jids),
-            "torch forward": torch_forward,
-            "edl train step": lambda: step(state, batch)[1]["loss"],
-            "torch train step": torch_step,
-        },
-        rounds,
-        warm_each=True,
-    )
-    rows = []
-    for what in ("forward", "train step"):
-        e, t = _median_ms(samples[f"edl {what}"]), _median_ms(samples[f"torch {what}"])
-        rows.append({"what": what, "edl_ms": e, "torch_ms": t, "edl_over_torch": e / t})
-    return rows
+    out = {}
+    for name, fn in (("forward", forward), ("train step", train_step)):
+        fn()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = _median_ms(times)
+    return out
 
 
 def delta_rule_rows(rounds: int) -> list[dict]:
@@ -129,22 +140,18 @@ def delta_rule_rows(rounds: int) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--side", choices=("delta", "edl", "torch"), required=True)
     args = parser.parse_args()
-    model = model_rows(args.rounds)
-    print(
-        table(
-            ["what", "edl ms", "torch ms", "edl / torch"],
-            [[r["what"], r["edl_ms"], r["torch_ms"], r["edl_over_torch"]] for r in model],
-        )
-    )
-    delta = delta_rule_rows(args.rounds)
-    print(
-        table(
-            ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"],
-            [[r["seq"], r["chunked_ms"], r["recurrent_ms"], r["speedup"]] for r in delta],
-        )
-    )
-    write_json("qwen3_next", model + delta, config=CONFIG)
+    if args.side == "delta":
+        rows = delta_rule_rows(args.rounds)
+        header = ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"]
+        cells = [[r["seq"], r["chunked_ms"], r["recurrent_ms"], r["speedup"]] for r in rows]
+    else:
+        times = (edl_rows if args.side == "edl" else torch_rows)(args.rounds)
+        rows = [{"side": args.side, "what": k, "ms": v} for k, v in times.items()]
+        header, cells = ["side", "what", "ms"], [[r["side"], r["what"], r["ms"]] for r in rows]
+    print(table(header, cells), flush=True)
+    write_json(f"qwen3_next_{args.side}", rows, config=CONFIG)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ callers L2-normalise q and k before, as its ``use_qk_l2norm_in_kernel``).
 
 The chunked form (``chunked_gated_delta_rule``) is transformers'
 ``torch_chunk_gated_delta_rule``: the sequence is cut into chunks of 64; within a chunk the
-delta-rule updates condense, by the WY / UT transform (one unit-lower-triangular solve per
+delta-rule updates condense, by the WY / UT transform (one unit-lower-triangular inverse per
 chunk, all chunks at once), into matmuls (``chunk_inputs``), and only the state passes from
 chunk to chunk (``edl.kernels.delta_rule.chunk_scan_xla``: ``seq / 64`` sequential steps of
 a few small matmuls each, instead of ``seq`` steps). Padding to a multiple of the chunk uses
@@ -114,6 +114,21 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
 
 
+def _unit_lower_inverse(strict: jax.Array, eye: jax.Array) -> jax.Array:
+    """``(I + strict)^-1`` of strictly lower ``(..., C, C)`` matrices by forward substitution
+    row by row (transformers' export path), as matmuls. Not ``lax.linalg.triangular_solve``:
+    its batched CPU kernel (LAPACK through jaxlib's ``ParallelBatchMap``) deadlocked inside a
+    scanned, differentiated train step on the 2-core VM."""
+    t = -strict
+
+    def row(i, t):
+        r = jax.lax.dynamic_index_in_dim(t, i, axis=-2, keepdims=True)  # (..., 1, C)
+        r = r + jnp.einsum("...ik,...kj->...ij", r, t)  # rows < i are already final
+        return jax.lax.dynamic_update_index_in_dim(t, r, i, axis=-2)
+
+    return jax.lax.fori_loop(1, strict.shape[-1], row, t) + eye
+
+
 def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale: float):
     """Everything the chunked form computes in parallel over chunks (transformers'
     ``torch_chunk_gated_delta_rule`` up to its loop), heads-major, the sequence padded to a
@@ -144,11 +159,9 @@ def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale
     k_beta = k * beta[..., None]
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
     eye = jnp.broadcast_to(jnp.eye(chunk, dtype=dt), grid)
-    strict = jnp.where(lower & (eye == 0), system, eye)  # I + the strictly lower part
+    inverse = _unit_lower_inverse(jnp.where(lower & (eye == 0), system, 0), eye)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(
-        strict, rhs, left_side=True, lower=True, unit_diagonal=True
-    )
+    solved = jnp.einsum("...ij,...jd->...id", inverse, rhs)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     attn = jnp.einsum("...ik,...jk->...ij", q, k) * pair
     qd = q * jnp.exp(cum)[..., None]
