@@ -53,7 +53,9 @@ def cache_dims(config: DecoderConfig) -> tuple[int, int, int]:
     if geometry is not None:
         return geometry
     try:
-        return config.num_hidden_layers, config.num_key_value_heads, config.head_dim
+        # A hybrid model (Qwen3-Next) caches keys / values of its attention layers only.
+        layers = getattr(config, "kv_cache_layers", None) or config.num_hidden_layers
+        return layers, config.num_key_value_heads, config.head_dim
     except AttributeError as e:
         raise TypeError(f"init_cache: {type(config).__name__} lacks a field: {e}") from None
 

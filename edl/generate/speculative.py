@@ -265,6 +265,10 @@ def check_speculative(
         raise TypeError(f"generate: speculative must be a SpeculativeConfig, got {spec!r}")
     unsupported = {"num_beams > 1": num_beams > 1, "page_size": page_size is not None}
     unsupported["pixel_values"] = images is not None
+    # Rejected drafts are taken back by rewinding lengths, which a recurrent state cannot.
+    unsupported["a model with recurrent (Gated DeltaNet) layers"] = getattr(
+        getattr(model, "model", None), "RECURRENT_STATE", False
+    )
     for what, present in unsupported.items():
         if present:
             raise ValueError(f"generate: speculative decoding does not take {what}")

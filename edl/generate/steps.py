@@ -91,11 +91,15 @@ def new_cache(model: CausalLM, rows: int, cache_len: int, page_size: int | None)
     pool fits every row."""
     dtype = model.model.embed_tokens.weight.dtype
     if page_size is None:
-        return init_cache(model.config, rows, cache_len, dtype)
-    pages = rows * -(-cache_len // page_size)
-    return init_paged_cache(
-        model.config, pages, page_size, batch=rows, cache_len=cache_len, dtype=dtype
-    )
+        cache = init_cache(model.config, rows, cache_len, dtype)
+    else:
+        pages = rows * -(-cache_len // page_size)
+        cache = init_paged_cache(
+            model.config, pages, page_size, batch=rows, cache_len=cache_len, dtype=dtype
+        )
+    # A trunk with recurrent layers (Qwen3-Next) adds their per-row states.
+    wrap = getattr(model.model, "wrap_cache", None)
+    return cache if wrap is None else wrap(cache)
 
 
 @runtime_checkable

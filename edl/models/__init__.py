@@ -13,8 +13,8 @@ classes (the bare trunk ``<Family>Model``, ``<Family>ForSequenceClassification``
 vision towers and their configs) are in its module: ``edl.models.llama``,
 ``edl.models.deepseek_v3``, ``edl.models.gemma``, ``edl.models.gemma3``,
 ``edl.models.gpt_oss``, ``edl.models.mixtral``, ``edl.models.olmo``, ``edl.models.phi3``,
-``edl.models.qwen3_moe``, ``edl.models.smollm3``, ``edl.models.clip``, ``edl.models.siglip``,
-``edl.models.llava``,
+``edl.models.qwen3_moe``, ``edl.models.qwen3_next``, ``edl.models.smollm3``,
+``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
 ``edl.models.encoder_config``.
 """
 
@@ -33,6 +33,7 @@ from edl.models.mixtral import MixtralConfig, MixtralForCausalLM
 from edl.models.olmo import Olmo2Config, Olmo2ForCausalLM, Olmo3Config, Olmo3ForCausalLM
 from edl.models.phi3 import Phi3Config, Phi3ForCausalLM
 from edl.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from edl.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from edl.models.siglip import SiglipModel
 from edl.models.smollm3 import SmolLM3Config, SmolLM3ForCausalLM
 
@@ -65,6 +66,8 @@ __all__ = [
     "Phi3ForCausalLM",
     "Qwen3MoeConfig",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextConfig",
+    "Qwen3NextForCausalLM",
     "RunOptions",
     "SiglipConfig",
     "SiglipModel",

@@ -125,6 +125,25 @@ def _clamped_swiglu(c: DecoderConfig) -> str | None:
     return f"clamped SwiGLU experts with biases (alpha {c.swiglu_alpha:g}, limit {limit:g})"
 
 
+def _linear_attention(c: DecoderConfig) -> str | None:
+    kinds = getattr(c, "layer_types", None) or ()  # Qwen3-Next's hybrid layers
+    linear = sum(k == "linear_attention" for k in kinds)
+    if not linear:
+        return None
+    return (
+        f"Gated DeltaNet on {linear}/{len(kinds)} layers ({c.linear_num_key_heads} key / "
+        f"{c.linear_num_value_heads} value heads of {c.linear_key_head_dim} / "
+        f"{c.linear_value_head_dim}, conv {c.linear_conv_kernel_dim}), gated attention on the rest"
+    )
+
+
+def _shared_expert(c: DecoderConfig) -> str | None:
+    width = getattr(c, "shared_expert_intermediate_size", None)
+    if not width or "moe" not in c.layer_mlps:
+        return None
+    return f"sigmoid-gated shared expert of width {width}"
+
+
 def _schedule(c: DecoderConfig) -> str:
     segments = plan_schedule(c.layer_groups, c.layer_settings)
     parts = [f"{s.repeats} x {len(s.block)}" for s in segments]
@@ -136,6 +155,7 @@ FEATURES: Registry[Feature] = Registry(
     [
         Feature("attention", _attention),
         Feature("mla", _mla),
+        Feature("linear_attention", _linear_attention),
         Feature(
             "fused_projections",
             _if(lambda c: c.FUSED_PROJECTIONS, "fused qkv_proj and gate_up_proj matrices"),
@@ -170,6 +190,7 @@ FEATURES: Registry[Feature] = Registry(
         Feature("moe", _moe),
         Feature("grouped_routing", _grouped_routing),
         Feature("clamped_swiglu", _clamped_swiglu),
+        Feature("shared_expert", _shared_expert),
         Feature("mlp", lambda c: f"{c.hidden_act} MLP" + (" with biases" if c.mlp_bias else "")),
         Feature(
             "final_softcap",

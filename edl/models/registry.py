@@ -19,6 +19,7 @@ from edl.models import (
     olmo,
     phi3,
     qwen3_moe,
+    qwen3_next,
     siglip,
     smollm3,
 )
@@ -84,6 +85,9 @@ QWEN3_MOE = _family(
     "qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeConfig, "Qwen3Moe", {"qwen3_moe": "Qwen3Moe"}
 )
 GPT_OSS = _family("gpt_oss", gpt_oss, gpt_oss.GptOssConfig, "GptOss", {"gpt_oss": "GptOss"})
+QWEN3_NEXT = _family(
+    "qwen3_next", qwen3_next, qwen3_next.Qwen3NextConfig, "Qwen3Next", {"qwen3_next": "Qwen3Next"}
+)
 OLMO2 = _family("olmo2", olmo, olmo.Olmo2Config, "Olmo2", {"olmo2": "Olmo2"})
 OLMO3 = _family("olmo3", olmo, olmo.Olmo3Config, "Olmo3", {"olmo3": "Olmo3"})
 SMOLLM3 = _family("smollm3", smollm3, smollm3.SmolLM3Config, "SmolLM3", {"smollm3": "SmolLM3"})

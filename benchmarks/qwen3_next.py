@@ -1,0 +1,158 @@
+"""Qwen3-Next tiny: forward and train step, edl (jax.jit) vs transformers + torch, and the
+gated delta rule's chunked form vs its recurrent reference.
+
+The model: hidden 256, 8 layers (three Gated DeltaNet layers then a full-attention one,
+twice), 8 heads / 2 kv heads of 64 (partial rotary 0.25), DeltaNet 4 key / 8 value heads of
+64, 16 experts (top 4, width 128) plus a shared expert of 256, vocab 1024; batch 2 x seq
+256, float32. Both sides get the same weights (``edl.to_torch``) and batch. The train step
+is AdamW on the causal-LM loss (edl: chunked loss; torch: HF's loss on full logits). torch
+runs transformers' reference PyTorch delta rule and conv (flash-linear-attention and
+causal-conv1d are not installed on CPU). Each side runs in its own process (``--side``):
+with torch and jax in one process the train step stalled on this VM. Medians of rounds.
+
+The delta rule alone: batch 1, 8 heads of 64 / 64, at seq 256, 1024 and 4096, forward, the
+XLA chunked form (chunks of 64) vs the recurrent ``lax.scan`` over tokens.
+
+    python -m benchmarks.qwen3_next --side {delta,edl,torch} [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import edl
+import edl.train
+from benchmarks._common import interleaved_rounds, table, write_json
+from edl.models import Qwen3NextConfig, Qwen3NextForCausalLM
+from edl.ops.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+CONFIG = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=256,
+)
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def _batch() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (2, 256))
+
+
+def _model() -> Qwen3NextForCausalLM:
+    return Qwen3NextForCausalLM.init(Qwen3NextConfig(**CONFIG), key=jax.random.key(0))
+
+
+def edl_rows(rounds: int) -> dict[str, float]:
+    """edl's forward and train step (median ms), this process holding no torch."""
+    model, jids = _model(), jnp.asarray(_batch())
+    forward = jax.jit(lambda m, i: m(i).logits)
+    tx = optax.adamw(1e-4)
+    step = edl.train.make_train_step(lambda m, b: m.compute_loss(b["ids"]), tx, donate=False)
+    state, batch = edl.create_state(model, tx), {"ids": jids}
+    samples = interleaved_rounds(
+        {
+            "forward": lambda: forward(model, jids),
+            "train step": lambda: step(state, batch)[1]["loss"],
+        },
+        rounds + 1,
+        warm_each=True,
+    )
+    return {k: _median_ms(v[1:]) for k, v in samples.items()}
+
+
+def torch_rows(rounds: int) -> dict[str, float]:
+    """transformers + torch on the same weights (``edl.to_torch``) and batch."""
+    import time
+
+    import torch
+
+    torch_model = edl.to_torch(_model()).eval()
+    tids = torch.tensor(_batch())
+    opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4)
+
+    def forward():
+        with torch.no_grad():
+            return torch_model(tids).logits
+
+    def train_step():
+        opt.zero_grad()
+        torch_model(tids, labels=tids).loss.backward()
+        opt.step()
+
+    out = {}
+    for name, fn in (("forward", forward), ("train step", train_step)):
+        fn()
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        out[name] = _median_ms(times)
+    return out
+
+
+def delta_rule_rows(rounds: int) -> list[dict]:
+    rows = []
+    chunked = jax.jit(chunked_gated_delta_rule)
+    recurrent = jax.jit(recurrent_gated_delta_rule)
+    for seq in (256, 1024, 4096):
+        ks = jax.random.split(jax.random.key(seq), 5)
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+        q = unit(jax.random.normal(ks[0], (1, seq, 8, 64)))
+        k = unit(jax.random.normal(ks[1], (1, seq, 8, 64)))
+        v = jax.random.normal(ks[2], (1, seq, 8, 64))
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (1, seq, 8)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, seq, 8)))
+        args = (q, k, v, g, beta)
+        for fn in (chunked, recurrent):
+            jax.block_until_ready(fn(*args))
+        samples = interleaved_rounds(
+            {"chunked": lambda a=args: chunked(*a), "recurrent": lambda a=args: recurrent(*a)},
+            rounds,
+            warm_each=True,
+        )
+        c, r = _median_ms(samples["chunked"]), _median_ms(samples["recurrent"])
+        rows.append({"seq": seq, "chunked_ms": c, "recurrent_ms": r, "speedup": r / c})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--side", choices=("delta", "edl", "torch"), required=True)
+    args = parser.parse_args()
+    if args.side == "delta":
+        rows = delta_rule_rows(args.rounds)
+        header = ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"]
+        cells = [[r["seq"], r["chunked_ms"], r["recurrent_ms"], r["speedup"]] for r in rows]
+    else:
+        times = (edl_rows if args.side == "edl" else torch_rows)(args.rounds)
+        rows = [{"side": args.side, "what": k, "ms": v} for k, v in times.items()]
+        header, cells = ["side", "what", "ms"], [[r["side"], r["what"], r["ms"]] for r in rows]
+    print(table(header, cells), flush=True)
+    write_json(f"qwen3_next_{args.side}", rows, config=CONFIG)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The gated delta rule (``edl.ops.delta_rule``, ``edl.kernels.delta_rule``): the chunked form
+and the Pallas chunk scan (interpreted here, compiled on GPU) against the float64 recurrent
+reference, forward and gradients; the decode step; transformers' torch implementation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from edl.kernels.delta_rule import pallas_chunk_scan
+from edl.ops.delta_rule import (
+    chunked_gated_delta_rule,
+    gated_delta_rule,
+    gated_delta_step,
+    recurrent_gated_delta_rule,
+)
+
+ON_GPU = jax.default_backend() == "gpu"
+# Each example compiles a few programs: shrinking a failure would take minutes.
+NO_SHRINK = (Phase.explicit, Phase.reuse, Phase.generate)
+
+
+def _inputs(seed, batch, seq, heads, dk, dv, dtype=jnp.float64, with_state=True):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(jax.random.normal(ks[0], (batch, seq, heads, dk), dtype))
+    k = unit(jax.random.normal(ks[1], (batch, seq, heads, dk), dtype))
+    v = jax.random.normal(ks[2], (batch, seq, heads, dv), dtype)
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (batch, seq, heads), dtype))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (batch, seq, heads), dtype))
+    s0 = jax.random.normal(ks[5], (batch, heads, dk, dv), dtype) if with_state else None
+    return q, k, v, g, beta, s0
+
+
+def _interpreted(*args, chunk):
+    scan = lambda *a: pallas_chunk_scan(*a, interpret=True)
+    return chunked_gated_delta_rule(*args, chunk=chunk, scan=scan)
+
+
+FORMS = {
+    "chunked": lambda *a, chunk: chunked_gated_delta_rule(*a, chunk=chunk),
+    "pallas_interpret": _interpreted,
+}
+
+
+@pytest.mark.slow  # ~70 s per form on the shared 2-core VM (a compile per example)
+@pytest.mark.parametrize("form", FORMS)
+@settings(max_examples=6, deadline=None, phases=NO_SHRINK)
+@given(
+    seq=st.integers(1, 40),
+    heads=st.integers(1, 3),
+    chunk=st.sampled_from([4, 8, 16]),
+    with_state=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_forms_match_the_recurrent_reference_in_float64(
+    form, seq, heads, chunk, with_state, seed
+):
+    with jax.enable_x64(True):
+        args = _inputs(seed, 2, seq, heads, 6, 5, with_state=with_state)
+        out_ref, state_ref = recurrent_gated_delta_rule(*args)
+        out, state = FORMS[form](*args, chunk=chunk)
+        np.testing.assert_allclose(out, out_ref, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(state, state_ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.slow  # ~60 s per form
+@pytest.mark.parametrize("form", FORMS)
+@settings(max_examples=4, deadline=None, phases=NO_SHRINK)
+@given(seq=st.integers(1, 20), chunk=st.sampled_from([4, 8]), seed=st.integers(0, 2**16))
+def test_chunked_gradients_match_autodiff_of_the_reference(form, seq, chunk, seed):
+    with jax.enable_x64(True):
+        args = _inputs(seed, 1, seq, 2, 4, 3)
+        weights = jax.random.normal(jax.random.key(seed + 1), (1, seq, 2, 3), jnp.float64)
+
+        def loss(fn):
+            def f(*a):
+                out, state = fn(*a)
+                return jnp.sum(out * weights) + jnp.sum(jnp.sin(state))
+
+            return jax.grad(f, argnums=tuple(range(6)))
+
+        expected = loss(recurrent_gated_delta_rule)(*args)
+        actual = loss(lambda *a: FORMS[form](*a, chunk=chunk))(*args)
+        for name, a, e in zip(("q", "k", "v", "g", "beta", "state"), actual, expected, strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-9, err_msg=name)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_one_uneven_length_with_a_state_matches_the_reference_forward_and_backward(form):
+    """The default suite's one case of the slow property tests above: 11 tokens in chunks
+    of 4, two heads, an initial state."""
+    with jax.enable_x64(True):
+        args = _inputs(11, 1, 11, 2, 4, 3)
+        out_ref, state_ref = recurrent_gated_delta_rule(*args)
+        out, state = FORMS[form](*args, chunk=4)
+        np.testing.assert_allclose(out, out_ref, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(state, state_ref, rtol=1e-10, atol=1e-10)
+        loss = lambda fn: jax.grad(
+            lambda *a: jnp.sum(jnp.sin(fn(*a)[0])) + jnp.sum(fn(*a)[1] ** 2), argnums=(0, 4, 5)
+        )
+        expected = loss(recurrent_gated_delta_rule)(*args)
+        actual = loss(lambda *a: FORMS[form](*a, chunk=4))(*args)
+        for a, e in zip(actual, expected, strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-9)
+
+
+def test_decode_steps_continue_a_chunked_prefill():
+    with jax.enable_x64(True):
+        q, k, v, g, beta, s0 = _inputs(3, 2, 13, 2, 4, 4)
+        out_ref, state_ref = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+        _, state = chunked_gated_delta_rule(*(x[:, :10] for x in (q, k, v, g, beta)), s0, chunk=4)
+        for t in range(10, 13):
+            out, state = gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            np.testing.assert_allclose(out, out_ref[:, t], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(state, state_ref, rtol=1e-12, atol=1e-12)
+
+
+def test_matches_transformers_chunked_delta_rule():
+    torch = pytest.importorskip("torch")
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    q, k, v, g, beta, s0 = _inputs(5, 2, 70, 2, 8, 6, dtype=jnp.float32)
+    t = lambda x: torch.from_numpy(np.array(x))
+    out_hf, state_hf = hf.torch_chunk_gated_delta_rule(
+        t(q), t(k), t(v), g=t(g), beta=t(beta), initial_state=t(s0), output_final_state=True
+    )
+    out, state = gated_delta_rule(q, k, v, g, beta, s0)
+    np.testing.assert_allclose(out, out_hf.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(state, state_hf.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_gated_delta_rule_refuses_unknown_impls():
+    q, k, v, g, beta, _ = _inputs(0, 1, 4, 2, 4, 4, dtype=jnp.float32, with_state=False)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        gated_delta_rule(q, k, v, g, beta, impl="flash")
+
+
+def _lower_for(platform, fn, *args):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _shapes(seq, dk, dv):
+    sh = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+    return sh(1, seq, 2, dk), sh(1, seq, 2, dk), sh(1, seq, 2, dv), sh(1, seq, 2), sh(1, seq, 2)
+
+
+@pytest.mark.parametrize(("dk", "dv"), [(16, 32), (5, 7), (128, 128)])
+def test_pallas_delta_rule_lowers_to_one_triton_kernel(dk, dv):
+    def run(*a):
+        out, state = gated_delta_rule(*a, impl="pallas")
+        return jnp.sum(out) + jnp.sum(state)
+
+    args = _shapes(100, dk, dv)
+    assert _lower_for("cuda", run, *args).count("__gpu$xla.gpu.triton") == 1
+    # Differentiated: the forward kernel, the backward pass in XLA.
+    grad = jax.value_and_grad(run, argnums=(0, 1, 2, 3, 4))
+    assert _lower_for("cuda", grad, *args).count("__gpu$xla.gpu.triton") == 1
+
+
+def test_auto_delta_rule_lowers_for_tpu_without_a_kernel_and_pallas_refuses_it():
+    run = lambda impl: lambda *a: gated_delta_rule(*a, impl=impl)[0]
+    assert "triton" not in _lower_for("tpu", run("auto"), *_shapes(70, 8, 8))
+    with pytest.raises(ValueError, match="runs on GPUs only"):
+        _lower_for("tpu", run("pallas"), *_shapes(70, 8, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+@pytest.mark.parametrize(("seq", "dk", "dv"), [(1, 16, 16), (200, 128, 128), (130, 64, 32)])
+def test_pallas_delta_rule_on_gpu_matches_the_float64_reference(seq, dk, dv):
+    args32 = _inputs(7, 2, seq, 4, dk, dv, dtype=jnp.float32)
+    with jax.enable_x64(True):
+        args64 = tuple(jnp.asarray(np.asarray(x), jnp.float64) for x in args32)
+        out_ref, state_ref = jax.jit(recurrent_gated_delta_rule, backend="cpu")(*args64)
+    out, state = jax.jit(lambda *a: gated_delta_rule(*a, impl="pallas"))(*args32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(state), np.asarray(state_ref), rtol=2e-3, atol=2e-3)
