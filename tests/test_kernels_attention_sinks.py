@@ -111,6 +111,7 @@ def test_flash_attention_with_sinks_matches_float64_autodiff(c):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow  # ~5 s; the float32 check above runs by default
 def test_flash_attention_with_sinks_bfloat16():
     q, k, v, sinks, d_out = _inputs(3, 2, 40, 40, 4, 2, 16)
     out, grads = _kernel(

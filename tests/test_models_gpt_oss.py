@@ -288,6 +288,7 @@ def test_quantized_forward_stays_close(fmt, max_rel):
     assert np.abs(out - ref).max() <= max_rel * np.abs(ref).max()
 
 
+@pytest.mark.slow  # ~8-12 s
 def test_sharded_forward_equals_one_device():
     """On 8 host devices (fsdp 4 x tp 2) the experts split over fsdp and their width over
     tp (HF's layout: gate_up's last axis, down's middle one); the forward pass equals one

@@ -339,9 +339,10 @@ def test_unsupported_variants_and_layouts_say_what_is_missing():
         SmolLM3Config(num_hidden_layers=2, nope_layers=(2,))
 
 
-# By default Gemma 3 (sliding windows and two RoPE bases through the engine's pages); each
-# ~10-20 s.
-@pytest.mark.parametrize("model_type", _default_only("gemma3_text"))
+# Each ~10-25 s: the slow set (the engine's own tests and test_models_families run Llama-
+# shaped families through it by default).
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", NEW_TYPES)
 def test_serving_engine_greedy_matches_transformers(model_type):
     """The serving engine (paged cache, chunked prefill, requests joining mid-flight) gives
     transformers' greedy tokens for prompts longer than the sliding window."""

@@ -103,10 +103,10 @@ def _logits(model, ids, mask=None):
     return np.asarray(model(jnp.asarray(ids), attention_mask=mask).logits)
 
 
-# Two configs (~10 s each on the shared 2-core VM) run by default, the third in the slow set.
+# One config (~10 s on the shared 2-core VM) runs by default, the others (~10-30 s each) in
+# the slow set.
 @pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=pytest.mark.slow) if n == "moe_interval3" else n for n in CONFIGS],
+    "name", [n if n == "dense_tied" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS]
 )
 def test_parity_loss_and_byte_equal_round_trip(name, tmp_path):
     hf_model = _hf_model(name)
@@ -160,7 +160,7 @@ def test_layers_stack_by_kind_and_scan_in_periods():
     assert (segment.repeats, len(segment.block)) == (3, 4)  # one scan of 3 periods of 4
 
 
-@pytest.mark.parametrize("name", ["moe_mixed", pytest.param("dense_tied", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", [pytest.param("moe_mixed", marks=pytest.mark.slow), "dense_tied"])
 def test_greedy_generation_matches_transformers(name):
     """A left-padded batch: the linear layers' conv and delta states carried in the cache
     from a (right-padded) prefill through one-token decode steps."""
@@ -240,8 +240,9 @@ def test_lora_peft_files_both_ways(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("fmt", "max_rel"), [("int8", 0.02), pytest.param("nf4", 0.2, marks=pytest.mark.slow)]
-)
+    ("fmt", "max_rel"),
+    [pytest.param(f, r, marks=pytest.mark.slow) for f, r in (("int8", 0.02), ("nf4", 0.2))],
+)  # ~10 s each
 def test_quantized_projections(fmt, max_rel):
     from edl.nn import QuantizedLinear
     from edl.quantize import QuantConfig, quantize
@@ -305,6 +306,7 @@ def test_config_round_trips_through_transformers():
         Qwen3NextConfig(num_hidden_layers=2, layer_types=("linear_attention", "mamba"))
 
 
+@pytest.mark.slow  # builds and saves a model through transformers (~15-30 s)
 def test_edl_info_names_the_hybrid_layers(tmp_path, capsys):
     from edl.cli import main
 

@@ -92,9 +92,10 @@ def test_float64_materialised_mla_and_its_gradients_equal_the_plain_definition(q
             np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize(
-    "cache_kind", ["latent", pytest.param("materialised", marks=pytest.mark.slow)]
-)
+# ~10-20 s each: slow (test_models_deepseek_v3's greedy generation through the latent
+# cache runs by default).
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_kind", ["latent", "materialised"])
 def test_float64_absorbed_decode_equals_the_materialised_form(cache_kind):
     """A prompt of 4 tokens, then 3 tokens one at a time through the cache: each step's
     outputs equal the materialised forward over the whole sequence at those positions.

@@ -68,7 +68,7 @@ def _ring(c, q, k, v, ids, order):
     return np.asarray(out)[:, np.argsort(order)]
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(cases())
 def test_ring_attention_matches_float64(c):
     q, k, v, ids, order = _inputs(c)
@@ -110,7 +110,7 @@ def _plain(q, k, v, ids, *, causal, window, softcap):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(cases())
 def test_ring_attention_gradients_match_float64_autodiff(c):
     with jax.enable_x64(True):

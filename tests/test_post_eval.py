@@ -80,6 +80,7 @@ def test_dpo_adds_the_router_loss_of_the_concatenated_pass_as_trl(mixtral):
     assert COEF * want > 1e-2  # the term moves the loss
 
 
+@pytest.mark.slow  # ~9 s; the DPO case runs by default
 def test_kto_adds_the_router_loss_of_its_pass(mixtral):
     hf_model, model = mixtral
     batch = next(_kto_batches(1, vocab=96))
