@@ -110,6 +110,7 @@ def test_one_uneven_length_with_a_state_matches_the_reference_forward_and_backwa
             np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.slow  # ~10 s; test_models_qwen3_next's greedy generation decodes by default
 def test_decode_steps_continue_a_chunked_prefill():
     with jax.enable_x64(True):
         q, k, v, g, beta, s0 = _inputs(3, 2, 13, 2, 4, 4)
@@ -121,6 +122,7 @@ def test_decode_steps_continue_a_chunked_prefill():
         np.testing.assert_allclose(state, state_ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # ~13 s; the model's logits against transformers run by default
 def test_matches_transformers_chunked_delta_rule():
     torch = pytest.importorskip("torch")
     from transformers.models.qwen3_next import modeling_qwen3_next as hf

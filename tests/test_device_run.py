@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `pytest` (not `python -m pytest`) leaves the root off
     sys.path.insert(0, str(ROOT))
@@ -84,6 +86,7 @@ def _check_numbers(sections: dict, out: Path) -> None:
     assert serve["recompiled"] is False
 
 
+@pytest.mark.slow  # every section on the CPU, two at a time (~30-45 s)
 def test_dry_run(tmp_path):
     """One test (so pytest-xdist never runs the dry run twice): run.sh --dry-run writes
     device.json with every section's numbers and device.md with their tables."""

@@ -74,8 +74,9 @@ def _plain_mla(layer, x, cos, sin):
     return out.reshape(b, s, h * dv) @ layer.o_proj.weight.T
 
 
-# q_proj alone (q_lora_rank None) is slow: ~6 s; the model parity tests cover it too.
-@pytest.mark.parametrize("q_lora_rank", [12, pytest.param(None, marks=pytest.mark.slow)])
+# ~6-20 s each: the slow set (the model's logits against transformers run by default).
+@pytest.mark.slow
+@pytest.mark.parametrize("q_lora_rank", [12, None])
 def test_float64_materialised_mla_and_its_gradients_equal_the_plain_definition(q_lora_rank):
     with jax.enable_x64(True):
         layer = _mla(jnp.float64, q_lora_rank=q_lora_rank)

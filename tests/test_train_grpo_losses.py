@@ -290,6 +290,7 @@ def test_accumulated_update_equals_the_single_one(loss_type):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # ~6 s
 def test_accumulated_bnpo_averages_the_micro_batch_means_as_trl():
     """TRL's bnpo divides each micro-batch's token mean by the accumulation steps: the
     micro-batches weigh the same, whatever their token counts (its docs: "results may
