@@ -137,11 +137,21 @@ def delta_rule_rows(rounds: int) -> list[dict]:
     return rows
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every option with its help."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7, help="timed rounds; medians reported")
+    parser.add_argument(
+        "--side",
+        choices=("delta", "edl", "torch"),
+        required=True,
+        help="what this process times: the delta rule's two forms, edl's model, or torch's",
+    )
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--side", choices=("delta", "edl", "torch"), required=True)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     if args.side == "delta":
         rows = delta_rule_rows(args.rounds)
         header = ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"]

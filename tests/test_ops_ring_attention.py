@@ -110,7 +110,8 @@ def _plain(q, k, v, ids, *, causal, window, softcap):
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
-@settings(max_examples=3, deadline=None)
+@pytest.mark.slow  # ~4 s an example (test_sharding's ring train steps check gradients by default)
+@settings(max_examples=6, deadline=None)
 @given(cases())
 def test_ring_attention_gradients_match_float64_autodiff(c):
     with jax.enable_x64(True):

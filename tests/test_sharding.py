@@ -221,7 +221,7 @@ def test_train_steps_on_every_mesh_equal_one_device(dims):
     assert mu.addressable_shards[0].data.shape == q.addressable_shards[0].data.shape
 
 
-@pytest.mark.parametrize("dims", [(2, 1, 1, 4), (1, 1, 2, 4)])
+@pytest.mark.parametrize("dims", [(2, 1, 1, 4), pytest.param((1, 1, 2, 4), marks=pytest.mark.slow)])
 def test_ring_attention_train_steps_equal_one_device(dims):
     """``attention_impl="ring"``: the sequence of 16 split over sp=4 (heads over tp=2, or
     rows over dp=2); losses and SGD parameters as one device's, to rounding (1e-5)."""

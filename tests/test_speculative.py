@@ -239,7 +239,7 @@ def _exact_token_marginals(model, prompt, vocab):
 @pytest.mark.parametrize(
     "method",
     # ngram ~10 s on an idle 2-core machine (~45 s under load); draft ~25 s
-    ["ngram", pytest.param("draft", marks=pytest.mark.slow)],
+    [pytest.param("ngram", marks=pytest.mark.slow), pytest.param("draft", marks=pytest.mark.slow)],
 )
 def test_speculative_sampling_keeps_the_target_distribution(method):
     """4096 rows of one prompt, vocab 8, k = 2: the 2nd and 3rd new tokens (both from
