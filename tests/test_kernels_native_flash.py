@@ -207,6 +207,7 @@ def _has_avx512() -> bool:
     return cpuinfo.exists() and "avx512f" in cpuinfo.read_text()
 
 
+@pytest.mark.slow  # builds and loads a second variant of the kernel (~9 s)
 @pytest.mark.skipif(not _has_avx512(), reason="the default build already is the 8-float one")
 def test_the_eight_float_build_for_cpus_without_avx512(tmp_path):
     # The kernel's vector width follows the target (16 floats with AVX-512, 8 elsewhere); this
