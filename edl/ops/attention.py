@@ -397,20 +397,7 @@ def attention(
             A kernel named that cannot run on the platform a program is lowered for raises
             ``ValueError`` when lowered (at once, when it runs nowhere).
     """
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"attention: {q.shape[2]} query heads is not a multiple of {k.shape[2]} kv heads"
-        )
-    if window is not None and window <= 0:
-        raise ValueError(f"attention: window must be positive, got {window}")
-    if impl not in IMPLS:
-        raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
-    if sinks is not None and sinks.shape != (q.shape[2],):
-        raise ValueError(f"attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
+    _check_arguments(q, k, v, window, impl, sinks)
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
     if impl == "ring":
@@ -457,3 +444,21 @@ def _ring(q, k, v, q_ids, *, causal, window, softcap, scale):
     return ring_attention(
         q, k, v, causal=causal, window=window, segment_ids=q_ids, softcap=softcap, scale=scale
     )
+
+
+def _check_arguments(q, k, v, window: int | None, impl: str, sinks) -> None:
+    """``attention``'s argument checks: errors name the shapes or values at fault."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention expects 4-d q/k/v, got {q.shape}, {k.shape}, {v.shape}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"attention: incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"attention: {q.shape[2]} query heads is not a multiple of {k.shape[2]} kv heads"
+        )
+    if window is not None and window <= 0:
+        raise ValueError(f"attention: window must be positive, got {window}")
+    if impl not in IMPLS:
+        raise ValueError(f"attention: unknown impl {impl!r}; available: {IMPLS}")
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(f"attention: sinks must be ({q.shape[2]},), got {sinks.shape}")
