@@ -20,9 +20,10 @@ vision towers and their configs) are in its module: ``edl.models.llama``,
 
 from edl.models import registry
 from edl.models.clip import CLIPModel
-from edl.models.config import DecoderConfig, RunOptions, flops_per_token
+from edl.models.config import DecoderConfig, RunOptions
 from edl.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
 from edl.models.encoder_config import CLIPConfig, SiglipConfig
+from edl.models.flops import flops_per_token
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
 from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM

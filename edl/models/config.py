@@ -39,6 +39,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
+from edl.models.flops import decoder_layer_flops
 from edl.models.rope_config import rope_to_hf
 from edl.models.validation import check_fields, check_hf_values
 from edl.nn.stack import check_remat
@@ -47,7 +48,7 @@ from edl.ops.attention import IMPLS as ATTENTION_IMPLS
 from edl.ops.moe import MOE_IMPLS
 from edl.ops.rope import RopeConfig
 
-__all__ = ["DecoderConfig", "RunOptions", "flops_per_token"]
+__all__ = ["DecoderConfig", "RunOptions"]
 
 C = TypeVar("C")  # a config class
 
@@ -354,6 +355,11 @@ class DecoderConfig:
         """Each expert's MLP width."""
         return self.moe_intermediate_size or self.intermediate_size
 
+    def layer_flops(self, index: int, seq_len: int) -> float:
+        """Forward matmul FLOPs per token of layer ``index`` (``edl.models.flops``); a
+        family whose layers differ from the shared decoder's overrides it."""
+        return decoder_layer_flops(self, index, seq_len)
+
     @property
     def layer_settings(self) -> tuple[tuple[int | None, RopeConfig | None], ...]:
         """Each layer's static ``(window, rope)``: its sliding window (``None``: global) and
@@ -564,29 +570,3 @@ def _route_run_options(run: RunOptions, changes: Mapping[str, Any]) -> dict[str,
     if options:
         out["run"] = dataclasses.replace(out.get("run", run), **options)
     return out
-
-
-def flops_per_token(config: DecoderConfig, seq_len: int, *, training: bool = True) -> float:
-    """Matmul FLOPs per token for sequences of ``seq_len`` tokens (EasyDeL's
-    ``flops_per_token``).
-
-    Counts every projection (``2 * in * out`` per token), the MoE router and only the
-    ``num_experts_per_tok`` experts each token runs through, the LM head, and causal
-    attention scores and values over the keys each query actually sees (sliding windows
-    included), averaged over positions. Training is 3x the forward pass (backward = 2x
-    forward). Elementwise work (norms, softmax, RoPE) is not counted.
-    """
-    c = config
-    d, heads, kv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    attn_proj = d * heads * hd + 2 * d * kv * hd + heads * hd * d
-    mlp = {
-        "dense": 3 * d * c.intermediate_size,
-        "moe": d * c.num_experts + c.num_experts_per_tok * 3 * d * c.expert_intermediate_size,
-    }
-    forward = 2.0 * (sum(attn_proj + mlp[m] for m in c.layer_mlps) + d * c.vocab_size)
-    for window in c.layer_windows:
-        w = seq_len if window is None else min(window, seq_len)
-        # mean over positions t of min(t + 1, w) visible keys
-        visible = (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
-        forward += 2 * 2 * heads * hd * visible  # q.k and p.v
-    return 3.0 * forward if training else forward

@@ -35,6 +35,7 @@ from jaxtyping import PRNGKeyArray
 
 from edl.models.config import DecoderConfig
 from edl.models.decoder import PARTITION_RULES, DecoderLayer, DecoderModel, _norm
+from edl.models.flops import attention_score_flops, mlp_flops
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import KeyRule, KeyTable, decoder_key_table
 from edl.models.mixtral import FUSED_EXPERT_RULES
@@ -171,6 +172,24 @@ class DeepseekV3Config(DecoderConfig):
         if rope.rope_type != "default" and rope.mscale_all_dim:
             mscale = yarn_softmax_mscale(rope.factor, rope.mscale_all_dim)
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 * mscale
+
+    def layer_flops(self, index: int, seq_len: int) -> float:
+        """MLA's projections (low-rank q when ``q_lora_rank``; the kv latent and its
+        decoupled RoPE key; the per-head up-projection; o), attention with ``qk_head_dim``
+        keys and ``v_head_dim`` values (the training form, per head), and a dense or MoE MLP
+        with ``n_shared_experts`` shared experts."""
+        d, heads = self.hidden_size, self.num_attention_heads
+        qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+        if self.q_lora_rank:
+            q = d * self.q_lora_rank + self.q_lora_rank * heads * qk
+        else:
+            q = d * heads * qk
+        kv = d * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv += self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        projections = 2.0 * (q + kv + heads * self.v_head_dim * d)
+        scores = attention_score_flops(heads, qk, self.v_head_dim, None, seq_len)
+        shared = self.n_shared_experts * 3 * d * self.expert_intermediate_size
+        return projections + scores + mlp_flops(self, self.layer_mlps[index], shared=shared)
 
     @property
     def latent_cache_dim(self) -> int | None:

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from edl.models.config import DecoderConfig
+from edl.models.flops import attention_score_flops, mlp_flops
 from edl.models.heads import DecoderForCausalLM, DecoderForSequenceClassification
 from edl.models.keymap import decoder_key_table
 from edl.models.mixtral import FUSED_EXPERT_RULES
@@ -147,6 +148,28 @@ class Qwen3NextConfig(DecoderConfig):
             name = "layers" if kind == LINEAR else "attn_layers"
             out.append(f"dense_{name}" if mixed and mlp == "dense" else name)
         return tuple(out)
+
+    def layer_flops(self, index: int, seq_len: int) -> float:
+        """A full layer: gated attention (``q_proj`` also makes the output gate); a linear
+        one: ``in_proj_qkvz``, ``in_proj_ba``, ``out_proj`` and the delta rule counted as
+        its recurrent form (per value head and token: ``k^T S``, the rank-1 update and
+        ``q^T S``, ``key_dim x value_dim`` multiply-accumulates each). MoE layers add the
+        shared expert and its gate."""
+        d = self.hidden_size
+        if self.layer_types[index] == FULL:
+            heads, kv, hd = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+            projections = d * 2 * heads * hd + 2 * d * kv * hd + heads * hd * d
+            mixer = 2.0 * projections + attention_score_flops(heads, hd, hd, None, seq_len)
+        else:
+            keys = self.linear_num_key_heads * self.linear_key_head_dim
+            values = self.linear_num_value_heads * self.linear_value_head_dim
+            projections = d * (2 * keys + 2 * values) + d * 2 * self.linear_num_value_heads
+            projections += values * d
+            recurrence = 3 * self.linear_num_value_heads * self.linear_key_head_dim
+            mixer = 2.0 * (projections + recurrence * self.linear_value_head_dim)
+        kind = self.layer_mlps[index]
+        shared = 3 * d * self.shared_expert_intermediate_size + d if kind == "moe" else 0
+        return mixer + mlp_flops(self, kind, shared=shared)
 
     @property
     def kv_cache_layers(self) -> int:
