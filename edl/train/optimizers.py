@@ -21,15 +21,22 @@ that are not matrices.
 - AdamW: embeddings (``Embedding``), the output heads (``lm_head``, a classifier's
   ``score``: one row per token / label, where a whitened update means nothing), norms,
   biases, convolutions, and any other array.
+
+Weight decay (AdamW, Lion, both halves of Muon) skips biases and norm scales, as
+transformers' ``Trainer`` does (``get_decay_parameter_names``): :func:`weight_decay_mask`
+applies its name patterns to edl's key paths (which keep HF's module names) and skips every
+leaf of edl's norm layers by type, as the Trainer skips ``nn.LayerNorm``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from jaxtyping import PyTree
 from optax.contrib import MuonDimensionNumbers, muon
@@ -37,7 +44,8 @@ from optax.transforms import MaskedNode
 
 from edl import tree as edl_tree
 from edl._registry import Registry
-from edl.nn.layers import Linear
+from edl.nn.gated_deltanet import GatedRMSNorm
+from edl.nn.layers import LayerNorm, Linear, RMSNorm
 from edl.nn.moe import Experts
 from edl.train.options import SCHEDULES, MuonConfig
 
@@ -48,6 +56,7 @@ __all__ = [
     "make_optimizer",
     "make_schedule",
     "muon_dimensions",
+    "weight_decay_mask",
 ]
 
 ADAMW_LAYERS = ("lm_head", "score")
@@ -65,7 +74,8 @@ class OptimizerConfig:
     ``muon``). ``schedule``: ``"cosine"`` (warmup then cosine decay to ``min_lr_ratio *
     learning_rate`` at ``total_steps``), ``"linear"`` (warmup then linear decay to the same
     floor) or ``"constant"`` (warmup then flat). ``weight_decay`` applies to AdamW, Lion
-    and both halves of Muon; ``b1`` / ``b2`` / ``eps`` to Adam(W), Lion and Muon's AdamW
+    and both halves of Muon, on every leaf but biases and norm scales
+    (:func:`weight_decay_mask`); ``b1`` / ``b2`` / ``eps`` to Adam(W), Lion and Muon's AdamW
     leaves; ``muon`` holds Muon's own options.
     """
 
@@ -150,6 +160,58 @@ def _matrix_paths(params: PyTree) -> set[str]:
     return found
 
 
+NO_DECAY_PATTERN = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+"""transformers' ``Trainer.get_decay_parameter_names`` name patterns (searched in the
+lower-cased key path): biases and norms."""
+
+NORM_LAYERS = (RMSNorm, LayerNorm, GatedRMSNorm)
+
+
+def weight_decay_mask(params: PyTree) -> PyTree[bool]:
+    """``params``' structure with ``True`` at the leaves weight decay applies to: every leaf
+    but those whose key path matches :data:`NO_DECAY_PATTERN` and those inside a
+    :data:`NORM_LAYERS` layer (whatever its attribute name)."""
+    is_norm = lambda x: isinstance(x, NORM_LAYERS)
+    norms = {
+        edl_tree.path_str(keypath)
+        for keypath, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_norm)[0]
+        if is_norm(node)
+    }
+
+    def decays(keypath, _) -> bool:
+        path = edl_tree.path_str(keypath)
+        if NO_DECAY_PATTERN.search(path.lower()):
+            return False
+        return not any(path == n or path.startswith(f"{n}.") for n in norms)
+
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def _decoupled_weight_decay(
+    rate: float, schedule: optax.Schedule, mask: Callable[[PyTree], PyTree[bool]]
+) -> optax.GradientTransformation:
+    """Subtract ``schedule(step) * rate * param`` from the (already learning-rate scaled)
+    updates of the leaves ``mask`` selects: AdamW's decoupled decay, for Muon's AdamW leaves
+    (``optax.contrib.muon`` takes no mask for them)."""
+
+    def init(params: PyTree) -> optax.ScaleByScheduleState:
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None):
+        if params is None:
+            raise ValueError("weight decay needs the parameters: pass params to tx.update")
+        lr = schedule(state.count)
+
+        def one(u, p, decays):
+            return u - (lr * rate * p).astype(u.dtype) if decays else u
+
+        new = jax.tree.map(one, updates, params, mask(params))
+        return new, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init, update)
+
+
 def muon_dimensions(params: PyTree) -> PyTree[MuonDimensionNumbers | None]:
     """``params``' structure with :data:`MATRIX` at the leaves Muon orthogonalises and
     ``None`` at those AdamW updates (the module docstring says which and why).
@@ -185,19 +247,31 @@ class Optimizer:
 
 def _muon(c: OptimizerConfig, lr: optax.Schedule) -> optax.GradientTransformation:
     m = c.muon
-    return muon(
+    tx = muon(
         lr,
         ns_steps=m.ns_steps,
         beta=m.beta,
         eps=c.eps,
         weight_decay=c.weight_decay,
+        weight_decay_mask=weight_decay_mask,
         nesterov=m.nesterov,
         adam_b1=c.b1,
         adam_b2=c.b2,
-        adam_weight_decay=c.weight_decay,
         muon_weight_dimension_numbers=muon_dimensions,
         consistent_rms=m.consistent_rms or None,
     )
+    if not c.weight_decay:
+        return tx
+
+    def adamw_leaves_that_decay(params: PyTree) -> PyTree[bool]:
+        matrices = _matrix_paths(params)
+
+        def one(keypath, decays: bool) -> bool:
+            return decays and edl_tree.path_str(keypath) not in matrices
+
+        return jax.tree_util.tree_map_with_path(one, weight_decay_mask(params))
+
+    return optax.chain(tx, _decoupled_weight_decay(c.weight_decay, lr, adamw_leaves_that_decay))
 
 
 OPTIMIZERS: Registry[Optimizer] = Registry(
@@ -205,13 +279,17 @@ OPTIMIZERS: Registry[Optimizer] = Registry(
     [
         Optimizer(
             "adamw",
-            lambda c, lr: optax.adamw(lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay),
+            lambda c, lr: optax.adamw(
+                lr, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=weight_decay_mask
+            ),
             "optax.adamw",
         ),
         Optimizer("adafactor", lambda c, lr: optax.adafactor(lr), "optax.adafactor"),
         Optimizer(
             "lion",
-            lambda c, lr: optax.lion(lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay),
+            lambda c, lr: optax.lion(
+                lr, b1=c.b1, b2=c.b2, weight_decay=c.weight_decay, mask=weight_decay_mask
+            ),
             "optax.lion",
         ),
         Optimizer("sgd", lambda c, lr: optax.sgd(lr, momentum=c.momentum), "optax.sgd"),
