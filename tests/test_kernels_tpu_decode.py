@@ -28,7 +28,7 @@ from jax.experimental.pallas import tpu as pltpu
 from test_kernels_attention import _numpy_decode, _rel_err
 from test_kernels_paged import _numpy_paged, _pool
 
-from edl.kernels.tpu._decode_common import Plan
+from edl.kernels.tpu._decode_common import Plan, check_sinks
 from edl.kernels.tpu.decode_attention import _cache_block, decode_attention
 from edl.kernels.tpu.paged_attention import _page_spec, paged_decode_attention
 
@@ -395,3 +395,69 @@ def test_paged_decode_attention_lowers_without_copying_a_layer(page_size, new_to
         assert f"tensor<{'x'.join(map(str, shape))}xbf16>" not in text  # one layer's pool
     # The kernel's K and V operands are the whole stacks, viewed as rows by free reshapes.
     assert f"tensor<{layers}x{num_pages}x{page_size * 8}x128xbf16>" in text
+
+
+def _numpy_decode_with_sinks(q, k, v, lengths, window, sinks):
+    """float64: each query's softmax over its visible keys plus its head's sink logit (which
+    attends to nothing); a row with no visible key gives zeros."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    batch, new, heads, dim = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros_like(q)
+    keys = np.arange(k.shape[1])
+    for b, t, h in np.ndindex(batch, new, heads):
+        pos = lengths[b] - new + t
+        seen = (keys <= pos) & (keys < lengths[b])
+        if window is not None:
+            seen &= pos - keys < window
+        s = k[b, seen, h // group] @ q[b, t, h] * dim**-0.5
+        top = max(s.max(initial=-np.inf), sinks[h])
+        p = np.exp(s - top)
+        out[b, t, h] = p @ v[b, seen, h // group] / (p.sum() + np.exp(sinks[h] - top))
+    return out
+
+
+@pytest.mark.parametrize("new_tokens", [1, pytest.param(3, marks=pytest.mark.slow)])  # ~3 s each
+def test_decode_kernels_with_sinks_match_float64(new_tokens):
+    """Attention sinks (GPT-OSS) in both TPU kernels, interpreted: GQA of 3 query heads per
+    kv head, a row of length 0 (zeros), rows of other lengths, a window; the paged kernel
+    over the same cache as pages. Sinks of +-4 move the output (checked)."""
+    rng = np.random.default_rng(21)
+    batch, cache_len, kv_heads, heads, dim, page = 3, 32, 2, 6, 16, 16
+    q = rng.standard_normal((batch, new_tokens, heads, dim)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, cache_len, kv_heads, dim)).astype(np.float32) for _ in "kv")
+    sinks = (4.0 * rng.uniform(-1, 1, heads)).astype(np.float32)
+    lengths = np.array([0, 32, 17], np.int32)
+    expected = _numpy_decode_with_sinks(q, k, v, lengths, 9, sinks)
+    assert (
+        np.abs(expected - _numpy_decode(q, k, v, lengths, [0] * batch, 9, None, dim**-0.5)).max()
+        > 1e-2
+    )
+    out = _decode(q, k, v, lengths, window=9, sinks=jnp.asarray(sinks))
+    _assert_matches(out, expected, jnp.float32)
+    pages = [x.reshape(batch * cache_len // page, page, kv_heads, dim) for x in (k, v)]
+    table = np.arange(batch * 2, dtype=np.int32).reshape(batch, 2)
+    paged = _paged(q, *pages, table, lengths, window=9, sinks=jnp.asarray(sinks))
+    _assert_matches(paged, expected, jnp.float32)
+    # (Under the tests' beartype the annotations refuse a wrong shape first.)
+    for bad in (jnp.zeros((2,), jnp.float32), jnp.zeros((6,), jnp.int32)):
+        with pytest.raises(ValueError, match=r"sinks must be a float \(6,\) vector"):
+            check_sinks("decode", bad, heads)
+
+
+def test_decode_kernels_with_sinks_lower_to_one_mosaic_kernel():
+    def run(q, k, v, lengths, sinks):
+        return decode_attention(q, k, v, lengths, window=128, sinks=sinks)
+
+    def run_paged(q, k, v, table, lengths, sinks):
+        return paged_decode_attention(q, k, v, table, lengths, sinks=sinks)
+
+    q = jax.ShapeDtypeStruct((2, 1, 32, 64), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((2, 4096, 8, 64), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+    sinks = jax.ShapeDtypeStruct((32,), jnp.float32)
+    assert _lower_for_tpu(run, q, cache, cache, lengths, sinks).count("tpu_custom_call") == 1
+    pool = jax.ShapeDtypeStruct((64, 16, 8, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    text = _lower_for_tpu(run_paged, q, pool, pool, table, lengths, sinks)
+    assert text.count("tpu_custom_call") == 1

@@ -5,10 +5,10 @@ A program lowered for ``"cuda"`` holds the Pallas kernels compiled through Trito
 lowered for ``"tpu"`` the Pallas kernels compiled through Mosaic, one lowered for ``"cpu"``
 edl's native C++ kernels; none of them holds another platform's kernel or a host callback it
 could not run (``edl.platforms``). Covered: attention forward and backward, train steps of a
-Llama, a Gemma 2 (soft-capped logits, sliding windows) and a Mixtral (MoE) model, with and
-without a mesh of the 8 host devices under the models' fsdp / tp rules, ``generate``'s decode
-step over contiguous and paged caches and its whole decode loop, and the serving engine's
-``model_step``.
+Llama, a Gemma 2 (soft-capped logits, sliding windows) and a Mixtral (MoE) model (and, in
+the slow set, DeepSeek-V3, GPT-OSS and Qwen3-Next), with and without a mesh of the 8 host
+devices under the models' fsdp / tp rules, ``generate``'s decode step over contiguous and
+paged caches and its whole decode loop, and the serving engine's ``model_step``.
 
 Only lowering is checked: compiling needs the platform's backend. The names a kernel leaves
 in the lowered text: Triton calls are ``__gpu$xla.gpu.triton`` custom calls naming the Pallas
@@ -35,12 +35,18 @@ from edl.generate.cache import init_cache
 from edl.generate.paged import init_paged_cache
 from edl.kernels import native
 from edl.models import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 from edl.platforms import PLATFORMS
 from edl.serve.step import model_step
@@ -72,6 +78,44 @@ MODELS = {
         MixtralConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
     ),
 }
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2)
+FAMILIES_2026 = {  # MLA and grouped routing; attention sinks; Gated DeltaNet
+    "deepseek_v3": (
+        DeepseekV3ForCausalLM,
+        DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            **MOE,
+            moe_intermediate_size=128,
+            q_lora_rank=64,
+            kv_lora_rank=64,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=64,
+            v_head_dim=64,
+            first_k_dense_replace=1,
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    "gpt_oss": (GptOssForCausalLM, GptOssConfig(**COMMON, **MOE, sliding_window=64)),
+    "qwen3_next": (
+        Qwen3NextForCausalLM,
+        Qwen3NextConfig(
+            **COMMON,
+            **MOE,
+            moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=("linear_attention", "full_attention"),
+        ),
+    ),
+}
+# Gated DeltaNet layers refuse packed rows (their state would cross segments).
+UNPACKED = {"qwen3_next"}
 
 
 def _abstract(cls, config):
@@ -111,18 +155,17 @@ def test_attention_forward_and_backward(platform):
 
 
 def _train_step_text(name: str, platform: str, mesh) -> str:
-    cls, config = MODELS[name]
+    cls, config = {**MODELS, **FAMILIES_2026}[name]
     tx = optax.adamw(1e-3)
     state = jax.eval_shape(lambda m: edl.create_state(m, tx), _abstract(cls, config))
 
     def loss_fn(model, batch):
-        return model.compute_loss(batch["input_ids"], segment_ids=batch["segment_ids"])
+        return model.compute_loss(batch["input_ids"], segment_ids=batch.get("segment_ids"))
 
     step = make_train_step(loss_fn, tx, clip_norm=1.0, mesh=mesh)
-    batch = {
-        "input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
-        "segment_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
-    }
+    batch = {"input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32)}
+    if name not in UNPACKED:
+        batch["segment_ids"] = jax.ShapeDtypeStruct((8, 256), jnp.int32)
     return step.lower(state, batch, platforms=(platform,)).as_text()
 
 
@@ -131,6 +174,15 @@ def _train_step_text(name: str, platform: str, mesh) -> str:
 def test_train_step(name, platform):
     prefix = "edl_tpu_flash_attention" if platform == "tpu" else "edl_flash_attention"
     _check(_train_step_text(name, platform, None), platform, f"{prefix}_fwd", f"{prefix}_dkdv")
+
+
+@pytest.mark.slow  # ~4 s a program
+@pytest.mark.parametrize("platform", ACCELERATORS)
+@pytest.mark.parametrize("name", sorted(FAMILIES_2026))
+def test_train_step_of_the_2026_families(name, platform):
+    """MLA (DeepSeek-V3), attention sinks (GPT-OSS) and Gated DeltaNet (Qwen3-Next) lowered
+    for accelerators hold their Pallas kernels and none of the CPU's."""
+    _check(_train_step_text(name, platform, None), platform)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)

@@ -23,9 +23,10 @@ within the sliding window. ``impl`` chooses, per platform the program is lowered
   ``NATIVE_MAX_NEW_TOKENS`` new tokens per row).
 
 Attention sinks (``sinks``, GPT-OSS) change only each row's final normalisation: the Pallas
-decode kernels for GPU (and interpreted on CPU) take them as one more split in their merge;
-the native CPU and TPU kernels have none (``"auto"`` uses ``"xla"`` there, warning why when
-it preferred them). ``"xla"`` / ``"reference"``: ``masked_attention`` with the sinks.
+decode kernels for GPU (and interpreted on CPU) take them as one more split in their merge,
+the TPU ones as one more term of the softmax's sum at the last step; the native CPU kernel
+has none (``"auto"`` uses ``"xla"`` there, warning why when it preferred it). ``"xla"`` /
+``"reference"``: ``masked_attention`` with the sinks.
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -269,9 +270,7 @@ def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
     return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
 
 
-def _tpu_dtypes(options: _Options, q, k, v, *rest) -> str | None:
-    if rest[-1] is not None:
-        return "the TPU decode kernels have no attention sinks"
+def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
     return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
 
 
@@ -282,7 +281,7 @@ def _decode(kernel, **kernel_options):
     def call(options: _Options, q, k_cache, v_cache, lengths, layer, sinks):
         k, v = (_at_layer(x, layer, k_cache.shape[-3]) for x in (k_cache, v_cache))
         options = dataclasses.asdict(options)
-        if sinks is not None:  # only then: the TPU kernels take no such argument
+        if sinks is not None:
             options["sinks"] = sinks
         return kernel(q, k, v, lengths, **options, **kernel_options)
 
@@ -366,7 +365,7 @@ DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
 
 def _paged(kernel, **kernel_options):
     def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
-        extra = {} if sinks is None else {"sinks": sinks}  # the TPU kernels take none
+        extra = {} if sinks is None else {"sinks": sinks}
         return kernel(
             q,
             k_pages,

@@ -58,6 +58,7 @@ class Plan:
     blocks_per_step: int  # K/V blocks (operand pairs) folded in per grid step
     steps: int  # grid steps along the keys
     capacity: int  # cache positions a row can hold (cache_len, or pages_per_seq * page_size)
+    has_sinks: bool = False  # a sink row operand follows the K/V operands
 
 
 def check_dtypes(name: str, q: jax.Array, k: jax.Array, v: jax.Array, k_name: str, v_name: str):
@@ -66,6 +67,17 @@ def check_dtypes(name: str, q: jax.Array, k: jax.Array, v: jax.Array, k_name: st
         raise TypeError(
             f"{name}: q/{k_name}/{v_name} must share one of float32/bfloat16, "
             f"got {q.dtype}/{k.dtype}/{v.dtype}"
+        )
+
+
+def check_sinks(name: str, sinks: jax.Array | None, heads: int) -> None:
+    """Attention sinks are ``None`` or a float ``(heads,)`` vector (ValueError naming it)."""
+    if sinks is None:
+        return
+    if sinks.shape != (heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(
+            f"{name}: sinks must be a float ({heads},) vector (one per query head), "
+            f"got {sinks.dtype}{tuple(sinks.shape)}"
         )
 
 
@@ -93,6 +105,21 @@ def query_rows(q: jax.Array) -> jax.Array:
     rows = new_tokens * heads
     tile = sublanes(q.dtype)
     return pad_axis(q.reshape(batch, rows, head_dim), 1, -(-rows // tile) * tile)
+
+
+def sink_rows(sinks: jax.Array, q: jax.Array) -> jax.Array:
+    """Attention sinks ``(heads,)`` as a lane-replicated float32 ``(rows, 128)`` operand in
+    :func:`query_rows`' row order (row ``r``: head ``r % heads``; padding rows 0)."""
+    new_tokens = q.shape[1]
+    rows = jnp.tile(sinks.astype(jnp.float32), new_tokens)[:, None]
+    tile = sublanes(q.dtype)
+    padded = pad_axis(rows, 0, -(-rows.shape[0] // tile) * tile)
+    return jnp.broadcast_to(padded, (padded.shape[0], LANES))
+
+
+def sink_spec(rows: int) -> pl.BlockSpec:
+    """The sink operand: the same ``(rows, 128)`` block at every grid step."""
+    return pl.BlockSpec((rows, LANES), lambda b, step, *_: (0, 0))
 
 
 def output_from_rows(out: jax.Array, q: jax.Array) -> jax.Array:
@@ -139,9 +166,12 @@ def compiler_params():
     return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
 
 
-def attend(q_ref, blocks, o_ref, m_ref, l_ref, acc_ref, *, length, start, plan):
+def attend(q_ref, blocks, o_ref, m_ref, l_ref, acc_ref, *, length, start, plan, sink_ref=None):
     """One grid step ``(row, step)``: initialise at step 0, fold in ``blocks`` when the step
     holds a key the row may see, write the output at the last step.
+
+    ``sink_ref`` (attention sinks, :func:`sink_rows`): one more logit per query row in the
+    softmax's sum, with no value; it only rescales the output at the last step.
 
     ``blocks`` is a list of ``(k_ref, v_ref, first_position)``, one per K/V operand pair,
     each ``(block_tokens * kv_heads, head_dim)``; ``first_position`` is where the block
@@ -177,9 +207,16 @@ def attend(q_ref, blocks, o_ref, m_ref, l_ref, acc_ref, *, length, start, plan):
 
     @pl.when(step == plan.steps - 1)
     def _finish():
-        total = _lane_value(l_ref)
+        total, acc = _lane_value(l_ref), acc_ref[...]
+        if sink_ref is not None:
+            # max(m, sink) keeps exp finite; a row that saw no key (m = MASK_VALUE) gets
+            # weight 0 on its (zero) accumulator and 1 on the sink: zeros, as the reference.
+            m, sink = _lane_value(m_ref), _lane_value(sink_ref)
+            top = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - top)
+            total, acc = alpha * total + jnp.exp(sink - top), alpha * acc
         # A row that saw no key has sum 0 and accumulator 0: write zeros.
-        o_ref[...] = (acc_ref[...] / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
+        o_ref[...] = (acc / jnp.where(total > 0, total, 1.0)).astype(o_ref.dtype)
 
 
 def _lane_value(ref):

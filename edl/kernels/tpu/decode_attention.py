@@ -30,6 +30,7 @@ from edl.kernels.tpu._decode_common import (
     Plan,
     attend,
     check_dtypes,
+    check_sinks,
     clamp_block,
     compiler_params,
     key_range,
@@ -37,6 +38,8 @@ from edl.kernels.tpu._decode_common import (
     query_rows,
     resolve_interpret,
     scratch_shapes,
+    sink_rows,
+    sink_spec,
     step_rows,
     sublanes,
 )
@@ -55,7 +58,8 @@ def _cache_block(cache_len: int, kv_heads: int, requested: int, dtype) -> int:
     return cache_len
 
 
-def _decode_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, *scratch, plan: Plan):
+def _decode_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, *refs, plan: Plan):
+    sink_ref, (o_ref, *scratch) = (refs[0], refs[1:]) if plan.has_sinks else (None, refs)
     b, step = pl.program_id(0), pl.program_id(1)
     # The block the index map fetched; positions of a clamped step fall outside the range.
     first_position = step * plan.block_tokens
@@ -67,10 +71,11 @@ def _decode_kernel(len_ref, start_ref, q_ref, k_ref, v_ref, o_ref, *scratch, pla
         length=len_ref[b],
         start=start_ref[b],
         plan=plan,
+        sink_ref=sink_ref,
     )
 
 
-def _decode_call(lengths, starts, q_rows, k_rows, v_rows, *, plan: Plan, interpret):
+def _decode_call(lengths, starts, q_rows, k_rows, v_rows, sinks, *, plan: Plan, interpret):
     batch, rows, head_dim = q_rows.shape
 
     def cache_index(b, step, len_ref, start_ref):
@@ -79,12 +84,13 @@ def _decode_call(lengths, starts, q_rows, k_rows, v_rows, *, plan: Plan, interpr
 
     cache_spec = pl.BlockSpec((None, plan.block_tokens * plan.kv_heads, head_dim), cache_index)
     row_spec = pl.BlockSpec((None, rows, head_dim), lambda b, step, *_: (b, 0, 0))
+    sink_specs, sink_args = ([sink_spec(rows)], [sinks]) if plan.has_sinks else ([], [])
     return pl.pallas_call(
         functools.partial(_decode_kernel, plan=plan),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, plan.steps),
-            in_specs=[row_spec, cache_spec, cache_spec],
+            in_specs=[row_spec, cache_spec, cache_spec, *sink_specs],
             out_specs=row_spec,
             scratch_shapes=scratch_shapes(rows, head_dim),
         ),
@@ -92,7 +98,7 @@ def _decode_call(lengths, starts, q_rows, k_rows, v_rows, *, plan: Plan, interpr
         compiler_params=compiler_params(),
         interpret=interpret,
         name="edl_tpu_decode_attention",
-    )(lengths, starts, q_rows, k_rows, v_rows)
+    )(lengths, starts, q_rows, k_rows, v_rows, *sink_args)
 
 
 def decode_attention(
@@ -106,6 +112,7 @@ def decode_attention(
     softcap: float | None = None,
     scale: float | None = None,
     block_k: int | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """Attention of each row's newest ``new_tokens`` queries over its KV cache, on TPU.
@@ -127,10 +134,13 @@ def decode_attention(
             lowered to the largest divisor of ``cache_len`` whose ``block_k * kv_heads``
             rows fill whole sublane tiles (8 rows for float32, 16 for bfloat16), else the
             whole cache.
+        sinks: attention sinks ``(heads,)`` (GPT-OSS): one more logit per head in each
+            softmax's sum, attending to nothing.
         interpret: False compiles for TPU; True or ``pltpu.InterpretParams()`` runs Pallas'
             interpreter (the latter simulating TPU memory spaces and DMAs).
     """
     _check_inputs(q, k_cache, v_cache, lengths, kv_start, window, block_k)
+    check_sinks("tpu decode_attention", sinks, q.shape[2])
     batch, new_tokens, heads, head_dim = q.shape
     cache_len, kv_heads = k_cache.shape[1], k_cache.shape[2]
     requested = block_k or max(1, step_rows(head_dim, q.dtype) // kv_heads)
@@ -146,6 +156,7 @@ def decode_attention(
         blocks_per_step=1,
         steps=cache_len // block,
         capacity=cache_len,
+        has_sinks=sinks is not None,
     )
     starts = jnp.zeros((batch,), jnp.int32) if kv_start is None else kv_start.astype(jnp.int32)
     # Free row-major reshapes: a token's kv heads are consecutive rows.
@@ -156,6 +167,7 @@ def decode_attention(
         query_rows(q),
         k_rows,
         v_rows,
+        None if sinks is None else sink_rows(sinks, q),
         plan=plan,
         interpret=resolve_interpret(interpret),
     )

@@ -45,6 +45,7 @@ from edl.kernels.tpu._decode_common import (
     Plan,
     attend,
     check_dtypes,
+    check_sinks,
     clamp_block,
     compiler_params,
     key_range,
@@ -52,6 +53,8 @@ from edl.kernels.tpu._decode_common import (
     query_rows,
     resolve_interpret,
     scratch_shapes,
+    sink_rows,
+    sink_spec,
     step_rows,
 )
 
@@ -63,7 +66,8 @@ _MAX_PAGES_PER_STEP = 8  # each page is one operand with its own DMA
 def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, *refs, plan: Plan):
     del table_ref, layer_ref  # used by the index maps only
     n = plan.blocks_per_step
-    k_refs, v_refs, (o_ref, *scratch) = refs[:n], refs[n : 2 * n], refs[2 * n :]
+    k_refs, v_refs, rest = refs[:n], refs[n : 2 * n], refs[2 * n :]
+    sink_ref, (o_ref, *scratch) = (rest[0], rest[1:]) if plan.has_sinks else (None, rest)
     b, step = pl.program_id(0), pl.program_id(1)
     page_tokens = plan.block_tokens
     blocks = [
@@ -77,6 +81,7 @@ def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, *refs, plan: Plan):
         length=len_ref[b],
         start=jnp.int32(0),
         plan=plan,
+        sink_ref=sink_ref,
     )
 
 
@@ -95,7 +100,7 @@ def _page_spec(
     return pl.BlockSpec((None, None, rows, dim), index)
 
 
-def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, *, plan: Plan, interpret):
+def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, sinks, *, plan: Plan, interpret):
     batch, rows, head_dim = q_rows.shape
     layers, num_pages, page_rows, _ = k_pool.shape
     pages_per_seq = table.shape[0] // batch
@@ -105,12 +110,13 @@ def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, *, plan: Plan, in
     ]
     row_spec = pl.BlockSpec((None, rows, head_dim), lambda b, step, *_: (b, 0, 0))
     n = plan.blocks_per_step
+    sink_specs, sink_args = ([sink_spec(rows)], [sinks]) if plan.has_sinks else ([], [])
     return pl.pallas_call(
         functools.partial(_paged_kernel, plan=plan),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(batch, plan.steps),
-            in_specs=[row_spec, *specs, *specs],
+            in_specs=[row_spec, *specs, *specs, *sink_specs],
             out_specs=row_spec,
             scratch_shapes=scratch_shapes(rows, head_dim),
         ),
@@ -118,7 +124,7 @@ def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, *, plan: Plan, in
         compiler_params=compiler_params(),
         interpret=interpret,
         name="edl_tpu_paged_decode_attention",
-    )(lengths, table, layer, q_rows, *[k_pool] * n, *[v_pool] * n)
+    )(lengths, table, layer, q_rows, *[k_pool] * n, *[v_pool] * n, *sink_args)
 
 
 def paged_decode_attention(
@@ -133,6 +139,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     scale: float | None = None,
     pages_per_block: int | None = None,
+    sinks: Float[Array, " heads"] | None = None,
     interpret: bool | pltpu.InterpretParams = False,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``decode_attention`` over a paged cache, on TPU, pages read in place.
@@ -151,12 +158,13 @@ def paged_decode_attention(
         lengths: ``(batch,)`` valid keys per row, the new tokens included.
         layer: the layer of stacked pools to read (a traced scalar is fine); None for
             unstacked pools.
-        window, softcap, scale: as in ``decode_attention``.
+        window, softcap, scale, sinks: as in ``decode_attention``.
         pages_per_block: pages folded in per grid step (default: ~512 KiB of K, at most
             8 pages).
         interpret: as in ``decode_attention``.
     """
     _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_block)
+    check_sinks("tpu paged_decode_attention", sinks, q.shape[2])
     _, new_tokens, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape[-4:]
     pages_per_seq = page_table.shape[1]
@@ -175,6 +183,7 @@ def paged_decode_attention(
         blocks_per_step=per_step,
         steps=cdiv(pages_per_seq, per_step),
         capacity=pages_per_seq * page_size,
+        has_sinks=sinks is not None,
     )
     if layer is None:  # one layer's pools: a leading axis of one (free)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
@@ -187,6 +196,7 @@ def paged_decode_attention(
         query_rows(q),
         k_pages.reshape(shape),
         v_pages.reshape(shape),
+        None if sinks is None else sink_rows(sinks, q),
         plan=plan,
         interpret=resolve_interpret(interpret),
     )
