@@ -119,6 +119,7 @@ from edl.serve.shapes import (
     warmup_progress,
 )
 from edl.serve.speculation import Speculation
+from edl.serve.state_slots import StateSlots, check_speculation
 from edl.serve.step import model_step, sampled_logprobs
 from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
@@ -175,7 +176,8 @@ class Engine:
         prefill_tokens: a prefill call's padded size (rows x width), at most (default
             ``prefill_chunk``; at least that).
         eos_token_ids: ids that end every request (``finish_reason="stop"``).
-        prefix_caching: share whole prompt pages between running requests.
+        prefix_caching: share whole prompt pages between running requests (off for a
+            model with recurrent states, ``edl.serve.state_slots``).
         echo: hears each step shape's first call (``"compiling decode 8x1, 4 pages
             (first use) ..."``, then how long it took), and ``warmup``'s progress; None:
             silent.
@@ -200,6 +202,10 @@ class Engine:
         self.max_batch, self.max_model_len, self.page_size = max_batch, max_model_len, page_size
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.prefill_tokens = prefill_tokens
+        check_speculation(model, speculative, draft_model)
+        # Recurrent states (edl.serve.state_slots): one slot per request, no shared prefixes.
+        self._states = StateSlots(model, max_batch)
+        prefix_caching = prefix_caching and not self._states.recurrent
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
         self.row_buckets = buckets(max_batch, 1, 2)
         self.width_buckets = buckets(prefill_chunk, min(16, prefill_chunk), 4)
@@ -288,6 +294,7 @@ class Engine:
     def _release(self, request: Request) -> None:
         self._pool.release(request.pages)
         self._sampler.release(request.slot)
+        self._states.release(request.id)
         request.pages = []
         self._running.remove(request)
         request.running = False
@@ -308,6 +315,7 @@ class Engine:
             request.published = len(shared)
             request.running = True
             request.slot = self._sampler.admit(request.prompt, request.params)
+            self._states.admit(request.id)
             self._running.append(request)
             self._waiting.popleft()
 
@@ -394,7 +402,9 @@ class Engine:
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(key)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, logits, prompt = model_step(
+        self._k_pages, self._v_pages, logits, prompt = self._states.run(
+            model_step,
+            [r.id for r in requests],
             self._model,
             self._k_pages,
             self._v_pages,
