@@ -196,15 +196,34 @@ def test_greedy_generation_matches_transformers(name, page_size):
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, : ref.shape[1]], ref.numpy())
 
 
-def test_speculation_and_packing_are_refused():
+def test_packed_sequences_equal_each_segment_alone_and_speculation_is_refused():
+    """Three segments packed in one row (``segment_ids``): the linear layers restart their
+    conv and delta states at each, the full layers attend within it (positions restart),
+    so each segment's logits are those of the segment run alone; the row ends in padding.
+    Speculative decoding is refused (a rejected draft cannot leave a recurrent state)."""
     from edl.generate import SpeculativeConfig
 
-    model = _edl(_hf_model("dense_tied"))
-    ids = np.array([[5, 6, 7]])
+    model = _edl(_hf_model("dense_tied", seed=1))
     with pytest.raises(ValueError, match="recurrent"):
-        generate(model, ids, max_new_tokens=2, speculative=SpeculativeConfig(method="ngram"))
-    with pytest.raises(ValueError, match="segment_ids"):
-        model(jnp.asarray(ids), segment_ids=jnp.asarray([[0, 0, 1]]))
+        speculative = SpeculativeConfig(method="ngram")
+        generate(model, np.array([[5, 6, 7]]), max_new_tokens=2, speculative=speculative)
+    lengths = (5, 7, 4)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (1, sum(lengths) + 2))
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [[0, 0]])
+    mask = (segments > 0)[None]
+    packed = model(
+        jnp.asarray(ids), segment_ids=jnp.asarray(segments[None]), attention_mask=jnp.asarray(mask)
+    ).logits
+    # The segments alone: one right-padded batch (padding after a segment changes nothing).
+    alone_ids = np.zeros((len(lengths), max(lengths)), ids.dtype)
+    alone_mask = np.zeros_like(alone_ids)
+    starts = np.cumsum((0, *lengths))
+    for i, n in enumerate(lengths):
+        alone_ids[i, :n], alone_mask[i, :n] = ids[0, starts[i] : starts[i] + n], 1
+    alone = _logits(model, alone_ids, alone_mask)
+    for i, n in enumerate(lengths):
+        got = packed[0, starts[i] : starts[i] + n]
+        np.testing.assert_allclose(got, alone[i, :n], rtol=1e-5, atol=1e-5)
 
 
 def _random_b(model):

@@ -12,6 +12,7 @@ on a saved qwen3_next checkpoint through the official ``openai`` client.
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,6 +47,14 @@ def _tiny_model(vocab: int = VOCAB) -> Qwen3NextForCausalLM:
     return Qwen3NextForCausalLM.init(config, key=jax.random.key(0))
 
 
+def _zero_model() -> Qwen3NextForCausalLM:
+    """``_tiny_model``'s structure with zero weights, built without running its init
+    (whose eager ops compile one by one: ~10 s on the shared VM), for the stub tests."""
+    abstract = eqx.filter_eval_shape(_tiny_model)
+    zeros = lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+    return jax.tree.map(zeros, abstract)
+
+
 def test_gather_zeros_new_rows_and_scatter_drops_padding():
     pool = (jnp.arange(2 * 3 * 2, dtype=jnp.float32).reshape(2, 3, 2) + 1.0,)
     slots = jnp.asarray([2, 0, 3])  # slot 3: a padding row (out of range)
@@ -70,7 +79,7 @@ def test_engine_gives_each_running_request_a_state_slot(monkeypatch):
         return k, v, pool, jnp.zeros((tokens.shape[0], VOCAB)), None
 
     monkeypatch.setattr(slots_module, "state_model_step", stub)
-    engine = Engine(_tiny_model(), max_batch=2, max_model_len=32, page_size=4, prefill_chunk=4)
+    engine = Engine(_zero_model(), max_batch=2, max_model_len=32, page_size=4, prefill_chunk=4)
     assert not engine.prefix_caching  # asked for (the default), off for recurrent states
     prompt = list(range(3, 12))  # 9 tokens: three prefill chunks
     params = SamplingParams(max_tokens=3, temperature=0.0)
@@ -93,7 +102,7 @@ def test_engine_gives_each_running_request_a_state_slot(monkeypatch):
 
 
 def test_speculation_is_refused_for_recurrent_models():
-    model = _tiny_model()
+    model = _zero_model()
     with pytest.raises(ValueError, match=r"model with recurrent state.*qwen3_next"):
         Engine(model, max_batch=2, max_model_len=32, speculative=SpeculativeConfig())
 

@@ -137,10 +137,13 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         window: int | None = None,
         token_mask: Float[Array, "batch seq"] | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
-        """``DecoderLayer``'s call: the block and its router statistics."""
+        """``DecoderLayer``'s call: the block and its router statistics. ``segment_ids``:
+        attention's ``(q_ids, kv_ids)`` (``edl.ops.attention.padding_segments``); a linear
+        layer restarts its states where ``q_ids`` changes (packed sequences)."""
         x = self.input_layernorm(h)
         if self.linear_attn is not None:
-            y = self.linear_attn(x, token_mask)
+            segments = None if segment_ids is None else segment_ids[0]
+            y = self.linear_attn(x, token_mask, segments=segments)
         else:
             y = self.self_attn(
                 x, cos, sin, segment_ids, window=window, impl=config.run.attention_impl
@@ -314,16 +317,6 @@ class Qwen3NextTrunk(DecoderModel):
 
     def _stacks(self):
         return self._groups(), self.config.layer_groups
-
-    def __call__(self, input_ids=None, *, segment_ids=None, **kwargs) -> Any:
-        """``DecoderModel.__call__``; packed sequences (``segment_ids``) are refused: the
-        linear layers' states would flow across segments."""
-        if segment_ids is not None and LINEAR in self.config.layer_types:
-            raise ValueError(
-                "qwen3_next: segment_ids (packed sequences) are not supported: Gated DeltaNet "
-                "layers would carry their state across segments; pad the rows instead"
-            )
-        return super().__call__(input_ids, segment_ids=segment_ids, **kwargs)
 
     def init_states(self, rows: int) -> tuple[jax.Array, jax.Array]:
         """Zero recurrent states of ``rows`` rows: each linear layer's conv tail ``(linear_
