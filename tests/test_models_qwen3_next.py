@@ -204,8 +204,8 @@ def test_packed_sequences_equal_each_segment_alone_and_speculation_is_refused():
     from edl.generate import SpeculativeConfig
 
     model = _edl(_hf_model("dense_tied", seed=1))
+    speculative = SpeculativeConfig(method="ngram")
     with pytest.raises(ValueError, match="recurrent"):
-        speculative = SpeculativeConfig(method="ngram")
         generate(model, np.array([[5, 6, 7]]), max_new_tokens=2, speculative=speculative)
     lengths = (5, 7, 4)
     ids = np.random.default_rng(0).integers(3, VOCAB, (1, sum(lengths) + 2))
