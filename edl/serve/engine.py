@@ -62,6 +62,13 @@ computed again (at least the prompt's last token always is, for the first logits
 finished request's prompt pages stay cached, counted as free, until a fresh page is
 needed (least recently released first), so a system prompt is computed once.
 
+Recurrent states (Qwen3-Next's Gated DeltaNet; a trunk with ``RECURRENT_STATE``,
+``edl.serve.state_slots``): each running request also owns a state slot, taken at
+admission and given back at finish or abort; a row at cache length 0 starts from zero
+states, and chunked prefill carries them from chunk to chunk. Such a model shares no
+prefix pages (``prefix_caching`` is off: pages hold keys / values, not the state after
+them) and is refused with ``speculative`` (rejected drafts cannot leave the state).
+
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
