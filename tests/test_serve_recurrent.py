@@ -12,6 +12,8 @@ on a saved qwen3_next checkpoint through the official ``openai`` client.
 
 from __future__ import annotations
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -192,3 +194,26 @@ def test_edl_serve_on_a_qwen3_next_checkpoint_through_openai(tmp_path, monkeypat
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+PAGED_KERNEL = {"cuda": "edl_paged_decode_attention", "tpu": "edl_tpu_paged_decode_attention"}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_state_model_step_lowers_for_accelerators(platform):
+    """The engine's recurrent step lowered from this CPU host (abstract shapes): the
+    platform's paged decode kernel in decode and prefill calls, and on GPUs the delta rule's
+    Triton chunk scan in a prefill call; no native CPU kernel or host callback."""
+    model = jax.eval_shape(lambda: _tiny_model().unstacked())
+    pools = jax.ShapeDtypeStruct((1, 16, 16, 1, 8), jnp.float32)
+    states = jax.eval_shape(lambda: model.model.init_states(4))
+    row = jax.ShapeDtypeStruct((4,), jnp.int32)
+    for width in (1, 16):
+        args = (model, pools, pools, states, row, jax.ShapeDtypeStruct((4, 2), jnp.int32), row)
+        args += (jax.ShapeDtypeStruct((4, width), jnp.int32), row)
+        lowered = slots_module.state_model_step.trace(*args).lower(lowering_platforms=(platform,))
+        text = lowered.as_text()
+        assert PAGED_KERNEL[platform] in text, width
+        scan = "edl_delta_rule_chunk_scan" in text
+        assert scan == (platform == "cuda" and width > 1), width
+        assert not re.search(r"edl_paged_attention|python_cpu", text), width
