@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from edl.generate import SpeculativeConfig
+from edl.generate import SpeculativeConfig, generate
 from edl.models import Qwen3NextConfig, Qwen3NextForCausalLM
 from edl.serve import Engine, SamplingParams
 from edl.serve import state_slots as slots_module
@@ -104,9 +104,13 @@ def test_engine_gives_each_running_request_a_state_slot(monkeypatch):
 
 
 def test_speculation_is_refused_for_recurrent_models():
+    """In the engine and in ``generate``: a rejected draft cannot leave a recurrent state."""
     model = _zero_model()
     with pytest.raises(ValueError, match=r"model with recurrent state.*qwen3_next"):
         Engine(model, max_batch=2, max_model_len=32, speculative=SpeculativeConfig())
+    speculative = SpeculativeConfig(method="ngram")
+    with pytest.raises(ValueError, match="recurrent"):
+        generate(model, np.array([[5, 6, 7]]), max_new_tokens=2, speculative=speculative)
 
 
 def _engine_tokens(engine: Engine, prompts, max_tokens: int) -> list[list[int]]:
