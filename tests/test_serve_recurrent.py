@@ -3,7 +3,8 @@
 
 Default suite: the slots' gather / scatter (zeros at cache length 0, padding rows never
 written) and the engine's bookkeeping with the model step replaced by a stub (a slot per
-running request, reused after finish and abort, no prefix sharing, speculation refused).
+running request, reused after finish and abort, no prefix sharing, speculation refused),
+and the recurrent step lowered for cuda and tpu from this host.
 Slow set: greedy tokens of the real engine (several requests of different lengths, prompts
 split over prefill chunks, more requests than batch places) equal transformers' on tiny
 qwen3_next models built by transformers (dense and MoE, both layer kinds), and ``edl serve``
