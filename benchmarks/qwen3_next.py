@@ -13,7 +13,12 @@ with torch and jax in one process the train step stalled on this VM. Medians of 
 The delta rule alone: batch 1, 8 heads of 64 / 64, at seq 256, 1024 and 4096, forward, the
 XLA chunked form (chunks of 64) vs the recurrent ``lax.scan`` over tokens.
 
-    python -m benchmarks.qwen3_next --side {delta,edl,torch} [--rounds 7]
+Packed sequences (``--side resets``): the chunked delta rule's forward + backward at batch 2
+x 1024 tokens without ``resets``, with resets that mark nothing (what a padded batch of
+Qwen3-Next pays: its layers always pass the attention mask's segment ids) and with eight
+packed segments per row.
+
+    python -m benchmarks.qwen3_next --side {delta,resets,edl,torch} [--rounds 7]
 """
 
 from __future__ import annotations
@@ -137,22 +142,63 @@ def delta_rule_rows(rounds: int) -> list[dict]:
     return rows
 
 
+def resets_rows(rounds: int) -> list[dict]:
+    """Forward + backward of the chunked delta rule (median ms) with and without resets."""
+    seq = 1024
+    ks = jax.random.split(jax.random.key(0), 5)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q = unit(jax.random.normal(ks[0], (2, seq, 8, 64)))
+    k = unit(jax.random.normal(ks[1], (2, seq, 8, 64)))
+    v = jax.random.normal(ks[2], (2, seq, 8, 64))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (2, seq, 8)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (2, seq, 8)))
+    packed = np.zeros((2, seq), bool)
+    packed[:, np.arange(1, 8) * seq // 8 + 5] = True  # eight segments per row
+
+    def program(resets):
+        def loss(*a):
+            out, state = chunked_gated_delta_rule(*a, None, resets)
+            return jnp.sum(out**2) + jnp.sum(state**2)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+    cases = {
+        "no resets": program(None),
+        "resets marking nothing": program(jnp.zeros((2, seq), bool)),
+        "8 segments per row": program(jnp.asarray(packed)),
+    }
+    args = (q, k, v, g, beta)
+    samples = interleaved_rounds(
+        {name: lambda f=f: f(*args) for name, f in cases.items()}, rounds + 1, warm_each=True
+    )
+    base = _median_ms(samples["no resets"][1:])
+    return [
+        {"case": name, "ms": _median_ms(t[1:]), "vs_none": _median_ms(t[1:]) / base}
+        for name, t in samples.items()
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds; medians reported")
     parser.add_argument(
         "--side",
-        choices=("delta", "edl", "torch"),
+        choices=("delta", "resets", "edl", "torch"),
         required=True,
-        help="what this process times: the delta rule's two forms, edl's model, or torch's",
+        help="what this process times: the delta rule's two forms, its resets (packed "
+        "sequences), edl's model, or torch's",
     )
     return parser
 
 
 def main() -> None:
     args = build_parser().parse_args()
-    if args.side == "delta":
+    if args.side == "resets":
+        rows = resets_rows(args.rounds)
+        header = ["case", "fwd + bwd ms", "vs no resets"]
+        cells = [[r["case"], r["ms"], r["vs_none"]] for r in rows]
+    elif args.side == "delta":
         rows = delta_rule_rows(args.rounds)
         header = ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"]
         cells = [[r["seq"], r["chunked_ms"], r["recurrent_ms"], r["speedup"]] for r in rows]

@@ -110,6 +110,47 @@ def test_one_uneven_length_with_a_state_matches_the_reference_forward_and_backwa
             np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-9)
 
 
+def _alone(args, lengths):
+    """Each segment of ``lengths`` through the reference alone (the first continues the
+    initial state, the others start from zeros): outputs concatenated, the last's state."""
+    q, k, v, g, beta, s0 = args
+    outs, start, state = [], 0, s0
+    for n in lengths:
+        part = [x[:, start : start + n] for x in (q, k, v, g, beta)]
+        out, state = recurrent_gated_delta_rule(*part, state if start == 0 else None)
+        outs.append(out)
+        start += n
+    return jnp.concatenate(outs, axis=1), state
+
+
+# Segments of 3, 5 and 5 tokens in chunks of 4: resets inside a chunk and on its boundary.
+@pytest.mark.parametrize(
+    "form", [f if f == "chunked" else pytest.param(f, marks=pytest.mark.slow) for f in FORMS]
+)
+def test_resets_run_each_packed_segment_as_alone_forward_and_backward(form):
+    lengths = (3, 5, 5)
+    resets = np.zeros((1, sum(lengths)), bool)
+    resets[0, np.cumsum(lengths)[:-1]] = True
+    resets = jnp.asarray(resets)
+    with jax.enable_x64(True):
+        args = _inputs(5, 1, sum(lengths), 2, 4, 3)
+        out_ref, state_ref = _alone(args, lengths)
+
+        @jax.jit  # outputs and the gradients of sum(sin(out)) + sum(state^2): one program
+        def run(fn, *a):
+            (out, state), vjp = jax.vjp(lambda *a: fn(*a, resets), *a)
+            return out, state, vjp((jnp.cos(out), 2 * state))
+
+        chunked = jax.tree_util.Partial(lambda *a: FORMS[form](*a[:-1], a[-1], chunk=4))
+        out, state, actual = run(chunked, *args)
+        np.testing.assert_allclose(out, out_ref, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(state, state_ref, rtol=1e-10, atol=1e-10)
+        out, _, expected = run(jax.tree_util.Partial(recurrent_gated_delta_rule), *args)
+        np.testing.assert_allclose(out, out_ref, rtol=1e-12, atol=1e-12)
+        for a, e in zip(actual, expected, strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.slow  # ~10 s; test_models_qwen3_next's greedy generation decodes by default
 def test_decode_steps_continue_a_chunked_prefill():
     with jax.enable_x64(True):
@@ -181,5 +222,22 @@ def test_pallas_delta_rule_on_gpu_matches_the_float64_reference(seq, dk, dv):
         args64 = tuple(jnp.asarray(np.asarray(x), jnp.float64) for x in args32)
         out_ref, state_ref = jax.jit(recurrent_gated_delta_rule, backend="cpu")(*args64)
     out, state = jax.jit(lambda *a: gated_delta_rule(*a, impl="pallas"))(*args32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(np.asarray(state), np.asarray(state_ref), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_pallas_delta_rule_with_resets_on_gpu_matches_the_float64_reference():
+    """Packed segments (resets inside chunks of 64 and on a boundary) through the kernel."""
+    args32 = _inputs(8, 2, 200, 4, 64, 32, dtype=jnp.float32)
+    resets = np.zeros((2, 200), bool)
+    resets[0, [30, 64, 150]] = resets[1, [1, 128]] = True
+    with jax.enable_x64(True):
+        args64 = tuple(jnp.asarray(np.asarray(x), jnp.float64) for x in args32)
+        reference = jax.jit(recurrent_gated_delta_rule, backend="cpu")
+        out_ref, state_ref = reference(*args64, jnp.asarray(resets))
+    run = jax.jit(lambda *a: gated_delta_rule(*a[:-1], impl="pallas", resets=a[-1]))
+    out, state = run(*args32, jnp.asarray(resets))
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_ref), rtol=2e-3, atol=2e-3)
     np.testing.assert_allclose(np.asarray(state), np.asarray(state_ref), rtol=2e-3, atol=2e-3)

@@ -160,10 +160,20 @@ def test_layers_stack_by_kind_and_scan_in_periods():
     assert (segment.repeats, len(segment.block)) == (3, 4)  # one scan of 3 periods of 4
 
 
-@pytest.mark.parametrize("name", [pytest.param("moe_mixed", marks=pytest.mark.slow), "dense_tied"])
-def test_greedy_generation_matches_transformers(name):
+# The paged cache's decode loop is one more compilation (~8 s on the shared VM): slow set.
+@pytest.mark.parametrize(
+    ("name", "page_size"),
+    [
+        ("dense_tied", None),
+        pytest.param("dense_tied", 4, marks=pytest.mark.slow),
+        pytest.param("moe_mixed", None, marks=pytest.mark.slow),
+        pytest.param("moe_mixed", 4, marks=pytest.mark.slow),
+    ],
+)
+def test_greedy_generation_matches_transformers(name, page_size):
     """A left-padded batch: the linear layers' conv and delta states carried in the cache
-    from a (right-padded) prefill through one-token decode steps."""
+    from a (right-padded) prefill through one-token decode steps, beside the full layers'
+    contiguous cache or their paged cache (pages of 4 tokens: rows cross pages)."""
     hf_model = _hf_model(name, seed=3, std=0.25)
     model = _edl(hf_model)
     rng = np.random.default_rng(0)
@@ -180,24 +190,38 @@ def test_greedy_generation_matches_transformers(name):
             pad_token_id=0,
             eos_token_id=None,
         )
-    out = generate(model, ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    out = generate(
+        model, ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0, page_size=page_size
+    )
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, : ref.shape[1]], ref.numpy())
 
 
-def test_paged_cache_engine_speculation_and_packing_are_refused():
-    from edl.generate import SpeculativeConfig
-    from edl.serve import Engine
-
-    model = _edl(_hf_model("dense_tied"))
-    ids = np.array([[5, 6, 7]])
-    with pytest.raises(ValueError, match="per-sequence slots for Gated DeltaNet"):
-        generate(model, ids, max_new_tokens=2, page_size=4)
-    with pytest.raises(ValueError, match="recurrent"):
-        Engine(model, max_batch=2, max_model_len=16, page_size=4)
-    with pytest.raises(ValueError, match="recurrent"):
-        generate(model, ids, max_new_tokens=2, speculative=SpeculativeConfig(method="ngram"))
-    with pytest.raises(ValueError, match="segment_ids"):
-        model(jnp.asarray(ids), segment_ids=jnp.asarray([[0, 0, 1]]))
+# Two forward compilations (~15 s on the loaded shared VM); tests/test_gated_deltanet.py
+# checks the layer on packed segments by default. Speculation's refusal:
+# tests/test_serve_recurrent.py.
+@pytest.mark.slow
+def test_packed_sequences_equal_each_segment_alone():
+    """Three segments packed in one row (``segment_ids``): the linear layers restart their
+    conv and delta states at each, the full layers attend within it (positions restart),
+    so each segment's logits are those of the segment run alone; the row ends in padding."""
+    model = _edl(_hf_model("dense_tied", seed=1))
+    lengths = (5, 7, 4)
+    ids = np.random.default_rng(0).integers(3, VOCAB, (1, sum(lengths) + 2))
+    segments = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)] + [[0, 0]])
+    mask = (segments > 0)[None]
+    packed = model(
+        jnp.asarray(ids), segment_ids=jnp.asarray(segments[None]), attention_mask=jnp.asarray(mask)
+    ).logits
+    # The segments alone: one right-padded batch (padding after a segment changes nothing).
+    alone_ids = np.zeros((len(lengths), max(lengths)), ids.dtype)
+    alone_mask = np.zeros_like(alone_ids)
+    starts = np.cumsum((0, *lengths))
+    for i, n in enumerate(lengths):
+        alone_ids[i, :n], alone_mask[i, :n] = ids[0, starts[i] : starts[i] + n], 1
+    alone = _logits(model, alone_ids, alone_mask)
+    for i, n in enumerate(lengths):
+        got = packed[0, starts[i] : starts[i] + n]
+        np.testing.assert_allclose(got, alone[i, :n], rtol=1e-5, atol=1e-5)
 
 
 def _random_b(model):

@@ -13,9 +13,13 @@ transformers does::
 
     model = edl.from_pretrained("Qwen/Qwen3-Next-80B-A3B-Instruct")
 
-Not supported: packed sequences (``segment_ids``), the paged KV cache and the serving
-engine (no per-sequence recurrent-state slots yet), speculative decoding (a rejected draft
-cannot be taken back out of a recurrent state); each is refused with an error naming why.
+Generation runs with the contiguous or the paged KV cache (``edl.generate(...,
+page_size=)``: the full layers' keys / values in pages, the linear layers' states per row)
+and in the serving engine (``edl serve``: one recurrent-state slot per running request,
+``edl.serve.state_slots``; prefix caching is off for it, since shared pages hold no state).
+Packed sequences (``segment_ids``) restart each linear layer's conv and delta states at
+every segment. Not supported: speculative decoding (a rejected draft cannot be taken back
+out of a recurrent state), refused with an error naming why.
 """
 
 from __future__ import annotations

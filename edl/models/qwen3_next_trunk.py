@@ -9,9 +9,11 @@ gated full attention (``self_attn``, ``edl.nn.gated_blocks.GatedAttention``), as
 one scan over periods of four layers, so compile time stays flat in depth.
 
 Generation keeps, besides the keys / values of the full-attention layers (a contiguous
-``KVCache`` with one slot per full layer), each linear layer's conv and delta-rule states
-per row (``RecurrentStateCache``). The paged cache and the serving engine have no
-per-sequence state slots yet: ``wrap_cache`` refuses a paged cache, naming why.
+``KVCache`` or a ``PagedKVCache`` whose layer axis holds the full layers only), each linear
+layer's conv and delta-rule states per row (``RecurrentStateCache``). The trunk says so
+(``RECURRENT_STATE``) and gives zero states (``init_states``); the serving engine keeps one
+state slot per running request (``edl.serve.state_slots``) and hands each call its rows'
+states through ``wrap_cache(kv, states)``.
 """
 
 from __future__ import annotations
@@ -135,10 +137,13 @@ class Qwen3NextDecoderLayer(DecoderLayer):
         window: int | None = None,
         token_mask: Float[Array, "batch seq"] | None = None,
     ) -> tuple[jax.Array, RouterStats | None]:
-        """``DecoderLayer``'s call: the block and its router statistics."""
+        """``DecoderLayer``'s call: the block and its router statistics. ``segment_ids``:
+        attention's ``(q_ids, kv_ids)`` (``edl.ops.attention.padding_segments``); a linear
+        layer restarts its states where ``q_ids`` changes (packed sequences)."""
         x = self.input_layernorm(h)
         if self.linear_attn is not None:
-            y = self.linear_attn(x, token_mask)
+            segments = None if segment_ids is None else segment_ids[0]
+            y = self.linear_attn(x, token_mask, segments=segments)
         else:
             y = self.self_attn(
                 x, cos, sin, segment_ids, window=window, impl=config.run.attention_impl
@@ -208,6 +213,12 @@ class RecurrentStateCache(eqx.Module):
     @property
     def lengths(self) -> jax.Array:
         return self.kv.lengths
+
+    @property
+    def states(self) -> tuple[jax.Array, jax.Array]:
+        """``(conv, delta)``: the recurrent states, as ``Qwen3NextTrunk.wrap_cache`` takes
+        them."""
+        return self.conv, self.delta
 
     @property
     def fresh(self) -> bool:
@@ -307,46 +318,38 @@ class Qwen3NextTrunk(DecoderModel):
     def _stacks(self):
         return self._groups(), self.config.layer_groups
 
-    def __call__(self, input_ids=None, *, segment_ids=None, **kwargs) -> Any:
-        """``DecoderModel.__call__``; packed sequences (``segment_ids``) are refused: the
-        linear layers' states would flow across segments."""
-        if segment_ids is not None and LINEAR in self.config.layer_types:
-            raise ValueError(
-                "qwen3_next: segment_ids (packed sequences) are not supported: Gated DeltaNet "
-                "layers would carry their state across segments; pad the rows instead"
-            )
-        return super().__call__(input_ids, segment_ids=segment_ids, **kwargs)
-
-    def wrap_cache(self, kv: Any) -> RecurrentStateCache:
-        """``kv`` (a contiguous cache of the full layers, from ``init_cache``) with zero
-        states for the linear layers."""
-        if hasattr(kv, "page_table"):
-            raise ValueError(
-                "qwen3_next: the paged KV cache (and so the serving engine) has no "
-                "per-sequence slots for Gated DeltaNet's recurrent states yet; generate with "
-                "the contiguous cache (page_size=None)"
-            )
+    def init_states(self, rows: int) -> tuple[jax.Array, jax.Array]:
+        """Zero recurrent states of ``rows`` rows: each linear layer's conv tail ``(linear_
+        layers, rows, kernel - 1, channels)`` in the model's dtype and delta-rule state
+        ``(linear_layers, rows, v_heads, dk, dv)`` in float32 at least (as the delta rule
+        computes). Every leaf has its rows on axis 1 (``edl.serve.state_slots`` keeps one
+        slot per running request along it)."""
         c = self.config
-        kinds = tuple(c.layer_types)
-        batch = kv.lengths.shape[0]
-        lin = kinds.count(LINEAR)
+        lin = tuple(c.layer_types).count(LINEAR)
         dtype = self.embed_tokens.weight.dtype
         channels = (
             2 * c.linear_num_key_heads * c.linear_key_head_dim
             + c.linear_num_value_heads * c.linear_value_head_dim
         )
-        delta = (
-            lin,
-            batch,
-            c.linear_num_value_heads,
-            c.linear_key_head_dim,
-            c.linear_value_head_dim,
-        )
-        conv = (lin, batch, c.linear_conv_kernel_dim - 1, channels)
+        delta = (lin, rows, c.linear_num_value_heads, c.linear_key_head_dim)
+        conv = (lin, rows, c.linear_conv_kernel_dim - 1, channels)
+        wide = jnp.promote_types(dtype, jnp.float32)
+        return jnp.zeros(conv, dtype), jnp.zeros((*delta, c.linear_value_head_dim), wide)
+
+    def wrap_cache(
+        self, kv: Any, states: tuple[jax.Array, jax.Array] | None = None
+    ) -> RecurrentStateCache:
+        """``kv`` (the full layers' cache from ``init_cache`` or ``init_paged_cache``; its
+        layer axis holds the full layers only) with the linear layers' states of its rows:
+        ``states`` (as ``init_states`` gives them; ``RecurrentStateCache.states`` reads them
+        back after a call) or zeros."""
+        batch = kv.lengths.shape[0]
+        conv, delta = self.init_states(batch) if states is None else states
+        kinds = tuple(self.config.layer_types)
         return RecurrentStateCache(
             kv,
-            jnp.zeros(conv, dtype),
-            jnp.zeros(delta, jnp.promote_types(dtype, jnp.float32)),  # as the delta rule
+            conv,
+            delta,
             jnp.zeros((batch,), jnp.int32),
             _slots(kinds, LINEAR),
             _slots(kinds, FULL),

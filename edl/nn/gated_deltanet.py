@@ -20,7 +20,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear
 from edl.ops.delta_rule import gated_delta_rule, gated_delta_step
@@ -28,6 +28,7 @@ from edl.ops.delta_rule import gated_delta_rule, gated_delta_step
 __all__ = ["CausalConv1d", "GatedDeltaNet", "GatedRMSNorm", "l2_normalize"]
 
 Hidden = Float[Array, "batch seq dim"]
+Segments = Int[Array, "batch seq"]
 ConvState = Float[Array, "batch kernel_minus_1 channels"]
 DeltaState = Float[Array, "batch heads dk dv"]
 
@@ -60,15 +61,26 @@ class CausalConv1d(eqx.Module):
     weight: Float[Array, "channels 1 kernel"]
 
     def __call__(
-        self, x: Float[Array, "batch seq channels"], state: ConvState
+        self,
+        x: Float[Array, "batch seq channels"],
+        state: ConvState,
+        segments: Segments | None = None,
     ) -> Float[Array, "batch seq channels"]:
-        """``x`` after ``state`` (the ``kernel - 1`` inputs before it; zeros at a start)."""
+        """``x`` after ``state`` (the ``kernel - 1`` inputs before it; zeros at a start).
+        ``segments``: packed sequences' ids; a token reads no input of another segment
+        (the state counts as the first token's)."""
         kernel = self.weight.shape[-1]
         xp = jnp.concatenate([state.astype(x.dtype), x], axis=1)
         w = self.weight[:, 0, :].astype(x.dtype)  # (channels, kernel)
         seq = x.shape[1]
-        out = sum(xp[:, j : j + seq] * w[None, None, :, j] for j in range(kernel))
-        return jax.nn.silu(out)
+        taps = [xp[:, j : j + seq] * w[None, None, :, j] for j in range(kernel)]
+        if segments is not None:
+            before = jnp.repeat(segments[:, :1], kernel - 1, axis=1)
+            ids = jnp.concatenate([before, segments], axis=1)
+            zero = jnp.zeros((), x.dtype)
+            same = lambda j: (ids[:, j : j + seq] == segments)[..., None]
+            taps = [jnp.where(same(j), t, zero) for j, t in enumerate(taps)]
+        return jax.nn.silu(sum(taps))
 
 
 class GatedDeltaNet(eqx.Module):
@@ -151,11 +163,13 @@ class GatedDeltaNet(eqx.Module):
         mask: Float[Array, "batch seq"] | None = None,
         *,
         impl: str = "auto",
+        segments: Segments | None = None,
     ) -> Hidden:
         """The layer on whole sequences (zero states); ``mask`` zeroes padding's inputs
-        (transformers' ``apply_mask_to_padding_states``)."""
+        (transformers' ``apply_mask_to_padding_states``). ``segments``: packed sequences'
+        ids ``(batch, seq)``; each segment runs from zero conv and delta states, as alone."""
         conv, state = self.init_state(x.shape[0], x.dtype)
-        return self.decode(x, conv, state, mask, impl=impl)[0]
+        return self.decode(x, conv, state, mask, impl=impl, segments=segments)[0]
 
     def decode(
         self,
@@ -165,16 +179,18 @@ class GatedDeltaNet(eqx.Module):
         mask: Float[Array, "batch seq"] | None = None,
         *,
         impl: str = "auto",
+        segments: Segments | None = None,
     ) -> tuple[Hidden, ConvState, DeltaState]:
         """New tokens after the given states: the output and the states after each row's
-        last valid token (``mask``: 1 for valid new tokens, right-padded; ``None``: all)."""
+        last valid token (``mask``: 1 for valid new tokens, right-padded; ``None``: all).
+        ``segments`` (``__call__``): packed sequences' ids, both states restart at each."""
         b, s, _ = x.shape
         if mask is not None:
             x = x * mask[..., None].astype(x.dtype)
         q, k, v, z, beta_in, a = self._project(x)
         mixed = jnp.concatenate([q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1)], -1)
         new_conv = _next_conv_state(conv_state, mixed, mask)
-        mixed = self.conv1d(mixed, conv_state)
+        mixed = self.conv1d(mixed, conv_state, segments)
         key_dim = self.num_k_heads * self.head_k_dim
         q, k, v = jnp.split(mixed, [key_dim, 2 * key_dim], axis=-1)
         r = self.num_v_heads // self.num_k_heads
@@ -196,7 +212,13 @@ class GatedDeltaNet(eqx.Module):
             )
             out = out[:, None].astype(v.dtype)
         else:
-            out, delta_state = gated_delta_rule(q, k, v, g, beta, delta_state, impl=impl)
+            resets = None
+            if segments is not None:  # a token whose segment differs from its left one
+                starts = segments[:, 1:] != segments[:, :-1]
+                resets = jnp.pad(starts, [(0, 0), (1, 0)])
+            out, delta_state = gated_delta_rule(
+                q, k, v, g, beta, delta_state, impl=impl, resets=resets
+            )
         out = self.norm(out.astype(x.dtype), z).reshape(b, s, -1)
         return self.out_proj(out), new_conv, delta_state.astype(delta_state.dtype)
 

@@ -23,6 +23,12 @@ a few small matmuls each, instead of ``seq`` steps). Padding to a multiple of th
 for any length.
 ``edl.kernels.delta_rule`` runs that scan as one Pallas program per (batch, head) on GPU.
 
+Packed sequences: ``resets`` ``(batch, seq)`` marks the tokens that start a new sequence;
+the state before such a token is dropped (as if ``exp(g_t)`` were 0), so each segment runs
+from a zero state exactly as alone. The chunked form masks, within each chunk, the pairs
+of positions that a reset separates and the incoming state after a reset; the scan (and
+its kernel) is unchanged.
+
 Everything computes in float32 at least (float64 inputs stay float64: the gradient checks).
 """
 
@@ -32,7 +38,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from edl.kernels.delta_rule import chunk_scan_xla, pallas_chunk_scan
 from edl.platforms import fail_when_lowered, platform_dependent
@@ -53,6 +59,7 @@ QK = Float[Array, "batch seq heads dk"]
 V = Float[Array, "batch seq heads dv"]
 Gates = Float[Array, "batch seq heads"]
 State = Float[Array, "batch heads dk dv"]
+Resets = Bool[Array, "batch seq"]
 
 
 def _compute_dtype(*xs: jax.Array) -> jnp.dtype:
@@ -97,19 +104,25 @@ def recurrent_gated_delta_rule(
     g: Gates,
     beta: Gates,
     initial_state: State | None = None,
+    resets: Resets | None = None,
     *,
     scale: float | None = None,
 ) -> tuple[V, State]:
-    """The reference: ``gated_delta_step`` over time (``lax.scan``). Returns the output
-    ``(batch, seq, heads, dv)`` in ``v``'s dtype and the final state (compute dtype)."""
+    """The reference: ``gated_delta_step`` over time (``lax.scan``), the state zeroed
+    before each token ``resets`` marks. Returns the output ``(batch, seq, heads, dv)`` in
+    ``v``'s dtype and the final state (compute dtype)."""
     dt = _compute_dtype(q, k, v, g, beta)
     state = _zero_state(q, v, dt) if initial_state is None else initial_state.astype(dt)
+    if resets is None:
+        resets = jnp.zeros(q.shape[:2], jnp.bool_)
 
     def step(s, xs):
+        *xs, reset = xs
+        s = jnp.where(reset[:, None, None, None], jnp.zeros((), s.dtype), s)
         out, s = gated_delta_step(*xs, s, scale=scale)
         return s, out
 
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, resets))
     state, out = jax.lax.scan(step, state, xs)
     return jnp.moveaxis(out, 0, 1).astype(v.dtype), state
 
@@ -129,7 +142,17 @@ def _unit_lower_inverse(strict: jax.Array, eye: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(1, strict.shape[-1], row, t) + eye
 
 
-def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale: float):
+def chunk_inputs(
+    q: QK,
+    k: QK,
+    v: V,
+    g: Gates,
+    beta: Gates,
+    *,
+    chunk: int,
+    scale: float,
+    resets: Resets | None = None,
+):
     """Everything the chunked form computes in parallel over chunks (transformers'
     ``torch_chunk_gated_delta_rule`` up to its loop), heads-major, the sequence padded to a
     multiple of ``chunk`` and cut into ``n`` chunks:
@@ -138,7 +161,8 @@ def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale
     to its end, ``u`` ``(b, h, n, C, dv)`` and ``w`` ``(b, h, n, C, dk)`` the UT-transformed
     values and decayed keys (``T = (I + tril(beta k k^T * D, -1))^-1``), ``attn``
     ``(b, h, n, C, C)`` the causal decayed ``q k^T`` within the chunk, ``decay``
-    ``(b, h, n)`` the whole chunk's decay."""
+    ``(b, h, n)`` the whole chunk's decay. ``resets``: the decays across a reset are 0
+    (``_reset_masks``)."""
     dt = _compute_dtype(q, k, v, g, beta)
     seq = q.shape[1]
     pad = -seq % chunk
@@ -153,6 +177,14 @@ def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale
     cum = jnp.cumsum(g, axis=-1)  # (b, h, n, C): log decay from the chunk's start
     grid = (b, h, n, chunk, chunk)
     lower = jnp.broadcast_to(jnp.tril(jnp.ones((chunk, chunk), bool)), grid)
+    from_start, to_end = jnp.exp(cum), jnp.exp(cum[..., -1:] - cum)
+    decay = jnp.exp(cum[..., -1])
+    if resets is not None:
+        padded = jnp.pad(resets, [(0, 0), (0, pad)])
+        same, live, last = _reset_masks(padded, b, n, chunk, dt)
+        lower = lower & same
+        from_start, to_end = from_start * live, to_end * last
+        decay = decay * live[..., -1]
     # exp(cum_i - cum_j) for j <= i; the masked entries never reach exp (no overflow).
     diff = jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf)
     pair = jnp.exp(diff)
@@ -160,13 +192,24 @@ def chunk_inputs(q: QK, k: QK, v: V, g: Gates, beta: Gates, *, chunk: int, scale
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pair
     eye = jnp.broadcast_to(jnp.eye(chunk, dtype=dt), grid)
     inverse = _unit_lower_inverse(jnp.where(lower & (eye == 0), system, 0), eye)
-    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * from_start[..., None]], axis=-1)
     solved = jnp.einsum("...ij,...jd->...id", inverse, rhs)
     u, w = solved[..., : v.shape[-1]], solved[..., v.shape[-1] :]
     attn = jnp.einsum("...ik,...jk->...ij", q, k) * pair
-    qd = q * jnp.exp(cum)[..., None]
-    kd = k * jnp.exp(cum[..., -1:] - cum)[..., None]
-    return qd, kd, u, w, attn, jnp.exp(cum[..., -1])
+    qd = q * from_start[..., None]
+    kd = k * to_end[..., None]
+    return qd, kd, u, w, attn, decay
+
+
+def _reset_masks(resets: Bool[Array, "b s"], b: int, n: int, chunk: int, dtype):
+    """Per chunk, from the (padded) ``resets``: ``same`` ``(b, 1, n, C, C)``, no reset
+    between positions ``j < i`` (``j``'s writes reach ``i``); ``live`` ``(b, 1, n, C)``, no
+    reset up to ``i`` (the incoming state reaches it); ``last``, no reset after ``i``
+    (its writes reach the chunk's end). ``live`` / ``last`` as 0 / 1 in ``dtype``."""
+    part = jnp.cumsum(resets.reshape(b, 1, n, chunk).astype(jnp.int32), axis=-1)
+    same = part[..., :, None] == part[..., None, :]
+    live, last = part == 0, part == part[..., -1:]
+    return same, live.astype(dtype), last.astype(dtype)
 
 
 def _unchunk(out: jax.Array, seq: int, dtype) -> jax.Array:
@@ -181,6 +224,7 @@ def chunked_gated_delta_rule(
     g: Gates,
     beta: Gates,
     initial_state: State | None = None,
+    resets: Resets | None = None,
     *,
     scale: float | None = None,
     chunk: int = CHUNK_SIZE,
@@ -190,7 +234,7 @@ def chunked_gated_delta_rule(
     ``scan``: ``edl.kernels.delta_rule.chunk_scan_xla`` (the state through the chunks as a
     ``lax.scan``) or a kernel with its signature."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    parts = chunk_inputs(q, k, v, g, beta, chunk=chunk, scale=scale)
+    parts = chunk_inputs(q, k, v, g, beta, chunk=chunk, scale=scale, resets=resets)
     dt = parts[0].dtype
     state = _zero_state(q, v, dt) if initial_state is None else initial_state.astype(dt)
     out, state = scan(*parts, state)
@@ -244,9 +288,11 @@ def gated_delta_rule(
     *,
     scale: float | None = None,
     impl: str = "auto",
+    resets: Resets | None = None,
 ) -> tuple[V, State]:
     """The gated delta rule over a sequence: output ``(batch, seq, heads, dv)`` (``v``'s
-    dtype) and final state ``(batch, heads, dk, dv)``.
+    dtype) and final state ``(batch, heads, dk, dv)``. ``resets`` ``(batch, seq)``: the
+    tokens that start a packed sequence (the state before them is dropped).
 
     ``impl``: ``"auto"`` (Pallas on GPUs; the XLA chunked form elsewhere, TPUs included:
     no Mosaic kernel yet), ``"chunked"``, ``"recurrent"`` (the reference), ``"pallas"``
@@ -262,6 +308,11 @@ def gated_delta_rule(
         )
     if beta.shape != g.shape:
         raise ValueError(f"gated_delta_rule: beta {beta.shape} must match g {g.shape}")
+    if resets is not None and resets.shape != q.shape[:2]:
+        raise ValueError(
+            f"gated_delta_rule: resets {resets.shape} must be (batch, seq) {q.shape[:2]}"
+        )
     if initial_state is None:
         initial_state = _zero_state(q, v, _compute_dtype(q, k, v, g, beta))
-    return _IMPLS[impl](q, k, v, g, beta, initial_state, scale=scale)
+    resets = None if resets is None else resets.astype(jnp.bool_)
+    return _IMPLS[impl](q, k, v, g, beta, initial_state, resets, scale=scale)

@@ -62,6 +62,13 @@ computed again (at least the prompt's last token always is, for the first logits
 finished request's prompt pages stay cached, counted as free, until a fresh page is
 needed (least recently released first), so a system prompt is computed once.
 
+Recurrent states (Qwen3-Next's Gated DeltaNet; a trunk with ``RECURRENT_STATE``,
+``edl.serve.state_slots``): each running request also owns a state slot, taken at
+admission and given back at finish or abort; a row at cache length 0 starts from zero
+states, and chunked prefill carries them from chunk to chunk. Such a model shares no
+prefix pages (``prefix_caching`` is off: pages hold keys / values, not the state after
+them) and is refused with ``speculative`` (rejected drafts cannot leave the state).
+
 The engine is not thread-safe: call it from one thread (an async server runs ``step`` in
 a loop and queues ``add_request`` / ``abort`` to that loop, or holds one lock around all).
 
@@ -119,6 +126,7 @@ from edl.serve.shapes import (
     warmup_progress,
 )
 from edl.serve.speculation import Speculation
+from edl.serve.state_slots import StateSlots, check_speculation
 from edl.serve.step import model_step, sampled_logprobs
 from edl.serve.types import QueueFull, RequestOutput, SamplingParams, is_int
 
@@ -175,7 +183,8 @@ class Engine:
         prefill_tokens: a prefill call's padded size (rows x width), at most (default
             ``prefill_chunk``; at least that).
         eos_token_ids: ids that end every request (``finish_reason="stop"``).
-        prefix_caching: share whole prompt pages between running requests.
+        prefix_caching: share whole prompt pages between running requests (off for a
+            model with recurrent states, ``edl.serve.state_slots``).
         echo: hears each step shape's first call (``"compiling decode 8x1, 4 pages
             (first use) ..."``, then how long it took), and ``warmup``'s progress; None:
             silent.
@@ -200,6 +209,10 @@ class Engine:
         self.max_batch, self.max_model_len, self.page_size = max_batch, max_model_len, page_size
         self.max_queue, self.prefill_chunk = max_queue, prefill_chunk
         self.prefill_tokens = prefill_tokens
+        check_speculation(model, speculative, draft_model)
+        # Recurrent states (edl.serve.state_slots): one slot per request, no shared prefixes.
+        self._states = StateSlots(model, max_batch)
+        prefix_caching = prefix_caching and not self._states.recurrent
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
         self.row_buckets = buckets(max_batch, 1, 2)
         self.width_buckets = buckets(prefill_chunk, min(16, prefill_chunk), 4)
@@ -288,6 +301,7 @@ class Engine:
     def _release(self, request: Request) -> None:
         self._pool.release(request.pages)
         self._sampler.release(request.slot)
+        self._states.release(request.id)
         request.pages = []
         self._running.remove(request)
         request.running = False
@@ -308,6 +322,7 @@ class Engine:
             request.published = len(shared)
             request.running = True
             request.slot = self._sampler.admit(request.prompt, request.params)
+            self._states.admit(request.id)
             self._running.append(request)
             self._waiting.popleft()
 
@@ -394,7 +409,9 @@ class Engine:
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(key)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, logits, prompt = model_step(
+        self._k_pages, self._v_pages, logits, prompt = self._states.run(
+            model_step,
+            [r.id for r in requests],
             self._model,
             self._k_pages,
             self._v_pages,

@@ -125,13 +125,8 @@ def page_pools(
 ) -> tuple[jax.Array, jax.Array]:
     """The key and value page pools ``(layers, num_pages, page_size, kv_heads, head_dim)``
     in the embedding's dtype: two buffers (``init_paged_cache`` shares one zero array), as
-    each step donates both."""
-    if getattr(model.model, "RECURRENT_STATE", False):
-        raise ValueError(
-            f"the serving engine does not support model_type {model.config.model_type!r}: its "
-            "paged cache has no per-sequence slots for recurrent (Gated DeltaNet) states yet; "
-            "use edl generate / edl.generate with the contiguous cache"
-        )
+    each step donates both. A model with recurrent states (Qwen3-Next) caches the keys /
+    values of its attention layers here and its states in ``edl.serve.state_slots``."""
     cache = init_paged_cache(
         model.config,
         num_pages,

@@ -29,6 +29,7 @@ compiling them.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -186,14 +187,40 @@ def model_step(
     prompt token), else None. ``every`` (static too): the logits at every position
     ``(batch, width, vocab)`` instead, for speculative verification
     (``edl.serve.speculation``)."""
+    cache = step_cache(k_pages, v_pages, page_table, lengths)
+    logits, extra, cache = run_model(model, cache, tokens, num_new, targets, logprobs, every)
+    return cache.k_pages, cache.v_pages, logits, extra
+
+
+def step_cache(
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    page_table: Int[Array, "batch pages"],
+    lengths: Int[Array, " batch"],
+) -> PagedKVCache:
+    """A step's paged cache: the host allocated its pages (``free`` all False), attention
+    reads the whole trimmed table, no host-callback checks (module docstring)."""
     free = jnp.zeros((k_pages.shape[1],), jnp.bool_)
-    cache = PagedKVCache(
+    return PagedKVCache(
         k_pages, v_pages, page_table, lengths, free, whole_table=True, checked=False
     )
+
+
+def run_model(
+    model: CausalLM,
+    cache: Any,
+    tokens: Int[Array, "batch width"],
+    num_new: Int[Array, " batch"],
+    targets: Int[Array, "batch width"] | None,
+    logprobs: bool,
+    every: bool,
+) -> tuple[Float[Array, "batch *width vocab"], PromptLogprobs | None, Any]:
+    """``model_step``'s body on a built cache (``edl.serve.state_slots`` wraps the paged
+    cache with recurrent states first): ``(logits, prompt log-probs or None, cache)``."""
     logits, hidden, cache = steps.forward(model, tokens, cache, num_new=num_new, every=every)
     extra = None
     if logprobs:
         if targets is None:
             raise ValueError("model_step(logprobs=True) needs targets (batch, width)")
         extra = prompt_logprobs(model, hidden, targets)
-    return cache.k_pages, cache.v_pages, logits, extra
+    return logits, extra, cache
