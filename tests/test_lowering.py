@@ -114,8 +114,6 @@ FAMILIES_2026 = {  # MLA and grouped routing; attention sinks; Gated DeltaNet
         ),
     ),
 }
-# Gated DeltaNet layers refuse packed rows (their state would cross segments).
-UNPACKED = {"qwen3_next"}
 
 
 def _abstract(cls, config):
@@ -160,12 +158,13 @@ def _train_step_text(name: str, platform: str, mesh) -> str:
     state = jax.eval_shape(lambda m: edl.create_state(m, tx), _abstract(cls, config))
 
     def loss_fn(model, batch):
-        return model.compute_loss(batch["input_ids"], segment_ids=batch.get("segment_ids"))
+        return model.compute_loss(batch["input_ids"], segment_ids=batch["segment_ids"])
 
     step = make_train_step(loss_fn, tx, clip_norm=1.0, mesh=mesh)
-    batch = {"input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32)}
-    if name not in UNPACKED:
-        batch["segment_ids"] = jax.ShapeDtypeStruct((8, 256), jnp.int32)
+    batch = {
+        "input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+        "segment_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
+    }
     return step.lower(state, batch, platforms=(platform,)).as_text()
 
 
