@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -761,16 +762,10 @@ def test_real_tiny_model_matches_generate_text(tmp_path):
 
 
 @pytest.mark.slow  # loads a saved tiny Llama through edl serve's path (jax, ~5 s)
-def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
-    """``edl serve`` with a stand-in ``edl.serve.engine``: the model loaded from its
-    directory, the engine built with the CLI's sizes, the app given the model's EOS ids,
-    max_model_len and name, then served (here: captured, not run)."""
-    import types
-
+def _saved_llama(directory):
+    """A tiny byte-vocabulary Llama saved to ``directory``."""
     import jax
 
-    import edl.serve.server
-    from edl.cli import main
     from edl.io.formats.hf import save_pretrained
     from edl.models import LlamaConfig, LlamaForCausalLM
 
@@ -783,7 +778,18 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
         num_key_value_heads=2,
         max_position_embeddings=96,
     )
-    save_pretrained(LlamaForCausalLM.init(config, key=jax.random.key(0)), tmp_path / "m")
+    save_pretrained(LlamaForCausalLM.init(config, key=jax.random.key(0)), directory)
+
+
+def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
+    """``edl serve`` with a stand-in ``edl.serve.engine``: the model loaded from its
+    directory, the engine built with the CLI's sizes, the app given the model's EOS ids,
+    max_model_len and name, then served (here: captured, not run)."""
+
+    import edl.serve.server
+    from edl.cli import main
+
+    _saved_llama(tmp_path / "m")
     built, served = [], []
 
     class StandIn(FakeEngine):
@@ -833,6 +839,28 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
         "each step shape compiles when a request first needs it (--warmup: all now)",
         "starting the HTTP server on http://127.0.0.1:8123",
     ]
+
+
+def test_cli_serve_reports_an_engine_refusal_as_one_line(tmp_path, monkeypatch, capsys):
+    """What the engine refuses (speculation on a recurrent model, a draft model of another
+    vocabulary) ends ``edl serve`` with one ``error:`` line and status 1, no traceback."""
+    from edl.cli import main
+
+    _saved_llama(tmp_path / "m")
+
+    def refuse(model, **options):
+        raise ValueError("speculative decoding needs a model without recurrent state")
+
+    monkeypatch.setitem(sys.modules, "edl.serve.engine", types.SimpleNamespace(Engine=refuse))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(tmp_path / "m")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "edl serve: error: the serving engine refuses this model or these options: "
+        "speculative decoding needs a model without recurrent state\n"
+    )
+    assert "Traceback" not in err
 
 
 def _fake_entries(tokens, k):

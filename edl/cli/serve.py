@@ -77,17 +77,20 @@ def run_serve(args: argparse.Namespace) -> None:
     from edl.serve.engine import Engine
     from edl.text import HFTokenizer
 
-    engine = Engine(
-        model,
-        max_batch=args.max_batch,
-        max_model_len=max_model_len,
-        eos_token_ids=eos,
-        echo=say,
-        # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
-        tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
-        speculative=args.speculative,
-        draft_model=draft_model,
-    )
+    try:
+        engine = Engine(
+            model,
+            max_batch=args.max_batch,
+            max_model_len=max_model_len,
+            eos_token_ids=eos,
+            echo=say,
+            # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
+            tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
+            speculative=args.speculative,
+            draft_model=draft_model,
+        )
+    except ValueError as e:  # the engine's refusals name what and why: one line, no traceback
+        raise CommandError(f"the serving engine refuses this model or these options: {e}") from None
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
     masked = " x2 (plain, grammar-masked)" if isinstance(tokenizer, HFTokenizer) else ""
