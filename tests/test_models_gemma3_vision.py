@@ -139,7 +139,7 @@ def test_loss_matches_transformers(gemma3):
     assert int(metrics["count"]) == int((labels[:, 1:] != -100).sum())
 
 
-@pytest.mark.slow  # generate compiled with images, two eager forwards (~30 s)
+@pytest.mark.slow  # generate compiled with images twice, two eager forwards (~40 s)
 def test_greedy_generation_with_an_image_matches_transformers(gemma3):
     hf, _, model = gemma3
     ids, _, types, pixels = _inputs()
@@ -163,6 +163,9 @@ def test_greedy_generation_with_an_image_matches_transformers(gemma3):
         logprobs=1,
     )
     np.testing.assert_array_equal(np.asarray(out.sequences), ref.numpy())
+    settings = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=None, page_size=4)
+    paged = generate(model, ids, pixel_values=pixels, **settings)
+    np.testing.assert_array_equal(np.asarray(paged.sequences), ref.numpy())
     # The prefill opened the image both ways: its first log-prob is the bidirectional
     # forward's, not the causal one's.
     first = int(out.sequences[0, ids.shape[1]])
@@ -247,3 +250,23 @@ def test_lora_as_peft_files_both_ways(gemma3, tmp_path):
     np.testing.assert_array_equal(
         again(ids, pixels, attention_mask=mask, token_type_ids=types).logits, mine
     )
+
+
+def test_block_ids_and_mask_match_transformers():
+    from transformers.models.gemma3.modeling_gemma3 import get_block_sequence_ids_for_mask
+
+    from edl.ops.block_attention import BidirectionalBlocks, block_ids
+
+    types = np.array([[0, 1, 1, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 1, 0, 1]])
+    blocks = block_ids(jnp.asarray(types))
+    ref = get_block_sequence_ids_for_mask(torch.tensor(types))
+    np.testing.assert_array_equal(np.asarray(blocks), ref.numpy())
+    # window AND (causal OR same block) AND the key not padded (row 1's last key).
+    valid = np.array([[1] * 8, [1] * 7 + [0]])
+    pad = jnp.where(jnp.asarray(valid) == 1, 1, -1)
+    mask = BidirectionalBlocks.of((jnp.ones((2, 8), jnp.int32), pad), blocks).mask(True, 2)
+    q, k = np.arange(8)[:, None], np.arange(8)[None]
+    b = np.asarray(blocks)
+    same = (b[:, :, None] == b[:, None, :]) & (b[:, :, None] >= 0)
+    want = ((k <= q) | same) & (k > q - 2) & (valid[:, None, :] == 1)
+    np.testing.assert_array_equal(np.asarray(mask), want)

@@ -72,24 +72,48 @@ _OWN = frozenset(
         "tie_word_embeddings",
     }
 )
-_READ = _OWN | {
-    "model_type",
-    "text_config",
-    "vision_config",
-    "architectures",
-    "dtype",
-    "torch_dtype",
-    "transformers_version",
+_ALIASES = {
+    "image_token_id": "image_token_index",
+    "boi_token_id": "boi_token_index",
+    "eoi_token_id": "eoi_token_index",
 }
+_READ = (
+    _OWN
+    | set(_ALIASES)
+    | {
+        "model_type",
+        "text_config",
+        "vision_config",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+    }
+)
+
+
+def _gemma3_tower() -> SiglipVisionConfig:
+    """gemma-3-4b's SigLIP tower (transformers' bare default tower, 14 patches a side, does
+    not pool to 256 tokens)."""
+    return SiglipVisionConfig(
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        image_size=896,
+        patch_size=14,
+        vision_use_head=False,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemma3Config:
     """transformers' ``Gemma3Config``: ``text_config`` (``Gemma3TextConfig``),
-    ``vision_config`` (SigLIP's tower) and how they meet (defaults: transformers')."""
+    ``vision_config`` (SigLIP's tower; default gemma-3-4b's) and how they meet (defaults:
+    transformers')."""
 
-    text_config: Gemma3TextConfig
-    vision_config: SiglipVisionConfig
+    text_config: Gemma3TextConfig = dataclasses.field(default_factory=Gemma3TextConfig)
+    vision_config: SiglipVisionConfig = dataclasses.field(default_factory=_gemma3_tower)
     mm_tokens_per_image: int = 256
     boi_token_index: int = 255_999
     eoi_token_index: int = 256_000
@@ -171,12 +195,16 @@ class Gemma3Config:
                     "(Gemma 3's multimodal model)"
                 )
         extra = tuple(sorted((k, json.dumps(v)) for k, v in c.items() if k not in _READ))
+        fields = {k: c[k] for k in _OWN & set(c)}
+        for alias, name in _ALIASES.items():  # transformers' attribute_map
+            if alias in c and name not in c:
+                fields[name] = c[alias]
         try:
             return cls(
                 text_config=Gemma3TextConfig.from_hf(text, **overrides),
                 vision_config=SiglipVisionConfig.from_hf(vision, **overrides),
                 hf_extra=extra,
-                **{k: c[k] for k in _OWN & set(c)},
+                **fields,
             )
         except (TypeError, ValueError) as e:
             raise ValueError(f"config.json (gemma3): {e}") from e
