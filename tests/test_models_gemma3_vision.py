@@ -214,7 +214,7 @@ def test_config_checks_name_the_field():
         Gemma3Config.from_hf(llama_text)
 
 
-@pytest.mark.slow  # a LoRA train step of the whole model compiled, PEFT's forward (~25 s)
+@pytest.mark.slow  # a LoRA train step of the whole model compiled, PEFT's forward (~35 s)
 def test_lora_as_peft_files_both_ways(gemma3, tmp_path):
     _, directory, model = gemma3
     peft = pytest.importorskip("peft")
