@@ -1,7 +1,8 @@
 """Gemma 3's multimodal model (``gemma3``) against transformers' Gemma3ForConditionalGeneration:
 the forward with images (causal, and with ``token_type_ids`` opening each image both ways),
 the loss, greedy generation with an image (its prefill's bidirectional images), files both
-ways, ``edl info``, and LoRA on the language model as PEFT files (slow).
+ways (and the released checkpoints' ``vision_tower.vision_model.*``), ``edl info``, LoRA on
+the language model as PEFT files and the model sharded over a mesh (slow).
 
 The tiny model: a SigLIP tower of 4 x 4 patches pooled to 4 image tokens, a Gemma 3 text
 model of one sliding (window 3, shorter than an image) and one full layer. Every weight is
@@ -19,6 +20,7 @@ import optax
 import pytest
 from hf_parity import TOL
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 import edl
 from edl.generate import generate
@@ -195,6 +197,18 @@ def test_files_both_ways_and_edl_info(gemma3, tmp_path, capsys):
     assert again.config.mm_tokens_per_image == 4
     assert again.config.text_config.layer_types == hf.config.text_config.layer_types
 
+    # The released checkpoints' tower layout (vision_tower.vision_model.*) loads too.
+    (tmp_path / "released").mkdir()
+    renamed = {
+        k.replace("vision_tower.", "vision_tower.vision_model.", 1): v for k, v in theirs.items()
+    }
+    save_file(renamed, str(tmp_path / "released" / "model.safetensors"))
+    (tmp_path / "released" / "config.json").write_text((directory / "config.json").read_text())
+    released = edl.tree.flatten(edl.from_pretrained(tmp_path / "released"))
+    for path, x in edl.tree.flatten(model).items():
+        if hasattr(x, "shape"):
+            np.testing.assert_array_equal(released[path], x, err_msg=path)
+
     from edl.cli import main
 
     main(["info", str(directory)])
@@ -270,3 +284,13 @@ def test_block_ids_and_mask_match_transformers():
     same = (b[:, :, None] == b[:, None, :]) & (b[:, :, None] >= 0)
     want = ((k <= q) | same) & (k > q - 2) & (valid[:, None, :] == 1)
     np.testing.assert_array_equal(np.asarray(mask), want)
+
+
+@pytest.mark.slow  # the forward compiled on one device and on a 2 x 4 mesh (~12 s)
+def test_sharded_over_a_mesh_equals_one_device(gemma3):
+    _, _, model = gemma3
+    mesh = edl.sharding.make_mesh((1, 2, 4, 1))  # dp, fsdp, tp, sp
+    sharded = edl.sharding.shard(model, None, mesh)
+    ids, mask, types, pixels = (jnp.asarray(x) for x in _inputs())
+    run = jax.jit(lambda m: m(ids, pixels, attention_mask=mask, token_type_ids=types).logits)
+    np.testing.assert_allclose(run(sharded), run(model), atol=TOL)
