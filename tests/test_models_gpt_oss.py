@@ -341,8 +341,12 @@ def test_config_defaults_round_trip_and_mxfp4_refusal():
         again = GptOssConfig.from_hf(transformers.AutoConfig.for_model(**hf_dict).to_dict())
         assert again.replace(hf_extra=()) == config.replace(hf_extra=()), name
     base = _hf_config("yarn_sliding").to_dict()
-    with pytest.raises(ValueError, match="quant_method 'mxfp4' is not supported"):
-        GptOssConfig.from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+    # MXFP4 is dequantised at load (tests/test_io_mxfp4.py): the config drops it; others refuse.
+    mxfp4 = GptOssConfig.from_hf({**base, "quantization_config": {"quant_method": "mxfp4"}})
+    assert mxfp4 == GptOssConfig.from_hf(base)
+    assert "quantization_config" not in mxfp4.to_hf()
+    with pytest.raises(ValueError, match="quant_method 'fp8' is not supported"):
+        GptOssConfig.from_hf({**base, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="no HF 'gpt_oss' equivalent: attention sinks"):
         GptOssConfig.from_hf(base).replace(attention_sinks=False).to_hf()
     # Other families refuse sinks (a layout feature only gpt_oss writes).

@@ -282,7 +282,8 @@ def _text_and_images(
     if num_beams > 1:
         raise ValueError("generate: beam search does not take pixel_values; use num_beams=1")
     features = _image_features(model, jnp.asarray(pixel_values))
-    return model.text_lm(), ImagePrompt(features, model.config.image_token_index)
+    both_ways = getattr(model.config, "BIDIRECTIONAL_IMAGES", False)  # Gemma 3
+    return model.text_lm(), ImagePrompt(features, model.config.image_token_index, both_ways)
 
 
 def _check_image_tokens(ids: jax.Array, images: ImagePrompt | None) -> None:

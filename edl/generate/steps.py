@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from edl.generate.block_prefill import BlockPrefill, unwrap
 from edl.generate.cache import init_cache
 from edl.generate.paged import init_paged_cache
 from edl.models.config import DecoderConfig
@@ -120,10 +121,13 @@ class ImageTextLM(Protocol):
 
 
 class ImagePrompt(eqx.Module):
-    """Image features to merge into a prompt's embeddings at the ``image_token`` ids."""
+    """Image features to merge into a prompt's embeddings at the ``image_token`` ids;
+    ``bidirectional``: each image's tokens attend to each other both ways in the prefill
+    (Gemma 3, ``edl.generate.block_prefill``)."""
 
     features: Float[Array, "images tokens dim"]
     image_token: int = eqx.field(static=True)
+    bidirectional: bool = eqx.field(static=True, default=False)
 
     def embed(self, model: CausalLM, ids: Int[Array, "batch seq"]) -> Float[Array, "b s d"]:
         """The prompt's token embeddings with the placeholders replaced (in order)."""
@@ -146,8 +150,10 @@ def start(
     ids, mask, lengths = compact_prompts(input_ids, attention_mask)
     cache = new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
     embeds = None if images is None else images.embed(model, ids)
+    if images is not None and images.bidirectional:
+        cache = BlockPrefill.of(cache, ids == images.image_token)
     logits, cache = prefill(model, ids, lengths, cache, inputs_embeds=embeds)
-    return logits, cache, ids, mask
+    return logits, unwrap(cache), ids, mask
 
 
 def forward(

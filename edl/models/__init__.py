@@ -4,7 +4,8 @@ Every decoder family runs the one decoder of ``edl.models.decoder`` (trunk) and
 ``edl.models.heads`` (task heads); a family is a config class (reading and writing HF
 ``config.json``), a declarative HF key table and HF-named classes. The vision families
 (``clip``, ``siglip``) run the encoder towers of ``edl.models.towers``; ``llava`` joins a
-vision tower to any decoder family.
+vision tower to any decoder family, ``gemma3_vision`` (Gemma 3's multimodal model) a SigLIP
+tower to Gemma 3's.
 
 The names below are what a user builds or loads a model with: each family's config and its
 causal LM (``edl.from_pretrained`` picks the class from ``config.json``), LLaMA's sequence
@@ -14,7 +15,7 @@ vision towers and their configs) are in its module: ``edl.models.llama``,
 ``edl.models.deepseek_v3``, ``edl.models.gemma``, ``edl.models.gemma3``,
 ``edl.models.gpt_oss``, ``edl.models.mixtral``, ``edl.models.olmo``, ``edl.models.phi3``,
 ``edl.models.qwen3_moe``, ``edl.models.qwen3_next``, ``edl.models.smollm3``,
-``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``,
+``edl.models.clip``, ``edl.models.siglip``, ``edl.models.llava``, ``edl.models.gemma3_vision``,
 ``edl.models.encoder_config``.
 """
 
@@ -26,6 +27,7 @@ from edl.models.encoder_config import CLIPConfig, SiglipConfig
 from edl.models.flops import flops_per_token
 from edl.models.gemma import Gemma2Config, Gemma2ForCausalLM, GemmaConfig, GemmaForCausalLM
 from edl.models.gemma3 import Gemma3ForCausalLM, Gemma3TextConfig
+from edl.models.gemma3_vision import Gemma3Config, Gemma3ForConditionalGeneration
 from edl.models.gpt_oss import GptOssConfig, GptOssForCausalLM
 from edl.models.heads import configure
 from edl.models.llama import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
@@ -46,7 +48,9 @@ __all__ = [
     "DeepseekV3ForCausalLM",
     "Gemma2Config",
     "Gemma2ForCausalLM",
+    "Gemma3Config",
     "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
     "Gemma3TextConfig",
     "GemmaConfig",
     "GemmaForCausalLM",

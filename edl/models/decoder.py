@@ -37,6 +37,7 @@ from edl.nn.mlp import GatedMLP
 from edl.nn.moe import SparseMoE
 from edl.nn.stack import run_stack, stack, unstack
 from edl.ops.attention import padding_segments
+from edl.ops.block_attention import BidirectionalBlocks
 from edl.ops.checks import check_ids
 from edl.ops.moe import RouterStats
 from edl.ops.rope import rope_tables
@@ -198,7 +199,7 @@ class DecoderLayer(eqx.Module):
         h: Hidden,
         cos: Float[Array, "batch seq rope_dim"] | None,
         sin: Float[Array, "batch seq rope_dim"] | None,
-        segment_ids: tuple[Ids, Ids] | None,
+        segment_ids: tuple[Ids, Ids] | BidirectionalBlocks | None,
         *,
         config: DecoderConfig,
         window: int | None = None,
@@ -400,6 +401,7 @@ class DecoderModel(eqx.Module):
         segment_ids: Ids | None = None,
         output_hidden_states: bool = False,
         cache: KVCacheLike | None = None,
+        blocks: Ids | None = None,
     ) -> ModelOutput:
         """Run the trunk on ``input_ids`` or ``inputs_embeds`` (exactly one; embeddings are
         taken as they are, already scaled where the family scales them).
@@ -418,6 +420,9 @@ class DecoderModel(eqx.Module):
                 updated cache is returned in the output. With a cache, ``attention_mask``
                 must be right-padded (ones, then zeros: the row's valid new tokens), and
                 ``segment_ids`` / ``output_hidden_states`` are not supported.
+            blocks: ``(batch, seq)`` ids of blocks whose tokens attend to each other both
+                ways, ``-1`` elsewhere (Gemma 3's images, ``edl.ops.block_attention``);
+                not with a cache.
         """
         c = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -430,7 +435,10 @@ class DecoderModel(eqx.Module):
         batch, seq = h.shape[:2]
         _check_2d("attention_mask", attention_mask, batch, seq)
         _check_2d("segment_ids", segment_ids, batch, seq)
+        _check_2d("blocks", blocks, batch, seq)
         if cache is not None:
+            if blocks is not None:
+                raise ValueError("with a cache, blocks are not supported")
             return self._decode(
                 h, attention_mask, position_ids, cache, segment_ids, output_hidden_states
             )
@@ -443,6 +451,8 @@ class DecoderModel(eqx.Module):
         position_ids = _broadcast_positions(position_ids, batch, seq)
         tables = _rope_tables(position_ids, c)
         segments = padding_segments(attention_mask, segment_ids)
+        if blocks is not None:
+            segments = BidirectionalBlocks.of(segments, blocks)
         token_mask = None if attention_mask is None else attention_mask.astype(jnp.float32)
 
         def apply(layer: DecoderLayer, carry, setting, _):

@@ -88,8 +88,6 @@ _BY_MODEL_TYPE: dict[str, Family] = {}
 # Model types close to a supported family that edl refuses, and what they lack (the error
 # names it rather than only listing what edl builds).
 UNSUPPORTED = {
-    "gemma3": "Gemma 3's multimodal model (its SigLIP tower and projector) is not supported; "
-    "the text model alone loads as model_type 'gemma3_text'",
     "gemma3n": "Gemma 3n's per-layer embeddings, AltUp, LAuReL and activation sparsity are "
     "not implemented",
 }

@@ -14,9 +14,11 @@ biased experts and the clamped SwiGLU (``edl.nn.gpt_oss_moe``).
 - RoPE: ``rope_parameters`` as the file gives them (YaRN, factor 32, by default).
 
 The released checkpoints (openai/gpt-oss-20b, -120b) ship MXFP4-quantised experts
-(``quantization_config.quant_method = "mxfp4"``, ``*_blocks`` / ``*_scales`` tensors): edl
-refuses those configs naming the method; dequantise to bfloat16 first (transformers loads
-them with ``Mxfp4Config(dequantize=True)`` and ``save_pretrained`` writes the bf16 layout).
+(``quantization_config.quant_method = "mxfp4"``, ``*_blocks`` / ``*_scales`` tensors):
+``from_pretrained`` dequantises them at load to the model's dtype, bit for bit as
+transformers' ``Mxfp4Config(dequantize=True)`` (``edl.io.formats.mxfp4``); the config read
+drops ``quantization_config``, so saving writes the dequantised layout (no re-quantising
+save). Other quantisation methods are refused by name.
 """
 
 from __future__ import annotations
@@ -122,17 +124,17 @@ class GptOssConfig(DecoderConfig):
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides: Any) -> GptOssConfig:
-        """Read a HF ``config.json`` dict; ``overrides`` set edl fields. MXFP4-quantised
-        checkpoints raise ``ValueError`` (module docstring)."""
+        """Read a HF ``config.json`` dict; ``overrides`` set edl fields. An MXFP4
+        ``quantization_config`` is dropped (its tensors are dequantised at load), any other
+        raises ``ValueError`` naming the method."""
         c = dict(config)
         cls._check_model_type(c)
-        quant = c.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        quant = c.pop("quantization_config", None)
+        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+        if quant and method != "mxfp4":  # MXFP4 is dequantised at load (edl.io.formats.mxfp4)
             raise ValueError(
                 f"config.json: quantization_config with quant_method {method!r} is not "
-                "supported: edl loads GPT-OSS's bfloat16 layout; dequantise first "
-                "(transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
+                "supported: edl loads GPT-OSS's bfloat16 layout and its MXFP4 checkpoints"
             )
         if not any(k in c for k in ("rope_parameters", "rope_scaling")):
             c["rope_parameters"] = {**_HF_DEFAULT_ROPE, "rope_theta": c.get("rope_theta", 150000.0)}

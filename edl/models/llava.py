@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -95,6 +95,16 @@ _READ = frozenset(
         "transformers_version",
     }
 )
+
+
+@runtime_checkable
+class ImageTextConfig(Protocol):
+    """What LLaVA's model classes and key tables read of a config: ``LlavaConfig``, or
+    ``edl.models.gemma3_vision.Gemma3Config`` (a vision tower, a decoder and a placeholder)."""
+
+    text_config: DecoderConfig
+    vision_config: CLIPVisionConfig | SiglipVisionConfig
+    image_token_index: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +235,7 @@ class LlavaConfig:
         return out
 
 
-def key_table(config: LlavaConfig) -> KeyTable:
+def key_table(config: ImageTextConfig) -> KeyTable:
     """HF <-> edl keys of a LLaVA model: the language model's own table moved under
     ``language_model.`` (HF) / ``model.language_model.`` (edl), the vision tower's under
     ``vision_tower.`` / ``model.vision_tower.``; the older layouts load only."""
@@ -258,7 +268,7 @@ def key_table(config: LlavaConfig) -> KeyTable:
 _IGNORED = (r"(.*\.)?embeddings\.position_ids", r".*rotary_emb\.inv_freq")
 
 
-def _trunk_rules(config: LlavaConfig) -> list[KeyRule]:
+def _trunk_rules(config: ImageTextConfig) -> list[KeyRule]:
     """The language model family's trunk rules (HF ``model.*`` <-> edl ``model.*`` of its
     causal LM) moved to transformers 5's module names, ``model.language_model.*`` both ways."""
     text = family_for(config.text_config.model_type).key_table_for(config.text_config)
@@ -272,7 +282,7 @@ def _trunk_rules(config: LlavaConfig) -> list[KeyRule]:
     return out
 
 
-def module_key_table(config: LlavaConfig) -> KeyTable:
+def module_key_table(config: ImageTextConfig) -> KeyTable:
     """The names of transformers 5's modules (``model.language_model.layers.0.self_attn``,
     ``model.vision_tower.encoder.layers.0.mlp``), which PEFT adapters use: edl's paths with
     each layer's index, unlike the files' ``language_model.model.*``."""
@@ -343,15 +353,17 @@ class LlavaModel(eqx.Module):
     """The vision tower, the projector and the language model's trunk."""
 
     partition_rules: ClassVar[Rules] = PARTITION_RULES[:-1] + ENCODER_PARTITION_RULES
+    # The projector's class (``init(config, dtype=, key=)``): Gemma 3 has its own.
+    projector_cls: ClassVar[type] = LlavaMultiModalProjector
 
     vision_tower: VisionTower
     multi_modal_projector: LlavaMultiModalProjector
     language_model: DecoderModel
-    config: LlavaConfig = eqx.field(static=True)
+    config: ImageTextConfig = eqx.field(static=True)
 
     @classmethod
     def init(
-        cls, config: LlavaConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+        cls, config: ImageTextConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> LlavaModel:
         """Random weights; ``dtype`` must be a floating dtype."""
         dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
@@ -360,7 +372,7 @@ class LlavaModel(eqx.Module):
         trunk = family_for(config.text_config.model_type).tasks["base"]
         return cls(
             tower.init(config.vision_config, key=k_vision, dtype=dtype),
-            LlavaMultiModalProjector.init(config, dtype=dtype, key=k_proj),
+            cls.projector_cls.init(config, dtype=dtype, key=k_proj),
             trunk.init(config.text_config, key=k_text, dtype=dtype),
             config,
         )
@@ -419,6 +431,7 @@ class LlavaForConditionalGeneration(eqx.Module):
     as on the decoders' causal LMs."""
 
     partition_rules: ClassVar[Rules] = LlavaModel.partition_rules
+    base_cls: ClassVar[type] = LlavaModel  # the model under the head (Gemma 3 has its own)
 
     model: LlavaModel
     lm_head: Linear | None
@@ -426,7 +439,7 @@ class LlavaForConditionalGeneration(eqx.Module):
 
     @classmethod
     def init(
-        cls, config: LlavaConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
+        cls, config: ImageTextConfig, *, key: PRNGKeyArray, dtype: DTypeLike = jnp.float32
     ) -> LlavaForConditionalGeneration:
         """Random weights; ``dtype`` must be a floating dtype."""
         dtype = require_float_dtype(dtype, f"{cls.__name__}.init: dtype")
@@ -440,10 +453,10 @@ class LlavaForConditionalGeneration(eqx.Module):
                 dtype=dtype,
                 key=k_head,
             )
-        return cls(LlavaModel.init(config, key=k_model, dtype=dtype), head)
+        return cls(cls.base_cls.init(config, key=k_model, dtype=dtype), head)
 
     @property
-    def config(self) -> LlavaConfig:
+    def config(self) -> ImageTextConfig:
         return self.model.config
 
     def text_lm(self) -> DecoderForCausalLM:

@@ -12,6 +12,7 @@ from edl.models import (
     deepseek_v3,
     gemma,
     gemma3,
+    gemma3_vision,
     gpt_oss,
     llama,
     llava,
@@ -169,6 +170,21 @@ LLAVA = register(
         llava.key_table,
         {"conditional_generation": llava.LlavaForConditionalGeneration, "base": llava.LlavaModel},
         {"llava": "Llava"},
+        module_table=llava.module_key_table,
+    )
+)
+
+# Gemma 3's multimodal model: LLaVA's file layout and module names over its own classes.
+GEMMA3 = register(
+    Family(
+        "gemma3",
+        gemma3_vision.Gemma3Config,
+        llava.key_table,
+        {
+            "conditional_generation": gemma3_vision.Gemma3ForConditionalGeneration,
+            "base": gemma3_vision.Gemma3Model,
+        },
+        {"gemma3": "Gemma3"},
         module_table=llava.module_key_table,
     )
 )

@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear, RMSNorm
 from edl.ops.attention import SegmentIds, attention
+from edl.ops.block_attention import BidirectionalBlocks
 from edl.ops.rope import apply_rope
 
 __all__ = ["Attention", "KVCacheLike"]
@@ -130,7 +131,7 @@ class Attention(eqx.Module):
         x: Float[Array, "batch seq dim"],
         cos: Float[Array, "batch seq rope_dim"] | None,
         sin: Float[Array, "batch seq rope_dim"] | None,
-        segment_ids: SegmentIds | None = None,
+        segment_ids: SegmentIds | BidirectionalBlocks | None = None,
         *,
         window: int | None = None,
         softcap: float | None = None,

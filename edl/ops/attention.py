@@ -21,6 +21,7 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.kernels import flash_attention, native, tpu
 from edl.kernels._common import KERNEL_DTYPES, triton_head_dim_reason
 from edl.ops.attention_xla import xla_attention
+from edl.ops.block_attention import BidirectionalBlocks
 from edl.ops.dispatch import Kernel, by_platform, never
 from edl.ops.ring_attention import ring_attention
 from edl.ops.sharding import BATCH, fit_spec
@@ -352,7 +353,7 @@ def attention(
     v: Float[Array, "batch kv_len kv_heads head_dim"],
     *,
     causal: bool = False,
-    segment_ids: SegmentIds | None = None,
+    segment_ids: SegmentIds | BidirectionalBlocks | None = None,
     window: int | None = None,
     softcap: float | None = None,
     scale: float | None = None,
@@ -365,7 +366,9 @@ def attention(
         q, k, v: see the module docstring; ``heads`` must be a multiple of ``kv_heads``.
         causal: mask future keys (diagonal aligned to the end when ``q_len < kv_len``).
         segment_ids: ``(batch, len)`` ids, or a ``(q_ids, kv_ids)`` pair; a query only sees
-            keys of its own segment (packed sequences; id 0 can mark padding).
+            keys of its own segment (packed sequences; id 0 can mark padding). A
+            ``edl.ops.block_attention.BidirectionalBlocks`` also opens each block both ways
+            (Gemma 3's images), computed by the XLA path whatever ``impl`` says.
         window: left sliding window (Mistral); implies causal.
         softcap: ``softcap * tanh(logits / softcap)`` after scaling (Gemma 2).
         scale: logit scale, default ``1/sqrt(head_dim)``.
@@ -398,6 +401,9 @@ def attention(
             ``ValueError`` when lowered (at once, when it runs nowhere).
     """
     _check_arguments(q, k, v, window, impl, sinks)
+    if isinstance(segment_ids, BidirectionalBlocks):  # Gemma 3's images: XLA with their mask
+        options = dict(causal=causal, window=window, softcap=softcap, scale=scale, sinks=sinks)
+        return segment_ids.attend(q, k, v, **options)
     q_len, kv_len = q.shape[1], k.shape[1]
     q_ids, kv_ids = _segment_pair(segment_ids, q_len, kv_len)
     if impl == "ring":

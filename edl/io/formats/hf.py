@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec, Sharding
 from jax.typing import DTypeLike
 
 from edl._hub import hub_offline, is_repo_id, no_such_path, offline_error
+from edl.io.formats import mxfp4
 from edl.io.formats.files import read_json, write_json_atomic
 from edl.io.formats.manifest import Manifest, describe
 from edl.io.formats.plan import TensorSource, load_arrays, plan_load
@@ -223,6 +224,14 @@ def _load(
     return named_map(lambda path, leaf: leaves.get(path, leaf), abstract)
 
 
+def _dequantized(hf_config: Mapping[str, Any], source: TensorSource) -> TensorSource:
+    """``source`` with an MXFP4 checkpoint's block / scale pairs read as float tensors in
+    the checkpoint's dtype (``edl.io.formats.mxfp4``); other sources as they are."""
+    if not mxfp4.is_mxfp4(hf_config):
+        return source
+    return mxfp4.dequantized_source(source, mxfp4.checkpoint_dtype(hf_config))
+
+
 def from_pretrained(
     path_or_repo_id: str | os.PathLike[str],
     *,
@@ -264,13 +273,14 @@ def from_pretrained(
         token=token,
     )
     file = directory / CONFIG_NAME
-    family, config, model_cls = _resolve_config(load_config(directory), task, file)
+    hf_config = load_config(directory)
+    family, config, model_cls = _resolve_config(hf_config, task, file)
     if config_overrides:
         config = config.replace(**config_overrides)
     with CheckpointReader.open(directory) as reader:
         table = family.key_table_for(config, model_cls)
         _check_layer_count(config, reader.keys(), str(file), table)
-        source = TensorSource.from_reader(reader)
+        source = _dequantized(hf_config, TensorSource.from_reader(reader))
         model = _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
     generation = load_generation_config(directory)
     if generation and hasattr(model, "generation_config"):
@@ -310,13 +320,14 @@ def from_state_dict(
     """
     if dtype is not None:
         require_float_dtype(dtype, "from_state_dict: dtype")
+    source = TensorSource.from_mapping(mapping)
     if isinstance(config, Mapping):
+        source = _dequantized(config, source)
         family, config, model_cls = registry.resolve(config, task)
     else:
         family, _, model_cls = registry.resolve(config.to_hf(), task)
     table = family.key_table_for(config, model_cls)
     _check_layer_count(config, mapping.keys(), "from_state_dict: config", table)
-    source = TensorSource.from_mapping(mapping)
     return _load(model_cls, config, source, table, dtype=dtype, sharding=sharding)
 
 

@@ -93,6 +93,17 @@ class TensorSource:
             }
         )
 
+    def replaced(
+        self,
+        drop: Collection[str],
+        add: Mapping[str, tuple[tuple[int, ...], Any, Callable[[np.ndarray], Any]]],
+    ) -> TensorSource:
+        """This source without the tensors ``drop`` and with ``add``: name -> ``(shape,
+        dtype, read_into)``, tensors computed from others (``edl.io.formats.mxfp4``)."""
+        kept = {k: v for k, v in self.tensors.items() if k not in drop}
+        made = {k: _Tensor(tuple(s), np.dtype(d), read) for k, (s, d, read) in add.items()}
+        return TensorSource({**kept, **made})
+
     def __or__(self, other: TensorSource) -> TensorSource:
         return TensorSource({**self.tensors, **other.tensors})
 
