@@ -179,9 +179,7 @@ def flash_cases(draw):
     }
 
 
-@settings(max_examples=10)  # every example compiles three kernels for new shapes
-@given(flash_cases())
-def test_flash_attention_forward_and_gradients_match_float64(c):
+def _check_flash(c):
     shape = {k: c[k] for k in ("batch", "q_len", "kv_len", "heads", "kv_heads", "head_dim")}
     q, k, v, d_out = _inputs(c["seed"], **shape)
     segments = _segments(c["seed"], c["batch"], c["q_len"], c["kv_len"]) if c["segments"] else None
@@ -198,6 +196,19 @@ def test_flash_attention_forward_and_gradients_match_float64(c):
         softcap=c["softcap"],
         scale=c["scale"],
     )
+
+
+@settings(max_examples=6)  # every example compiles three kernels for new shapes; broadly: slow
+@given(flash_cases())
+def test_flash_attention_forward_and_gradients_match_float64(c):
+    _check_flash(c)
+
+
+@pytest.mark.slow
+@settings(max_examples=30)
+@given(flash_cases())
+def test_flash_attention_forward_and_gradients_match_float64_broadly(c):
+    _check_flash(c)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

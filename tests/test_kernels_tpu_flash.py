@@ -110,7 +110,7 @@ def _check_case(c):
     )
 
 
-@settings(max_examples=4)  # each compiles three kernels and interprets ~100 steps; broadly: slow
+@settings(max_examples=2)  # each compiles three kernels and interprets ~100 steps; broadly: slow
 @given(tpu_flash_cases())
 def test_tpu_flash_attention_matches_float64(c):
     _check_case(c)

@@ -324,6 +324,7 @@ def _lora_step_memory(param_dtype, compute_dtype=None):
     }
 
 
+@pytest.mark.slow  # two LoRA steps compiled for their memory plans (~16 s)
 def test_a_bf16_lora_step_plans_at_most_two_thirds_of_the_float32_memory():
     """The issue: bfloat16 parameters and compute saved no memory on CPU (XLA:CPU widened
     the scanned layers' weights and saved activations to float32, ``edl.nn.packed_scan``).
