@@ -40,6 +40,7 @@ STRINGS = {
     "remat": ("full", "none"),
     "attention_impl": ATTENTION_IMPLS,
     "moe_impl": MOE_IMPLS,
+    "rope_length": ("row", "batch"),
     "hidden_act": ("gelu", "silu"),
     "projector_hidden_act": ("silu", "gelu"),
     "vision_feature_select_strategy": ("full", "default"),

@@ -104,6 +104,11 @@ class RunOptions:
         check_inputs: token ids (and labels) outside the vocabulary raise, eagerly and in
             compiled programs (``edl.ops.checks.check_ids``; its cost is measured in
             ``benchmarks/RESULTS.md``, "input checks").
+        rope_length: the sequence length that length-dependent RoPE (``dynamic``,
+            ``longrope``) reads: ``"batch"``, the batch's longest row (transformers' rule
+            for a batch), or ``"row"``, each row's own (what each row would get alone; the
+            serving engine's, whose rows are independent requests). Other RoPE types
+            ignore it.
     """
 
     scan_layers: bool = True
@@ -112,9 +117,12 @@ class RunOptions:
     moe_impl: str = "blocked"
     moe_capacity_factor: float | None = None
     check_inputs: bool = True
+    rope_length: str = "batch"
 
     def __post_init__(self) -> None:
         check_fields(self, vars(self))
+        if self.rope_length not in ("batch", "row"):
+            raise ValueError(f"rope_length must be 'batch' or 'row', got {self.rope_length!r}")
         if self.moe_impl not in MOE_IMPLS:
             raise ValueError(f"moe_impl must be one of {MOE_IMPLS}, got {self.moe_impl!r}")
         if self.attention_impl not in ATTENTION_IMPLS:

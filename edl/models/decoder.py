@@ -294,7 +294,11 @@ def _rope_tables(positions: Ids, config: DecoderConfig, valid: Mask | None = Non
     for all layers; ``None`` (NoPE layers) maps to ``(None, None)``. ``valid``: the new
     tokens of a cached call (``rope_tables``: the length of length-dependent RoPEs)."""
     ropes = dict.fromkeys(rope for _, rope in config.layer_settings)
-    return {r: (None, None) if r is None else rope_tables(positions, r, valid) for r in ropes}
+    per_row = config.run.rope_length == "row"
+    return {
+        r: (None, None) if r is None else rope_tables(positions, r, valid, per_row=per_row)
+        for r in ropes
+    }
 
 
 def _check_2d(name: str, x: jax.Array | None, batch: int, seq: int) -> None:

@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -448,19 +449,28 @@ def rope_tables(
     positions: Int[Array, "batch seq"],
     config: RopeConfig,
     valid: Bool[Array, "batch seq"] | Int[Array, "batch seq"] | None = None,
+    *,
+    per_row: bool = False,
 ) -> tuple[Float[Array, "batch seq dim"], Float[Array, "batch seq dim"]]:
     """``(cos, sin)`` tables for integer ``positions``, float32, in HF's layout (each
     frequency repeated over both halves), times the type's attention scaling.
 
     The length the ``dynamic`` / ``longrope`` frequencies depend on is the largest position
     + 1, over the ``valid`` (non-zero) slots only when given: a cached call's padding slots
-    (a prompt bucket's width) do not count, as in transformers' ``generate``."""
-    seq_len = None
-    if config.uses_length:
+    (a prompt bucket's width) do not count, as in transformers' ``generate``. That length
+    is the whole batch's (transformers' batched rule) unless ``per_row``: then each row's
+    own, so that a row's tables do not depend on the rows batched with it (the serving
+    engine's independent requests)."""
+    if not config.uses_length:
+        inv_freq = inv_frequencies(config, None)[None, None, :]
+    else:
         live = positions if valid is None else jnp.where(valid.astype(jnp.bool_), positions, 0)
-        seq_len = jnp.max(live) + 1
-    inv_freq = inv_frequencies(config, seq_len)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq[None, None, :]
+        if per_row:
+            lengths = jnp.max(live, axis=1) + 1
+            inv_freq = jax.vmap(lambda n: inv_frequencies(config, n))(lengths)[:, None, :]
+        else:
+            inv_freq = inv_frequencies(config, jnp.max(live) + 1)[None, None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([angles, angles], axis=-1)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     scale = config.attention_scaling

@@ -108,7 +108,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from edl.compile_cache import cache_hits
-from edl.generate.decode import _without_id_checks
+from edl.generate.decode import _without_id_checks, with_row_rope_lengths
 from edl.generate.speculative import SpeculativeConfig
 from edl.generate.steps import CausalLM
 from edl.serve import logprobs as lp
@@ -219,7 +219,8 @@ class Engine:
         # From 4 pages: reading a few unused pages costs less than compiling more shapes.
         self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
-        self._model = _without_id_checks(model).unstacked()
+        # Each request's RoPE length its own (edl.models.config.RunOptions.rope_length).
+        self._model = with_row_rope_lengths(_without_id_checks(model)).unstacked()
         self._k_pages, self._v_pages = page_pools(model, num_pages, page_size, max_model_len)
         self._pool = PagePool(num_pages)
         self._running: list[Request] = []  # admitted, oldest first (at most max_batch)
