@@ -40,13 +40,13 @@ class MeshSpec:
         ici, dcn = self.ici, self.dcn
         if len(ici) not in SIZES or any(d == 0 or d < -1 for d in ici) or ici.count(-1) > 1:
             raise ValueError(
-                f"mesh sizes must be DP,FSDP,TP,SP[,EXPERT]: four or five sizes >= 1, one of "
-                f"them may be -1, got {ici}"
+                f"mesh sizes must be DP,FSDP,TP,SP[,EXPERT]: four sizes >= 1 (five with "
+                f"EXPERT), one of them may be -1, got {ici}"
             )
         if dcn is not None and (len(dcn) not in SIZES or any(d < 1 for d in dcn)):
             raise ValueError(
-                f"mesh slice counts (after '/') must be one number or four or five sizes >= 1, "
-                f"got {dcn}"
+                f"mesh slice counts (after '/') must be one number or four sizes >= 1 (five "
+                f"with EXPERT), got {dcn}"
             )
 
     @classmethod

@@ -396,9 +396,10 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
 
 
 @pytest.mark.slow  # a sharded MoE train step end to end
-def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
-    """Expert weights ``(layers, experts, inter, hidden)`` split experts over fsdp and their
-    width over tp; SGD steps of a Mixtral-style model equal the single-device run."""
+def test_moe_experts_split_over_fsdp_and_tp_and_steps_equal_one_device():
+    """Expert weights ``(layers, experts, inter, hidden)`` split their hidden size over fsdp
+    and their width over tp (experts over the expert axis, size 1 here); SGD steps of a
+    Mixtral-style model equal the single-device run."""
     from edl.models import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -430,10 +431,10 @@ def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _max_relative(state.params, ref.params) <= 1e-5
     gate = state.params.model.layers.mlp.experts.gate_proj  # (2, 4, 48, 32)
-    assert gate.sharding.spec == P(None, "fsdp", "tp", None)
-    assert gate.addressable_shards[0].data.shape == (2, 1, 24, 32)
+    assert gate.sharding.spec == P(None, "expert", "tp", "fsdp")  # expert = 1 here
+    assert gate.addressable_shards[0].data.shape == (2, 4, 24, 8)
     down = state.params.model.layers.mlp.experts.down_proj  # (2, 4, 32, 48)
-    assert down.addressable_shards[0].data.shape == (2, 1, 32, 24)
+    assert down.addressable_shards[0].data.shape == (2, 4, 8, 24)
 
 
 @pytest.mark.slow  # wrapped layers on a mesh, end to end

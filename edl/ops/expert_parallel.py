@@ -199,7 +199,7 @@ def _per_device(
     dim, k = x.shape[-1], chosen.shape[-1]
     tokens = x.reshape(-1, dim)
     flat = chosen.reshape(-1)  # assignment a = t * k + j
-    order = jnp.argsort(flat, stable=True)  # by expert, so by destination device
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)  # by expert, so by destination device
     sorted_experts = flat[order]
     rows = tokens[order // k]
     route = _Route.of(sorted_experts, devices, per_device, num_experts=devices * per_device)
@@ -241,9 +241,9 @@ class _Route:
     @classmethod
     def of(cls, sorted_experts, devices, per_device, *, num_experts):
         counts = jnp.bincount(sorted_experts, length=num_experts).astype(jnp.int32)
-        sizes = counts.reshape(devices, per_device).sum(-1)
+        sizes = counts.reshape(devices, per_device).sum(-1, dtype=jnp.int32)
         dest = sorted_experts // per_device
-        first = (jnp.cumsum(sizes) - sizes)[dest]  # each destination's first row
+        first = (jnp.cumsum(sizes, dtype=jnp.int32) - sizes)[dest]  # each destination's first row
         rank = jnp.arange(sorted_experts.shape[0], dtype=jnp.int32) - first
         return cls(dest, rank, sorted_experts % per_device, counts, devices, per_device)
 
@@ -276,9 +276,10 @@ def _ragged(rows, route: _Route, *, buffer: int, run):
     n, per, dim = route.devices, route.per_device, rows.shape[-1]
     me = jax.lax.axis_index(EXPERT)
     counts = jax.lax.all_gather(route.counts, EXPERT).reshape(n, n, per)  # [src, dst, expert]
-    pair = counts.sum(-1)  # rows from src to dst
-    before_src = jnp.cumsum(pair, axis=0) - pair  # a dst's rows from earlier sources
-    before_dst = jnp.cumsum(pair, axis=1) - pair  # a src's rows for earlier destinations
+    pair = counts.sum(-1, dtype=jnp.int32)  # rows from src to dst
+    # [src, dst]: a destination's rows from earlier sources; a source's for earlier ones
+    before_src = jnp.cumsum(pair, axis=0, dtype=jnp.int32) - pair
+    before_dst = jnp.cumsum(pair, axis=1, dtype=jnp.int32) - pair
     sent, got = pair[me], pair[:, me]
     out_start = before_src[me]  # where my rows land on each destination
     in_start = before_src[:, me]  # where each source's rows land here
@@ -292,7 +293,7 @@ def _ragged(rows, route: _Route, *, buffer: int, run):
         got,
     )
     # Row p of the buffer: source-major, then local expert, as counts[:, me] lists them.
-    ends = jnp.cumsum(counts[:, me].reshape(-1))
+    ends = jnp.cumsum(counts[:, me].reshape(-1), dtype=jnp.int32)
     p = jnp.arange(buffer, dtype=jnp.int32)
     group = jnp.searchsorted(ends, p, side="right")
     out = run(received, (group % per).astype(jnp.int32), p < ends[-1])
