@@ -137,12 +137,14 @@ def test_capacity_factor_drops_beyond_each_pair_of_devices():
 
 
 @pytest.mark.slow  # ~9 s the first
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
 @pytest.mark.parametrize("platform", ["cuda", "tpu", "cpu"])
-def test_dispatch_and_its_gradient_lower_for_every_platform(platform):
-    """From this CPU host, programs for GPUs and TPUs take the ragged all-to-all (forward and
-    backward); for CPU, the padded all-to-all and no ragged one."""
+def test_dispatch_and_its_gradient_lower_for_every_platform(platform, capacity_factor):
+    """From this CPU host, exact programs for GPUs and TPUs take the ragged all-to-all
+    (forward and backward); for CPU, and with a capacity factor everywhere, the padded
+    all-to-all and no ragged one."""
     x, weights, chosen, gate, up, down = _expert_inputs(jnp.float32)
-    loss = lambda *a: jnp.sum(_routed(chosen)(*a))
+    loss = lambda *a: jnp.sum(_routed(chosen, capacity_factor=capacity_factor)(*a))
     with jax.set_mesh(make_mesh((1, 1, 1, 1, 8))):
         text = (
             jax.jit(jax.grad(loss, argnums=(0, 2)))
@@ -150,15 +152,16 @@ def test_dispatch_and_its_gradient_lower_for_every_platform(platform):
             .lower(lowering_platforms=(platform,))
             .as_text()
         )
-    assert ("ragged_all_to_all" in text) == (platform != "cpu")
+    ragged = platform != "cpu" and capacity_factor is None
+    assert ("ragged_all_to_all" in text) == ragged
     assert "all_to_all" in text
 
 
 def test_without_an_expert_axis_the_layer_runs_as_before():
     """expert = 1, an axis that does not divide the experts or the batch, or a 4-axis mesh
     built with the older names: no dispatch (``expert_parallel`` returns None)."""
-    x, weights, chosen, gate, up, down = _expert_inputs()
-    args = (x, weights.reshape(8, 6, K), chosen.reshape(8, 6, K), (gate, up, down))
+    x, weights, chosen = jnp.zeros((8, 6, D)), jnp.zeros((8, 6, K)), jnp.zeros((8, 6, K), int)
+    args = (x, weights, chosen, (jnp.zeros((E, W, D)),) * 3)
     specs = (P("expert"),) * 3
     local = lambda *a: a[0]
     assert ep.expert_parallel(*args, specs, local, num_experts=E) is None  # no mesh

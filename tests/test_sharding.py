@@ -93,7 +93,7 @@ def _max_relative(a, b):
 
 def test_make_mesh_fills_minus_one_and_names_bad_shapes():
     mesh = make_mesh()
-    assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "tp": 1, "sp": 1}
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "tp": 1, "sp": 1, "expert": 1}
     assert dict(make_mesh((2, -1, 2, 1)).shape)["fsdp"] == 2
     with pytest.raises(ValueError, match=r"product 3\) do not divide the 8 devices"):
         make_mesh((3, -1, 1, 1))
@@ -141,7 +141,7 @@ def test_hybrid_meshes_keep_each_process_one_block_and_count_tpu_slices():
 
 def test_make_mesh_across_processes_on_one_process():
     """One process is one slice: ``dcn`` of ones is the plain mesh; more is refused."""
-    assert make_mesh((2, -1, 1, 1), dcn=(1, 1, 1, 1)).devices.shape == (2, 4, 1, 1)
+    assert make_mesh((2, -1, 1, 1), dcn=(1, 1, 1, 1)).devices.shape == (2, 4, 1, 1, 1)
     with pytest.raises(ValueError, match=r"spans 2 slices, but the 8 devices are in 1 process"):
         make_mesh((1, -1, 1, 1), dcn=(2, 1, 1, 1))
 
@@ -301,10 +301,10 @@ def test_state_shardings_and_shard_batch():
     assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
     assert shardings.step.spec == P()
     batch = shard_batch(_batch(), mesh)
-    assert batch["ids"].sharding.spec == P(("dp", "fsdp"), None)
+    assert batch["ids"].sharding.spec == P(("dp", "fsdp", "expert"), None)  # expert: 1
     assert batch["ids"].addressable_shards[0].data.shape == (1, 16)
     odd = shard_batch({"ids": jnp.zeros((6, 4), jnp.int32)}, mesh)  # 8 does not divide 6
-    assert odd["ids"].sharding.spec == P("dp", None)
+    assert odd["ids"].sharding.spec == P(("dp", "expert"), None)
     placed = shard(_model(), PARTITION_RULES, mesh)
     assert placed.lm_head.weight.sharding.spec == P("tp", "fsdp")
     assert placed.lm_head.weight.addressable_shards[0].data.shape == (64, 8)
