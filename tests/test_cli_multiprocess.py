@@ -162,7 +162,7 @@ def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path, capsys):
     assert edl.count_params(exported) > 0
 
 
-@pytest.mark.slow  # ~1 min: a two-process run and a one-process run, each compiling
+@pytest.mark.slow  # ~1.5 min: a two-process run and a one-process run, each compiling
 def test_two_processes_on_a_mesh_with_an_expert_axis_equal_one_process(tmp_path):
     """``--mesh`` with a fifth (expert) size across two processes: fsdp 2 x expert 2 within
     each, data parallel across them; the batch is split over dp x fsdp x expert and the
