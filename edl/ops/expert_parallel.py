@@ -30,7 +30,7 @@ assignments to one device beyond that, in token order, are dropped (contribute z
 
 Routing and the router statistics (load-balancing and z-losses) are computed before, by
 SPMD over the global batch, exactly as without expert parallelism. Without a mesh, with
-``expert`` of size 1, or where ``expert`` divides neither the experts nor the batch, the
+``expert`` of size 1, or where ``expert`` does not divide the experts or the batch, the
 layer runs as before (``jax.jit``'s SPMD over the weights' shardings).
 """
 
