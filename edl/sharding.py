@@ -2,15 +2,18 @@
 
 Partition rules, specs and activation constraints live one layer down in
 ``edl.ops.sharding`` (model code uses them), and are re-exported here: with this module a
-user has every sharding name in one place. Arrays carry ``NamedSharding``s on a 4-axis mesh
-``("dp", "fsdp", "tp", "sp")`` (data, fully-sharded data, tensor and sequence parallel), and
-``jax.jit`` inserts the collectives. Parameters get their specs from **rules**: ``(regex,
-PartitionSpec)`` pairs matched (``re.search``, first match wins) against ``edl.tree`` path
-strings such as ``"model.layers.self_attn.q_proj.weight"``; unmatched arrays are replicated.
+user has every sharding name in one place. Arrays carry ``NamedSharding``s on a 5-axis mesh
+``("dp", "fsdp", "tp", "sp", "expert")`` (data, fully-sharded data, tensor, sequence and
+expert parallel), and ``jax.jit`` inserts the collectives; MoE layers dispatch tokens over
+``expert`` with an all-to-all (``edl.ops.expert_parallel``). Parameters get their specs
+from **rules**: ``(regex, PartitionSpec)`` pairs matched (``re.search``, first match wins)
+against ``edl.tree`` path strings such as ``"model.layers.self_attn.q_proj.weight"``;
+unmatched arrays are replicated.
 ``rules=None`` means the rules the tree carries: an edl model's ``partition_rules`` (its
 family's, ``edl.models.decoder.PARTITION_RULES``), a train state's model's.
 
     mesh = make_mesh((1, -1, 1, 1))                        # all devices on fsdp
+    mesh = make_mesh((1, -1, 1, 1, 4))                     # 4-way expert parallel
     state = shard_state(state, None, mesh)                 # the model's own rules;
                                                            # optimizer state follows params
     with jax.set_mesh(mesh):                               # activation constraints apply
@@ -71,6 +74,7 @@ def make_mesh(
 ) -> Mesh:
     """A mesh over ``devices`` (default: all, every process's) with one ``-1`` dimension
     taking the remaining devices. Axes are ``Auto`` (GSPMD propagation, as jit expects).
+    With the default names, four sizes ``(dp, fsdp, tp, sp)`` mean expert = 1.
 
     ``dcn``: a hybrid mesh over several slices (``edl._mesh_spec``): ``axis_dims`` then size
     each axis within a slice and ``dcn`` across slices, and the mesh's size on an axis is
@@ -80,6 +84,9 @@ def make_mesh(
     the axes ``dcn`` spans cross the slow links (``(N, 1, 1, 1)``: data parallelism across
     slices, one gradient all-reduce per step over them)."""
     devices = list(jax.devices() if devices is None else devices)
+    if tuple(axis_names) == AXES:  # the 4-size form from before the expert axis
+        axis_dims = _with_expert(axis_dims)
+        dcn = None if dcn is None else _with_expert(dcn)
     if len(axis_dims) != len(axis_names) or (dcn is not None and len(dcn) != len(axis_names)):
         raise ValueError(
             f"make_mesh: axis_dims {tuple(axis_dims)} and dcn {dcn} need one size per axis "
@@ -92,6 +99,11 @@ def make_mesh(
         )
     grid = _hybrid_devices(axis_dims, tuple(dcn), devices)
     return Mesh(grid, tuple(axis_names), axis_types=(AxisType.Auto,) * grid.ndim)
+
+
+def _with_expert(dims: Sequence[int]) -> tuple[int, ...]:
+    """``dims`` with expert = 1 appended to a four-size ``(dp, fsdp, tp, sp)``."""
+    return (*dims, 1) if len(dims) == len(AXES) - 1 else tuple(dims)
 
 
 def _resolved_dims(axis_dims: Sequence[int], count: int, what: str) -> list[int]:

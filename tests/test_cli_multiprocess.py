@@ -160,3 +160,19 @@ def test_two_processes_kill_resume_and_restore_elsewhere(tmp_path, capsys):
     main(["export", str(tmp_path / "whole"), str(tmp_path / "exported")])
     exported = edl.from_pretrained(tmp_path / "exported")
     assert edl.count_params(exported) > 0
+
+
+@pytest.mark.slow  # ~1.5 min: a two-process run and a one-process run, each compiling
+def test_two_processes_on_a_mesh_with_an_expert_axis_equal_one_process(tmp_path):
+    """``--mesh`` with a fifth (expert) size across two processes: fsdp 2 x expert 2 within
+    each, data parallel across them; the batch is split over dp x fsdp x expert and the
+    per-step losses equal one process's on 8 devices to 1e-4 (the embedded job is dense:
+    this checks the mesh and the batch; tests/test_expert_parallel.py checks MoE layers)."""
+    steps = 6
+    two = _run(
+        tmp_path / "two", steps=steps, processes=2, devices=4, extra=["--mesh", "1,2,1,1,2/2"]
+    )
+    one = _run(tmp_path / "one", steps=steps, processes=1, devices=8, extra=["--mesh", "1,-1,1,1"])
+    assert sorted(two) == list(range(1, steps + 1))
+    for step, loss in one.items():
+        assert two[step] == pytest.approx(loss, rel=1e-4), step

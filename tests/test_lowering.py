@@ -7,8 +7,9 @@ edl's native C++ kernels; none of them holds another platform's kernel or a host
 could not run (``edl.platforms``). Covered: attention forward and backward, train steps of a
 Llama, a Gemma 2 (soft-capped logits, sliding windows) and a Mixtral (MoE) model (and, in
 the slow set, DeepSeek-V3, GPT-OSS and Qwen3-Next), with and without a mesh of the 8 host
-devices under the models' fsdp / tp rules, ``generate``'s decode step over contiguous and
-paged caches and its whole decode loop, and the serving engine's ``model_step``.
+devices under the models' fsdp / tp rules (and Mixtral's with its experts split over the
+expert axis), ``generate``'s decode step over contiguous and paged caches and its whole
+decode loop, and the serving engine's ``model_step``.
 
 Only lowering is checked: compiling needs the platform's backend. The names a kernel leaves
 in the lowered text: Triton calls are ``__gpu$xla.gpu.triton`` custom calls naming the Pallas
@@ -193,6 +194,16 @@ def test_train_step_on_a_mesh(name, platform):
     text = _train_step_text(name, platform, mesh)
     _check(text, platform)
     assert "mhlo.num_partitions = 8" in text
+
+
+@pytest.mark.slow  # ~5 s each: a Mixtral train step traced with its expert dispatch
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_moe_train_step_with_expert_parallelism(platform):
+    """fsdp 2 x expert 4: the MoE layers dispatch their tokens with the ragged all-to-all
+    (``edl.ops.expert_parallel``) beside the platform's attention kernels."""
+    text = _train_step_text("mixtral", platform, make_mesh((1, 2, 1, 1, 4)))
+    _check(text, platform)
+    assert "ragged_all_to_all" in text and "mhlo.num_partitions = 8" in text
 
 
 def _llama(dtype=jnp.bfloat16):

@@ -290,18 +290,18 @@ def test_quantized_forward_stays_close(fmt, max_rel):
 
 @pytest.mark.slow  # ~8-12 s
 def test_sharded_forward_equals_one_device():
-    """On 8 host devices (fsdp 4 x tp 2) the experts split over fsdp and their width over
-    tp (HF's layout: gate_up's last axis, down's middle one); the forward pass equals one
-    device's."""
+    """On 8 host devices (fsdp 4 x tp 2) the experts split their hidden size over fsdp and
+    their width over tp (HF's layout: gate_up's last axis, down's middle one; experts over
+    the expert axis, size 1 here); the forward pass equals one device's."""
     hf_model = _hf_model("yarn_sliding")
     model = hf.from_state_dict(hf_model.config.to_dict(), hf_model.state_dict())
     ids = np.random.default_rng(3).integers(3, VOCAB, (8, 12))
     mesh = make_mesh((1, 4, 2, 1))
     sharded = shard(model, None, mesh)
     gate_up = sharded.model.layers.mlp.experts.gate_up_proj  # (2, 4, 32, 32)
-    assert gate_up.addressable_shards[0].data.shape == (2, 1, 32, 16)
+    assert gate_up.addressable_shards[0].data.shape == (2, 4, 8, 16)
     down = sharded.model.layers.mlp.experts.down_proj  # (2, 4, 16, 32)
-    assert down.addressable_shards[0].data.shape == (2, 1, 8, 32)
+    assert down.addressable_shards[0].data.shape == (2, 4, 8, 8)
     with jax.sharding.set_mesh(mesh):
         out = jax.jit(lambda m, i: m(i).logits)(sharded, jnp.asarray(ids))
     np.testing.assert_allclose(np.asarray(out), _logits(model, ids), rtol=1e-5, atol=1e-5)

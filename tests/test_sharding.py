@@ -93,7 +93,7 @@ def _max_relative(a, b):
 
 def test_make_mesh_fills_minus_one_and_names_bad_shapes():
     mesh = make_mesh()
-    assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "tp": 1, "sp": 1}
+    assert dict(mesh.shape) == {"dp": 1, "fsdp": 8, "tp": 1, "sp": 1, "expert": 1}
     assert dict(make_mesh((2, -1, 2, 1)).shape)["fsdp"] == 2
     with pytest.raises(ValueError, match=r"product 3\) do not divide the 8 devices"):
         make_mesh((3, -1, 1, 1))
@@ -141,7 +141,7 @@ def test_hybrid_meshes_keep_each_process_one_block_and_count_tpu_slices():
 
 def test_make_mesh_across_processes_on_one_process():
     """One process is one slice: ``dcn`` of ones is the plain mesh; more is refused."""
-    assert make_mesh((2, -1, 1, 1), dcn=(1, 1, 1, 1)).devices.shape == (2, 4, 1, 1)
+    assert make_mesh((2, -1, 1, 1), dcn=(1, 1, 1, 1)).devices.shape == (2, 4, 1, 1, 1)
     with pytest.raises(ValueError, match=r"spans 2 slices, but the 8 devices are in 1 process"):
         make_mesh((1, -1, 1, 1), dcn=(2, 1, 1, 1))
 
@@ -301,10 +301,10 @@ def test_state_shardings_and_shard_batch():
     assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
     assert shardings.step.spec == P()
     batch = shard_batch(_batch(), mesh)
-    assert batch["ids"].sharding.spec == P(("dp", "fsdp"), None)
+    assert batch["ids"].sharding.spec == P(("dp", "fsdp", "expert"), None)  # expert: 1
     assert batch["ids"].addressable_shards[0].data.shape == (1, 16)
     odd = shard_batch({"ids": jnp.zeros((6, 4), jnp.int32)}, mesh)  # 8 does not divide 6
-    assert odd["ids"].sharding.spec == P("dp", None)
+    assert odd["ids"].sharding.spec == P(("dp", "expert"), None)
     placed = shard(_model(), PARTITION_RULES, mesh)
     assert placed.lm_head.weight.sharding.spec == P("tp", "fsdp")
     assert placed.lm_head.weight.addressable_shards[0].data.shape == (64, 8)
@@ -396,9 +396,10 @@ def test_trainer_runs_a_sharded_step_and_resumes_on_another_mesh(tmp_path):
 
 
 @pytest.mark.slow  # a sharded MoE train step end to end
-def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
-    """Expert weights ``(layers, experts, inter, hidden)`` split experts over fsdp and their
-    width over tp; SGD steps of a Mixtral-style model equal the single-device run."""
+def test_moe_experts_split_over_fsdp_and_tp_and_steps_equal_one_device():
+    """Expert weights ``(layers, experts, inter, hidden)`` split their hidden size over fsdp
+    and their width over tp (experts over the expert axis, size 1 here); SGD steps of a
+    Mixtral-style model equal the single-device run."""
     from edl.models import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -430,10 +431,10 @@ def test_moe_experts_split_over_fsdp_and_steps_equal_one_device():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert _max_relative(state.params, ref.params) <= 1e-5
     gate = state.params.model.layers.mlp.experts.gate_proj  # (2, 4, 48, 32)
-    assert gate.sharding.spec == P(None, "fsdp", "tp", None)
-    assert gate.addressable_shards[0].data.shape == (2, 1, 24, 32)
+    assert gate.sharding.spec == P(None, "expert", "tp", "fsdp")  # expert = 1 here
+    assert gate.addressable_shards[0].data.shape == (2, 4, 24, 8)
     down = state.params.model.layers.mlp.experts.down_proj  # (2, 4, 32, 48)
-    assert down.addressable_shards[0].data.shape == (2, 1, 32, 24)
+    assert down.addressable_shards[0].data.shape == (2, 4, 8, 24)
 
 
 @pytest.mark.slow  # wrapped layers on a mesh, end to end

@@ -224,8 +224,9 @@ class TrainConfig:
     sample_temperature: float = _option(0.7, "sampling temperature (0: greedy)", low=0.0)
     mesh: str = _option(
         "",
-        "DP,FSDP,TP,SP device counts of the mesh (one may be -1: the rest), optionally "
-        "/N or /DP,FSDP,TP,SP slices (processes on GPU / CPU) across which each axis is "
+        "DP,FSDP,TP,SP[,EXPERT] device counts of the mesh (one may be -1: the rest; EXPERT "
+        "splits MoE experts, default 1), optionally "
+        "/N or /DP,FSDP,TP,SP[,EXPERT] slices (processes on GPU / CPU) across which each axis is "
         "repeated (/N: data parallel across N); empty: one device, or data parallel over "
         "all with several processes",
     )

@@ -207,13 +207,14 @@ def _gpt_oss_moe(c: GptOssConfig, *, std: float, dtype: DTypeLike, key: PRNGKeyA
 MOE_BLOCKS["gpt_oss"] = _gpt_oss_moe
 
 # The experts' HF layout: gate_up (layers, experts, dim, 2 * inter) and down (layers,
-# experts, inter, dim): experts over fsdp, the MLP width over tp (before the generic rules,
-# which assume torch's (out, in) expert layout).
+# experts, inter, dim): experts over expert, hidden size over fsdp, the MLP width over tp
+# (gathered inside the expert-parallel dispatch, which adds each bias once); before the
+# generic rules, which assume torch's (out, in) expert layout.
 GPT_OSS_PARTITION_RULES: Rules = (
-    (r"experts\.gate_up_proj$", P(None, "fsdp", None, "tp")),
-    (r"experts\.gate_up_proj_bias$", P(None, "fsdp", "tp")),
-    (r"experts\.down_proj$", P(None, "fsdp", "tp", None)),
-    (r"experts\.down_proj_bias$", P(None, "fsdp", None)),
+    (r"experts\.gate_up_proj$", P(None, "expert", "fsdp", "tp")),
+    (r"experts\.gate_up_proj_bias$", P(None, "expert", "tp")),
+    (r"experts\.down_proj$", P(None, "expert", "tp", "fsdp")),
+    (r"experts\.down_proj_bias$", P(None, "expert", None)),
     *PARTITION_RULES,
 )
 

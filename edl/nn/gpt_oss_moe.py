@@ -18,10 +18,12 @@ from __future__ import annotations
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from edl.nn.layers import Linear
+from edl.ops.expert_parallel import EXPERT, expert_parallel
 from edl.ops.moe import MOE_IMPLS, RouterStats, route, router_stats
 
 __all__ = ["GptOssExperts", "GptOssMoE", "clamped_swiglu", "gpt_oss_expert_mlp"]
@@ -182,7 +184,28 @@ class GptOssMoE(eqx.Module):
         weights, chosen, probs = route(logits, self.top_k, normalize=True)
         flat_mask = None if mask is None else mask.reshape(-1)
         stats = router_stats(logits, probs, chosen, flat_mask)
-        out = gpt_oss_expert_mlp(
-            tokens, weights, chosen, self.experts, impl="dense" if impl == "dense" else "ragged"
-        )
+        impl = "dense" if impl == "dense" else "ragged"
+        out = _expert_parallel(x, weights, chosen, self.experts, impl)
+        if out is None:  # no expert axis to split the experts over
+            out = gpt_oss_expert_mlp(tokens, weights, chosen, self.experts, impl=impl)
         return out.reshape(x.shape), stats
+
+
+def _expert_parallel(x, weights, chosen, experts: GptOssExperts, impl: str):
+    """``gpt_oss_expert_mlp`` with the experts split over the mesh's ``expert`` axis
+    (``edl.ops.expert_parallel``), or None where they are not. Each expert whole on its
+    device (tp gathered): the down bias is added once."""
+
+    def local_mlp(rows, ids, valid, local):
+        return gpt_oss_expert_mlp(rows, valid[:, None], ids[:, None], local, impl=impl)
+
+    batch, k = x.shape[:-1], chosen.shape[-1]
+    return expert_parallel(
+        x,
+        weights.reshape(*batch, k),
+        chosen.reshape(*batch, k),
+        experts,
+        jax.tree.map(lambda _: P(EXPERT), experts),
+        local_mlp,
+        num_experts=experts.gate_up_proj.shape[0],
+    )

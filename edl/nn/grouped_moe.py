@@ -19,8 +19,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from edl.nn.mlp import GatedMLP
 from edl.nn.moe import Experts, SparseMoE
 from edl.ops.activations import activation
+from edl.ops.expert_parallel import routed_expert_mlp
 from edl.ops.group_routing import grouped_sigmoid_route
-from edl.ops.moe import RouterStats, expert_mlp, router_stats
+from edl.ops.moe import RouterStats, router_stats
 
 __all__ = ["GroupedMoE", "Router"]
 
@@ -120,8 +121,8 @@ class GroupedMoE(SparseMoE):
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
         stats = router_stats(logits, probs, chosen, flat_mask)
         e = self.experts
-        out = expert_mlp(
-            tokens,
+        out = routed_expert_mlp(
+            x,
             weights,
             chosen,
             e.gate_proj,

@@ -18,7 +18,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from edl.nn.layers import Linear
 from edl.ops.activations import activation
-from edl.ops.moe import RouterStats, expert_mlp, route, router_stats
+from edl.ops.expert_parallel import routed_expert_mlp
+from edl.ops.moe import RouterStats, route, router_stats
 
 __all__ = ["Experts", "SparseMoE"]
 
@@ -109,8 +110,8 @@ class SparseMoE(eqx.Module):
         flat_mask = None if mask is None else mask.reshape(-1)
         stats = router_stats(logits, probs, chosen, flat_mask)
         e = self.experts
-        out = expert_mlp(
-            tokens,
+        out = routed_expert_mlp(
+            x,
             weights,
             chosen,
             e.gate_proj,

@@ -1,8 +1,10 @@
 """What model code needs of sharding: mesh axis names, partition rules and specs, and
 activation constraints. Placing whole models and train states on a mesh is ``edl.sharding``.
 
-edl shards with JAX's own SPMD on a 4-axis mesh ``AXES = ("dp", "fsdp", "tp", "sp")`` (data,
-fully-sharded data, tensor and sequence parallel). Parameters get their specs from **rules**:
+edl shards with JAX's own SPMD on a 5-axis mesh ``AXES = ("dp", "fsdp", "tp", "sp", "expert")``
+(data, fully-sharded data, tensor, sequence and expert parallel; ``edl.ops.expert_parallel``
+dispatches tokens over ``expert``). A mesh without ``expert`` (built with the four older names)
+means expert = 1: specs drop the axis there. Parameters get their specs from **rules**:
 ``(regex, PartitionSpec)`` pairs matched (``re.search``, first match wins) against
 ``edl.tree`` path strings such as ``"model.layers.self_attn.q_proj.weight"``; unmatched
 arrays are replicated. ``rules=None`` means the rules the tree carries (``partition_rules``:
@@ -36,8 +38,12 @@ __all__ = [
 
 log = logging.getLogger("edl.sharding")  # the name users know: the public facade's
 
-AXES = ("dp", "fsdp", "tp", "sp")
-BATCH = ("dp", "fsdp")  # the batch dimension is split over both data axes
+AXES = ("dp", "fsdp", "tp", "sp", "expert")
+# The batch dimension is split over both data axes and the expert axis: expert devices hold
+# different tokens (as MaxText and Megatron lay out expert parallelism).
+BATCH = ("dp", "fsdp", "expert")
+# Axes a mesh may lack (size 1 then): dropped from specs without an error.
+OPTIONAL_AXES = frozenset({"expert"})
 Rules = Sequence[tuple[str, PartitionSpec]]
 
 
@@ -51,7 +57,8 @@ def fit_spec(
 ) -> PartitionSpec:
     """``spec`` padded to ``len(shape)``, keeping per dimension only the mesh axes whose
     (cumulative) size divides it; ``axis_sizes`` is ``mesh.shape`` (``None``: keep all).
-    Axes the mesh lacks raise, or are dropped with ``unknown_axes="drop"``."""
+    Axes the mesh lacks raise (but ``expert``, which is dropped: a 4-axis mesh has expert
+    = 1), or are dropped with ``unknown_axes="drop"``."""
     entries = list(spec)
     if len(entries) > len(shape):
         raise ValueError(f"partition spec {spec} has more entries than {path!r} {shape}")
@@ -64,7 +71,7 @@ def fit_spec(
         kept, size = [], 1
         for axis in axes:
             if axis not in axis_sizes:
-                if unknown_axes == "raise":
+                if unknown_axes == "raise" and axis not in OPTIONAL_AXES:
                     raise ValueError(
                         f"partition spec for {path!r} names axis {axis!r}, not in mesh"
                     )
@@ -117,8 +124,8 @@ def partition_specs(tree: PyTree, rules: Rules | None, *, mesh: Mesh | None = No
 
 
 def batch_spec(shape: tuple[int, ...], mesh: Mesh, *, seq_axis: bool = False) -> PartitionSpec:
-    """The spec of a batch array: leading axis over ``dp`` and ``fsdp`` (and the second over
-    ``sp`` with ``seq_axis``), each axis only where it divides the dimension."""
+    """The spec of a batch array: leading axis over ``dp``, ``fsdp`` and ``expert`` (and the
+    second over ``sp`` with ``seq_axis``), each axis only where it divides the dimension."""
     if not shape:
         return PartitionSpec()
     spec = PartitionSpec(BATCH, "sp" if seq_axis and len(shape) > 1 else None)
@@ -128,7 +135,7 @@ def batch_spec(shape: tuple[int, ...], mesh: Mesh, *, seq_axis: bool = False) ->
 def constrain(x: jax.Array, spec: PartitionSpec) -> jax.Array:
     """``with_sharding_constraint(x, spec)`` when a mesh is set (``jax.set_mesh``), with
     axes the mesh lacks or that do not divide ``x`` dropped; a no-op without a mesh, so
-    models call it unconditionally (activation sharding: batch over dp+fsdp, heads over tp,
+    models call it unconditionally (activation sharding: batch over dp+fsdp+expert, heads over tp,
     sequence over sp)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
