@@ -188,7 +188,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     sft_s = time.perf_counter() - t0
     config = GRPOConfig(
         num_generations=args.generations,
-        max_new_tokens=48,
+        max_new_tokens=64,
         max_turns=2,
         temperature=1.0,
         loss_type=args.loss_type,

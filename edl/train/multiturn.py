@@ -3,7 +3,7 @@
 prompts times their samples), rows finishing at different turns.
 
 Each turn: every unfinished row's sequence so far is generated on (``edl.generate``, one
-batch, rows padded to a power of two so few programs compile) until the end-of-turn token
+batch of all the rows, finished ones replaced by repeats, so one program compiles) until the end-of-turn token
 (EOS) or the environment's ``stop`` text when that is one token (``</tool_call>``); the turn
 is decoded and given to ``env.step``; its messages (tool results, a user's reply) are
 rendered by the chat template and their tokens appended, then the next turn. The model's
@@ -99,12 +99,11 @@ def _stop_ids(tokenizer: Any, env: Environment, eos_id: int) -> tuple[int, ...]:
 
 
 def _generate_turn(
-    model: Any, rows: list[Trajectory], key: PRNGKeyArray, sampling: Mapping[str, Any]
+    model: Any, rows: list[Trajectory], key: PRNGKeyArray, sampling: Mapping[str, Any], size: int
 ) -> list[list[int]]:
     """One turn's tokens for each of ``rows`` (stop token included), generated as one batch
-    padded to a power of two rows (repeats of the first, discarded)."""
+    of ``size`` rows (repeats of the first fill it; their tokens are discarded)."""
     contexts = [r.prompt + r.tokens for r in rows]
-    size = 1 << (len(rows) - 1).bit_length()
     contexts += [contexts[0]] * (size - len(rows))
     width = max(len(c) for c in contexts)
     ids = np.full((size, width), sampling["pad_token_id"], np.int32)
@@ -172,7 +171,10 @@ def multi_turn_rollout(
         active = [r for r in rows if not r.done]
         if not active:
             break
-        turns = _generate_turn(model, active, jax.random.fold_in(key, turn), sampling)
+        # Every turn generates for all rows (finished ones replaced by repeats): one batch
+        # size, so one compiled program per width bucket; compiling one per count of rows
+        # still going cost more than the repeats' decoding (benchmarks.grpo_tools, CPU).
+        turns = _generate_turn(model, active, jax.random.fold_in(key, turn), sampling, len(rows))
         for row, tokens in zip(active, turns, strict=True):
             _step_row(row, tokens, tokenizer, stops, last=turn == max_turns - 1)
     return rows
