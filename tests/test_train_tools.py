@@ -339,3 +339,87 @@ def test_grpo_with_tools_resumes_bit_exactly(tok, tmp_path):
     assert summary["resumed_from"] is not None and int(state_b.step) == 3
     for a, b in zip(jax.tree.leaves(state_a.params), jax.tree.leaves(state_b.params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- on-policy distillation with tools -------------------------------------------------------
+
+
+def test_distillation_rollouts_label_only_the_students_tokens(tok, monkeypatch):
+    from edl.train.distill_tools import tool_batch
+
+    eos, close = tok.eos_id, tok.encode("</tool_call>")[0]
+    call = '<tool_call>{"name": "mul", "arguments": {"a": 2, "b": 3}}'
+    script = _Scripted(tok, {"2*3": [(call, close), ("6", eos)], "4*5": [("20", eos)]})
+    monkeypatch.setattr(multiturn, "_generate_turn", script)
+    options = {
+        "environment": environment,
+        "tokenizer": tok,
+        "max_turns": 2,
+        "max_new_tokens": 64,
+        "temperature": 1.0,
+        "eos_token_id": eos,
+        "pad_token_id": tok.pad_id,
+    }
+    records = [{"prompt": "2*3", "answer": "6"}, {"prompt": "4*5", "answer": "20"}]
+    batch = tool_batch(options, None, records, jax.random.key(0))
+    ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+    counted = labels != -100
+    np.testing.assert_array_equal(labels[counted], ids[counted])  # unshifted: the ids
+    # Row 0: the call (with its closing tag) and the answer; row 1: the answer alone.
+    own_0 = [*tok.encode(call), close, *tok.encode("6"), eos]
+    assert ids[0][counted[0]].tolist() == own_0
+    assert ids[1][counted[1]].tolist() == [*tok.encode("20"), eos]
+    tool_turn = tok.encode("<tool_response>6</tool_response>")
+    text = ids[0][np.asarray(batch["attention_mask"][0]) > 0].tolist()
+    assert any(text[i : i + len(tool_turn)] == tool_turn for i in range(len(text)))
+    with pytest.raises(ValueError, match="must be a non-empty list of prompt records"):
+        tool_batch(options, None, {"prompt_ids": 1}, jax.random.key(0))
+
+
+def test_distillation_with_an_environment_must_sample_every_step(tok, tiny_llama):
+    from edl.train import make_distill_step
+
+    teacher = tiny_llama  # refused before it is used
+    with pytest.raises(ValueError, match="every step must sample: lmbda=1 or seq_kd"):
+        make_distill_step(
+            optax.sgd(0.1),
+            teacher,
+            lmbda=0.5,
+            key=jax.random.key(0),
+            eos_token_id=tok.eos_id,
+            environment=environment,
+            tokenizer=tok,
+        )
+    with pytest.raises(ValueError, match="pass the model's tokenizer="):
+        make_distill_step(
+            optax.sgd(0.1),
+            teacher,
+            lmbda=1.0,
+            key=jax.random.key(0),
+            eos_token_id=tok.eos_id,
+            environment=environment,
+        )
+
+
+@pytest.mark.slow  # compiles generate and the distillation update for two tiny models (~30 s)
+def test_on_policy_distillation_with_tools_runs_a_step(tok):
+    from edl.train import make_distill_step
+
+    tx = optax.adam(1e-3)
+    student, teacher = _model(tok, seed=0), _model(tok, seed=1)
+    step = make_distill_step(
+        tx,
+        teacher,
+        lmbda=1.0,
+        max_new_tokens=6,
+        key=jax.random.key(0),
+        eos_token_id=tok.eos_id,
+        pad_token_id=tok.pad_id,
+        environment=environment,
+        tokenizer=tok,
+        max_turns=2,
+    )
+    state = edl.create_state(student, tx)
+    state, metrics = step(state, _RECORDS)
+    assert metrics["on_policy"] == 1.0 and np.isfinite(metrics["loss"])
+    assert metrics["count"] == pytest.approx(metrics["completion_length"] * 2)

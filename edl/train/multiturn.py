@@ -3,10 +3,11 @@
 prompts times their samples), rows finishing at different turns.
 
 Each turn: every unfinished row's sequence so far is generated on (``edl.generate``, one
-batch of all the rows, finished ones replaced by repeats, so one program compiles) until the end-of-turn token
-(EOS) or the environment's ``stop`` text when that is one token (``</tool_call>``); the turn
-is decoded and given to ``env.step``; its messages (tool results, a user's reply) are
-rendered by the chat template and their tokens appended, then the next turn. The model's
+batch of all the rows, finished ones replaced by repeats, so one program compiles) until
+the end-of-turn token (EOS) or the environment's ``stop`` text when that is one token
+(``</tool_call>``); the turn is decoded and given to ``env.step``; its messages (tool
+results, a user's reply) are rendered by the chat template and their tokens appended, then
+the next turn. The model's
 tokens are kept exactly as sampled (never decoded and re-tokenised); only the environment's
 messages are tokenised, as the template renders them after an assistant turn (TRL 1.16's
 ``_get_tool_suffix_ids``: the template on a short stand-in conversation with and without
