@@ -7,12 +7,14 @@ it can only copy: the calculator ``mul(a, b)`` (an ``edl.train.ToolEnvironment``
 called in the Hermes / Qwen format ``<tool_call>{"name": "mul", "arguments": {"a": 347,
 "b": 812}}</tool_call>``) answers with the product, which the model then copies.
 
-Warm-up: a short SFT on conversations of two kinds in equal parts: the call, the tool's
-answer and the copied product, or a direct guess (a random 6-digit number). The SFT model
-calls the tool about half the time; GRPO (``make_grpo_step(..., environment=...)``, up to 2
-turns) must learn from the reward alone that the call pays, and so the reward (the fraction
-of exact answers) rises from about the SFT's calling rate towards 1. A guess is right with
-probability about 1e-6: the task cannot be solved without the tool.
+Warm-up (600 steps of 32 conversations, ~2-3 minutes): an SFT on conversations of two
+kinds in equal parts: the call, the tool's answer and the copied product, or a direct guess
+(a random 6-digit number), loss on the model's own tokens. After it the model calls the
+tool most of the time but copies digits (into the call's arguments, from the tool's answer)
+unreliably at temperature 1; GRPO (``make_grpo_step(..., environment=...)``, up to 2 turns,
+60 steps of 8 problems x 8 samples) must raise the reward (the fraction of exact answers)
+from the reward alone: calling rather than guessing, and copying exactly. A guess is right
+with probability about 1e-6: the task cannot be solved without the tool.
 
 The tokenizer: byte-level (every byte one token, no merges) plus the chat markers as special
 tokens (``<|im_start|>``, ``<|im_end|>``, ``<tool_call>``, ``</tool_call>``,
@@ -20,10 +22,10 @@ tokens (``<|im_start|>``, ``<|im_end|>``, ``<tool_call>``, ``</tool_call>``,
 (:data:`TEMPLATE`: the tools' names in a system turn, tool results as user turns in
 ``<tool_response>``).
 
-    python -m benchmarks.grpo_tools [--seeds 0] [--steps 40] [--sft-steps 300]
+    python -m benchmarks.grpo_tools [--seeds 0 1 2] [--steps 60] [--sft-steps 600]
 
-Prints progress, then LAST one JSON line: settings and per seed the reward (and tool-call
-rate) over the first / last 5 GRPO steps, seconds.
+Prints progress, then LAST one JSON line: settings and per seed the reward (and the rate of
+rows that called a tool) over the first / last 5 GRPO steps, seconds in SFT and GRPO.
 """
 
 from __future__ import annotations
@@ -230,14 +232,14 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps per seed")
+    p.add_argument("--steps", type=int, default=60, help="GRPO steps per seed")
     p.add_argument("--prompts", type=int, default=8, help="problems per GRPO step")
     p.add_argument("--generations", type=int, default=8, help="samples per problem")
     p.add_argument("--lr", type=float, default=1e-3, help="GRPO's Adam learning rate")
     p.add_argument("--loss-type", default="dapo", help="GRPOConfig.loss_type")
-    p.add_argument("--sft-steps", type=int, default=300, help="warm-up SFT steps")
+    p.add_argument("--sft-steps", type=int, default=600, help="warm-up SFT steps")
     p.add_argument("--sft-lr", type=float, default=3e-3, help="warm-up Adam learning rate")
     return p
 

@@ -77,6 +77,20 @@ def test_parser_reports_malformed_calls_without_raising(text, error):
     assert len(parsed.errors) == 1 and error in parsed.errors[0]
 
 
+def test_template_format_reads_the_tokenizers_parse_response():
+    class Parsing:  # transformers 5's interface: response_template and parse_response
+        response_template = {"x-regex": "..."}
+
+        def parse_response(self, text, prefix):
+            assert prefix == ""
+            calls = [{"type": "function", "function": {"name": "mul", "arguments": {"a": 1}}}]
+            return {"role": "assistant", "content": " ok ", "tool_calls": calls + [{"x": 1}]}
+
+    parsed = TOOL_FORMATS["template"].parse("anything", Parsing())
+    assert parsed.content == "ok" and parsed.calls == (ToolCall("mul", {"a": 1}),)
+    assert parsed.errors == ("tool call 1: expected a name and an arguments object, got {'x': 1}",)
+
+
 def test_template_format_needs_a_response_template(tok):
     with pytest.raises(ValueError, match="has no response_template"):
         TOOL_FORMATS["template"].parse("x", tok)
