@@ -307,7 +307,7 @@ def test_environment_factories_are_imported_like_reward_functions():
     assert environment_factory(TrainConfig(**grpo, reward="r:f")) is None
     config = TrainConfig(**grpo, environment="benchmarks.grpo_tools:environment", max_turns=3)
     assert environment_factory(config)().stop == "</tool_call>"
-    with pytest.raises(CommandError, match="--environment benchmarks.grpo_tools:nope: "):
+    with pytest.raises(CommandError, match=r"--environment benchmarks\.grpo_tools:nope: "):
         environment_factory(TrainConfig(**grpo, environment="benchmarks.grpo_tools:nope"))
     with pytest.raises(CommandError, match="expected one module:function"):
         environment_factory(TrainConfig(**grpo, environment="a:b,c:d"))

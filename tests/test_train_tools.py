@@ -79,12 +79,12 @@ def test_parser_reports_malformed_calls_without_raising(text, error):
 
 def test_template_format_reads_the_tokenizers_parse_response():
     class Parsing:  # transformers 5's interface: response_template and parse_response
-        response_template = {"x-regex": "..."}
+        response_template = "a schema"
 
         def parse_response(self, text, prefix):
             assert prefix == ""
             calls = [{"type": "function", "function": {"name": "mul", "arguments": {"a": 1}}}]
-            return {"role": "assistant", "content": " ok ", "tool_calls": calls + [{"x": 1}]}
+            return {"role": "assistant", "content": " ok ", "tool_calls": [*calls, {"x": 1}]}
 
     parsed = TOOL_FORMATS["template"].parse("anything", Parsing())
     assert parsed.content == "ok" and parsed.calls == (ToolCall("mul", {"a": 1}),)
