@@ -327,6 +327,16 @@ def test_an_environment_needs_a_chat_template():
         make_grpo_step(optax.sgd(0.1), ByteTokenizer(), [], GRPOConfig(), key=jax.random.key(0))
     with pytest.raises(ValueError, match="max_turns must be >= 1"):
         GRPOConfig(max_turns=0)
+    with pytest.raises(ValueError, match="dynamic_sampling is not supported with environment"):
+        make_grpo_step(
+            optax.sgd(0.1),
+            tool_tokenizer(),
+            [],
+            GRPOConfig(dynamic_sampling=True),
+            key=jax.random.key(0),
+            environment=environment,
+            prompt_source=iter([]),
+        )
 
 
 @pytest.mark.slow  # GRPO with tools through train(): 3 steps, then 2 + a resumed 1 (~40 s)

@@ -440,7 +440,7 @@ def make_grpo_step(
             (``edl.train.grpo_tools``); ``reward_fns`` may then be ``[]``.
     """
     fns = [reward_fns] if callable(reward_fns) else list(reward_fns)
-    check_environment(environment, tokenizer)
+    check_environment(environment, tokenizer, config)
     if (not fns and environment is None) or not all(callable(f) for f in fns):
         raise TypeError(f"make_grpo_step: reward_fns must be callables, got {reward_fns!r}")
     weights = config.reward_weights or (1.0,) * len(fns)

@@ -8,7 +8,10 @@ reward functions (optional with an environment) called as for single-turn GRPO w
 ``completions`` the last turn's text and ``completion_ids`` the row's tokens after the
 prompt (model and environment tokens); group-normalised advantages of that total. The loss
 mask covers the model's own tokens only; ``mask_truncated_completions`` drops rows whose
-turn ran out of tokens.
+turn ran out of tokens. ``dr_grpo``'s constant normaliser stays ``max_new_tokens`` (one
+turn's budget). Metrics add ``turns`` (mean per row), ``truncated`` (the fraction of rows cut
+by the budget) and ``reward/environment``; ``sample_s`` includes the environments' steps
+(the tools' run time).
 """
 
 from __future__ import annotations
@@ -28,11 +31,17 @@ from edl.train.multiturn import multi_turn_rollout, trajectory_batch
 __all__ = ["check_environment", "tool_rollout"]
 
 
-def check_environment(environment: Any, tokenizer: Any) -> None:
+def check_environment(environment: Any, tokenizer: Any, config: Any) -> None:
     """``make_grpo_step``'s checks of ``environment=`` (None passes): a callable (the
-    factory), and a tokenizer with a chat template to render the conversations."""
+    factory), a tokenizer with a chat template to render the conversations, and no dynamic
+    sampling (its refills assume single-turn batches of one completion width)."""
     if environment is None:
         return
+    if config.dynamic_sampling:
+        raise ValueError(
+            "make_grpo_step: GRPOConfig.dynamic_sampling is not supported with environment= "
+            "(multi-turn batches differ in width); turn one of them off"
+        )
     if not callable(environment):
         raise TypeError(
             "make_grpo_step: environment must be a factory () -> Environment, got "
