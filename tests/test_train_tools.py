@@ -400,10 +400,15 @@ def test_distillation_rollouts_label_only_the_students_tokens(tok, monkeypatch):
         tool_batch(options, None, {"prompt_ids": 1}, jax.random.key(0))
 
 
-def test_distillation_with_an_environment_must_sample_every_step(tok, tiny_llama):
+def test_distillation_with_an_environment_must_sample_every_step(tok):
+    import equinox as eqx
+
+    from edl.models import LlamaConfig, LlamaForCausalLM
     from edl.train import make_distill_step
 
-    teacher = tiny_llama  # refused before it is used
+    config = LlamaConfig(vocab_size=tok.vocab_size, hidden_size=8, num_attention_heads=1)
+    # Shapes only (no arrays to build): the options are refused before the teacher is used.
+    teacher = eqx.filter_eval_shape(LlamaForCausalLM.init, config, key=jax.random.key(0))
     with pytest.raises(ValueError, match="every step must sample: lmbda=1 or seq_kd"):
         make_distill_step(
             optax.sgd(0.1),
