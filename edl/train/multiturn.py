@@ -14,8 +14,10 @@ messages are tokenised, as the template renders them after an assistant turn (TR
 the messages, cut after the stand-in's last EOS; a template whose earlier text changes
 when messages follow is refused, naming the messages).
 
-A row ends when the environment says ``done``, at ``max_turns``, or when a turn reaches the
-token budget without a stop token (``truncated``: there is no complete turn to answer).
+A row ends when the environment says ``done`` or answers with no message, at ``max_turns``
+(the last turn is still stepped, for its reward, but its answer is not appended: no model
+turn follows), or when a turn reaches the token budget without a stop token (``truncated``:
+there is no complete turn to answer; the environment is not stepped).
 
 :func:`trajectory_batch` lays the rows out for the GRPO / distillation updates: the
 left-padded prompt, then everything after it (model and environment tokens, right-padded);
