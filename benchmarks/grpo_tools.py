@@ -7,7 +7,7 @@ it can only copy: the calculator ``mul(a, b)`` (an ``edl.train.ToolEnvironment``
 called in the Hermes / Qwen format ``<tool_call>{"name": "mul", "arguments": {"a": 347,
 "b": 812}}</tool_call>``) answers with the product, which the model then copies.
 
-Warm-up (600 steps of 32 conversations, ~2-3 minutes): an SFT on conversations of two
+Warm-up (1000 steps of 32 conversations, ~5-8 minutes): an SFT on conversations of two
 kinds in equal parts: the call, the tool's answer and the copied product, or a direct guess
 (a random 6-digit number), loss on the model's own tokens. After it the model calls the
 tool most of the time but copies digits (into the call's arguments, from the tool's answer)
@@ -16,13 +16,18 @@ unreliably at temperature 1; GRPO (``make_grpo_step(..., environment=...)``, up 
 from the reward alone: calling rather than guessing, and copying exactly. A guess is right
 with probability about 1e-6: the task cannot be solved without the tool.
 
+Copying is what the warm-up must teach (its loss falls from ~0.6 to ~0.25 when it does), and
+when it does so varies by seed: seed 0 by step 300, seed 2 by 400, seed 1 not within 1000;
+a seed whose warm-up never copies scores 0 on every rollout and GRPO gets no signal. The
+script reports every seed (``benchmarks/RESULTS.md``, "grpo_tools").
+
 The tokenizer: byte-level (every byte one token, no merges) plus the chat markers as special
 tokens (``<|im_start|>``, ``<|im_end|>``, ``<tool_call>``, ``</tool_call>``,
 ``<tool_response>``, ``</tool_response>``), with a compact Qwen-style chat template
 (:data:`TEMPLATE`: the tools' names in a system turn, tool results as user turns in
 ``<tool_response>``).
 
-    python -m benchmarks.grpo_tools [--seeds 0 1 2] [--steps 60] [--sft-steps 600]
+    python -m benchmarks.grpo_tools [--seeds 0 1 2] [--steps 60] [--sft-steps 1000]
 
 Prints progress, then LAST one JSON line: settings and per seed the reward (and the rate of
 rows that called a tool) over the first / last 5 GRPO steps, seconds in SFT and GRPO.
@@ -239,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generations", type=int, default=8, help="samples per problem")
     p.add_argument("--lr", type=float, default=1e-3, help="GRPO's Adam learning rate")
     p.add_argument("--loss-type", default="dapo", help="GRPOConfig.loss_type")
-    p.add_argument("--sft-steps", type=int, default=600, help="warm-up SFT steps")
+    p.add_argument("--sft-steps", type=int, default=1000, help="warm-up SFT steps")
     p.add_argument("--sft-lr", type=float, default=3e-3, help="warm-up Adam learning rate")
     return p
 
