@@ -87,6 +87,7 @@ def test_template_format_reads_the_tokenizers_parse_response():
             return {"role": "assistant", "content": " ok ", "tool_calls": [*calls, {"x": 1}]}
 
     parsed = TOOL_FORMATS["template"].parse("anything", Parsing())
+    assert TOOL_FORMATS["auto"].parse("anything", Parsing()) == parsed  # its own parser
     assert parsed.content == "ok" and parsed.calls == (ToolCall("mul", {"a": 1}),)
     assert parsed.errors == ("tool call 1: expected a name and an arguments object, got {'x': 1}",)
 
@@ -94,7 +95,9 @@ def test_template_format_reads_the_tokenizers_parse_response():
 def test_template_format_needs_a_response_template(tok):
     with pytest.raises(ValueError, match="has no response_template"):
         TOOL_FORMATS["template"].parse("x", tok)
-    with pytest.raises(ValueError, match="tool_format must be one of hermes, template"):
+    text = '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+    assert TOOL_FORMATS["auto"].parse(text, tok) == parse_hermes(text)  # no parser of its own
+    with pytest.raises(ValueError, match="tool_format must be one of auto, hermes, template"):
         ToolEnvironment([mul], tool_format="xml")
 
 

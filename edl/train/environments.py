@@ -134,11 +134,12 @@ class ToolEnvironment:
         reward: ``reward(record, messages) -> float``, the final state's reward, called when
             the model answers without a call (``done``); None: 0. ``messages`` is the whole
             conversation, the final answer last.
-        tool_format: a name in ``edl.train.tool_formats.TOOL_FORMATS``.
+        tool_format: a name in ``edl.train.tool_formats.TOOL_FORMATS`` (``"auto"``: the
+            tokenizer's own parser where it has one, else ``"hermes"``).
         timeout: seconds each call may run.
         schemas: the JSON schemas rendered into the prompt (None: from the functions'
             signatures and docstrings, transformers' ``get_json_schema``).
-        tokenizer: for ``tool_format="template"`` (its ``parse_response``).
+        tokenizer: for ``"template"`` / ``"auto"`` (its ``parse_response``, if any).
         stop_at_call: end the model's turn at the format's closing tag (``</tool_call>``)
             when it is one token: one call per turn, and the model never writes a tool's
             answer itself; False: turns end at EOS only (several calls per turn).
@@ -150,7 +151,7 @@ class ToolEnvironment:
 
     functions: Sequence[Callable[..., Any]]
     reward: Callable[[Mapping[str, Any], list[Message]], float] | None = None
-    tool_format: str = "hermes"
+    tool_format: str = "auto"
     timeout: float = 10.0
     schemas: Sequence[Mapping[str, Any]] | None = None
     tokenizer: Any = None

@@ -10,6 +10,10 @@
   (5.x; it reads the tokenizer's ``response_template``), for templates that declare one.
   Its calls are taken as it returns them; a tokenizer without a ``response_template`` is an
   error naming it.
+- ``"auto"`` (``ToolEnvironment``'s default): ``"template"`` for a tokenizer that declares a
+  ``response_template``, else ``"hermes"``. transformers 5.24 has the parser, but a
+  tokenizer must declare the template it reads, and many do not (TRL's GRPO trainer adds
+  its own for the chat templates it knows), so ``"hermes"`` is often what runs.
 
 A parser never raises on the model's text: a malformed call (not JSON, no ``name``,
 ``arguments`` not an object, an unclosed block) becomes an entry of
@@ -29,7 +33,7 @@ from typing import Any
 from edl._registry import Registry
 from edl.text.sources import json_nests_deeper_than
 
-__all__ = ["TOOL_FORMATS", "ParsedTurn", "ToolCall", "ToolFormat", "parse_hermes"]
+__all__ = ["TOOL_FORMATS", "ParsedTurn", "ToolCall", "ToolFormat", "parse_hermes", "parse_template"]
 
 MAX_ARGUMENTS_DEPTH = 64  # Python's json recurses per level: refuse deeper text before parsing
 
@@ -120,7 +124,7 @@ def parse_template(text: str, tokenizer: Any) -> ParsedTurn:
     the tokenizer's ``response_template``); ``ValueError`` naming the tokenizer when it
     declares none."""
     hf = getattr(tokenizer, "hf", tokenizer)
-    if getattr(hf, "response_template", None) is None or not hasattr(hf, "parse_response"):
+    if not has_response_template(tokenizer):
         raise ValueError(
             f"tool_format='template': the tokenizer {getattr(tokenizer, 'name', tokenizer)!r} "
             "has no response_template (transformers' parse_response); use tool_format='hermes' "
@@ -140,7 +144,26 @@ def parse_template(text: str, tokenizer: Any) -> ParsedTurn:
     return ParsedTurn(str(message.get("content") or "").strip(), tuple(calls), tuple(errors))
 
 
+def has_response_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` (an ``HFTokenizer`` or a transformers one) declares a response
+    parser (transformers' ``response_template``)."""
+    hf = getattr(tokenizer, "hf", tokenizer)
+    return getattr(hf, "response_template", None) is not None and hasattr(hf, "parse_response")
+
+
+def parse_auto(text: str, tokenizer: Any) -> ParsedTurn:
+    """The tokenizer's own parser where it declares one (:func:`parse_template`), else the
+    Hermes / Qwen format (:func:`parse_hermes`)."""
+    if tokenizer is not None and has_response_template(tokenizer):
+        return parse_template(text, tokenizer)
+    return parse_hermes(text)
+
+
 TOOL_FORMATS: Registry[ToolFormat] = Registry(
     "tool format",
-    [ToolFormat("hermes", parse_hermes, _CLOSE), ToolFormat("template", parse_template)],
+    [
+        ToolFormat("auto", parse_auto, _CLOSE),
+        ToolFormat("hermes", parse_hermes, _CLOSE),
+        ToolFormat("template", parse_template),
+    ],
 )
