@@ -21,6 +21,11 @@ transformers = pytest.importorskip("transformers")
         ({"method": "dpo"}, "--method dpo needs --model"),
         ({"method": "dpo", "model": "m", "data": "d", "format": "chat"}, "--format is for"),
         ({"method": "grpo", "model": "m", "data": "d"}, "--method grpo needs --reward"),
+        ({"method": "dpo", "model": "m", "data": "d", "environment": "e:f"}, "--environment is"),
+        (
+            {"method": "grpo", "model": "m", "data": "d", "reward": "r:f", "max_turns": 2},
+            "--max-turns is for --method grpo with --environment",
+        ),
         ({"method": "dpo", "model": "m", "data": "d", "reward": "r:f"}, "--reward is for"),
         (
             {"method": "dpo", "model": "m", "data": "d", "reference": "lora"},
@@ -292,3 +297,17 @@ def test_a_restarted_post_training_run_loads_its_step_from_the_compilation_cache
     assert len(first) == len(second) == 1, said
     assert first[0].endswith("(compiled)")
     assert second[0].endswith("(from the compilation cache)"), said[1]
+
+
+def test_environment_factories_are_imported_like_reward_functions():
+    from edl.cli import CommandError
+    from edl.cli.post import environment_factory
+
+    grpo = {"method": "grpo", "model": "m", "data": "d"}
+    assert environment_factory(TrainConfig(**grpo, reward="r:f")) is None
+    config = TrainConfig(**grpo, environment="benchmarks.grpo_tools:environment", max_turns=3)
+    assert environment_factory(config)().stop == "</tool_call>"
+    with pytest.raises(CommandError, match=r"--environment benchmarks\.grpo_tools:nope: "):
+        environment_factory(TrainConfig(**grpo, environment="benchmarks.grpo_tools:nope"))
+    with pytest.raises(CommandError, match="expected one module:function"):
+        environment_factory(TrainConfig(**grpo, environment="a:b,c:d"))

@@ -40,9 +40,10 @@ def check_before_work(config: TrainConfig) -> None:
     if config.eval_data:
         check_data(config.eval_data, _data_format(config), flag="--eval-data")
     if config.method == "grpo":
-        from edl.cli.post import reward_functions
+        from edl.cli.post import environment_factory, reward_functions
 
         reward_functions(config.reward)  # imported now: a wrong name fails before the model
+        environment_factory(config)
 
 
 def check_mesh(config: TrainConfig, devices: int, present: tuple[int, str] = (1, "")) -> None:

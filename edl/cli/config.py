@@ -143,6 +143,14 @@ class TrainConfig:
         "--method grpo: reward function(s), module:function[,...] "
         "(imported from the working directory or PYTHONPATH)",
     )
+    environment: str = _option(
+        "",
+        "--method grpo: multi-turn rollouts (tool use) with an environment factory, "
+        "module:function returning an edl.train.Environment (--reward then optional)",
+    )
+    max_turns: int = _option(
+        1, "--method grpo with --environment: model turns per conversation", low=1.0
+    )
     num_generations: int = _option(8, "--method grpo: completions per prompt", low=2.0)
     max_new_tokens: int = _option(
         64, "--method grpo / distill: tokens per sampled completion", low=1.0
@@ -309,8 +317,14 @@ class TrainConfig:
                 f"--method distill needs 0 <= --beta <= 1 and --temperature > 0, got "
                 f"{self.beta} and {self.temperature}"
             )
-        if method == "grpo" and not self.reward:
-            raise ConfigError("--method grpo needs --reward module:function")
+        if method == "grpo" and not (self.reward or self.environment):
+            raise ConfigError(
+                "--method grpo needs --reward module:function (or --environment module:function)"
+            )
+        if method != "grpo" and self.environment:
+            raise ConfigError(f"--environment is for --method grpo, not {method}")
+        if self.max_turns > 1 and not self.environment:
+            raise ConfigError("--max-turns is for --method grpo with --environment")
         if method != "grpo" and self.reward:
             raise ConfigError(f"--reward is for --method grpo, not {method}")
         if method == "grpo" and self.temperature <= 0:
@@ -422,6 +436,8 @@ _METHOD_OPTIONS = {
         "beta",
         "reference",
         "reward",
+        "environment",
+        "max_turns",
         "num_generations",
         "max_new_tokens",
         "temperature",

@@ -13,7 +13,9 @@ by KTO or by distillation from a teacher.
 - ``grpo``: ``--data`` holds prompt records (``prompt``: text or chat messages, other fields
   passed to the reward functions), ``--reward module:function`` scores completions sampled
   from the model being trained (``edl.train.make_grpo_step``); ``--steps`` counts GRPO
-  iterations of ``--num-iterations`` updates each.
+  iterations of ``--num-iterations`` updates each. ``--environment module:function`` (a
+  factory of ``edl.train.Environment``, e.g. a ``ToolEnvironment`` of Python tools) makes
+  the rollouts conversations of up to ``--max-turns`` turns (``edl.train.grpo_tools``).
 - ``kto``: ``--data`` holds unpaired preference records (``prompt`` / ``completion``, strings
   or chat messages, and a boolean ``label``: desirable or not), tokenized as TRL does
   (``edl.train.kto_data.encode_unpaired``) and batched with KTO's mismatched KL pairs by
@@ -88,26 +90,36 @@ _REPORTED = {
 }
 
 
-def reward_functions(spec: str) -> list[Any]:
-    """The callables ``spec`` names (``module:function[,module:function...]``), imported
-    with the working directory on the path. ``CommandError`` names what cannot be found."""
+def reward_functions(spec: str, flag: str = "--reward") -> list[Any]:
+    """The callables ``spec`` names (``module:function[,module:function...]``; empty:
+    none), imported with the working directory on the path. ``CommandError`` names
+    ``flag`` and what cannot be found."""
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     out = []
-    for name in (n.strip() for n in spec.split(",")):
+    for name in (n.strip() for n in spec.split(",") if spec):
         module, _, function = name.partition(":")
         if not module or not function:
-            raise CommandError(f"--reward {name!r}: expected module:function")
+            raise CommandError(f"{flag} {name!r}: expected module:function")
         try:
             fn = getattr(importlib.import_module(module), function)
         except ImportError as e:
-            raise CommandError(f"--reward {name}: cannot import {module!r}: {e}") from None
+            raise CommandError(f"{flag} {name}: cannot import {module!r}: {e}") from None
         except AttributeError:
-            raise CommandError(f"--reward {name}: {module!r} has no {function!r}") from None
+            raise CommandError(f"{flag} {name}: {module!r} has no {function!r}") from None
         if not callable(fn):
-            raise CommandError(f"--reward {name}: {type(fn).__name__} is not callable")
+            raise CommandError(f"{flag} {name}: {type(fn).__name__} is not callable")
         out.append(fn)
     return out
+
+
+def environment_factory(config: TrainConfig) -> Any:
+    """``--environment``'s factory (None without one), imported as ``--reward``'s functions."""
+    if not config.environment:
+        return None
+    if "," in config.environment:
+        raise CommandError(f"--environment {config.environment!r}: expected one module:function")
+    return reward_functions(config.environment, "--environment")[0]
 
 
 def _preference_batches(
@@ -331,6 +343,7 @@ def _steps(
         top_entropy_quantile=config.top_entropy_quantile,
         gradient_accumulation_steps=config.grad_accum_steps,
         dynamic_sampling=config.dynamic_sampling,
+        max_turns=config.max_turns,
     )
     step = make_grpo_step(
         tx,
@@ -342,6 +355,7 @@ def _steps(
         clip_norm=options["clip_norm"],
         compute_dtype=options["compute_dtype"],
         prompt_source=prompts,
+        environment=environment_factory(config),
     )
     return step, None
 

@@ -18,6 +18,7 @@ _MODULES = {
     "edl.train.distill": ("make_distill_step",),
     "edl.train.distill_data": ("DistillBatches",),
     "edl.train.distill_loss": ("distill_loss",),
+    "edl.train.environments": ("Environment", "ToolEnvironment"),
     "edl.train.grpo": ("GRPOConfig", "PromptBatches", "make_grpo_step"),
     "edl.train.kto": ("kto_loss", "make_kto_step"),
     "edl.train.loop": ("train",),

@@ -46,6 +46,7 @@ from edl.generate.steps import CausalLM
 from edl.ops.losses import mask_without_context
 from edl.state import TrainState
 from edl.train.distill_loss import chunked_distill_loss
+from edl.train.distill_tools import check_tool_options, tool_batch
 from edl.train.grpo_objective import completion_mask
 from edl.train.preference_step import _with_reference
 
@@ -129,6 +130,7 @@ class DistillStep:
         self.lmbda, self.seq_kd = options["lmbda"], options["seq_kd"]
         self.max_new_tokens, self.temperature = options["max_new_tokens"], options["temperature"]
         self.eos_id, self.pad_id = options["eos_token_id"], options["pad_token_id"]
+        self.options = options  # with "environment": multi-turn rollouts (distill_tools)
 
     def source(self, step: int) -> str:
         """Whose completions step ``step`` trains on: ``"student"``, ``"teacher"`` or
@@ -138,9 +140,11 @@ class DistillStep:
             return "student"
         return "teacher" if self.seq_kd else "data"
 
-    def rollout(self, model: CausalLM, batch: Batch, key: PRNGKeyArray) -> dict[str, Array]:
+    def rollout(self, model: CausalLM, batch: Batch | list, key: PRNGKeyArray) -> dict[str, Array]:
         """``model``'s completions of the batch's ``prompt_ids`` (left-padded) as a train
         batch: prompt + completion, labels on the completion up to and including EOS."""
+        if self.options.get("environment") is not None:
+            return tool_batch(self.options, model, batch, key)
         for k in ("prompt_ids", "prompt_mask"):
             if k not in batch:
                 raise ValueError(
@@ -171,7 +175,7 @@ class DistillStep:
             "attention_mask": jnp.concatenate([prompt_mask.astype(jnp.int32), keep], axis=1),
         }
 
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    def __call__(self, state: TrainState, batch: Batch | list) -> tuple[TrainState, dict]:
         step = int(state.step)
         source = self.source(step)
         metrics: dict[str, Any] = {"completion_length": 0.0, "sample_s": 0.0}
@@ -182,8 +186,8 @@ class DistillStep:
             batch = jax.block_until_ready(self.rollout(model, batch, key))
             del model  # the update donates the state's buffers
             metrics["sample_s"] = time.perf_counter() - t0
-            new = np.asarray(batch["attention_mask"])[:, -self.max_new_tokens :]
-            metrics["completion_length"] = float(new.sum(axis=1).mean())
+            counted = np.asarray(batch["labels"]) != -100  # the sampled tokens up to EOS
+            metrics["completion_length"] = float(counted.sum(axis=1).mean())
         batch = {k: batch[k] for k in DISTILL_KEYS}
         state, out = self.update(state, batch)
         metrics.update(jax.device_get(out))
@@ -206,6 +210,9 @@ def make_distill_step(
     key: PRNGKeyArray | None = None,
     student: CausalLM | None = None,
     chunk_size: int | None = None,
+    environment: Any = None,
+    tokenizer: Any = None,
+    max_turns: int = 1,
     **step_options: Any,
 ) -> Any:
     """A distillation ``step(state, batch) -> (state, metrics)`` (module docstring).
@@ -225,6 +232,10 @@ def make_distill_step(
         student: the state's model, to check the teacher's vocabulary against it now (the
             check also runs when the step is first traced).
         chunk_size: tokens per LM-head chunk (None: ``edl.ops.losses.default_chunk_size``).
+        environment, tokenizer, max_turns: sampled steps roll out conversations of up to
+            ``max_turns`` turns with one ``environment()`` per row, rendered by
+            ``tokenizer``'s chat template; batches are then prompt records
+            (``edl.train.distill_tools``; needs ``lmbda == 1`` or ``seq_kd``).
 
     Metrics: ``loss`` (the mean divergence per completion token), ``count`` (completion
     tokens), ``tokens`` and the train step's; host steps add :class:`DistillStep`'s.
@@ -245,6 +256,9 @@ def make_distill_step(
             f"eos_token_id={eos_token_id}, max_new_tokens={max_new_tokens}"
         )
 
+    if environment is not None:
+        check_tool_options(who, tokenizer, lmbda, seq_kd, max_turns)
+
     def loss_fn(model: CausalLM, batch: Batch, frozen: CausalLM | None):
         if frozen is None:  # make_train_step's argument check traces nothing: no teacher yet
             frozen = teacher
@@ -263,5 +277,8 @@ def make_distill_step(
         "temperature": temperature,
         "eos_token_id": int(eos_token_id),
         "pad_token_id": int(eos_token_id if pad_token_id is None else pad_token_id),
+        **({} if environment is None else {"environment": environment}),
+        "tokenizer": tokenizer,
+        "max_turns": max_turns,
     }
     return DistillStep(update, teacher, options, key)

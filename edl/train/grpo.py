@@ -54,6 +54,7 @@ from edl.state import TrainState
 from edl.text.sources import validate_prompt
 from edl.text.tokenizer import Tokenizer
 from edl.train.data import EpochCursor
+from edl.train.environments import EnvironmentFactory
 from edl.train.grpo_dynamic import dynamic_batch
 from edl.train.grpo_losses import IMPORTANCE_SAMPLING_LEVELS
 from edl.train.grpo_objective import (
@@ -66,6 +67,7 @@ from edl.train.grpo_objective import (
     truncated_rows,
 )
 from edl.train.grpo_rewards import RewardFn, score_completions
+from edl.train.grpo_tools import check_environment, tool_rollout
 from edl.train.step import make_train_step
 
 __all__ = ["GRPOConfig", "GRPOStep", "PromptBatches", "make_grpo_step"]
@@ -101,6 +103,8 @@ class GRPOConfig:
     ``dynamic_sampling``: DAPO's: groups whose rewards do not vary are replaced by groups of
     further prompts (``make_grpo_step(prompt_source=...)``), at most
     ``max_dynamic_sampling_rounds`` extra rollouts per step (``edl.train.grpo_dynamic``).
+    ``max_turns``: with ``make_grpo_step(environment=...)``, model turns per conversation
+    (each of at most ``max_new_tokens``; ``edl.train.grpo_tools``).
     """
 
     num_generations: int = 8
@@ -129,6 +133,7 @@ class GRPOConfig:
     gradient_accumulation_steps: int = 1
     dynamic_sampling: bool = False
     max_dynamic_sampling_rounds: int = 4
+    max_turns: int = 1
 
     def __post_init__(self) -> None:
         checks = {  # name: (holds, what it must be)
@@ -152,6 +157,7 @@ class GRPOConfig:
             "top_entropy_quantile": (0 < self.top_entropy_quantile <= 1, "in (0, 1]"),
             "gradient_accumulation_steps": (self.gradient_accumulation_steps >= 1, ">= 1"),
             "max_dynamic_sampling_rounds": (self.max_dynamic_sampling_rounds >= 0, ">= 0"),
+            "max_turns": (self.max_turns >= 1, ">= 1"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -268,6 +274,7 @@ class GRPOStep:
     ):
         self.update, self.tokenizer, self.config = update, tokenizer, config
         self.prompt_source = prompt_source  # further prompts for dynamic sampling
+        self.environment = None  # a factory of environments: multi-turn rollouts (grpo_tools)
         self.reward_fns, self.weights, self.key, self.reference = (
             reward_fns,
             weights,
@@ -301,6 +308,8 @@ class GRPOStep:
                 f"GRPO step: the prompt records' fields differ: {fields[0]} vs "
                 f"{next(f for f in fields if f != fields[0])}"
             )
+        if self.environment is not None:
+            return tool_rollout(self, model, records, key)
         prompts = [r["prompt"] for r in records]
         encoded = [self._encode(p) for p in prompts]
         rows = [ids for ids in encoded for _ in range(g)]
@@ -409,6 +418,7 @@ def make_grpo_step(
     compute_dtype: Any = None,
     donate: bool = True,
     prompt_source: Any = None,
+    environment: EnvironmentFactory | None = None,
 ) -> GRPOStep:
     """Build the GRPO step ``step(state, prompts) -> (state, metrics)`` (see
     :class:`GRPOStep`) for ``edl.train.train`` or a plain loop.
@@ -426,9 +436,12 @@ def make_grpo_step(
         prompt_source: with ``config.dynamic_sampling``: where further prompts come from,
             an iterator of prompt lists: pass the same ``PromptBatches`` that
             ``edl.train.train`` reads, so checkpoints save (and resume restores) the draws.
+        environment: ``() -> Environment``: multi-turn rollouts, one environment per row
+            (``edl.train.grpo_tools``); ``reward_fns`` may then be ``[]``.
     """
     fns = [reward_fns] if callable(reward_fns) else list(reward_fns)
-    if not fns or not all(callable(f) for f in fns):
+    check_environment(environment, tokenizer, config)
+    if (not fns and environment is None) or not all(callable(f) for f in fns):
         raise TypeError(f"make_grpo_step: reward_fns must be callables, got {reward_fns!r}")
     weights = config.reward_weights or (1.0,) * len(fns)
     if len(weights) != len(fns) or not all(math.isfinite(w) for w in weights):
@@ -453,7 +466,9 @@ def make_grpo_step(
         compute_dtype=compute_dtype,
         donate=donate,
     )
-    return GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference, prompt_source)
+    step = GRPOStep(update, tokenizer, fns, tuple(weights), config, key, reference, prompt_source)
+    step.environment = environment
+    return step
 
 
 class PromptBatches(EpochCursor):
