@@ -96,7 +96,9 @@ def _at_layer(stack: jax.Array, layer: Int[Array, ""] | int | None, length: int)
     return jax.lax.dynamic_slice(stack, start, (1, stack.shape[1], length, *stack.shape[3:]))[0]
 
 
-def _check_layer(name: str, cache: jax.Array, layer: Int[Array, ""] | int | None) -> None:
+def _check_layer(
+    name: str, cache: jax.Array | QuantizedPages, layer: Int[Array, ""] | int | None
+) -> None:
     want, what = (4, "one layer's cache") if layer is None else (5, "caches stacked over layers")
     if cache.ndim != want:
         hint = "" if layer is not None else "; pass layer= to read caches stacked over layers"

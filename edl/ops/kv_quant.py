@@ -62,11 +62,11 @@ class KVCacheDtype:
         return self.storage is not None
 
 
-def _int8(x: Float[Array, " n"]) -> Shaped[Array, " n"]:
+def _int8(x: Float[Array, "*shape"]) -> Shaped[Array, "*shape"]:
     return jnp.clip(jnp.round(x), -127, 127).astype(jnp.int8)
 
 
-def _fp8(x: Float[Array, " n"]) -> Shaped[Array, " n"]:
+def _fp8(x: Float[Array, "*shape"]) -> Shaped[Array, "*shape"]:
     return jnp.clip(x, -448.0, 448.0).astype(jnp.float8_e4m3fn)
 
 
