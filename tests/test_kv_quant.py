@@ -111,15 +111,17 @@ def _masked_reference(q, k, v, lengths):
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_paged_read_is_attention_over_the_dequantized_cache(fmt):
     keys = jax.random.split(jax.random.key(0), 3)
-    cache = init_paged_cache(
-        _config(kv_heads=2, head_dim=8), 9, 4, batch=2, cache_len=12, kv_cache_dtype=fmt
-    )
-    assert isinstance(cache.k_pages, QuantizedPages) and cache.k_pages.dtype == jnp.dtype(
-        KV_CACHE_DTYPES[fmt].storage
-    )
     k, v = (jax.random.normal(key, (2, 10, 2, 8)) for key in keys[:2])
-    num_new = jnp.array([10, 6], jnp.int32)
-    cache = cache.reserve(num_new).update(1, k, v).advance(num_new)
+
+    @jax.jit  # one program: op by op, building the cache compiles for seconds
+    def filled(k, v):
+        cache = init_paged_cache(_config(2, 8), 9, 4, batch=2, cache_len=12, kv_cache_dtype=fmt)
+        num_new = jnp.array([10, 6], jnp.int32)
+        return cache.reserve(num_new).update(1, k, v).advance(num_new)
+
+    cache = filled(k, v)
+    assert isinstance(cache.k_pages, QuantizedPages)
+    assert cache.k_pages.dtype == jnp.dtype(KV_CACHE_DTYPES[fmt].storage)
     q = jax.random.normal(keys[2], (2, 2, 4, 8))
     lengths = np.asarray(cache.lengths)
     table = np.asarray(cache.page_table)
@@ -131,14 +133,15 @@ def test_paged_read_is_attention_over_the_dequantized_cache(fmt):
     want = _masked_reference(
         np.asarray(q, np.float64), *map(logical, (cache.k_pages, cache.v_pages)), lengths
     )
-    for impl in ("reference", "xla"):
-        got = paged_attention(
-            q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths, layer=1, impl=impl
-        )
+    for impl in ("reference", "xla") if fmt == "int8" else ("xla",):  # compiles cost seconds
+        read = jax.jit(lambda *a, impl=impl: paged_attention(*a, layer=1, impl=impl))
+        got = read(q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths)
         np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-6, err_msg=impl)
     # The stored values are the inputs rounded, not the inputs.
     assert not np.allclose(logical(cache.k_pages)[0, :10], np.asarray(k[0], np.float64), atol=1e-7)
 
+    if fmt != "int8":
+        return
     # No kernel reads quantized pages: asked by name they refuse; "auto" says why and
     # computes what "xla" does.
     args = (q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths)
@@ -164,6 +167,18 @@ def test_quantized_caches_are_refused_where_not_done(tiny_llama):
             init_paged_cache(config, 4, 4, batch=1, cache_len=8, kv_cache_dtype="fp8_e4m3")
 
 
+def test_engine_pools_are_quantized_pages(tiny_llama):
+    engine = Engine(tiny_llama, max_batch=2, max_model_len=16, page_size=8, kv_cache_dtype="int8")
+    for pool in (engine._k_pages, engine._v_pages):
+        assert isinstance(pool, QuantizedPages) and pool.dtype == jnp.int8
+        assert pool.shape == (2, engine.num_total_pages, 8, 2, 8)
+        assert pool.scales.shape == (2, engine.num_total_pages, 8, 2, 1)
+    assert engine._k_pages.values is not engine._v_pages.values  # each step donates both
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        Engine(tiny_llama, max_batch=2, max_model_len=16, kv_cache_dtype="int4")
+
+
+@pytest.mark.slow  # about 20 s: generate twice and the engine's four step shapes compile
 def test_engine_on_an_int8_cache_matches_generate_with_shared_prefixes(tiny_llama):
     """Several requests, one sharing another's whole prompt pages, on int8 pages: the
     engine's greedy tokens are ``generate``'s on the same int8 cache, every page comes
