@@ -218,3 +218,23 @@ def test_engine_on_an_int8_cache_matches_generate_with_shared_prefixes(tiny_llam
         assert step < 100
     assert [got[r] for r in rids] == want
     assert engine.num_free_pages == engine.num_total_pages
+
+
+def test_kv_cache_dtype_flags(tmp_path, capsys):
+    from edl.cli import _check_serve, _parser, main
+
+    def served(*argv):
+        args = _parser().parse_args(["serve", "--model", "m", *argv])
+        _check_serve(args)
+        return args.kv_cache.kv_cache_dtype
+
+    assert served() == "auto" and served("--kv-cache-dtype", "fp8_e4m3") == "fp8_e4m3"
+    for argv, message in (
+        (["--kv-cache-dtype", "int4"], "got 'int4'"),
+        (["--kv-cache-dtype", "int8", "--num-beams", "2"], "a quantized cache is paged"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--model", str(tmp_path), *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("edl generate: error: ") and message in err
