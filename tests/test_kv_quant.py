@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from edl.generate import generate
 from edl.generate.paged import _page_bytes, check_quantizable, init_paged_cache
-from edl.models import DeepseekV3Config, LlamaConfig, Qwen3NextConfig
+from edl.models import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, Qwen3NextConfig
 from edl.ops.cached_attention import paged_attention
 from edl.ops.kv_quant import KV_CACHE_DTYPES, QuantizedPages, dequantize_kv, quantize_kv
 from edl.serve import Engine, SamplingParams
@@ -238,3 +239,23 @@ def test_kv_cache_dtype_flags(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err
         assert err.startswith("edl generate: error: ") and message in err
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_a_quantized_engine_step_lowers_for_accelerators_without_their_kernels(platform):
+    """The engine's decode step on int8 pools, lowered for a GPU / TPU from this machine:
+    XLA's dequantizing read, not the paged kernels (``edl_paged_decode_attention``,
+    ``edl_tpu_paged_decode_attention``), which a float pool of this geometry gets."""
+    from edl.serve.step import model_step
+
+    config = _config(kv_heads=2, head_dim=64)
+    model = eqx.filter_eval_shape(lambda: LlamaForCausalLM.init(config, key=jax.random.key(0)))
+    model = jax.eval_shape(lambda m: m.unstacked(), model)
+    pools = jax.eval_shape(lambda: QuantizedPages.zeros((2, 64, 16, 2, 64), "int8"))
+    ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    args = (model, pools, pools, ints(4, 8), ints(4), ints(4, 1), ints(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = model_step.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert "paged_decode_attention" not in text and "i8" in text
+    assert any("does not read quantized pages" in str(w.message) for w in caught)
