@@ -31,7 +31,13 @@ from edl.generate.cache import Cache, cache_dims
 from edl.models.config import DecoderConfig
 from edl.ops.cached_attention import paged_attention
 from edl.ops.checks import error_if
-from edl.ops.kv_quant import KV_CACHE_DTYPES, QuantizedPages, bytes_per_token, dequantize_kv
+from edl.ops.kv_quant import (
+    KV_CACHE_DTYPES,
+    QuantizedPages,
+    bytes_per_token,
+    dequantize_kv,
+    quantize_kv,
+)
 
 __all__ = [
     "PagedCacheConfig",
@@ -219,8 +225,7 @@ def _written(pool, index: tuple, x: jax.Array):
 
 
 def _round_trip(x: jax.Array, fmt: str) -> jax.Array:
-    probe = QuantizedPages.zeros(x.shape, fmt).set((Ellipsis,), x)
-    return dequantize_kv(probe.values, probe.scales, x.dtype)
+    return dequantize_kv(*quantize_kv(x, fmt), x.dtype)
 
 
 def free_rows(cache: PagedKVCache, rows: Bool[Array, " batch"]) -> PagedKVCache:
