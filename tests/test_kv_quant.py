@@ -109,6 +109,7 @@ def _masked_reference(q, k, v, lengths):
     return np.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+@pytest.mark.gpu  # XLA's dequantizing read and the kernels' refusal on the device too
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 def test_paged_read_is_attention_over_the_dequantized_cache(fmt):
     keys = jax.random.split(jax.random.key(0), 3)
@@ -146,8 +147,8 @@ def test_paged_read_is_attention_over_the_dequantized_cache(fmt):
     # No kernel reads quantized pages: asked by name they refuse; "auto" says why and
     # computes what "xla" does.
     args = (q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths)
-    with pytest.raises(ValueError, match="native CPU kernel does not read quantized pages"):
-        paged_attention(*args, layer=1, impl="native")
+    with pytest.raises(ValueError, match="kernel does not read quantized pages"):
+        paged_attention(*args, layer=1, impl="pallas")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         auto = jax.jit(lambda *a: paged_attention(*a, layer=1))(*args)
@@ -179,6 +180,7 @@ def test_engine_pools_are_quantized_pages(tiny_llama):
         Engine(tiny_llama, max_batch=2, max_model_len=16, kv_cache_dtype="int4")
 
 
+@pytest.mark.gpu
 @pytest.mark.slow  # about 20 s: generate twice and the engine's four step shapes compile
 def test_engine_on_an_int8_cache_matches_generate_with_shared_prefixes(tiny_llama):
     """Several requests, one sharing another's whole prompt pages, on int8 pages: the
