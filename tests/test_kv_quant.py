@@ -211,15 +211,18 @@ def test_engine_on_an_int8_cache_matches_generate_with_shared_prefixes(tiny_llam
     assert isinstance(engine._k_pages, QuantizedPages)
     greedy = SamplingParams(max_tokens=max_new, temperature=0.0)
     rids = [engine.add_request(p, greedy) for p in prompts[:2]]
-    got, step = {}, 0
-    while engine.has_unfinished() or step < 3:
-        if step == 2:  # C joins while A still prefills: A's first two pages are shared
+    got, step, shared = {}, 0, None
+    while engine.has_unfinished() or step < 4:
+        if step == 3:  # C joins while A decodes: A's two whole prompt pages are shared
             rids.append(engine.add_request(c, greedy))
         for out in engine.step():
             got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if step == 3:
+            pages = {r.id: r.pages for r in engine._running}
+            shared = pages[rids[2]][:2] == pages[rids[0]][:2]
         step += 1
         assert step < 100
-    assert [got[r] for r in rids] == want
+    assert shared and [got[r] for r in rids] == want
     assert engine.num_free_pages == engine.num_total_pages
 
 
