@@ -1,8 +1,8 @@
 """The layering holds: no module under edl/ imports a module of a higher layer.
 
-    base utilities (edl, edl._hub, edl._lazy, edl._mesh_spec, edl._registry, edl._settings,
-    edl._speculative, edl.compile_cache, edl.module, edl.platforms, edl.tree): any layer may
-    use them
+    base utilities (edl, edl._hub, edl._kv_cache, edl._lazy, edl._mesh_spec, edl._registry,
+    edl._settings, edl._speculative, edl.compile_cache, edl.module, edl.platforms, edl.tree):
+    any layer may use them
     kernels <- ops <- nn / models / lora / quantize / state <- io / generate / sharding / text
                                                                / images
                                                             <- train / serve / eval / cli
@@ -41,6 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "edl._mesh_spec",
             "edl._registry",
             "edl._hub",
+            "edl._kv_cache",
             "edl._settings",
             "edl._speculative",
             "edl.compile_cache",

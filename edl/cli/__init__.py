@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from edl._kv_cache import KVCacheOptions
 from edl._settings import Leaf, from_options, leaves
 from edl._speculative import SpeculativeConfig
 from edl.cli.config import (
@@ -203,6 +204,7 @@ def _add_generate(commands: Any) -> None:
         "--dtype", choices=_DTYPES, default=None, help="compute in this dtype (default: as stored)"
     )
     gen.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    _add_option_flags(gen, leaves(KVCacheOptions), lambda leaf: leaf.field.default)
 
 
 def _add_serve(commands: Any) -> None:
@@ -253,6 +255,7 @@ def _add_serve(commands: Any) -> None:
     _add_option_flags(serve, leaves(ServerOptions), lambda leaf: leaf.field.default)
     # Speculative decoding: off unless --speculative-method is given.
     _add_option_flags(serve, leaves(SpeculativeConfig), _speculation_default)
+    _add_option_flags(serve, leaves(KVCacheOptions), lambda leaf: leaf.field.default)
     serve.add_argument(
         "--draft-model",
         default=None,
@@ -343,6 +346,7 @@ def _check_serve(args: argparse.Namespace) -> None:
         raise ConfigError(f"argument --max-model-len: must be >= 2, got {args.max_model_len}")
     args.options = _server_options(args)
     args.speculative = _speculation(args)
+    args.kv_cache = _kv_cache(args)
     method = None if args.speculative is None else args.speculative.method
     if (method == "draft") != (args.draft_model is not None):
         raise ConfigError(
@@ -365,6 +369,13 @@ def _speculation(args: argparse.Namespace) -> SpeculativeConfig | None:
             raise ConfigError(f"argument {given}: needs --speculative-method (ngram or draft)")
         return None
     return from_options(SpeculativeConfig, values, where="argument ")
+
+
+def _kv_cache(args: argparse.Namespace) -> KVCacheOptions:
+    """``KVCacheOptions`` from ``--kv-cache-dtype`` (checked against the registry)."""
+    names = leaves(KVCacheOptions)
+    values = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return from_options(KVCacheOptions, values, where="argument ")
 
 
 def _server_options(args: argparse.Namespace) -> ServerOptions:
@@ -411,6 +422,12 @@ def _check_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         _usage(parser, f"argument --top-k: must be >= 1, got {args.top_k}")
     if args.num_beams < 1:
         _usage(parser, f"argument --num-beams: must be >= 1, got {args.num_beams}")
+    try:
+        args.kv_cache = _kv_cache(args)
+    except ConfigError as e:
+        _usage(parser, str(e))
+    if args.kv_cache.kv_cache_dtype != "auto" and args.num_beams > 1:
+        _usage(parser, "argument --kv-cache-dtype: a quantized cache is paged: no --num-beams")
     for name in ("top_p", "top_k"):
         if getattr(args, name) is not None and args.temperature == 0:
             _usage(

@@ -98,6 +98,7 @@ def run_generate(args: argparse.Namespace) -> None:
         top_p=args.top_p,
         top_k=args.top_k,
         key=jax.random.key(args.seed),
+        kv_cache_dtype=args.kv_cache.kv_cache_dtype,
     )
     shown = "" if args.chat else args.prompt
     try:

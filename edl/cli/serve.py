@@ -88,6 +88,7 @@ def run_serve(args: argparse.Namespace) -> None:
             tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
             speculative=args.speculative,
             draft_model=draft_model,
+            kv_cache_dtype=args.kv_cache.kv_cache_dtype,
         )
     except ValueError as e:  # the engine's refusals name what and why: one line, no traceback
         raise CommandError(f"the serving engine refuses this model or these options: {e}") from None

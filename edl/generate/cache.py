@@ -98,8 +98,19 @@ class Cache(eqx.Module):
         ``sinks``: GPT-OSS's attention sinks (``edl.ops.attention``)."""
         options = dict(window=window, softcap=softcap, scale=scale, sinks=sinks, impl=impl)
         if self.fresh:
+            k, v = self.stored(k, v)
             return attention(q, k, v, causal=True, **options)
         return self._read(layer, q, self.lengths + q.shape[1], options).astype(q.dtype)
+
+    def stored(
+        self,
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+    ) -> tuple[
+        Float[Array, "batch new kv_heads head_dim"], Float[Array, "batch new kv_heads head_dim"]
+    ]:
+        """``k``, ``v`` as later reads of the cache see them (a quantized cache rounds them)."""
+        return k, v
 
     def advance(self, num_new: Int[Array, " batch"]) -> Cache:
         """``lengths += num_new`` once every layer has been updated."""

@@ -28,10 +28,12 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from edl.generate import steps
 from edl.generate.beam import beam_search
 from edl.generate.config import GenerateOutput, GenerationConfig
+from edl.generate.paged import check_quantizable
 from edl.generate.speculative import SpeculativeConfig, check_speculative, generate_speculative
 from edl.generate.steps import CausalLM, ImagePrompt, ImageTextLM
 from edl.nn.attention import KVCacheLike
 from edl.ops.checks import check_ids
+from edl.ops.kv_quant import KV_CACHE_DTYPES
 from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from edl.ops.sampling import LogitsProcessor, compose, greedy, processors_for, sample
 
@@ -163,7 +165,15 @@ def _sample_step(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("config", "processor", "max_new", "page_size", "unstack_layers", "logprobs"),
+    static_argnames=(
+        "config",
+        "processor",
+        "max_new",
+        "page_size",
+        "unstack_layers",
+        "logprobs",
+        "kv_cache_dtype",
+    ),
 )
 def _generate_compiled(
     model,
@@ -178,6 +188,7 @@ def _generate_compiled(
     page_size=None,
     unstack_layers=False,
     logprobs=None,
+    kv_cache_dtype="auto",
 ):
     if config.num_beams > 1:
         return beam_search(
@@ -191,7 +202,7 @@ def _generate_compiled(
             unstack_layers=unstack_layers,
         )
     logits, cache, prompt, mask = steps.start(
-        model, input_ids, attention_mask, max_new, page_size, images
+        model, input_ids, attention_mask, max_new, page_size, images, kv_cache_dtype
     )
     state = DecodeState.start(logits, cache, max_new, config.pad_id, logprobs)
     body = functools.partial(
@@ -225,10 +236,17 @@ def _num_new(generated, steps_run, config):
     return jnp.where(jnp.any(eos, axis=1), first + 1, steps_run)
 
 
-def _check_inputs(model, input_ids, attention_mask, key, config, page_size):
+def _check_inputs(model, input_ids, attention_mask, key, config, page_size, kv_cache_dtype="auto"):
     """Eager checks with messages that name the problem (before anything compiles)."""
     if page_size is not None and (page_size < 1 or config.num_beams > 1):
         raise ValueError(f"generate: page_size {page_size} needs >= 1 and num_beams 1")
+    if KV_CACHE_DTYPES.lookup(kv_cache_dtype, "generate: kv_cache_dtype").quantized:
+        if page_size is None:
+            raise ValueError(
+                f"generate: kv_cache_dtype={kv_cache_dtype!r} needs the paged cache (pass "
+                f"page_size=...); the contiguous cache stores the compute dtype only"
+            )
+        check_quantizable(model.config, kv_cache_dtype)
     if not isinstance(model, CausalLM):  # also without the beartype hook, by name
         raise TypeError(
             f"generate needs a causal LM (edl.generate.CausalLM: model, config, lm_logits, "
@@ -374,6 +392,7 @@ def generate(
     logprobs: int | None = None,
     speculative: SpeculativeConfig | None = None,
     draft_model: CausalLM | None = None,
+    kv_cache_dtype: str = "auto",
     **overrides: Any,
 ) -> GenerateOutput:
     """Generate continuations of a batch of prompts (one compiled program per setting).
@@ -398,6 +417,11 @@ def generate(
             to reuse the compiled program.
         page_size: decode through a ``PagedKVCache`` with pages of this many tokens
             (default: the contiguous ``KVCache``). Not with beam search.
+        kv_cache_dtype: how the KV cache stores keys / values (``edl.ops.kv_quant.
+            KV_CACHE_DTYPES``): ``"auto"`` (the model's dtype), ``"int8"`` or
+            ``"fp8_e4m3"`` (one float32 scale per token and KV head; about half of bfloat16's
+            bytes). Quantized: the paged cache only (``page_size``), attention through XLA;
+            refused for DeepSeek-V3's latent cache and Qwen3-Next.
         unstack_layers: after the prefill (which stays scanned), slice the layer stacks
             into separate layers once (``model.unstacked()``) and run the decode loop
             unrolled over them. By default every decode step copies each layer's weights
@@ -431,7 +455,9 @@ def generate(
     config = _resolve(model, config, max_new_tokens, overrides)
     _check_logprobs(logprobs, config.num_beams, speculative is not None)
     model, images = _text_and_images(model, pixel_values, config.num_beams)
-    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    ids, mask = _check_inputs(
+        model, input_ids, attention_mask, key, config, page_size, kv_cache_dtype
+    )
     _check_image_tokens(ids, images)
     check_speculative(
         model,
@@ -464,18 +490,31 @@ def generate(
             page_size=page_size,
             unstack_layers=unstack_layers,
             logprobs=logprobs,
+            kv_cache_dtype=kv_cache_dtype,
             **common,
         )
     extra = ids.shape[1] - width  # the bucket's padding leaves the output as given
     return out if not extra else dataclasses.replace(out, sequences=out.sequences[:, extra:])
 
 
-@functools.partial(jax.jit, static_argnames=("config", "max_new", "page_size", "unstack_layers"))
+@functools.partial(
+    jax.jit,
+    static_argnames=("config", "max_new", "page_size", "unstack_layers", "kv_cache_dtype"),
+)
 def _stream_setup(
-    model, input_ids, attention_mask, images, *, config, max_new, page_size, unstack_layers
+    model,
+    input_ids,
+    attention_mask,
+    images,
+    *,
+    config,
+    max_new,
+    page_size,
+    unstack_layers,
+    kv_cache_dtype="auto",
 ):
     logits, cache, prompt, mask = steps.start(
-        model, input_ids, attention_mask, max_new, page_size, images
+        model, input_ids, attention_mask, max_new, page_size, images, kv_cache_dtype
     )
     state = DecodeState.start(logits, cache, max_new, config.pad_id)
     # Sliced once here; every streamed step then reuses these layers.
@@ -502,6 +541,7 @@ def generate_stream(
     page_size: int | None = None,
     unstack_layers: bool = False,
     bucket_prompts: bool = True,
+    kv_cache_dtype: str = "auto",
     **overrides: Any,
 ) -> Iterator[np.ndarray]:
     """Like ``generate`` (greedy or sampling), but yields each step's tokens ``(batch,)`` as
@@ -511,7 +551,9 @@ def generate_stream(
     if config.num_beams > 1:
         raise ValueError("generate_stream: beam search cannot be streamed; use generate")
     model, images = _text_and_images(model, pixel_values, config.num_beams)
-    ids, mask = _check_inputs(model, input_ids, attention_mask, key, config, page_size)
+    ids, mask = _check_inputs(
+        model, input_ids, attention_mask, key, config, page_size, kv_cache_dtype
+    )
     _check_image_tokens(ids, images)
     max_new = config.new_tokens(ids.shape[1])
     processor = logits_processor_for(config, logits_processor)
@@ -527,6 +569,7 @@ def generate_stream(
         max_new=max_new,
         page_size=page_size,
         unstack_layers=unstack_layers,
+        kv_cache_dtype=kv_cache_dtype,
     )
     for _ in range(max_new):
         state, token = _stream_step(

@@ -9,7 +9,10 @@ lowest-numbered free pages go to rows in row order), so it runs inside the compi
 loop. Running out of pages is a checked runtime error (``edl.ops.checks.error_if``).
 
 Size the pool from the device's free memory with ``paged_cache_config``, then build it with
-``init_paged_cache``. The interface is ``edl.generate.KVCache``'s (see ``edl.generate.cache``).
+``init_paged_cache``. ``kv_cache_dtype="int8"`` / ``"fp8_e4m3"`` (``edl.ops.kv_quant``) stores
+the pages quantized, one float32 scale per token and KV head beside them: writes quantize,
+reads dequantize (attention through ``"xla"``: no kernel reads quantized pages yet).
+The interface is ``edl.generate.KVCache``'s (see ``edl.generate.cache``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ from edl.generate.cache import Cache, cache_dims
 from edl.models.config import DecoderConfig
 from edl.ops.cached_attention import paged_attention
 from edl.ops.checks import error_if
+from edl.ops.kv_quant import (
+    KV_CACHE_DTYPES,
+    QuantizedPages,
+    bytes_per_token,
+    dequantize_kv,
+    quantize_kv,
+)
 
 __all__ = [
     "PagedCacheConfig",
@@ -52,9 +62,11 @@ class PagedCacheConfig:
         return -(-self.cache_len // self.page_size)
 
 
-def _page_bytes(config: DecoderConfig, page_size: int, dtype: DTypeLike) -> int:
+def _page_bytes(
+    config: DecoderConfig, page_size: int, dtype: DTypeLike, kv_cache_dtype: str = "auto"
+) -> int:
     layers, kv_heads, head_dim = cache_dims(config)
-    return 2 * layers * page_size * kv_heads * head_dim * jnp.dtype(dtype).itemsize
+    return layers * page_size * bytes_per_token(kv_cache_dtype, kv_heads, head_dim, dtype)
 
 
 def _free_device_bytes(device: jax.Device) -> int:
@@ -73,9 +85,11 @@ def paged_cache_config(
     memory_fraction: float = 0.9,
     dtype: DTypeLike = jnp.float32,
     device: jax.Device | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> PagedCacheConfig:
     """As many pages as ``memory_fraction`` of ``device``'s free memory holds (EasyDeL's
-    ``create_paged_metadata(hbm_utilization, ...)``), for a model with this config.
+    ``create_paged_metadata(hbm_utilization, ...)``), for a model with this config
+    (``kv_cache_dtype``: pages stored quantized, codes and scales counted).
 
     Call it after the model's weights are on the device, so they are not counted as free.
     """
@@ -84,7 +98,7 @@ def paged_cache_config(
     if page_size < 1 or cache_len < 1:
         raise ValueError(f"page_size/cache_len must be >= 1: {page_size}, {cache_len}")
     free = _free_device_bytes(device or jax.devices()[0])
-    per_page = _page_bytes(config, page_size, dtype)
+    per_page = _page_bytes(config, page_size, dtype, kv_cache_dtype)
     geometry = PagedCacheConfig(int(free * memory_fraction) // per_page, page_size, cache_len)
     if geometry.num_pages < geometry.pages_per_seq:
         raise ValueError(
@@ -98,6 +112,7 @@ def paged_cache_config(
 class PagedKVCache(Cache):
     """Pages ``(layers, num_pages, page_size, kv_heads, head_dim)``, each row's
     ``page_table`` (``-1`` = no page), its ``lengths``, and which pages are ``free``.
+    The pools are ``QuantizedPages`` (``edl.ops.kv_quant``) in an int8 / fp8 cache.
 
     ``whole_table`` (static): the page table's width is already what a step needs (the
     serving engine trims it on the host to a few fixed widths), so attention reads every page
@@ -108,8 +123,8 @@ class PagedKVCache(Cache):
     and turns it off, since jax never writes a program holding a host callback to its
     persistent compilation cache."""
 
-    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
-    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"]
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages
     page_table: Int[Array, "batch pages_per_seq"]
     lengths: Int[Array, " batch"]
     free: Bool[Array, " num_pages"]
@@ -163,16 +178,30 @@ class PagedKVCache(Cache):
     ) -> PagedKVCache:
         """Write ``layer``'s new keys/values into their rows' pages."""
         page, slot = self._slots(k.shape[1])
-        k, v = k.astype(self.k_pages.dtype), v.astype(self.v_pages.dtype)
+        index = (layer, page, slot)
         return dataclasses.replace(
-            self,
-            k_pages=self.k_pages.at[layer, page, slot].set(k, mode="drop"),
-            v_pages=self.v_pages.at[layer, page, slot].set(v, mode="drop"),
+            self, k_pages=_written(self.k_pages, index, k), v_pages=_written(self.v_pages, index, v)
         )
 
+    def stored(
+        self,
+        k: Float[Array, "batch new kv_heads head_dim"],
+        v: Float[Array, "batch new kv_heads head_dim"],
+    ) -> tuple[
+        Float[Array, "batch new kv_heads head_dim"], Float[Array, "batch new kv_heads head_dim"]
+    ]:
+        """``k``, ``v`` as reads will see them: quantized and back in a quantized cache, so a
+        fresh cache's prefill attends to what later steps read (and the serving engine,
+        whose prefill reads the pages, computes the same)."""
+        if not isinstance(self.k_pages, QuantizedPages):
+            return k, v
+        fmt = self.k_pages.format
+        return tuple(_round_trip(x, fmt) for x in (k, v))
+
     def _read(self, layer, q, lengths, options):
+        quantized = isinstance(self.k_pages, QuantizedPages)
         return paged_attention(
-            q.astype(self.k_pages.dtype),
+            q if quantized else q.astype(self.k_pages.dtype),
             self.k_pages,
             self.v_pages,
             self.page_table,
@@ -186,6 +215,17 @@ class PagedKVCache(Cache):
         raise NotImplementedError(
             "PagedKVCache cannot copy rows (beam search); use the contiguous KVCache"
         )
+
+
+def _written(pool, index: tuple, x: jax.Array):
+    """``pool`` with ``x`` written at ``index`` (quantized for ``QuantizedPages``)."""
+    if isinstance(pool, QuantizedPages):
+        return pool.set(index, x)
+    return pool.at[index].set(x.astype(pool.dtype), mode="drop")
+
+
+def _round_trip(x: jax.Array, fmt: str) -> jax.Array:
+    return dequantize_kv(*quantize_kv(x, fmt), x.dtype)
 
 
 def free_rows(cache: PagedKVCache, rows: Bool[Array, " batch"]) -> PagedKVCache:
@@ -209,9 +249,16 @@ def init_paged_cache(
     batch: int,
     cache_len: int,
     dtype: DTypeLike = jnp.float32,
+    kv_cache_dtype: str = "auto",
 ) -> PagedKVCache:
     """An empty (``fresh``) paged cache: ``num_pages`` pages of ``page_size`` tokens shared by
-    ``batch`` rows of up to ``cache_len`` tokens each (no page assigned yet)."""
+    ``batch`` rows of up to ``cache_len`` tokens each (no page assigned yet).
+    ``kv_cache_dtype``: an ``edl.ops.kv_quant.KV_CACHE_DTYPES`` name; a quantized one stores
+    ``QuantizedPages`` (refused for models with their own cache layout: DeepSeek-V3's
+    latents, Qwen3-Next's states)."""
+    quantized = KV_CACHE_DTYPES.lookup(kv_cache_dtype, "kv_cache_dtype").quantized
+    if quantized:
+        check_quantizable(config, kv_cache_dtype)
     geometry = PagedCacheConfig(num_pages, page_size, cache_len)
     if num_pages < 1 or page_size < 1 or batch < 1:
         raise ValueError(
@@ -219,7 +266,8 @@ def init_paged_cache(
             f"{num_pages}, {page_size}, {batch}"
         )
     layers, kv_heads, head_dim = cache_dims(config)
-    pages = jnp.zeros((layers, num_pages, page_size, kv_heads, head_dim), dtype)
+    shape = (layers, num_pages, page_size, kv_heads, head_dim)
+    pages = QuantizedPages.zeros(shape, kv_cache_dtype) if quantized else jnp.zeros(shape, dtype)
     return PagedKVCache(
         pages,
         pages,
@@ -228,6 +276,23 @@ def init_paged_cache(
         jnp.ones((num_pages,), jnp.bool_),
         fresh=True,
     )
+
+
+def check_quantizable(config: DecoderConfig, kv_cache_dtype: str) -> None:
+    """Refuse a quantized KV cache for a model whose cache is not plain keys / values."""
+    own = (
+        "DeepSeek-V3's latent cache"
+        if getattr(config, "latent_cache_dim", None) is not None
+        or getattr(config, "cache_geometry", None) is not None
+        else "Qwen3-Next's recurrent states beside its pages"
+        if getattr(config, "kv_cache_layers", None) is not None
+        else None
+    )
+    if own is not None:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r}: not supported for "
+            f"{type(config).__name__} ({own}); use kv_cache_dtype='auto'"
+        )
 
 
 def pages_in_use(cache: PagedKVCache) -> int:

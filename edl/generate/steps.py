@@ -87,16 +87,28 @@ def compact_prompts(
     return ids, mask, lengths
 
 
-def new_cache(model: CausalLM, rows: int, cache_len: int, page_size: int | None) -> KVCacheLike:
+def new_cache(
+    model: CausalLM,
+    rows: int,
+    cache_len: int,
+    page_size: int | None,
+    kv_cache_dtype: str = "auto",
+) -> KVCacheLike:
     """A fresh contiguous cache in the model's dtype, or (``page_size``) a paged one whose
-    pool fits every row."""
+    pool fits every row, stored as ``kv_cache_dtype`` (``edl.ops.kv_quant``)."""
     dtype = model.model.embed_tokens.weight.dtype
     if page_size is None:
         cache = init_cache(model.config, rows, cache_len, dtype)
     else:
         pages = rows * -(-cache_len // page_size)
         cache = init_paged_cache(
-            model.config, pages, page_size, batch=rows, cache_len=cache_len, dtype=dtype
+            model.config,
+            pages,
+            page_size,
+            batch=rows,
+            cache_len=cache_len,
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
         )
     # A trunk with recurrent layers (Qwen3-Next) adds their per-row states.
     wrap = getattr(model.model, "wrap_cache", None)
@@ -141,14 +153,17 @@ def start(
     max_new: int,
     page_size: int | None = None,
     images: ImagePrompt | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[
     Float[Array, "batch vocab"], KVCacheLike, Int[Array, "batch seq"], Bool[Array, "batch seq"]
 ]:
     """Compaction, a fresh cache with room for ``max_new`` tokens and the prefill:
     ``(logits, cache, prompt, mask)`` (the compacted prompt and its mask). ``images``: their
-    features replace the image placeholders of the (compacted) prompt in the prefill."""
+    features replace the image placeholders of the (compacted) prompt in the prefill.
+    ``kv_cache_dtype``: the paged cache's storage (``edl.ops.kv_quant``)."""
     ids, mask, lengths = compact_prompts(input_ids, attention_mask)
-    cache = new_cache(model, input_ids.shape[0], input_ids.shape[1] + max_new, page_size)
+    rows, cache_len = input_ids.shape[0], input_ids.shape[1] + max_new
+    cache = new_cache(model, rows, cache_len, page_size, kv_cache_dtype)
     embeds = None if images is None else images.embed(model, ids)
     if images is not None and images.bidirectional:
         cache = BlockPrefill.of(cache, ids == images.image_token)

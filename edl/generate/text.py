@@ -62,6 +62,16 @@ def prompt_ids(
     return list(tokenizer.encode(prompt, add_bos=bool(getattr(tokenizer, "adds_bos", False))))
 
 
+PAGE_SIZE = 16  # the paged cache's page of a quantized KV cache here
+
+
+def _cache_options(kv_cache_dtype: str) -> dict[str, Any]:
+    """``generate``'s cache arguments: a quantized cache is a paged one."""
+    if kv_cache_dtype == "auto":
+        return {}
+    return {"kv_cache_dtype": kv_cache_dtype, "page_size": PAGE_SIZE}
+
+
 def _config(
     model: CausalLM,
     tokenizer: Tokenizer,
@@ -108,6 +118,7 @@ def stream_text(
     top_k: int | None = None,
     key: PRNGKeyArray | None = None,
     skip_special_tokens: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> Iterator[str]:
     """Like :func:`generate_text` (no beam search), yielding the text in pieces as tokens
     are generated (the server's incremental detokenizer,
@@ -126,7 +137,10 @@ def stream_text(
     )
     eos = set(config.eos_ids)
     stream = IncrementalText(tokenizer, skip_special_tokens=skip_special_tokens)
-    for step in generate_stream(model, np.asarray([ids], np.int32), key=key, config=config):
+    cache = _cache_options(kv_cache_dtype)
+    for step in generate_stream(
+        model, np.asarray([ids], np.int32), key=key, config=config, **cache
+    ):
         token = int(step[0])
         if token in eos:
             break
@@ -153,6 +167,7 @@ def generate_text(
     num_beams: int = 1,
     key: PRNGKeyArray | None = None,
     skip_special_tokens: bool = True,
+    kv_cache_dtype: str = "auto",
 ) -> str:
     """The model's continuation of ``prompt`` (or its reply to a chat), as text.
 
@@ -168,6 +183,8 @@ def generate_text(
             model's ``generation_config.json`` and else HF's) and needs ``key``.
         num_beams: beam search when > 1 (the best beam's text).
         skip_special_tokens: drop special tokens from the text (the EOS is never in it).
+        kv_cache_dtype: the KV cache's storage (``generate``'s); a quantized one decodes
+            through the paged cache, pages of ``PAGE_SIZE`` tokens (not with beams).
 
     Returns the generated text alone: no prompt, no EOS.
     """
@@ -181,7 +198,8 @@ def generate_text(
         top_k=top_k,
         num_beams=num_beams,
     )
-    out = generate(model, np.asarray([ids], np.int32), key=key, config=config)
+    cache = _cache_options(kv_cache_dtype)
+    out = generate(model, np.asarray([ids], np.int32), key=key, config=config, **cache)
     new = np.asarray(out.sequences[0, len(ids) : len(ids) + int(out.num_new[0])]).tolist()
     eos = set(config.eos_ids)
     cut = next((i for i, t in enumerate(new) if t in eos), len(new))

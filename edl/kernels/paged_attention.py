@@ -37,7 +37,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from edl.kernels._common import (
     KERNEL_DTYPES,
@@ -279,15 +279,15 @@ def _paged(
 
 
 def gather_pages(
-    pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "batch pages_per_seq"],
     *,
     layer: Int[Array, ""] | int | None = None,
-) -> Float[Array, "batch cache_len kv_heads head_dim"]:
+) -> Shaped[Array, "batch cache_len kv_heads head_dim"]:
     """The logical contiguous cache ``(batch, pages_per_seq * page_size, kv_heads, d)`` of a
     page pool, or of pool ``layer`` of pools stacked over layers (one gather, without copying
-    that layer's pool first). Plain jnp; out-of-range table entries are clamped into the
-    pool."""
+    that layer's pool first; any dtype: a quantized pool's codes and scales too). Plain
+    jnp; out-of-range table entries are clamped into the pool."""
     batch, pages_per_seq = page_table.shape
     page_size, kv_heads, head_dim = pages.shape[-3:]
     if layer is None:

@@ -28,6 +28,11 @@ the TPU ones as one more term of the softmax's sum at the last step; the native 
 has none (``"auto"`` uses ``"xla"`` there, warning why when it preferred it). ``"xla"`` /
 ``"reference"``: ``masked_attention`` with the sinks.
 
+Quantized pages (``edl.ops.kv_quant.QuantizedPages``: an int8 / fp8 KV cache): ``"xla"`` /
+``"reference"`` dequantize the pages they gather, in the queries' dtype. No kernel reads them
+yet (dequantizing inside the Pallas and native kernels is a follow-up), so ``"auto"`` uses
+``"xla"`` for them on every platform, warning why when it preferred a kernel.
+
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
 that layer: the longest row's length rounded up to one of a few static lengths
@@ -52,6 +57,7 @@ from edl.ops import cpu
 from edl.ops.attention import dtype_reason, masked_attention
 from edl.ops.cpu import live_lengths
 from edl.ops.dispatch import Kernel, by_platform, never
+from edl.ops.kv_quant import QuantizedPages, dequantize_kv
 from edl.platforms import platform_dependent
 
 __all__ = [
@@ -90,7 +96,9 @@ def _at_layer(stack: jax.Array, layer: Int[Array, ""] | int | None, length: int)
     return jax.lax.dynamic_slice(stack, start, (1, stack.shape[1], length, *stack.shape[3:]))[0]
 
 
-def _check_layer(name: str, cache: jax.Array, layer: Int[Array, ""] | int | None) -> None:
+def _check_layer(
+    name: str, cache: jax.Array | QuantizedPages, layer: Int[Array, ""] | int | None
+) -> None:
     want, what = (4, "one layer's cache") if layer is None else (5, "caches stacked over layers")
     if cache.ndim != want:
         hint = "" if layer is not None else "; pass layer= to read caches stacked over layers"
@@ -157,8 +165,8 @@ def cached_attention(
 
 def paged_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
+    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
     page_table: Int[Array, "_batch pages_per_seq"],
     lengths: Int[Array, " _batch"],
     *,
@@ -178,7 +186,8 @@ def paged_attention(
     into a contiguous cache first (``"xla"`` on CPU only the pages below the longest row's
     length, unless ``live_prefix=False``: every page of the table, for a caller that trimmed
     the table to what is live). The kernels read the pages where they lie (and the pools at
-    ``layer`` without copying that layer's pool out).
+    ``layer`` without copying that layer's pool out). ``QuantizedPages`` (an int8 / fp8
+    cache): ``"xla"`` / ``"reference"`` only, dequantized to ``q``'s dtype as gathered.
     """
     _check_layer("paged_attention", k_pages, layer)
     impl = _checked_impl("paged_attention", impl, PAGED_IMPLS)
@@ -217,7 +226,7 @@ def _paged_xla(
 
     def read(num_pages: int) -> jax.Array:
         table = page_table[:, :num_pages]
-        k, v = (gather_pages(x, table, layer=layer) for x in (k_pages, v_pages))
+        k, v = (_gathered(x, table, layer, q.dtype) for x in (k_pages, v_pages))
         mask = cache_mask(q.shape[1], num_pages * page_size, lengths, window=window)
         return _plain(impl, q, k, v, mask, softcap=softcap, scale=scale, sinks=sinks)
 
@@ -225,6 +234,14 @@ def _paged_xla(
         return read(page_table.shape[1])
     bound = -(-jnp.max(lengths) // page_size)  # pages holding the longest row
     return _read_live(impl, read, bound, live_lengths(page_table.shape[1], multiple=1))
+
+
+def _gathered(pages, table, layer, dtype) -> jax.Array:
+    """Rows' pages as a contiguous cache; quantized pages dequantized to ``dtype``."""
+    if not isinstance(pages, QuantizedPages):
+        return gather_pages(pages, table, layer=layer)
+    codes, scales = (gather_pages(x, table, layer=layer) for x in (pages.values, pages.scales))
+    return dequantize_kv(codes, scales, dtype)
 
 
 def _plain(impl: str, q, k, v, mask, *, softcap: float | None, scale: float | None, sinks=None):
@@ -390,8 +407,21 @@ def _triton_paged_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str
     return _pallas_dtypes(options, q, k_pages, v_pages)
 
 
+def _float_pages(name: str, unsupported):
+    """``unsupported`` of a paged kernel that reads no quantized pages, refusing them first."""
+
+    def check(options: _Options, q, k_pages, v_pages, *rest) -> str | None:
+        if isinstance(k_pages, QuantizedPages):
+            return f"{name} does not read quantized pages ({k_pages.format} KV cache)"
+        return unsupported(options, q, k_pages, v_pages, *rest)
+
+    return check
+
+
 _TRITON_PAGED = Kernel(
-    "pallas", _paged(paged_decode_attention, interpret=False), _triton_paged_unsupported
+    "pallas",
+    _paged(paged_decode_attention, interpret=False),
+    _float_pages("the GPU kernel", _triton_paged_unsupported),
 )
 # Per platform the kernels of ``paged_attention`` (edl.ops.dispatch).
 PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
@@ -399,18 +429,24 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel(
             "native",
             _native_paged,
-            _native_unsupported,
+            _float_pages("the native CPU kernel", _native_unsupported),
             preferred=_few_tokens,
             quiet=lambda: native.turned_off(),
         ),
         Kernel(
             "pallas",
             _paged(paged_decode_attention, interpret=True),
-            _pallas_dtypes,
+            _float_pages("the Pallas kernel", _pallas_dtypes),
             preferred=never,
         ),
     ),
     "cuda": (_TRITON_PAGED,),
     "rocm": (_TRITON_PAGED,),
-    "tpu": (Kernel("pallas", _paged(tpu.paged_decode_attention), _tpu_dtypes),),
+    "tpu": (
+        Kernel(
+            "pallas",
+            _paged(tpu.paged_decode_attention),
+            _float_pages("the TPU kernel", _tpu_dtypes),
+        ),
+    ),
 }

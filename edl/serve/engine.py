@@ -171,6 +171,7 @@ class Engine:
         tokenizer: Any = None,
         speculative: SpeculativeConfig | None = None,
         draft_model: Any = None,
+        kv_cache_dtype: str = "auto",
     ):
         """Args:
         model: a causal LM (``edl.generate.CausalLM``).
@@ -193,6 +194,10 @@ class Engine:
         speculative: draft and verify tokens (``edl.serve.speculation``); None: plain
             decoding. ``draft_model``: the draft of ``method="draft"`` (a smaller causal LM
             with the target's vocabulary).
+        kv_cache_dtype: the pages' storage (``edl.ops.kv_quant.KV_CACHE_DTYPES``):
+            ``"auto"`` (the model's dtype), ``"int8"`` or ``"fp8_e4m3"`` (quantized, one
+            float32 scale per token and KV head; attention reads them through XLA). Refused
+            for models with their own cache layout (DeepSeek-V3's latents, Qwen3-Next).
         """
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
         check_sizes(
@@ -221,7 +226,9 @@ class Engine:
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         # Each request's RoPE length its own (edl.models.config.RunOptions.rope_length).
         self._model = with_row_rope_lengths(_without_id_checks(model)).unstacked()
-        self._k_pages, self._v_pages = page_pools(model, num_pages, page_size, max_model_len)
+        self._k_pages, self._v_pages = page_pools(
+            model, num_pages, page_size, max_model_len, kv_cache_dtype
+        )
         self._pool = PagePool(num_pages)
         self._running: list[Request] = []  # admitted, oldest first (at most max_batch)
         self._waiting: collections.deque[Request] = collections.deque()

@@ -121,10 +121,15 @@ def call_inputs(
 
 
 def page_pools(
-    model: CausalLM, num_pages: int, page_size: int, max_model_len: int
-) -> tuple[jax.Array, jax.Array]:
+    model: CausalLM,
+    num_pages: int,
+    page_size: int,
+    max_model_len: int,
+    kv_cache_dtype: str = "auto",
+) -> tuple[Any, Any]:
     """The key and value page pools ``(layers, num_pages, page_size, kv_heads, head_dim)``
-    in the embedding's dtype: two buffers (``init_paged_cache`` shares one zero array), as
+    in the embedding's dtype, or ``kv_cache_dtype``'s ``QuantizedPages`` (codes and scales,
+    ``edl.ops.kv_quant``): two buffers (``init_paged_cache`` shares one zero array), as
     each step donates both. A model with recurrent states (Qwen3-Next) caches the keys /
     values of its attention layers here and its states in ``edl.serve.state_slots``."""
     cache = init_paged_cache(
@@ -134,8 +139,9 @@ def page_pools(
         batch=1,
         cache_len=max_model_len,
         dtype=model.model.embed_tokens.weight.dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    return cache.k_pages, jnp.zeros_like(cache.v_pages)
+    return cache.k_pages, jax.tree.map(jnp.zeros_like, cache.v_pages)
 
 
 def check_request(

@@ -42,6 +42,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from edl.generate.steps import CausalLM
+from edl.ops.kv_quant import QuantizedPages
 from edl.serve.step import PromptLogprobs, run_model, step_cache
 
 __all__ = ["RecurrentTrunk", "StateSlots", "check_speculation", "has_state", "state_model_step"]
@@ -179,8 +180,8 @@ class StateSlots:
         step: Callable[..., tuple[Any, Any, Any, Any]],
         request_ids: Sequence[int],
         model: CausalLM,
-        k_pages: Array,
-        v_pages: Array,
+        k_pages: Array | QuantizedPages,
+        v_pages: Array | QuantizedPages,
         page_table: Array,
         *args: Any,
         **options: Any,

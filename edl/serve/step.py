@@ -39,6 +39,7 @@ from jaxtyping import Array, Bool, Float, Int
 from edl.generate import steps
 from edl.generate.paged import PagedKVCache
 from edl.generate.steps import CausalLM
+from edl.ops.kv_quant import QuantizedPages
 from edl.ops.logprobs import MAX_TOP_LOGPROBS, token_logprobs
 from edl.ops.sampling import RowSampling, sample_rows
 from edl.serve.grammar import mask_logits
@@ -159,8 +160,8 @@ def sampled_logprobs(
 @functools.partial(jax.jit, donate_argnums=(1, 2), static_argnames=("logprobs", "every"))
 def model_step(
     model: CausalLM,
-    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
     page_table: Int[Array, "batch pages"],
     lengths: Int[Array, " batch"],
     tokens: Int[Array, "batch width"],
@@ -170,8 +171,8 @@ def model_step(
     logprobs: bool = False,
     every: bool = False,
 ) -> tuple[
-    Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
+    Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
     Float[Array, "batch *width vocab"],
     PromptLogprobs | None,
 ]:
@@ -193,8 +194,8 @@ def model_step(
 
 
 def step_cache(
-    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
+    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
     page_table: Int[Array, "batch pages"],
     lengths: Int[Array, " batch"],
 ) -> PagedKVCache:
