@@ -101,9 +101,7 @@ def paged_cases(draw):
     }
 
 
-@settings(max_examples=20)  # every example compiles a kernel for new shapes
-@given(paged_cases())
-def test_paged_decode_attention_matches_float64(c):
+def _check_paged(c):
     q, k, v, table = _pool(c["seed"], **c["shape"])
     q, k, v = (jnp.asarray(x.astype(c["dtype"])) for x in (q, k, v))
     lengths = jnp.asarray(c["lengths"], jnp.int32)
@@ -130,6 +128,19 @@ def test_paged_decode_attention_matches_float64(c):
     assert out.dtype == c["dtype"]
     assert np.isfinite(np.asarray(out, np.float32)).all()
     assert _rel_err(out, expected) < (1e-5 if c["dtype"] == jnp.float32 else 1e-2)
+
+
+@settings(max_examples=10)  # every example compiles a kernel for new shapes; broadly: slow
+@given(paged_cases())
+def test_paged_decode_attention_matches_float64(c):
+    _check_paged(c)
+
+
+@pytest.mark.slow
+@settings(max_examples=40)
+@given(paged_cases())
+def test_paged_decode_attention_matches_float64_broadly(c):
+    _check_paged(c)
 
 
 @pytest.mark.parametrize(

@@ -117,7 +117,7 @@ def _check_decode(c):
     _assert_matches(out, expected, c["dtype"])
 
 
-@settings(max_examples=8)  # every example compiles a kernel for new shapes
+@settings(max_examples=4)  # every example compiles a kernel for new shapes; broadly: slow
 @given(decode_cases())
 def test_decode_attention_matches_float64(c):
     _check_decode(c)
@@ -237,7 +237,7 @@ def _check_paged(c):
     _assert_matches(out, expected, dtype)
 
 
-@settings(max_examples=5)  # every example compiles a kernel for new shapes; broadly: slow
+@settings(max_examples=3)  # every example compiles a kernel for new shapes; broadly: slow
 @given(paged_cases())
 def test_paged_decode_attention_matches_float64(c):
     _check_paged(c)
