@@ -806,8 +806,10 @@ def test_cli_serve_builds_the_engine_and_app(tmp_path, monkeypatch, capsys):
             tokenizer,
             speculative,
             draft_model,
+            kv_cache_dtype,
         ):
             super().__init__(max_running=max_batch)
+            assert kv_cache_dtype == "auto"  # no --kv-cache-dtype: the model's dtype
             built.append((type(model).__name__, max_batch, max_model_len, eos_token_ids))
             assert tokenizer is None  # a byte tokenizer: no grammars (edl.serve.grammar)
             assert speculative is None and draft_model is None  # no --speculative-method
