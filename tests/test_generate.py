@@ -352,6 +352,7 @@ def test_decode_loop_is_one_compiled_program():
     assert decode_module._generate_compiled._cache_size() == before + 1
 
 
+@pytest.mark.slow  # ~10 s; test_decode_loop_is_one_compiled_program runs by default
 def test_nearby_prompt_lengths_share_one_compiled_program():
     widths = [decode_module.prompt_bucket(n) for n in (1, 16, 17, 24, 25, 33, 48, 49, 65, 100)]
     assert widths == [16, 16, 24, 24, 32, 48, 48, 64, 96, 128]

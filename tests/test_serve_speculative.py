@@ -138,6 +138,7 @@ def test_speculative_greedy_equals_plain_greedy_with_stops_and_lengths(target, c
     assert (len(got[j]), reasons[j]) == (start_j + size_j - 1, "length")
 
 
+@pytest.mark.slow  # ~8 s; the greedy-equality test checks speculating rows by default
 def test_rows_that_cannot_speculate_decode_one_token_in_the_same_call(target, copying_prompts):
     """A penalized request and one asking for log-probs run beside a speculating one: they
     get one token per output and equal their own plain decoding; the verification shapes
@@ -295,6 +296,7 @@ def _draft_jobs(copying_prompts):
     return [(p, _greedy(11)) for p in prompts]
 
 
+@pytest.mark.slow  # ~9 s (a second model compiled); prompt lookup runs by default
 def test_draft_model_greedy_equals_plain_greedy(target, copying_prompts):
     """A draft model in the engine, the target itself: every draft is accepted (so the
     draft cache lags by two after each verification and catches up with a two-token call);

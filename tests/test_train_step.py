@@ -205,6 +205,7 @@ def _recording_sgd(lr, seen):
     return optax.GradientTransformation(sgd.init, update)
 
 
+@pytest.mark.slow  # two models' steps compiled (~12 s)
 def test_bf16_compute_on_fp32_master_weights_matches_fp32_within_bf16_precision(tiny_llama):
     """bfloat16 keeps 8 significant bits (relative rounding 2**-9 per value); the forward
     and backward round every activation and weight, so the loss and gradients may differ
