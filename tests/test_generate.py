@@ -370,6 +370,7 @@ def test_nearby_prompt_lengths_share_one_compiled_program():
         np.testing.assert_array_equal(bucketed[n].num_new, plain.num_new)
 
 
+@pytest.mark.slow  # a model saved, loaded and run twice (~9 s)
 def test_a_saved_models_generation_config_is_its_default(tmp_path):
     import dataclasses
     import json

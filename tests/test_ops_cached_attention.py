@@ -162,7 +162,7 @@ def _poisoned_stack(seed, layers, batch, cache_len, kv_heads, d, live):
 
 
 @pytest.mark.parametrize("impl", ["xla", "auto", "native", "reference", "pallas"])
-@pytest.mark.parametrize("new", [1, 2])
+@pytest.mark.parametrize("new", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2: ~1 s each
 def test_stacked_cache_at_a_layer_equals_that_layers_cache(impl, new):
     """``layer=`` (traced under jit, or a Python int) reads exactly that layer's cache."""
     with _runs_on(impl):
