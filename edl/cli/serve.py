@@ -48,6 +48,29 @@ def warn_if_exposed(host: str, options: ServerOptions, say: Callable[[str], None
         )
 
 
+def _engine(args, model, tokenizer, eos, max_model_len, draft_model, say):
+    """The serving engine of ``args``' options; its refusals (``ValueError``, naming what
+    and why) become one ``CommandError`` line, no traceback."""
+    from edl.serve.engine import Engine
+    from edl.text import HFTokenizer
+
+    try:
+        return Engine(
+            model,
+            max_batch=args.max_batch,
+            max_model_len=max_model_len,
+            eos_token_ids=eos,
+            echo=say,
+            # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
+            tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
+            speculative=args.speculative,
+            draft_model=draft_model,
+            kv_cache_dtype=args.kv_cache.kv_cache_dtype,
+        )
+    except ValueError as e:
+        raise CommandError(f"the serving engine refuses this model or these options: {e}") from None
+
+
 def run_serve(args: argparse.Namespace) -> None:
     """Load ``args.model`` and its tokenizer, build the engine and serve until SIGTERM."""
     say = stderr_log(time.perf_counter())
@@ -74,24 +97,9 @@ def run_serve(args: argparse.Namespace) -> None:
         say(f"loading the draft model {args.draft_model} ...")
         draft_model, _ = load_model_and_tokenizer(args.draft_model, dtype=args.dtype)
     say(f"loaded {count_params(model):,} parameters; building the engine ...")
-    from edl.serve.engine import Engine
     from edl.text import HFTokenizer
 
-    try:
-        engine = Engine(
-            model,
-            max_batch=args.max_batch,
-            max_model_len=max_model_len,
-            eos_token_ids=eos,
-            echo=say,
-            # structured output / forced tool calls mask tokens by the HF tokenizer's vocabulary
-            tokenizer=tokenizer if isinstance(tokenizer, HFTokenizer) else None,
-            speculative=args.speculative,
-            draft_model=draft_model,
-            kv_cache_dtype=args.kv_cache.kv_cache_dtype,
-        )
-    except ValueError as e:  # the engine's refusals name what and why: one line, no traceback
-        raise CommandError(f"the serving engine refuses this model or these options: {e}") from None
+    engine = _engine(args, model, tokenizer, eos, max_model_len, draft_model, say)
     cache = jax.config.jax_compilation_cache_dir
     shapes = len(engine.step_shapes())
     masked = " x2 (plain, grammar-masked)" if isinstance(tokenizer, HFTokenizer) else ""
