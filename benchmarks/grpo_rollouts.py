@@ -7,7 +7,8 @@ completions of ``--prompts`` random byte prompts of that length, ``--max-new-tok
 at temperature 1 from a randomly initialised byte-level Llama (``--model``: ``tiny``, 2
 layers of width 64, or ``small``, 4 layers of width 256), through
 ``edl.train.rollout_backends.ROLLOUT_BACKENDS`` exactly as ``make_grpo_step`` calls it. Both
-backends are run once untimed (compiling), then ``--rounds`` timed rounds, the backends
+backends are run ``--warmup-rounds`` times untimed (compiling: the engine compiles a shape
+when its rows first finish at such times), then ``--rounds`` timed rounds, the backends
 interleaved within a round (``benchmarks._common.interleaved_rounds``) and each round with a
 new key; tokens/s is the sampled tokens (the stop token included) over the round's seconds,
 reported as the median over rounds.
@@ -86,10 +87,12 @@ def run_setting(model, args: argparse.Namespace, prompt_len: int) -> dict:
     t0 = time.perf_counter()
     interleaved_rounds(calls, 1)  # compiles (both backends' programs)
     compile_s = time.perf_counter() - t0
+    # The engine's later shapes (rows finishing at other times) compile in the next rounds.
+    interleaved_rounds(calls, args.warmup_rounds - 1)
     seconds = interleaved_rounds(calls, args.rounds)
     out = {"prompt_len": prompt_len, "first_round_s": compile_s}
     for name in args.backends:
-        timed = counts[name][1:]  # the untimed first round's count is dropped
+        timed = counts[name][args.warmup_rounds :]  # the untimed rounds' counts dropped
         rates = [n / s for n, s in zip(timed, seconds[name], strict=True)]
         out[name] = {
             "seconds": seconds[name],
@@ -110,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--generations", type=int, default=8, help="completions per prompt (GRPO's G)")
     add("--max-new-tokens", type=int, default=32, help="tokens per completion, at most")
     add("--rounds", type=int, default=5, help="timed rounds (medians over them)")
+    add("--warmup-rounds", type=int, default=3, help="untimed rounds first (compiling), >= 1")
     add(
         "--backends",
         nargs="+",
