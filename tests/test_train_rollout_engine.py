@@ -19,9 +19,10 @@ import pytest
 import edl
 from edl.serve.step import model_step
 from edl.train import ByteTokenizer, GRPOConfig, make_grpo_step
+from edl.train import rollout_engine as rollout_engine_module
 from edl.train.grpo import _left_pad
 from edl.train.grpo_objective import completion_mask
-from edl.train.rollout_backends import ROLLOUT_BACKENDS
+from edl.train.rollout_backends import ROLLOUT_BACKENDS, RolloutBackend
 from edl.train.rollout_engine import engine_rollouts, rollout_engine
 
 EOS, PAD = 1, 0
@@ -87,11 +88,21 @@ def test_rollout_backend_option_is_checked_and_refused_for_multi_turn():
         )
 
 
-def test_the_cli_option_reaches_grpo_and_is_refused_with_an_environment():
-    from edl.cli.config import ConfigError, TrainConfig
+def test_a_registered_backend_is_a_valid_choice():
+    entry = RolloutBackend("recorded", ROLLOUT_BACKENDS["generate"].sample, "a test's")
+    with ROLLOUT_BACKENDS.registered(entry):
+        assert GRPOConfig(rollout_backend="recorded").rollout_backend == "recorded"
+    with pytest.raises(ValueError, match="rollout_backend must be one of"):
+        GRPOConfig(rollout_backend="recorded")
+
+
+def test_the_cli_option_reaches_grpo_and_toml_and_is_refused_with_an_environment(tmp_path):
+    from edl.cli.config import ConfigError, TrainConfig, read_toml, write_toml
 
     grpo = {"method": "grpo", "model": "m", "data": "d"}
-    assert TrainConfig(**grpo, reward="r:f", rollout_backend="engine").rollout_backend == "engine"
+    config = TrainConfig(**grpo, reward="r:f", rollout_backend="engine")
+    write_toml(config, tmp_path / "run.toml")
+    assert read_toml(tmp_path / "run.toml")["rollout_backend"] == "engine"
     with pytest.raises(ConfigError, match="rollout_backend must be one of generate, engine"):
         TrainConfig(**grpo, reward="r:f", rollout_backend="vllm")
     with pytest.raises(ConfigError, match="--rollout-backend engine is for single-turn"):
@@ -145,7 +156,15 @@ def _low_bytes(prompts, completions, ids):
 
 
 @pytest.mark.slow  # two GRPO steps with the engine backend, each from the same state (~20 s)
-def test_a_grpo_step_with_the_engine_backend_trains_and_repeats_exactly():
+def test_a_grpo_step_with_the_engine_backend_trains_and_repeats_exactly(monkeypatch):
+    shared, state_leaves = [], set()
+
+    def spy(model, *args, **kwargs):  # the engine's model holds the state's own arrays
+        engine = rollout_engine(model, *args, **kwargs)
+        shared.append(all(id(x) in state_leaves for x in jax.tree.leaves(engine._model)))
+        return engine
+
+    monkeypatch.setattr(rollout_engine_module, "rollout_engine", spy)
     tx = optax.adam(1e-2)
     config = GRPOConfig(num_generations=4, max_new_tokens=6, rollout_backend="engine")
     step = make_grpo_step(tx, ByteTokenizer(), _low_bytes, config, key=jax.random.key(1))
@@ -153,10 +172,12 @@ def test_a_grpo_step_with_the_engine_backend_trains_and_repeats_exactly():
     results = []
     for _ in range(2):  # the same state and key twice: what a resumed run does
         state = edl.create_state(_byte_llama(), tx)
+        state_leaves = {id(x) for x in jax.tree.leaves(state)}
         state, metrics = step(state, prompts)
         assert np.isfinite(metrics["loss"]) and metrics["nonfinite"] == 0
         assert metrics["reward_std"] > 0 and metrics["sampled_tokens"] > 0
         results.append((step.last_rollout["completions"], jax.tree.leaves(state.params)))
+    assert shared == [True, True]
     assert results[0][0] == results[1][0]
     for a, b in zip(results[0][1], results[1][1], strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
