@@ -38,7 +38,9 @@ The model runs with its layer stacks cut into separate layers once, at construct
 of the stack on every call, which at batch 1 costs more than the step's own arithmetic
 (``benchmarks/RESULTS.md``, "serve: unstacked decoding without weight copies"). The engine
 holds that copy (one more copy of the weights while the caller keeps its model); compile time
-grows with depth.
+grows with depth. ``unstack_layers=False`` skips the cut: the engine runs the caller's own
+arrays, each call slicing the stacks inside its program (GRPO's rollouts,
+``edl.train.rollout_engine``).
 
 Attention on CPU: decode calls (width 1) read each row's pages where they lie, through edl's
 native kernel (``edl.kernels.native``, picked by ``edl.ops.paged_attention``); XLA alone
