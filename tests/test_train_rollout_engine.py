@@ -155,7 +155,7 @@ def _low_bytes(prompts, completions, ids):
     return [float(np.mean(np.asarray(i) < 128)) if len(i) else 0.0 for i in ids]
 
 
-@pytest.mark.slow  # two GRPO steps with the engine backend, each from the same state (~20 s)
+@pytest.mark.slow  # two GRPO steps with the engine backend, each from the same state (~20-30 s)
 def test_a_grpo_step_with_the_engine_backend_trains_and_repeats_exactly(monkeypatch):
     shared, state_leaves = [], set()
 
@@ -183,7 +183,7 @@ def test_a_grpo_step_with_the_engine_backend_trains_and_repeats_exactly(monkeypa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.slow  # a two-step `edl train --method grpo --rollout-backend engine` run (~40 s)
+@pytest.mark.slow  # a two-step `edl train --method grpo --rollout-backend engine` run (~40-90 s)
 def test_grpo_with_the_engine_backend_from_the_command_line(tmp_path, capsys, monkeypatch):
     pytest.importorskip("transformers")
     from edl.cli import main
