@@ -344,6 +344,7 @@ def _steps(
         gradient_accumulation_steps=config.grad_accum_steps,
         dynamic_sampling=config.dynamic_sampling,
         max_turns=config.max_turns,
+        rollout_backend=config.rollout_backend,
     )
     step = make_grpo_step(
         tx,

@@ -38,7 +38,9 @@ The model runs with its layer stacks cut into separate layers once, at construct
 of the stack on every call, which at batch 1 costs more than the step's own arithmetic
 (``benchmarks/RESULTS.md``, "serve: unstacked decoding without weight copies"). The engine
 holds that copy (one more copy of the weights while the caller keeps its model); compile time
-grows with depth.
+grows with depth. ``unstack_layers=False`` skips the cut: the engine runs the caller's own
+arrays, each call slicing the stacks inside its program (GRPO's rollouts,
+``edl.train.rollout_engine``).
 
 Attention on CPU: decode calls (width 1) read each row's pages where they lie, through edl's
 native kernel (``edl.kernels.native``, picked by ``edl.ops.paged_attention``); XLA alone
@@ -172,6 +174,7 @@ class Engine:
         speculative: SpeculativeConfig | None = None,
         draft_model: Any = None,
         kv_cache_dtype: str = "auto",
+        unstack_layers: bool = True,
     ):
         """Args:
         model: a causal LM (``edl.generate.CausalLM``).
@@ -198,6 +201,10 @@ class Engine:
             ``"auto"`` (the model's dtype), ``"int8"`` or ``"fp8_e4m3"`` (quantized, one
             float32 scale per token and KV head; attention reads them through XLA). Refused
             for models with their own cache layout (DeepSeek-V3's latents, Qwen3-Next).
+        unstack_layers: cut the layer stacks apart once (module docstring; a copy of the
+            layer weights). False: run the caller's own arrays, stacked (no copy; each call
+            then slices the layers inside the program), as GRPO's rollouts do
+            (``edl.train.rollout_engine``).
         """
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
         check_sizes(
@@ -225,7 +232,9 @@ class Engine:
         self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
         # Prompts are checked in add_request; the layers are cut apart once (module docstring).
         # Each request's RoPE length its own (edl.models.config.RunOptions.rope_length).
-        self._model = with_row_rope_lengths(_without_id_checks(model)).unstacked()
+        self._model = with_row_rope_lengths(_without_id_checks(model))
+        if unstack_layers:
+            self._model = self._model.unstacked()
         self._k_pages, self._v_pages = page_pools(
             model, num_pages, page_size, max_model_len, kv_cache_dtype
         )

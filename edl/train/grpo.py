@@ -7,7 +7,8 @@
 Each call ``step(state, prompts)`` (``prompts``: a list of strings) does one GRPO iteration:
 
 1. rollout: ``num_generations`` completions per prompt, sampled by ``edl.generate.generate``
-   (compiled decode loop, KV cache) from ``edl.state.model(state)``, the state's own arrays:
+   (compiled decode loop, KV cache; or, with ``rollout_backend="engine"``, the serving
+   engine: ``edl.train.rollout_backends``) from ``edl.state.model(state)``, the state's own arrays:
    the sampler and the train step are pure functions of the same parameter pytree, so there
    is no weight copy and no trainer/engine synchronisation;
 2. rewards: plain Python callables over decoded text and token ids (:data:`RewardFn`),
@@ -48,7 +49,6 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from edl import lora as edl_lora
 from edl import state as edl_state
-from edl.generate import generate
 from edl.generate.steps import CausalLM
 from edl.state import TrainState
 from edl.text.sources import validate_prompt
@@ -68,6 +68,7 @@ from edl.train.grpo_objective import (
 )
 from edl.train.grpo_rewards import RewardFn, score_completions
 from edl.train.grpo_tools import check_environment, tool_rollout
+from edl.train.rollout_backends import ROLLOUT_BACKENDS
 from edl.train.step import make_train_step
 
 __all__ = ["GRPOConfig", "GRPOStep", "PromptBatches", "make_grpo_step"]
@@ -105,6 +106,11 @@ class GRPOConfig:
     ``max_dynamic_sampling_rounds`` extra rollouts per step (``edl.train.grpo_dynamic``).
     ``max_turns``: with ``make_grpo_step(environment=...)``, model turns per conversation
     (each of at most ``max_new_tokens``; ``edl.train.grpo_tools``).
+    ``rollout_backend``: a name in ``edl.train.rollout_backends.ROLLOUT_BACKENDS``:
+    ``"generate"`` (``edl.generate``'s decode loop; the default: faster for short prompts,
+    16.1k vs 6.5k tokens/s on a tiny model in ``benchmarks/RESULTS.md``, "grpo_rollouts")
+    or ``"engine"`` (the serving engine, each prompt's pages shared by its samples: 2.8x
+    faster with 256-token prompts on a 4-layer width-256 model); single-turn rollouts only.
     """
 
     num_generations: int = 8
@@ -134,6 +140,7 @@ class GRPOConfig:
     dynamic_sampling: bool = False
     max_dynamic_sampling_rounds: int = 4
     max_turns: int = 1
+    rollout_backend: str = "generate"
 
     def __post_init__(self) -> None:
         checks = {  # name: (holds, what it must be)
@@ -158,6 +165,10 @@ class GRPOConfig:
             "gradient_accumulation_steps": (self.gradient_accumulation_steps >= 1, ">= 1"),
             "max_dynamic_sampling_rounds": (self.max_dynamic_sampling_rounds >= 0, ">= 0"),
             "max_turns": (self.max_turns >= 1, ">= 1"),
+            "rollout_backend": (
+                self.rollout_backend in ROLLOUT_BACKENDS,
+                f"one of {', '.join(ROLLOUT_BACKENDS)}",
+            ),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -315,22 +326,22 @@ class GRPOStep:
         rows = [ids for ids in encoded for _ in range(g)]
         ids, mask = _left_pad(rows, self.pad_id)
         t0 = time.perf_counter()
-        out = generate(
+        new, num_new = ROLLOUT_BACKENDS[c.rollout_backend].sample(
             model,
-            ids,
-            attention_mask=mask,
+            encoded,
+            g,
+            key,
             max_new_tokens=c.max_new_tokens,
-            key=key,
-            do_sample=True,
             temperature=c.temperature,
             top_k=c.top_k,
             top_p=c.top_p,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
+            eos_id=self.eos_id,
+            pad_id=self.pad_id,
+            padded=(ids, mask),
         )
-        new = jax.block_until_ready(out.sequences[:, ids.shape[1] :])
+        new = jax.block_until_ready(new)
         t1 = time.perf_counter()
-        new_np, num_new = np.asarray(new), np.asarray(out.num_new)
+        new_np = np.asarray(new)
         completion_ids = [new_np[i, : num_new[i]].tolist() for i in range(len(rows))]
         texts = [self.tokenizer.decode([t for t in r if t != self.eos_id]) for r in completion_ids]
         row_prompts = [p for p in prompts for _ in range(g)]
@@ -440,6 +451,11 @@ def make_grpo_step(
             (``edl.train.grpo_tools``); ``reward_fns`` may then be ``[]``.
     """
     fns = [reward_fns] if callable(reward_fns) else list(reward_fns)
+    if environment is not None and config.rollout_backend != "generate":
+        raise ValueError(
+            f"make_grpo_step: multi-turn rollouts (environment=) sample with edl.generate "
+            f"only; GRPOConfig.rollout_backend is {config.rollout_backend!r}, use 'generate'"
+        )
     check_environment(environment, tokenizer, config)
     if (not fns and environment is None) or not all(callable(f) for f in fns):
         raise TypeError(f"make_grpo_step: reward_fns must be callables, got {reward_fns!r}")
