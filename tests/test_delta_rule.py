@@ -209,13 +209,6 @@ def test_pallas_delta_rule_lowers_to_one_triton_kernel(dk, dv):
     assert "edl_delta_rule_chunk_scan_states" in text and "edl_delta_rule_chunk_scan_bwd" in text
 
 
-def test_auto_delta_rule_lowers_for_tpu_without_a_kernel_and_pallas_refuses_it():
-    run = lambda impl: lambda *a: gated_delta_rule(*a, impl=impl)[0]
-    assert "triton" not in _lower_for("tpu", run("auto"), *_shapes(70, 8, 8))
-    with pytest.raises(ValueError, match="runs on GPUs only"):
-        _lower_for("tpu", run("pallas"), *_shapes(70, 8, 8))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize(("seq", "dk", "dv"), [(1, 16, 16), (200, 128, 128), (130, 64, 32)])

@@ -13,10 +13,11 @@ The backward pass (``custom_vjp``) is the Pallas reverse scan of
 ``interpret=True`` (both kernels interpreted: the tests); elsewhere (CPU) it is XLA's
 ``jax.vjp`` of ``chunk_scan_xla``, the reference, recomputed from the kernel's inputs (an
 interpreted kernel would be slower than the scan). TPU programs use
-``edl.kernels.tpu.delta_rule`` (Mosaic) instead. On GPU, Triton wants power-of-two dims of at least 16
-in every matmul: ``dk`` and ``dv`` are zero-padded (zeros leave every product's real part
-unchanged) and the chunk must be a power of two >= 16 (edl's is 64). Interpreted on CPU any
-size runs (the tests).
+``edl.kernels.tpu.delta_rule`` (Mosaic) instead.
+
+On GPU, Triton wants power-of-two dims of at least 16 in every matmul: ``dk`` and ``dv``
+are zero-padded (zeros leave every product's real part unchanged) and the chunk must be a
+power of two >= 16 (edl's is 64). Interpreted on CPU any size runs (the tests).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from edl.kernels._common import compiler_params, pad_axis, padded_head_dim
 from edl.kernels.delta_rule_bwd import chunk_scan_bwd
 from edl.platforms import platform_dependent
 
-__all__ = ["chunk_scan_xla", "pallas_chunk_scan"]
+__all__ = ["XLA_SCAN_SCOPE", "chunk_scan_xla", "pallas_chunk_scan"]
+
+XLA_SCAN_SCOPE = "edl_delta_rule_chunk_scan_xla"  # in lowered text with debug_info=True
 
 Chunks = Float[Array, "batch heads chunks chunk dim"]
 State = Float[Array, "batch heads dk dv"]
@@ -53,7 +56,9 @@ def chunk_scan_xla(qd, kd, u, w, attn, decay, state: State) -> tuple[Chunks, Sta
         return s, out
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qd, kd, u, w, attn, decay))
-    state, out = jax.lax.scan(step, state.astype(u.dtype), xs)
+    # Named: lowered programs say where this scan runs (a kernel's program holds none).
+    with jax.named_scope(XLA_SCAN_SCOPE):
+        state, out = jax.lax.scan(step, state.astype(u.dtype), xs)
     return jnp.moveaxis(out, 0, 2), state
 
 

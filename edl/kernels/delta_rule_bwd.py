@@ -50,7 +50,7 @@ _NT = (((1,), (1,)), ((), ()))  # a b^T
 
 def _dot(a, b, dims=_NN):
     # float32 accumulation at least (float64 stays float64: the interpreted gradient checks).
-    wide = jnp.promote_types(jnp.promote_types(a.dtype, b.dtype), jnp.float32)
+    wide = jnp.float64 if jnp.float64 in (a.dtype, b.dtype) else jnp.float32
     return jax.lax.dot_general(a, b, dims, preferred_element_type=wide)
 
 
@@ -144,13 +144,14 @@ def chunk_scan_bwd(
         interpret=interpret,
         warps=4,
     )
+    in_dims = [(rows, pk), (rows, pk), (rows, pv), (rows, pk), (rows, c), (rows,)]
+    in_dims += [(n * pk, pv), (rows, pv), (pk, pv)]  # states, d_out, d_final
     out_dims = [(rows, pk), (rows, pk), (rows, pv), (rows, pk), (rows, c), (rows,), (pk, pv)]
     grads = _pallas(
         functools.partial(_backward_kernel, chunk=c, dk=pk),
         _name("bwd"),
         (qd_, kd_, u_, w_, attn_, decay_, states, do_, square(d_final)),
-        [(rows, pk), (rows, pk), (rows, pv), (rows, pk), (rows, c), (rows,)]
-        + [(n * pk, pv), (rows, pv), (pk, pv)],
+        in_dims,
         [jax.ShapeDtypeStruct((b * h, *d), dt) for d in out_dims],
         out_dims,
         grid=b * h,
