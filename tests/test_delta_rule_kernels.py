@@ -135,20 +135,23 @@ def test_delta_rule_lowered_for_cuda_runs_the_triton_backward_and_cpu_the_xla_sc
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
 @pytest.mark.parametrize(("b", "h", "n", "dk", "dv"), [(1, 1, 1, 16, 16), (2, 4, 5, 128, 128)])
 def test_compiled_triton_backward_matches_float64_autodiff_of_the_scan(b, h, n, dk, dv):
-    """The compiled kernels (chunks of 64) against the float64 scan's vjp on the CPU."""
-    args64, cts64 = _scan_inputs(4, b, h, n, 64, dk, dv)
-    args64 = (*args64[:3], args64[3] * 0.1, args64[4] * 0.1, *args64[5:])  # float32-sized
-    to32 = lambda xs: tuple(jnp.asarray(np.asarray(x), jnp.float32) for x in xs)
+    """The compiled kernels (chunks of 64) against the float64 scan's vjp on the CPU. Raw
+    operands (not from ``chunk_inputs``): errors relative to the largest gradient, 1e-2
+    (float32 matmuls, TF32 where Triton chooses it, over a state that grows chunk by
+    chunk)."""
     with jax.enable_x64(True):
-        cpu = jax.devices("cpu")[0]
-        args_cpu, cts_cpu = jax.device_put((args64, cts64), cpu)
-        expected = jax.jit(lambda a, c: jax.vjp(chunk_scan_xla, *a)[1](c))(args_cpu, cts_cpu)
-    run = jax.jit(lambda a, c: jax.vjp(lambda *x: pallas_chunk_scan(*x), *a)[1](c))
-    actual = run(to32(args64), to32(cts64))
+        args, cts = _scan_inputs(4, b, h, n, 64, dk, dv)
+        args = (*args[:3], args[3] * 0.1, args[4] * 0.1, *args[5:])
+        args64, cts64 = (tuple(np.asarray(x) for x in xs) for xs in (args, cts))
+        pullback = lambda a, c: jax.vjp(chunk_scan_xla, *a)[1](c)
+        expected = jax.jit(pullback, backend="cpu")(args64, cts64)
+    to32 = lambda xs: tuple(jnp.asarray(x, jnp.float32) for x in xs)
+    kernel = lambda a, c: jax.vjp(lambda *x: pallas_chunk_scan(*x), *a)[1](c)
+    actual = jax.jit(kernel)(to32(args64), to32(cts64))
     for name, a, e in zip(NAMES, actual, expected, strict=True):
         e = np.asarray(e)
         err = np.max(np.abs(np.asarray(a, np.float64) - e)) / max(1.0, np.abs(e).max())
-        assert err < 2e-3, (name, err)
+        assert err < 1e-2, (name, err)
 
 
 @pytest.mark.gpu
@@ -167,17 +170,16 @@ def test_compiled_delta_rule_gradients_with_resets_match_the_float64_recurrent_f
     resets[0, [30, 64]] = resets[1, [100]] = True
     args32 = (q, k, v, g, beta, s0)
 
-    def grads(fn):
+    def grads(fn):  # resets, the last argument, not differentiated
         loss = lambda *a: jnp.sum(jnp.sin(fn(*a)[0])) + jnp.sum(fn(*a)[1] ** 2)
         return jax.grad(loss, argnums=tuple(range(6)))
 
     with jax.enable_x64(True):
-        args64 = tuple(jnp.asarray(np.asarray(x), jnp.float64) for x in args32)
-        r64 = jnp.asarray(resets)
-        reference = lambda *a: recurrent_gated_delta_rule(*a, r64)
-        expected = jax.jit(grads(reference), backend="cpu")(*args64)
-    kernel = lambda *a: gated_delta_rule(*a, impl="pallas", resets=jnp.asarray(resets))
-    actual = jax.jit(grads(kernel))(*args32)
+        args64 = tuple(np.asarray(x, np.float64) for x in args32)
+        reference = lambda *a: recurrent_gated_delta_rule(*a)
+        expected = jax.jit(grads(reference), backend="cpu")(*args64, resets)
+    kernel = lambda *a: gated_delta_rule(*a[:-1], impl="pallas", resets=a[-1])
+    actual = jax.jit(grads(kernel))(*args32, jnp.asarray(resets))
     for name, a, e in zip(("q", "k", "v", "g", "beta", "state"), actual, expected, strict=True):
         e = np.asarray(e)
         err = np.max(np.abs(np.asarray(a, np.float64) - e)) / max(1.0, np.abs(e).max())
