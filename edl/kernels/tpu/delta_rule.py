@@ -8,7 +8,8 @@ Design: grid ``(batch * heads, chunks)``, the chunk axis innermost and ``"arbitr
 step DMAs one chunk's ``(C, dk)`` / ``(C, dv)`` / ``(C, C)`` blocks into VMEM (Mosaic
 pipelines the next chunk's while this one computes) and carries the ``(dk, dv)`` state in
 float32 VMEM scratch from step to step. The chunks' decays are scalars in SMEM (scalar
-prefetch). The backward walks the chunks in reverse (its index maps read chunk
+prefetch: ``b h n`` floats, 256 KiB at 65536 (batch, head, chunk) triples; untried on
+hardware past small shapes). The backward walks the chunks in reverse (its index maps read chunk
 ``n - 1 - j`` at step ``j``) carrying ``dS`` in scratch; it needs the state at each chunk's
 start, which the forward kernel writes when asked (``with_states``): the ``custom_vjp``
 recomputes them in the backward rather than keeping them from the forward, for the reason
