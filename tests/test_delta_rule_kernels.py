@@ -65,14 +65,21 @@ def test_interpreted_chunk_scan_differentiates_through_the_triton_backward_kerne
         _close(pullback(cts), jax.vjp(chunk_scan_xla, *args)[1](cts), 1e-12, NAMES)
 
 
-# The Mosaic kernels interpreted: ~2 s (6 s on the loaded VM); no GPU run covers them.
+# The Mosaic kernels interpreted, one program: ~4 s on the loaded 2-core VM; no GPU run
+# covers them.
 def test_tpu_kernels_interpreted_match_float64_autodiff_of_the_scan():
     with jax.enable_x64(True):
         args, cts = _scan_inputs(1, n=2)
-        expected, pullback = jax.vjp(chunk_scan_xla, *args)
-        actual, kernel_pullback = jax.vjp(lambda *a: tpu_chunk_scan(*a, interpret=True), *args)
+
+        @jax.jit  # one program: the kernels' outputs and gradients, and the reference's
+        def both(args, cts):
+            kernel = lambda *a: tpu_chunk_scan(*a, interpret=True)
+            runs = [jax.vjp(fn, *args) for fn in (kernel, chunk_scan_xla)]
+            return [(out, pullback(cts)) for out, pullback in runs]
+
+        (actual, kernel_grads), (expected, grads) = both(args, cts)
         _close(actual, expected, 1e-12, ("out", "final state"))
-        _close(kernel_pullback(cts), pullback(cts), 1e-12, NAMES)
+        _close(kernel_grads, grads, 1e-12, NAMES)
 
 
 @pytest.mark.slow  # ~15 s: both kernels interpreted inside the whole chunked form
@@ -124,7 +131,7 @@ def test_delta_rule_lowered_for_tpu_runs_mosaic_kernels_forward_and_backward(imp
 
 
 def test_delta_rule_lowered_for_cuda_runs_the_triton_backward_and_cpu_the_xla_scan():
-    text = _lowered("cuda", "auto", dk=128, dv=128)
+    text = _lowered("cuda", "auto")
     assert "edl_delta_rule_chunk_scan_bwd" in text and XLA_SCAN_SCOPE not in text
     assert XLA_SCAN_SCOPE in _lowered("cpu", "auto")  # CPU keeps the XLA scan and its vjp
     with pytest.raises(ValueError, match="runs on GPUs and TPUs only"):
