@@ -18,7 +18,12 @@ x 1024 tokens without ``resets``, with resets that mark nothing (what a padded b
 Qwen3-Next pays: its layers always pass the attention mask's segment ids) and with eight
 packed segments per row.
 
-    python -m benchmarks.qwen3_next --side {delta,resets,edl,torch} [--rounds 7]
+The kernels (``--side kernel``): forward + backward of ``gated_delta_rule(impl="auto")``
+(on a GPU the Triton chunk scan and its Pallas backward, ``edl.kernels.delta_rule_bwd``; on
+a TPU the Mosaic ones; on CPU the XLA form, so both columns time the same program there)
+vs the XLA chunked form, batch 2 x 8 heads of 128 / 128, at seq 1024 and 4096.
+
+    python -m benchmarks.qwen3_next --side {delta,resets,kernel,edl,torch} [--rounds 7]
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ import edl
 import edl.train
 from benchmarks._common import interleaved_rounds, table, write_json
 from edl.models import Qwen3NextConfig, Qwen3NextForCausalLM
-from edl.ops.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from edl.ops.delta_rule import (
+    chunked_gated_delta_rule,
+    gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
 
 CONFIG = dict(
     vocab_size=1024,
@@ -178,16 +187,47 @@ def resets_rows(rounds: int) -> list[dict]:
     ]
 
 
+def kernel_rows(rounds: int) -> list[dict]:
+    """Forward + backward (median ms) of ``impl="auto"`` (the platform's kernels) vs the
+    XLA chunked form."""
+    rows = []
+    for seq in (1024, 4096):
+        ks = jax.random.split(jax.random.key(seq), 5)
+        unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+        q, k = (unit(jax.random.normal(key, (2, seq, 8, 128))) for key in ks[:2])
+        v = jax.random.normal(ks[2], (2, seq, 8, 128))
+        g = -jax.nn.softplus(jax.random.normal(ks[3], (2, seq, 8)))
+        beta = jax.nn.sigmoid(jax.random.normal(ks[4], (2, seq, 8)))
+
+        def program(impl):
+            def loss(*a):
+                out, state = gated_delta_rule(*a, impl=impl)
+                return jnp.sum(out**2) + jnp.sum(state**2)
+
+            return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+        fns = {impl: program(impl) for impl in ("auto", "chunked")}
+        args = (q, k, v, g, beta)
+        samples = interleaved_rounds(
+            {name: lambda f=f, a=args: f(*a) for name, f in fns.items()},
+            rounds + 1,
+            warm_each=True,
+        )
+        auto, xla = (_median_ms(samples[name][1:]) for name in ("auto", "chunked"))
+        rows.append({"seq": seq, "auto_ms": auto, "chunked_ms": xla, "speedup": xla / auto})
+    return rows
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every option with its help."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds; medians reported")
     parser.add_argument(
         "--side",
-        choices=("delta", "resets", "edl", "torch"),
+        choices=("delta", "resets", "kernel", "edl", "torch"),
         required=True,
         help="what this process times: the delta rule's two forms, its resets (packed "
-        "sequences), edl's model, or torch's",
+        "sequences), its kernels' forward + backward, edl's model, or torch's",
     )
     return parser
 
@@ -198,6 +238,10 @@ def main() -> None:
         rows = resets_rows(args.rounds)
         header = ["case", "fwd + bwd ms", "vs no resets"]
         cells = [[r["case"], r["ms"], r["vs_none"]] for r in rows]
+    elif args.side == "kernel":
+        rows = kernel_rows(args.rounds)
+        header = ["seq", "auto (kernels) ms", "chunked (XLA) ms", "chunked / auto"]
+        cells = [[r["seq"], r["auto_ms"], r["chunked_ms"], r["speedup"]] for r in rows]
     elif args.side == "delta":
         rows = delta_rule_rows(args.rounds)
         header = ["seq", "chunked ms", "recurrent ms", "recurrent / chunked"]

@@ -153,7 +153,7 @@ def test_attention_forward_and_backward(platform):
     _check(text, platform, *kernels)
 
 
-def _train_step_text(name: str, platform: str, mesh) -> str:
+def _train_step_text(name: str, platform: str, mesh, debug_info: bool = False) -> str:
     cls, config = {**MODELS, **FAMILIES_2026}[name]
     tx = optax.adamw(1e-3)
     state = jax.eval_shape(lambda m: edl.create_state(m, tx), _abstract(cls, config))
@@ -166,7 +166,7 @@ def _train_step_text(name: str, platform: str, mesh) -> str:
         "input_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
         "segment_ids": jax.ShapeDtypeStruct((8, 256), jnp.int32),
     }
-    return step.lower(state, batch, platforms=(platform,)).as_text()
+    return step.lower(state, batch, platforms=(platform,)).as_text(debug_info=debug_info)
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)
@@ -183,6 +183,22 @@ def test_train_step_of_the_2026_families(name, platform):
     """MLA (DeepSeek-V3), attention sinks (GPT-OSS) and Gated DeltaNet (Qwen3-Next) lowered
     for accelerators hold their Pallas kernels and none of the CPU's."""
     _check(_train_step_text(name, platform, None), platform)
+
+
+DELTA_RULE_KERNELS = {  # the chunk scan's forward and backward kernels
+    "cuda": ("edl_delta_rule_chunk_scan_states", "edl_delta_rule_chunk_scan_bwd"),
+    "tpu": ("edl_tpu_delta_rule_fwd", "edl_tpu_delta_rule_fwd_states", "edl_tpu_delta_rule_bwd"),
+}
+
+
+@pytest.mark.slow  # ~10 s a program
+@pytest.mark.parametrize("platform", ACCELERATORS)
+def test_qwen3_next_train_step_runs_the_delta_rule_kernels_forward_and_backward(platform):
+    from edl.kernels.delta_rule import XLA_SCAN_SCOPE
+
+    text = _train_step_text("qwen3_next", platform, None, debug_info=True)
+    _check(text, platform, *DELTA_RULE_KERNELS[platform])
+    assert XLA_SCAN_SCOPE not in text, f"an XLA scan of the delta rule in the {platform} step"
 
 
 @pytest.mark.parametrize("platform", ACCELERATORS)

@@ -207,8 +207,9 @@ PAGED_KERNEL = {"cuda": "edl_paged_decode_attention", "tpu": "edl_tpu_paged_deco
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_state_model_step_lowers_for_accelerators(platform):
     """The engine's recurrent step lowered from this CPU host (abstract shapes): the
-    platform's paged decode kernel in decode and prefill calls, and on GPUs the delta rule's
-    Triton chunk scan in a prefill call; no native CPU kernel or host callback."""
+    platform's paged decode kernel in decode and prefill calls, and the delta rule's chunk
+    scan kernel (Triton on GPUs, Mosaic on TPUs) in a prefill call; no native CPU kernel or
+    host callback."""
     model = jax.eval_shape(lambda: _tiny_model().unstacked())
     pools = jax.ShapeDtypeStruct((1, 16, 16, 1, 8), jnp.float32)
     states = jax.eval_shape(lambda: model.model.init_states(4))
@@ -221,4 +222,5 @@ def test_state_model_step_lowers_for_accelerators(platform):
         assert PAGED_KERNEL[platform] in text, width
         scan = "edl_delta_rule_chunk_scan" in text
         assert scan == (platform == "cuda" and width > 1), width
+        assert ("edl_tpu_delta_rule_fwd" in text) == (platform == "tpu" and width > 1), width
         assert not re.search(r"edl_paged_attention|python_cpu", text), width

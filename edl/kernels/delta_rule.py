@@ -8,11 +8,16 @@ matmuls, one launch each per chunk. Here that pass is one program per (batch, he
 three matmuls (``w S``, ``qd S + attn v'``, ``kd^T v'``), and nothing but the output leaves
 the program (flash-linear-attention's ``chunk_fwd_h`` + ``chunk_fwd_o`` fused).
 
-The backward pass is XLA's: ``jax.vjp`` of ``chunk_scan_xla`` (the same maths as a scan),
-recomputed from the kernel's inputs. On GPU, Triton wants power-of-two dims of at least 16
-in every matmul: ``dk`` and ``dv`` are zero-padded (zeros leave every product's real part
-unchanged) and the chunk must be a power of two >= 16 (edl's is 64). Interpreted on CPU any
-size runs (the tests).
+The backward pass (``custom_vjp``) is the Pallas reverse scan of
+``edl.kernels.delta_rule_bwd`` where Triton compiles it (GPU programs) and with
+``interpret=True`` (both kernels interpreted: the tests); elsewhere (CPU) it is XLA's
+``jax.vjp`` of ``chunk_scan_xla``, the reference, recomputed from the kernel's inputs (an
+interpreted kernel would be slower than the scan). TPU programs use
+``edl.kernels.tpu.delta_rule`` (Mosaic) instead.
+
+On GPU, Triton wants power-of-two dims of at least 16 in every matmul: ``dk`` and ``dv``
+are zero-padded (zeros leave every product's real part unchanged) and the chunk must be a
+power of two >= 16 (edl's is 64). Interpreted on CPU any size runs (the tests).
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from jax.experimental import pallas as pl
 from jaxtyping import Array, Float
 
 from edl.kernels._common import compiler_params, pad_axis, padded_head_dim
+from edl.kernels.delta_rule_bwd import chunk_scan_bwd
 from edl.platforms import platform_dependent
 
-__all__ = ["chunk_scan_xla", "pallas_chunk_scan"]
+__all__ = ["XLA_SCAN_SCOPE", "chunk_scan_xla", "pallas_chunk_scan"]
+
+XLA_SCAN_SCOPE = "edl_delta_rule_chunk_scan_xla"  # in lowered text with debug_info=True
 
 Chunks = Float[Array, "batch heads chunks chunk dim"]
 State = Float[Array, "batch heads dk dv"]
@@ -48,7 +56,9 @@ def chunk_scan_xla(qd, kd, u, w, attn, decay, state: State) -> tuple[Chunks, Sta
         return s, out
 
     xs = tuple(jnp.moveaxis(x, 2, 0) for x in (qd, kd, u, w, attn, decay))
-    state, out = jax.lax.scan(step, state.astype(u.dtype), xs)
+    # Named: lowered programs say where this scan runs (a kernel's program holds none).
+    with jax.named_scope(XLA_SCAN_SCOPE):
+        state, out = jax.lax.scan(step, state.astype(u.dtype), xs)
     return jnp.moveaxis(out, 0, 2), state
 
 
@@ -121,10 +131,26 @@ def _scan_fwd(qd, kd, u, w, attn, decay, state, interpret):
     return _scan(*args, interpret), args
 
 
-def _scan_bwd(interpret, args, cotangents):
-    del interpret
+def _xla_bwd(*args_and_cotangents):
+    *args, d_out, d_final = args_and_cotangents
     _, pullback = jax.vjp(chunk_scan_xla, *args)
-    return pullback(cotangents)
+    return pullback((d_out, d_final))
+
+
+def _kernel_bwd(*args_and_cotangents, interpret: bool):
+    *args, d_out, d_final = args_and_cotangents
+    return chunk_scan_bwd(tuple(args), (d_out, d_final), interpret=interpret)
+
+
+def _scan_bwd(interpret, args, cotangents):
+    # The Pallas backward (``edl.kernels.delta_rule_bwd``) where Triton compiles it, or
+    # interpreted when asked (the tests); elsewhere XLA's vjp of the scan, the reference:
+    # interpreting the kernel on CPU would be slower than the scan it replaces.
+    operands = (*args, *cotangents)
+    if interpret:
+        return _kernel_bwd(*operands, interpret=True)
+    compiled = functools.partial(_kernel_bwd, interpret=False)
+    return platform_dependent(*operands, cuda=compiled, rocm=compiled, default=_xla_bwd)
 
 
 _scan.defvjp(_scan_fwd, _scan_bwd)
@@ -133,9 +159,10 @@ _scan.defvjp(_scan_fwd, _scan_bwd)
 def pallas_chunk_scan(
     qd, kd, u, w, attn, decay, state: State, *, interpret: bool | None = None
 ) -> tuple[Chunks, State]:
-    """``chunk_scan_xla`` as one Pallas program per (batch, head); differentiable (the
-    backward pass is XLA's). ``interpret``: ``None`` compiles through Triton in programs
-    lowered for GPUs and interprets elsewhere; ``True`` always interprets."""
+    """``chunk_scan_xla`` as one Pallas program per (batch, head); differentiable (a Pallas
+    reverse scan on GPU). ``interpret``: ``None`` compiles both kernels through Triton in
+    programs lowered for GPUs and elsewhere interprets the forward, the backward being
+    XLA's vjp of the scan; ``True`` interprets the forward and the backward kernels."""
     if qd.shape[3] != attn.shape[-1]:
         raise ValueError(f"pallas_chunk_scan: attn {attn.shape} must be (b, h, n, C, C)")
     return _scan(qd, kd, u, w, attn, decay, state, interpret)

@@ -21,7 +21,9 @@ chunk to chunk (``edl.kernels.delta_rule.chunk_scan_xla``: ``seq / 64`` sequenti
 a few small matmuls each, instead of ``seq`` steps). Padding to a multiple of the chunk uses
 ``g = 0`` and ``beta = k = 0``, which leave the state as it is, so the final state is exact
 for any length.
-``edl.kernels.delta_rule`` runs that scan as one Pallas program per (batch, head) on GPU.
+``edl.kernels.delta_rule`` runs that scan as one Pallas program per (batch, head) on GPU,
+its backward too (``edl.kernels.delta_rule_bwd``); ``edl.kernels.tpu.delta_rule`` as Mosaic
+kernels (forward and backward) on TPU.
 
 Packed sequences: ``resets`` ``(batch, seq)`` marks the tokens that start a new sequence;
 the state before such a token is dropped (as if ``exp(g_t)`` were 0), so each segment runs
@@ -41,6 +43,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from edl.kernels.delta_rule import chunk_scan_xla, pallas_chunk_scan
+from edl.kernels.tpu.delta_rule import tpu_chunk_scan
 from edl.platforms import fail_when_lowered, platform_dependent
 
 __all__ = [
@@ -246,24 +249,33 @@ def _pallas(*args, interpret: bool | None = None, **kw):
     return chunked_gated_delta_rule(*args, **kw, scan=scan)
 
 
+def _mosaic(*args, interpret=False, **kw):
+    scan = functools.partial(tpu_chunk_scan, interpret=interpret)
+    return chunked_gated_delta_rule(*args, **kw, scan=scan)
+
+
 def _pallas_or_fail(*args, **kw):
     fallback = functools.partial(chunked_gated_delta_rule, **kw)
 
     def unsupported(*a):
-        message = "gated_delta_rule: impl 'pallas' runs on GPUs only (use 'auto' or 'chunked')"
+        message = (
+            "gated_delta_rule: impl 'pallas' runs on GPUs and TPUs only (use 'auto' or 'chunked')"
+        )
         return jax.tree.map(lambda x: fail_when_lowered(x, message), fallback(*a))
 
     pallas = functools.partial(_pallas, **kw)
-    return platform_dependent(*args, cuda=pallas, rocm=pallas, default=unsupported)
+    tpu = functools.partial(_mosaic, **kw)
+    return platform_dependent(*args, cuda=pallas, rocm=pallas, tpu=tpu, default=unsupported)
 
 
 def _auto(*args, **kw):
-    # GPU: the Pallas (Triton) chunk scan. TPU: no Mosaic kernel yet, the XLA chunked form
-    # (its matmuls are what TPUs run well; the scan is seq / 64 steps). CPU: XLA chunked.
+    # GPU: the Pallas (Triton) chunk scan; TPU: the Mosaic one; both with their kernel
+    # backward. CPU: the XLA chunked form (an interpreted kernel would be slower).
     return platform_dependent(
         *args,
         cuda=functools.partial(_pallas, **kw),
         rocm=functools.partial(_pallas, **kw),
+        tpu=functools.partial(_mosaic, **kw),
         default=functools.partial(chunked_gated_delta_rule, **kw),
     )
 
@@ -274,6 +286,7 @@ _IMPLS = {
     "recurrent": recurrent_gated_delta_rule,
     "pallas": _pallas_or_fail,
     "pallas_interpret": lambda *a, **kw: _pallas(*a, **kw, interpret=True),
+    "pallas_tpu_interpret": lambda *a, **kw: _mosaic(*a, **kw, interpret=True),
 }
 DELTA_RULE_IMPLS = tuple(_IMPLS)
 
@@ -294,10 +307,10 @@ def gated_delta_rule(
     dtype) and final state ``(batch, heads, dk, dv)``. ``resets`` ``(batch, seq)``: the
     tokens that start a packed sequence (the state before them is dropped).
 
-    ``impl``: ``"auto"`` (Pallas on GPUs; the XLA chunked form elsewhere, TPUs included:
-    no Mosaic kernel yet), ``"chunked"``, ``"recurrent"`` (the reference), ``"pallas"``
-    (GPU only: lowering it elsewhere raises), ``"pallas_interpret"`` (the kernel
-    interpreted, for tests)."""
+    ``impl``: ``"auto"`` (Pallas on GPUs, Triton, and TPUs, Mosaic, forward and backward;
+    the XLA chunked form elsewhere), ``"chunked"``, ``"recurrent"`` (the reference),
+    ``"pallas"`` (GPUs and TPUs only: lowering it elsewhere raises), ``"pallas_interpret"``
+    / ``"pallas_tpu_interpret"`` (the Triton / Mosaic kernels interpreted, for tests)."""
     if impl not in _IMPLS:
         raise ValueError(f"gated_delta_rule: impl must be one of {DELTA_RULE_IMPLS}, got {impl!r}")
     if q.shape != k.shape or q.shape[:3] != v.shape[:3] or g.shape != q.shape[:3]:

@@ -1,5 +1,6 @@
 """Pallas kernels for TPU (Mosaic): flash attention (forward and backward), decode and paged
-decode attention, with ``edl.kernels``' semantics and layouts."""
+decode attention, with ``edl.kernels``' semantics and layouts; the gated delta rule's chunk
+scan, forward and backward (``edl.kernels.tpu.delta_rule``)."""
 
 import jax.numpy as jnp
 import numpy as np
