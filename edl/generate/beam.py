@@ -151,7 +151,9 @@ def _step(
     # Cache rows follow their beams; feed each running beam's new token.
     flat_source = (jnp.arange(batch)[:, None] * beams + _gather(source, chosen)).reshape(-1)
     cache = s.cache.select_rows(flat_source)
-    logits, cache = steps.decode_step(decoder, running[:, :, t].reshape(-1), cache)
+    # Past LongRoPE's original context the beams' whole sequences re-run (``decode_or_refill``).
+    flat = running.reshape(batch * beams, max_new)
+    logits, cache = steps.decode_or_refill(decoder, flat[:, t], cache, prompt, prompt_mask, flat, t)
 
     improvable = s.improvable & _can_improve(running_scores, finished, scores, t, max_new, config)
     go = jnp.any(improvable) & ~jnp.all(hits)
