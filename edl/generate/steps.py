@@ -254,6 +254,19 @@ def refill_length(model: CausalLM) -> int | None:
     return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
 
 
+def with_row_rope_lengths(model: CausalLM) -> CausalLM:
+    """``model`` with ``config.run.rope_length="row"`` where its trunk has run options: each
+    row's length-dependent RoPE (``dynamic``, ``longrope``) reads its own length, so a
+    request's tokens do not depend on the requests batched with it (the serving engine;
+    speculative decoding of a model with a ``refill_length``, whose rows cross it apart)."""
+    trunk = getattr(model, "model", None)
+    config = getattr(trunk, "config", None)
+    if getattr(getattr(config, "run", None), "rope_length", "row") == "row":
+        return model
+    trunk = dataclasses.replace(trunk, config=config.replace(rope_length="row"))
+    return dataclasses.replace(model, model=trunk)
+
+
 def decode_or_refill(
     model: CausalLM,
     tokens: Int[Array, " batch"],

@@ -108,9 +108,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from edl.compile_cache import cache_hits
-from edl.generate.decode import _without_id_checks, with_row_rope_lengths
+from edl.generate.decode import _without_id_checks
 from edl.generate.speculative import SpeculativeConfig
-from edl.generate.steps import CausalLM
+from edl.generate.steps import CausalLM, with_row_rope_lengths
 from edl.serve import logprobs as lp
 from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
