@@ -179,6 +179,7 @@ def forward(
     num_new: Int[Array, " batch"] | None = None,
     inputs_embeds: Float[Array, "batch width dim"] | None = None,
     every: bool = False,
+    rope_min_length: Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, "batch *width vocab"], Float[Array, "batch width dim"], KVCacheLike]:
     """The one model step every decoding path is built from (``prefill``, ``decode_step``,
     speculative verification and draft steps here; the serving engine's
@@ -190,15 +191,18 @@ def forward(
     ``(batch, vocab)`` (meaningless where ``num_new`` is 0), or with ``every`` at every
     position ``(batch, width, vocab)``; the final hidden states ``(batch, width, dim)``;
     the updated cache. ``inputs_embeds``: the tokens' embeddings, used instead of
-    ``tokens``' (images merged in)."""
+    ``tokens``' (images merged in). ``rope_min_length``: each row's length for LongRoPE's
+    factors at least (the serving engine's chunks of a sequence longer as a whole;
+    passed on only when given, so trunks without it still take the call)."""
     width = tokens.shape[1]
     mask = None
     if num_new is not None:
         mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
+    extra = {} if rope_min_length is None else {"rope_min_length": rope_min_length}
     if inputs_embeds is None:
-        out = model.model(tokens, attention_mask=mask, cache=cache)
+        out = model.model(tokens, attention_mask=mask, cache=cache, **extra)
     else:
-        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache)
+        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache, **extra)
     hidden = out.last_hidden_state
     if every:
         last = hidden
