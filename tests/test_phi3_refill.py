@@ -57,6 +57,7 @@ def _prompt(n, seed=0):
     return np.random.default_rng(seed).integers(3, VOCAB, (1, n))
 
 
+@pytest.mark.slow  # transformers' and edl's beam search, compiled (~18 s)
 def test_beam_search_refills_as_transformers(models):
     """Beams cross the original context at the 4th new token (prompt of 13); transformers'
     beam search re-runs every beam's sequence there with the long factors."""
@@ -71,19 +72,86 @@ def test_beam_search_refills_as_transformers(models):
     np.testing.assert_array_equal(np.asarray(out.sequences)[:, : ref.shape[1]], ref.numpy())
 
 
-@pytest.mark.parametrize("prompt_len", [11, 14])  # drafts straddle the limit; the pending token
-def test_speculative_decoding_equals_greedy_past_the_limit(models, prompt_len):
-    """Prompt lookup on a repetitive prompt drafts several tokens a step, so verification
-    chunks straddle the limit (from either side of it); the greedy tokens equal plain
-    ``generate``'s, which re-runs the sequence at the limit."""
+@pytest.mark.slow  # the speculative loop and generate, compiled (~24 s)
+def test_speculative_decoding_equals_greedy_past_the_limit(models):
+    """Prompt lookup on repetitive prompts drafts several tokens a step, so verification
+    chunks straddle the limit; the greedy tokens equal plain ``generate``'s on each prompt
+    alone (which re-runs the sequence at the limit), the rows of different lengths crossing
+    it at different steps."""
     _, model = models
-    base = _prompt(4, 7)
-    ids = np.tile(base, (1, 4))[:, :prompt_len]
+    rows = [np.tile(_prompt(4, 7), (1, 4))[0, :11], np.tile(_prompt(4, 8), (1, 4))[0, :14]]
+    ids, mask = np.zeros((2, 14), np.int64), np.zeros((2, 14), np.int64)
+    for row, prompt in enumerate(rows):  # left-padded, as generate takes a batch
+        ids[row, 14 - len(prompt) :], mask[row, 14 - len(prompt) :] = prompt, 1
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-    want = generate(model, ids, max_new_tokens=14, pad_token_id=0)
-    out = generate(model, ids, max_new_tokens=14, pad_token_id=0, speculative=spec)
-    np.testing.assert_array_equal(np.asarray(out.sequences), np.asarray(want.sequences))
-    assert int(out.speculative.accepted[0]) > 0  # drafts were accepted, not just rejected
+    out = generate(
+        model, ids, attention_mask=mask, max_new_tokens=14, pad_token_id=0, speculative=spec
+    )
+    for row, prompt in enumerate(rows):
+        want = generate(model, prompt[None], max_new_tokens=14, pad_token_id=0)
+        np.testing.assert_array_equal(
+            np.asarray(out.sequences)[row, 14:], np.asarray(want.sequences)[0, len(prompt) :]
+        )
+    assert np.all(np.asarray(out.speculative.accepted) > 0)  # drafts were accepted
+
+
+def test_rope_min_length_gives_a_chunk_the_whole_sequences_factors():
+    """A prefill chunk at positions 0..3 of a 20-token sequence reads the long factors (the
+    length at least 20), a row without a floor its own length's short ones."""
+    import jax.numpy as jnp
+
+    from edl.ops.rope import RopeConfig, rope_tables
+
+    config = RopeConfig(
+        dim=8,
+        rope_type="longrope",
+        original_max_position_embeddings=ORIGINAL,
+        factor=4.0,
+        short_factor=(1.0, 1.1, 1.2, 1.3),
+        long_factor=(1.0, 3.0, 5.0, 7.0),
+    )
+    positions = jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (2, 4))
+    floor = jnp.array([20, 0], jnp.int32)
+    cos, sin = rope_tables(positions, config, per_row=True, min_length=floor)
+    long = rope_tables(positions.at[:, -1].set(19), config, per_row=True)  # length 20
+    short = rope_tables(positions, config, per_row=True)
+    np.testing.assert_array_equal(cos[0, :3], long[0][0, :3])
+    np.testing.assert_array_equal(sin[1], short[1][1])
+    assert not np.allclose(cos[0], short[0][0])
+
+
+def test_engine_refill_plan():
+    """The host side of the engine's refill (``edl.serve.refill``)."""
+    from edl.serve import SamplingParams, refill
+    from edl.serve.requests import Request
+
+    assert refill.may_share(None, 40, 40)
+    assert refill.may_share(16, 12, 5) and not refill.may_share(16, 12, 6)  # feeds position 16
+    assert not refill.may_share(16, 17, 1)  # its prompt is past the limit
+    r = Request(0, tuple(range(3, 15)), SamplingParams(max_tokens=9), 0, frozenset(), [])
+    r.pages, r.computed, r.generated = [7, 3, 5, 9, 2], 13, [20, 21]  # 12 + 2 - the pending
+    drafts = [np.arange(4), np.arange(2)]
+    other = Request(1, (3, 4), SamplingParams(max_tokens=9), 0, frozenset(), [])
+    other.computed = 16
+    assert [list(d) for d in refill.cap_drafts(16, [r, other], drafts)] == [[0, 1], [0, 1]]
+    assert refill.cap_drafts(16, [r], [np.arange(4)]) is not None
+    r.computed = 15
+    assert refill.cap_drafts(16, [r], [np.arange(4)]) is None  # its pending token alone
+    assert refill.crossing(16, [r, other]) == [other] and refill.crossing(None, [other]) == []
+    r.computed, r.generated = 16, [20, 21, 22, 23, 24]
+    chunks = list(refill.refill_chunks(r, 16, 8, 4, (8,), (1, 4, 5)))
+    assert [(t.shape, int(n[0]), int(at[0])) for t, n, at, _ in chunks] == [
+        ((1, 8), 8, 0),
+        ((1, 8), 8, 8),
+    ]
+    np.testing.assert_array_equal(chunks[1][0][0], [11, 12, 13, 14, 20, 21, 22, 23])
+    np.testing.assert_array_equal(chunks[0][3], [[7, 3, 5, 9]])
+    floor = refill.rope_floor(16, [r, Request(2, (5,) * 30, r.params, 0, frozenset(), [])], 4)
+    np.testing.assert_array_equal(floor, [0, 30, 0, 0])
+    assert refill.rope_floor(None, [r], 1) is None
+    r.computed = 15
+    with pytest.raises(RuntimeError, match="request 0 holds 15 tokens"):
+        list(refill.refill_chunks(r, 16, 8, 4, (8,), (4,)))
 
 
 def _engine_tokens(engine, prompts, max_tokens):

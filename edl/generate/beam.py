@@ -5,7 +5,8 @@ prompt by accumulated log-probability; the best ``num_beams`` that did not just 
 stopping condition keep running, and those among the top ``num_beams`` that did (EOS, or the
 length limit) compete, length-penalised, for the ``num_beams`` finished slots. The loop stops
 when no running beam can beat the worst finished one (HF's ``early_stopping`` heuristics),
-or at the length limit. The KV cache rows follow their beams (reordered every step).
+or at the length limit. The KV cache rows follow their beams (reordered every step); past
+Phi-3's LongRoPE original context every beam's sequence re-runs once, as in transformers.
 """
 
 from __future__ import annotations

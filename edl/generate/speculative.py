@@ -21,7 +21,10 @@ model, ``benchmarks/speculative.py``). Sampling keeps the target's distribution
 (speculative sampling's rejection rule) but draws other random numbers than plain
 sampling, so its tokens differ for the same key.
 Processors (repetition penalty, temperature, top-k / top-p / min-p, the user's) apply at
-every verified position with the history up to that position.
+every verified position with the history up to that position. A model with a
+``steps.refill_length`` (Phi-3's LongRoPE) has its verifications cut at that length and
+its sequences re-run when a row reaches it (``edl.generate.spec_refill``), its rows'
+factors following their own lengths.
 """
 
 from __future__ import annotations

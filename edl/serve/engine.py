@@ -23,6 +23,11 @@ under the same page table); when some row drafted, the decode call has width ``k
 drafts and one token more (``RequestOutput.new_token_ids`` then holds several), its
 ``computed`` set back past the rejected positions. Greedy output equals plain decoding's.
 
+Phi-3's LongRoPE (``edl.serve.refill``): a request whose cache reaches
+``original_max_position_embeddings`` has those tokens re-run through its own pages with the
+long factors before its next call, as ``generate`` re-runs the sequence; prefill chunks read
+the factors of the whole prompt's length; such requests share no prefix pages.
+
 Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
 requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
 narrowest holding its longest chunk; its page table is cut to a power of four pages from 4
