@@ -195,3 +195,26 @@ def test_engine_refills_a_request_crossing_the_limit(models):
     batch = [[*CROSSING[:8], *CROSSING[8:]], past, [5, 6, 7]]
     _assert_engine_equals_generate(model, engine, batch, [12, 5, 6])
     _assert_engine_equals_generate(model, engine, [inside], [4])
+
+
+@pytest.mark.slow  # the engine's and its draft's shapes compile (~60 s)
+def test_engine_speculation_stops_at_the_limit(models):
+    """The target drafting for itself proposes its own greedy tokens, so a 13-token prompt's
+    first verification (positions 13..17) would straddle the limit; the engine cuts it there
+    and refills, and its greedy tokens equal ``generate``'s (uncut, they part at the 5th)."""
+    from edl.serve import Engine
+
+    _, model = models
+    spec = SpeculativeConfig(method="draft", num_speculative_tokens=4)
+    engine = Engine(
+        model,
+        max_batch=2,
+        max_model_len=32,
+        page_size=4,
+        prefill_chunk=8,
+        speculative=spec,
+        draft_model=model,
+    )
+    prompts = [CROSSING, [int(t) for t in _prompt(14, 13)[0]]]
+    _assert_engine_equals_generate(model, engine, prompts, [12, 12])
+    assert engine.speculation_counts[1] > 0  # drafts were accepted
