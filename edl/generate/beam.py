@@ -5,7 +5,8 @@ prompt by accumulated log-probability; the best ``num_beams`` that did not just 
 stopping condition keep running, and those among the top ``num_beams`` that did (EOS, or the
 length limit) compete, length-penalised, for the ``num_beams`` finished slots. The loop stops
 when no running beam can beat the worst finished one (HF's ``early_stopping`` heuristics),
-or at the length limit. The KV cache rows follow their beams (reordered every step).
+or at the length limit. The KV cache rows follow their beams (reordered every step); past
+Phi-3's LongRoPE original context every beam's sequence re-runs once, as in transformers.
 """
 
 from __future__ import annotations
@@ -151,7 +152,9 @@ def _step(
     # Cache rows follow their beams; feed each running beam's new token.
     flat_source = (jnp.arange(batch)[:, None] * beams + _gather(source, chosen)).reshape(-1)
     cache = s.cache.select_rows(flat_source)
-    logits, cache = steps.decode_step(decoder, running[:, :, t].reshape(-1), cache)
+    # Past LongRoPE's original context the beams' whole sequences re-run (``decode_or_refill``).
+    flat = running.reshape(batch * beams, max_new)
+    logits, cache = steps.decode_or_refill(decoder, flat[:, t], cache, prompt, prompt_mask, flat, t)
 
     improvable = s.improvable & _can_improve(running_scores, finished, scores, t, max_new, config)
     go = jnp.any(improvable) & ~jnp.all(hits)

@@ -331,18 +331,6 @@ def _without_id_checks(model: CausalLM) -> CausalLM:
     return dataclasses.replace(model, model=trunk)
 
 
-def with_row_rope_lengths(model: CausalLM) -> CausalLM:
-    """``model`` with ``config.run.rope_length="row"`` where its trunk has run options: each
-    row's length-dependent RoPE (``dynamic``, ``longrope``) reads its own length, so a
-    request's tokens do not depend on the requests batched with it (the serving engine)."""
-    trunk = getattr(model, "model", None)
-    config = getattr(trunk, "config", None)
-    if getattr(getattr(config, "run", None), "rope_length", "row") == "row":
-        return model
-    trunk = dataclasses.replace(trunk, config=config.replace(rope_length="row"))
-    return dataclasses.replace(model, model=trunk)
-
-
 def prompt_bucket(length: int) -> int:
     """The prompt width ``generate`` compiles for: ``length`` rounded up to 16, 24, 32, 48,
     64, 96, ... (powers of two and 1.5x them), so prompts of nearby lengths share one

@@ -21,7 +21,10 @@ model, ``benchmarks/speculative.py``). Sampling keeps the target's distribution
 (speculative sampling's rejection rule) but draws other random numbers than plain
 sampling, so its tokens differ for the same key.
 Processors (repetition penalty, temperature, top-k / top-p / min-p, the user's) apply at
-every verified position with the history up to that position.
+every verified position with the history up to that position. A model with a
+``steps.refill_length`` (Phi-3's LongRoPE) has its verifications cut at that length and
+its sequences re-run when a row reaches it (``edl.generate.spec_refill``), its rows'
+factors following their own lengths.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from edl._speculative import SpeculativeConfig
-from edl.generate import steps
+from edl.generate import spec_refill, steps
 from edl.generate.config import GenerateOutput, GenerationConfig, SpeculativeStats
 from edl.generate.proposers import PROPOSERS, ProposeInputs
 from edl.generate.verify import emitted_tokens, greedy_verify, rejection_verify
@@ -93,17 +96,19 @@ def emit_count(
     return keep, jnp.any(eos & (pos < keep[:, None]), axis=1)
 
 
-def _verify(model, state: SpecState, drafts, valid, q, key, *, config, processor):
+def _verify(model, state: SpecState, drafts, valid, q, key, num_new, *, config, processor):
     """The target's forward over the pending token and the drafts, and the verdict:
-    ``(accepted, next_token, cache)``, the cache holding all ``k + 1`` new positions."""
+    ``(accepted, next_token, cache)``, the cache holding all ``k + 1`` new positions
+    (``num_new``: ``spec_refill.chunk_tokens``, the positions that run per row)."""
     rows, k = drafts.shape
     length = state.prompt_len + state.count
     row_ids = jnp.arange(rows)[:, None]
     pending = jnp.take_along_axis(state.seq, (length - 1)[:, None], axis=1)
     tokens = jnp.concatenate([pending, drafts], axis=1)
-    logits, _, cache = steps.forward(model, tokens, state.cache, every=True)
     offsets = jnp.arange(k, dtype=jnp.int32)[None]
     seq = state.seq.at[row_ids, length[:, None] + offsets].set(drafts, mode="drop")
+    live = ~state.done
+    logits, cache = spec_refill.target_logits(model, tokens, seq, state.cache, num_new, live)
     scores = position_scores(processor, logits, seq, length)
     if config.do_sample:
         probs = jax.nn.softmax(scores, axis=-1)
@@ -121,10 +126,21 @@ def _spec_step(model, state: SpecState, *, inputs, spec, config, max_new) -> Spe
     draft_key, verify_key = jax.random.split(jax.random.fold_in(inputs.key, state.it + 1))
     inputs = dataclasses.replace(inputs, seq=state.seq, lengths=length, key=draft_key)
     proposal, drafts, valid, q = proposer.propose(inputs, state.proposal)
-    drafts = jnp.where(valid, drafts, config.pad_id)
     cached = state.cache.lengths
+    num_new = spec_refill.chunk_tokens(model, cached, drafts.shape[1])
+    if num_new is not None:  # a chunk cut at LongRoPE's original context
+        valid &= jnp.arange(drafts.shape[1], dtype=jnp.int32)[None] < (num_new - 1)[:, None]
+    drafts = jnp.where(valid, drafts, config.pad_id)
     accepted, token, cache = _verify(
-        model, state, drafts, valid, q, verify_key, config=config, processor=inputs.processor
+        model,
+        state,
+        drafts,
+        valid,
+        q,
+        verify_key,
+        num_new,
+        config=config,
+        processor=inputs.processor,
     )
     emitted = emitted_tokens(drafts, accepted, token, config.pad_id)
     keep, hit_eos = emit_count(emitted, accepted, max_new - state.count, config.eos_ids)
@@ -203,6 +219,8 @@ def generate_speculative(
     """The compiled speculative loop behind ``generate(..., speculative=spec)`` (checked
     inputs; ``input_ids`` left-padded as ``generate`` takes them). The output is laid out
     as plain ``generate``'s, with ``speculative`` set to the per-row counts."""
+    if steps.refill_length(model) is not None:  # rows cross LongRoPE's limit apart
+        model = steps.with_row_rope_lengths(model)
     state = _start(
         model,
         draft_model,

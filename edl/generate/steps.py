@@ -179,6 +179,7 @@ def forward(
     num_new: Int[Array, " batch"] | None = None,
     inputs_embeds: Float[Array, "batch width dim"] | None = None,
     every: bool = False,
+    rope_min_length: Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, "batch *width vocab"], Float[Array, "batch width dim"], KVCacheLike]:
     """The one model step every decoding path is built from (``prefill``, ``decode_step``,
     speculative verification and draft steps here; the serving engine's
@@ -190,15 +191,18 @@ def forward(
     ``(batch, vocab)`` (meaningless where ``num_new`` is 0), or with ``every`` at every
     position ``(batch, width, vocab)``; the final hidden states ``(batch, width, dim)``;
     the updated cache. ``inputs_embeds``: the tokens' embeddings, used instead of
-    ``tokens``' (images merged in)."""
+    ``tokens``' (images merged in). ``rope_min_length``: each row's length for LongRoPE's
+    factors at least (the serving engine's chunks of a sequence longer as a whole;
+    passed on only when given, so trunks without it still take the call)."""
     width = tokens.shape[1]
     mask = None
     if num_new is not None:
         mask = jnp.arange(width, dtype=jnp.int32)[None] < num_new[:, None]
+    extra = {} if rope_min_length is None else {"rope_min_length": rope_min_length}
     if inputs_embeds is None:
-        out = model.model(tokens, attention_mask=mask, cache=cache)
+        out = model.model(tokens, attention_mask=mask, cache=cache, **extra)
     else:
-        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache)
+        out = model.model(inputs_embeds=inputs_embeds, attention_mask=mask, cache=cache, **extra)
     hidden = out.last_hidden_state
     if every:
         last = hidden
@@ -252,6 +256,19 @@ def refill_length(model: CausalLM) -> int | None:
     if not getattr(config, "REFILL_PAST_ORIGINAL_CONTEXT", False) or rope is None:
         return None
     return rope.original_max_position_embeddings if rope.rope_type == "longrope" else None
+
+
+def with_row_rope_lengths(model: CausalLM) -> CausalLM:
+    """``model`` with ``config.run.rope_length="row"`` where its trunk has run options: each
+    row's length-dependent RoPE (``dynamic``, ``longrope``) reads its own length, so a
+    request's tokens do not depend on the requests batched with it (the serving engine;
+    speculative decoding of a model with a ``refill_length``, whose rows cross it apart)."""
+    trunk = getattr(model, "model", None)
+    config = getattr(trunk, "config", None)
+    if getattr(getattr(config, "run", None), "rope_length", "row") == "row":
+        return model
+    trunk = dataclasses.replace(trunk, config=config.replace(rope_length="row"))
+    return dataclasses.replace(model, model=trunk)
 
 
 def decode_or_refill(

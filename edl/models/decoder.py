@@ -291,14 +291,22 @@ def _positions_from_segments(segment_ids: Ids) -> Ids:
     return t - jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
 
 
-def _rope_tables(positions: Ids, config: DecoderConfig, valid: Mask | None = None) -> dict:
+def _rope_tables(
+    positions: Ids,
+    config: DecoderConfig,
+    valid: Mask | None = None,
+    min_length: Int[Array, " batch"] | None = None,
+) -> dict:
     """``(cos, sin)`` for each RoPE the layers use (``config.layer_settings``), computed once
     for all layers; ``None`` (NoPE layers) maps to ``(None, None)``. ``valid``: the new
-    tokens of a cached call (``rope_tables``: the length of length-dependent RoPEs)."""
+    tokens of a cached call (``rope_tables``: the length of length-dependent RoPEs);
+    ``min_length``: each row's length at least (``rope_tables``)."""
     ropes = dict.fromkeys(rope for _, rope in config.layer_settings)
     per_row = config.run.rope_length == "row"
     return {
-        r: (None, None) if r is None else rope_tables(positions, r, valid, per_row=per_row)
+        r: (None, None)
+        if r is None
+        else rope_tables(positions, r, valid, per_row=per_row, min_length=min_length)
         for r in ropes
     }
 
@@ -408,6 +416,7 @@ class DecoderModel(eqx.Module):
         output_hidden_states: bool = False,
         cache: KVCacheLike | None = None,
         blocks: Ids | None = None,
+        rope_min_length: Int[Array, " batch"] | None = None,
     ) -> ModelOutput:
         """Run the trunk on ``input_ids`` or ``inputs_embeds`` (exactly one; embeddings are
         taken as they are, already scaled where the family scales them).
@@ -429,6 +438,9 @@ class DecoderModel(eqx.Module):
             blocks: ``(batch, seq)`` ids of blocks whose tokens attend to each other both
                 ways, ``-1`` elsewhere (Gemma 3's images, ``edl.ops.block_attention``);
                 not with a cache.
+            rope_min_length: ``(batch,)``, with a cache only: each row's length for
+                length-dependent RoPEs is at least this (``edl.ops.rope.rope_tables``;
+                the serving engine's chunks of a longer sequence).
         """
         c = self.config
         if (input_ids is None) == (inputs_embeds is None):
@@ -446,7 +458,13 @@ class DecoderModel(eqx.Module):
             if blocks is not None:
                 raise ValueError("with a cache, blocks are not supported")
             return self._decode(
-                h, attention_mask, position_ids, cache, segment_ids, output_hidden_states
+                h,
+                attention_mask,
+                position_ids,
+                cache,
+                segment_ids,
+                output_hidden_states,
+                rope_min_length,
             )
         if position_ids is None:
             position_ids = (
@@ -488,7 +506,16 @@ class DecoderModel(eqx.Module):
             hidden_states = jnp.concatenate([h[None], per_layer[0]], axis=0)
         return ModelOutput(self.norm(h_out), hidden_states, router_stats=stats)
 
-    def _decode(self, h, attention_mask, position_ids, cache, segment_ids, output_hidden_states):
+    def _decode(
+        self,
+        h,
+        attention_mask,
+        position_ids,
+        cache,
+        segment_ids,
+        output_hidden_states,
+        rope_min_length=None,
+    ):
         """``__call__`` with a KV cache: new tokens through every layer's cache."""
         c = self.config
         if segment_ids is not None or output_hidden_states:
@@ -502,7 +529,7 @@ class DecoderModel(eqx.Module):
             if attention_mask is None
             else jnp.sum(attention_mask.astype(jnp.int32), axis=1)
         )
-        tables = _rope_tables(position_ids, c, valid=attention_mask)
+        tables = _rope_tables(position_ids, c, valid=attention_mask, min_length=rope_min_length)
 
         def apply(layer: DecoderLayer, carry, setting, index):
             h, cache = carry

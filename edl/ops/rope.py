@@ -451,6 +451,7 @@ def rope_tables(
     valid: Bool[Array, "batch seq"] | Int[Array, "batch seq"] | None = None,
     *,
     per_row: bool = False,
+    min_length: Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, "batch seq dim"], Float[Array, "batch seq dim"]]:
     """``(cos, sin)`` tables for integer ``positions``, float32, in HF's layout (each
     frequency repeated over both halves), times the type's attention scaling.
@@ -460,11 +461,15 @@ def rope_tables(
     (a prompt bucket's width) do not count, as in transformers' ``generate``. That length
     is the whole batch's (transformers' batched rule) unless ``per_row``: then each row's
     own, so that a row's tables do not depend on the rows batched with it (the serving
-    engine's independent requests)."""
+    engine's independent requests). ``min_length``: each row's length is at least this (a
+    chunk of a sequence that is longer as a whole: the serving engine's chunked prefill,
+    whose early chunks must read the factors of the whole sequence's length)."""
     if not config.uses_length:
         inv_freq = inv_frequencies(config, None)[None, None, :]
     else:
         live = positions if valid is None else jnp.where(valid.astype(jnp.bool_), positions, 0)
+        if min_length is not None:  # a length of n reads as a position of n - 1
+            live = jnp.maximum(live, (min_length - 1)[:, None])
         if per_row:
             lengths = jnp.max(live, axis=1) + 1
             inv_freq = jax.vmap(lambda n: inv_frequencies(config, n))(lengths)[:, None, :]

@@ -23,6 +23,11 @@ under the same page table); when some row drafted, the decode call has width ``k
 drafts and one token more (``RequestOutput.new_token_ids`` then holds several), its
 ``computed`` set back past the rejected positions. Greedy output equals plain decoding's.
 
+Phi-3's LongRoPE (``edl.serve.refill``): a request whose cache reaches
+``original_max_position_embeddings`` has those tokens re-run through its own pages with the
+long factors before its next call, as ``generate`` re-runs the sequence; prefill chunks read
+the factors of the whole prompt's length; such requests share no prefix pages.
+
 Compiled shapes: a call's rows are a power of two (or ``max_batch``), the fewest holding its
 requests; a prefill call's width is a power of four from 16 (or ``prefill_chunk``), the
 narrowest holding its longest chunk; its page table is cut to a power of four pages from 4
@@ -110,10 +115,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from edl.compile_cache import cache_hits
-from edl.generate.decode import _without_id_checks, with_row_rope_lengths
+from edl.generate.decode import _without_id_checks
 from edl.generate.speculative import SpeculativeConfig
-from edl.generate.steps import CausalLM
+from edl.generate.steps import CausalLM, refill_length, with_row_rope_lengths
 from edl.serve import logprobs as lp
+from edl.serve import refill
 from edl.serve.grammar import Grammars
 from edl.serve.pages import PagePool, block_hashes
 from edl.serve.requests import Request, call_inputs, check_request, page_pools
@@ -235,6 +241,7 @@ class Engine:
         self._model = with_row_rope_lengths(_without_id_checks(model))
         if unstack_layers:
             self._model = self._model.unstacked()
+        self._refill_limit = refill_length(model)  # LongRoPE's original context (refill)
         self._k_pages, self._v_pages = page_pools(
             model, num_pages, page_size, max_model_len, kv_cache_dtype
         )
@@ -288,6 +295,7 @@ class Engine:
         seed = int(self._rng.integers(2**32)) if params.seed is None else params.seed
         # Prompt log-probs need every prompt position computed: no shared pages.
         sharing = self.prefix_caching and params.prompt_logprobs is None
+        sharing &= refill.may_share(self._refill_limit, len(prompt), params.max_tokens)
         hashes = block_hashes(prompt, self.page_size) if sharing else []
         stop = self.eos_token_ids | frozenset(params.stop_token_ids)
         request = Request(self._next_id, prompt, params, seed, stop, hashes)
@@ -408,6 +416,7 @@ class Engine:
         tokens, num_new, lengths, table = call_inputs(
             requests, rows, width, pages, self.page_size, drafts
         )
+        floor = refill.rope_floor(self._refill_limit, requests, rows)
         runner = None if self._spec is None else self._spec.runner
         if runner is not None and requests and requests[0].prefilling:  # a prefill call
             runner.prefill(requests, table, lengths, tokens, num_new)
@@ -439,6 +448,7 @@ class Engine:
             jnp.asarray(lp.prompt_targets(requests, rows, width)) if key[3] else None,
             logprobs=key[3],
             **({"every": True} if verify else {}),
+            **({} if floor is None else {"rope_min_length": jnp.asarray(floor)}),
         )
         every, logits = (logits, logits[:, 0]) if verify else (None, logits)
         settings = [(r.params, r.seed, len(r.generated)) for r in requests]
@@ -484,8 +494,10 @@ class Engine:
         outputs, self._pending = self._pending, []
         self._admit()
         decoding = [r for r in self._running if not r.prefilling]
+        self._refill(refill.crossing(self._refill_limit, decoding))
         if decoding:
             drafts = None if self._spec is None else self._spec.drafts(decoding)
+            drafts = refill.cap_drafts(self._refill_limit, decoding, drafts)
             width = 1 if drafts is None else self._spec.k + 1  # type: ignore[union-attr]
             new = [1 + (0 if drafts is None else len(d)) for d in drafts or decoding]
             rows, pages = bucket(self.row_buckets, len(decoding)), self._pages_after(decoding, new)
@@ -507,6 +519,35 @@ class Engine:
                 if not r.prefilling:  # its prompt is done: the first token is out
                     outputs.append(self._emit(r, [next_tokens[i]], [token_logprobs[i]], arrays, i))
         return outputs
+
+    def _refill(self, requests: list[Request]) -> None:
+        """Re-run each request's first ``refill_length`` tokens through its own pages with
+        LongRoPE's long factors, before the call that feeds its token at that position
+        (``edl.serve.refill``); the calls' logits are dropped."""
+        for r in requests:
+            chunks = refill.refill_chunks(
+                r,
+                r.computed,
+                self.prefill_chunk,
+                self.page_size,
+                self.width_buckets,
+                self.page_buckets,
+            )
+            for tokens, num_new, lengths, table in chunks:
+                self._k_pages, self._v_pages, _, _ = self._states.run(
+                    model_step,
+                    [r.id],
+                    self._model,
+                    self._k_pages,
+                    self._v_pages,
+                    jnp.asarray(table),
+                    jnp.asarray(lengths),
+                    jnp.asarray(tokens),
+                    jnp.asarray(num_new),
+                    None,
+                    logprobs=False,
+                    rope_min_length=jnp.asarray([r.computed + 1], jnp.int32),  # the long factors
+                )
 
     def _publish(self, request: Request) -> None:
         """Offer the request's computed whole prompt blocks to the prefix cache."""

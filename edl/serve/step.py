@@ -170,6 +170,7 @@ def model_step(
     *,
     logprobs: bool = False,
     every: bool = False,
+    rope_min_length: Int[Array, " batch"] | None = None,
 ) -> tuple[
     Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
     Float[Array, "layers num_pages page_size kv_heads head_dim"] | QuantizedPages,
@@ -187,9 +188,12 @@ def model_step(
     also returns, in a prefill call, ``PromptLogprobs`` of ``targets`` (each position's next
     prompt token), else None. ``every`` (static too): the logits at every position
     ``(batch, width, vocab)`` instead, for speculative verification
-    (``edl.serve.speculation``)."""
+    (``edl.serve.speculation``). ``rope_min_length``: each row's LongRoPE length at least
+    (``edl.serve.refill``: a chunk of a sequence past the original context)."""
     cache = step_cache(k_pages, v_pages, page_table, lengths)
-    logits, extra, cache = run_model(model, cache, tokens, num_new, targets, logprobs, every)
+    logits, extra, cache = run_model(
+        model, cache, tokens, num_new, targets, logprobs, every, rope_min_length
+    )
     return cache.k_pages, cache.v_pages, logits, extra
 
 
@@ -215,10 +219,13 @@ def run_model(
     targets: Int[Array, "batch width"] | None,
     logprobs: bool,
     every: bool,
+    rope_min_length: Int[Array, " batch"] | None = None,
 ) -> tuple[Float[Array, "batch *width vocab"], PromptLogprobs | None, Any]:
     """``model_step``'s body on a built cache (``edl.serve.state_slots`` wraps the paged
     cache with recurrent states first): ``(logits, prompt log-probs or None, cache)``."""
-    logits, hidden, cache = steps.forward(model, tokens, cache, num_new=num_new, every=every)
+    logits, hidden, cache = steps.forward(
+        model, tokens, cache, num_new=num_new, every=every, rope_min_length=rope_min_length
+    )
     extra = None
     if logprobs:
         if targets is None:
