@@ -213,8 +213,8 @@ def _check_quantized(q, k_pages, v_pages, k_scales, v_scales, fail) -> None:
 
 def paged_decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    k_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],  # _: edl checks it and names the problem
     lengths: Int[Array, " _batch"],
     *,
@@ -227,8 +227,8 @@ def paged_decode_attention(
     num_warps: int | None = 4,
     num_stages: int | None = 2,
     interpret: bool | None = None,
-    k_scales: Float[Array, "*layers num_pages page_size kv_heads 1"] | None = None,
-    v_scales: Float[Array, "*layers num_pages page_size kv_heads 1"] | None = None,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``decode_attention(q, gather_pages(k_pages, page_table), gather_pages(v_pages,
     page_table), lengths)`` without gathering: row ``b``'s queries are the last

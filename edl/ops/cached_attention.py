@@ -285,12 +285,18 @@ class _Options:
     scale: float | None
 
 
+def _dtyped(q, k, v) -> tuple:
+    """The operands whose dtypes a kernel checks: all three, or only ``q`` for quantized
+    pages (the kernels dequantize the codes to ``q``'s dtype)."""
+    return (q,) if isinstance(k, QuantizedPages) else (q, k, v)
+
+
 def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
-    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
+    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, *_dtyped(q, k, v))
 
 
 def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
-    return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
+    return dtype_reason("the TPU kernel", tpu.DTYPES, *_dtyped(q, k, v))
 
 
 # -- contiguous caches --------------------------------------------------------------------------
@@ -346,7 +352,7 @@ def _native_unsupported(options: _Options, q, k_pages, v_pages, *rest) -> str | 
     if rest[-1] is not None:
         return "the native CPU kernel has no attention sinks"
     return native.unavailable() or dtype_reason(
-        "the native CPU kernel", native.DTYPES, q, k_pages, v_pages
+        "the native CPU kernel", native.DTYPES, *_dtyped(q, k_pages, v_pages)
     )
 
 
@@ -425,23 +431,10 @@ def _codes_and_scales(k_pages, v_pages) -> tuple[tuple, dict]:
     }
 
 
-def _any_pages(unsupported):
-    """``unsupported`` of a paged kernel, for float or quantized pages: the kernels
-    dequantize codes to ``q``'s dtype, so quantized pools are checked as pools of ``q``'s
-    dtype and their shape."""
-
-    def check(options: _Options, q, k_pages, v_pages, *rest) -> str | None:
-        if isinstance(k_pages, QuantizedPages):
-            k_pages = v_pages = jax.ShapeDtypeStruct(k_pages.shape, q.dtype)
-        return unsupported(options, q, k_pages, v_pages, *rest)
-
-    return check
-
-
 _TRITON_PAGED = Kernel(
     "pallas",
     _paged(paged_decode_attention, interpret=False),
-    _any_pages(_triton_paged_unsupported),
+    _triton_paged_unsupported,
 )
 # Per platform the kernels of ``paged_attention`` (edl.ops.dispatch).
 PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
@@ -449,14 +442,14 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel(
             "native",
             _native_paged,
-            _any_pages(_native_unsupported),
+            _native_unsupported,
             preferred=_few_tokens,
             quiet=lambda: native.turned_off(),
         ),
         Kernel(
             "pallas",
             _paged(paged_decode_attention, interpret=True),
-            _any_pages(_pallas_dtypes),
+            _pallas_dtypes,
             preferred=never,
         ),
     ),
@@ -466,7 +459,7 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel(
             "pallas",
             _paged(tpu.paged_decode_attention),
-            _any_pages(_tpu_dtypes),
+            _tpu_dtypes,
         ),
     ),
 }

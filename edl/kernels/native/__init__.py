@@ -91,8 +91,8 @@ def paged_attention_cpu(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
-    k_scales: Float[Array, "layers num_pages page_size kv_heads 1"] | None = None,
-    v_scales: Float[Array, "layers num_pages page_size kv_heads 1"] | None = None,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``edl.ops.paged_attention``'s maths (``cache_mask`` + ``masked_attention`` over each
     row's gathered pages) with the pools read in place at ``layer``: row ``b``'s query ``i``

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from edl.kernels._common import cdiv
 from edl.kernels.tpu._decode_common import (
@@ -169,8 +169,8 @@ def _paged_call(
 
 def paged_decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    k_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],  # _: checked here, naming the problem
     lengths: Int[Array, " _batch"],
     *,
@@ -181,8 +181,8 @@ def paged_decode_attention(
     pages_per_block: int | None = None,
     sinks: Float[Array, " heads"] | None = None,
     interpret: bool | pltpu.InterpretParams = False,
-    k_scales: Float[Array, "*layers num_pages page_size kv_heads 1"] | None = None,
-    v_scales: Float[Array, "*layers num_pages page_size kv_heads 1"] | None = None,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``decode_attention`` over a paged cache, on TPU, pages read in place.
 
