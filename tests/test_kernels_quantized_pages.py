@@ -227,3 +227,61 @@ def test_quantized_paged_decode_lowers_to_the_pallas_kernel(platform, marker, fm
     code = "i8" if fmt == "int8" else "f8E4M3FN"
     assert f"2x64x16x2x128x{code}" in text
     assert "2x64x16x2x128xbf16" not in text  # the pool is never dequantized as a whole
+
+
+def _llama(impl: str):
+    """conftest's tiny Llama (same weights) with ``attention_impl=impl``."""
+    from conftest import TINY_LLAMA
+
+    from edl.models import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**TINY_LLAMA).replace(attention_impl=impl)
+    return LlamaForCausalLM.init(config, key=jax.random.key(0))
+
+
+@pytest.mark.slow  # about 25 s: two generate loops compile
+@pytest.mark.skipif(NO_NATIVE is not None, reason=f"native kernel: {NO_NATIVE}")
+def test_generate_on_an_int8_cache_with_auto_equals_xla(monkeypatch):
+    """Greedy ``generate`` on an int8 paged cache: "auto" (decode steps through the native
+    kernel's quantized entry, seen being traced) gives "xla"'s tokens and, within float32
+    rounding, its log-probs."""
+    from edl.generate import generate
+
+    quantized_reads = []
+    kernel = native.paged_attention_cpu
+
+    def spy(*args, **kwargs):
+        quantized_reads.append(kwargs.get("k_scales") is not None)
+        return kernel(*args, **kwargs)
+
+    ids = np.random.default_rng(0).integers(0, 64, (2, 7))
+    options = dict(max_new_tokens=6, page_size=4, kv_cache_dtype="int8", logprobs=0)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "paged_attention_cpu", spy)
+        auto = generate(_llama("auto"), ids, **options)
+    assert any(quantized_reads)
+    xla = generate(_llama("xla"), ids, **options)
+    np.testing.assert_array_equal(np.asarray(auto.sequences), np.asarray(xla.sequences))
+    np.testing.assert_allclose(np.asarray(auto.logprobs), np.asarray(xla.logprobs), atol=1e-5)
+
+
+@pytest.mark.slow  # about 15 s: two engines' step shapes compile
+@pytest.mark.skipif(NO_NATIVE is not None, reason=f"native kernel: {NO_NATIVE}")
+def test_engine_on_an_int8_cache_with_auto_equals_xla():
+    from edl.serve import Engine, SamplingParams
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (9, 3, 14)]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0)
+    outputs = []
+    for impl in ("auto", "xla"):
+        engine = Engine(
+            _llama(impl), max_batch=4, max_model_len=32, page_size=8, kv_cache_dtype="int8"
+        )
+        rids = [engine.add_request(p, greedy) for p in prompts]
+        got = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        outputs.append([got[r] for r in rids])
+    assert outputs[0] == outputs[1] and all(len(o) == 5 for o in outputs[0])
