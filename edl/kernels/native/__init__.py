@@ -8,7 +8,9 @@ loop of small XLA ops), and XLA alone cannot do what these two need:
   first gathering them into a contiguous copy (it fuses no gather into a dot). In a 16-row
   serving decode step that copy made attention half the step (``benchmarks/RESULTS.md``,
   "serve: where a 16-row decode step's time goes"). ``paged_attention.cc`` walks each row's
-  page table and reads keys and values where they lie.
+  page table and reads keys and values where they lie; quantized pages (an int8 / fp8 KV
+  cache, ``edl.ops.kv_quant``) through a second entry that dequantizes each position it
+  reads.
 - **Blocked attention for training** (``flash_attention.cc``). XLA materialises each head's
   ``(q_len, kv_len)`` logits and probabilities in memory several times over the forward and
   backward passes, and the interpreted Pallas kernel pays for its loop; in a small Llama's
