@@ -285,3 +285,25 @@ def test_engine_on_an_int8_cache_with_auto_equals_xla():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
         outputs.append([got[r] for r in rids])
     assert outputs[0] == outputs[1] and all(len(o) == 5 for o in outputs[0])
+
+
+@pytest.mark.skipif(NO_NATIVE is not None, reason=f"native kernel: {NO_NATIVE}")
+@pytest.mark.parametrize("storage", [jnp.int8, jnp.float8_e4m3fn])
+def test_native_kernel_decodes_every_code_exactly(storage):
+    """Every int8 / fp8 e4m3fn code (fp8 subnormals included; NaN codes aside) as the value
+    row of a row's one key, with scale 1: the output is the codes as float32, exactly (the
+    C++ conversion, not XLA's, decodes them)."""
+    bits = np.arange(256, dtype=np.uint8)
+    # int8 -128 is never written (codes are clipped to +-127); fp8 S.1111.111 is NaN.
+    skip = bits == 128 if storage == jnp.int8 else (bits & 0x7F) == 0x7F
+    bits = bits[~skip]
+    codes = jnp.asarray(bits.view(np.dtype(storage)))
+    d = codes.shape[0]
+    v = codes.reshape(1, 1, 1, 1, d)
+    ones = jnp.ones((1, 1, 1, 1, 1), jnp.float32)
+    q = jnp.zeros((1, 1, 1, d), jnp.float32)
+    table, lengths = jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32)
+    out = native.paged_attention_cpu(
+        q, jnp.zeros_like(v), v, table, lengths, 0, scale=1.0, k_scales=ones, v_scales=ones
+    )
+    np.testing.assert_array_equal(np.asarray(out).ravel(), np.asarray(codes, np.float32))
