@@ -1,6 +1,7 @@
 """Decode speed on CPU with the KV cache's pages stored as float32, int8 or fp8_e4m3, read by
-the native paged kernel (``edl.kernels.native``; ``"auto"`` on CPU), and int8 through XLA's
-dequantizing gather (``"xla"``, what ``"auto"`` ran before the kernels read quantized pages).
+the native paged kernel (``edl.kernels.native``; ``"auto"`` on CPU), and int8 / fp8 through
+XLA's dequantizing gather (``"xla"``, what ``"auto"`` ran before the kernels read quantized
+pages).
 
 A random byte-level Llama (``benchmarks._common.byte_llama_config``: ``--hidden`` wide,
 ``--layers`` layers, 64-wide heads) continues ``--batch`` prompts of ``--prompt`` tokens
@@ -30,6 +31,7 @@ VARIANTS = {  # name: (kv_cache_dtype, attention_impl)
     "int8 / native": ("int8", "auto"),
     "fp8_e4m3 / native": ("fp8_e4m3", "auto"),
     "int8 / xla": ("int8", "xla"),
+    "fp8_e4m3 / xla": ("fp8_e4m3", "xla"),
 }
 
 
