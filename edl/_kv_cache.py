@@ -23,7 +23,7 @@ class KVCacheOptions:
     kv_cache_dtype: str = option(
         "auto",
         "how the KV cache stores keys / values: auto (the compute dtype), int8 or fp8_e4m3 "
-        "(quantized pages, about half of bfloat16's bytes; attention through XLA)",
+        "(quantized pages, about half of bfloat16's bytes; the paged kernels read them)",
         registry=Registered("edl.ops.kv_quant:KV_CACHE_DTYPES"),
     )
 

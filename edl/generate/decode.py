@@ -408,7 +408,7 @@ def generate(
         kv_cache_dtype: how the KV cache stores keys / values (``edl.ops.kv_quant.
             KV_CACHE_DTYPES``): ``"auto"`` (the model's dtype), ``"int8"`` or
             ``"fp8_e4m3"`` (one float32 scale per token and KV head; about half of bfloat16's
-            bytes). Quantized: the paged cache only (``page_size``), attention through XLA;
+            bytes). Quantized: the paged cache only (``page_size``), read by the paged kernels;
             refused for DeepSeek-V3's latent cache and Qwen3-Next.
         unstack_layers: after the prefill (which stays scanned), slice the layer stacks
             into separate layers once (``model.unstacked()``) and run the decode loop

@@ -24,6 +24,15 @@ ones are clamped to the last used one (and page ids to the pool) before any read
 they would add lie at or past the length and are masked, and their values are zeroed, so
 stale or NaN data in a page's unused tail cannot leak into the output.
 
+Quantized pools (``edl.ops.kv_quant``, an int8 / fp8 KV cache): the pools hold int8 or
+float8_e4m3fn codes and ``k_scales`` / ``v_scales`` ``(*layers, num_pages, page_size,
+kv_heads, 1)`` one float32 scale per token and kv head. The kernel loads a page's codes and
+its scales (SRAM on GPU) and dequantizes the block there, ``codes * scale`` in float32 then
+rounded to ``q``'s dtype, before the dot (keys) and the value sum (values): the same values
+``edl.ops.paged_attention``'s ``"xla"`` form gathers, with only the 1-byte codes (plus 4 bytes
+per ``head_dim``) moved from memory. A scale cannot be folded into the logits for values, so
+keys and values are dequantized alike.
+
 Interpret mode: Pallas' interpreter slices every input's block out of the full array on
 every grid step; giving the pool as one full-size block makes that slice the identity, so
 the grid runs with no per-step copy of the pool (the kernel indexes the kv head itself).
@@ -73,11 +82,11 @@ class _PagedPlan:
     pages_per_seq: int
     pages_per_block: int
     blocks_per_split: int
+    quantized: bool = False  # scale pools follow the K / V pools
 
 
-def _paged_kernel(
-    len_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: _PagedPlan
-):
+def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, *refs, plan: _PagedPlan):
+    ks_ref, vs_ref, o_ref, lse_ref = refs if plan.quantized else (None, None, *refs)
     length, layer = len_ref[()], layer_ref[()]
     head, split = pl.program_id(1), pl.program_id(2)
     page_size, per_block = plan.page_size, plan.pages_per_block
@@ -99,19 +108,23 @@ def _paged_kernel(
         jax.lax.div(used_pages + per_block - 1, jnp.int32(per_block)),
     )
 
-    def load(ref, j):
+    def load(ref, scale_ref, j):
         tiles = []
         for i in range(per_block):
             entry = jnp.minimum(j * per_block + i, used_pages - 1)  # never an unused entry
             page = jnp.clip(table_ref[entry], 0, plan.num_pages - 1)
-            tiles.append(ref[layer, page, :, head, :])
+            tile = ref[layer, page, :, head, :]
+            if scale_ref is not None:  # codes dequantized on chip (module docstring)
+                scales = scale_ref[layer, page, :, head]
+                tile = (tile.astype(jnp.float32) * scales[:, None]).astype(q.dtype)
+            tiles.append(tile)
         return tiles[0] if per_block == 1 else jnp.concatenate(tiles)
 
     def body(j, carry):
         k_pos = j * block_k + jnp.arange(block_k)
-        s, _ = scores(q, load(k_ref, j), scale=plan.scale, softcap=plan.softcap)
+        s, _ = scores(q, load(k_ref, ks_ref, j), scale=plan.scale, softcap=plan.softcap)
         mask = visible(q_pos, k_pos, causal=True, window=plan.window, kv_len=length)
-        v = jnp.where((k_pos < length)[:, None], load(v_ref, j), 0)  # a page's unused tail
+        v = jnp.where((k_pos < length)[:, None], load(v_ref, vs_ref, j), 0)  # unused tail
         return online_softmax_step(carry, jnp.where(mask, s * LOG2E, -jnp.inf), v)
 
     carry = jax.lax.fori_loop(lo, hi, body, online_softmax_init(rows, q.shape[1]))
@@ -120,10 +133,11 @@ def _paged_kernel(
 
 
 def _paged_call(
-    lengths, table, layer, q_rows, k_pages, v_pages, *, plan, num_splits, params, interpret
+    lengths, table, layer, q_rows, k_pages, v_pages, scales, *, plan, num_splits, params, interpret
 ):
     batch, kv_heads, rows, dim = q_rows.shape
     pool = pl.BlockSpec(k_pages.shape, lambda b, h, s: (0,) * 5)  # every layer's pool, whole
+    scale_specs = [pl.BlockSpec(x.shape, lambda b, h, s: (0,) * 4) for x in scales]
     return pl.pallas_call(
         functools.partial(_paged_kernel, plan=plan),
         grid=(batch, kv_heads, num_splits),
@@ -134,6 +148,7 @@ def _paged_call(
             pl.BlockSpec((None, None, rows, dim), lambda b, h, s: (b, h, 0, 0)),
             pool,
             pool,
+            *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, dim), lambda b, h, s: (b, h, s, 0, 0)),
@@ -146,12 +161,12 @@ def _paged_call(
         compiler_params=params,
         interpret=interpret,
         name="edl_paged_decode_attention",
-    )(lengths, table, layer, q_rows, k_pages, v_pages)
+    )(lengths, table, layer, q_rows, k_pages, v_pages, *scales)
 
 
-def _check(q, k_pages, v_pages, page_table, lengths) -> None:
-    """The shapes and dtypes ``paged_decode_attention`` takes (pools stacked over layers),
-    each problem named."""
+def _check(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales) -> None:
+    """The shapes and dtypes ``paged_decode_attention`` takes (pools stacked over layers;
+    quantized pools with their scales), each problem named."""
 
     def fail(what, expected, actual, error=ValueError):
         raise error(f"paged_decode_attention: {what} must be {expected}, got {actual}")
@@ -163,7 +178,11 @@ def _check(q, k_pages, v_pages, page_table, lengths) -> None:
         fail("v_pages", f"the shape of k_pages {k_pages.shape}", v_pages.shape)
     if heads % k_pages.shape[3]:
         fail("q's heads", f"a multiple of the {k_pages.shape[3]} kv heads", heads)
-    if not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in KERNEL_DTYPES:
+    if (k_scales is None) != (v_scales is None):
+        fail("k_scales/v_scales", "both given or neither", "one")
+    if k_scales is not None:
+        _check_quantized(q, k_pages, v_pages, k_scales, v_scales, fail)
+    elif not (q.dtype == k_pages.dtype == v_pages.dtype) or q.dtype not in KERNEL_DTYPES:
         dtypes = f"{q.dtype}/{k_pages.dtype}/{v_pages.dtype}"
         fail("q/k_pages/v_pages", "one shared float32/bfloat16/float16", dtypes, TypeError)
     if page_table.ndim != 2 or page_table.shape[0] != batch:
@@ -175,10 +194,27 @@ def _check(q, k_pages, v_pages, page_table, lengths) -> None:
             fail(name, "integers", arr.dtype, TypeError)
 
 
+CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # quantized pools' codes
+
+
+def _check_quantized(q, k_pages, v_pages, k_scales, v_scales, fail) -> None:
+    """Quantized pools: codes of one of :data:`CODE_DTYPES`, float32 scales of the pools'
+    shape with a last dim of 1, ``q`` in one of the kernel's float dtypes."""
+    if q.dtype not in KERNEL_DTYPES:
+        fail("q", "float32/bfloat16/float16", q.dtype, TypeError)
+    if k_pages.dtype not in CODE_DTYPES or v_pages.dtype != k_pages.dtype:
+        codes = f"{k_pages.dtype}/{v_pages.dtype}"
+        fail("quantized k_pages/v_pages", "int8 or float8_e4m3fn codes, alike", codes, TypeError)
+    want = (*k_pages.shape[:-1], 1)
+    for name, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x.shape != want or x.dtype != jnp.float32:
+            fail(name, f"float32{want}", f"{x.dtype}{x.shape}")
+
+
 def paged_decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    k_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],  # _: edl checks it and names the problem
     lengths: Int[Array, " _batch"],
     *,
@@ -191,6 +227,8 @@ def paged_decode_attention(
     num_warps: int | None = 4,
     num_stages: int | None = 2,
     interpret: bool | None = None,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``decode_attention(q, gather_pages(k_pages, page_table), gather_pages(v_pages,
     page_table), lengths)`` without gathering: row ``b``'s queries are the last
@@ -205,10 +243,16 @@ def paged_decode_attention(
             pools.
         window, softcap, scale, sinks, num_splits, num_warps, num_stages, interpret: as in
             ``decode_attention``.
+        k_scales, v_scales: quantized pools' float32 scales (module docstring), with
+            ``k_pages`` / ``v_pages`` then int8 or float8_e4m3fn codes; None: float pools.
     """
     if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
-    _check(q, k_pages, v_pages, page_table, lengths)
+        if k_scales is not None and v_scales is not None:
+            k_scales, v_scales = k_scales[None], v_scales[None]
+    _check(q, k_pages, v_pages, page_table, lengths, k_scales, v_scales)
+    # The kernel reads (layers, num_pages, page_size, kv_heads) scales: one value per row.
+    scales = () if k_scales is None else tuple(x[..., 0] for x in (k_scales, v_scales))
     kernel = functools.partial(
         _paged,
         window=window,
@@ -218,7 +262,8 @@ def paged_decode_attention(
         params=compiler_params(num_warps, num_stages),
     )
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return by_interpret(kernel, interpret, q, k_pages, v_pages, page_table, lengths, layer, sinks)
+    args = (q, k_pages, v_pages, page_table, lengths, layer, sinks, scales)
+    return by_interpret(kernel, interpret, *args)
 
 
 def _paged(
@@ -229,6 +274,7 @@ def _paged(
     lengths,
     layer,
     sinks,
+    scales,
     *,
     window,
     softcap,
@@ -260,6 +306,7 @@ def _paged(
         pages_per_seq=pages_per_seq,
         pages_per_block=per_block,
         blocks_per_split=cdiv(num_blocks, num_splits),
+        quantized=bool(scales),
     )
     q_rows = query_rows(q, kv_heads, interpret)  # (batch, kv_heads, new * group, d)
     dim = q_rows.shape[3]  # GPU: head_dim padded to a power of two (copies the pool if so)
@@ -270,6 +317,7 @@ def _paged(
         q_rows,
         pad_axis(k_pages, 4, dim),
         pad_axis(v_pages, 4, dim),
+        scales,
         plan=plan,
         num_splits=num_splits,
         params=params,

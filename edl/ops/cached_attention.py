@@ -29,9 +29,10 @@ has none (``"auto"`` uses ``"xla"`` there, warning why when it preferred it). ``
 ``"reference"``: ``masked_attention`` with the sinks.
 
 Quantized pages (``edl.ops.kv_quant.QuantizedPages``: an int8 / fp8 KV cache): ``"xla"`` /
-``"reference"`` dequantize the pages they gather, in the queries' dtype. No kernel reads them
-yet (dequantizing inside the Pallas and native kernels is a follow-up), so ``"auto"`` uses
-``"xla"`` for them on every platform, warning why when it preferred a kernel.
+``"reference"`` dequantize the pages they gather, in the queries' dtype. The paged kernels
+(Pallas on GPU / TPU / interpreted, native on CPU) read the codes and their scales where they
+lie and dequantize each block or position after loading it, so ``"auto"`` picks the same
+kernel for quantized pages as for float ones.
 
 Caches stacked over layers (``(layers, batch, cache_len, ...)``, as ``edl.generate`` keeps
 them) are read at ``layer=``. Lowered for CPU, ``"xla"`` then reads only the live prefix of
@@ -187,7 +188,8 @@ def paged_attention(
     length, unless ``live_prefix=False``: every page of the table, for a caller that trimmed
     the table to what is live). The kernels read the pages where they lie (and the pools at
     ``layer`` without copying that layer's pool out). ``QuantizedPages`` (an int8 / fp8
-    cache): ``"xla"`` / ``"reference"`` only, dequantized to ``q``'s dtype as gathered.
+    cache): ``"xla"`` / ``"reference"`` dequantize them to ``q``'s dtype as gathered; the
+    kernels read codes and scales in place (module docstring).
     """
     _check_layer("paged_attention", k_pages, layer)
     impl = _checked_impl("paged_attention", impl, PAGED_IMPLS)
@@ -283,12 +285,18 @@ class _Options:
     scale: float | None
 
 
+def _dtyped(q, k, v) -> tuple:
+    """The operands whose dtypes a kernel checks: all three, or only ``q`` for quantized
+    pages (the kernels dequantize the codes to ``q``'s dtype)."""
+    return (q,) if isinstance(k, QuantizedPages) else (q, k, v)
+
+
 def _pallas_dtypes(options: _Options, q, k, v, *_) -> str | None:
-    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, q, k, v)
+    return dtype_reason("the Pallas kernel", KERNEL_DTYPES, *_dtyped(q, k, v))
 
 
 def _tpu_dtypes(options: _Options, q, k, v, *_) -> str | None:
-    return dtype_reason("the TPU kernel", tpu.DTYPES, q, k, v)
+    return dtype_reason("the TPU kernel", tpu.DTYPES, *_dtyped(q, k, v))
 
 
 # -- contiguous caches --------------------------------------------------------------------------
@@ -321,8 +329,10 @@ _TRITON_DECODE = Kernel(
 
 
 def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
+    (k_pages, v_pages), scales = _codes_and_scales(k_pages, v_pages)
     if layer is None:  # one layer's pools: a leading axis of one (a free reshape)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        scales = {name: x[None] for name, x in scales.items()}
     scale = q.shape[-1] ** -0.5 if options.scale is None else options.scale
     return native.paged_attention_cpu(
         q,
@@ -334,6 +344,7 @@ def _native_paged(options: _Options, q, k_pages, v_pages, page_table, lengths, l
         scale=scale,
         window=options.window,
         softcap=options.softcap,
+        **scales,
     )
 
 
@@ -341,7 +352,7 @@ def _native_unsupported(options: _Options, q, k_pages, v_pages, *rest) -> str | 
     if rest[-1] is not None:
         return "the native CPU kernel has no attention sinks"
     return native.unavailable() or dtype_reason(
-        "the native CPU kernel", native.DTYPES, q, k_pages, v_pages
+        "the native CPU kernel", native.DTYPES, *_dtyped(q, k_pages, v_pages)
     )
 
 
@@ -382,7 +393,9 @@ DECODE_KERNELS: dict[str, tuple[Kernel, ...]] = {
 
 def _paged(kernel, **kernel_options):
     def call(options: _Options, q, k_pages, v_pages, page_table, lengths, layer, sinks):
-        extra = {} if sinks is None else {"sinks": sinks}
+        (k_pages, v_pages), extra = _codes_and_scales(k_pages, v_pages)
+        if sinks is not None:
+            extra["sinks"] = sinks
         return kernel(
             q,
             k_pages,
@@ -407,21 +420,21 @@ def _triton_paged_unsupported(options: _Options, q, k_pages, v_pages, *_) -> str
     return _pallas_dtypes(options, q, k_pages, v_pages)
 
 
-def _float_pages(name: str, unsupported):
-    """``unsupported`` of a paged kernel that reads no quantized pages, refusing them first."""
-
-    def check(options: _Options, q, k_pages, v_pages, *rest) -> str | None:
-        if isinstance(k_pages, QuantizedPages):
-            return f"{name} does not read quantized pages ({k_pages.format} KV cache)"
-        return unsupported(options, q, k_pages, v_pages, *rest)
-
-    return check
+def _codes_and_scales(k_pages, v_pages) -> tuple[tuple, dict]:
+    """``((k, v), scales)``: float pools and no scales, or a quantized pool's codes and its
+    ``k_scales`` / ``v_scales`` keywords (what every paged kernel takes)."""
+    if not isinstance(k_pages, QuantizedPages):
+        return (k_pages, v_pages), {}
+    return (k_pages.values, v_pages.values), {
+        "k_scales": k_pages.scales,
+        "v_scales": v_pages.scales,
+    }
 
 
 _TRITON_PAGED = Kernel(
     "pallas",
     _paged(paged_decode_attention, interpret=False),
-    _float_pages("the GPU kernel", _triton_paged_unsupported),
+    _triton_paged_unsupported,
 )
 # Per platform the kernels of ``paged_attention`` (edl.ops.dispatch).
 PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
@@ -429,14 +442,14 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel(
             "native",
             _native_paged,
-            _float_pages("the native CPU kernel", _native_unsupported),
+            _native_unsupported,
             preferred=_few_tokens,
             quiet=lambda: native.turned_off(),
         ),
         Kernel(
             "pallas",
             _paged(paged_decode_attention, interpret=True),
-            _float_pages("the Pallas kernel", _pallas_dtypes),
+            _pallas_dtypes,
             preferred=never,
         ),
     ),
@@ -446,7 +459,7 @@ PAGED_KERNELS: dict[str, tuple[Kernel, ...]] = {
         Kernel(
             "pallas",
             _paged(tpu.paged_decode_attention),
-            _float_pages("the TPU kernel", _tpu_dtypes),
+            _tpu_dtypes,
         ),
     ),
 }

@@ -15,7 +15,9 @@ float32's 4. ``float8_e4m3fn`` is a storage type here: the codes are widened to 
 before use, so it runs wherever XLA converts it (CPU included).
 
 Pools of quantized pages are :class:`QuantizedPages` (codes and scales side by side, a
-pytree); ``edl.ops.cached_attention.paged_attention`` dequantizes the pages it reads.
+pytree); ``edl.ops.cached_attention.paged_attention`` reads them: its kernels (native CPU,
+Pallas GPU / TPU) take the codes and scales and dequantize each position or page on chip,
+``"xla"`` / ``"reference"`` dequantize the pages they gather.
 """
 
 from __future__ import annotations

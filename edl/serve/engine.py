@@ -205,7 +205,7 @@ class Engine:
             with the target's vocabulary).
         kv_cache_dtype: the pages' storage (``edl.ops.kv_quant.KV_CACHE_DTYPES``):
             ``"auto"`` (the model's dtype), ``"int8"`` or ``"fp8_e4m3"`` (quantized, one
-            float32 scale per token and KV head; attention reads them through XLA). Refused
+            float32 scale per token and KV head; the paged kernels read them). Refused
             for models with their own cache layout (DeepSeek-V3's latents, Qwen3-Next).
         unstack_layers: cut the layer stacks apart once (module docstring; a copy of the
             layer weights). False: run the caller's own arrays, stacked (no copy; each call

@@ -8,7 +8,9 @@ loop of small XLA ops), and XLA alone cannot do what these two need:
   first gathering them into a contiguous copy (it fuses no gather into a dot). In a 16-row
   serving decode step that copy made attention half the step (``benchmarks/RESULTS.md``,
   "serve: where a 16-row decode step's time goes"). ``paged_attention.cc`` walks each row's
-  page table and reads keys and values where they lie.
+  page table and reads keys and values where they lie; quantized pages (an int8 / fp8 KV
+  cache, ``edl.ops.kv_quant``) through a second entry that dequantizes each position it
+  reads.
 - **Blocked attention for training** (``flash_attention.cc``). XLA materialises each head's
   ``(q_len, kv_len)`` logits and probabilities in memory several times over the forward and
   backward passes, and the interpreted Pallas kernel pays for its loop; in a small Llama's
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from edl.kernels.native._build import build_library, turned_off, unavailable
 from edl.kernels.native._cache import UnsafeCacheError
@@ -53,6 +55,7 @@ from edl.kernels.native._cache import UnsafeCacheError
 __all__ = [
     "ATTENTION_LSE",
     "ATTENTION_OUT",
+    "CODE_DTYPES",
     "DTYPES",
     "UnsafeCacheError",
     "build_library",
@@ -63,6 +66,7 @@ __all__ = [
 ]
 
 DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16))  # what the kernel takes
+CODE_DTYPES = (np.dtype(jnp.int8), np.dtype(jnp.float8_e4m3fn))  # quantized pools' codes
 
 
 def _check_operands(what: str, *arrays: Array) -> None:
@@ -80,8 +84,8 @@ def _check_operands(what: str, *arrays: Array) -> None:
 
 def paged_attention_cpu(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "layers num_pages page_size kv_heads head_dim"],
+    k_pages: Shaped[Array, "layers num_pages page_size kv_heads head_dim"],
+    v_pages: Shaped[Array, "layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "batch pages_per_seq"],
     lengths: Int[Array, " batch"],
     layer: Int[Array, ""] | int,
@@ -89,26 +93,53 @@ def paged_attention_cpu(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``edl.ops.paged_attention``'s maths (``cache_mask`` + ``masked_attention`` over each
     row's gathered pages) with the pools read in place at ``layer``: row ``b``'s query ``i``
     sits at position ``lengths[b] - new_tokens + i``. float32 or bfloat16, the same for ``q``
     and the pools. CPU only; call :func:`unavailable` first. Meant for a few new tokens per
     row (decode steps): its inner loops are scalar code over one key at a time, so long
-    prompt chunks are faster through XLA's GEMMs. Not differentiable."""
-    _check_operands("paged_attention_cpu: q and pools", q, k_pages, v_pages)
-    call = jax.ffi.ffi_call("edl_paged_attention", jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(
-        q,
-        k_pages,
-        v_pages,
-        page_table.astype(jnp.int32),
-        lengths.astype(jnp.int32),
-        jnp.asarray(layer, jnp.int32),
-        scale=np.float32(scale),
-        softcap=np.float32(softcap or 0.0),
-        window=np.int64(window or 0),
+    prompt chunks are faster through XLA's GEMMs. Not differentiable.
+
+    Quantized pools (``edl.ops.kv_quant``, an int8 / fp8 cache): ``k_pages`` / ``v_pages``
+    hold int8 or float8_e4m3fn codes and ``k_scales`` / ``v_scales`` their float32 scales,
+    one per token and kv head; the kernel dequantizes each position it reads
+    (``code * scale`` in float32, before the dot and the value sum), never the pool."""
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError("paged_attention_cpu: pass both k_scales and v_scales or neither")
+    ints = (page_table.astype(jnp.int32), lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
+    attrs = dict(
+        scale=np.float32(scale), softcap=np.float32(softcap or 0.0), window=np.int64(window or 0)
     )
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if k_scales is None:
+        _check_operands("paged_attention_cpu: q and pools", q, k_pages, v_pages)
+        return jax.ffi.ffi_call("edl_paged_attention", out)(q, k_pages, v_pages, *ints, **attrs)
+    _check_operands("paged_attention_cpu: q", q)
+    _check_quantized(k_pages, v_pages, k_scales, v_scales)
+    call = jax.ffi.ffi_call("edl_paged_attention_quantized", out)
+    scales = (k_scales.astype(jnp.float32), v_scales.astype(jnp.float32))
+    return call(q, k_pages, v_pages, *scales, *ints, **attrs)
+
+
+def _check_quantized(k_pages, v_pages, k_scales, v_scales) -> None:
+    """Codes of one :data:`CODE_DTYPES` dtype and scales of the pools' shape with a last
+    dim of 1 (``ValueError`` naming the dtypes or shapes)."""
+    codes = [np.dtype(x.dtype) for x in (k_pages, v_pages)]
+    if codes[0] not in CODE_DTYPES or codes[1] != codes[0]:
+        raise ValueError(
+            f"paged_attention_cpu: quantized pools must share int8 or float8_e4m3fn codes, "
+            f"got {codes[0]}, {codes[1]}"
+        )
+    want = (*k_pages.shape[:-1], 1)
+    for name, x in (("v_pages", v_pages), ("k_scales", k_scales), ("v_scales", v_scales)):
+        expected = k_pages.shape if name == "v_pages" else want
+        if tuple(x.shape) != tuple(expected):
+            raise ValueError(
+                f"paged_attention_cpu: {name} must have shape {expected}, got {x.shape}"
+            )
 
 
 ATTENTION_OUT = "edl_attention_out"  # checkpoint names of the kernel's forward results

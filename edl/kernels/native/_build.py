@@ -28,6 +28,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fP
 # XLA custom-call target name -> the library's handler symbol.
 TARGETS = {
     "edl_paged_attention": "EdlPagedAttention",
+    "edl_paged_attention_quantized": "EdlPagedAttentionQuantized",
     "edl_flash_attention_forward": "EdlFlashAttentionForward",
     "edl_flash_attention_backward": "EdlFlashAttentionBackward",
 }

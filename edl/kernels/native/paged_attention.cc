@@ -11,6 +11,13 @@
 // Attributes: scale (f32), softcap (f32, 0: none), window (s64, 0: none).
 // Result:     (batch, new_tokens, heads, head_dim), q's dtype.
 //
+// EdlPagedAttentionQuantized reads quantized pools (edl.ops.kv_quant: an int8 / fp8 KV
+// cache) instead: k_pages / v_pages hold codes (s8 or f8e4m3fn) and two more operands follow
+// them, k_scales / v_scales (layers, num_pages, page_size, kv_heads, 1) f32, one scale per
+// token and kv head. A position's codes are dequantized (code * scale, float32) into a
+// per-thread buffer of one position's kv heads as the kernel reads it, never a copy of the
+// pool; the float kernel's loops are the same code (templated on the pool's reader).
+//
 // Semantics are edl.ops.cached_attention.cache_mask + masked_attention over each row's
 // gathered pages: row b's query i sits at position q = lengths[b] - new_tokens + i and sees
 // key positions p with p <= q, p < lengths[b], p < pages_per_seq * page_size and, with a
@@ -26,7 +33,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -35,6 +44,59 @@ namespace {
 
 using edl::Elem;
 namespace ffi = xla::ffi;
+
+inline float code_value(int8_t c) { return static_cast<float>(c); }
+
+// fp8 e4m3fn bits -> float32: 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN. Integer arithmetic without branches or selects, so the
+// dequantizing loop vectorizes (a table lookup, or ternaries that compiled to branches, ran
+// 10-60x slower), and no float32 subnormal is formed (XLA's threads may flush them).
+inline float code_value(uint8_t c) {
+  const uint32_t b = c, exponent = (b >> 3) & 15u, mantissa = b & 7u;
+  const uint32_t normal = (exponent + 15u) >> 4;  // 1 unless the exponent field is 0
+  // (8 + m) * 2^(e - 10) for a normal code, m * 2^-9 = m * 2^(1 - 10) for a subnormal one.
+  const float digits = static_cast<float>(static_cast<int32_t>(mantissa + 8u * normal));
+  const uint32_t power_bits = (exponent + (1u - normal) + 117u) << 23;
+  float power;
+  std::memcpy(&power, &power_bits, sizeof power);
+  const float magnitude = digits * power;
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof bits);
+  const uint32_t nan = ((b & 127u) + 1u) >> 7;  // 1 for S.1111.111
+  bits |= ((b & 128u) << 24) | (nan * 0x7fc00000u);
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// Readers of one position's (kv heads [j0, j1)) n contiguous elements at element `offset`
+// of a pool, as float32. A float32 pool hands out its own memory; bf16 converts into
+// `buffer`.
+template <typename T>
+struct PlainPool {
+  const T* data;
+  const float* row(int64_t offset, int64_t n, int64_t, float* buffer) const {
+    return Elem<T>::row(data + offset, n, buffer);
+  }
+};
+
+// Codes C (int8_t, or uint8_t holding fp8 e4m3fn bits) with one float32 scale per head_dim
+// elements: element `offset` (a multiple of head_dim) has its scale at offset / head_dim.
+template <typename C>
+struct QuantizedPool {
+  const C* codes;
+  const float* scales;
+  const float* row(int64_t offset, int64_t n, int64_t d, float* buffer) const {
+    const float* scale = scales + offset / d;
+    for (int64_t h = 0; h < n / d; ++h) {
+      const C* src = codes + offset + h * d;
+      float* dst = buffer + h * d;
+      const float sh = scale[h];
+      for (int64_t c = 0; c < d; ++c) dst[c] = code_value(src[c]) * sh;
+    }
+    return buffer;
+  }
+};
 
 struct Shape {
   int64_t batch, new_tokens, heads, head_dim;
@@ -47,8 +109,8 @@ struct Shape {
 // One item: row b's queries of kv heads [j0, j1) (their new_tokens * (j1 - j0) * group query
 // rows) against the row's pages. Within a page the item reads the positions' (j1 - j0) *
 // head_dim contiguous values one after another.
-template <typename T>
-void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
+template <typename T, typename Pool>
+void attend_item(const Shape& s, const T* q, const Pool& k, const Pool& v, const int32_t* table,
                  const int32_t* lengths, T* out, int64_t b, int64_t j0, int64_t j1,
                  std::vector<float>& logits, std::vector<float>& acc, std::vector<float>& qf,
                  std::vector<float>& buffer) {
@@ -88,12 +150,12 @@ void attend_item(const Shape& s, const T* q, const T* k, const T* v, const int32
   const int64_t pos_stride = s.kv_heads * d;  // between positions within a page
   const int64_t page_stride = s.page_size * pos_stride;
   const int64_t layer_offset = s.layer * s.num_pages * page_stride + j0 * d;
-  buffer.resize((j1 - j0) * d);  // a bf16 position converted to float32
-  auto position = [&](const T* pool, int64_t p) -> const float* {
+  buffer.resize((j1 - j0) * d);  // a bf16 or quantized position converted to float32
+  auto position = [&](const Pool& pool, int64_t p) -> const float* {
     int64_t page = table[b * s.pages_per_seq + p / s.page_size];
     page = std::min<int64_t>(std::max<int64_t>(page, 0), s.num_pages - 1);
-    const T* at = pool + layer_offset + page * page_stride + (p % s.page_size) * pos_stride;
-    return Elem<T>::row(at, (j1 - j0) * d, buffer.data());
+    const int64_t at = layer_offset + page * page_stride + (p % s.page_size) * pos_stride;
+    return pool.row(at, (j1 - j0) * d, d, buffer.data());
   };
 
   // Pass 1: logits.
@@ -153,8 +215,8 @@ struct Scratch {
   std::vector<float> logits, acc, qf, buffer;
 };
 
-template <typename T>
-void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* table,
+template <typename T, typename Pool>
+void run(const Shape& s, const T* q, const Pool& k, const Pool& v, const int32_t* table,
          const int32_t* lengths, T* out, ffi::ThreadPool& pool) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Whole rows (every kv head: a position's values are contiguous) where there are rows
@@ -166,9 +228,57 @@ void run(const Shape& s, const T* q, const T* k, const T* v, const int32_t* tabl
     const int64_t b = item / head_blocks, j0 = (item % head_blocks) * per_block;
     const int64_t j1 = std::min(s.kv_heads, j0 + per_block);
     if (j0 < j1)
-      attend_item<T>(s, q, k, v, table, lengths, out, b, j0, j1, w.logits, w.acc, w.qf,
-                     w.buffer);
+      attend_item<T, Pool>(s, q, k, v, table, lengths, out, b, j0, j1, w.logits, w.acc, w.qf,
+                           w.buffer);
   });
+}
+
+// The shapes both handlers take, checked (an error naming the problem, else Success).
+ffi::Error checked_shape(ffi::AnyBuffer& q, ffi::AnyBuffer& k_pages, ffi::AnyBuffer& v_pages,
+                         ffi::Buffer<ffi::S32>& page_table, ffi::Buffer<ffi::S32>& layer,
+                         float scale, float softcap, int64_t window, Shape& s) {
+  auto qd = q.dimensions();
+  auto kd = k_pages.dimensions();
+  auto td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "edl paged_attention_cpu: expected q 4-d, pools 5-d, page table 2-d");
+  s = Shape{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], 0, scale, softcap, window};
+  const int64_t layers = kd[0];
+  s.layer = layer.typed_data()[0];
+  if (s.layer < 0 || s.layer >= layers)
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: layer out of range");
+  if (kd[4] != s.head_dim || s.heads % s.kv_heads != 0 || td[0] != s.batch)
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: inconsistent shapes");
+  auto vd = v_pages.dimensions();
+  if (!std::equal(kd.begin(), kd.end(), vd.begin(), vd.end()))
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: k and v pools differ in shape");
+  return ffi::Error::Success();
+}
+
+// run<T> over q of element type `type` (f32 or bf16) with pool readers made by make(T{}).
+template <typename Make>
+ffi::Error run_typed(ffi::DataType type, const Shape& s, ffi::AnyBuffer& q,
+                     ffi::Buffer<ffi::S32>& table, ffi::Buffer<ffi::S32>& lengths,
+                     ffi::Result<ffi::AnyBuffer>& out, ffi::ThreadPool& pool, Make make) {
+  const int32_t* tab = table.typed_data();
+  const int32_t* lens = lengths.typed_data();
+  switch (type) {
+    case ffi::F32: {
+      auto [k, v] = make(float{});
+      run(s, static_cast<const float*>(q.untyped_data()), k, v, tab, lens,
+          static_cast<float*>(out->untyped_data()), pool);
+      return ffi::Error::Success();
+    }
+    case ffi::BF16: {
+      auto [k, v] = make(uint16_t{});
+      run(s, static_cast<const uint16_t*>(q.untyped_data()), k, v, tab, lens,
+          static_cast<uint16_t*>(out->untyped_data()), pool);
+      return ffi::Error::Success();
+    }
+    default:
+      return ffi::Error::InvalidArgument("edl paged_attention_cpu: q must be f32 or bf16");
+  }
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
@@ -176,38 +286,56 @@ ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBu
                               ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
                               ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
                               int64_t window) {
-  auto qd = q.dimensions();
-  auto kd = k_pages.dimensions();
-  auto td = page_table.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || td.size() != 2)
-    return ffi::Error::InvalidArgument(
-        "edl paged_attention_cpu: expected q 4-d, pools 5-d, page table 2-d");
-  Shape s{qd[0], qd[1], qd[2], qd[3], kd[1], kd[2], kd[3], td[1], 0, scale, softcap, window};
-  const int64_t layers = kd[0];
-  s.layer = layer.typed_data()[0];
-  if (s.layer < 0 || s.layer >= layers)
-    return ffi::Error::InvalidArgument("edl paged_attention_cpu: layer out of range");
-  if (kd[4] != s.head_dim || s.heads % s.kv_heads != 0 || td[0] != s.batch)
-    return ffi::Error::InvalidArgument("edl paged_attention_cpu: inconsistent shapes");
+  Shape s{};
+  if (auto e = checked_shape(q, k_pages, v_pages, page_table, layer, scale, softcap, window, s);
+      e.failure())
+    return e;
   if (q.element_type() != k_pages.element_type() || q.element_type() != v_pages.element_type())
     return ffi::Error::InvalidArgument("edl paged_attention_cpu: q and pools differ in dtype");
-  const int32_t* table = page_table.typed_data();
-  const int32_t* lens = lengths.typed_data();
-  switch (q.element_type()) {
-    case ffi::F32:
-      run<float>(s, static_cast<const float*>(q.untyped_data()),
-                 static_cast<const float*>(k_pages.untyped_data()),
-                 static_cast<const float*>(v_pages.untyped_data()), table, lens,
-                 static_cast<float*>(out->untyped_data()), pool);
-      return ffi::Error::Success();
-    case ffi::BF16:
-      run<uint16_t>(s, static_cast<const uint16_t*>(q.untyped_data()),
-                    static_cast<const uint16_t*>(k_pages.untyped_data()),
-                    static_cast<const uint16_t*>(v_pages.untyped_data()), table, lens,
-                    static_cast<uint16_t*>(out->untyped_data()), pool);
-      return ffi::Error::Success();
+  return run_typed(q.element_type(), s, q, page_table, lengths, out, pool, [&](auto t) {
+    using T = decltype(t);
+    return std::pair{PlainPool<T>{static_cast<const T*>(k_pages.untyped_data())},
+                     PlainPool<T>{static_cast<const T*>(v_pages.untyped_data())}};
+  });
+}
+
+ffi::Error QuantizedImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                         ffi::AnyBuffer v_pages, ffi::Buffer<ffi::F32> k_scales,
+                         ffi::Buffer<ffi::F32> v_scales, ffi::Buffer<ffi::S32> page_table,
+                         ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer,
+                         ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                         int64_t window) {
+  Shape s{};
+  if (auto e = checked_shape(q, k_pages, v_pages, page_table, layer, scale, softcap, window, s);
+      e.failure())
+    return e;
+  auto kd = k_pages.dimensions();
+  for (auto* scales : {&k_scales, &v_scales}) {
+    auto sd = scales->dimensions();
+    if (sd.size() != 5 || sd[4] != 1 || !std::equal(kd.begin(), kd.end() - 1, sd.begin()))
+      return ffi::Error::InvalidArgument(
+          "edl paged_attention_cpu: scales must be the pools' shape with a last dim of 1");
+  }
+  const float* ks = k_scales.typed_data();
+  const float* vs = v_scales.typed_data();
+  const ffi::DataType codes = k_pages.element_type();
+  if (v_pages.element_type() != codes)
+    return ffi::Error::InvalidArgument("edl paged_attention_cpu: k and v codes differ in dtype");
+  auto pools = [&](auto c) {
+    using C = decltype(c);
+    return [&, ks, vs](auto) {
+      return std::pair{QuantizedPool<C>{static_cast<const C*>(k_pages.untyped_data()), ks},
+                       QuantizedPool<C>{static_cast<const C*>(v_pages.untyped_data()), vs}};
+    };
+  };
+  switch (codes) {
+    case ffi::S8:
+      return run_typed(q.element_type(), s, q, page_table, lengths, out, pool, pools(int8_t{}));
+    case ffi::F8E4M3FN:
+      return run_typed(q.element_type(), s, q, page_table, lengths, out, pool, pools(uint8_t{}));
     default:
-      return ffi::Error::InvalidArgument("edl paged_attention_cpu: dtype must be f32 or bf16");
+      return ffi::Error::InvalidArgument(
+          "edl paged_attention_cpu: quantized pools must hold s8 or f8e4m3fn codes");
   }
 }
 
@@ -219,6 +347,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EdlPagedAttention, PagedAttentionImpl,
                                   .Arg<ffi::AnyBuffer>()          // q
                                   .Arg<ffi::AnyBuffer>()          // k_pages
                                   .Arg<ffi::AnyBuffer>()          // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // lengths
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EdlPagedAttentionQuantized, QuantizedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k codes
+                                  .Arg<ffi::AnyBuffer>()          // v codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_table
                                   .Arg<ffi::Buffer<ffi::S32>>()   // lengths
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer

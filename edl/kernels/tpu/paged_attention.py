@@ -28,6 +28,15 @@ values there are zeroed, which also keeps stale or NaN data in a page's unused t
 With several pages per step, operands of a row's first or last needed step that fall
 outside its needed pages re-read a needed page: at most ``pages_per_block - 1`` extra page
 reads at each end of a row.
+
+Quantized pools (``edl.ops.kv_quant``, an int8 / fp8 KV cache): the pools hold int8 or
+float8_e4m3fn codes, and ``k_scales`` / ``v_scales`` ``(*layers, num_pages, page_size,
+kv_heads, 1)`` one float32 scale per token and kv head, viewed as ``(layers, num_pages,
+page_size * kv_heads, 1)`` (the page's key rows, one scale each). Each page's scales are one
+more operand per K / V operand, fetched by the same index map; after the DMA the kernel
+dequantizes the block in VMEM, ``codes * scale`` in float32 rounded to ``q``'s dtype, before
+the ``q @ k`` and ``p @ v`` matmuls (:class:`_Dequantized`). Keys and values alike: a value
+scale cannot be folded into the logits. HBM moves the 1-byte codes and 4 bytes per row.
 """
 
 from __future__ import annotations
@@ -38,10 +47,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, Shaped
 
 from edl.kernels._common import cdiv
 from edl.kernels.tpu._decode_common import (
+    DTYPES,
     Plan,
     attend,
     check_dtypes,
@@ -63,10 +73,32 @@ __all__ = ["paged_decode_attention"]
 _MAX_PAGES_PER_STEP = 8  # each page is one operand with its own DMA
 
 
-def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, *refs, plan: Plan):
+class _Dequantized:
+    """A K / V block read as its codes ``(rows, head_dim)`` times their scales ``(rows, 1)``
+    in ``dtype`` (what ``_decode_common`` reads as ``ref[...]``)."""
+
+    def __init__(self, codes_ref, scale_ref, dtype):
+        self.codes_ref, self.scale_ref, self.dtype = codes_ref, scale_ref, dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes_ref.shape
+
+    def __getitem__(self, index):
+        codes = self.codes_ref[index].astype(jnp.float32)
+        return (codes * self.scale_ref[index]).astype(self.dtype)
+
+
+def _paged_kernel(len_ref, table_ref, layer_ref, q_ref, *refs, plan: Plan, quantized: bool):
     del table_ref, layer_ref  # used by the index maps only
     n = plan.blocks_per_step
     k_refs, v_refs, rest = refs[:n], refs[n : 2 * n], refs[2 * n :]
+    if quantized:  # each page's scales follow the codes' operands
+        k_refs = [_Dequantized(k, s, q_ref.dtype) for k, s in zip(k_refs, rest[:n], strict=True)]
+        v_refs = [
+            _Dequantized(v, s, q_ref.dtype) for v, s in zip(v_refs, rest[n : 2 * n], strict=True)
+        ]
+        rest = rest[2 * n :]
     sink_ref, (o_ref, *scratch) = (rest[0], rest[1:]) if plan.has_sinks else (None, rest)
     b, step = pl.program_id(0), pl.program_id(1)
     page_tokens = plan.block_tokens
@@ -100,7 +132,9 @@ def _page_spec(
     return pl.BlockSpec((None, None, rows, dim), index)
 
 
-def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, sinks, *, plan: Plan, interpret):
+def _paged_call(
+    lengths, table, layer, q_rows, k_pool, v_pool, scales, sinks, *, plan: Plan, interpret
+):
     batch, rows, head_dim = q_rows.shape
     layers, num_pages, page_rows, _ = k_pool.shape
     pages_per_seq = table.shape[0] // batch
@@ -108,15 +142,21 @@ def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, sinks, *, plan: P
         _page_spec(i, num_pages, layers, pages_per_seq, page_rows, head_dim, plan)
         for i in range(plan.blocks_per_step)
     ]
+    # A page's scales: its key rows' one value each, fetched as its codes are.
+    scale_specs = [
+        _page_spec(i, num_pages, layers, pages_per_seq, page_rows, 1, plan)
+        for i in range(plan.blocks_per_step)
+    ] * (2 if scales else 0)
+    scale_args = [x for x in scales for _ in range(plan.blocks_per_step)]
     row_spec = pl.BlockSpec((None, rows, head_dim), lambda b, step, *_: (b, 0, 0))
     n = plan.blocks_per_step
     sink_specs, sink_args = ([sink_spec(rows)], [sinks]) if plan.has_sinks else ([], [])
     return pl.pallas_call(
-        functools.partial(_paged_kernel, plan=plan),
+        functools.partial(_paged_kernel, plan=plan, quantized=bool(scales)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(batch, plan.steps),
-            in_specs=[row_spec, *specs, *specs, *sink_specs],
+            in_specs=[row_spec, *specs, *specs, *scale_specs, *sink_specs],
             out_specs=row_spec,
             scratch_shapes=scratch_shapes(rows, head_dim),
         ),
@@ -124,13 +164,13 @@ def _paged_call(lengths, table, layer, q_rows, k_pool, v_pool, sinks, *, plan: P
         compiler_params=compiler_params(),
         interpret=interpret,
         name="edl_tpu_paged_decode_attention",
-    )(lengths, table, layer, q_rows, *[k_pool] * n, *[v_pool] * n, *sink_args)
+    )(lengths, table, layer, q_rows, *[k_pool] * n, *[v_pool] * n, *scale_args, *sink_args)
 
 
 def paged_decode_attention(
     q: Float[Array, "batch new_tokens heads head_dim"],
-    k_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
-    v_pages: Float[Array, "*layers num_pages page_size kv_heads head_dim"],
+    k_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
+    v_pages: Shaped[Array, "*layers num_pages page_size kv_heads head_dim"],
     page_table: Int[Array, "_batch pages_per_seq"],  # _: checked here, naming the problem
     lengths: Int[Array, " _batch"],
     *,
@@ -141,6 +181,8 @@ def paged_decode_attention(
     pages_per_block: int | None = None,
     sinks: Float[Array, " heads"] | None = None,
     interpret: bool | pltpu.InterpretParams = False,
+    k_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
+    v_scales: Float[Array, "*_layers _num_pages _page_size _kv_heads _one"] | None = None,
 ) -> Float[Array, "batch new_tokens heads head_dim"]:
     """``decode_attention`` over a paged cache, on TPU, pages read in place.
 
@@ -162,8 +204,12 @@ def paged_decode_attention(
         pages_per_block: pages folded in per grid step (default: ~512 KiB of K, at most
             8 pages).
         interpret: as in ``decode_attention``.
+        k_scales, v_scales: quantized pools' float32 scales (module docstring), with
+            ``k_pages`` / ``v_pages`` then int8 or float8_e4m3fn codes; None: float pools.
     """
-    _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_block)
+    quantized = k_scales is not None
+    _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_block, quantized)
+    _check_scales(q, k_pages, v_pages, k_scales, v_scales)
     check_sinks("tpu paged_decode_attention", sinks, q.shape[2])
     _, new_tokens, heads, head_dim = q.shape
     num_pages, page_size, kv_heads, _ = k_pages.shape[-4:]
@@ -185,10 +231,13 @@ def paged_decode_attention(
         capacity=pages_per_seq * page_size,
         has_sinks=sinks is not None,
     )
+    scales = () if k_scales is None else (k_scales, v_scales)
     if layer is None:  # one layer's pools: a leading axis of one (free)
         k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
+        scales = tuple(x[None] for x in scales)
     # Free row-major reshapes: a page's rows are its tokens' kv heads, consecutive.
     shape = (k_pages.shape[0], num_pages, page_size * kv_heads, head_dim)
+    scales = tuple(x.reshape(*shape[:3], 1) for x in scales)
     out = _paged_call(
         lengths.astype(jnp.int32),
         page_table.astype(jnp.int32).reshape(-1),
@@ -196,6 +245,7 @@ def paged_decode_attention(
         query_rows(q),
         k_pages.reshape(shape),
         v_pages.reshape(shape),
+        scales,
         None if sinks is None else sink_rows(sinks, q),
         plan=plan,
         interpret=resolve_interpret(interpret),
@@ -203,7 +253,33 @@ def paged_decode_attention(
     return output_from_rows(out, q)
 
 
-def _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_block) -> None:
+CODE_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))  # quantized pools' codes
+
+
+def _check_scales(q, k_pages, v_pages, k_scales, v_scales) -> None:
+    """Quantized pools: both scales or neither, codes of one of :data:`CODE_DTYPES`, float32
+    scales of the pools' shape with a last dim of 1, ``q`` float32 or bfloat16."""
+    name = "tpu paged_decode_attention"
+    if (k_scales is None) != (v_scales is None):
+        raise ValueError(f"{name}: pass both k_scales and v_scales or neither")
+    if k_scales is None:
+        return
+    if q.dtype not in DTYPES:
+        raise TypeError(f"{name}: q must be float32 or bfloat16, got {q.dtype}")
+    if k_pages.dtype not in CODE_DTYPES or v_pages.dtype != k_pages.dtype:
+        raise TypeError(
+            f"{name}: quantized k_pages/v_pages must share int8 or float8_e4m3fn codes, "
+            f"got {k_pages.dtype}/{v_pages.dtype}"
+        )
+    want = (*k_pages.shape[:-1], 1)
+    for what, x in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if x.shape != want or x.dtype != jnp.float32:
+            raise ValueError(f"{name}: {what} must be float32{want}, got {x.dtype}{x.shape}")
+
+
+def _check(
+    q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_block, quantized
+) -> None:
     """Shapes, dtypes and options ``paged_decode_attention`` accepts, each problem named."""
 
     def fail(what, expected, actual, error=ValueError):
@@ -224,7 +300,8 @@ def _check(q, k_pages, v_pages, page_table, lengths, layer, window, pages_per_bl
         fail("v_pages", f"the shape of k_pages {k_pages.shape}", v_pages.shape)
     if heads % k_pages.shape[-2]:
         fail("q's heads", f"a multiple of the {k_pages.shape[-2]} kv heads", heads)
-    check_dtypes("tpu paged_decode_attention", q, k_pages, v_pages, "k_pages", "v_pages")
+    if not quantized:  # quantized pools: _check_scales
+        check_dtypes("tpu paged_decode_attention", q, k_pages, v_pages, "k_pages", "v_pages")
     if page_table.ndim != 2 or page_table.shape[0] != batch:
         fail("page_table", f"of shape ({batch}, pages_per_seq)", page_table.shape)
     if lengths.shape != (batch,):
