@@ -71,6 +71,11 @@ class Trajectory:
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     answer: str = ""
 
+    @property
+    def tool_calls(self) -> int:
+        """The tool results the environment answered with (one ``tool`` message per call)."""
+        return sum(m.get("role") == "tool" for m in self.messages)
+
     def extend(self, ids: Sequence[int], own: bool) -> None:
         self.tokens += list(ids)
         self.own += [own] * len(ids)
