@@ -257,7 +257,7 @@ def test_rows_finish_at_different_turns(tok, monkeypatch):
         eos_id=eos,
         sampling={"pad_token_id": tok.pad_id},
     )
-    assert script.calls == [(4, 4), (2, 4)]  # the second turn: the two rows still going
+    assert script.calls == [(4, 4), (2, 2)]  # the second turn: only the two rows still going
     assert [r.turns for r in rows] == [1, 2, 1, 2]
     assert [r.reward for r in rows] == [1.0, 1.0, 0.0, 0.0]
     assert [r.truncated for r in rows] == [False, False, True, False]

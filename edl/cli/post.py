@@ -73,6 +73,7 @@ from edl.train import (
 )
 from edl.train.distill import make_distill_step
 from edl.train.distill_data import DistillBatches, encode_distill
+from edl.train.environments import check_factory
 from edl.train.grpo_rewards import RewardFn
 from edl.train.kto import make_kto_step
 from edl.train.kto_data import KTOBatches, encode_unpaired
@@ -119,7 +120,12 @@ def environment_factory(config: TrainConfig) -> Any:
         return None
     if "," in config.environment:
         raise CommandError(f"--environment {config.environment!r}: expected one module:function")
-    return reward_functions(config.environment, "--environment")[0]
+    factory = reward_functions(config.environment, "--environment")[0]
+    try:  # one environment built now: a factory of the wrong kind fails before the model
+        check_factory(factory)
+    except TypeError as e:
+        raise CommandError(f"--environment {config.environment}: {e}") from e
+    return factory
 
 
 def _preference_batches(

@@ -40,7 +40,14 @@ from typing import Any, Protocol, runtime_checkable
 
 from edl.train.tool_formats import TOOL_FORMATS, ParsedTurn, ToolCall
 
-__all__ = ["Environment", "EnvironmentFactory", "ToolEnvironment", "prompt_messages", "run_tool"]
+__all__ = [
+    "Environment",
+    "EnvironmentFactory",
+    "ToolEnvironment",
+    "check_factory",
+    "prompt_messages",
+    "run_tool",
+]
 
 Message = dict[str, Any]
 
@@ -62,6 +69,25 @@ class Environment(Protocol):
 
 
 EnvironmentFactory = Callable[[], Environment]
+
+
+def check_factory(factory: Any) -> None:
+    """Build one environment with ``factory`` and check it has ``reset`` and ``step``
+    methods, so that a wrong factory fails before a model loads. ``TypeError`` saying what
+    was called and what it returned (or raised)."""
+    if not callable(factory):
+        raise TypeError(f"{type(factory).__name__} is not callable (expected a factory)")
+    try:
+        made = factory()
+    except Exception as e:
+        raise TypeError(f"calling it raised {type(e).__name__}: {e}") from e
+    missing = [m for m in ("reset", "step") if not callable(getattr(made, m, None))]
+    if missing:
+        raise TypeError(
+            f"it returned {type(made).__name__} {made!r:.60}, expected an environment with "
+            f"reset(record) and step(message) methods (edl.train.environments.Environment); "
+            f"no {' or '.join(missing)}"
+        )
 
 
 def prompt_messages(record: Mapping[str, Any]) -> list[Message]:

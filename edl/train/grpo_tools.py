@@ -9,8 +9,9 @@ reward functions (optional with an environment) called as for single-turn GRPO w
 prompt (model and environment tokens); group-normalised advantages of that total. The loss
 mask covers the model's own tokens only; ``mask_truncated_completions`` drops rows whose
 turn ran out of tokens. ``dr_grpo``'s constant normaliser stays ``max_new_tokens`` (one
-turn's budget). Metrics add ``turns`` (mean per row), ``truncated`` (the fraction of rows cut
-by the budget) and ``reward/environment``; ``sample_s`` includes the environments' steps
+turn's budget). Metrics add ``turns`` (mean per row), ``tool_calls`` (the environment's
+``tool`` messages, one per call, mean per row), ``truncated`` (the fraction of rows cut by
+the budget) and ``reward/environment``; ``sample_s`` includes the environments' steps
 (the tools' run time).
 """
 
@@ -85,7 +86,8 @@ def tool_rollout(
 ) -> tuple[dict[str, Array], dict[str, float]]:
     """``step``'s (a ``GRPOStep`` with an environment) batch and metrics for ``records``:
     ``completion_length`` is the mean of each row's own tokens, ``turns`` the mean turns,
-    ``truncated`` the fraction of rows cut by the token budget."""
+    ``tool_calls`` the mean tool results, ``truncated`` the fraction of rows cut by the
+    token budget."""
     c, g = step.config, step.config.num_generations
     records = list(records)
     envs = [step.environment() for _ in range(len(records) * g)]
@@ -126,6 +128,7 @@ def tool_rollout(
         **per_fn,
         "completion_length": float(np.mean([sum(r.own) for r in rows])),
         "turns": float(np.mean([r.turns for r in rows])),
+        "tool_calls": float(np.mean([r.tool_calls for r in rows])),
         "truncated": float(np.mean([r.truncated for r in rows])),
         "sample_s": t1 - t0,
         "reward_s": time.perf_counter() - t1,

@@ -3,7 +3,8 @@
 prompts times their samples), rows finishing at different turns.
 
 Each turn: every unfinished row's sequence so far is generated on (``edl.generate``, one
-batch of all the rows, finished ones replaced by repeats, so one program compiles) until
+batch of the rows still going, compacted to the front and filled with repeats up to the
+next power of two, :func:`turn_batch_size`) until
 the end-of-turn token (EOS) or the environment's ``stop`` text when that is one token
 (``</tool_call>``); the turn is decoded and given to ``env.step``; its messages (tool
 results, a user's reply) are rendered by the chat template and their tokens appended, then
@@ -41,7 +42,13 @@ from edl.generate import generate
 from edl.generate.decode import prompt_bucket
 from edl.train.environments import Environment
 
-__all__ = ["Trajectory", "multi_turn_rollout", "template_suffix", "trajectory_batch"]
+__all__ = [
+    "Trajectory",
+    "multi_turn_rollout",
+    "template_suffix",
+    "trajectory_batch",
+    "turn_batch_size",
+]
 
 
 @dataclasses.dataclass
@@ -63,6 +70,11 @@ class Trajectory:
     truncated: bool = False
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     answer: str = ""
+
+    @property
+    def tool_calls(self) -> int:
+        """The tool results the environment answered with (one ``tool`` message per call)."""
+        return sum(m.get("role") == "tool" for m in self.messages)
 
     def extend(self, ids: Sequence[int], own: bool) -> None:
         self.tokens += list(ids)
@@ -99,6 +111,20 @@ def _stop_ids(tokenizer: Any, env: Environment, eos_id: int) -> tuple[int, ...]:
     stop = getattr(env, "stop", None)
     ids = list(tokenizer.encode(stop)) if stop else []
     return (eos_id, ids[0]) if len(ids) == 1 and ids[0] != eos_id else (eos_id,)
+
+
+def turn_batch_size(active: int, rows: int) -> int:
+    """The batch a turn generates with ``active`` of ``rows`` rows still going: the next
+    power of two, at most ``rows``. Finished rows are not decoded again, while a rollout of
+    ``rows`` compiles at most ``log2(rows) + 1`` batch sizes per width bucket (one per
+    count of rows still going cost more compiling than the repeats' decoding saved). The
+    tokens are those of a full batch: the active rows keep their places at the front, and
+    ``jax.random.categorical`` draws row ``i``'s noise from its own counters (threefry's
+    partitionable layout, jax's default), so a shorter batch gives its rows the same
+    draws."""
+    if not 1 <= active <= rows:
+        raise ValueError(f"turn_batch_size: need 1 <= active <= rows, got {active}, {rows}")
+    return min(rows, 1 << (active - 1).bit_length())
 
 
 def _generate_turn(
@@ -174,10 +200,8 @@ def multi_turn_rollout(
         active = [r for r in rows if not r.done]
         if not active:
             break
-        # Every turn generates for all rows (finished ones replaced by repeats): one batch
-        # size, so one compiled program per width bucket; compiling one per count of rows
-        # still going cost more than the repeats' decoding (benchmarks.grpo_tools, CPU).
-        turns = _generate_turn(model, active, jax.random.fold_in(key, turn), sampling, len(rows))
+        size = turn_batch_size(len(active), len(rows))
+        turns = _generate_turn(model, active, jax.random.fold_in(key, turn), sampling, size)
         for row, tokens in zip(active, turns, strict=True):
             _step_row(row, tokens, tokenizer, stops, last=turn == max_turns - 1)
     return rows
