@@ -41,7 +41,16 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from edl.nn.gpt_oss_moe import GptOssExperts
 from edl.nn.moe import Experts
 
-__all__ = ["EXPERT_PARAMS", "ExpertParam", "Factor", "LoraExperts", "LoraParam"]
+__all__ = [
+    "EXPERT_PARAMS",
+    "ExpertParam",
+    "Factor",
+    "LoraExperts",
+    "LoraParam",
+    "hf_param",
+    "hf_shape",
+    "wrap_experts",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +90,14 @@ def expert_params(experts: Any) -> dict[str, ExpertParam]:
     return spec
 
 
+def hf_shape(experts: Any, name: str) -> tuple[int, ...]:
+    """The shape of HF parameter ``name`` of ``experts`` (nothing concatenated)."""
+    spec = expert_params(experts)[name]
+    shapes = [getattr(experts, f).shape for f in spec.fields]
+    axis = len(shapes[0]) + spec.out_axis
+    return (*shapes[0][:axis], sum(s[axis] for s in shapes), *shapes[0][axis + 1 :])
+
+
 def hf_param(experts: Any, name: str) -> Float[Array, "*lead experts d1 d2"]:
     """The HF parameter ``name`` of ``experts`` (its edl fields concatenated)."""
     spec = expert_params(experts)[name]
@@ -106,20 +123,20 @@ class LoraParam(eqx.Module):
     @classmethod
     def init(
         cls,
-        param: Float[Array, "*lead experts d1 d2"],
+        shape: tuple[int, ...],
         *,
         rank: int,
         scaling: float,
         transposed: bool,
-        dtype: DTypeLike | None = None,
+        dtype: DTypeLike,
         key: PRNGKeyArray,
     ) -> LoraParam:
-        """``lora_A ~ U(-1/sqrt(in), 1/sqrt(in))`` (PEFT's draw), ``lora_B = 0``."""
+        """Adapters of a parameter of ``shape`` ``(*lead, experts, d1, d2)``: ``lora_A ~
+        U(-1/sqrt(in), 1/sqrt(in))`` (PEFT's draw), ``lora_B = 0``."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        *lead, experts, d1, d2 = param.shape
+        *lead, experts, d1, d2 = shape
         fan_in, fan_out = (d1, d2) if transposed else (d2, d1)
-        dtype = param.dtype if dtype is None else jnp.dtype(dtype)
         bound = 1.0 / math.sqrt(fan_in)
         a = jax.random.uniform(key, (*lead, rank * experts, fan_in), dtype, -bound, bound)
         b = jnp.zeros((*lead, fan_out, rank * experts), dtype)
@@ -210,11 +227,11 @@ def wrap_experts(
     keys = jax.random.split(key, len(names))
     adapters = {
         n: LoraParam.init(
-            hf_param(experts, n),
+            hf_shape(experts, n),
             rank=params[n][0],
             scaling=params[n][1],
             transposed=spec[n].transposed,
-            dtype=dtype,
+            dtype=getattr(experts, spec[n].fields[0]).dtype if dtype is None else dtype,
             key=k,
         )
         for n, k in zip(names, keys, strict=True)

@@ -26,7 +26,7 @@ from jaxtyping import PyTree
 from edl.io.formats.safetensors import CheckpointReader
 from edl.lora import lora_experts, wrap_expert_lora
 from edl.models.keymap import KeyTable
-from edl.nn.lora_experts import EXPERT_PARAMS, LoraExperts, hf_param
+from edl.nn.lora_experts import EXPERT_PARAMS, LoraExperts, hf_shape
 from edl.tree import find, named_map
 
 __all__ = ["expert_config", "expert_tensors", "load_experts", "plan_experts"]
@@ -63,7 +63,7 @@ def _expert_weights(model: PyTree, table: KeyTable) -> dict[str, tuple[str, str,
     for path, experts in find(model, where).items():
         base = _base(experts)
         for name in EXPERT_PARAMS[type(base)]:
-            for index in _indices(hf_param(base, name).shape[:-3]):
+            for index in _indices(hf_shape(base, name)[:-3]):
                 out[f"{_module(table, path, index)}.{name}"] = (path, name, index)
     return out
 
@@ -167,8 +167,7 @@ def plan_experts(
         for name, (key_a, key_b) in _keys(module, names).items():
             rank, scaling = rank_and_scaling(config, f"{module}.{name}")
             settings[(path, name)].add((rank, float(scaling)))
-            param = hf_param(e, name)
-            n_exp, d1, d2 = param.shape[-3:]
+            n_exp, d1, d2 = hf_shape(e, name)[-3:]
             fan_in, fan_out = (d1, d2) if EXPERT_PARAMS[type(e)][name].transposed else (d2, d1)
             want = {key_a: (rank * n_exp, fan_in), key_b: (fan_out, rank * n_exp)}
             for key, shape in want.items():
