@@ -20,17 +20,20 @@ import pytest
 
 import edl
 import edl.models as M
+from edl.io.formats.manifest import describe
 from edl.io.formats.peft import load_adapter, save_adapter
+from edl.io.formats.peft_experts import expert_weights
 from edl.io.formats.safetensors import load_file
 from edl.lora import (
     apply_lora,
     expert_parameters,
+    lora_experts,
     lora_params,
     lora_trainable,
     merge_lora,
     unwrap_lora,
 )
-from edl.nn.lora_experts import LoraExperts, hf_param
+from edl.nn.lora_experts import EXPERT_PARAMS, LoraExperts, hf_param
 from edl.train import make_train_step
 
 torch = pytest.importorskip("torch")
@@ -71,9 +74,23 @@ FAMILIES = {
             topk_group=1,
         ),
     ),
+    "qwen3_next": lambda: (
+        M.Qwen3NextForCausalLM,
+        M.Qwen3NextConfig(
+            **SMALL,
+            head_dim=8,
+            moe_intermediate_size=12,
+            shared_expert_intermediate_size=10,
+            linear_key_head_dim=8,
+            linear_value_head_dim=6,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            layer_types=("linear_attention", "full_attention"),
+        ),
+    ),
 }
 DEFAULT = ["mixtral", "gpt_oss"]
-SLOW = [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3_moe", "deepseek_v3")]
+SLOW = [pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3_moe", "deepseek_v3", "qwen3_next")]
 
 _forward = jax.jit(lambda m, i: m(i).logits)
 IDS = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8]])
@@ -100,7 +117,7 @@ def base(request):
 
 @pytest.fixture(scope="module")
 def lora(base):
-    """``base`` with expert and q_proj adapters as if trained (nonzero B)."""
+    """``base`` with expert and o_proj adapters as if trained (nonzero B)."""
     return _edl_lora(base)
 
 
@@ -120,7 +137,7 @@ def _trained_b(model, scale=0.5):
 
 # One adapter configuration for both directions: the LoRA'd models share a structure, so
 # the forward compiles once per family.
-RANK, ALPHA, LINEAR = 2, 3, ["q_proj"]
+RANK, ALPHA, LINEAR = 2, 3, ["o_proj"]
 
 
 def _peft_config(**kwargs):
@@ -144,15 +161,20 @@ def _edl_lora(base):
         key=jax.random.key(1),
     )
     lora = apply_lora(
-        lora, rank=RANK, alpha=ALPHA, use_rslora=True, pattern="q_proj$", key=jax.random.key(2)
+        lora, rank=RANK, alpha=ALPHA, use_rslora=True, pattern="o_proj$", key=jax.random.key(2)
     )
     return _trained_b(lora)
 
 
-def _hf_params(model, layer):
-    """The expert weights of ``model`` at ``layer`` under their HF names."""
-    experts = model.model.layers.mlp.experts
-    return {n: np.asarray(hf_param(experts, n)[layer]) for n in ("gate_up_proj", "down_proj")}
+def _hf_params(model):
+    """Every expert weight of ``model`` by its HF name (``model.layers.1.mlp.experts
+    .down_proj``), as a numpy array."""
+    table = describe(model).module_table()
+    experts = edl.tree.find(model, lambda x: type(x) in EXPERT_PARAMS)
+    return {
+        full: np.asarray(hf_param(experts[path], name)[index])
+        for full, (path, name, index) in expert_weights(model, table).items()
+    }
 
 
 def test_peft_trained_expert_adapters_load_in_edl_with_peft_logits(base, tmp_path):
@@ -170,10 +192,10 @@ def test_peft_trained_expert_adapters_load_in_edl_with_peft_logits(base, tmp_pat
     merged = merge_lora(lora)
     assert jax.tree.structure(merged) == jax.tree.structure(base)
     folded = theirs.merge_and_unload().state_dict()
-    for layer in range(2):
-        for name, mine in _hf_params(merged, layer).items():
-            ref = folded[f"model.layers.{layer}.mlp.experts.{name}"].numpy()
-            np.testing.assert_allclose(mine, ref, rtol=0, atol=1e-5)
+    mine = _hf_params(merged)
+    assert mine
+    for name, weight in mine.items():
+        np.testing.assert_allclose(weight, folded[name].numpy(), rtol=0, atol=1e-5)
 
 
 # GPT-OSS's edl -> PEFT direction runs in the slow set (its forward's compile, ~6 s on the
@@ -204,11 +226,14 @@ def test_edl_expert_adapters_load_in_peft_with_edl_logits(base, lora, tmp_path):
 
 def test_only_the_expert_adapters_are_trainable(lora):
     adapters = {p for p, x in edl.tree.flatten(lora_params(lora)).items() if x is not None}
-    assert {p for p in adapters if ".experts.adapters." in p} == {
-        f"model.layers.mlp.experts.adapters.{n}.lora_{f}.weight"
+    experts = lora_experts(lora)
+    assert experts and {p for p in adapters if ".experts.adapters." in p} == {
+        f"{path}.adapters.{n}.lora_{f}.weight"
+        for path in experts
         for n in ("down_proj", "gate_up_proj")
         for f in "AB"
     }
+    assert all(".experts.adapters." in p or ".o_proj.lora_" in p for p in adapters)
     state = edl.create_state(lora, optax.adam(1e-2), trainable=lora_trainable)
     moments = {p.split("mu.", 1)[1] for p in edl.tree.flatten(state.opt_state) if ".mu." in p}
     assert moments == adapters
@@ -258,3 +283,13 @@ def test_a_target_parameter_that_names_no_weight_is_refused(tmp_path):
         ValueError, match=r"do not name.*layers\.0\.mlp\.experts\.base_layer\.lora_A"
     ):
         load_adapter(model, tmp_path)
+
+
+def test_edl_model_files_refuse_expert_adapters_rather_than_write_unreadable_ones(tmp_path):
+    from edl.io.model_files import write_model_files
+
+    model = _random(*FAMILIES["mixtral"]())
+    lora = apply_lora(model, rank=2, alpha=4, target_parameters=EXPERTS, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=r"model\.layers\.mlp\.experts.*save_adapter"):
+        write_model_files(lora, tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -29,7 +29,7 @@ from edl.models.keymap import KeyTable
 from edl.nn.lora_experts import EXPERT_PARAMS, LoraExperts, hf_shape
 from edl.tree import find, named_map
 
-__all__ = ["expert_config", "expert_tensors", "load_experts", "plan_experts"]
+__all__ = ["expert_config", "expert_tensors", "expert_weights", "load_experts", "plan_experts"]
 
 _A, _B = ".lora_A.weight", ".lora_B.weight"
 _NEST = ".base_layer"
@@ -55,7 +55,7 @@ def _base(x: Any) -> Any:
     return x.base_layer if isinstance(x, LoraExperts) else x
 
 
-def _expert_weights(model: PyTree, table: KeyTable) -> dict[str, tuple[str, str, tuple[int, ...]]]:
+def expert_weights(model: PyTree, table: KeyTable) -> dict[str, tuple[str, str, tuple[int, ...]]]:
     """Every expert weight PEFT can target, by its HF name (``model.layers.3.mlp.experts
     .down_proj``) -> (edl experts path, HF parameter, layer index)."""
     where = lambda x: type(_base(x)) in EXPERT_PARAMS
@@ -81,7 +81,7 @@ def expert_config(model: PyTree, table: KeyTable) -> dict[str, tuple[int, float]
     short: dict[str, set[tuple[int, float]]] = collections.defaultdict(set)
     for name, setting in full.items():
         short[".".join(name.split(".")[-2:])].add(setting)
-    everything = _expert_weights(model, table)
+    everything = expert_weights(model, table)
     covered = all(n in full for n in everything if any(n.endswith(f".{s}") for s in short))
     if covered and all(len(s) == 1 for s in short.values()):
         return {n: s.pop() for n, s in short.items()}
@@ -138,7 +138,7 @@ def plan_experts(
         raise ValueError(f"load_adapter: {file}: PEFT allows no lora_dropout on target_parameters")
     per_module: dict[tuple[str, tuple[int, ...]], list[str]] = {}
     hits: dict[str, int] = dict.fromkeys(targets, 0)
-    weights = _expert_weights(model, table)
+    weights = expert_weights(model, table)
     for full, (path, name, index) in weights.items():  # in transformers' order per module
         matched = [t for t in targets if full == t or full.endswith(f".{t}")]
         for t in matched:
