@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -127,13 +128,16 @@ def plan_experts(
     shapes: dict[str, tuple[int, ...]],
     prefix: str,
     file: Path,
-    rank_and_scaling,
+    rank_and_scaling: Callable[[dict[str, Any], str], tuple[int, float]],
 ) -> ExpertPlan:
     """Match ``config["target_parameters"]`` as PEFT does (a parameter's HF name equals an
     entry or ends with ``.`` + entry), check the file's keys and shapes. ``ValueError``
     naming the entry when none matches anything (a warning for one stale entry among
-    others, which PEFT ignores), naming the key when one is missing or mis-shaped."""
+    others, which PEFT ignores), naming the key when one is missing or mis-shaped.
+    ``rank_and_scaling(config, name)``: PEFT's rank / alpha pattern lookup."""
     targets = list(config.get("target_parameters") or [])
+    if not targets:
+        return ExpertPlan()
     if config.get("lora_dropout"):
         raise ValueError(f"load_adapter: {file}: PEFT allows no lora_dropout on target_parameters")
     per_module: dict[tuple[str, tuple[int, ...]], list[str]] = {}
