@@ -9,7 +9,8 @@
 PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.q_proj
 .lora_A.weight``); edl maps them through the model family's HF key table, the same one
 ``save_pretrained`` uses, so stacking and splitting layers is the table's business, and
-loads them through ``edl.io.formats.plan`` like every other loader. The LoRA layers themselves
+loads them through ``edl.io.formats.plan`` like every other loader. Adapters on MoE expert
+weights (PEFT's ``target_parameters``) are ``edl.io.formats.peft_experts``. The LoRA layers themselves
 (``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows no files.
 """
 
@@ -518,8 +519,10 @@ def load_adapter(
     (``model.layers.3.self_attn.q_proj``): a list names modules exactly or by their last
     dotted parts, a string is a regex matching the whole name, ``"all-linear"`` is every
     linear layer but the output head (and MoE routers, not ``nn.Linear`` in transformers),
-    ``null`` the model type's PEFT default (q_proj, v_proj); ``exclude_modules`` (list or
-    regex) removes modules. As in PEFT, the file's tensors for modules not targeted are
+    ``null`` the model type's PEFT default (q_proj, v_proj), or none when
+    ``target_parameters`` is set; ``exclude_modules`` (list or regex) removes modules.
+    ``target_parameters`` adapts MoE expert weights (``experts.gate_up_proj``; PEFT's
+    nested keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's tensors for modules not targeted are
     ignored (with a warning), and a targeted module the file has no tensors for starts from
     PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
     initialisation is random). Full base weights that PEFT saves along with an adapted LM
