@@ -10,8 +10,9 @@ PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.
 .lora_A.weight``); edl maps them through the model family's HF key table, the same one
 ``save_pretrained`` uses, so stacking and splitting layers is the table's business, and
 loads them through ``edl.io.formats.plan`` like every other loader. Adapters on MoE expert
-weights (PEFT's ``target_parameters``) are ``edl.io.formats.peft_experts``. The LoRA layers themselves
-(``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows no files.
+weights (PEFT's ``target_parameters``) are ``edl.io.formats.peft_experts``. The LoRA layers
+themselves (``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows
+no files.
 """
 
 from __future__ import annotations
@@ -522,9 +523,9 @@ def load_adapter(
     ``null`` the model type's PEFT default (q_proj, v_proj), or none when
     ``target_parameters`` is set; ``exclude_modules`` (list or regex) removes modules.
     ``target_parameters`` adapts MoE expert weights (``experts.gate_up_proj``; PEFT's
-    nested keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's tensors for modules not targeted are
-    ignored (with a warning), and a targeted module the file has no tensors for starts from
-    PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
+    nested keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's
+    tensors for modules not targeted are ignored (with a warning), and a targeted module
+    the file has no tensors for starts from PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
     initialisation is random). Full base weights that PEFT saves along with an adapted LM
     head (``lm_head.base_layer.weight``) replace the model's, as in PEFT. edl stacks the
     layers of a model, so a stack where PEFT adapts only some layers gets zero adapters on
