@@ -522,14 +522,14 @@ def load_adapter(
     linear layer but the output head (and MoE routers, not ``nn.Linear`` in transformers),
     ``null`` the model type's PEFT default (q_proj, v_proj), or none when
     ``target_parameters`` is set; ``exclude_modules`` (list or regex) removes modules.
-    ``target_parameters`` adapts MoE expert weights (``experts.gate_up_proj``; PEFT's
-    nested keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's
-    tensors for modules not targeted are ignored (with a warning), and a targeted module
-    the file has no tensors for starts from PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
-    initialisation is random). Full base weights that PEFT saves along with an adapted LM
-    head (``lm_head.base_layer.weight``) replace the model's, as in PEFT. edl stacks the
-    layers of a model, so a stack where PEFT adapts only some layers gets zero adapters on
-    the others (same outputs, warned).
+    ``target_parameters`` adapts MoE expert weights (``experts.gate_up_proj``; PEFT's nested
+    keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's tensors for
+    modules not targeted are ignored (with a warning), and a targeted module the file has no
+    tensors for starts from PEFT's initialisation, lora_B = 0, so it adds nothing (a
+    warning; an error where that initialisation is random). Full base weights that PEFT
+    saves along with an adapted LM head (``lm_head.base_layer.weight``) replace the model's,
+    as in PEFT. edl stacks the layers of a model, so a stack where PEFT adapts only some
+    layers gets zero adapters on the others (same outputs, warned).
 
     Every key is checked against the model before anything is loaded (missing, unexpected
     and mis-shaped keys raise one ``ValueError``). ``dtype`` of A/B: default the base
