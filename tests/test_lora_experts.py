@@ -293,3 +293,17 @@ def test_edl_model_files_refuse_expert_adapters_rather_than_write_unreadable_one
     with pytest.raises(ValueError, match=r"model\.layers\.mlp\.experts.*save_adapter"):
         write_model_files(lora, tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_expert_weights_under_adapters_shard_as_without_them(base, lora):
+    """The partition rules see through ``base_layer``: a LoRA'd model's expert weights are
+    split over ``expert`` / ``tp`` / ``fsdp`` as the plain model's are."""
+    from edl.sharding import make_mesh, partition_specs
+
+    mesh = make_mesh((1, -1, 1, 1, 2))  # (dp, fsdp, tp, sp, expert)
+    plain = edl.tree.flatten(partition_specs(base, None, mesh=mesh))
+    wrapped = edl.tree.flatten(partition_specs(lora, None, mesh=mesh))
+    experts = {p: s for p, s in plain.items() if ".experts." in p}
+    assert experts and all(s[1] == "expert" for s in experts.values())
+    for path, spec in experts.items():
+        assert wrapped[path.replace(".experts.", ".experts.base_layer.")] == spec
