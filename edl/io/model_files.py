@@ -67,6 +67,12 @@ def write_model_files(
     and scales). ``base_model_name_or_path`` goes in ``adapter_config.json``: transformers
     before the embedded-adapter rule loads the base from there, so point it at where
     ``directory`` will be. ``manifest``: ``model``'s (``describe(model)`` when not given)."""
+    expert_lora = sorted(edl_lora.lora_experts(model))
+    if expert_lora:  # their keys are PEFT's nested ones, which this layout does not read back
+        raise ValueError(
+            f"{directory}: LoRA on expert weights ({expert_lora}) is not in edl's model files "
+            f"yet: save the adapters with edl.io.formats.peft.save_adapter"
+        )
     manifest = manifest or describe(model)
     has_lora, quantized = bool(manifest.lora_targets), bool(manifest.quantized_layers)
     dense = edl_quantize.dequantize(model) if quantized else model

@@ -67,8 +67,8 @@ PARTITION_RULES = (
     (rf"lm_head{_BASE}\.weight$", P("tp", "fsdp")),
     # Stacked experts (layers, experts, ...): experts over the expert axis (each device its
     # own, edl.ops.expert_parallel), each expert's width over tp, its hidden size over fsdp.
-    (r"experts\.(gate_proj|up_proj)$", P(None, "expert", "tp", "fsdp")),
-    (r"experts\.down_proj$", P(None, "expert", "fsdp", "tp")),
+    (rf"experts{_BASE}\.(gate_proj|up_proj)$", P(None, "expert", "tp", "fsdp")),
+    (rf"experts{_BASE}\.down_proj$", P(None, "expert", "fsdp", "tp")),
     (rf"(q_proj|k_proj|v_proj|gate_proj|up_proj){_BASE}\.weight$", P(None, "tp", "fsdp")),
     (rf"(q_proj|k_proj|v_proj|gate_proj|up_proj){_BASE}\.bias$", P(None, "tp")),
     (rf"(o_proj|down_proj){_BASE}\.weight$", P(None, "fsdp", "tp")),

@@ -211,10 +211,11 @@ MOE_BLOCKS["gpt_oss"] = _gpt_oss_moe
 # (gathered inside the expert-parallel dispatch, which adds each bias once); before the
 # generic rules, which assume torch's (out, in) expert layout.
 GPT_OSS_PARTITION_RULES: Rules = (
-    (r"experts\.gate_up_proj$", P(None, "expert", "fsdp", "tp")),
-    (r"experts\.gate_up_proj_bias$", P(None, "expert", "tp")),
-    (r"experts\.down_proj$", P(None, "expert", "tp", "fsdp")),
-    (r"experts\.down_proj_bias$", P(None, "expert", None)),
+    # (\.base_layer)?: the expert weights under LoRA adapters (edl.nn.lora_experts)
+    (r"experts(\.base_layer)?\.gate_up_proj$", P(None, "expert", "fsdp", "tp")),
+    (r"experts(\.base_layer)?\.gate_up_proj_bias$", P(None, "expert", "tp")),
+    (r"experts(\.base_layer)?\.down_proj$", P(None, "expert", "tp", "fsdp")),
+    (r"experts(\.base_layer)?\.down_proj_bias$", P(None, "expert", None)),
     *PARTITION_RULES,
 )
 

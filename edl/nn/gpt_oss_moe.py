@@ -185,9 +185,12 @@ class GptOssMoE(eqx.Module):
         flat_mask = None if mask is None else mask.reshape(-1)
         stats = router_stats(logits, probs, chosen, flat_mask)
         impl = "dense" if impl == "dense" else "ragged"
-        out = _expert_parallel(x, weights, chosen, self.experts, impl)
+        experts = self.experts
+        if not isinstance(experts, GptOssExperts):  # LoRA on them: edl.nn.lora_experts
+            experts = experts.merge()
+        out = _expert_parallel(x, weights, chosen, experts, impl)
         if out is None:  # no expert axis to split the experts over
-            out = gpt_oss_expert_mlp(tokens, weights, chosen, self.experts, impl=impl)
+            out = gpt_oss_expert_mlp(tokens, weights, chosen, experts, impl=impl)
         return out.reshape(x.shape), stats
 
 

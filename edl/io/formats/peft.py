@@ -9,8 +9,10 @@
 PEFT files name adapters per layer (``base_model.model.model.layers.3.self_attn.q_proj
 .lora_A.weight``); edl maps them through the model family's HF key table, the same one
 ``save_pretrained`` uses, so stacking and splitting layers is the table's business, and
-loads them through ``edl.io.formats.plan`` like every other loader. The LoRA layers themselves
-(``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows no files.
+loads them through ``edl.io.formats.plan`` like every other loader. Adapters on MoE expert
+weights (PEFT's ``target_parameters``) are ``edl.io.formats.peft_experts``. The LoRA layers
+themselves (``apply_lora``, ``merge_lora``, ...) are ``edl.lora``, a layer below: it knows
+no files.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from jaxtyping import PyTree
 from edl.io.formats.files import read_json, write_json_atomic
 from edl.io.formats.hf import ADAPTER_CONFIG, export_state_dict
 from edl.io.formats.manifest import Manifest, describe
+from edl.io.formats.peft_experts import expert_config, expert_tensors, load_experts, plan_experts
 from edl.io.formats.plan import TensorSource, load_arrays, plan_load
 from edl.io.formats.safetensors import CheckpointReader, save_file
-from edl.lora import lora_layers, lora_params, lora_trainable, wrap_lora
+from edl.lora import lora_experts, lora_params, lora_trainable, wrap_lora
 from edl.models.keymap import KeyTable
 from edl.module import merge, split
 from edl.nn.lora import LoraLinear, leading_shape
+from edl.nn.lora_experts import LoraExperts
 from edl.nn.moe import SparseMoE
 from edl.quantize import is_linear
 from edl.tree import find, flatten, load_into
@@ -114,15 +118,21 @@ def _peft_config(
 ) -> dict[str, Any]:
     """``adapter_config.json`` for ``layers`` (see :func:`_targeting`); the most common rank
     and alpha are ``r`` / ``lora_alpha``, the others go in ``rank_pattern`` /
-    ``alpha_pattern``. PEFT has one ``lora_dropout``, so adapters must share theirs."""
-    settings = _targeting(model, layers, table)
-    dropouts = {d for _, _, d in settings.values()}
+    ``alpha_pattern``. PEFT has one ``lora_dropout``, so adapters must share theirs (and it
+    must be 0 with adapters on expert weights, ``target_parameters``)."""
+    settings = _targeting(model, layers, table) if layers else {}
+    parameters = expert_config(model, table)
+    dropouts = {d for _, _, d in settings.values()} | ({0.0} if parameters else set())
     if len(dropouts) > 1:
-        raise ValueError(f"save_adapter: PEFT has one lora_dropout, layers use {dropouts}")
-    rank = collections.Counter(r for r, _, _ in settings.values()).most_common(1)[0][0]
-    alphas = {n: _number(s * r) for n, (r, s, _) in settings.items()}
+        raise ValueError(
+            f"save_adapter: PEFT has one lora_dropout (none on expert weights), layers use "
+            f"{dropouts}"
+        )
+    every = {**settings, **{n: (r, s, 0.0) for n, (r, s) in parameters.items()}}
+    rank = collections.Counter(r for r, _, _ in every.values()).most_common(1)[0][0]
+    alphas = {n: _number(s * r) for n, (r, s, _) in every.items()}
     alpha = collections.Counter(alphas.values()).most_common(1)[0][0]
-    return {
+    config = {
         "peft_type": "LORA",
         "task_type": _PEFT_TASKS[task],
         "base_model_name_or_path": base_model_name_or_path,
@@ -130,7 +140,8 @@ def _peft_config(
         "lora_alpha": alpha,
         "lora_dropout": dropouts.pop(),
         "target_modules": sorted(settings),
-        "rank_pattern": {n: r for n, (r, _, _) in settings.items() if r != rank},
+        "target_parameters": sorted(parameters) or None,
+        "rank_pattern": {n: r for n, (r, _, _) in every.items() if r != rank},
         "alpha_pattern": {n: a for n, a in alphas.items() if a != alpha},
         "bias": "none",
         "use_rslora": False,
@@ -143,6 +154,24 @@ def _peft_config(
         "layers_pattern": None,
         "revision": revision,
     }
+    _check_patterns(config, {n: (r, s) for n, (r, s, _) in every.items()})
+    return config
+
+
+def _check_patterns(config: dict[str, Any], settings: dict[str, tuple[int, float]]) -> None:
+    """PEFT looks each module's rank and alpha up in the patterns by suffix, so a pattern
+    for one name can catch another (``down_proj`` catches ``experts.down_proj``): refuse a
+    config that PEFT would read differently from what the adapters are."""
+    wrong = {
+        n: (want, got)
+        for n, want in settings.items()
+        if not math.isclose((got := _rank_and_scaling(config, n))[1], want[1]) or got[0] != want[0]
+    }
+    if wrong:
+        raise ValueError(
+            f"save_adapter: PEFT would read other (rank, scaling) from the config for "
+            f"{wrong} (name: (adapter's, PEFT's)); give these adapters distinct names or settings"
+        )
 
 
 def save_adapter(
@@ -167,11 +196,21 @@ def save_adapter(
     given. ``base_model_name_or_path`` and ``revision`` (a hub commit) say where PEFT and
     transformers find the base model (``AutoModelForCausalLM.from_pretrained(directory)``
     of a directory holding only the adapter loads the base from there)."""
-    layers = lora_layers(model, "save_adapter")
+    params = lora_params(model)  # raises when the model has no adapters
+    layers = find(model, lambda x: isinstance(x, LoraLinear))
     table, task = _table(manifest or describe(model), "save_adapter")
     config = _peft_config(model, layers, table, task, base_model_name_or_path, revision)
-    tensors = export_state_dict(lora_params(model), dtype=dtype, key_table=table)
-    tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
+    tensors = {}
+    if layers:
+        without_experts = jax.tree.map(
+            lambda x: None if isinstance(x, LoraExperts) else x,
+            params,
+            is_leaf=lambda x: isinstance(x, LoraExperts),
+        )
+        tensors = export_state_dict(without_experts, dtype=dtype, key_table=table)
+        tensors = {PEFT_PREFIX + k: t for k, t in tensors.items()}
+    if lora_experts(model):
+        tensors |= expert_tensors(model, table, PEFT_PREFIX, dtype)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / f"{ADAPTER_WEIGHTS}.safetensors")
@@ -187,7 +226,6 @@ _UNSUPPORTED = (
     "modules_to_save",
     "layers_to_transform",
     "layer_replication",
-    "target_parameters",
     "trainable_token_indices",
     "use_qalora",
     "alora_invocation_tokens",
@@ -312,6 +350,9 @@ def _targets(
     ``"all-linear"`` or ``null`` for the model type's default) less ``exclude_modules``;
     PEFT's errors and warnings."""
     spec = config.get("target_modules")
+    parameters = bool(config.get("target_parameters"))
+    if spec is None and parameters:
+        spec = []  # PEFT: target_parameters alone adapts no module
     if spec is None:
         if model_type not in _DEFAULT_TARGETS:
             raise ValueError(
@@ -341,7 +382,7 @@ def _targets(
             f"layers PEFT adapts (it rejects these, but for embeddings, which edl does not "
             f"adapt; MoE routers are no nn.Linear in transformers): {unsupported}"
         )
-    if not targeted:
+    if not targeted and not parameters:
         if excluded and not unmatched:
             why = "every module is excluded by exclude_modules"
         elif not excluded:
@@ -479,14 +520,16 @@ def load_adapter(
     (``model.layers.3.self_attn.q_proj``): a list names modules exactly or by their last
     dotted parts, a string is a regex matching the whole name, ``"all-linear"`` is every
     linear layer but the output head (and MoE routers, not ``nn.Linear`` in transformers),
-    ``null`` the model type's PEFT default (q_proj, v_proj); ``exclude_modules`` (list or
-    regex) removes modules. As in PEFT, the file's tensors for modules not targeted are
-    ignored (with a warning), and a targeted module the file has no tensors for starts from
-    PEFT's initialisation, lora_B = 0, so it adds nothing (a warning; an error where that
-    initialisation is random). Full base weights that PEFT saves along with an adapted LM
-    head (``lm_head.base_layer.weight``) replace the model's, as in PEFT. edl stacks the
-    layers of a model, so a stack where PEFT adapts only some layers gets zero adapters on
-    the others (same outputs, warned).
+    ``null`` the model type's PEFT default (q_proj, v_proj), or none when
+    ``target_parameters`` is set; ``exclude_modules`` (list or regex) removes modules.
+    ``target_parameters`` adapts MoE expert weights (``experts.gate_up_proj``; PEFT's nested
+    keys and shapes, ``edl.io.formats.peft_experts``). As in PEFT, the file's tensors for
+    modules not targeted are ignored (with a warning), and a targeted module the file has no
+    tensors for starts from PEFT's initialisation, lora_B = 0, so it adds nothing (a
+    warning; an error where that initialisation is random). Full base weights that PEFT
+    saves along with an adapted LM head (``lm_head.base_layer.weight``) replace the model's,
+    as in PEFT. edl stacks the layers of a model, so a stack where PEFT adapts only some
+    layers gets zero adapters on the others (same outputs, warned).
 
     Every key is checked against the model before anything is loaded (missing, unexpected
     and mis-shaped keys raise one ``ValueError``). ``dtype`` of A/B: default the base
@@ -506,32 +549,53 @@ def load_adapter(
     targeted = _targets(config, modules, task=task, model_type=model_type, head=head, file=file)
     with CheckpointReader(directory, prefix=ADAPTER_WEIGHTS) as reader:
         shapes = {k: tuple(reader.info(k).shape) for k in reader}
-        layers, keys = _adapted_layers(config, modules, targeted, shapes, reader.path)
-        model = wrap_lora(
-            model,
-            layers,
-            dropout=float(config.get("lora_dropout") or 0.0),
-            dtype=dtype,
-            key=jax.random.key(0),
-            what="load_adapter",
+        experts = plan_experts(
+            config, model, table, shapes, PEFT_PREFIX, reader.path, _rank_and_scaling
         )
-        bases = [table.to_edl(k)[0].path for k in keys if k.endswith(_BASE_SUFFIX)]
-        loaded = "|".join([lora_trainable.pattern, *(f"^{re.escape(p)}$" for p in bases)])
-        like, rest = split(model, loaded)
-        targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flatten(like).items()}
-        own = {}
-        for path, x in flatten(like).items():
-            for index in np.ndindex(*x.shape[: table.stack_depth(path)]):
-                name = table.to_hf(path, tuple(int(i) for i in index) or None)
-                if name not in keys:
-                    own[name] = np.asarray(x[index])
-        # The file's tensors for the targeted layers, and for every adapted slot the file
-        # does not fill the freshly wrapped model's own value (lora_A as drawn, lora_B zero).
-        source = TensorSource.from_reader(reader, keys) | TensorSource.from_mapping(own)
-        try:
-            plan = plan_load(table, targets, source)
-        except ValueError as e:
-            where = f"{reader.path} (keys after {PEFT_PREFIX!r})"
-            raise ValueError(f"load_adapter: {where}: {e}") from None
-        arrays = load_arrays(plan, flatten(like))  # cast to like's dtypes, placed as like
+        shapes = {k: v for k, v in shapes.items() if k not in experts.claimed}
+        if targeted:
+            model = _load_linear(model, config, modules, targeted, shapes, table, reader, dtype)
+        return load_experts(model, experts, reader, dtype)
+
+
+def _load_linear(
+    model: PyTree,
+    config: dict[str, Any],
+    modules: _Modules,
+    targeted: set[str],
+    shapes: dict[str, tuple[int, ...]],
+    table: KeyTable,
+    reader: CheckpointReader,
+    dtype: DTypeLike | None,
+) -> PyTree:
+    """``load_adapter``'s part for linear layers (``target_modules``), the file's expert
+    adapters' keys taken out of ``shapes``."""
+    layers, keys = _adapted_layers(config, modules, targeted, shapes, reader.path)
+    model = wrap_lora(
+        model,
+        layers,
+        dropout=float(config.get("lora_dropout") or 0.0),
+        dtype=dtype,
+        key=jax.random.key(0),
+        what="load_adapter",
+    )
+    bases = [table.to_edl(k)[0].path for k in keys if k.endswith(_BASE_SUFFIX)]
+    loaded = "|".join([lora_trainable.pattern, *(f"^{re.escape(p)}$" for p in bases)])
+    like, rest = split(model, loaded)
+    targets = {p: jax.ShapeDtypeStruct(x.shape, x.dtype) for p, x in flatten(like).items()}
+    own = {}
+    for path, x in flatten(like).items():
+        for index in np.ndindex(*x.shape[: table.stack_depth(path)]):
+            name = table.to_hf(path, tuple(int(i) for i in index) or None)
+            if name not in keys:
+                own[name] = np.asarray(x[index])
+    # The file's tensors for the targeted layers, and for every adapted slot the file
+    # does not fill the freshly wrapped model's own value (lora_A as drawn, lora_B zero).
+    source = TensorSource.from_reader(reader, keys) | TensorSource.from_mapping(own)
+    try:
+        plan = plan_load(table, targets, source)
+    except ValueError as e:
+        where = f"{reader.path} (keys after {PEFT_PREFIX!r})"
+        raise ValueError(f"load_adapter: {where}: {e}") from None
+    arrays = load_arrays(plan, flatten(like))  # cast to like's dtypes, placed as like
     return merge(load_into(like, arrays), rest)
