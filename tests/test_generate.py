@@ -254,14 +254,14 @@ def _tiny_model(vocab=VOCAB, seed=0, **changes):
     return LlamaForCausalLM.init(config, key=jax.random.key(seed))
 
 
-# The default set: scanned with the kernel dispatch, unrolled with the Pallas kernel, the
-# reference unrolled; the other three pairings are in the slow set.
+# The default set: scanned with the kernel dispatch, unrolled with the Pallas kernel; the
+# other four pairings are in the slow set (each compiles a prefill and a decode loop).
 @pytest.mark.parametrize(
     ("impl", "scan"),
     [
         ("auto", True),
         ("pallas", False),
-        ("reference", False),
+        pytest.param("reference", False, marks=pytest.mark.slow),
         pytest.param("auto", False, marks=pytest.mark.slow),
         pytest.param("pallas", True, marks=pytest.mark.slow),
         pytest.param("reference", True, marks=pytest.mark.slow),

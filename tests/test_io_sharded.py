@@ -5,6 +5,7 @@ file and the entry. (Two processes writing one checkpoint:
 tests/test_sharding_multiprocess.py.)"""
 
 import copy
+import functools
 import json
 import re
 
@@ -30,9 +31,13 @@ from edl.models import LlamaForCausalLM
 from edl.sharding import make_mesh, shard_state
 
 
+@functools.cache  # one trained state for the file (immutable arrays; each training compiles)
+def _trained_state():
+    return _trained(LlamaForCausalLM.init(LLAMA, key=jax.random.key(0)), optax.adamw(1e-2))
+
+
 def _state(mesh_dims):
-    tx = optax.adamw(1e-2)
-    state = _trained(LlamaForCausalLM.init(LLAMA, key=jax.random.key(0)), tx)
+    state = _trained_state()
     return state if mesh_dims is None else shard_state(state, None, make_mesh(mesh_dims))
 
 

@@ -153,7 +153,8 @@ def _loss(model, batch):
     return model.compute_loss(batch["input_ids"])
 
 
-@pytest.mark.parametrize("base", ["float32", "nf4"])
+# NF4 (QLoRA) in the slow set: a second whole train step compiled (about 10 s).
+@pytest.mark.parametrize("base", ["float32", pytest.param("nf4", marks=pytest.mark.slow)])
 def test_training_changes_only_the_adapters(tiny_llama, base):
     frozen = tiny_llama if base == "float32" else quantize(tiny_llama, QuantConfig("nf4"))
     lora = apply_lora(frozen, rank=4, alpha=8, key=jax.random.key(3))
@@ -210,7 +211,7 @@ def test_qlora_merge_requantizes_the_merged_weight(tiny_llama):
     assert np.all(np.abs(np.asarray(layer.weight) - want) <= step / 2 * (1 + 1e-5))
 
 
-@pytest.mark.parametrize("kind", ["lora", "nf4"])
+@pytest.mark.parametrize("kind", ["lora", pytest.param("nf4", marks=pytest.mark.slow)])
 def test_generation_equals_that_of_the_equivalent_dense_model(tiny_llama, kind):
     """LoRA'd vs merged, quantized vs dequantized: the same greedy tokens (the dense weights
     differ from the base's, so generation that ignored the adapters would fail)."""

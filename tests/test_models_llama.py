@@ -375,10 +375,7 @@ def test_from_state_dict_takes_a_bf16_torch_state_dict():
     np.testing.assert_array_equal(np.asarray(weight[1], np.float32), expected)
 
 
-def test_default_attention_path_is_the_backends_kernel():
-    """Models use impl="auto": on CPU the native kernel (where it can be built), elsewhere the
-    Pallas kernel, in the forward pass and in the gradient; attention_impl="pallas" and "xla"
-    compute the same loss by their own paths."""
+def _qwen2_loss_and_jaxpr():
     model = hf.from_state_dict(*_state("qwen2"))
     ids, mask = (jnp.asarray(x) for x in padded_batch())
 
@@ -388,14 +385,29 @@ def test_default_attention_path_is_the_backends_kernel():
     def jaxpr(m):
         return str(jax.make_jaxpr(jax.value_and_grad(loss))(m))
 
+    return model, loss, jaxpr
+
+
+def test_default_attention_path_is_the_backends_kernel():
+    """Models use impl="auto": on CPU the native kernel (where it can be built), elsewhere the
+    Pallas kernel, in the forward pass and in the gradient; attention_impl="pallas" and "xla"
+    trace their own paths."""
+    model, _, jaxpr = _qwen2_loss_and_jaxpr()
     pallas_names = {"edl_flash_attention_fwd", "edl_flash_attention_dq", "edl_flash_attention_dkdv"}
     native_names = {"edl_flash_attention_forward", "edl_flash_attention_backward"}
     on_native = jax.default_backend() == "cpu" and native.unavailable() is None
     auto = jaxpr(model)
     assert all(name in auto for name in (native_names if on_native else pallas_names))
-    pallas = configure(model, attention_impl="pallas")
-    assert "pallas_call" in jaxpr(pallas) and all(name in jaxpr(pallas) for name in pallas_names)
-    np.testing.assert_allclose(loss(pallas), loss(model), rtol=1e-6)
-    xla = configure(model, attention_impl="xla")
-    assert "pallas_call" not in jaxpr(xla) and "edl_flash_attention_forward" not in jaxpr(xla)
-    np.testing.assert_allclose(loss(xla), loss(model), rtol=1e-6)
+    pallas = jaxpr(configure(model, attention_impl="pallas"))
+    assert "pallas_call" in pallas and all(name in pallas for name in pallas_names)
+    xla = jaxpr(configure(model, attention_impl="xla"))
+    assert "pallas_call" not in xla and "edl_flash_attention_forward" not in xla
+
+
+@pytest.mark.slow  # the Pallas kernels interpreted through a whole loss and gradient (~12 s)
+def test_every_attention_path_computes_the_defaults_loss():
+    model, loss, _ = _qwen2_loss_and_jaxpr()
+    np.testing.assert_allclose(
+        loss(configure(model, attention_impl="pallas")), loss(model), rtol=1e-6
+    )
+    np.testing.assert_allclose(loss(configure(model, attention_impl="xla")), loss(model), rtol=1e-6)

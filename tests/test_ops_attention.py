@@ -103,9 +103,21 @@ def cases(draw):
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
-@settings(max_examples=12)  # each example compiles new shapes
+@settings(max_examples=5)  # each example compiles new shapes; broadly: the slow twin below
 @given(cases())
 def test_attention_matches_float64_reference(impl, c):
+    _check_against_float64_reference(impl, c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["reference", "xla", "pallas"])
+@settings(max_examples=30)
+@given(cases())
+def test_attention_matches_float64_reference_broadly(impl, c):
+    _check_against_float64_reference(impl, c)
+
+
+def _check_against_float64_reference(impl, c):
     rng = np.random.default_rng(c["seed"])
     b, sq, skv = c["batch"], c["q_len"], c["kv_len"]
     q = rng.normal(size=(b, sq, c["heads"], c["head_dim"])).astype(np.float32)
@@ -126,11 +138,22 @@ def test_attention_matches_float64_reference(impl, c):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=6)  # each example compiles a forward and two backward passes
+@settings(max_examples=3)  # each example compiles a forward and two backward passes
 @given(cases())
 def test_xla_backward_matches_autodiff_of_the_reference(c):
     """The hand-written backward pass of impl="xla" against jax.grad of the plain reference
     (independent derivations), for a random cotangent."""
+    _check_xla_backward(c)
+
+
+@pytest.mark.slow
+@settings(max_examples=20)
+@given(cases())
+def test_xla_backward_matches_autodiff_of_the_reference_broadly(c):
+    _check_xla_backward(c)
+
+
+def _check_xla_backward(c):
     rng = np.random.default_rng(c["seed"])
     b, sq, skv = c["batch"], c["q_len"], c["kv_len"]
     q = jnp.asarray(rng.normal(size=(b, sq, c["heads"], c["head_dim"])), jnp.float32)

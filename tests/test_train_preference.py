@@ -602,7 +602,8 @@ def test_token_logps_gradients_match_full_logits():
         np.testing.assert_allclose(np.asarray(g), w, rtol=1e-4, atol=1e-5)  # float32 sums
 
 
-@pytest.mark.parametrize("accum", [1, 2])
+# Two micro-batches in the slow set: a second DPO step compiled (about 10 s).
+@pytest.mark.parametrize("accum", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_preference_steps_count_the_tokens_of_both_sequences(tiny_llama, accum):
     """tokens/s counts every token the model runs over (both sequences of each pair), not the
     pairs (issue 46: a DPO run showed 0.49 tokens/s); micro-batches sum."""
