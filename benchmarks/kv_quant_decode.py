@@ -35,15 +35,20 @@ VARIANTS = {  # name: (kv_cache_dtype, attention_impl)
 }
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--hidden", type=int, default=256, help="the model's width (64-wide heads)")
+    add("--layers", type=int, default=4, help="decoder layers")
+    add("--batch", type=int, default=8, help="prompts decoded at once")
+    add("--prompt", type=int, default=240, help="tokens per prompt")
+    add("--new", type=int, default=64, help="tokens generated per prompt")
+    add("--rounds", type=int, default=5, help="interleaved timed rounds (medians over them)")
+    return parser
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=240)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    args = build_parser().parse_args()
 
     config = byte_llama_config(args.hidden, args.layers, args.prompt + args.new + 16)
     ids = np.random.default_rng(0).integers(0, config.vocab_size, (args.batch, args.prompt))
