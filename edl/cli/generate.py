@@ -48,7 +48,8 @@ def _tokenizer(where: str, has_files: bool, model: eqx.Module) -> HFTokenizer | 
             return load_tokenizer(where)
         except ImportError as e:
             raise CommandError(f"{where} has tokenizer files, but {e}") from None
-    vocab = model.config.vocab_size
+    # a vision-language model's (LLaVA, Gemma 3's gemma3): its language model's
+    vocab = getattr(model.config, "text_config", model.config).vocab_size
     if vocab != ByteTokenizer.vocab_size:
         raise CommandError(
             f"{where} has no tokenizer files (tokenizer.json, ...), and its vocab_size {vocab} "

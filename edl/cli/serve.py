@@ -86,8 +86,13 @@ def run_serve(args: argparse.Namespace) -> None:
     from edl.cli.generate import load_model_and_tokenizer
     from edl.generate import GenerationConfig
     from edl.module import count_params
+    from edl.serve.multimodal import text_model
 
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype)
+    params = count_params(model)
+    if (lm := text_model(model)) is not model:
+        say("a vision-language model: serving its language model, text only (no image parts)")
+        model = lm
     max_model_len = args.max_model_len or model.config.max_position_embeddings
     eos = GenerationConfig.of_model(model).eos_ids
     if not eos and getattr(tokenizer, "eos_id", None) is not None:
@@ -96,7 +101,7 @@ def run_serve(args: argparse.Namespace) -> None:
     if args.draft_model is not None:
         say(f"loading the draft model {args.draft_model} ...")
         draft_model, _ = load_model_and_tokenizer(args.draft_model, dtype=args.dtype)
-    say(f"loaded {count_params(model):,} parameters; building the engine ...")
+    say(f"loaded {params:,} parameters; building the engine ...")
     from edl.text import HFTokenizer
 
     engine = _engine(args, model, tokenizer, eos, max_model_len, draft_model, say)

@@ -117,10 +117,11 @@ import numpy as np
 from edl.compile_cache import cache_hits
 from edl.generate.decode import _without_id_checks
 from edl.generate.speculative import SpeculativeConfig
-from edl.generate.steps import CausalLM, refill_length, with_row_rope_lengths
+from edl.generate.steps import CausalLM, ImageTextLM, refill_length, with_row_rope_lengths
 from edl.serve import logprobs as lp
 from edl.serve import refill
 from edl.serve.grammar import Grammars
+from edl.serve.multimodal import text_model
 from edl.serve.pages import PagePool, block_hashes
 from edl.serve.requests import Request, call_inputs, check_request, page_pools
 from edl.serve.sampler import Sampler
@@ -164,7 +165,7 @@ class Engine:
 
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalLM | ImageTextLM,
         *,
         max_batch: int = 8,
         max_model_len: int = 2048,
@@ -183,7 +184,9 @@ class Engine:
         unstack_layers: bool = True,
     ):
         """Args:
-        model: a causal LM (``edl.generate.CausalLM``).
+        model: a causal LM (``edl.generate.CausalLM``), or a vision-language model
+            (LLaVA, Gemma 3's ``gemma3``) whose language model then serves text
+            (``edl.serve.multimodal``).
         max_batch: requests running at once (decoding or prefilling).
         max_model_len: prompt + generated tokens of one request, at most.
         page_size: tokens per KV-cache page.
@@ -212,6 +215,7 @@ class Engine:
             then slices the layers inside the program), as GRPO's rollouts do
             (``edl.train.rollout_engine``).
         """
+        model = text_model(model)  # a vision-language model: its language model, no copy
         prefill_tokens = prefill_chunk if prefill_tokens is None else prefill_tokens
         check_sizes(
             max_batch=max_batch,

@@ -6,7 +6,8 @@ templates take it: an assistant message's ``tool_calls`` with each call's ``argu
 dict (content may then be null), and a ``tool`` message's ``tool_call_id``. Every bad
 value is a :class:`~edl.serve.structured.FieldError` naming its place
 (``messages[2].tool_calls[0].function.arguments``); text with a lone surrogate, which no
-tokenizer encodes, included.
+tokenizer encodes, included. Image parts are refused by name: not served yet
+(``edl.serve.multimodal``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ _FIELDS = {
     "tool": frozenset({"role", "content", "tool_call_id", "name"}),
 }
 _PLAIN = frozenset({"role", "content", "name"})
+# Image content parts (OpenAI chat's, its Responses API's, Anthropic's): refused by name.
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "image"})
 
 
 def _text(text: str, where: str) -> str:
@@ -44,6 +47,12 @@ def _content(message: Mapping[str, Any], where: str) -> str:
     if isinstance(content, list):  # content parts: text only
         texts = []
         for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS:
+                raise FieldError(
+                    f"{where}.content[{j}]: image parts ({part['type']!r}) are not served yet: "
+                    "edl serve answers text only (edl.serve.multimodal)",
+                    f"{where}.content",
+                )
             if not (
                 isinstance(part, dict)
                 and part.get("type") == "text"
