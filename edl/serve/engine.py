@@ -439,16 +439,9 @@ class Engine:
         if first:  # a request waits on this compile: say so (warmup reports its own)
             self._echo(f"compiling {shape_name(key)} (first use) ...")
         t0, hits = time.perf_counter(), cache_hits()
-        self._k_pages, self._v_pages, logits, prompt = self._states.run(
-            model_step,
+        logits, prompt = self._run(
             [r.id for r in requests],
-            self._model,
-            self._k_pages,
-            self._v_pages,
-            jnp.asarray(table),
-            jnp.asarray(lengths),
-            jnp.asarray(tokens),
-            jnp.asarray(num_new),
+            (table, lengths, tokens, num_new),
             jnp.asarray(lp.prompt_targets(requests, rows, width)) if key[3] else None,
             logprobs=key[3],
             **({"every": True} if verify else {}),
@@ -537,21 +530,36 @@ class Engine:
                 self.width_buckets,
                 self.page_buckets,
             )
+            long_factors = jnp.asarray([r.computed + 1], jnp.int32)
             for tokens, num_new, lengths, table in chunks:
-                self._k_pages, self._v_pages, _, _ = self._states.run(
-                    model_step,
-                    [r.id],
-                    self._model,
-                    self._k_pages,
-                    self._v_pages,
-                    jnp.asarray(table),
-                    jnp.asarray(lengths),
-                    jnp.asarray(tokens),
-                    jnp.asarray(num_new),
-                    None,
-                    logprobs=False,
-                    rope_min_length=jnp.asarray([r.computed + 1], jnp.int32),  # the long factors
-                )
+                inputs = (table, lengths, tokens, num_new)
+                self._run([r.id], inputs, None, logprobs=False, rope_min_length=long_factors)
+
+    def _run(
+        self,
+        request_ids: list[int],
+        inputs: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+        prompt_targets: Any,
+        **options: Any,
+    ) -> tuple[Any, Any]:
+        """``model_step`` on the engine's pools (kept, as the call donates them) for the
+        host arrays ``(table, lengths, tokens, num_new)`` (``requests.call_inputs``), through
+        the state slots of ``request_ids``; returns its logits and prompt log-prob arrays."""
+        table, lengths, tokens, num_new = (jnp.asarray(x) for x in inputs)
+        self._k_pages, self._v_pages, logits, prompt = self._states.run(
+            model_step,
+            request_ids,
+            self._model,
+            self._k_pages,
+            self._v_pages,
+            table,
+            lengths,
+            tokens,
+            num_new,
+            prompt_targets,
+            **options,
+        )
+        return logits, prompt
 
     def _publish(self, request: Request) -> None:
         """Offer the request's computed whole prompt blocks to the prefix cache."""
