@@ -504,7 +504,10 @@ class DecoderModel(eqx.Module):
         hidden_states = None
         if per_layer is not None:
             hidden_states = jnp.concatenate([h[None], per_layer[0]], axis=0)
-        return ModelOutput(self.norm(h_out), hidden_states, router_stats=stats)
+        # The trunk's output carries the activation sharding like every layer's: left to
+        # propagation, a tied head's embedding sharding (dim over tp x fsdp) reached it and
+        # XLA's partitioner computed wrong logits on a (2, 2, 2, 1) mesh (SmolLM3, Gemma 3).
+        return ModelOutput(constrain(self.norm(h_out), HIDDEN), hidden_states, router_stats=stats)
 
     def _decode(
         self,
@@ -545,4 +548,4 @@ class DecoderModel(eqx.Module):
             groups=groups,
             scan=c.run.scan_layers,
         )
-        return ModelOutput(self.norm(h), cache=cache.advance(num_new))
+        return ModelOutput(constrain(self.norm(h), HIDDEN), cache=cache.advance(num_new))
