@@ -52,7 +52,8 @@ class ChatBytes(ByteTokenizer):
 
 class FakeEngine:
     """``edl.serve.types.Engine`` over ``reply_of``: one token per running request per step
-    (then EOS), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
+    (then EOS; ``tokens_per_step`` > 1: that many in one output, as a speculative engine's
+    verified runs), ``max_running`` requests at most (``QueueFull`` beyond), ``step_delay``
     seconds per step. Records aborts, the largest batch, every calling thread and the
     params of every request added; ``reply`` replaces ``reply_of``."""
 
@@ -63,8 +64,10 @@ class FakeEngine:
         step_delay: float = 0.0,
         fail_at_step: int | None = None,
         reply: Callable[..., str] = reply_of,
+        tokens_per_step: int = 1,
     ) -> None:
         self.max_running, self.step_delay = max_running, step_delay
+        self.tokens_per_step = tokens_per_step
         self.fail_at_step, self.steps = fail_at_step, 0
         self.running: dict[int, tuple[list[int], SamplingParams, list[int]]] = {}
         self.ids = itertools.count()
@@ -113,15 +116,19 @@ class FakeEngine:
                 prompt = (None, *(fake_logprob(t, params.prompt_logprobs) for t in tokens[1:]))
                 outputs.append(RequestOutput(request_id, (), True, "length", None, prompt))
                 continue
-            token = tokens[len(done)]
-            done.append(token)
-            reason = (
-                "stop"
-                if token in params.stop_token_ids
-                else "length"
-                if len(done) == params.max_tokens
-                else None
-            )
+            new: list[int] = []
+            reason = None
+            while reason is None and len(new) < self.tokens_per_step:
+                token = tokens[len(done)]
+                done.append(token)
+                new.append(token)
+                reason = (
+                    "stop"
+                    if token in params.stop_token_ids
+                    else "length"
+                    if len(done) == params.max_tokens
+                    else None
+                )
             if reason is not None:
                 del self.running[request_id]
                 self.finished.append(request_id)
@@ -133,7 +140,7 @@ class FakeEngine:
             cumulative = len(done) * seed_logprob(params.seed)
             outputs.append(
                 RequestOutput(
-                    request_id, (token,), reason is not None, reason, logprobs, prompt, cumulative
+                    request_id, tuple(new), reason is not None, reason, logprobs, prompt, cumulative
                 )
             )
         return outputs

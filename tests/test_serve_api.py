@@ -235,6 +235,23 @@ def test_stop_strings_trim_and_abort():
         _check_stop_strings(engine, url)
 
 
+def test_usage_counts_tokens_up_to_a_stop_string_inside_a_run_of_tokens():
+    """A speculative engine emits several tokens at once; a stop string completed by the
+    third of four counts the tokens up to it, not the run's last one."""
+    engine = FakeEngine(tokens_per_step=4)
+    with serving(engine) as (url, _):
+        want = reply_of(ByteTokenizer().encode("Hello"))
+        cut = want.index(" très")
+        out = client(url).completions.create(
+            model=MODEL, prompt="Hello", max_tokens=100, stop=[" très"]
+        )
+        assert out.choices[0].text == want[:cut]
+        # bytes up to the stop string's end; the run holding it carried more
+        used = len((want[:cut] + " très").encode())
+        assert used % 4 != 0  # the stop string ends inside a run of 4
+        assert out.usage.completion_tokens == used
+
+
 def _check_stop_strings(engine, url):
     api = client(url)
     expected = reply_of(ByteTokenizer().encode("Hello"))

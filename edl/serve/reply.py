@@ -138,12 +138,18 @@ class Reply:
         """``(text, finish_reason)``; the last has a finish reason (``tool_calls`` are
         then in ``self.tool_calls``)."""
         async for out in self.stream:
-            self.completion_tokens += len(out.new_token_ids)
             self.cumulative_logprob = out.cumulative_logprob
             self.timer.tokens(len(out.new_token_ids))
             if self.logprobs is not None:
                 self.logprobs.take(out)
-            piece = self._echo() + self.text.push(out.new_token_ids)
+            piece = self._echo()
+            # Token by token: a stop string may end inside a speculative run of several
+            # tokens, and the reply counts only the tokens up to the one that completes it.
+            for token in out.new_token_ids:
+                self.completion_tokens += 1
+                piece += self.text.push([token])
+                if self.text.stopped:
+                    break
             if self.text.stopped:  # a stop string: the reply ends here
                 self.context.driver.abort(self.stream.request_id)
                 self.done = True
