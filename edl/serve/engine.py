@@ -160,6 +160,25 @@ def _checked(
     return eos, num_pages
 
 
+def _buckets(
+    max_batch: int, prefill_chunk: int, pages_per_seq: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The engine's row, prefill-width and page buckets (module docstring, "Compiled
+    shapes")."""
+    rows = buckets(max_batch, 1, 2)
+    widths = buckets(prefill_chunk, min(16, prefill_chunk), 4)
+    # From 4 pages: reading a few unused pages costs less than compiling more shapes.
+    return rows, widths, buckets(pages_per_seq, min(4, pages_per_seq), 4)
+
+
+def _step_model(model: CausalLM, unstack_layers: bool) -> CausalLM:
+    """The model ``model_step`` runs: prompts are checked in ``add_request``, each request's
+    RoPE length is its own (``RunOptions.rope_length``), the layers cut apart once with
+    ``unstack_layers`` (module docstring)."""
+    model = with_row_rope_lengths(_without_id_checks(model))
+    return model.unstacked() if unstack_layers else model
+
+
 class Engine:
     """Continuous batching over a paged KV cache (module docstring)."""
 
@@ -236,15 +255,10 @@ class Engine:
         self._states = StateSlots(model, max_batch)
         prefix_caching = prefix_caching and not self._states.recurrent
         self.eos_token_ids, self.prefix_caching = frozenset(eos), prefix_caching
-        self.row_buckets = buckets(max_batch, 1, 2)
-        self.width_buckets = buckets(prefill_chunk, min(16, prefill_chunk), 4)
-        # From 4 pages: reading a few unused pages costs less than compiling more shapes.
-        self.page_buckets = buckets(self.pages_per_seq, min(4, self.pages_per_seq), 4)
-        # Prompts are checked in add_request; the layers are cut apart once (module docstring).
-        # Each request's RoPE length its own (edl.models.config.RunOptions.rope_length).
-        self._model = with_row_rope_lengths(_without_id_checks(model))
-        if unstack_layers:
-            self._model = self._model.unstacked()
+        self.row_buckets, self.width_buckets, self.page_buckets = _buckets(
+            max_batch, prefill_chunk, self.pages_per_seq
+        )
+        self._model = _step_model(model, unstack_layers)
         self._refill_limit = refill_length(model)  # LongRoPE's original context (refill)
         self._k_pages, self._v_pages = page_pools(
             model, num_pages, page_size, max_model_len, kv_cache_dtype
